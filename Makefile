@@ -1,0 +1,35 @@
+# The README's two commands: `make demo` and `make test`. Both create .venv when it is missing.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.stager-installed
+
+.PHONY: demo test lint bench bench-setup faults clean-venv
+
+$(STAMP): pyproject.toml tools/setup_venv.sh
+	bash tools/setup_venv.sh $(PY) $(VENV)
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python tools/demo.py
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow and not gpu and not faults" tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check stager tools tests
+	$(BIN)/mypy
+
+bench-setup: $(STAMP)
+	bash tools/bench/setup_peers.sh $(BIN)
+
+bench: bench-setup
+	$(BIN)/python tools/bench/run_all.py
+
+faults: $(STAMP)
+	$(BIN)/python -m pytest -q -m faults tests
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,87 @@
+"""One exception family for everything stager reports to users.
+
+Every error inherits both :class:`StagerError` and the builtin it behaves like, so callers can catch
+either (``except FileNotFoundError`` still works). Messages are one line that names the file and
+says what to do. ``exit_code`` is what the CLI returns for it; job scripts test these codes:
+
+====  =====================================================================
+code  meaning
+====  =====================================================================
+0     success
+1     generic failure (bad input, I/O error)
+2     usage error (bad flags, missing path, unknown format)
+3     verification failed (checksum or size mismatch, damaged manifest)
+4     out of space (disk full, quota, file size limit)
+5     timeout or peer failure (lock wait, collective staging)
+====  =====================================================================
+"""
+
+from __future__ import annotations
+
+
+class StagerError(Exception):
+    """Base of all stager errors."""
+
+    exit_code = 1
+
+
+class UsageError(StagerError, ValueError):
+    """Bad command-line arguments or API parameters."""
+
+    exit_code = 2
+
+
+class SourceError(StagerError, ValueError):
+    """Unreadable or invalid source data (a truncated image, an empty folder)."""
+
+
+class SourceNotFoundError(StagerError, FileNotFoundError):
+    """A source path does not exist."""
+
+    exit_code = 2
+
+
+class ManifestError(StagerError, ValueError):
+    """A manifest is missing, malformed, of an unknown schema, or fails its own digest."""
+
+    exit_code = 3
+
+
+class VerificationError(StagerError, OSError):
+    """A shard's size or checksum does not match the manifest."""
+
+    exit_code = 3
+
+
+class ShardMissingError(StagerError, FileNotFoundError):
+    """A shard listed in the manifest is absent."""
+
+    exit_code = 3
+
+
+class CorruptSampleError(StagerError, ValueError):
+    """A sample inside a shard cannot be parsed or decoded."""
+
+
+class OutOfSpaceError(StagerError, OSError):
+    """A write failed for lack of space, quota, or a file-size limit."""
+
+    exit_code = 4
+
+
+class UnsafeArchiveError(StagerError, ValueError):
+    """An archive member or manifest entry would escape the destination or is not a regular file."""
+
+    exit_code = 3
+
+
+class StagerTimeoutError(StagerError, TimeoutError):
+    """A lock wait or a collective peer timed out."""
+
+    exit_code = 5
+
+
+class DestinationError(StagerError, OSError):
+    """An output or staging destination holds something we must not overwrite."""
+
+    exit_code = 2

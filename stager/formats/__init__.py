@@ -1,0 +1,27 @@
+"""Shard formats behind one protocol (see :mod:`stager.formats.base`).
+
+``get_format(name)`` returns the format object; modules are imported lazily so that, e.g., reading
+tar shards never imports h5py or zarr.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from ..errors import UsageError
+from .base import Extent, Format, Sample, ShardReader, ShardWriter
+
+_MODULES = {"tar": "tar", "hdf5": "hdf5", "record": "record", "zarr": "zarr_format"}
+FORMAT_NAMES = tuple(_MODULES)
+
+__all__ = ["FORMAT_NAMES", "Extent", "Format", "Sample", "ShardReader", "ShardWriter", "get_format"]
+
+
+def get_format(name: str) -> Format:
+    """Return the format registered as ``name`` (one of :data:`FORMAT_NAMES`)."""
+    mod = _MODULES.get(name)
+    if mod is None:
+        raise UsageError(f"unknown format {name!r}; expected one of {', '.join(FORMAT_NAMES)}")
+    module = importlib.import_module(f"{__name__}.{mod}")
+    fmt: Format = module.FORMAT
+    return fmt

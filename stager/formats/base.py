@@ -1,0 +1,119 @@
+"""The writer/reader protocol every shard format implements.
+
+A *format* turns a stream of :class:`Sample` objects into one shard file (plus optional companion
+files such as a record shard's index) and reads them back. Formats know nothing about sharding
+plans, checksums or atomic renames: ``stager.pack`` owns those, so every format gets them right
+the same way.
+
+Contract (tested for every format by tests/test_formats.py):
+
+* ``Format.open_writer(path, ...)`` writes exactly one shard at ``path`` (a ``.partial`` name chosen
+  by the caller); ``ShardWriter.write(sample)`` returns the :class:`Extent` of the sample's payload
+  inside the final file (see stager/manifest.py for what offsets mean per format);
+  ``ShardWriter.close()`` flushes and returns the companion files it wrote as ``(final_name,
+  temp_path)`` pairs, which the caller hashes and renames together with the shard.
+* Output is a pure function of the samples written and the writer options: identical input gives
+  identical bytes (fixed tar mtimes, no timestamps in HDF5/zarr metadata).
+* ``Format.open_reader(path, info, manifest)`` gives ``iter_samples()`` (parse the container itself,
+  independent of the manifest index: used by convert and deep verify) and ``read(positions)``
+  (payloads of the given in-shard positions using the manifest index: used by the loader).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..manifest import Manifest, ShardInfo
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One training example.
+
+    ``data`` is the encoded image file's bytes (``ext`` names its type: ``jpg``, ``png``, ...) for
+    encoded formats, or an ``(H, W, C)`` uint8 array for decoded ones. ``meta`` is small
+    JSON-serialisable metadata (source path, original size).
+    """
+
+    key: str
+    label: int
+    data: bytes | np.ndarray
+    ext: str = "jpg"
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Extent:
+    """Where a sample's payload lives inside its shard file: ``size`` bytes at ``offset``."""
+
+    offset: int
+    size: int
+
+
+class ShardWriter(Protocol):
+    def write(self, sample: Sample) -> Extent: ...
+
+    def close(self) -> list[tuple[str, str]]:
+        """Finish the shard; return ``[(companion final name, companion temp path), ...]``."""
+        ...
+
+    def abort(self) -> None:
+        """Close without finishing after an error (the caller removes the files)."""
+        ...
+
+
+class ShardReader(Protocol):
+    def iter_samples(self) -> Iterator[Sample]: ...
+
+    def read(self, positions: Sequence[int] | np.ndarray) -> list[Any]:
+        """Payloads (bytes, or arrays for decoded formats) of in-shard ``positions``, in that order."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class Format(Protocol):
+    name: str
+    suffix: str
+    sample_kind: str  # "encoded" | "decoded"
+
+    def shard_name(self, index: int) -> str: ...
+
+    def open_writer(self, path: str, *, shard_name: str, classes: Sequence[str], **options: Any) -> ShardWriter: ...
+
+    def open_reader(self, path: str, info: ShardInfo, manifest: Manifest) -> ShardReader: ...
+
+
+def pread_runs(fd: int, offsets: np.ndarray, sizes: np.ndarray, max_gap: int = 1 << 20) -> list[bytes]:
+    """Read payloads at ``offsets``/``sizes`` from ``fd``, coalescing nearby ones into single reads.
+
+    Payloads whose gap to the previous one is below ``max_gap`` bytes are fetched in one ``pread``
+    and sliced (zero-copy ``memoryview`` slices turned into ``bytes`` once). Order is preserved.
+    """
+    out: list[bytes] = [b""] * len(offsets)
+    if len(offsets) == 0:
+        return out
+    order = np.argsort(offsets, kind="stable")
+    i = 0
+    n = len(order)
+    while i < n:
+        j = i
+        start = int(offsets[order[i]])
+        end = start + int(sizes[order[i]])
+        while j + 1 < n and int(offsets[order[j + 1]]) - end <= max_gap:
+            j += 1
+            end = max(end, int(offsets[order[j]]) + int(sizes[order[j]]))
+        buf = os.pread(fd, end - start, start)
+        if len(buf) < end - start:
+            raise EOFError(f"short read: wanted {end - start} bytes at {start}, got {len(buf)}")
+        view = memoryview(buf)
+        for k in range(i, j + 1):
+            o = int(offsets[order[k]]) - start
+            out[order[k]] = bytes(view[o : o + int(sizes[order[k]])])
+        i = j + 1
+    return out

@@ -1,0 +1,47 @@
+"""Static assignment of shards to nodes, shared by ``stage --partition``/``--shared`` and the loader.
+
+When a node stages only part of a dataset, the loader on that node must read exactly those shards.
+Both sides call :func:`assign_shards_to_nodes` with the same (manifest, nodes, seed) so they agree
+by construction. The assignment is byte-balanced (longest-processing-time greedy over a seeded
+permutation, so equal-size shards are spread differently for different seeds) and does not depend
+on the epoch: data staged once serves every epoch.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+from .errors import UsageError
+from .manifest import Manifest
+
+
+def assign_shards_to_nodes(manifest: Manifest, num_nodes: int, seed: int = 0) -> list[list[int]]:
+    """Return ``num_nodes`` sorted lists of shard indices; every shard appears in exactly one.
+
+    Bytes are balanced greedily (largest shard first onto the least-loaded node; ties broken by a
+    permutation drawn from ``numpy.random.default_rng((seed, num_nodes))``). With fewer shards than
+    nodes some nodes get none; callers that need every node to have data must check that.
+    """
+    if num_nodes < 1:
+        raise UsageError(f"num_nodes must be >= 1, got {num_nodes}")
+    n = len(manifest.shards)
+    sizes = np.array([s.bytes + sum(a.bytes for a in s.aux) for s in manifest.shards], dtype=np.int64)
+    perm = np.random.default_rng((seed, num_nodes)).permutation(n)
+    # Stable sort of the permuted order by descending size: equal sizes keep the seeded order.
+    order = perm[np.argsort(-sizes[perm], kind="stable")]
+    heap = [(0, node) for node in range(num_nodes)]
+    out: list[list[int]] = [[] for _ in range(num_nodes)]
+    for shard in order:
+        load, node = heapq.heappop(heap)
+        out[node].append(int(shard))
+        heapq.heappush(heap, (load + int(sizes[shard]), node))
+    return [sorted(x) for x in out]
+
+
+def shards_of_node(manifest: Manifest, node: int, num_nodes: int, seed: int = 0) -> list[int]:
+    """The shard indices node ``node`` of ``num_nodes`` holds (see :func:`assign_shards_to_nodes`)."""
+    if not 0 <= node < num_nodes:
+        raise UsageError(f"node {node} out of range for {num_nodes} nodes")
+    return assign_shards_to_nodes(manifest, num_nodes, seed)[node]

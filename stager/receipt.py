@@ -1,0 +1,119 @@
+"""The staging receipt: how the loader learns that a node-local copy exists.
+
+``stager stage SRC DEST`` copies the shards and ``manifest.json`` into DEST (so DEST is itself a
+valid packed directory) and writes ``DEST/stager-receipt.json`` last, atomically. The loader, given
+SRC, looks for a receipt whose ``manifest_digest`` equals SRC's manifest digest under the staging
+roots ($STAGER_DEST, $SLURM_TMPDIR, $TMPDIR, and their direct subdirectories) and reads from there.
+
+Receipt fields (schema ``stager.receipt/1``): ``dataset_id``, ``manifest_digest``, ``source``,
+``dest``, ``created``, ``host``, ``verified`` (how: e.g. ``"xxh3_128 while copying"``), ``mode``
+(``"full"``, ``"partition"`` or ``"shared"``), ``partition`` (``{"num_nodes", "node", "seed",
+"ranks_per_node"}`` or null), ``shards`` (names of the shards present), ``unpacked`` (path of an
+ImageFolder tree written by ``--unpack`` or null), ``files`` (every path stager created, relative
+to DEST: what ``stager clean`` may remove), ``stats``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .atomicio import atomic_write_bytes
+from .errors import ManifestError
+from .manifest import Manifest
+
+RECEIPT_NAME = "stager-receipt.json"
+RECEIPT_SCHEMA = "stager.receipt/1"
+STAGING_ROOT_VARS = ("STAGER_DEST", "SLURM_TMPDIR", "TMPDIR")
+
+
+@dataclass
+class Receipt:
+    dataset_id: str
+    manifest_digest: str
+    source: str
+    dest: str
+    created: str
+    host: str
+    verified: str
+    mode: str = "full"
+    partition: dict[str, int] | None = None
+    shards: list[str] = field(default_factory=list)
+    unpacked: str | None = None
+    files: list[str] = field(default_factory=list)
+    stats: dict[str, Any] = field(default_factory=dict)
+    schema: str = RECEIPT_SCHEMA
+
+    def write(self, dest: str | os.PathLike[str], mode: int | None = None) -> Path:
+        path = Path(dest) / RECEIPT_NAME
+        atomic_write_bytes(path, (json.dumps(asdict(self), indent=1) + "\n").encode(), mode=mode)
+        return path
+
+
+def load_receipt(dest: str | os.PathLike[str]) -> Receipt | None:
+    """Read ``DEST/stager-receipt.json``; None if absent. A damaged receipt raises ManifestError."""
+    path = Path(dest) / RECEIPT_NAME
+    try:
+        data = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise ManifestError(f"{path}: unreadable receipt ({exc}); run `stager clean` and stage again") from exc
+    if not isinstance(data, dict) or data.get("schema") != RECEIPT_SCHEMA:
+        raise ManifestError(f"{path}: unknown receipt schema; run `stager clean` and stage again")
+    try:
+        return Receipt(**data)
+    except TypeError as exc:
+        raise ManifestError(f"{path}: malformed receipt ({exc})") from exc
+
+
+def staging_roots(extra: Iterable[str | os.PathLike[str]] = ()) -> list[Path]:
+    """Directories searched for staged copies: ``extra`` first, then $STAGER_DEST, $SLURM_TMPDIR, $TMPDIR."""
+    roots = [Path(p) for p in extra]
+    roots += [Path(os.environ[v]) for v in STAGING_ROOT_VARS if os.environ.get(v)]
+    seen: set[Path] = set()
+    out = []
+    for r in roots:
+        if r not in seen:
+            seen.add(r)
+            out.append(r)
+    return out
+
+
+def find_staged_copy(
+    manifest: Manifest, extra_roots: Iterable[str | os.PathLike[str]] = ()
+) -> tuple[Path, Receipt] | None:
+    """Find a complete node-local copy of ``manifest``'s dataset; return ``(dest dir, receipt)``.
+
+    A candidate counts only if its receipt names the same manifest digest and every shard it lists
+    exists with the manifest's size (a cheap stat, no hashing: stage verified them while copying).
+    """
+    digest = manifest.digest or manifest.compute_digest()
+    sizes = {s.name: s.bytes for s in manifest.shards}
+    for root in staging_roots(extra_roots):
+        candidates = [root]
+        try:
+            candidates += sorted(p for p in root.iterdir() if p.is_dir())
+        except OSError:
+            continue
+        for d in candidates:
+            try:
+                rec = load_receipt(d)
+            except ManifestError:
+                continue
+            if rec is None or rec.manifest_digest != digest:
+                continue
+            if all(_size(d / name) == sizes.get(name, -2) for name in rec.shards):
+                return d, rec
+    return None
+
+
+def _size(p: Path) -> int:
+    try:
+        return p.stat().st_size
+    except OSError:
+        return -1

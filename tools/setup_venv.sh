@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Create the project's virtual environment. torch is installed as the pinned 2.13.0 CPU wheel only
+# when the interpreter has none: a bare `torch` requirement would pull the newest release plus
+# gigabytes of CUDA wheels, and on clusters users bring their own build.
+set -euo pipefail
+PY=${1:-python3}
+VENV=${2:-.venv}
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
+fi
+"$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
+if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
+  echo "setup: installing torch==2.13.0 (CPU wheel)"
+  "$VENV/bin/python" -m pip install -q "torch==2.13.0"
+fi
+"$VENV/bin/python" -m pip install -q -e ".[test,lint]"
+echo "setup: $("$VENV/bin/python" -c 'import torch, stager; print("torch", torch.__version__, "stager", stager.__version__)')"
