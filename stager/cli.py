@@ -1,0 +1,76 @@
+"""The ``stager`` command line: one sub-command per module in :mod:`stager.commands`.
+
+Every command accepts ``--json`` (one JSON object on stdout, human text on stderr) and returns the
+exit codes documented in :mod:`stager.errors`, so job prologues can test them. Errors are printed
+as one line ``stager <cmd>: error: <message>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from . import __version__
+from .errors import StagerError
+
+# Each module defines ``register(subparsers)`` which adds its parser and sets ``func=run``, where
+# ``run(args) -> dict`` returns the JSON-able result (printed with --json) and raises StagerError.
+COMMAND_MODULES = ("pack", "inspect", "verify", "stage", "clean", "hints")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="stager",
+        description="Pack image datasets into verified shards, stage them onto node-local storage, "
+        "and stream them into PyTorch DDP.",
+    )
+    parser.add_argument("--version", action="version", version=f"stager {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(f"stager.commands.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"stager.commands.{name}":
+                raise
+            continue
+        module.register(sub)
+    return parser
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    """Options every command shares."""
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout (progress goes to stderr)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+
+
+def emit(args: argparse.Namespace, result: dict[str, Any], human: str | None = None) -> None:
+    """Print a command's result: JSON on stdout with --json, else the human summary."""
+    if getattr(args, "json", False):
+        sys.stdout.write(json.dumps(result, default=str) + "\n")
+    elif human is not None:
+        sys.stdout.write(human.rstrip("\n") + "\n")
+    sys.stdout.flush()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        rc = args.func(args)
+    except StagerError as exc:
+        if getattr(args, "json", False):
+            sys.stdout.write(json.dumps({"ok": False, "error": str(exc), "type": type(exc).__name__}) + "\n")
+        print(f"stager {args.command}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print(f"stager {args.command}: interrupted", file=sys.stderr)
+        return 130
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

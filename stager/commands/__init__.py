@@ -1,0 +1,1 @@
+"""Sub-commands of the ``stager`` CLI: each module has ``register(subparsers)``; see stager/cli.py."""
