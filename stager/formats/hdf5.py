@@ -1,0 +1,303 @@
+"""HDF5 shards: one ``shard-NNNNN.h5`` per shard, images as one contiguous uint8 dataset.
+
+File layout (normative description: docs/formats.md, section "hdf5"):
+
+* ``/images``: uint8, shape ``(total_bytes,)``, contiguous (no chunking, no filters): the encoded
+  image files' bytes concatenated in sample order. Because the storage is contiguous and
+  uncompressed, sample ``i`` is the ``offsets[i+1] - offsets[i]`` bytes at file offset
+  ``images.id.get_offset() + offsets[i]``; the manifest stores exactly that, so the loader reads
+  images with ``os.pread`` and never imports h5py.
+* ``/offsets``: int64, shape ``(n+1,)``: sample boundaries inside ``/images`` (``offsets[0] == 0``,
+  ``offsets[n] == total_bytes``).
+* ``/labels``: int64 ``(n,)``; ``/keys``, ``/exts``, ``/meta``: variable-length UTF-8 strings
+  ``(n,)`` (``meta`` holds each sample's metadata as canonical JSON).
+* root attributes: ``stager_format`` (``"stager.hdf5/1"``), ``layout`` (``"contiguous-uint8"``),
+  ``num_samples``, ``classes`` (JSON list of class names).
+
+Why contiguous rather than a variable-length uint8 dataset: tools/bench/bench_hdf5_layout.py
+measures both with plain h5py; docs/bench/hdf5_layout.md has the figures and the reasoning.
+
+Determinism: no object timestamps (``track_times=False``), fixed ``libver=("v110", "v110")`` (files
+open with HDF5 >= 1.10), and the writer lays the file out in a fixed order, so identical samples
+give byte-identical files.
+
+The writer spools image bytes (memory up to 64 MiB, then ``$TMPDIR``) and builds the file in
+``close()``: ``write()`` must return each sample's final file offset before the dataset's size is
+known. That works because ``/images`` is created first with early allocation, so its data always
+starts at the same file offset whatever its size; :func:`images_data_offset` measures that offset
+once on an in-memory file and ``close()`` checks the real file agrees.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import tempfile
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import CorruptSampleError, ShardMissingError, SourceError, StagerError
+from ..manifest import Manifest, ShardInfo
+from .base import Extent, Sample, pread_runs
+
+FORMAT_VERSION = "stager.hdf5/1"
+LAYOUT = "contiguous-uint8"
+LIBVER = ("v110", "v110")
+SPOOL_MEMORY = 64 << 20  # spool this much image data in memory before using $TMPDIR
+COPY_BLOCK = 8 << 20  # bytes moved per h5py write / read when building or scanning a shard
+
+
+def _h5py() -> Any:
+    try:
+        import h5py
+    except ImportError as exc:  # pragma: no cover - h5py is a dependency; kept for slim installs
+        raise StagerError("the hdf5 format needs h5py: pip install h5py") from exc
+    return h5py
+
+
+def _create_images(h5file: Any, nbytes: int) -> Any:
+    """Create ``/images`` (uint8, contiguous, allocated now) in ``h5file``; return its DatasetID.
+
+    Early allocation with no fill makes HDF5 place the raw data right after the metadata created so
+    far, so the data offset does not depend on ``nbytes``.
+    """
+    h5py = _h5py()
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_layout(h5py.h5d.CONTIGUOUS)
+    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+    dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+    dcpl.set_obj_track_times(False)
+    space = h5py.h5s.create_simple((nbytes,), (nbytes,))
+    return h5py.h5d.create(h5file.id, b"images", h5py.h5t.NATIVE_UINT8, space, dcpl=dcpl)
+
+
+def _open_new(target: str, **driver: Any) -> Any:
+    return _h5py().File(target, "w", libver=LIBVER, track_order=False, locking=False, **driver)
+
+
+@functools.lru_cache(maxsize=1)
+def images_data_offset() -> int:
+    """File offset at which ``/images`` data starts in every shard this writer produces."""
+    offset = None
+    # The in-memory "core" driver allocates like the default POSIX driver (both aggregate metadata
+    # into 2 KiB blocks); Python file objects do not, so they must not be used for the probe.
+    with _open_new("stager-probe.h5", driver="core", backing_store=False) as f:
+        offset = _create_images(f, 1).get_offset()
+    if offset is None:  # pragma: no cover - only if HDF5 changes its allocation strategy
+        raise StagerError("HDF5 did not allocate /images early; this h5py/HDF5 build is unsupported")
+    return int(offset)
+
+
+class Hdf5Writer:
+    """Writes one HDF5 shard at ``path`` (see the module docstring for the layout)."""
+
+    def __init__(self, path: str, *, shard_name: str, classes: Sequence[str]) -> None:
+        self.path = path
+        self.shard_name = shard_name
+        self.classes = list(classes)
+        self._base = images_data_offset()
+        self._spool: tempfile.SpooledTemporaryFile[bytes] | None = tempfile.SpooledTemporaryFile(  # noqa: SIM115
+            max_size=SPOOL_MEMORY, prefix="stager-h5-", suffix=".spool"
+        )
+        self._bounds: list[int] = [0]
+        self._keys: list[str] = []
+        self._labels: list[int] = []
+        self._exts: list[str] = []
+        self._meta: list[str] = []
+
+    def write(self, sample: Sample) -> Extent:
+        """Append ``sample`` (encoded bytes); return where its bytes will sit in the final file."""
+        if self._spool is None:
+            raise StagerError(f"{self.shard_name}: write() after close()")
+        data = sample.data
+        if isinstance(data, np.ndarray) or not isinstance(data, (bytes, bytearray, memoryview)):
+            raise SourceError(
+                f"{sample.key}: the hdf5 format stores encoded image bytes, got {type(data).__name__}; "
+                "use --format zarr for decoded arrays"
+            )
+        start = self._bounds[-1]
+        size = self._spool.write(data)
+        self._bounds.append(start + size)
+        self._keys.append(sample.key)
+        self._labels.append(int(sample.label))
+        self._exts.append(sample.ext)
+        self._meta.append(json.dumps(sample.meta, sort_keys=True, separators=(",", ":")))
+        return Extent(self._base + start, size)
+
+    def close(self) -> list[tuple[str, str]]:
+        """Build the HDF5 file from the spooled samples; no companion files."""
+        if self._spool is None:
+            raise StagerError(f"{self.shard_name}: close() called twice")
+        spool, self._spool = self._spool, None
+        h5py = _h5py()
+        total = self._bounds[-1]
+        strings = h5py.string_dtype("utf-8")
+        try:
+            with _open_new(self.path) as f:
+                dsid = _create_images(f, total)
+                offset = dsid.get_offset()
+                if total and offset != self._base:
+                    raise StagerError(
+                        f"{self.path}: HDF5 placed /images at byte {offset}, expected {self._base}; "
+                        "this HDF5 build lays files out differently: report it with `h5py.version.info`"
+                    )
+                images = h5py.Dataset(dsid)
+                spool.seek(0)
+                pos = 0
+                while pos < total:
+                    block = spool.read(min(COPY_BLOCK, total - pos))
+                    images[pos : pos + len(block)] = np.frombuffer(block, dtype=np.uint8)
+                    pos += len(block)
+                n = len(self._keys)
+                opts: dict[str, Any] = {"track_times": False}
+                f.create_dataset("offsets", data=np.asarray(self._bounds, dtype=np.int64), **opts)
+                f.create_dataset("labels", data=np.asarray(self._labels, dtype=np.int64), **opts)
+                f.create_dataset("keys", shape=(n,), dtype=strings, data=self._keys, **opts)
+                f.create_dataset("exts", shape=(n,), dtype=strings, data=self._exts, **opts)
+                f.create_dataset("meta", shape=(n,), dtype=strings, data=self._meta, **opts)
+                f.attrs["stager_format"] = FORMAT_VERSION
+                f.attrs["layout"] = LAYOUT
+                f.attrs["num_samples"] = np.int64(n)
+                f.attrs["classes"] = json.dumps(self.classes)
+        finally:
+            spool.close()
+        return []
+
+    def abort(self) -> None:
+        if self._spool is not None:
+            self._spool.close()
+            self._spool = None
+
+
+def _corrupt(path: str, what: str) -> CorruptSampleError:
+    return CorruptSampleError(f"{path}: damaged HDF5 shard ({what}); run `stager verify` and re-stage or re-pack it")
+
+
+class Hdf5Reader:
+    """Reads one HDF5 shard: ``iter_samples`` through h5py, ``read`` with ``os.pread``."""
+
+    def __init__(self, path: str, info: ShardInfo | None = None, manifest: Manifest | None = None) -> None:
+        self.path = path
+        self.info = info
+        self._fd: int | None = None
+        self._pid = 0
+
+    # ---- container scan (convert, deep verify) ------------------------------------------
+    def iter_samples(self) -> Iterator[Sample]:
+        """Every sample of the shard in order, parsed with h5py; validates the layout first."""
+        h5py = _h5py()
+        try:
+            f = h5py.File(self.path, "r", locking=False)
+        except FileNotFoundError as exc:
+            raise ShardMissingError(
+                f"{self.path}: shard missing; re-stage the dataset or re-run `stager pack`"
+            ) from exc
+        except (OSError, ValueError) as exc:
+            raise _corrupt(self.path, f"cannot open: {exc}") from exc
+        with f:
+            try:
+                bounds, labels, keys, exts, metas, images = self._validate(f)
+                n = len(keys)
+                i = 0
+                while i < n:
+                    # One h5py read per block of whole samples, not one per sample.
+                    j = int(np.searchsorted(bounds, bounds[i] + COPY_BLOCK, side="right")) - 1
+                    j = min(max(j, i + 1), n)
+                    base = int(bounds[i])
+                    block = images[base : int(bounds[j])].tobytes()
+                    for k in range(i, j):
+                        yield Sample(
+                            key=keys[k],
+                            label=int(labels[k]),
+                            data=block[int(bounds[k]) - base : int(bounds[k + 1]) - base],
+                            ext=exts[k],
+                            meta=json.loads(metas[k]) if metas is not None else {},
+                        )
+                    i = j
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise _corrupt(self.path, str(exc)) from exc
+
+    def _validate(self, f: Any) -> tuple[np.ndarray, np.ndarray, list[str], list[str], list[str] | None, Any]:
+        fmt = f.attrs.get("stager_format")
+        if isinstance(fmt, bytes):
+            fmt = fmt.decode()
+        if fmt != FORMAT_VERSION:
+            raise _corrupt(self.path, f"stager_format attribute is {fmt!r}, expected {FORMAT_VERSION!r}")
+        layout = f.attrs.get("layout")
+        if isinstance(layout, bytes):
+            layout = layout.decode()
+        if layout != LAYOUT:
+            raise _corrupt(self.path, f"layout {layout!r}, expected {LAYOUT!r}")
+        for name in ("images", "offsets", "labels", "keys", "exts"):
+            if name not in f:
+                raise _corrupt(self.path, f"missing dataset /{name}")
+        images = f["images"]
+        if images.dtype != np.uint8 or images.ndim != 1 or images.chunks is not None or images.compression:
+            raise _corrupt(self.path, "/images must be a contiguous 1-D uint8 dataset")
+        bounds = np.asarray(f["offsets"][...], dtype=np.int64)
+        labels = np.asarray(f["labels"][...], dtype=np.int64)
+        keys = [k.decode() if isinstance(k, bytes) else str(k) for k in f["keys"][...]]
+        exts = [e.decode() if isinstance(e, bytes) else str(e) for e in f["exts"][...]]
+        metas = None
+        if "meta" in f:
+            metas = [m.decode() if isinstance(m, bytes) else str(m) for m in f["meta"][...]]
+        n = int(f.attrs.get("num_samples", -1))
+        if not (len(keys) == len(exts) == len(labels) == n and len(bounds) == n + 1):
+            raise _corrupt(self.path, f"index lengths disagree with num_samples={n}")
+        if metas is not None and len(metas) != n:
+            raise _corrupt(self.path, f"/meta has {len(metas)} entries, expected {n}")
+        if bounds[0] != 0 or bounds[-1] != images.shape[0] or (n and np.any(np.diff(bounds) < 0)):
+            raise _corrupt(self.path, "/offsets is not a non-decreasing 0..len(/images) sequence")
+        return bounds, labels, keys, exts, metas, images
+
+    # ---- loader path ----------------------------------------------------------------------
+    def _fileno(self) -> int:
+        # A reader inherited through fork() must not share the parent's descriptor position state
+        # (pread has none, but close() in one process must not close the other's fd).
+        if self._fd is None or self._pid != os.getpid():
+            try:
+                self._fd = os.open(self.path, os.O_RDONLY)
+            except FileNotFoundError as exc:
+                raise ShardMissingError(
+                    f"{self.path}: shard missing; re-stage the dataset or re-run `stager pack`"
+                ) from exc
+            self._pid = os.getpid()
+        return self._fd
+
+    def read(self, positions: Sequence[int] | np.ndarray) -> list[Any]:
+        """Encoded bytes of in-shard ``positions`` (in that order), via the manifest's extents."""
+        if self.info is None:
+            raise StagerError(f"{self.path}: read() needs the manifest's shard index")
+        pos = np.asarray(positions, dtype=np.int64)
+        try:
+            return pread_runs(self._fileno(), self.info.offsets[pos], self.info.sizes[pos])
+        except EOFError as exc:
+            raise _corrupt(self.path, f"{exc}; the file is shorter than the manifest says") from exc
+
+    def close(self) -> None:
+        if self._fd is not None and self._pid == os.getpid():
+            os.close(self._fd)
+        self._fd = None
+
+
+class Hdf5Format:
+    """The ``hdf5`` format: encoded images in one contiguous HDF5 dataset per shard."""
+
+    name = "hdf5"
+    suffix = ".h5"
+    sample_kind = "encoded"
+
+    def shard_name(self, index: int) -> str:
+        return f"shard-{index:05d}{self.suffix}"
+
+    def open_writer(self, path: str, *, shard_name: str, classes: Sequence[str], **options: Any) -> Hdf5Writer:
+        return Hdf5Writer(path, shard_name=shard_name, classes=classes)
+
+    def open_reader(self, path: str, info: ShardInfo, manifest: Manifest) -> Hdf5Reader:
+        return Hdf5Reader(path, info, manifest)
+
+
+FORMAT = Hdf5Format()

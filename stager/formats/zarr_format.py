@@ -1,0 +1,290 @@
+"""Zarr shards: decoded fixed-shape uint8 images, one zarr v3 group per ``shard-NNNNN.zarr.zip``.
+
+Each shard is a single file (a zip archive, ``ZIP_STORED`` so members can be read by byte range)
+holding a zarr v3 group (normative description: docs/formats.md, section "zarr"):
+
+* ``images``: uint8, shape ``(n, H, W, C)``, written with the sharding codec: the whole array is
+  ONE zarr shard (key ``images/c/0/0/0/0``) whose inner chunks hold ``rows_per_chunk`` images
+  (default 1), each stored raw (``bytes`` codec) followed by a ``crc32c`` checksum, so any image
+  can be read alone and damage is detected when it is read;
+* ``labels``: int64, shape ``(n,)``;
+* group attributes: ``stager_format`` (``"stager.zarr/1"``), ``num_samples``, ``image_shape``
+  (``[H, W, C]`` or null when empty), ``classes``, and per-sample ``keys``, ``exts`` and ``meta``.
+
+Manifest extents for zarr are not byte ranges: ``offset`` is the row in ``images`` and ``size`` is
+``H*W*C``. The loader reads runs of consecutive rows with :meth:`ZarrReader.read_rows` (one array
+slice per run).
+
+Determinism: the hierarchy is built in a :class:`zarr.storage.MemoryStore` and the zip written here
+with entries sorted by name, fixed timestamps (1980-01-01) and fixed permissions, so identical
+samples give byte-identical files.
+"""
+
+from __future__ import annotations
+
+import os
+import zipfile
+from collections.abc import Iterator, MutableMapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import CorruptSampleError, ShardMissingError, SourceError, StagerError
+from ..manifest import Manifest, ShardInfo
+from .base import Extent, Sample
+
+FORMAT_VERSION = "stager.zarr/1"
+ZIP_DATE = (1980, 1, 1, 0, 0, 0)
+READ_BLOCK_BYTES = 32 << 20  # iter_samples reads this many bytes of rows per zarr call
+
+
+def _zarr() -> Any:
+    try:
+        import zarr
+    except ImportError as exc:  # pragma: no cover - zarr is a dependency; kept for slim installs
+        raise StagerError("the zarr format needs zarr>=3: pip install 'zarr>=3'") from exc
+    return zarr
+
+
+def write_zip(path: str, members: MutableMapping[str, Any]) -> None:
+    """Write ``members`` (name -> zarr Buffer or bytes) as a deterministic stored zip at ``path``."""
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+        for name in sorted(members):
+            value = members[name]
+            data = value if isinstance(value, (bytes, bytearray)) else value.to_bytes()
+            info = zipfile.ZipInfo(name, date_time=ZIP_DATE)
+            info.compress_type = zipfile.ZIP_STORED
+            info.create_system = 3  # unix, so external_attr means the same everywhere
+            info.external_attr = 0o644 << 16
+            zf.writestr(info, data)
+
+
+class ZarrWriter:
+    """Collects decoded ``(H, W, C)`` uint8 images and writes one zarr-in-zip shard on close."""
+
+    def __init__(self, path: str, *, shard_name: str, classes: Sequence[str], rows_per_chunk: int = 1) -> None:
+        if rows_per_chunk < 1:
+            raise StagerError(f"rows_per_chunk must be >= 1, got {rows_per_chunk}")
+        self.path = path
+        self.shard_name = shard_name
+        self.classes = list(classes)
+        self.rows_per_chunk = rows_per_chunk
+        self._shape: tuple[int, int, int] | None = None
+        self._rows: list[np.ndarray] = []
+        self._labels: list[int] = []
+        self._keys: list[str] = []
+        self._exts: list[str] = []
+        self._meta: list[dict[str, Any]] = []
+        self._closed = False
+
+    def write(self, sample: Sample) -> Extent:
+        """Append ``sample``; its extent is ``(row, H*W*C)``. All samples must share one shape."""
+        if self._closed:
+            raise StagerError(f"{self.shard_name}: write() after close()")
+        arr = sample.data
+        if not isinstance(arr, np.ndarray) or arr.dtype != np.uint8 or arr.ndim != 3:
+            what = f"{arr.dtype} array of shape {arr.shape}" if isinstance(arr, np.ndarray) else type(arr).__name__
+            raise SourceError(f"{sample.key}: the zarr format stores decoded (H, W, C) uint8 arrays, got {what}")
+        shape = (int(arr.shape[0]), int(arr.shape[1]), int(arr.shape[2]))
+        if self._shape is None:
+            self._shape = shape
+        elif shape != self._shape:
+            h, w, _ = self._shape
+            raise SourceError(
+                f"{sample.key}: image shape {shape} differs from the shard's {self._shape}; zarr needs one "
+                f"shape per dataset: pack with --resize {h}x{w} (or make the sources uniform)"
+            )
+        row = len(self._rows)
+        self._rows.append(arr)
+        self._labels.append(int(sample.label))
+        self._keys.append(sample.key)
+        self._exts.append(sample.ext)
+        self._meta.append(dict(sample.meta))
+        return Extent(row, arr.size)
+
+    def close(self) -> list[tuple[str, str]]:
+        """Build the group in memory and write the zip at ``path``; no companion files."""
+        if self._closed:
+            raise StagerError(f"{self.shard_name}: close() called twice")
+        self._closed = True
+        zarr = _zarr()
+        from zarr.codecs import Crc32cCodec
+        from zarr.storage import MemoryStore
+
+        members: dict[str, Any] = {}
+        store = MemoryStore(members)
+        n = len(self._rows)
+        attrs = {
+            "stager_format": FORMAT_VERSION,
+            "num_samples": n,
+            "image_shape": list(self._shape) if self._shape else None,
+            "classes": self.classes,
+            "keys": self._keys,
+            "exts": self._exts,
+            "meta": self._meta,
+        }
+        group = zarr.create_group(store=store, attributes=attrs, zarr_format=3)
+        if n:
+            assert self._shape is not None
+            k = min(self.rows_per_chunk, n)
+            # The shard shape must be a multiple of the chunk shape; rounding n up keeps the whole
+            # array inside one zarr shard (the part past n is never written).
+            shard_rows = -(-n // k) * k
+            images = group.create_array(
+                "images",
+                shape=(n, *self._shape),
+                dtype="uint8",
+                chunks=(k, *self._shape),
+                shards=(shard_rows, *self._shape),
+                filters=None,
+                compressors=[Crc32cCodec()],
+                fill_value=0,
+            )
+            images[...] = np.stack(self._rows)
+        else:
+            group.create_array("images", shape=(0, 1, 1, 1), dtype="uint8", chunks=(1, 1, 1, 1), fill_value=0)
+        labels = group.create_array(
+            "labels", shape=(n,), dtype="int64", chunks=(max(n, 1),), filters=None, compressors=None, fill_value=0
+        )
+        if n:
+            labels[...] = np.asarray(self._labels, dtype=np.int64)
+        self._rows.clear()
+        write_zip(self.path, members)
+        return []
+
+    def abort(self) -> None:
+        self._closed = True
+        self._rows.clear()
+
+
+def _corrupt(path: str, what: str) -> CorruptSampleError:
+    return CorruptSampleError(f"{path}: damaged zarr shard ({what}); run `stager verify` and re-stage or re-pack it")
+
+
+# What zarr/zipfile raise on damaged input (zarr's own errors derive from ValueError/KeyError/OSError).
+_DAMAGE = (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile, EOFError)
+
+
+class ZarrReader:
+    """Reads one zarr shard through zarr's ZipStore; rows come back as ``(H, W, C)`` uint8 arrays."""
+
+    def __init__(self, path: str, info: ShardInfo | None = None, manifest: Manifest | None = None) -> None:
+        self.path = path
+        self.info = info
+        self._store: Any = None
+        self._images: Any = None
+        self._attrs: dict[str, Any] = {}
+        self._pid = 0
+
+    def _open(self) -> Any:
+        # A zip handle inherited through fork() shares its file position with the parent: reopen.
+        if self._images is not None and self._pid == os.getpid():
+            return self._images
+        zarr = _zarr()
+        from zarr.storage import ZipStore
+
+        if not os.path.exists(self.path):
+            raise ShardMissingError(f"{self.path}: shard missing; re-stage the dataset or re-run `stager pack`")
+        try:
+            store = ZipStore(self.path, mode="r")
+            group = zarr.open_group(store, mode="r", zarr_format=3)
+            attrs = group.attrs.asdict()
+            images = group["images"]
+            labels = group["labels"]
+        except _DAMAGE as exc:
+            raise _corrupt(self.path, f"cannot open: {type(exc).__name__}: {exc}") from exc
+        self._validate(attrs, images, labels)
+        self._store, self._images, self._attrs, self._pid = store, images, attrs, os.getpid()
+        self._labels = labels
+        return images
+
+    def _validate(self, attrs: dict[str, Any], images: Any, labels: Any) -> None:
+        if attrs.get("stager_format") != FORMAT_VERSION:
+            raise _corrupt(self.path, f"stager_format is {attrs.get('stager_format')!r}, expected {FORMAT_VERSION!r}")
+        n = attrs.get("num_samples")
+        if not isinstance(n, int) or n < 0:
+            raise _corrupt(self.path, f"num_samples is {n!r}")
+        for name in ("keys", "exts", "meta"):
+            if not isinstance(attrs.get(name), list) or len(attrs[name]) != n:
+                raise _corrupt(self.path, f"attribute {name!r} must list {n} entries")
+        if images.dtype != np.uint8 or images.ndim != 4 or images.shape[0] != n:
+            raise _corrupt(self.path, f"images is {images.dtype} {images.shape}, expected uint8 ({n}, H, W, C)")
+        shape = attrs.get("image_shape")
+        if n and list(images.shape[1:]) != shape:
+            raise _corrupt(self.path, f"images rows are {images.shape[1:]}, image_shape attribute says {shape}")
+        if labels.shape != (n,) or labels.dtype != np.int64:
+            raise _corrupt(self.path, f"labels is {labels.dtype} {labels.shape}, expected int64 ({n},)")
+
+    @property
+    def num_samples(self) -> int:
+        return int(self._open().shape[0])
+
+    def read_rows(self, start: int, stop: int) -> np.ndarray:
+        """Rows ``start:stop`` of ``images`` as one ``(stop-start, H, W, C)`` uint8 array (one zarr read)."""
+        images = self._open()
+        if not 0 <= start <= stop <= images.shape[0]:
+            raise IndexError(f"{self.path}: rows {start}:{stop} outside 0:{images.shape[0]}")
+        try:
+            return np.asarray(images[start:stop])
+        except _DAMAGE as exc:
+            raise _corrupt(self.path, f"rows {start}:{stop}: {type(exc).__name__}: {exc}") from exc
+
+    def iter_samples(self) -> Iterator[Sample]:
+        """Every sample in row order, read through zarr in blocks of rows (validates the group first)."""
+        images = self._open()
+        n = images.shape[0]
+        try:
+            labels = np.asarray(self._labels[...], dtype=np.int64)
+        except _DAMAGE as exc:
+            raise _corrupt(self.path, f"labels: {type(exc).__name__}: {exc}") from exc
+        keys, exts, metas = self._attrs["keys"], self._attrs["exts"], self._attrs["meta"]
+        row_bytes = max(1, int(np.prod(images.shape[1:])))
+        step = max(1, READ_BLOCK_BYTES // row_bytes)
+        for start in range(0, n, step):
+            block = self.read_rows(start, min(n, start + step))
+            for i, row in enumerate(block):
+                k = start + i
+                yield Sample(key=keys[k], label=int(labels[k]), data=row, ext=exts[k], meta=metas[k])
+
+    def read(self, positions: Sequence[int] | np.ndarray) -> list[Any]:
+        """``(H, W, C)`` uint8 arrays of in-shard rows ``positions`` (in that order).
+
+        Runs of consecutive ascending rows are fetched with one :meth:`read_rows` call each.
+        """
+        pos = np.asarray(positions, dtype=np.int64)
+        out: list[Any] = [None] * len(pos)
+        i = 0
+        while i < len(pos):
+            j = i + 1
+            while j < len(pos) and pos[j] == pos[j - 1] + 1:
+                j += 1
+            block = self.read_rows(int(pos[i]), int(pos[j - 1]) + 1)
+            out[i:j] = list(block)
+            i = j
+        return out
+
+    def close(self) -> None:
+        if self._store is not None and self._pid == os.getpid():
+            self._store.close()
+        self._store = self._images = None
+
+
+class ZarrFormat:
+    """The ``zarr`` format: decoded fixed-shape images in a zarr v3 group per zip file."""
+
+    name = "zarr"
+    suffix = ".zarr.zip"
+    sample_kind = "decoded"
+
+    def shard_name(self, index: int) -> str:
+        return f"shard-{index:05d}{self.suffix}"
+
+    def open_writer(self, path: str, *, shard_name: str, classes: Sequence[str], **options: Any) -> ZarrWriter:
+        rows = options.get("rows_per_chunk")
+        return ZarrWriter(path, shard_name=shard_name, classes=classes, rows_per_chunk=int(rows or 1))
+
+    def open_reader(self, path: str, info: ShardInfo, manifest: Manifest) -> ZarrReader:
+        return ZarrReader(path, info, manifest)
+
+
+FORMAT = ZarrFormat()
