@@ -1,0 +1,339 @@
+"""record shards: TFRecord files of ``tf.train.Example`` messages (docs/formats.md, "record").
+
+Framing of each record, exactly as TensorFlow's ``TFRecordWriter`` writes it::
+
+    uint64 length (little endian) | uint32 masked_crc32c(length bytes) | payload | uint32 masked_crc32c(payload)
+
+with ``masked_crc(c) = ((c >> 15 | c << 17) + 0xa282ead8) mod 2**32`` over CRC-32C (Castagnoli).
+The payload is a ``tf.train.Example`` with the conventional ImageNet feature keys, serialised in
+sorted key order (what ``SerializeToString(deterministic=True)`` gives)::
+
+    image/class/label  int64  the label (-1 when unlabeled)
+    image/class/text   bytes  the class name (UTF-8; empty when unlabeled)
+    image/encoded      bytes  the image file's bytes, unchanged
+    image/filename     bytes  the sample key (UTF-8)
+    image/format       bytes  b"JPEG", b"PNG", ... (upper-cased extension; jpg -> JPEG)
+
+Each shard ``shard-00000.tfrecord`` has a companion index ``shard-00000.tfrecord.idx`` with one line
+``<record offset> <record size>\\n`` per record, as DALI's ``tfrecord2idx`` writes it (also what the
+``tfrecord`` package reads). The manifest extent of a sample is the offset/size of its
+``image/encoded`` bytes inside the shard file, so the loader reads images with ``pread`` and never
+parses protobuf.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+from collections.abc import Iterator, Sequence
+from typing import Any, BinaryIO
+
+import crc32c as _crc32c
+import numpy as np
+
+from ..atomicio import partial_path
+from ..errors import CorruptSampleError, ShardMissingError, UsageError
+from ..manifest import Manifest, ShardInfo
+from .base import Extent, Sample
+from .example_pb import ExampleDecodeError, decode_example, varint
+from .tar import FLUSH_BYTES, read_extents
+
+_crc = _crc32c.crc32c
+_MASK_DELTA = 0xA282EAD8
+_U64 = struct.Struct("<Q")
+_U32 = struct.Struct("<I")
+MAX_RECORD = 1 << 34  # refuse absurd lengths from a damaged header before allocating
+_FORMATS = {"jpg": b"JPEG", "jpeg": b"JPEG", "png": b"PNG", "tif": b"TIFF"}
+_EXTS = {b"JPEG": "jpg", b"PNG": "png", b"TIFF": "tif"}
+
+K_LABEL = "image/class/label"
+K_TEXT = "image/class/text"
+K_ENCODED = "image/encoded"
+K_FILENAME = "image/filename"
+K_FORMAT = "image/format"
+
+
+def masked_crc(data: bytes | bytearray | memoryview) -> int:
+    """TFRecord's masked CRC-32C of ``data``."""
+    c = _crc(data)
+    return (((c >> 15) | (c << 17)) + _MASK_DELTA) & 0xFFFFFFFF
+
+
+def image_format(ext: str) -> bytes:
+    """The ``image/format`` value for a file extension: ``jpg`` -> ``b"JPEG"``, ``png`` -> ``b"PNG"``."""
+    e = ext.lower()
+    return _FORMATS.get(e, e.upper().encode())
+
+
+def ext_of_format(fmt: bytes) -> str:
+    """Inverse of :func:`image_format` (``b"JPEG"`` -> ``jpg``)."""
+    return _EXTS.get(fmt.upper(), fmt.decode("ascii", "replace").lower())
+
+
+def _entry(name: str, kind_tag: int, list_body: bytes) -> bytes:
+    """One ``Features.feature`` map entry holding a Feature whose list message is ``list_body``."""
+    key = name.encode()
+    feature = bytes([kind_tag]) + varint(len(list_body)) + list_body
+    inner = b"\x0a" + varint(len(key)) + key + b"\x12" + varint(len(feature)) + feature
+    return b"\x0a" + varint(len(inner)) + inner
+
+
+def _bytes_entry(name: str, value: bytes) -> bytes:
+    return _entry(name, 0x0A, b"\x0a" + varint(len(value)) + value)
+
+
+def encode_image_example(
+    key: str, label: int, cls: str, data: bytes | bytearray | memoryview, fmt: bytes
+) -> tuple[bytes, int]:
+    """Serialised Example for one image and the offset of ``image/encoded``'s bytes inside it.
+
+    Byte-identical to protobuf's deterministic serialisation of the same features (tested).
+    """
+    packed = varint(label & 0xFFFFFFFFFFFFFFFF)
+    head = _entry(K_LABEL, 0x1A, b"\x0a" + varint(len(packed)) + packed) + _bytes_entry(K_TEXT, cls.encode())
+    # image/encoded, built around the image so it is copied once, by the final join.
+    key_b = K_ENCODED.encode()
+    blist_head = b"\x0a" + varint(len(data))
+    blist_len = len(blist_head) + len(data)
+    feat_head = b"\x0a" + varint(blist_len)
+    feat_len = len(feat_head) + blist_len
+    inner_head = b"\x0a" + varint(len(key_b)) + key_b + b"\x12" + varint(feat_len)
+    entry_head = b"\x0a" + varint(len(inner_head) + feat_len) + inner_head + feat_head + blist_head
+    tail = _bytes_entry(K_FILENAME, key.encode()) + _bytes_entry(K_FORMAT, fmt)
+    body_len = len(head) + len(entry_head) + len(data) + len(tail)
+    top = b"\x0a" + varint(body_len)
+    offset = len(top) + len(head) + len(entry_head)
+    return b"".join((top, head, entry_head, data, tail)), offset
+
+
+class RecordShardWriter:
+    """Writes one TFRecord shard and, on close, its DALI-style ``.idx`` companion."""
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        shard_name: str,
+        classes: Sequence[str],
+        flush_bytes: int = FLUSH_BYTES,
+        fsync: bool = True,
+        **options: Any,
+    ) -> None:
+        self.path = path
+        self.shard_name = shard_name
+        self.classes = list(classes)
+        self._flush_bytes = flush_bytes
+        self._fsync = fsync
+        self._f: BinaryIO | None = open(path, "wb", buffering=0)  # noqa: SIM115 - closed in close()/abort()
+        self._buf = bytearray()
+        self._written = 0
+        self._index: list[bytes] = []
+        self._idx_tmp: str | None = None
+
+    def write(self, sample: Sample) -> Extent:
+        if self._f is None:
+            raise UsageError(f"{self.shard_name}: write() after close()")
+        data = sample.data
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise UsageError(
+                f"{self.shard_name}: record stores encoded image files; got {type(data).__name__} for {sample.key!r}"
+            )
+        label = int(sample.label)
+        if not -(1 << 63) <= label < (1 << 63):
+            raise UsageError(f"{self.shard_name}: label {label} of {sample.key!r} does not fit int64")
+        cls = self.classes[label] if 0 <= label < len(self.classes) else ""
+        payload, off = encode_image_example(sample.key, label, cls, data, image_format(sample.ext))
+        n = len(payload)
+        length = _U64.pack(n)
+        start = self._written + len(self._buf)
+        buf = self._buf
+        buf += length
+        buf += _U32.pack(masked_crc(length))
+        buf += payload
+        buf += _U32.pack(masked_crc(payload))
+        self._index.append(b"%d %d\n" % (start, n + 16))
+        if len(buf) >= self._flush_bytes:
+            self._flush()
+        return Extent(start + 12 + off, len(data))
+
+    def _flush(self) -> None:
+        assert self._f is not None
+        view = memoryview(self._buf)
+        done = 0
+        while done < len(view):
+            done += self._f.write(view[done:]) or 0
+        view.release()
+        self._written += len(self._buf)
+        self._buf = bytearray()
+
+    def close(self) -> list[tuple[str, str]]:
+        """Flush the shard and write ``<shard_name>.idx`` next to it; return ``[(idx name, temp path)]``."""
+        if self._f is None:
+            return []
+        self._flush()
+        if self._fsync:
+            os.fsync(self._f.fileno())
+        self._f.close()
+        self._f = None
+        final = f"{self.shard_name}.idx"
+        tmp = str(partial_path(os.path.join(os.path.dirname(os.path.abspath(self.path)), final)))
+        self._idx_tmp = tmp
+        with open(tmp, "xb") as f:
+            f.write(b"".join(self._index))
+            f.flush()
+            if self._fsync:
+                os.fsync(f.fileno())
+        return [(final, tmp)]
+
+    def abort(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+        self._buf = bytearray()
+        if self._idx_tmp is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._idx_tmp)
+
+    @property
+    def bytes_written(self) -> int:
+        return self._written + len(self._buf)
+
+
+def iter_records(f: BinaryIO, file_size: int, where: str) -> Iterator[tuple[int, bytes]]:
+    """Yield ``(payload file offset, payload)`` for each record, checking both CRCs.
+
+    Raises :class:`CorruptSampleError` on truncation or a CRC mismatch.
+    """
+    pos = 0
+    while pos < file_size:
+        head = f.read(12)
+        if len(head) < 12:
+            raise CorruptSampleError(f"{where}: truncated record header at byte {pos}; re-pack or re-stage this shard")
+        (n,) = _U64.unpack_from(head)
+        (crc,) = _U32.unpack_from(head, 8)
+        if masked_crc(head[:8]) != crc:
+            raise CorruptSampleError(f"{where}: record length CRC mismatch at byte {pos}; the shard is damaged")
+        if n > MAX_RECORD or pos + 16 + n > file_size:
+            raise CorruptSampleError(
+                f"{where}: record at byte {pos} claims {n} bytes but the file has {file_size}; the shard is truncated"
+            )
+        payload = f.read(n)
+        tail = f.read(4)
+        if len(payload) < n or len(tail) < 4:
+            raise CorruptSampleError(f"{where}: truncated record at byte {pos}")
+        if masked_crc(payload) != _U32.unpack(tail)[0]:
+            raise CorruptSampleError(
+                f"{where}: record data CRC mismatch at byte {pos}; the shard is damaged: re-pack or re-stage it"
+            )
+        yield pos + 12, payload
+        pos += 16 + n
+
+
+def example_to_sample(payload: bytes, index: int, where: str) -> Sample:
+    """Interpret a serialised Example with the ImageNet keys as a :class:`Sample`."""
+    try:
+        feats = decode_example(payload)
+    except ExampleDecodeError as exc:
+        raise CorruptSampleError(f"{where}: record {index}: not a tf.train.Example ({exc})") from exc
+    enc = feats.get(K_ENCODED)
+    if enc is None or enc.kind != "bytes" or len(enc.values) != 1:
+        raise CorruptSampleError(f"{where}: record {index}: expected exactly one {K_ENCODED} bytes value")
+    lab = feats.get(K_LABEL)
+    label = int(lab.values[0]) if lab is not None and lab.kind == "int64" and lab.values else -1
+    fn = feats.get(K_FILENAME)
+    key = f"{index:08d}"
+    if fn is not None and fn.kind == "bytes" and fn.values and isinstance(fn.values[0], bytes):
+        try:
+            key = fn.values[0].decode()
+        except UnicodeDecodeError as exc:
+            raise CorruptSampleError(f"{where}: record {index}: {K_FILENAME} is not UTF-8") from exc
+    fm = feats.get(K_FORMAT)
+    ext = "jpg"
+    if fm is not None and fm.kind == "bytes" and fm.values and isinstance(fm.values[0], bytes):
+        ext = ext_of_format(fm.values[0])
+    data = enc.values[0]
+    assert isinstance(data, bytes)
+    return Sample(key=key, label=label, data=data, ext=ext)
+
+
+class RecordShardReader:
+    """Reads one record shard: ``iter_samples`` parses it; ``read`` uses the manifest's extents."""
+
+    def __init__(self, path: str, info: ShardInfo | None = None, manifest: Manifest | None = None) -> None:
+        self.path = path
+        self.info = info
+        self._fd: int | None = None
+
+    def iter_samples(self) -> Iterator[Sample]:
+        """Every sample in physical order; framing, both CRCs and the Example are checked."""
+        try:
+            f = open(self.path, "rb", buffering=1 << 20)  # noqa: SIM115 - closed in finally
+        except FileNotFoundError as exc:
+            raise ShardMissingError(f"{self.path}: shard missing; re-stage or re-pack") from exc
+        try:
+            size = os.fstat(f.fileno()).st_size
+            for i, (_off, payload) in enumerate(iter_records(f, size, self.path)):
+                yield example_to_sample(payload, i, self.path)
+        finally:
+            f.close()
+
+    def read(self, positions: Sequence[int] | np.ndarray) -> list[Any]:
+        """Image bytes of in-shard ``positions`` (manifest order), in the order given."""
+        if self.info is None:
+            raise UsageError(f"{self.path}: read() needs the shard's manifest entry")
+        return read_extents(self, self.info, positions)
+
+    def fd(self) -> int:
+        if self._fd is None:
+            try:
+                self._fd = os.open(self.path, os.O_RDONLY)
+            except FileNotFoundError as exc:
+                raise ShardMissingError(f"{self.path}: shard missing; re-stage or re-pack") from exc
+        return self._fd
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> RecordShardReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_index(path: str) -> np.ndarray:
+    """Parse a ``.idx`` companion: int64 array of shape (records, 2) = (offset, size) per record."""
+    rows = []
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            parts = line.split()
+            if len(parts) != 2:
+                raise CorruptSampleError(f"{path}:{lineno}: expected '<offset> <size>'")
+            try:
+                rows.append((int(parts[0]), int(parts[1])))
+            except ValueError as exc:
+                raise CorruptSampleError(f"{path}:{lineno}: expected two integers") from exc
+    return np.array(rows, dtype=np.int64).reshape(-1, 2)
+
+
+class RecordFormat:
+    """TFRecord shards of ``tf.train.Example`` (``shard-00000.tfrecord`` + ``.idx``)."""
+
+    name = "record"
+    suffix = ".tfrecord"
+    sample_kind = "encoded"
+
+    def shard_name(self, index: int) -> str:
+        return f"shard-{index:05d}.tfrecord"
+
+    def open_writer(self, path: str, *, shard_name: str, classes: Sequence[str], **options: Any) -> RecordShardWriter:
+        return RecordShardWriter(path, shard_name=shard_name, classes=classes, **options)
+
+    def open_reader(self, path: str, info: ShardInfo, manifest: Manifest) -> RecordShardReader:
+        return RecordShardReader(path, info, manifest)
+
+
+FORMAT = RecordFormat()

@@ -1,0 +1,545 @@
+"""tar shards, laid out as webdataset expects them (docs/formats.md, section "tar").
+
+Each sample is three consecutive regular-file members::
+
+    <key>.<ext>    the image file's bytes, unchanged (ext lower-cased: jpg, png, ...)
+    <key>.cls      the label as ASCII decimal (``-1`` when unlabeled)
+    <key>.json     {"class": ..., "key": ..., "label": ..., **meta} with sorted keys, compact
+
+Headers are POSIX ustar written by hand (``tarfile`` costs ~30 us per member): fixed mtime, mode
+0644, uid/gid 0, empty uname/gname, so identical samples give identical bytes. A name longer than
+the 100-byte name field is split into the 155-byte ``prefix`` field at a ``/``; a name that cannot
+be split (or is not ASCII) gets a preceding PAX ``x`` header with a ``path`` record. The archive
+ends with two zero blocks. The manifest extent of a sample is the offset/size of the image
+member's data.
+
+Keys may contain ``/`` but no ``.`` in their last component (webdataset splits a member name at
+the first dot of its last component), must not start with ``/`` or ``__`` and must not contain
+``..`` components.
+
+The reader parses headers itself (checksums, sizes against the file length, member types) so that a
+damaged or hostile shard raises :class:`~stager.errors.CorruptSampleError` or
+:class:`~stager.errors.UnsafeArchiveError` naming the shard, never a stray exception.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator, Sequence
+from json.encoder import encode_basestring_ascii
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from ..errors import CorruptSampleError, UnsafeArchiveError, UsageError
+from ..manifest import Manifest, ShardInfo
+from .base import Extent, Sample, pread_runs
+
+BLOCK = 512
+FIXED_MTIME = 946684800  # 2000-01-01T00:00:00Z: fixed for reproducibility, yet "plausible" to GNU tar
+FILE_MODE = 0o644
+MAX_USTAR_SIZE = (1 << 33) - 1  # 11 octal digits
+FLUSH_BYTES = 4 << 20  # accumulate this much before one write() call
+RESERVED_EXTS = frozenset({"cls", "json"})
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "ppm", "pgm", "pbm", "bmp", "tif", "tiff", "gif", "jp2", "jxl", "avif")
+_ZERO_BLOCK = bytes(BLOCK)
+_PADS = [bytes(n) for n in range(BLOCK)]
+_EXT_RE = re.compile(r"^[a-z0-9_][a-z0-9_.-]{0,31}$")
+
+
+def _pad(n: int) -> bytes:
+    return _PADS[-n % BLOCK]
+
+
+def _header_template() -> tuple[bytes, int]:
+    """A ustar header with every field that never varies filled in; also its byte sum.
+
+    The variable fields (name, size, typeflag, checksum, prefix) are left as NULs; the checksum field
+    counts as eight spaces when summing, per POSIX.
+    """
+    h = bytearray(BLOCK)
+    h[100:108] = b"%07o\0" % FILE_MODE
+    h[108:116] = b"0000000\0"  # uid
+    h[116:124] = b"0000000\0"  # gid
+    h[136:148] = b"%011o\0" % FIXED_MTIME
+    h[148:156] = b"        "
+    h[257:263] = b"ustar\0"
+    h[263:265] = b"00"
+    h[329:337] = b"0000000\0"  # devmajor
+    h[337:345] = b"0000000\0"  # devminor
+    base_sum = sum(h)
+    h[148:156] = bytes(8)
+    return bytes(h), base_sum
+
+
+_TEMPLATE, _TEMPLATE_SUM = _header_template()
+
+
+def _ustar_header(name: bytes, size: int, typeflag: bytes = b"0", prefix: bytes = b"") -> bytes:
+    h = bytearray(_TEMPLATE)
+    h[0 : len(name)] = name
+    sz = b"%011o\0" % size
+    h[124:136] = sz
+    h[156] = typeflag[0]
+    if prefix:
+        h[345 : 345 + len(prefix)] = prefix
+    chk = _TEMPLATE_SUM + sum(name) + sum(sz) + typeflag[0] + sum(prefix)
+    h[148:156] = b"%06o\0 " % chk
+    return bytes(h)
+
+
+def _pax_record(keyword: str, value: bytes) -> bytes:
+    body = b" " + keyword.encode() + b"=" + value + b"\n"
+    n = len(body) + 1
+    while len(str(n)) + len(body) != n:  # the length field counts its own digits
+        n = len(str(n)) + len(body)
+    return str(n).encode() + body
+
+
+def member_header(name: str, size: int) -> bytes:
+    """Header block(s) for a regular file ``name`` of ``size`` bytes (ustar, PAX when needed)."""
+    raw = name.encode("utf-8")
+    pax: list[bytes] = []
+    ustar_name = raw
+    prefix = b""
+    if size > MAX_USTAR_SIZE:
+        pax.append(_pax_record("size", str(size).encode()))
+    if len(raw) > 100 or not raw.isascii():
+        split = _ustar_split(raw) if raw.isascii() else None
+        if split is None:
+            pax.append(_pax_record("path", raw))
+            # Readers without PAX support see a truncated, still ASCII name.
+            ustar_name = raw[-100:].decode("ascii", "replace").encode("ascii", "replace")[-100:]
+        else:
+            prefix, ustar_name = split
+    if not pax:
+        return _ustar_header(ustar_name, size, b"0", prefix)
+    data = b"".join(pax)
+    return (
+        _ustar_header(b"././@PaxHeader", len(data), b"x")
+        + data
+        + _pad(len(data))
+        # With a PAX size record the ustar size field is ignored by readers; tarfile writes 0 there.
+        + _ustar_header(ustar_name, size if size <= MAX_USTAR_SIZE else 0, b"0", prefix)
+    )
+
+
+def _ustar_split(raw: bytes) -> tuple[bytes, bytes] | None:
+    """Split ``raw`` at a ``/`` into (prefix <= 155 bytes, name <= 100 bytes), or None."""
+    i = raw.find(b"/", max(0, len(raw) - 101))
+    while i != -1:
+        if i <= 155 and len(raw) - i - 1 <= 100 and i > 0:
+            return raw[:i], raw[i + 1 :]
+        i = raw.find(b"/", i + 1)
+    return None
+
+
+def check_key(key: object, where: str = "") -> str:
+    """Return ``key`` if webdataset will group its members back under exactly this key."""
+    if not isinstance(key, str) or not key:
+        raise UsageError(f"{where}sample key must be a non-empty string, got {key!r}")
+    last = key.rsplit("/", 1)[-1]
+    if (
+        not last
+        or "." in last
+        or key.startswith(("/", "__"))
+        or "\0" in key
+        or "\\" in key
+        or any(part in ("", ".", "..") for part in key.split("/"))
+    ):
+        raise UsageError(
+            f"{where}invalid sample key {key!r}: expected '/'-separated non-empty parts, no '.' in the last "
+            "part, no '..' part, not starting with '/' or '__' (webdataset splits member names at the first dot)"
+        )
+    return key
+
+
+def _json_meta(key: str, label: int, cls: str, meta: dict[str, Any]) -> bytes:
+    """Compact, sorted-key JSON of the sample's metadata, without ``json.dumps`` in the common case."""
+    if meta and any(k in ("class", "key", "label") or not isinstance(k, str) for k in meta):
+        meta = {k: v for k, v in meta.items() if k not in ("class", "key", "label")}
+    if not meta:
+        return b'{"class":%s,"key":%s,"label":%d}' % (
+            encode_basestring_ascii(cls).encode(),
+            encode_basestring_ascii(key).encode(),
+            label,
+        )
+    full = {**meta, "class": cls, "key": key, "label": label}
+    return json.dumps(full, sort_keys=True, separators=(",", ":")).encode()
+
+
+class TarShardWriter:
+    """Writes one tar shard; see the module docstring for the layout.
+
+    Members are accumulated in a buffer and written in ``flush_bytes`` chunks, so a shard of small
+    images costs a handful of ``write`` calls rather than several per sample.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        shard_name: str,
+        classes: Sequence[str],
+        flush_bytes: int = FLUSH_BYTES,
+        fsync: bool = True,
+        **options: Any,
+    ) -> None:
+        self.path = path
+        self.shard_name = shard_name
+        self.classes = list(classes)
+        self._flush_bytes = flush_bytes
+        self._fsync = fsync
+        self._f: BinaryIO | None = open(path, "wb", buffering=0)  # noqa: SIM115 - closed in close()/abort()
+        self._buf = bytearray()
+        self._written = 0  # bytes already handed to the OS
+        self._keys: set[str] = set()
+
+    def write(self, sample: Sample) -> Extent:
+        if self._f is None:
+            raise UsageError(f"{self.shard_name}: write() after close()")
+        key = sample.key
+        if key in self._keys:
+            raise UsageError(f"{self.shard_name}: duplicate sample key {key!r} in one shard")
+        check_key(key, f"{self.shard_name}: ")
+        data = sample.data
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise UsageError(
+                f"{self.shard_name}: tar stores encoded image files; got {type(data).__name__} for {key!r}"
+            )
+        ext = sample.ext.lower()
+        if not _EXT_RE.match(ext) or ext in RESERVED_EXTS:
+            raise UsageError(f"{self.shard_name}: invalid image extension {sample.ext!r} for {key!r}")
+        label = int(sample.label)
+        cls = self.classes[label] if 0 <= label < len(self.classes) else ""
+        self._keys.add(key)
+
+        buf = self._buf
+        size = len(data)
+        buf += member_header(f"{key}.{ext}", size)
+        offset = self._written + len(buf)
+        buf += data
+        buf += _pad(size)
+        cls_bytes = b"%d" % label
+        buf += member_header(f"{key}.cls", len(cls_bytes))
+        buf += cls_bytes
+        buf += _pad(len(cls_bytes))
+        js = _json_meta(key, label, cls, sample.meta)
+        buf += member_header(f"{key}.json", len(js))
+        buf += js
+        buf += _pad(len(js))
+        if len(buf) >= self._flush_bytes:
+            self._flush()
+        return Extent(offset, size)
+
+    def _flush(self) -> None:
+        assert self._f is not None
+        view = memoryview(self._buf)
+        done = 0
+        while done < len(view):
+            done += self._f.write(view[done:]) or 0
+        view.release()
+        self._written += len(self._buf)
+        self._buf = bytearray()
+
+    def close(self) -> list[tuple[str, str]]:
+        if self._f is None:
+            return []
+        self._buf += _ZERO_BLOCK * 2
+        self._flush()
+        if self._fsync:
+            os.fsync(self._f.fileno())
+        self._f.close()
+        self._f = None
+        return []
+
+    def abort(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+        self._buf = bytearray()
+
+    @property
+    def bytes_written(self) -> int:
+        """Bytes of the shard so far (including buffered ones)."""
+        return self._written + len(self._buf)
+
+
+# ---- reading -----------------------------------------------------------------------------------
+def _parse_number(field: bytes) -> int:
+    if field and field[0] & 0x80:  # GNU base-256
+        v = int.from_bytes(field, "big") & ~(0x80 << (8 * (len(field) - 1)))
+        return v
+    s = field.split(b"\0", 1)[0].strip()
+    return int(s, 8) if s else 0
+
+
+def _parse_pax(data: bytes, where: str) -> dict[str, bytes]:
+    out: dict[str, bytes] = {}
+    pos = 0
+    while pos < len(data):
+        sp = data.find(b" ", pos)
+        if sp == -1:
+            if not data[pos:].strip(b"\0"):
+                break
+            raise CorruptSampleError(f"{where}: malformed PAX header record")
+        try:
+            n = int(data[pos:sp])
+        except ValueError as exc:
+            raise CorruptSampleError(f"{where}: malformed PAX header record length") from exc
+        rec = data[sp + 1 : pos + n]
+        if n <= sp - pos or pos + n > len(data) or not rec.endswith(b"\n") or b"=" not in rec:
+            raise CorruptSampleError(f"{where}: malformed PAX header record")
+        k, v = rec[:-1].split(b"=", 1)
+        out[k.decode("utf-8", "replace")] = v
+        pos += n
+    return out
+
+
+def _safe_member_name(name: str, where: str) -> str:
+    if name.startswith("./"):
+        name = name[2:]
+    parts = name.split("/")
+    if not name or name.startswith("/") or ".." in parts or "\0" in name:
+        raise UnsafeArchiveError(f"{where}: unsafe member name {name!r}; refusing this shard")
+    return name
+
+
+def split_member_name(name: str) -> tuple[str, str]:
+    """webdataset's rule: split at the first ``.`` of the last path component -> (key, ext)."""
+    head, _, last = name.rpartition("/")
+    base, dot, ext = last.partition(".")
+    if not dot or not base:
+        return name, ""
+    return (f"{head}/{base}" if head else base), ext
+
+
+def iter_members(f: BinaryIO, file_size: int, where: str) -> Iterator[tuple[str, int, bytes]]:
+    """Yield ``(name, data offset, data)`` for each regular file of the tar stream ``f``.
+
+    Raises :class:`CorruptSampleError` for bad checksums, truncation or a missing end marker, and
+    :class:`UnsafeArchiveError` for links, devices, FIFOs and unsafe names. Directories are skipped.
+    """
+    pos = 0
+    long_name: str | None = None
+    pax: dict[str, bytes] = {}
+    while True:
+        hdr = f.read(BLOCK)
+        if len(hdr) < BLOCK:
+            raise CorruptSampleError(
+                f"{where}: truncated at byte {pos} (no end-of-archive marker); re-pack or re-stage this shard"
+            )
+        if hdr == _ZERO_BLOCK:
+            nxt = f.read(BLOCK)
+            if nxt != _ZERO_BLOCK:
+                raise CorruptSampleError(f"{where}: damaged end-of-archive marker at byte {pos}")
+            if long_name is not None or pax:
+                raise CorruptSampleError(f"{where}: extended header without a member at byte {pos}")
+            return
+        stored = _parse_checksum(hdr, where, pos)
+        unsigned = sum(hdr) - sum(hdr[148:156]) + 256  # the checksum field counts as 8 spaces
+        # Some historic writers summed signed chars; accept either, as GNU tar does.
+        if stored != unsigned and stored != unsigned - 256 * sum(1 for b in hdr[:148] + hdr[156:] if b > 127):
+            raise CorruptSampleError(
+                f"{where}: bad tar header checksum at byte {pos} (stored {stored}, computed {unsigned}); "
+                "the shard is damaged: re-pack or re-stage it"
+            )
+        try:
+            size = _parse_number(hdr[124:136])
+        except ValueError as exc:
+            raise CorruptSampleError(f"{where}: bad size field in tar header at byte {pos}") from exc
+        typeflag = hdr[156:157]
+        if "size" in pax and typeflag in (b"0", b"\0", b"7"):
+            try:
+                size = int(pax["size"])
+            except ValueError as exc:
+                raise CorruptSampleError(f"{where}: bad PAX size at byte {pos}") from exc
+        data_start = pos + BLOCK
+        if size < 0 or data_start + size > file_size:
+            raise CorruptSampleError(
+                f"{where}: member at byte {pos} claims {size} bytes but the file has {file_size}; "
+                "the shard is truncated: re-pack or re-stage it"
+            )
+        padded = size + (-size % BLOCK)
+        if typeflag in (b"x", b"g", b"L"):
+            data = f.read(padded)[:size]
+            if len(data) < size:
+                raise CorruptSampleError(f"{where}: truncated extended header at byte {pos}")
+            if typeflag == b"x":
+                pax = _parse_pax(data, where)
+            elif typeflag == b"L":
+                long_name = data.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+            pos = data_start + padded
+            continue
+        if typeflag == b"5":  # directory: no data, nothing to yield
+            f.seek(padded, os.SEEK_CUR)
+            pos = data_start + padded
+            long_name, pax = None, {}
+            continue
+        if typeflag not in (b"0", b"\0", b"7"):
+            kind = {b"1": "hard link", b"2": "symlink", b"3": "char device", b"4": "block device", b"6": "FIFO"}
+            raise UnsafeArchiveError(
+                f"{where}: member at byte {pos} is a {kind.get(typeflag, f'type {typeflag!r}')}, "
+                "not a regular file; refusing this shard"
+            )
+        if "path" in pax:
+            name = pax["path"].decode("utf-8", "surrogateescape")
+        elif long_name is not None:
+            name = long_name
+        else:
+            raw = hdr[:100].split(b"\0", 1)[0]
+            if hdr[257:262] == b"ustar" and hdr[345] != 0:
+                raw = hdr[345:500].split(b"\0", 1)[0] + b"/" + raw
+            name = raw.decode("utf-8", "surrogateescape")
+        name = _safe_member_name(name, where)
+        data = f.read(padded)
+        if len(data) < size:
+            raise CorruptSampleError(f"{where}: truncated member {name!r} at byte {pos}")
+        yield name, data_start, data[:size] if padded != size else data
+        pos = data_start + padded
+        long_name, pax = None, {}
+
+
+def _parse_checksum(hdr: bytes, where: str, pos: int) -> int:
+    try:
+        return int(hdr[148:156].split(b"\0", 1)[0].strip() or b"-1", 8)
+    except ValueError as exc:
+        raise CorruptSampleError(f"{where}: not a tar header at byte {pos} (bad checksum field)") from exc
+
+
+def _choose_image(members: dict[str, bytes]) -> str | None:
+    for ext in members:
+        if ext.lower() in IMAGE_EXTS:
+            return ext
+    for ext in members:
+        if ext.lower() not in RESERVED_EXTS and ext.lower() not in ("txt", "__key__"):
+            return ext
+    return None
+
+
+def _to_sample(key: str, members: dict[str, bytes], where: str) -> Sample:
+    ext = _choose_image(members)
+    if ext is None:
+        raise CorruptSampleError(f"{where}: sample {key!r} has no image member (members: {sorted(members)})")
+    meta: dict[str, Any] = {}
+    label = -1
+    if "json" in members:
+        try:
+            info = json.loads(members["json"])
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+            raise CorruptSampleError(f"{where}: sample {key!r}: bad JSON metadata ({exc})") from exc
+        if isinstance(info, dict):
+            if isinstance(info.get("label"), int):
+                label = info["label"]
+            meta = {k: v for k, v in info.items() if k not in ("class", "key", "label")}
+    if "cls" in members:
+        try:
+            label = int(members["cls"].strip())
+        except ValueError as exc:
+            raise CorruptSampleError(f"{where}: sample {key!r}: .cls is not an integer") from exc
+    return Sample(key=key, label=label, data=members[ext], ext=ext, meta=meta)
+
+
+class TarShardReader:
+    """Reads one tar shard: ``iter_samples`` parses it; ``read`` uses the manifest's extents."""
+
+    def __init__(self, path: str, info: ShardInfo | None = None, manifest: Manifest | None = None) -> None:
+        self.path = path
+        self.info = info
+        self._fd: int | None = None
+
+    def iter_samples(self) -> Iterator[Sample]:
+        """Every sample in physical order, grouped by key (members of one sample are consecutive)."""
+        where = self.path
+        try:
+            f = open(self.path, "rb", buffering=1 << 20)  # noqa: SIM115 - closed in finally
+        except FileNotFoundError as exc:
+            from ..errors import ShardMissingError
+
+            raise ShardMissingError(f"{self.path}: shard missing; re-stage or re-pack") from exc
+        try:
+            size = os.fstat(f.fileno()).st_size
+            key: str | None = None
+            members: dict[str, bytes] = {}
+            seen: set[str] = set()
+            for name, _off, data in iter_members(f, size, where):
+                k, ext = split_member_name(name)
+                if not ext:
+                    raise CorruptSampleError(f"{where}: member {name!r} has no extension (expected <key>.<ext>)")
+                ext = ext.lower()
+                if k != key:
+                    if key is not None:
+                        yield _to_sample(key, members, where)
+                    if k in seen:
+                        raise CorruptSampleError(
+                            f"{where}: members of sample {k!r} are not consecutive; re-pack this shard"
+                        )
+                    seen.add(k)
+                    key, members = k, {}
+                if ext in members:
+                    raise CorruptSampleError(f"{where}: sample {k!r} has two {ext!r} members")
+                members[ext] = data
+            if key is not None:
+                yield _to_sample(key, members, where)
+        finally:
+            f.close()
+
+    def read(self, positions: Sequence[int] | np.ndarray) -> list[Any]:
+        """Image bytes of in-shard ``positions`` (manifest order), in the order given."""
+        if self.info is None:
+            raise UsageError(f"{self.path}: read() needs the shard's manifest entry")
+        return read_extents(self, self.info, positions)
+
+    def fd(self) -> int:
+        if self._fd is None:
+            try:
+                self._fd = os.open(self.path, os.O_RDONLY)
+            except FileNotFoundError as exc:
+                from ..errors import ShardMissingError
+
+                raise ShardMissingError(f"{self.path}: shard missing; re-stage or re-pack") from exc
+        return self._fd
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> TarShardReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_extents(reader: Any, info: ShardInfo, positions: Sequence[int] | np.ndarray) -> list[bytes]:
+    """Shared by tar and record: payloads at the manifest extents of ``positions`` via ``pread_runs``."""
+    pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+    if len(pos) and (pos.min() < 0 or pos.max() >= info.samples):
+        raise UsageError(f"{reader.path}: sample positions must be in 0..{info.samples - 1}")
+    try:
+        return pread_runs(reader.fd(), info.offsets[pos], info.sizes[pos])
+    except EOFError as exc:
+        raise CorruptSampleError(f"{reader.path}: {exc}; the shard is truncated: re-stage or re-pack it") from exc
+
+
+class TarFormat:
+    """webdataset-compatible tar shards (``shard-00000.tar``)."""
+
+    name = "tar"
+    suffix = ".tar"
+    sample_kind = "encoded"
+
+    def shard_name(self, index: int) -> str:
+        return f"shard-{index:05d}.tar"
+
+    def open_writer(self, path: str, *, shard_name: str, classes: Sequence[str], **options: Any) -> TarShardWriter:
+        return TarShardWriter(path, shard_name=shard_name, classes=classes, **options)
+
+    def open_reader(self, path: str, info: ShardInfo, manifest: Manifest) -> TarShardReader:
+        return TarShardReader(path, info, manifest)
+
+
+FORMAT = TarFormat()
