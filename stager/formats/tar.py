@@ -43,6 +43,7 @@ FILE_MODE = 0o644
 MAX_USTAR_SIZE = (1 << 33) - 1  # 11 octal digits
 FLUSH_BYTES = 4 << 20  # accumulate this much before one write() call
 RESERVED_EXTS = frozenset({"cls", "json"})
+_RESERVED_META = frozenset({"class", "key", "label"})
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "ppm", "pgm", "pbm", "bmp", "tif", "tiff", "gif", "jp2", "jxl", "avif")
 _ZERO_BLOCK = bytes(BLOCK)
 _PADS = [bytes(n) for n in range(BLOCK)]
@@ -75,6 +76,19 @@ def _header_template() -> tuple[bytes, int]:
 
 
 _TEMPLATE, _TEMPLATE_SUM = _header_template()
+# Constant pieces of a regular-file header with an empty prefix, for the per-sample fast path.
+_MID1 = _TEMPLATE[100:124]  # mode, uid, gid
+_MID2 = _TEMPLATE[136:148]  # mtime
+_REG_TAIL = b"0" + _TEMPLATE[157:]  # typeflag '0', linkname, magic..devminor, empty prefix, padding
+_REG_SUM = _TEMPLATE_SUM + ord("0")
+_NULS = [bytes(n) for n in range(101)]
+
+
+def _fast_header(name: bytes, name_sum: int, size: int) -> bytes:
+    """Regular-file header for an ASCII ``name`` of <= 100 bytes whose byte sum is ``name_sum``."""
+    sz = b"%011o\0" % size
+    chk = _REG_SUM + name_sum + sum(sz)
+    return b"".join((name, _NULS[100 - len(name)], _MID1, sz, _MID2, b"%06o\0 " % chk, _REG_TAIL))
 
 
 def _ustar_header(name: bytes, size: int, typeflag: bytes = b"0", prefix: bytes = b"") -> bytes:
@@ -157,17 +171,31 @@ def check_key(key: object, where: str = "") -> str:
 
 
 def _json_meta(key: str, label: int, cls: str, meta: dict[str, Any]) -> bytes:
-    """Compact, sorted-key JSON of the sample's metadata, without ``json.dumps`` in the common case."""
-    if meta and any(k in ("class", "key", "label") or not isinstance(k, str) for k in meta):
-        meta = {k: v for k, v in meta.items() if k not in ("class", "key", "label")}
-    if not meta:
-        return b'{"class":%s,"key":%s,"label":%d}' % (
-            encode_basestring_ascii(cls).encode(),
-            encode_basestring_ascii(key).encode(),
-            label,
-        )
-    full = {**meta, "class": cls, "key": key, "label": label}
-    return json.dumps(full, sort_keys=True, separators=(",", ":")).encode()
+    """Compact, sorted-key JSON of ``{**meta, class, key, label}``, byte-identical to
+    ``json.dumps(..., sort_keys=True, separators=(",", ":"))`` but ~3x cheaper for flat metadata
+    (str/int values are encoded directly; anything else goes through ``json.dumps`` per value)."""
+    items: list[tuple[str, Any]] = [("class", cls), ("key", key), ("label", label)]
+    for k, v in meta.items():
+        if k not in _RESERVED_META:
+            if not isinstance(k, str):
+                raise UsageError(f"sample {key!r}: metadata keys must be strings, got {k!r}")
+            items.append((k, v))
+    items.sort(key=_first)
+    parts = []
+    for k, v in items:
+        t = type(v)
+        if t is str:
+            val = encode_basestring_ascii(v)
+        elif t is int:
+            val = int.__repr__(v)
+        else:
+            val = json.dumps(v, sort_keys=True, separators=(",", ":"))
+        parts.append(f"{encode_basestring_ascii(k)}:{val}")
+    return ("{" + ",".join(parts) + "}").encode()
+
+
+def _first(item: tuple[str, Any]) -> str:
+    return item[0]
 
 
 class TarShardWriter:
@@ -216,20 +244,31 @@ class TarShardWriter:
         cls = self.classes[label] if 0 <= label < len(self.classes) else ""
         self._keys.add(key)
 
-        buf = self._buf
         size = len(data)
-        buf += member_header(f"{key}.{ext}", size)
+        cls_bytes = b"%d" % label
+        js = _json_meta(key, label, cls, sample.meta)
+        kb = key.encode()
+        if len(kb) <= 95 and len(kb) + len(ext) <= 99 and kb.isascii():  # all names fit the 100-byte field
+            ks = sum(kb) + 46  # + "."
+            eb = ext.encode()
+            h_img = _fast_header(kb + b"." + eb, ks + sum(eb), size)
+            h_cls = _fast_header(kb + b".cls", ks + 322, len(cls_bytes))
+            h_js = _fast_header(kb + b".json", ks + 442, len(js))
+        else:
+            h_img = member_header(f"{key}.{ext}", size)
+            h_cls = member_header(f"{key}.cls", len(cls_bytes))
+            h_js = member_header(f"{key}.json", len(js))
+        buf = self._buf
+        buf += h_img
         offset = self._written + len(buf)
         buf += data
-        buf += _pad(size)
-        cls_bytes = b"%d" % label
-        buf += member_header(f"{key}.cls", len(cls_bytes))
+        buf += _PADS[-size % BLOCK]
+        buf += h_cls
         buf += cls_bytes
-        buf += _pad(len(cls_bytes))
-        js = _json_meta(key, label, cls, sample.meta)
-        buf += member_header(f"{key}.json", len(js))
+        buf += _PADS[-len(cls_bytes) % BLOCK]
+        buf += h_js
         buf += js
-        buf += _pad(len(js))
+        buf += _PADS[-len(js) % BLOCK]
         if len(buf) >= self._flush_bytes:
             self._flush()
         return Extent(offset, size)
