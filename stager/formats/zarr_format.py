@@ -23,11 +23,15 @@ samples give byte-identical files.
 from __future__ import annotations
 
 import os
+import struct
 import zipfile
 from collections.abc import Iterator, MutableMapping, Sequence
 from typing import Any
 
 import numpy as np
+import zarr
+from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteRequest
+from zarr.storage import ZipStore
 
 from ..errors import CorruptSampleError, ShardMissingError, SourceError, StagerError
 from ..manifest import Manifest, ShardInfo
@@ -36,14 +40,6 @@ from .base import Extent, Sample
 FORMAT_VERSION = "stager.zarr/1"
 ZIP_DATE = (1980, 1, 1, 0, 0, 0)
 READ_BLOCK_BYTES = 32 << 20  # iter_samples reads this many bytes of rows per zarr call
-
-
-def _zarr() -> Any:
-    try:
-        import zarr
-    except ImportError as exc:  # pragma: no cover - zarr is a dependency; kept for slim installs
-        raise StagerError("the zarr format needs zarr>=3: pip install 'zarr>=3'") from exc
-    return zarr
 
 
 def write_zip(path: str, members: MutableMapping[str, Any]) -> None:
@@ -107,7 +103,6 @@ class ZarrWriter:
         if self._closed:
             raise StagerError(f"{self.shard_name}: close() called twice")
         self._closed = True
-        zarr = _zarr()
         from zarr.codecs import Crc32cCodec
         from zarr.storage import MemoryStore
 
@@ -157,6 +152,81 @@ class ZarrWriter:
         self._rows.clear()
 
 
+_LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., name length, extra length (30 bytes)
+
+
+class RangeZipStore(ZipStore):
+    """A read-only :class:`zarr.storage.ZipStore` whose byte-range reads of stored members are one pread.
+
+    zipfile on Python 3.11 implements ``seek`` inside a member by reading up to the target, so
+    every partial read through the plain ZipStore (the shard index at the member's end, one image
+    in the middle) costs reading the whole shard. For ``ZIP_STORED`` members the bytes sit
+    verbatim in the archive, so this store reads ``[start, end)`` directly at the member's data
+    offset. Whole-member reads, and anything compressed, still go through zipfile (with its CRC
+    check); partial reads are covered by zarr's own crc32c on the shard index and on every chunk.
+    """
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path, mode="r")
+        with zipfile.ZipFile(path) as zf:
+            self._members = {i.filename: i for i in zf.infolist()}
+        self._fd = os.open(path, os.O_RDONLY)
+        self._data_start: dict[str, int] = {}
+
+    def _member_range(self, key: str) -> tuple[int, int] | None:
+        """``(absolute data offset, size)`` of a stored, unencrypted member, else None."""
+        info = self._members.get(key)
+        if info is None or info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 0x1:
+            return None
+        start = self._data_start.get(key)
+        if start is None:
+            header = os.pread(self._fd, _LOCAL_HEADER.size, info.header_offset)
+            if len(header) != _LOCAL_HEADER.size:
+                raise zipfile.BadZipFile(f"truncated local header of {key!r}")
+            magic, name_len, extra_len = _LOCAL_HEADER.unpack(header)
+            if magic != b"PK\x03\x04":
+                raise zipfile.BadZipFile(f"bad local header of {key!r}")
+            start = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+            self._data_start[key] = start
+        return start, info.file_size
+
+    def _pread(self, key: str, byte_range: Any) -> bytes | None:
+        where = self._member_range(key)
+        if where is None:
+            return None
+        start, size = where
+        if isinstance(byte_range, RangeByteRequest):
+            lo, hi = byte_range.start, byte_range.end
+        elif isinstance(byte_range, OffsetByteRequest):
+            lo, hi = byte_range.offset, size
+        elif isinstance(byte_range, SuffixByteRequest):
+            lo, hi = max(0, size - byte_range.suffix), size
+        else:
+            return None
+        lo, hi = min(max(lo, 0), size), min(max(hi, 0), size)
+        data = os.pread(self._fd, hi - lo, start + lo)
+        if len(data) != hi - lo:
+            raise EOFError(f"{self.path}: short read of {key!r} ({len(data)} of {hi - lo} bytes)")
+        return data
+
+    async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
+        if byte_range is not None and key in self._members:
+            data = self._pread(key, byte_range)
+            if data is not None:
+                return prototype.buffer.from_bytes(data)
+        return await super().get(key, prototype, byte_range)
+
+    async def get_partial_values(self, prototype: Any, key_ranges: Any) -> list[Any]:
+        return [await self.get(key, prototype, byte_range) for key, byte_range in key_ranges]
+
+    def close(self) -> None:
+        if self._is_open:
+            super().close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
 def _corrupt(path: str, what: str) -> CorruptSampleError:
     return CorruptSampleError(f"{path}: damaged zarr shard ({what}); run `stager verify` and re-stage or re-pack it")
 
@@ -173,6 +243,7 @@ class ZarrReader:
         self.info = info
         self._store: Any = None
         self._images: Any = None
+        self._labels: Any = None
         self._attrs: dict[str, Any] = {}
         self._pid = 0
 
@@ -180,20 +251,22 @@ class ZarrReader:
         # A zip handle inherited through fork() shares its file position with the parent: reopen.
         if self._images is not None and self._pid == os.getpid():
             return self._images
-        zarr = _zarr()
-        from zarr.storage import ZipStore
-
         if not os.path.exists(self.path):
             raise ShardMissingError(f"{self.path}: shard missing; re-stage the dataset or re-run `stager pack`")
+        store = None
         try:
-            store = ZipStore(self.path, mode="r")
+            store = RangeZipStore(self.path)
             group = zarr.open_group(store, mode="r", zarr_format=3)
             attrs = group.attrs.asdict()
             images = group["images"]
             labels = group["labels"]
-        except _DAMAGE as exc:
-            raise _corrupt(self.path, f"cannot open: {type(exc).__name__}: {exc}") from exc
-        self._validate(attrs, images, labels)
+            self._validate(attrs, images, labels)
+        except BaseException as exc:
+            if store is not None:
+                store.close()
+            if isinstance(exc, _DAMAGE):
+                raise _corrupt(self.path, f"cannot open: {type(exc).__name__}: {exc}") from exc
+            raise
         self._store, self._images, self._attrs, self._pid = store, images, attrs, os.getpid()
         self._labels = labels
         return images
