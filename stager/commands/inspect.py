@@ -1,0 +1,27 @@
+"""``stager inspect OUT``: summary and per-shard table of a pack, from its manifest."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..cli import add_common, emit
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "inspect",
+        help="summarise a pack (formats, counts, per-shard table)",
+        description="Print a pack's summary and per-shard table from its manifest.",
+    )
+    p.add_argument("path", metavar="OUT", help="pack directory or its manifest.json")
+    p.add_argument("--limit", type=int, default=50, help="table rows to print (default 50; --json prints all)")
+    add_common(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..inspect import format_summary, summarize
+
+    d = summarize(args.path)
+    emit(args, d, format_summary(d, args.limit))
+    return 0

@@ -1,0 +1,42 @@
+"""``stager verify OUT [--deep]``: re-hash every file of a pack; exit 3 naming each bad shard."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..cli import add_common, emit
+from ..errors import VerificationError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "verify",
+        help="check every shard's size and checksum (and samples with --deep)",
+        description="Re-hash every shard and companion file against manifest.json; --deep also "
+        "parses every sample through the format reader. Exit 3 if anything is bad.",
+    )
+    p.add_argument("path", metavar="OUT", help="pack (or staged) directory or its manifest.json")
+    p.add_argument("--deep", action="store_true", help="also parse every sample and compare it with the index")
+    p.add_argument("--threads", type=int, default=4, help="files hashed concurrently (default 4)")
+    add_common(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..verify import verify
+
+    r = verify(args.path, deep=args.deep, threads=max(1, args.threads))
+    mode = "deep " if r.deep else ""
+    if r.ok:
+        emit(
+            args,
+            r.to_json(),
+            f"{r.path}: OK ({mode}{r.files} files, {r.samples:,} samples, {r.bytes / 1e6:,.1f} MB in {r.seconds:.1f}s)",
+        )
+        return 0
+    emit(args, r.to_json())
+    for name, reason in r.bad:
+        print(f"stager verify: BAD {name}: {reason}", file=sys.stderr)
+    print(f"stager verify: error: {len(r.bad)} of {r.files} files failed; re-stage or re-pack them", file=sys.stderr)
+    return VerificationError.exit_code

@@ -1,0 +1,76 @@
+"""Summaries of a packed directory for humans (a table) and scripts (JSON), from its manifest."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from .manifest import Manifest, load_manifest
+
+
+def summarize(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The manifest's summary and a per-shard table (no per-sample index) as a JSON-able dict."""
+    m = load_manifest(path)
+    counts = class_counts(m)
+    return {
+        "path": os.fspath(path),
+        "dataset_id": m.dataset_id,
+        "format": m.format,
+        "sample_kind": m.sample_kind,
+        "image_shape": list(m.image_shape) if m.image_shape else None,
+        "hash_algo": m.hash_algo,
+        "created": m.created,
+        "stager_version": m.stager_version,
+        "samples": m.num_samples,
+        "shards": len(m.shards),
+        "bytes": m.num_bytes,
+        "classes": len(m.classes),
+        "class_names": m.classes,
+        "samples_per_class": {
+            "min": int(counts.min()) if counts.size else 0,
+            "max": int(counts.max()) if counts.size else 0,
+        },
+        "skipped": len(m.skipped),
+        "source": m.source,
+        "options": m.options,
+        "shard_table": [
+            {
+                "name": s.name,
+                "samples": s.samples,
+                "bytes": s.bytes,
+                "hash": s.hash,
+                "aux": [a.name for a in s.aux],
+                "payload_bytes": int(s.sizes.sum()) if s.samples else 0,
+            }
+            for s in m.shards
+        ],
+    }
+
+
+def format_summary(d: dict[str, Any], limit: int | None = None) -> str:
+    """A human-readable summary plus the per-shard table (first ``limit`` rows if given)."""
+    lines = [
+        f"{d['path']}: {d['format']} pack, {d['samples']:,} samples in {d['shards']} shards, "
+        f"{d['bytes'] / 1e6:,.1f} MB, {d['classes']} classes (id {d['dataset_id']})",
+        f"  source: {d['source'].get('kind', '?')} {d['source'].get('path', '')}"
+        + (f" split={d['source']['split']}" if d["source"].get("split") else ""),
+        f"  samples: {d['sample_kind']}"
+        + (f" {'x'.join(map(str, d['image_shape']))}" if d["image_shape"] else "")
+        + f"; hash {d['hash_algo']}; created {d['created']}; skipped {d['skipped']}",
+        f"  {'shard':<28} {'samples':>9} {'bytes':>14} {'hash':<18} aux",
+    ]
+    rows = d["shard_table"] if limit is None else d["shard_table"][:limit]
+    for r in rows:
+        aux = " ".join(r["aux"])
+        lines.append(f"  {r['name']:<28} {r['samples']:>9,} {r['bytes']:>14,} {r['hash'][:16]:<18} {aux}")
+    if limit is not None and len(d["shard_table"]) > limit:
+        lines.append(f"  ... {len(d['shard_table']) - limit} more shards (--json for all)")
+    return "\n".join(lines)
+
+
+def class_counts(m: Manifest) -> np.ndarray:
+    """int64 array of length ``len(m.classes)``: samples per class."""
+    labels = np.concatenate([s.labels for s in m.shards]) if m.shards else np.zeros(0, np.int64)
+    return np.bincount(labels[labels >= 0], minlength=len(m.classes)).astype(np.int64)
