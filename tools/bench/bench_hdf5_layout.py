@@ -161,9 +161,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             os.close(fd)
         return rand_bytes
 
+    ceiling_buf = bytearray(8 << 20)
+
     def whole_file() -> int:
+        # Sequential readinto a reused buffer: the I/O ceiling without allocation/page-fault costs.
+        total = 0
         with open(contiguous, "rb", buffering=0) as f:
-            return len(f.read())
+            while k := f.readinto(ceiling_buf):
+                total += k
+        return total
 
     # Check both layouts hold the same bytes before timing anything.
     with h5py.File(vlen, "r") as f:
@@ -253,6 +259,23 @@ def markdown(res: dict[str, Any]) -> str:
         f"File sizes: contiguous {res['file_bytes']['contiguous']:,} B, vlen {res['file_bytes']['vlen']:,} B, "
         f"payload {res['file_bytes']['payload']:,} B. Write time: contiguous "
         f"{res['write_seconds']['contiguous']:.2f} s, vlen {res['write_seconds']['vlen']:.2f} s.",
+        "",
+        "## Why, and what stager writes",
+        "",
+        "stager writes the **contiguous** layout. With the file in the page cache (the staged, node-local",
+        "case the loader is built for) reading is CPU-bound and contiguous wins clearly: a run of samples is",
+        "one hyperslab read of bytes followed by zero-copy slicing, while a vlen read makes HDF5 look up one",
+        "global-heap object per sample, convert each to its own numpy array and build an object array.",
+        "Random single samples widen the gap, since every vlen element costs a heap-collection lookup on",
+        "top of the per-call overhead. Reading uncached data the device dominates, so runs come out",
+        "about even (both layouts keep image bytes in sample order on disk), and random reads still favour",
+        "contiguous because each vlen element needs its heap collection's metadata first.",
+        "",
+        "The decisive property is independent of the figures: only the contiguous layout puts each",
+        "sample at a fixed file offset (`images.id.get_offset() + offsets[i]`), which stager records in",
+        "the manifest so the loader reads images with `os.pread` (coalescing runs into one read) without",
+        "importing h5py, without HDF5's global lock, and safely across forked DataLoader workers. File",
+        "sizes are within 0.2% of each other.",
         "",
     ]
     return "\n".join(lines)
