@@ -1,0 +1,153 @@
+"""Image decoding and the built-in train/eval transforms, as fast as the installed libraries allow.
+
+Public API (the loader calls these per sample)::
+
+    decode_rgb(data) -> (H, W, 3) uint8
+    image_size(data) -> (height, width)             # header only, nothing decoded
+    decode_random_resized_crop(data, size, rng, scale=(0.08, 1.0), ratio=(3/4, 4/3), flip=True)
+        -> (size, size, 3) uint8                    # torchvision RandomResizedCrop + RandomHorizontalFlip
+    decode_center_crop(data, size, resize=None) -> (size, size, 3) uint8   # Resize(round(size/0.875)) + CenterCrop
+    backend() -> str                                # the backend in use, e.g. "simplejpeg+cv2"
+
+All arrays are C-contiguous RGB uint8 whatever the input (gray, CMYK, palette, alpha). Undecodable
+bytes and images over ``PIL.Image.MAX_IMAGE_PIXELS`` raise :class:`stager.errors.CorruptSampleError`.
+
+Backends (registry ``BACKENDS``): ``"fast"`` (simplejpeg/libjpeg-turbo with DCT scaling and row
+truncation, cv2 resize) and ``"pil"`` (Pillow, step for step torchvision's PIL transforms). The
+default is the first importable of ``fast``, ``pil``; override with ``STAGER_DECODE_BACKEND=pil``
+(read at import), :func:`set_backend`, or the ``decoder=`` argument of each function
+(:func:`get_decoder` builds one). See docs/decoding.md for the measurements behind the choice.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from stager.decode.base import Decoder, Probe
+from stager.decode.crop import check_crop_args, default_resize, random_resized_crop_box
+from stager.decode.pil_backend import PilDecoder
+from stager.errors import UsageError
+
+__all__ = [
+    "BACKENDS",
+    "Decoder",
+    "Probe",
+    "backend",
+    "decode_center_crop",
+    "decode_random_resized_crop",
+    "decode_rgb",
+    "get_decoder",
+    "image_size",
+    "set_backend",
+]
+
+
+def _fast() -> Decoder:
+    from stager.decode.fast_backend import FastJpegDecoder
+
+    return FastJpegDecoder()
+
+
+# name -> factory; factories raise ImportError when their library is missing.
+BACKENDS: dict[str, Callable[[], Decoder]] = {"fast": _fast, "pil": PilDecoder}
+_PREFERENCE = ("fast", "pil")
+ENV_VAR = "STAGER_DECODE_BACKEND"
+
+
+def get_decoder(name: str = "auto") -> Decoder:
+    """A decoder by registry name, or ``"auto"``: the first of fast, pil whose libraries import."""
+    if name == "auto":
+        for candidate in _PREFERENCE:
+            try:
+                return BACKENDS[candidate]()
+            except ImportError:
+                continue
+        raise AssertionError("unreachable: the pil backend needs only Pillow")  # pragma: no cover
+    if name not in BACKENDS:
+        raise UsageError(f"unknown decode backend {name!r}; expected one of auto, {', '.join(BACKENDS)}")
+    try:
+        return BACKENDS[name]()
+    except ImportError as e:
+        raise UsageError(
+            f"decode backend {name!r} needs a missing library ({e}); install it with `pip install stager[fastjpeg]` "
+            "or choose another backend"
+        ) from None
+
+
+class _Default:
+    """Holder of the process-wide default decoder (a module global rebound by set_backend)."""
+
+    decoder: Decoder = get_decoder(os.environ.get(ENV_VAR, "auto") or "auto")
+
+
+def set_backend(name: str) -> str:
+    """Switch the process-wide default decoder; returns its :func:`backend` name.
+
+    Loader worker processes started with ``fork`` inherit it; with ``spawn`` set the environment
+    variable instead, which every process reads at import.
+    """
+    _Default.decoder = get_decoder(name)
+    return _Default.decoder.name
+
+
+def backend() -> str:
+    """Name of the default decoder: ``"simplejpeg+cv2"``, ``"simplejpeg+pil"`` or ``"pil"``."""
+    return _Default.decoder.name
+
+
+def _as_bytes(data: bytes | bytearray | memoryview) -> bytes:
+    return data if isinstance(data, bytes) else bytes(data)
+
+
+def decode_rgb(data: bytes, *, decoder: Decoder | None = None) -> np.ndarray:
+    """Decode the whole image to a C-contiguous ``(H, W, 3)`` uint8 RGB array."""
+    return (decoder or _Default.decoder).decode_rgb(_as_bytes(data))
+
+
+def image_size(data: bytes, *, decoder: Decoder | None = None) -> tuple[int, int]:
+    """``(height, width)`` from the header without decoding; refuses decompression bombs."""
+    p = (decoder or _Default.decoder).probe(_as_bytes(data))
+    return p.height, p.width
+
+
+def decode_random_resized_crop(  # noqa: PLR0917 (positional signature fixed by the loader contract)
+    data: bytes,
+    size: int,
+    rng: np.random.Generator,
+    scale: Sequence[float] = (0.08, 1.0),
+    ratio: Sequence[float] = (3 / 4, 4 / 3),
+    flip: bool = True,
+    *,
+    decoder: Decoder | None = None,
+) -> np.ndarray:
+    """torchvision ``RandomResizedCrop(size, scale, ratio)`` then ``RandomHorizontalFlip()``.
+
+    The crop box and then (when ``flip``) the flip coin (p=0.5) are drawn from ``rng``, so the same
+    generator state gives the same output on every backend's geometry. Returns ``(size, size, 3)``
+    uint8, C-contiguous.
+    """
+    check_crop_args(size, scale, ratio)
+    dec = decoder or _Default.decoder
+    data = _as_bytes(data)
+    probe = dec.probe(data)
+    box = random_resized_crop_box(probe.height, probe.width, rng, scale, ratio)
+    do_flip = flip and rng.random() < 0.5
+    out = dec.crop_resize(data, probe, box, int(size))
+    return dec.flip(out) if do_flip else out
+
+
+def decode_center_crop(
+    data: bytes, size: int, resize: int | None = None, *, decoder: Decoder | None = None
+) -> np.ndarray:
+    """The standard eval transform: shorter side to ``resize`` (default ``round(size / 0.875)``,
+    256 for 224), then the central ``(size, size, 3)`` uint8."""
+    check_crop_args(size, (1.0, 1.0), (1.0, 1.0))
+    resize = default_resize(int(size)) if resize is None else resize
+    if int(resize) != resize or resize < size:
+        raise UsageError(f"resize must be an integer >= size ({size}), got {resize!r}")
+    dec = decoder or _Default.decoder
+    data = _as_bytes(data)
+    return dec.center_crop(data, dec.probe(data), int(size), int(resize))
