@@ -1,0 +1,88 @@
+"""Shuffled, rank-partitioned, resumable batches for PyTorch DDP (docs/loader.md).
+
+``make_loader(path, batch_size, ...)`` reads a packed directory (local path or fsspec URL; any of
+the four formats), its staged node-local copy when ``stager stage`` made one, or a plain ImageFolder
+tree. Modules: :mod:`.plan` (the epoch plan, pure functions), :mod:`.index` / :mod:`.source` (what
+to read and from where), :mod:`.dataset` (``ShardedDataset``), :mod:`.batching` (shared-memory
+batches), :mod:`.transforms`, :mod:`.state`, :mod:`.stats`, :mod:`.loader` (``Loader``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .dataset import ShardedDataset
+from .loader import Loader
+from .state import LoaderState
+
+__all__ = ["Loader", "LoaderState", "ShardedDataset", "make_loader"]
+
+
+def make_loader(
+    path: str | os.PathLike[str],
+    batch_size: int,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    num_workers: int = 0,
+    seed: int = 0,
+    shuffle: bool | str = True,
+    decode: str = "uint8",
+    transform: Any = None,
+    image_size: int = 224,
+    drop_last: bool = False,
+    on_error: str = "raise",
+    pin_memory: bool = False,
+    prefetch_factor: int | None = None,
+    storage_options: dict[str, Any] | None = None,
+    staged: bool | str = "auto",
+    staging_roots: tuple[str, ...] = (),
+    run_bytes: int = 1 << 20,
+    min_run: int = 4,
+    shuffle_buffer: int | None = None,
+    shuffle_buffer_bytes: int = 256 << 20,
+    multiprocessing_context: Any = None,
+    timeout: float = 0,
+) -> Loader:
+    """A per-rank iterable of batch dicts ``{"key", "label", "index", "image"}`` (see docs/loader.md).
+
+    ``rank``/``world_size`` default to torch.distributed, then the launcher's environment
+    (:meth:`stager.world.World.detect`). ``shuffle``: True (= ``"runs"``), False (manifest order),
+    or a mode name (``"runs"``, ``"shards"``, ``"random"``). ``drop_last=False`` pads every rank to
+    ``ceil(N / world_size)`` samples by repeating samples (the last batch may be short);
+    ``drop_last=True`` keeps ``floor(N / world_size)`` per rank and only full batches. Shuffle
+    memory is bounded by ``shuffle_buffer_bytes`` per rank (or ``shuffle_buffer`` samples per
+    worker); reads are runs of ~``run_bytes`` (at least ``min_run`` samples).
+    """
+    if num_workers < 0:
+        raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+    ds = ShardedDataset(
+        path,
+        batch_size,
+        rank=rank,
+        world_size=world_size,
+        num_workers=num_workers,
+        seed=seed,
+        shuffle=shuffle,
+        decode=decode,
+        transform=transform,
+        image_size=image_size,
+        drop_last=drop_last,
+        on_error=on_error,
+        storage_options=storage_options,
+        staged=staged,
+        staging_roots=staging_roots,
+        run_bytes=run_bytes,
+        min_run=min_run,
+        shuffle_buffer=shuffle_buffer,
+        shuffle_buffer_bytes=shuffle_buffer_bytes,
+    )
+    return Loader(
+        ds,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        prefetch_factor=prefetch_factor,
+        multiprocessing_context=multiprocessing_context,
+        timeout=timeout,
+    )

@@ -1,0 +1,297 @@
+"""``ShardedDataset``: a torch IterableDataset that yields whole batches of one rank's epoch plan.
+
+Each DataLoader worker ``k`` of ``W`` produces the rank's batches ``k, k + W, ...`` (torch's
+in-order round robin then hands them out as batches ``0, 1, 2, ...``), reading its stream of runs
+front to back with one read per run and emitting samples through its shuffle buffer (see
+:mod:`stager.loader.plan`). Use it with ``DataLoader(ds, batch_size=None, num_workers=W)``, or let
+:func:`stager.loader.make_loader` do that.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from ..errors import CorruptSampleError, UsageError
+from . import plan as planlib
+from .batching import pack_raw, stack_images
+from .source import Resolved, ShardAccess, check_shards, resolve, validate_partition
+from .transforms import make_sample_fn
+
+_TAG_AUGMENT = 3
+DEFAULT_RUN_BYTES = 1 << 20
+DEFAULT_MIN_RUN = 4
+DEFAULT_BUFFER_BYTES = 256 << 20
+MAX_BUFFER_SAMPLES = 1 << 16
+
+
+class ShardedDataset(IterableDataset):
+    """One rank's shuffled, padded share of a packed dataset (or ImageFolder tree), as batches.
+
+    Batches are dicts: ``key`` (list[str]), ``label`` (int64 tensor (B,)), ``index`` (int64 tensor
+    (B,), global sample ids in manifest order), and ``image`` (uint8 (B, C, H, W), channels-last
+    memory) for ``decode="uint8"``, ``data``/``offsets`` (one uint8 buffer + int64 (B + 1,)) for
+    ``"raw"``, or ``image`` (list of PIL images) for ``"pil"``. ``_w`` carries the worker's timing
+    figures (consumed by :class:`~stager.loader.Loader`).
+
+    ``num_workers=None`` takes the worker count from the DataLoader at iteration time (the order
+    depends on it; the Loader always passes it explicitly so that its state can be resumed).
+    """
+
+    def __init__(
+        self,
+        path: Any,
+        batch_size: int,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        num_workers: int | None = 0,
+        seed: int = 0,
+        shuffle: bool | str = True,
+        decode: str = "uint8",
+        transform: Any = None,
+        image_size: int = 224,
+        drop_last: bool = False,
+        on_error: str = "raise",
+        storage_options: dict[str, Any] | None = None,
+        staged: bool | str = "auto",
+        staging_roots: tuple[str, ...] = (),
+        run_bytes: int = DEFAULT_RUN_BYTES,
+        min_run: int = DEFAULT_MIN_RUN,
+        shuffle_buffer: int | None = None,
+        shuffle_buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+        resolved: Resolved | None = None,
+    ) -> None:
+        from ..world import World
+
+        if on_error not in ("raise", "skip"):
+            raise UsageError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        mode = ("runs" if shuffle is True else "none") if isinstance(shuffle, bool) else shuffle
+        if mode not in planlib.SHUFFLE_MODES:
+            raise UsageError(
+                f"shuffle must be True, False or one of {', '.join(planlib.SHUFFLE_MODES)}, got {shuffle!r}"
+            )
+        self.res = resolved or resolve(
+            path, storage_options=storage_options, staged=staged, staging_roots=staging_roots
+        )
+        if mode == "random" and not self.res.is_local:
+            raise UsageError(
+                f"{self.res.root}: shuffle='random' reads one sample per request and is meant for local copies; "
+                "use the default shuffle='runs' for remote storage"
+            )
+        world = World.detect(rank, world_size)
+        self.rank, self.world_size = world.rank, world.world_size
+        self.index = self.res.index
+        self.num_workers = num_workers
+        self.batch_size, self.seed, self.mode, self.drop_last = batch_size, seed, mode, drop_last
+        self.decode, self.transform, self.image_size, self.on_error = decode, transform, image_size, on_error
+        self._sample_fn = make_sample_fn(decode, transform, image_size, self.index.kind)
+        payload = self.index.payload_bytes()
+        counts = np.diff(self.index.starts)
+        self.run_len = planlib.run_lengths(counts, payload, run_bytes, min_run)
+        mean = float(payload.sum()) / max(1, self.index.num_samples)
+        self._buffer_override = shuffle_buffer
+        self._buffer_bytes = shuffle_buffer_bytes
+        self._mean_sample = mean
+        # Node-partitioned staged copy: this rank plans over the node's shards only, as rank
+        # ``local_rank`` of ``ranks_per_node``, with a per-rank count every node derives alike.
+        self._local_mask: np.ndarray | None = None
+        self._plan_rank, self._plan_world, self._per_rank = self.rank, self.world_size, None
+        if self.res.local_shards is not None:
+            _node, rpn, lrank = validate_partition(self.res, self.rank, self.world_size)
+            self._plan_rank, self._plan_world = lrank, rpn
+            self._per_rank = self._partition_per_rank(rpn)
+            self._local_mask = np.zeros(self.index.num_samples, dtype=bool)
+            for s in self.res.local_shards.tolist():
+                self._local_mask[self.index.starts[s] : self.index.starts[s + 1]] = True
+        needed = self.res.local_shards if self.res.local_shards is not None else np.arange(self.index.num_shards)
+        check_shards(self.res, needed)
+        self.epoch = 0
+        self.start_batch = 0
+        # Elastic resume: the epoch's remaining samples in the old plan's order (None: plain plan).
+        self.seq_override: np.ndarray | None = None
+
+    # ---- planning -------------------------------------------------------------------------------
+    def _partition_per_rank(self, rpn: int) -> int:
+        from ..partition import assign_shards_to_nodes
+
+        part = self.res.partition or {}
+        m = self.index.manifest
+        assert m is not None
+        groups = assign_shards_to_nodes(m, int(part["num_nodes"]), int(part.get("seed", 0)))
+        totals = [sum(m.shards[s].samples for s in g) for g in groups]
+        per = [planlib.samples_per_rank(t, rpn, self.drop_last) for t in totals]
+        return min(per) if self.drop_last else max(per)
+
+    def streams(self) -> int:
+        nw = self.num_workers
+        if nw is None:
+            info = get_worker_info()
+            nw = info.num_workers if info is not None else 0
+        return max(1, nw)
+
+    def buffer_samples(self, streams: int | None = None) -> int:
+        """Per-worker shuffle buffer ``K`` (samples): ``shuffle_buffer`` or the byte budget per rank / workers."""
+        if self._buffer_override is not None:
+            return int(self._buffer_override)
+        per_worker = self._buffer_bytes / (streams or self.streams())
+        return int(max(1, min(MAX_BUFFER_SAMPLES, per_worker // max(self._mean_sample, 1.0))))
+
+    def config(self) -> planlib.PlanConfig:
+        return planlib.PlanConfig(
+            batch_size=self.batch_size,
+            world_size=self._plan_world,
+            num_workers=self.streams() if self.num_workers is None else self.num_workers,
+            seed=self.seed,
+            mode=self.mode,
+            drop_last=self.drop_last,
+            buffer_samples=self.buffer_samples(),
+            samples_per_rank=self._per_rank,
+        )
+
+    def epoch_sequence(self, epoch: int) -> np.ndarray:
+        """The epoch's order of the samples this rank's group plans over (all, or this node's)."""
+        seq = planlib.epoch_sequence(self.index.starts, self.run_len, self.config(), epoch)
+        if self._local_mask is not None:
+            seq = seq[self._local_mask[seq]]
+        return seq
+
+    def plan(self, epoch: int | None = None) -> planlib.RankPlan:
+        e = self.epoch if epoch is None else epoch
+        seq = self.seq_override if (self.seq_override is not None and e == self.epoch) else self.epoch_sequence(e)
+        return planlib.plan_rank(self.index.starts, self.run_len, self.config(), self._plan_rank, epoch=e, seq=seq)
+
+    def batch_sizes(self) -> np.ndarray:
+        """This rank's batch sizes for the current epoch (cheap: no shuffling)."""
+        if self.seq_override is not None:
+            total = len(self.seq_override)
+        elif self._local_mask is not None:
+            total = int(self._local_mask.sum())
+        else:
+            total = self.index.num_samples
+        per = (
+            self._per_rank
+            if self._per_rank is not None
+            else planlib.samples_per_rank(total, self._plan_world, self.drop_last)
+        )
+        return planlib.batch_sizes(per, self.batch_size, self.drop_last)
+
+    def __len__(self) -> int:
+        """Batches per rank in the current epoch (the same on every rank)."""
+        return len(self.batch_sizes())
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.seq_override = None
+        self.epoch = epoch
+        self.start_batch = 0
+
+    # ---- iteration ------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        info = get_worker_info()
+        phys, nphys = (info.id, info.num_workers) if info is not None else (0, 1)
+        cfg = self.config()
+        if nphys != cfg.streams:
+            raise UsageError(
+                f"ShardedDataset was planned for {cfg.streams} worker stream(s) but runs in {nphys}; "
+                "pass the DataLoader's num_workers (or num_workers=None) to ShardedDataset"
+            )
+        logical = (phys + self.start_batch) % cfg.streams
+        rplan = self.plan()
+        wp = rplan.workers[logical]
+        access = ShardAccess(self.res)
+        try:
+            yield from self._worker_batches(wp, access)
+        finally:
+            access.close()
+
+    def _worker_batches(self, wp: planlib.WorkerPlan, access: ShardAccess) -> Iterator[dict[str, Any]]:
+        idx = self.index
+        b0 = int(np.searchsorted(wp.batches, self.start_batch))
+        skip = int(wp.sizes[:b0].sum())
+        needed = np.zeros(len(wp.stream), dtype=bool)
+        needed[wp.emit[skip:]] = True
+        segs = planlib.segments(wp.stream, idx.starts)
+        cache: dict[int, Any] = {}
+        seg_i, loaded = 0, 0
+        for b in range(b0, len(wp.batches)):
+            io_s = dec_s = 0.0
+            nbytes = 0
+            pos = wp.batch_positions(b)
+            hi = int(pos.max()) + 1 if len(pos) else 0
+            while loaded < hi:
+                lo_s, hi_s, shard = segs[seg_i]
+                seg_i += 1
+                want = np.flatnonzero(needed[lo_s:hi_s]) + lo_s
+                if len(want):
+                    t = time.perf_counter()
+                    payloads, nb = self._read(access, shard, wp.stream[want] - idx.starts[shard])
+                    io_s += time.perf_counter() - t
+                    nbytes += nb
+                    cache.update(zip(want.tolist(), payloads, strict=True))
+                loaded = hi_s
+            j = int(wp.batches[b])
+            rng = np.random.default_rng((self.seed, self.epoch, _TAG_AUGMENT, self.world_size, self.rank, j))
+            ids = wp.stream[pos]
+            keys, items, labels, kept, skipped = [], [], [], [], []
+            t = time.perf_counter()
+            for p, gid in zip(pos.tolist(), ids.tolist(), strict=True):
+                payload = cache.pop(p)
+                key = idx.keys[gid]
+                try:
+                    if payload is None:
+                        raise CorruptSampleError("unreadable payload")
+                    item = self._sample_fn(payload, rng)
+                except Exception as exc:
+                    if self.on_error == "skip":
+                        skipped.append(key)
+                        continue
+                    shard = int(idx.shard_of(np.array([gid]))[0])
+                    raise CorruptSampleError(
+                        f"{self.res.shard_path(shard)}: sample {key!r} cannot be decoded "
+                        f"({type(exc).__name__}: {exc}); run `stager verify --deep` or pass on_error='skip'"
+                    ) from exc
+                keys.append(key)
+                items.append(item)
+                labels.append(int(idx.labels[gid]))
+                kept.append(gid)
+            batch: dict[str, Any] = {
+                "key": keys,
+                "label": torch.tensor(labels, dtype=torch.int64),
+                "index": torch.tensor(kept, dtype=torch.int64),
+            }
+            if self.decode == "raw":
+                batch["data"], batch["offsets"] = pack_raw(items)
+            elif self.decode == "pil":
+                batch["image"] = items
+            else:
+                batch["image"] = stack_images(items)
+            dec_s = time.perf_counter() - t
+            batch["_w"] = {"bytes": nbytes, "io_s": io_s, "decode_s": dec_s, "skipped": skipped, "batch": j}
+            yield batch
+
+    def _read(self, access: ShardAccess, shard: int, positions: np.ndarray) -> tuple[list[Any], int]:
+        """Read a run; on a damaged run, isolate the bad samples (None payloads) or name the key."""
+        try:
+            return access.read(shard, positions)
+        except CorruptSampleError:
+            if len(positions) == 1 and self.on_error == "raise":
+                key = self.index.keys[int(self.index.starts[shard] + positions[0])]
+                raise CorruptSampleError(
+                    f"{self.res.shard_path(shard)}: sample {key!r} is damaged; run `stager verify --deep` "
+                    "or pass on_error='skip'"
+                ) from None
+            if len(positions) == 1:
+                return [None], 0
+        out: list[Any] = []
+        total = 0
+        for p in positions.tolist():
+            got, nb = self._read(access, shard, np.array([p], dtype=np.int64))
+            out += got
+            total += nb
+        return out, total

@@ -1,0 +1,329 @@
+"""``Loader``: the object :func:`make_loader` returns (epochs, length, resume state, stats).
+
+It wraps a :class:`ShardedDataset` in a torch DataLoader (``batch_size=None``: batches are built in
+the workers) or iterates it in-process when ``num_workers=0``, counts the batches it hands out
+(that count is the resume position), turns raw batches' shared buffers into per-sample
+``memoryview`` slices, and aggregates the workers' timing figures.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from ..errors import UsageError
+from . import plan as planlib
+from .batching import raw_views
+from .dataset import ShardedDataset
+from .state import LoaderState
+from .stats import LoaderStats
+
+log = logging.getLogger("stager.loader")
+
+
+class Loader:
+    """Iterable of batch dicts for one rank (see :class:`ShardedDataset` for the batch layout).
+
+    ``len(loader)`` is the number of batches per rank in the current epoch, equal on every rank.
+    After a complete pass the next ``iter()`` moves to the next epoch unless ``set_epoch`` is
+    called; ``set_epoch(e)`` with the epoch of a just-loaded state keeps the resume position.
+    """
+
+    def __init__(
+        self,
+        dataset: ShardedDataset,
+        *,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        prefetch_factor: int | None = None,
+        multiprocessing_context: Any = None,
+        timeout: float = 0,
+    ) -> None:
+        self.dataset = dataset
+        self.num_workers = num_workers
+        self.pin_memory = pin_memory
+        self.prefetch_factor = prefetch_factor
+        self.multiprocessing_context = multiprocessing_context
+        self.timeout = timeout
+        self._done = 0
+        self._resume_pending = False
+        self._completed = False
+        self._parent: dict[str, Any] | None = None
+        res = dataset.res
+        self._stats = LoaderStats(
+            rank=dataset.rank,
+            world_size=dataset.world_size,
+            source=res.source,
+            reading_from=res.root,
+            staged=res.staged,
+            staged_mode=res.receipt.mode if res.receipt is not None else None,
+        )
+        self._log_plan()
+
+    def _log_plan(self) -> None:
+        sizes = self.dataset.batch_sizes()
+        per = int(sizes.sum())
+        total = self._total_in_plan()
+        if self.dataset._local_mask is not None:
+            log.info(
+                "stager.loader: node-partitioned staged copy: rank %d reads only this node's %d samples "
+                "(node-local shuffle), %d per rank on every node",
+                self.dataset.rank,
+                total,
+                per,
+            )
+        world = self.dataset._plan_world
+        padded = max(0, world * per - total)
+        dropped = max(0, total - world * per)
+        if padded:
+            log.info("stager.loader: epoch padded with %d repeated samples so all %d ranks get %d", padded, world, per)
+        if dropped:
+            log.info("stager.loader: drop_last drops %d samples per epoch (%d per rank kept)", dropped, per)
+
+    # ---- epoch / length ---------------------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        return self.dataset.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        if self._resume_pending and epoch == self.dataset.epoch:
+            return
+        self._resume_pending = False
+        self._completed = False
+        self._done = 0
+        self._parent = None
+        self.dataset.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    # ---- iteration ----------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        if self._completed and not self._resume_pending:
+            self.set_epoch(self.dataset.epoch + 1)
+        if not self._resume_pending:
+            self._done = 0
+        self._resume_pending = False
+        self._completed = False
+        ds = self.dataset
+        ds.start_batch = self._done
+        total = len(ds)
+        if self._done >= total:
+            self._completed = True
+            return
+        plan_sizes = ds.batch_sizes()
+        rank_ids_padded = self._padded_positions()
+        it: Any
+        if self.num_workers == 0:
+            it = iter(ds)
+        else:
+            from torch.utils.data import DataLoader
+
+            kwargs: dict[str, Any] = {}
+            if self.prefetch_factor is not None:
+                kwargs["prefetch_factor"] = self.prefetch_factor
+            dl = DataLoader(
+                ds,
+                batch_size=None,
+                num_workers=self.num_workers,
+                pin_memory=self.pin_memory,
+                multiprocessing_context=self.multiprocessing_context,
+                timeout=self.timeout,
+                **kwargs,
+            )
+            it = iter(dl)
+        st = self._stats
+        st.start()
+        try:
+            while True:
+                t = time.perf_counter()
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    break
+                st.wait_seconds += time.perf_counter() - t
+                w = batch.pop("_w")
+                if int(w["batch"]) != self._done:  # the round-robin contract, checked on every batch
+                    raise RuntimeError(f"stager.loader: expected batch {self._done}, worker sent {w['batch']}")
+                st.add_worker(w)
+                st.batches += 1
+                st.samples += len(batch["key"])
+                st.padded += int(rank_ids_padded[self._done])
+                if "data" in batch:
+                    batch["image"] = raw_views(batch["data"], batch["offsets"])
+                self._done += 1
+                if self._done == len(plan_sizes):
+                    self._completed = True
+                st.stop()
+                yield batch
+                st.start()
+        finally:
+            st.stop()
+            if hasattr(it, "_shutdown_workers"):
+                it._shutdown_workers()
+
+    def _padded_positions(self) -> np.ndarray:
+        """Per batch of this rank: how many of its samples are padding repeats (int64, (batches,))."""
+        ds = self.dataset
+        sizes = ds.batch_sizes()
+        per = int(sizes.sum())
+        total = len(ds.seq_override) if ds.seq_override is not None else ds.index.num_samples
+        if ds._local_mask is not None:
+            total = int(ds._local_mask.sum())
+        lo = ds._plan_rank * (self._per_rank_slice())
+        out = np.zeros(len(sizes), dtype=np.int64)
+        if total == 0:
+            return out
+        # Rank slice positions >= total (mod nothing) are repeats; they land in the rank's last
+        # worker streams. Count them per batch through the plan's stream layout.
+        n_pad = max(0, min(per, lo + per - max(lo, total)))
+        if n_pad == 0:
+            return out
+        rplan = ds.plan()
+        for wp in rplan.workers:
+            # Stream positions of this worker that correspond to padded slice positions.
+            start = int(sum(int(w.sizes.sum()) for w in rplan.workers[: wp.worker]))
+            slice_pos = start + np.arange(len(wp.stream))
+            is_pad = (lo + slice_pos) >= total
+            for b in range(len(wp.batches)):
+                out[int(wp.batches[b])] = int(is_pad[wp.batch_positions(b)].sum())
+        return out
+
+    def _per_rank_slice(self) -> int:
+        ds = self.dataset
+        if ds._per_rank is not None:
+            return ds._per_rank
+        total = len(ds.seq_override) if ds.seq_override is not None else ds.index.num_samples
+        return planlib.samples_per_rank(total, ds._plan_world, ds.drop_last)
+
+    # ---- observability ------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Per-rank figures: samples/s, bytes/s, I/O vs decode seconds, padded, skipped, staged or source."""
+        d = self._stats.to_dict()
+        d["dropped"] = max(0, self._total_in_plan() - self.dataset._plan_world * int(self.dataset.batch_sizes().sum()))
+        return d
+
+    def _total_in_plan(self) -> int:
+        ds = self.dataset
+        if ds.seq_override is not None:
+            return len(ds.seq_override)
+        if ds._local_mask is not None:
+            return int(ds._local_mask.sum())
+        return ds.index.num_samples
+
+    # ---- resume ----------------------------------------------------------------------------------------
+    def _plan_key(self) -> str:
+        ds = self.dataset
+        h = xxhash.xxh3_64()
+        h.update(np.ascontiguousarray(ds.run_len).tobytes())
+        h.update(f"{ds._per_rank}".encode())
+        return h.hexdigest()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position between batches: a plain dict (see :class:`~stager.loader.state.LoaderState`)."""
+        ds = self.dataset
+        st = LoaderState(
+            dataset_id=ds.index.dataset_id,
+            epoch=ds.epoch,
+            batches_done=self._done if (self._done or self._completed or self._resume_pending) else 0,
+            seed=ds.seed,
+            world_size=ds.world_size,
+            num_workers=self.num_workers,
+            batch_size=ds.batch_size,
+            mode=ds.mode,
+            drop_last=ds.drop_last,
+            rank=ds.rank,
+            buffer_samples=ds.buffer_samples(max(1, self.num_workers)),
+            plan_key=self._plan_key(),
+            parent=self._parent,
+        )
+        return st.to_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``: the next ``iter()`` yields exactly the epoch's remaining batches.
+
+        Same world size and worker count: the plan is identical and the position is a batch count.
+        Different world size or worker count with the same global batch (``batch_size *
+        world_size``): *elastic* resume. The samples the old ranks consumed are reconstructed from
+        the old plan (all ranks consume batches in lockstep under DDP, so one rank's count is
+        everyone's), and the rest of the epoch, in the old epoch order, is re-planned over the new
+        world. Other changes are refused.
+        """
+        st = LoaderState.from_dict(state)
+        ds = self.dataset
+        mismatch = [
+            f"{name}: state {a!r}, loader {b!r}"
+            for name, a, b in (
+                ("dataset_id", st.dataset_id, ds.index.dataset_id),
+                ("seed", st.seed, ds.seed),
+                ("shuffle mode", st.mode, ds.mode),
+                ("drop_last", st.drop_last, ds.drop_last),
+                ("run layout", st.plan_key, self._plan_key()),
+            )
+            if a != b
+        ]
+        if mismatch:
+            raise UsageError("loader state does not match this loader (" + "; ".join(mismatch) + ")")
+        same = (
+            st.world_size == ds.world_size
+            and st.num_workers == self.num_workers
+            and st.batch_size == ds.batch_size
+            and st.buffer_samples == ds.buffer_samples(max(1, self.num_workers))
+        )
+        if same:
+            ds.set_epoch(st.epoch)
+            ds.seq_override = self._remaining(st.parent) if st.parent is not None else None
+            if st.batches_done > len(ds):
+                raise UsageError(f"loader state is at batch {st.batches_done} of an epoch of {len(ds)} batches")
+            self._parent = st.parent
+            self._done = st.batches_done
+            self._resume_pending = True
+            self._completed = False
+            return
+        if st.batch_size * st.world_size != ds.batch_size * ds.world_size:
+            raise UsageError(
+                f"cannot resume: the state's global batch is {st.batch_size}x{st.world_size}, this loader's is "
+                f"{ds.batch_size}x{ds.world_size}; keep batch_size*world_size constant for an elastic resume"
+            )
+        if ds._local_mask is not None:
+            raise UsageError(
+                "cannot resume elastically over a node-partitioned staged copy; re-stage for the new world size"
+            )
+        ds.set_epoch(st.epoch)
+        ds.seq_override = self._remaining(st.to_dict())
+        self._parent = st.to_dict()
+        self._done = 0
+        self._resume_pending = True
+        self._completed = False
+        log.info(
+            "stager.loader: elastic resume of epoch %d: %d samples left, re-planned over world size %d",
+            st.epoch,
+            len(ds.seq_override),
+            ds.world_size,
+        )
+
+    def _remaining(self, state: dict[str, Any]) -> np.ndarray:
+        """The epoch sequence minus what every rank of ``state``'s world consumed (old order kept)."""
+        st = LoaderState.from_dict(state)
+        ds = self.dataset
+        seq = self._remaining(st.parent) if st.parent is not None else ds.epoch_sequence(st.epoch)
+        cfg = planlib.PlanConfig(
+            batch_size=st.batch_size,
+            world_size=st.world_size,
+            num_workers=st.num_workers,
+            seed=st.seed,
+            mode=st.mode,
+            drop_last=st.drop_last,
+            buffer_samples=st.buffer_samples,
+        )
+        consumed = np.zeros(ds.index.num_samples, dtype=bool)
+        for r in range(st.world_size):
+            rp = planlib.plan_rank(ds.index.starts, ds.run_len, cfg, r, epoch=st.epoch, seq=seq)
+            for ids in rp.batch_ids()[: st.batches_done]:
+                consumed[ids] = True
+        return seq[~consumed[seq]]

@@ -1,0 +1,315 @@
+"""The epoch plan: which rank and worker gets which samples, in which order. Pure functions only.
+
+Everything here is a function of integers and arrays (no I/O, no torch), so the invariants the
+loader promises are tested directly on these functions and then again end to end.
+
+Vocabulary (all sample ids are *global*: positions in manifest order, shard after shard):
+
+* a **run** is a range ``[start, stop)`` of consecutive samples inside one shard; a worker reads a
+  run with one ``pread`` over the manifest extents;
+* the **epoch sequence** is the concatenation of the epoch's runs in their (shuffled) order;
+* the **rank slice** is a contiguous piece of the epoch sequence (padded by wrapping around, or
+  truncated), equal in length on every rank, so every rank gets the same number of batches;
+* the rank slice is cut contiguously into one **stream** per worker, sized so that worker ``k``
+  produces exactly the rank's batches ``k, k + W, k + 2W, ...`` (``W`` workers): the order in which
+  torch's DataLoader round-robins over workers, which makes the rank's batch order deterministic;
+* a worker emits its stream through a **shuffle buffer** of ``K`` samples (the classic
+  fill-then-swap reservoir), simulated here on positions so the order is known in advance and
+  only the stream (never the buffer's order) decides what is read when.
+
+Shuffle modes:
+
+* ``"runs"`` (default): runs of ~``run_bytes`` with per-epoch jittered boundaries, globally
+  permuted, then the shuffle buffer. Reads stay large and sequential.
+* ``"shards"``: whole shards permuted, then the buffer (webdataset-style; best I/O, worst mixing).
+* ``"random"``: one global permutation of samples; every sample is its own read (one ``pread``
+  each). Meant for local NVMe/tmpfs copies, where seeks are cheap.
+* ``"none"`` (``shuffle=False``): manifest order, runs are whole shards, no buffer.
+
+Seeds: every random draw uses ``numpy.random.default_rng((seed, epoch, ...))`` (never
+``seed + epoch``, which collides across runs).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import UsageError
+
+SHUFFLE_MODES = ("runs", "shards", "random", "none")
+
+# Tags that keep the independent random streams of one epoch apart.
+_TAG_RUNS = 1
+_TAG_BUFFER = 2
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """Everything the order depends on besides the dataset index.
+
+    ``samples_per_rank`` overrides the equal per-rank count (node-partitioned staging computes it
+    from the global assignment so every node agrees). ``buffer_samples`` is the per-worker shuffle
+    buffer (``K``); ``run_samples`` is per shard (``R``), see :func:`run_lengths`.
+    """
+
+    batch_size: int
+    world_size: int = 1
+    num_workers: int = 0
+    seed: int = 0
+    mode: str = "runs"
+    drop_last: bool = False
+    buffer_samples: int = 0
+    samples_per_rank: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise UsageError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.world_size < 1:
+            raise UsageError(f"world_size must be >= 1, got {self.world_size}")
+        if self.num_workers < 0:
+            raise UsageError(f"num_workers must be >= 0, got {self.num_workers}")
+        if self.mode not in SHUFFLE_MODES:
+            raise UsageError(f"unknown shuffle mode {self.mode!r}; expected one of {', '.join(SHUFFLE_MODES)}")
+        if self.buffer_samples < 0:
+            raise UsageError(f"shuffle buffer must be >= 0 samples, got {self.buffer_samples}")
+
+    @property
+    def streams(self) -> int:
+        """Number of worker streams per rank (the main process counts as one when num_workers=0)."""
+        return max(1, self.num_workers)
+
+
+def run_lengths(counts: np.ndarray, shard_bytes: np.ndarray, run_bytes: int, min_run: int = 4) -> np.ndarray:
+    """Per-shard run length ``R`` (int64, shape (shards,)): ~``run_bytes`` of payload, at least ``min_run``.
+
+    ``shard_bytes`` is each shard's payload size (sum of sample sizes). ``R`` never exceeds the
+    shard's sample count (a shard of 1 sample, e.g. an ImageFolder file, has runs of 1).
+    """
+    counts = np.asarray(counts, dtype=np.int64)
+    mean = np.asarray(shard_bytes, dtype=np.float64) / np.maximum(counts, 1)
+    r = np.floor(run_bytes / np.maximum(mean, 1.0)).astype(np.int64)
+    r = np.maximum(r, min_run)
+    return np.maximum(np.minimum(r, counts), 1)
+
+
+def make_runs(
+    starts: np.ndarray, run_len: np.ndarray, rng: np.random.Generator | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Split every shard into runs; return ``(run_starts, run_stops)`` (global ids, int64).
+
+    ``starts`` has shape (shards + 1,) (global id of each shard's first sample, then the total).
+    With an ``rng`` the first run of each shard has a random length in ``[1, R]`` so that run
+    boundaries move from epoch to epoch; without one, runs start at the shard's first sample.
+    Runs never cross a shard boundary and together cover every sample exactly once.
+    """
+    starts = np.asarray(starts, dtype=np.int64)
+    rs, re_ = [], []
+    for s in range(len(starts) - 1):
+        a, b = int(starts[s]), int(starts[s + 1])
+        if b <= a:
+            continue
+        r = int(run_len[s])
+        first = int(rng.integers(1, r + 1)) if rng is not None else r
+        cuts = np.arange(a + first, b, r, dtype=np.int64)
+        bounds = np.concatenate([[a], cuts, [b]])
+        rs.append(bounds[:-1])
+        re_.append(bounds[1:])
+    if not rs:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(rs), np.concatenate(re_)
+
+
+def expand_runs(run_starts: np.ndarray, run_stops: np.ndarray) -> np.ndarray:
+    """Concatenate runs into one int64 array of sample ids (vectorised ``[range(a, b) for ...]``)."""
+    lengths = (run_stops - run_starts).astype(np.int64)
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, np.int64)
+    offsets = np.repeat(run_starts - np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths)
+    return (np.arange(total, dtype=np.int64) + offsets).astype(np.int64)
+
+
+def epoch_sequence(starts: np.ndarray, run_len: np.ndarray, cfg: PlanConfig, epoch: int) -> np.ndarray:
+    """The epoch's global sample order (int64, shape (N,)): a permutation of ``range(N)``.
+
+    Independent of world size and worker count, so the global order is one thing all ranks share.
+    """
+    starts = np.asarray(starts, dtype=np.int64)
+    n = int(starts[-1]) if len(starts) else 0
+    if cfg.mode == "none":
+        return np.arange(n, dtype=np.int64)
+    rng = np.random.default_rng((cfg.seed, epoch, _TAG_RUNS))
+    if cfg.mode == "random":
+        return rng.permutation(n).astype(np.int64)
+    if cfg.mode == "shards":
+        a, b = starts[:-1], starts[1:]
+        keep = b > a
+        a, b = a[keep], b[keep]
+    else:
+        a, b = make_runs(starts, run_len, rng)
+    perm = rng.permutation(len(a))
+    return expand_runs(a[perm], b[perm])
+
+
+def samples_per_rank(total: int, world_size: int, drop_last: bool) -> int:
+    """Equal per-rank sample count: ``ceil(N/W)`` when padding, ``floor(N/W)`` when dropping."""
+    return total // world_size if drop_last else -(-total // world_size)
+
+
+def batch_sizes(n: int, batch_size: int, drop_last: bool) -> np.ndarray:
+    """Sizes of a rank's batches (int64): full batches, plus a short last one unless ``drop_last``."""
+    full, rest = divmod(n, batch_size)
+    sizes = [batch_size] * full
+    if rest and not drop_last:
+        sizes.append(rest)
+    return np.asarray(sizes, dtype=np.int64)
+
+
+def rank_slice(seq: np.ndarray, rank: int, world_size: int, per_rank: int) -> tuple[np.ndarray, int]:
+    """Rank ``rank``'s contiguous piece of ``seq``: ``(ids, padded)``.
+
+    The sequence is repeated (``numpy.resize``) to ``world_size * per_rank`` when that is longer
+    than it, so padding repeats samples from the start of the epoch order; ``padded`` counts this
+    rank's repeated samples. When shorter, the tail of the sequence is dropped.
+    """
+    if not 0 <= rank < world_size:
+        raise UsageError(f"rank {rank} out of range for world size {world_size}")
+    n = len(seq)
+    need = world_size * per_rank
+    lo, hi = rank * per_rank, (rank + 1) * per_rank
+    if n == 0:
+        if per_rank:
+            raise UsageError("cannot pad an empty dataset to a non-zero number of samples per rank")
+        return np.zeros(0, np.int64), 0
+    ext = np.resize(seq, need) if need > n else seq
+    padded = max(0, hi - max(lo, n))
+    return np.asarray(ext[lo:hi], dtype=np.int64), padded
+
+
+def buffer_shuffle(n: int, buffer: int, rng: np.random.Generator) -> np.ndarray:
+    """Emission order (int64 permutation of ``range(n)``) of a fill-then-swap shuffle buffer.
+
+    Positions enter in order; once ``buffer`` are held, each new arrival replaces a uniformly
+    chosen held one, which is emitted; at the end the held ones drain in random order. So at most
+    ``buffer`` positions are ever "read but not yet emitted": the memory bound. ``buffer <= 1``
+    returns the identity.
+    """
+    if buffer <= 1 or n <= 1:
+        return np.arange(n, dtype=np.int64)
+    k = min(buffer, n)
+    held = list(range(k))
+    picks = rng.integers(0, k, size=n - k).tolist()
+    out = []
+    for arriving, j in zip(range(k, n), picks, strict=True):
+        out.append(held[j])
+        held[j] = arriving
+    tail = rng.permutation(k)
+    out.extend(held[t] for t in tail.tolist())
+    return np.asarray(out, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """One worker's share of a rank's epoch.
+
+    ``stream``: sample ids in read order (int64, shape (n,)). ``emit``: positions into ``stream``
+    in emission order (a permutation of ``range(n)``). ``batches``: the rank-level batch indices
+    this worker produces (``k, k + W, ...``), and ``sizes`` their sample counts; the worker's
+    ``b``-th batch is ``stream[emit[cum[b]:cum[b+1]]]``.
+    """
+
+    worker: int
+    stream: np.ndarray
+    emit: np.ndarray
+    batches: np.ndarray
+    sizes: np.ndarray
+
+    def batch_positions(self, b: int) -> np.ndarray:
+        """Stream positions of this worker's ``b``-th batch, in emission order."""
+        lo = int(self.sizes[:b].sum())
+        return self.emit[lo : lo + int(self.sizes[b])]
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """A rank's epoch: its samples, its batch sizes, its padding, and one plan per worker stream.
+
+    ``padded``: this rank's repeated samples. ``dropped``: samples of the whole epoch that no rank
+    sees (``drop_last``), identical on every rank.
+    """
+
+    rank: int
+    epoch: int
+    ids: np.ndarray
+    sizes: np.ndarray
+    padded: int
+    dropped: int
+    workers: tuple[WorkerPlan, ...]
+
+    @property
+    def num_batches(self) -> int:
+        return len(self.sizes)
+
+    def batch_ids(self) -> list[np.ndarray]:
+        """All of the rank's batches in rank order (sample ids), by interleaving the workers."""
+        out: list[np.ndarray] = [np.zeros(0, np.int64)] * self.num_batches
+        for w in self.workers:
+            for b, j in enumerate(w.batches.tolist()):
+                out[j] = w.stream[w.batch_positions(b)]
+        return out
+
+
+def plan_rank(
+    starts: np.ndarray, run_len: np.ndarray, cfg: PlanConfig, rank: int, *, epoch: int, seq: np.ndarray | None = None
+) -> RankPlan:
+    """Plan rank ``rank``'s epoch ``epoch``.
+
+    ``seq`` overrides the epoch sequence (used to plan over a subset, e.g. the shards staged on
+    this node or the samples left after an elastic resume). Returns a :class:`RankPlan` whose
+    workers together produce ``len(sizes)`` batches; every rank of the same config gets the same
+    ``sizes``.
+    """
+    if seq is None:
+        seq = epoch_sequence(starts, run_len, cfg, epoch)
+    per_rank = cfg.samples_per_rank
+    if per_rank is None:
+        per_rank = samples_per_rank(len(seq), cfg.world_size, cfg.drop_last)
+    ids, padded = rank_slice(seq, rank, cfg.world_size, per_rank)
+    sizes = batch_sizes(per_rank, cfg.batch_size, cfg.drop_last)
+    used = int(sizes.sum())
+    # Samples of the epoch that no rank's batches hold (drop_last): the same figure on every rank.
+    dropped = max(0, len(seq) - cfg.world_size * used)
+    ids = ids[:used]
+    padded = min(padded, used)
+    nw = cfg.streams
+    workers = []
+    lo = 0
+    for k in range(nw):
+        mine = np.arange(k, len(sizes), nw, dtype=np.int64)
+        wsizes = sizes[mine]
+        q = int(wsizes.sum())
+        stream = ids[lo : lo + q]
+        lo += q
+        rng = np.random.default_rng((cfg.seed, epoch, _TAG_BUFFER, cfg.world_size, rank, nw, k))
+        buf = cfg.buffer_samples if cfg.mode in ("runs", "shards") else 0
+        emit = buffer_shuffle(q, buf, rng)
+        workers.append(WorkerPlan(k, stream, emit, mine, wsizes))
+    return RankPlan(rank, epoch, ids, sizes, padded, dropped, tuple(workers))
+
+
+def segments(stream: np.ndarray, starts: np.ndarray) -> list[tuple[int, int, int]]:
+    """Cut a stream into maximal reads: ``[(stream_lo, stream_hi, shard), ...]``.
+
+    A read is a maximal stretch of the stream whose ids are consecutive and inside one shard, so
+    a worker issues one ``pread`` per segment. Segments are in stream order.
+    """
+    n = len(stream)
+    if n == 0:
+        return []
+    shard = np.searchsorted(starts, stream, side="right") - 1
+    brk = np.flatnonzero((np.diff(stream) != 1) | (np.diff(shard) != 0)) + 1
+    bounds = np.concatenate([[0], brk, [n]])
+    return [(int(a), int(b), int(shard[a])) for a, b in itertools.pairwise(bounds.tolist())]

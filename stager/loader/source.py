@@ -1,0 +1,321 @@
+"""Where the bytes come from: a local directory, an fsspec URL, a staged node-local copy, a folder tree.
+
+:func:`resolve` turns the user's ``path`` into a :class:`Resolved` (index + where to read + whether a
+staged copy is used); :class:`ShardAccess` reads runs of samples from shard files (one ``pread`` per
+run for local files, one ranged ``cat_file`` per run over fsspec). ``ShardAccess`` is created inside
+each worker process (file descriptors are never shared across ``fork``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..errors import ShardMissingError, SourceNotFoundError, UsageError, VerificationError
+from ..manifest import MANIFEST_NAME, dataset_root, load_manifest
+from ..receipt import Receipt, find_staged_copy
+from .index import DatasetIndex, index_from_folder, index_from_manifest
+
+log = logging.getLogger("stager.loader")
+
+_LOGGED: set[str] = set()  # "staged copy used" is logged once per process and dataset
+MAX_OPEN_FILES = 64
+# Payloads separated by less than this many bytes (tar headers, record framing) share one read.
+MAX_GAP = 64 << 10
+
+
+def _is_url(p: str) -> bool:
+    return "://" in p
+
+
+def _local_of(p: str) -> str | None:
+    """The local path of ``p`` if it is one (``file://`` URLs count as local), else None."""
+    if not _is_url(p):
+        return p
+    if p.startswith("file://"):
+        return p[len("file://") :]
+    return None
+
+
+@dataclass
+class Resolved:
+    """The dataset to read and how: ``root`` is a local directory or an fsspec URL prefix.
+
+    ``local_shards`` lists the shard indices this node may read (all of them unless the staged copy
+    is a node partition); ``partition`` is the receipt's partition dict in that case.
+    """
+
+    index: DatasetIndex
+    root: str
+    source: str
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    staged: bool = False
+    receipt: Receipt | None = None
+    local_shards: np.ndarray | None = None
+    partition: dict[str, int] | None = None
+
+    @property
+    def is_local(self) -> bool:
+        return _local_of(self.root) is not None
+
+    def shard_path(self, shard: int) -> str:
+        return self.root.rstrip("/") + "/" + self.index.shard_names[shard]
+
+
+def _has_manifest(path: str, storage_options: dict[str, Any]) -> bool:
+    if path.endswith(".json"):
+        return True
+    local = _local_of(path)
+    if local is not None:
+        return os.path.isfile(os.path.join(local, MANIFEST_NAME))
+    import fsspec
+
+    fs, p = fsspec.core.url_to_fs(path, **storage_options)
+    return bool(fs.exists(p.rstrip("/") + "/" + MANIFEST_NAME))
+
+
+def resolve(
+    path: str | os.PathLike[str],
+    *,
+    storage_options: dict[str, Any] | None = None,
+    staged: bool | str = "auto",
+    staging_roots: tuple[str, ...] = (),
+) -> Resolved:
+    """Find the dataset behind ``path`` and, if it was staged, the node-local copy.
+
+    ``staged``: ``"auto"`` (use a staged copy if a receipt with the same manifest digest exists under
+    ``staging_roots``/$STAGER_DEST/$SLURM_TMPDIR/$TMPDIR), ``False`` (always read ``path``), or
+    ``True`` (require one: :class:`ShardMissingError` otherwise).
+    """
+    so = dict(storage_options or {})
+    p = os.fspath(path)
+    local = _local_of(p)
+    if local is not None and not os.path.exists(local):
+        raise SourceNotFoundError(f"{p}: no such file or directory")
+    if not _has_manifest(p, so):
+        if local is not None:
+            return Resolved(index_from_folder(local), local, p)
+        import fsspec
+
+        fs, fp = fsspec.core.url_to_fs(p, **so)
+        return Resolved(index_from_folder(fp, fs), p.rstrip("/"), p, so)
+    m = load_manifest(p if local is None else local, so)
+    index = index_from_manifest(m)
+    root = dataset_root(p if local is None else local)
+    res = Resolved(index, root, p, so)
+    if staged is False:
+        return res
+    found = find_staged_copy(m, staging_roots)
+    if found is None:
+        if staged is True:
+            raise ShardMissingError(
+                f"{p}: no staged copy found under $STAGER_DEST/$SLURM_TMPDIR/$TMPDIR; run `stager stage` first"
+            )
+        return res
+    dest, rec = found
+    res.root, res.staged, res.receipt, res.storage_options = str(dest), True, rec, {}
+    if rec.mode == "partition":
+        part = rec.partition or {}
+        names = {n: i for i, n in enumerate(index.shard_names)}
+        res.local_shards = np.array(sorted(names[n] for n in rec.shards if n in names), dtype=np.int64)
+        res.partition = {k: int(v) for k, v in part.items()}
+    key = f"{m.dataset_id}:{dest}"
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        what = (
+            f"node partition {res.partition.get('node')}/{res.partition.get('num_nodes')} "
+            f"({len(rec.shards)} of {index.num_shards} shards)"
+            if res.partition is not None
+            else "full copy"
+        )
+        log.info("stager.loader: reading staged %s at %s instead of %s", what, dest, p)
+    return res
+
+
+def check_shards(res: Resolved, shards: np.ndarray) -> None:
+    """Fail before iteration if a needed local shard is missing or has the wrong size.
+
+    Only local files are checked (a ``stat`` each); remote URLs are checked when read.
+    """
+    local = _local_of(res.root)
+    if local is None or res.index.format == "folder":
+        return
+    for s in shards.tolist():
+        path = os.path.join(local, res.index.shard_names[s])
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            raise ShardMissingError(
+                f"{path}: shard listed in the manifest is missing; restore it, re-stage, or re-run `stager pack`"
+            ) from None
+        want = int(res.index.shard_bytes[s])
+        if want >= 0 and size != want:
+            raise VerificationError(
+                f"{path}: shard is {size} bytes, manifest says {want} (truncated or replaced); "
+                "run `stager verify` and re-stage or re-pack it"
+            )
+
+
+class ShardAccess:
+    """Reads payloads of runs of samples; one per process (created lazily in each worker).
+
+    ``read(shard, positions)`` returns ``(payloads, nbytes)``: payloads are ``memoryview`` slices of
+    one buffer per coalesced span (encoded formats) or ``(H, W, C)`` arrays (zarr), in the order of
+    ``positions`` (in-shard positions, ascending within a run).
+    """
+
+    def __init__(self, res: Resolved) -> None:
+        self.res = res
+        self.index = res.index
+        self._local = _local_of(res.root)
+        self._fds: OrderedDict[int, int] = OrderedDict()
+        self._zarr: OrderedDict[int, Any] = OrderedDict()
+        self._tmp: dict[int, str] = {}
+        self._fs: Any = None
+        self._pid = os.getpid()
+
+    # ---- handles ------------------------------------------------------------------------------
+    def _fd(self, shard: int) -> int:
+        fd = self._fds.get(shard)
+        if fd is not None:
+            self._fds.move_to_end(shard)
+            return fd
+        assert self._local is not None
+        path = os.path.join(self._local, self.index.shard_names[shard])
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise ShardMissingError(f"{path}: shard missing; re-stage the dataset or re-run `stager pack`") from None
+        self._fds[shard] = fd
+        if len(self._fds) > MAX_OPEN_FILES:
+            os.close(self._fds.popitem(last=False)[1])
+        return fd
+
+    def _filesystem(self) -> Any:
+        if self._fs is None:
+            import fsspec
+
+            self._fs, self._fs_root = fsspec.core.url_to_fs(self.res.root, **self.res.storage_options)
+        return self._fs
+
+    def _remote_path(self, shard: int) -> str:
+        self._filesystem()
+        return str(self._fs_root).rstrip("/") + "/" + self.index.shard_names[shard]
+
+    def _zarr_reader(self, shard: int) -> Any:
+        r = self._zarr.get(shard)
+        if r is not None:
+            return r
+        from ..formats import get_format
+
+        if self._local is not None:
+            path = os.path.join(self._local, self.index.shard_names[shard])
+        else:
+            # zarr's ZipStore needs a local file: remote zarr shards are fetched whole, once per
+            # process, into a temporary file (documented in docs/loader.md).
+            path = self._tmp.get(shard) or self._fetch_whole(shard)
+        m = self.index.manifest
+        assert m is not None
+        r = get_format("zarr").open_reader(path, m.shards[shard], m)
+        self._zarr[shard] = r
+        if len(self._zarr) > MAX_OPEN_FILES:
+            self._zarr.popitem(last=False)[1].close()
+        return r
+
+    def _fetch_whole(self, shard: int) -> str:
+        fs = self._filesystem()
+        fd, tmp = tempfile.mkstemp(prefix="stager-zarr-", suffix=".zip")
+        with os.fdopen(fd, "wb") as f:
+            f.write(fs.cat_file(self._remote_path(shard)))
+        self._tmp[shard] = tmp
+        return tmp
+
+    # ---- reads --------------------------------------------------------------------------------
+    def read(self, shard: int, positions: np.ndarray) -> tuple[list[Any], int]:
+        if self._pid != os.getpid():  # forked: inherited descriptors are not ours to use
+            self._fds.clear()
+            self._zarr.clear()
+            self._fs = None
+            self._pid = os.getpid()
+        base = int(self.index.starts[shard])
+        gids = positions + base
+        if self.index.kind == "decoded":
+            arrays = self._zarr_reader(shard).read(positions)
+            return arrays, int(self.index.sizes[gids].sum())
+        offs = self.index.offsets[gids]
+        sizes = self.index.sizes[gids]
+        out: list[Any] = [None] * len(gids)
+        nbytes = 0
+        i, n = 0, len(gids)
+        while i < n:
+            # Coalesce ascending, nearby payloads into one span: one pread / one ranged GET.
+            j, start, end = i + 1, int(offs[i]), int(offs[i] + sizes[i])
+            while j < n and 0 <= int(offs[j]) - end <= MAX_GAP:
+                end = int(offs[j] + sizes[j])
+                j += 1
+            buf = self._read_span(shard, start, end)
+            nbytes += len(buf)
+            view = memoryview(buf)
+            for k in range(i, j):
+                o = int(offs[k]) - start
+                out[k] = view[o : o + int(sizes[k])]
+            i = j
+        return out, nbytes
+
+    def _read_span(self, shard: int, start: int, end: int) -> bytes:
+        if self._local is not None:
+            buf = os.pread(self._fd(shard), end - start, start)
+        else:
+            buf = self._filesystem().cat_file(self._remote_path(shard), start=start, end=end)
+        if len(buf) != end - start:
+            where = self.res.shard_path(shard)
+            raise VerificationError(
+                f"{where}: short read ({len(buf)} of {end - start} bytes at offset {start}); "
+                "the shard is truncated: run `stager verify` and re-stage or re-pack it"
+            )
+        return buf
+
+    def close(self) -> None:
+        if self._pid == os.getpid():
+            for fd in self._fds.values():
+                os.close(fd)
+            for r in self._zarr.values():
+                r.close()
+        for tmp in self._tmp.values():
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        self._fds.clear()
+        self._zarr.clear()
+        self._tmp.clear()
+
+
+def validate_partition(res: Resolved, rank: int, world_size: int) -> tuple[int, int, int]:
+    """For a node-partitioned staged copy: ``(node, ranks_per_node, rank within node)``.
+
+    Ranks are laid out node-major (ranks ``node*rpn .. node*rpn+rpn-1`` on node ``node``), as torchrun
+    and Slurm's block distribution do. A rank that is not on the receipt's node would read shards
+    this node does not hold, so it is refused.
+    """
+    part = res.partition or {}
+    try:
+        node, num_nodes, rpn = int(part["node"]), int(part["num_nodes"]), int(part["ranks_per_node"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UsageError(f"{res.root}: partitioned receipt lacks node/num_nodes/ranks_per_node ({exc})") from exc
+    if num_nodes * rpn != world_size:
+        raise UsageError(
+            f"{res.root}: staged as {num_nodes} nodes x {rpn} ranks, but the job has world size {world_size}; "
+            "re-stage with matching --num-nodes/--ranks-per-node or pass staged=False"
+        )
+    if rank // rpn != node:
+        raise UsageError(
+            f"{res.root}: rank {rank} belongs to node {rank // rpn} (node-major layout) but this copy holds "
+            f"node {node}'s shards; check the launcher's rank layout or pass staged=False"
+        )
+    return node, rpn, rank % rpn

@@ -1,0 +1,144 @@
+"""Per-sample decoding and augmentation, wrapping :mod:`stager.decode`.
+
+``make_sample_fn(decode, transform, image_size, kind)`` returns ``f(payload, rng) -> item``:
+
+* ``decode="raw"``: the payload's bytes untouched (no decoding, no transform);
+* ``decode="pil"``: a ``PIL.Image`` in RGB (``transform``, if callable, is applied to it);
+* ``decode="uint8"``: an ``(H, W, 3)`` uint8 array of a fixed shape so batches can be stacked:
+  ``transform="train"`` = random-resized crop + flip to ``image_size``; ``"eval"`` = resize to
+  ``round(image_size / 0.875)`` then center crop; ``None`` = ``"eval"`` for encoded datasets and the
+  stored arrays unchanged for decoded ones (zarr; the packer fixed their shape); a callable gets the
+  decoded ``(H, W, 3)`` uint8 array and an ``numpy.random.Generator`` and returns an array (or
+  tensor) of one fixed ``(H, W, C)`` shape.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..errors import UsageError
+
+DECODE_MODES = ("uint8", "raw", "pil")
+
+
+def _decode_module() -> Any:
+    try:
+        from .. import decode as mod
+    except ImportError:
+        return None
+    return mod
+
+
+def _pil_rgb(data: Any) -> Any:
+    from PIL import Image
+
+    img = Image.open(io.BytesIO(data))
+    img.load()
+    return img.convert("RGB") if img.mode != "RGB" else img
+
+
+def _resize_center_crop(img: Any, size: int, resize: int | None = None) -> np.ndarray:
+    from PIL import Image
+
+    resize = resize or round(size / 0.875)
+    w, h = img.size
+    scale = resize / min(w, h)
+    nw, nh = max(size, round(w * scale)), max(size, round(h * scale))
+    img = img.resize((nw, nh), Image.Resampling.BILINEAR)
+    left, top = (nw - size) // 2, (nh - size) // 2
+    return np.asarray(img.crop((left, top, left + size, top + size)))
+
+
+def _random_resized_crop(
+    img: Any,
+    size: int,
+    rng: np.random.Generator,
+    *,
+    scale: tuple[float, float] = (0.08, 1.0),
+    ratio: tuple[float, float] = (3 / 4, 4 / 3),
+    flip: bool = True,
+) -> np.ndarray:
+    """torchvision's RandomResizedCrop (10 tries, then a center crop of clamped ratio) on a PIL image."""
+    from PIL import Image
+
+    w, h = img.size
+    area = w * h
+    box = None
+    for _ in range(10):
+        target = area * rng.uniform(*scale)
+        ar = float(np.exp(rng.uniform(np.log(ratio[0]), np.log(ratio[1]))))
+        cw, ch = round((target * ar) ** 0.5), round((target / ar) ** 0.5)
+        if 0 < cw <= w and 0 < ch <= h:
+            x, y = int(rng.integers(0, w - cw + 1)), int(rng.integers(0, h - ch + 1))
+            box = (x, y, x + cw, y + ch)
+            break
+    if box is None:
+        in_ratio = w / h
+        if in_ratio < ratio[0]:
+            cw, ch = w, round(w / ratio[0])
+        elif in_ratio > ratio[1]:
+            cw, ch = round(h * ratio[1]), h
+        else:
+            cw, ch = w, h
+        x, y = (w - cw) // 2, (h - ch) // 2
+        box = (x, y, x + cw, y + ch)
+    out = img.resize((size, size), Image.Resampling.BILINEAR, box=box)
+    if flip and rng.random() < 0.5:
+        out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    return np.asarray(out)
+
+
+def decoder_backend() -> str:
+    mod = _decode_module()
+    return str(mod.backend()) if mod is not None else "PIL (stager.loader fallback)"
+
+
+def make_sample_fn(
+    decode: str, transform: Any, image_size: int, kind: str
+) -> Callable[[Any, np.random.Generator], Any]:
+    """Build the per-sample function (see module docstring). ``kind``: "encoded" or "decoded"."""
+    if decode not in DECODE_MODES:
+        raise UsageError(f"decode must be one of {', '.join(DECODE_MODES)}, got {decode!r}")
+    if transform not in (None, "train", "eval") and not callable(transform):
+        raise UsageError(f"transform must be None, 'train', 'eval' or a callable, got {transform!r}")
+    if image_size < 1:
+        raise UsageError(f"image_size must be >= 1, got {image_size}")
+    size = image_size
+    if decode == "raw":
+        if kind == "decoded":
+            return lambda arr, rng: arr
+        return lambda data, rng: data
+    if kind == "decoded":
+        from PIL import Image
+
+        if decode == "pil":
+            if callable(transform):
+                return lambda arr, rng: transform(Image.fromarray(arr))
+            return lambda arr, rng: Image.fromarray(arr)
+        if transform is None:
+            return lambda arr, rng: arr
+        if transform == "train":
+            return lambda arr, rng: _random_resized_crop(Image.fromarray(arr), size, rng)
+        if transform == "eval":
+            return lambda arr, rng: _resize_center_crop(Image.fromarray(arr), size)
+        return transform
+    if decode == "pil":
+        if callable(transform):
+            return lambda data, rng: transform(_pil_rgb(data))
+        return lambda data, rng: _pil_rgb(data)
+    mod = _decode_module()
+    if transform == "train":
+        if mod is not None:
+            return lambda data, rng: mod.decode_random_resized_crop(bytes(data), size, rng)
+        return lambda data, rng: _random_resized_crop(_pil_rgb(data), size, rng)
+    if transform in (None, "eval"):
+        if mod is not None:
+            return lambda data, rng: mod.decode_center_crop(bytes(data), size)
+        return lambda data, rng: _resize_center_crop(_pil_rgb(data), size)
+    if mod is not None:
+        return lambda data, rng: transform(mod.decode_rgb(bytes(data)), rng)
+    return lambda data, rng: transform(np.asarray(_pil_rgb(data)), rng)
