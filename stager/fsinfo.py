@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 from dataclasses import dataclass
 
@@ -86,17 +87,16 @@ class _Statfs(ctypes.Structure):
     _fields_ = [("f_type", ctypes.c_long), ("_rest", ctypes.c_byte * 256)]
 
 
-_libc: ctypes.CDLL | None = None
+@functools.lru_cache(maxsize=1)
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
 
 def statfs_magic(path: str | os.PathLike[str]) -> int | None:
     """``statfs(path).f_type`` as an unsigned 32-bit number, or None (no such path, not Linux)."""
-    global _libc
     try:
-        if _libc is None:
-            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         buf = _Statfs()
-        if _libc.statfs(os.fsencode(os.fspath(path)), ctypes.byref(buf)) != 0:
+        if _libc().statfs(os.fsencode(os.fspath(path)), ctypes.byref(buf)) != 0:
             return None
     except (OSError, AttributeError):
         return None
