@@ -112,6 +112,8 @@ def encode_example(features: Mapping[str, Feature]) -> tuple[bytes, dict[str, li
     Returns ``(payload, offsets)`` where ``offsets[name]`` lists the byte offset inside ``payload``
     of each value of the bytes feature ``name`` (so a writer can record where an image lives).
     """
+    if not features:
+        return b"", {}  # protobuf omits an empty (unset) ``features`` message
     entries = []
     entry_offsets: list[tuple[str, int, list[int]]] = []
     pos = 0
