@@ -599,6 +599,8 @@ def pack(
         "quality": quality,
         "on_error": on_error,
         "plan": plan.fingerprint,
+        # Per-shard fingerprints let a rerun after a source change keep the shards it did not touch.
+        "shard_plans": [sh.fingerprint for sh in plan.shards],
     }
     if (
         st.manifest is not None
@@ -745,22 +747,18 @@ def _check_destination(out: Path, st: OutState, source: Source, plan: Plan, over
 def _find_reusable(out: Path, st: OutState, plan: Plan, algo: str) -> dict[str, ShardDone]:
     """Completed shards of a previous run that match this plan (name, fingerprint, size, hash)."""
     cands: dict[str, ShardDone] = {}
-    if (
-        st.manifest is not None
-        and st.manifest.options.get("plan") == plan.fingerprint
-        and (st.manifest.hash_algo == algo)
-    ):
+    if st.manifest is not None and st.manifest.hash_algo == algo:
         by_shard: dict[str, list[dict[str, str]]] = {}
         for s in st.manifest.skipped:
             by_shard.setdefault(s.get("shard", ""), []).append(s)
-        for p, info in zip(plan.shards, st.manifest.shards, strict=False):
-            if p.name == info.name:
+        old = st.manifest.options.get("shard_plans") or []
+        for p, info, fp in zip(plan.shards, st.manifest.shards, old, strict=False):
+            if p.name == info.name and p.fingerprint == fp:
                 cands[p.name] = ShardDone(info, by_shard.get(info.name, []), 0, p.fingerprint)
-    if st.plan is not None and st.plan.get("plan") == plan.fingerprint:
-        for p in plan.shards:
-            d = st.done.get(p.name)
-            if d is not None and d.fingerprint == p.fingerprint:
-                cands.setdefault(p.name, d)
+    for p in plan.shards:  # done-records of an interrupted run (hash_algo is part of the fingerprint)
+        d = st.done.get(p.name)
+        if d is not None and d.fingerprint == p.fingerprint:
+            cands.setdefault(p.name, d)
     return {n: d for n, d in cands.items() if _reusable(out, d.info, algo)}
 
 

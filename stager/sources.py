@@ -377,13 +377,15 @@ class ListSource(Source):
 def _label_value(v: Any, where: str) -> int | str:
     if isinstance(v, bool):
         raise SourceError(f"{where}: label must be an integer or a class name, got {v!r}")
+    if isinstance(v, str) and v.strip():
+        s = v.strip()
+        if not s.lstrip("-").isdigit():
+            return s
+        v = int(s)
     if isinstance(v, int):
         if v < 0:
             raise SourceError(f"{where}: negative label {v}")
         return v
-    if isinstance(v, str) and v.strip():
-        s = v.strip()
-        return int(s) if s.isdigit() else s
     raise SourceError(f"{where}: label must be an integer or a class name, got {v!r}")
 
 
