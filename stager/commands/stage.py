@@ -9,7 +9,7 @@ from ..cli import add_common, emit
 from ..stage import DEFAULT_UNPACK_DIR, stage
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "stage",
         help="copy a packed dataset to node-local storage (verified, resumable, once per node)",

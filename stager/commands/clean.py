@@ -1,0 +1,117 @@
+"""``stager clean DEST``: remove what ``stager stage`` put in DEST, and nothing else.
+
+Only the paths the receipt's ``files`` list names are removed (shards, companion files,
+``manifest.json``, journals, shared-mode markers, the unpacked tree, the receipt itself, last),
+plus stale ``.partial`` files of those names. A DEST without a receipt is refused, as is a receipt
+naming a path outside DEST (absolute, ``..``, or resolving elsewhere through a symlink): then
+nothing at all is removed. The node lock is held so a concurrent ``stage`` is not undercut.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import shutil
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from ..cli import add_common, emit
+from ..errors import DestinationError, UnsafeArchiveError
+from ..lock import NodeLock
+from ..receipt import RECEIPT_NAME, load_receipt
+
+_PARTIAL_RE = re.compile(r"^(?P<base>.+)\.[0-9a-f]{12}\.partial$")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("clean", help="remove a staged copy (only what its receipt lists)",
+                       description="Remove the files `stager stage` wrote into DEST, as listed by its receipt. "
+                       "Refuses a DEST without a receipt. Exit codes: 0 ok, 2 no receipt, 3 unsafe receipt.")
+    p.add_argument("dest", metavar="DEST", help="a staging destination (holds stager-receipt.json)")
+    p.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for a running stage (default 600)")
+    add_common(p)
+    p.set_defaults(func=run)
+
+
+def _checked_targets(dest: Path, names: list[str]) -> list[Path]:
+    real_dest = os.path.realpath(dest)
+    out = []
+    for rel in names:
+        pp = PurePosixPath(rel)
+        if not rel or pp.is_absolute() or ".." in pp.parts or rel in (".", "./"):
+            raise UnsafeArchiveError(
+                f"{dest / RECEIPT_NAME}: lists {rel!r}, which is not inside DEST; removing nothing"
+            )
+        p = dest / rel
+        parent = os.path.realpath(p.parent)
+        if parent != real_dest and not parent.startswith(real_dest + os.sep):
+            raise UnsafeArchiveError(f"{dest / RECEIPT_NAME}: {rel!r} resolves outside {dest}; removing nothing")
+        out.append(p)
+    return out
+
+
+def _size_of(p: Path) -> int:
+    try:
+        if p.is_symlink() or not p.is_dir():
+            return p.lstat().st_size
+        total = 0
+        for root, _dirs, files in os.walk(p):
+            for f in files:
+                with contextlib.suppress(OSError):
+                    total += os.lstat(os.path.join(root, f)).st_size
+        return total
+    except OSError:
+        return 0
+
+
+def clean(dest: str | os.PathLike[str], *, dry_run: bool = False, timeout: float | None = 600.0) -> dict[str, Any]:
+    """Remove the staged copy in ``dest``; return ``{"dest", "removed", "bytes_freed", "dry_run"}``."""
+    d = Path(os.path.abspath(dest))
+    if not d.is_dir():
+        raise DestinationError(f"{d}: no such directory")
+    rec = load_receipt(d)
+    if rec is None:
+        raise DestinationError(
+            f"{d}: no {RECEIPT_NAME}; refusing to delete anything (stager clean only removes what stager staged)"
+        )
+    names = [n for n in rec.files if n != RECEIPT_NAME]
+    if rec.unpacked:
+        rel = os.path.relpath(rec.unpacked, d) if os.path.isabs(rec.unpacked) else rec.unpacked
+        if rel not in names:
+            names.append(rel)
+    targets = _checked_targets(d, names)
+    base = {p.name for p in targets}
+    removed: list[str] = []
+    freed = 0
+    lock_name = ".stager-lock" + (f".node{rec.partition['node']}" if rec.mode == "shared" and rec.partition else "")
+    with NodeLock(d / lock_name, timeout=timeout):
+        partials = [d / e.name for e in os.scandir(d) if (m := _PARTIAL_RE.match(e.name)) and m.group("base") in base]
+        for p in [*targets, *partials, d / RECEIPT_NAME]:
+            if not os.path.lexists(p):
+                continue
+            freed += _size_of(p)
+            removed.append(str(p.relative_to(d)))
+            if dry_run:
+                continue
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
+    dir_removed = False
+    if not dry_run and rec.stats.get("created_dest"):
+        with contextlib.suppress(OSError):
+            d.rmdir()  # only when empty
+            dir_removed = True
+    return {"ok": True, "dest": str(d), "removed": removed, "files_removed": len(removed), "bytes_freed": freed,
+            "dry_run": dry_run, "dest_removed": dir_removed}
+
+
+def run(args: argparse.Namespace) -> int:
+    res = clean(args.dest, dry_run=args.dry_run, timeout=args.timeout)
+    verb = "would remove" if res["dry_run"] else "removed"
+    emit(args, res, f"{res['dest']}: {verb} {res['files_removed']} entries ({res['bytes_freed'] / 1e9:.3f} GB)")
+    return 0
