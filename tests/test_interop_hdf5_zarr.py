@@ -318,3 +318,62 @@ def test_reader_survives_fork(tmp_path: Path, jpegs: list[Sample], decoded: list
     assert verdict == b"1"
     assert np.array_equal(np.asarray(reader.read([1])[0]), np.asarray(samples[1].data))
     reader.close()
+
+
+@pytest.mark.parametrize("rows_per_chunk", [1, 3])
+def test_zarr_direct_rows_equal_zarr(tmp_path: Path, decoded: list[Sample], rows_per_chunk: int) -> None:
+    """The pread fast path returns exactly what zarr returns, for every run, absent chunks included."""
+    samples = list(decoded[:20])
+    samples[4] = Sample("zero", 0, np.zeros(ZARR_SHAPE, np.uint8))  # all-fill chunk: zarr does not store it
+    samples[5] = Sample("zero2", 1, np.zeros(ZARR_SHAPE, np.uint8))
+    path = tmp_path / "shard-00000.zarr.zip"
+    extents = _write("zarr", path, samples, rows_per_chunk=rows_per_chunk)
+    info, manifest = _info(path, samples, extents)
+    reader = get_format("zarr").open_reader(str(path), info, manifest)
+    try:
+        assert reader.direct  # type: ignore[attr-defined]
+        n = len(samples)
+        for start in range(n + 1):
+            for stop in range(start, n + 1):
+                fast = reader.read_rows(start, stop)  # type: ignore[attr-defined]
+                slow = reader.read_rows(start, stop, via_zarr=True)  # type: ignore[attr-defined]
+                assert fast.shape == slow.shape == (stop - start, *ZARR_SHAPE)
+                np.testing.assert_array_equal(fast, slow)
+        np.testing.assert_array_equal(reader.read_rows(0, n), np.stack([s.data for s in samples]))  # type: ignore[attr-defined]
+    finally:
+        reader.close()
+
+
+def test_zarr_reader_falls_back_to_zarr_for_other_layouts(tmp_path: Path, decoded: list[Sample]) -> None:
+    """A group with our attributes but another array layout (no sharding, zstd) is read through zarr."""
+    from zarr.codecs import ZstdCodec
+
+    from stager.formats.zarr_format import write_zip
+
+    members: dict[str, object] = {}
+    store = zarr.storage.MemoryStore(members)  # type: ignore[arg-type]
+    n = len(decoded)
+    attrs = {
+        "stager_format": "stager.zarr/1",
+        "num_samples": n,
+        "image_shape": list(ZARR_SHAPE),
+        "classes": CLASSES,
+        "keys": [s.key for s in decoded],
+        "exts": [s.ext for s in decoded],
+        "meta": [{} for _ in decoded],
+    }
+    g = zarr.create_group(store=store, attributes=attrs, zarr_format=3)
+    g.create_array("images", shape=(n, *ZARR_SHAPE), dtype="uint8", chunks=(2, *ZARR_SHAPE), compressors=[ZstdCodec()])
+    g["images"][...] = np.stack([s.data for s in decoded])
+    g.create_array("labels", shape=(n,), dtype="int64", chunks=(n,))
+    g["labels"][...] = [s.label for s in decoded]
+    path = tmp_path / "shard-00000.zarr.zip"
+    write_zip(str(path), members)
+    reader = get_format("zarr").open_reader(str(path), *_info(path, decoded, [Extent(i, 0) for i in range(n)]))
+    try:
+        assert not reader.direct  # type: ignore[attr-defined]
+        for p, arr in zip([9, 3, 4, 5], reader.read([9, 3, 4, 5]), strict=True):
+            np.testing.assert_array_equal(arr, decoded[p].data)
+        assert [s.key for s in reader.iter_samples()] == [s.key for s in decoded]
+    finally:
+        reader.close()
