@@ -108,7 +108,10 @@ def encode_image_example(
 
 
 class RecordShardWriter:
-    """Writes one TFRecord shard and, on close, its DALI-style ``.idx`` companion."""
+    """Writes one TFRecord shard and, on close, its DALI-style ``.idx`` companion.
+
+    Records are accumulated and written in ``flush_bytes`` chunks; ``fsync`` as for the tar writer.
+    """
 
     def __init__(
         self,
@@ -117,7 +120,7 @@ class RecordShardWriter:
         shard_name: str,
         classes: Sequence[str],
         flush_bytes: int = FLUSH_BYTES,
-        fsync: bool = True,
+        fsync: bool = False,
         **options: Any,
     ) -> None:
         self.path = path

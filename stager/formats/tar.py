@@ -203,6 +203,10 @@ class TarShardWriter:
 
     Members are accumulated in a buffer and written in ``flush_bytes`` chunks, so a shard of small
     images costs a handful of ``write`` calls rather than several per sample.
+
+    Options: ``flush_bytes`` (buffer size before a write), ``fsync`` (fsync in ``close()``; off by
+    default because the caller, ``stager.pack``, fsyncs and hashes the file before renaming it).
+    Unknown options are ignored so that one option set can be passed to every format.
     """
 
     def __init__(
@@ -212,7 +216,7 @@ class TarShardWriter:
         shard_name: str,
         classes: Sequence[str],
         flush_bytes: int = FLUSH_BYTES,
-        fsync: bool = True,
+        fsync: bool = False,
         **options: Any,
     ) -> None:
         self.path = path
