@@ -217,6 +217,8 @@ class Hdf5Reader:
                             meta=json.loads(metas[k]) if metas is not None else {},
                         )
                     i = j
+            except CorruptSampleError:
+                raise
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 raise _corrupt(self.path, str(exc)) from exc
 

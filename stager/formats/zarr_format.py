@@ -379,7 +379,7 @@ class ZarrReader:
         except BaseException as exc:
             if store is not None:
                 store.close()
-            if isinstance(exc, _DAMAGE):
+            if isinstance(exc, _DAMAGE) and not isinstance(exc, CorruptSampleError):
                 raise _corrupt(self.path, f"cannot open: {type(exc).__name__}: {exc}") from exc
             raise
         self._store, self._images, self._attrs, self._pid = store, images, attrs, os.getpid()
@@ -429,6 +429,8 @@ class ZarrReader:
                     return np.zeros((0, *images.shape[1:]), dtype=np.uint8)
                 return self._direct.read(start, stop)
             return np.asarray(images[start:stop])
+        except CorruptSampleError:
+            raise
         except _DAMAGE as exc:
             raise _corrupt(self.path, f"rows {start}:{stop}: {type(exc).__name__}: {exc}") from exc
 
@@ -438,6 +440,8 @@ class ZarrReader:
         n = images.shape[0]
         try:
             labels = np.asarray(self._labels[...], dtype=np.int64)
+        except CorruptSampleError:
+            raise
         except _DAMAGE as exc:
             raise _corrupt(self.path, f"labels: {type(exc).__name__}: {exc}") from exc
         keys, exts, metas = self._attrs["keys"], self._attrs["exts"], self._attrs["meta"]
