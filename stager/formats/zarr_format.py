@@ -12,8 +12,11 @@ holding a zarr v3 group (normative description: docs/formats.md, section "zarr")
   (``[H, W, C]`` or null when empty), ``classes``, and per-sample ``keys``, ``exts`` and ``meta``.
 
 Manifest extents for zarr are not byte ranges: ``offset`` is the row in ``images`` and ``size`` is
-``H*W*C``. The loader reads runs of consecutive rows with :meth:`ZarrReader.read_rows` (one array
-slice per run).
+``H*W*C``. The loader reads runs of consecutive rows with :meth:`ZarrReader.read_rows`: one
+``(k, H, W, C)`` array per run, fetched by :class:`DirectRows` (one ``preadv`` per run, every
+image's crc32c checked) when the shard has exactly this layout, else by one zarr slice.
+:class:`RangeZipStore` makes zarr's own byte-range reads O(1) on Python versions whose zipfile
+seeks by reading.
 
 Determinism: the hierarchy is built in a :class:`zarr.storage.MemoryStore` and the zip written here
 with entries sorted by name, fixed timestamps (1980-01-01) and fixed permissions, so identical
