@@ -379,3 +379,10 @@ def test_zarr_reader_falls_back_to_zarr_for_other_layouts(tmp_path: Path, decode
         assert [s.key for s in reader.iter_samples()] == [s.key for s in decoded]
     finally:
         reader.close()
+
+
+@pytest.mark.parametrize("fmt_name", ["hdf5", "zarr"])
+def test_unserialisable_metadata_names_the_sample(tmp_path: Path, fmt_name: str) -> None:
+    data: bytes | np.ndarray = b"x" if fmt_name == "hdf5" else np.zeros(ZARR_SHAPE, np.uint8)
+    with pytest.raises(SourceError, match="bad-meta"):
+        _write(fmt_name, tmp_path / "s", [Sample("bad-meta", 0, data, meta={"f": object()})])

@@ -118,13 +118,17 @@ class Hdf5Writer:
                 f"{sample.key}: the hdf5 format stores encoded image bytes, got {type(data).__name__}; "
                 "use --format zarr for decoded arrays"
             )
+        try:
+            meta = json.dumps(sample.meta, sort_keys=True, separators=(",", ":"))
+        except (TypeError, ValueError) as exc:
+            raise SourceError(f"{sample.key}: sample metadata is not JSON-serialisable ({exc})") from exc
         start = self._bounds[-1]
         size = self._spool.write(data)
         self._bounds.append(start + size)
         self._keys.append(sample.key)
         self._labels.append(int(sample.label))
         self._exts.append(sample.ext)
-        self._meta.append(json.dumps(sample.meta, sort_keys=True, separators=(",", ":")))
+        self._meta.append(meta)
         return Extent(self._base + start, size)
 
     def close(self) -> list[tuple[str, str]]:

@@ -25,6 +25,7 @@ samples give byte-identical files.
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 import zipfile
@@ -94,12 +95,17 @@ class ZarrWriter:
                 f"{sample.key}: image shape {shape} differs from the shard's {self._shape}; zarr needs one "
                 f"shape per dataset: pack with --resize {h}x{w} (or make the sources uniform)"
             )
+        try:
+            # Round-trip through JSON now so that bad metadata names its sample, not the shard later.
+            meta = json.loads(json.dumps(sample.meta, sort_keys=True))
+        except (TypeError, ValueError) as exc:
+            raise SourceError(f"{sample.key}: sample metadata is not JSON-serialisable ({exc})") from exc
         row = len(self._rows)
         self._rows.append(arr)
         self._labels.append(int(sample.label))
         self._keys.append(sample.key)
         self._exts.append(sample.ext)
-        self._meta.append(dict(sample.meta))
+        self._meta.append(meta)
         return Extent(row, arr.size)
 
     def close(self) -> list[tuple[str, str]]:
