@@ -1,0 +1,347 @@
+"""stager stage / clean: verified copy, idempotence, crash resume, concurrency, space errors, modes."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import resource
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from stager.errors import OutOfSpaceError, StagerTimeoutError, VerificationError
+from stager.lock import NodeLock, boot_id
+from stager.manifest import load_manifest
+from stager.partition import assign_shards_to_nodes
+from stager.receipt import RECEIPT_NAME, find_staged_copy, load_receipt
+from stager.stage import plan_stage, read_source_manifest, resolve_node, stage
+
+from tests.test_stage_support import assert_verified_copy, last_json, make_dataset, spawn, stager
+
+
+@pytest.fixture
+def ds(tmp_path: Path):
+    src = tmp_path / "src"
+    return src, make_dataset(src, n=6)
+
+
+def test_stage_copies_verifies_and_receipt_is_found(ds, tmp_path: Path) -> None:
+    src, m = ds
+    dest = tmp_path / "dest"
+    res = stage(src, dest, workers=3)
+    assert res.files_copied == len(m.shards) and not res.already_staged
+    assert_verified_copy(m, dest)
+    assert (dest / "manifest.json").read_bytes() == (src / "manifest.json").read_bytes()
+    rec = load_receipt(dest)
+    assert rec is not None and rec.mode == "full" and sorted(rec.shards) == sorted(s.name for s in m.shards)
+    found = find_staged_copy(m, [dest])
+    assert found is not None and found[0] == dest
+    # DEST is itself a valid packed directory.
+    assert load_manifest(dest).digest == m.digest
+
+
+def test_rerun_is_near_instant_and_reads_nothing(ds, tmp_path: Path) -> None:
+    src, m = ds
+    dest = tmp_path / "dest"
+    stage(src, dest)
+    # Make the source unreadable: a rerun must not read shards at all.
+    for s in m.shards:
+        os.chmod(src / s.name, 0)
+    try:
+        res = stage(src, dest)
+    finally:
+        for s in m.shards:
+            os.chmod(src / s.name, 0o644)
+    assert res.already_staged and res.files_copied == 0
+
+
+def test_cli_json_summary_and_default_dest_from_env(ds, tmp_path: Path) -> None:
+    src, m = ds
+    root = tmp_path / "slurm_tmp"
+    root.mkdir()
+    env = {"STAGER_DEST": "", "SLURM_TMPDIR": str(root)}
+    r = stager("stage", str(src), "--json", env=env)
+    assert r.returncode == 0, r.stderr
+    out = last_json(r.stdout)
+    assert out["files_copied"] == len(m.shards) and out["gbps"] >= 0
+    assert Path(out["dest"]).parent == root
+    human = stager("stage", str(src), env=env)
+    assert human.returncode == 0 and "already staged" in human.stdout
+
+
+def test_no_destination_is_a_usage_error(ds) -> None:
+    src, _ = ds
+    r = stager("stage", str(src), env={"STAGER_DEST": "", "SLURM_TMPDIR": "", "TMPDIR": ""})
+    assert r.returncode == 2 and "STAGER_DEST" in r.stderr
+
+
+@pytest.mark.parametrize("where", [0, 1000, -1])
+def test_flipped_byte_is_caught_and_no_bad_copy_kept(tmp_path: Path, where: int) -> None:
+    src = tmp_path / "src"
+    m = make_dataset(src, n=4)
+    bad = m.shards[2].name
+    p = src / bad
+    data = bytearray(p.read_bytes())
+    data[where] ^= 0x01
+    p.write_bytes(bytes(data))
+    dest = tmp_path / "dest"
+    r = stager("stage", str(src), str(dest), "-j", "2")
+    assert r.returncode == 3, r.stderr
+    errors = [x for x in r.stderr.splitlines() if x.startswith("stager stage: error:")]
+    assert len(errors) == 1 and bad in errors[0]
+    assert not (dest / bad).exists()
+    assert not [q for q in dest.iterdir() if q.name.endswith(".partial")]
+    assert not (dest / RECEIPT_NAME).exists()
+    with pytest.raises(VerificationError):
+        stage(src, dest)
+
+
+def test_truncated_source_is_caught(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    m = make_dataset(src, n=2)
+    p = src / m.shards[0].name
+    p.write_bytes(p.read_bytes()[:-7])
+    r = stager("stage", str(src), str(tmp_path / "d"))
+    assert r.returncode == 3 and m.shards[0].name in r.stderr
+
+
+def test_kill_9_mid_copy_then_rerun_at_random_points(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    m = make_dataset(src, n=10, size=96 << 10, seed=5)
+    total = m.num_bytes
+    rng = random.Random(1234)
+    env = {"STAGER_TEST_THROTTLE_BPS": str(total // 2)}  # 2 streams: the copy takes ~1 s
+    killed_mid_copy = 0
+    kept_any = 0
+    for attempt in range(4):
+        dest = tmp_path / f"dest{attempt}"
+        proc = spawn("stage", str(src), str(dest), "-j", "2", "-q", env=env)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not (
+            dest.is_dir() and any(p.name.endswith(".partial") for p in dest.iterdir())
+        ):
+            time.sleep(0.005)
+        time.sleep(rng.uniform(0.0, 0.8))
+        partial_at_kill = any(p.name.endswith(".partial") for p in dest.iterdir())
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        killed_mid_copy += proc.returncode == -signal.SIGKILL and partial_at_kill
+        assert not (dest / RECEIPT_NAME).exists() or not partial_at_kill
+        r = stager("stage", str(src), str(dest), "--json")
+        assert r.returncode == 0, r.stderr
+        out = last_json(r.stdout)
+        assert out["files_copied"] + out["files_kept"] == len(m.shards) or out["already_staged"]
+        kept_any += out["files_kept"] > 0
+        assert_verified_copy(m, dest)
+        assert load_receipt(dest) is not None
+    assert killed_mid_copy >= 2, "kills did not land mid-copy; raise the throttle"
+    assert kept_any >= 1, "no rerun kept verified shards from the killed run"
+
+
+def test_four_concurrent_stagers_copy_once(ds, tmp_path: Path) -> None:
+    src, m = ds
+    dest = tmp_path / "dest"
+    env = {"STAGER_TEST_THROTTLE_BPS": str(m.num_bytes)}  # ~1 s of copying so the others must wait
+    procs = [spawn("stage", str(src), str(dest), "--json", env=env) for _ in range(4)]
+    outs = []
+    for p in procs:
+        so, se = p.communicate(timeout=120)
+        assert p.returncode == 0, se
+        outs.append(last_json(so))
+    copiers = [o for o in outs if o["files_copied"] > 0]
+    assert len(copiers) == 1 and copiers[0]["files_copied"] == len(m.shards)
+    assert sum(o["already_staged"] for o in outs) == 3
+    assert_verified_copy(m, dest)
+    assert len({o["receipt"] for o in outs}) == 1
+
+
+def test_live_lock_holder_times_out_with_exit_5(ds, tmp_path: Path) -> None:
+    src, _ = ds
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    with NodeLock(dest / ".stager-lock"):
+        r = stager("stage", str(src), str(dest), "--timeout", "0.5")
+    assert r.returncode == 5 and "locked" in r.stderr
+    with NodeLock(dest / ".stager-lock"), pytest.raises(StagerTimeoutError):
+        stage(src, dest, timeout=0.2)
+
+
+@pytest.mark.parametrize("kind", ["dead_pid", "other_boot"])
+def test_dead_lock_holder_is_taken_over(ds, tmp_path: Path, kind: str) -> None:
+    src, m = ds
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    if kind == "dead_pid":
+        p = subprocess.Popen([sys.executable, "-c", "pass"])
+        p.wait()
+        rec = {"pid": p.pid, "host": socket.gethostname(), "boot_id": boot_id(), "time": 0}
+    else:
+        rec = {"pid": os.getpid(), "host": socket.gethostname(), "boot_id": "another-boot", "time": 0}
+    (dest / ".stager-lock").write_text(json.dumps(rec))
+    r = stager("stage", str(src), str(dest), "--json", "--timeout", "10")
+    assert r.returncode == 0, r.stderr
+    out = last_json(r.stdout)
+    assert out["lock_takeover"]["pid"] == rec["pid"]
+    assert_verified_copy(m, dest)
+    assert not (dest / ".stager-lock").exists()
+
+
+def test_file_size_limit_is_a_clean_out_of_space_error(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    m = make_dataset(src, n=3, size=1 << 20)
+    dest = tmp_path / "dest"
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, 256 << 10))
+
+    r = stager("stage", str(src), str(dest), "-q", preexec_fn=limit)
+    assert r.returncode == 4, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "file size limit" in r.stderr
+    names = {p.name for p in dest.iterdir()}
+    assert not any(n.endswith(".partial") for n in names)
+    assert not names & {s.name for s in m.shards}
+    assert RECEIPT_NAME not in names
+    # Without the limit the same DEST completes.
+    assert stager("stage", str(src), str(dest)).returncode == 0
+    assert_verified_copy(m, dest)
+
+
+def test_free_space_checked_up_front(ds, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src, _ = ds
+    monkeypatch.setenv("STAGER_TEST_FREE_BYTES", "1000")
+    with pytest.raises(OutOfSpaceError, match="needs .* but only"):
+        stage(src, tmp_path / "dest")
+    r = stager("stage", str(src), str(tmp_path / "d2"))
+    assert r.returncode == 4
+
+
+def test_permissions_follow_the_source(tmp_path: Path) -> None:
+    for mode in (0o600, 0o640, 0o644):
+        src = tmp_path / f"src{mode:o}"
+        m = make_dataset(src, n=2, size=4096, mode=mode)
+        dest = tmp_path / f"dest{mode:o}"
+        stage(src, dest)
+        for s in m.shards:
+            st = os.stat(dest / s.name)
+            assert stat.S_IMODE(st.st_mode) == mode
+            assert st.st_gid == os.stat(src / s.name).st_gid
+
+
+def test_partition_mode_stages_exactly_the_loaders_share(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    m = make_dataset(src, n=7, size=8 << 10)
+    shares = assign_shards_to_nodes(m, 3, seed=4)
+    for node in range(3):
+        dest = tmp_path / f"node{node}"
+        if node == 1:  # identity from Slurm's environment instead of flags
+            r = stager("stage", str(src), str(dest), "--partition", "--seed", "4", "--json",
+                       env={"SLURM_NODEID": "1", "SLURM_NNODES": "3", "SLURM_NTASKS_PER_NODE": "4"})
+        else:
+            r = stager("stage", str(src), str(dest), "--partition", "--node", str(node), "--num-nodes", "3",
+                       "--seed", "4", "--ranks-per-node", "4", "--json")
+        assert r.returncode == 0, r.stderr
+        want = sorted(m.shards[i].name for i in shares[node])
+        got = sorted(p.name for p in dest.iterdir() if p.name.startswith("shard-"))
+        assert got == want
+        rec = load_receipt(dest)
+        assert rec is not None and rec.mode == "partition" and sorted(rec.shards) == want
+        assert rec.partition == {"num_nodes": 3, "node": node, "seed": 4, "ranks_per_node": 4}
+        assert_verified_copy(m, dest, want)
+
+
+def test_shared_dest_three_nodes_write_each_shard_once(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    m = make_dataset(src, n=8, size=16 << 10)
+    dest = tmp_path / "beeond"
+    procs = [spawn("stage", str(src), str(dest), "--shared", "--node", str(i), "--num-nodes", "3", "--json",
+                   "--timeout", "60") for i in range(3)]
+    outs = []
+    for p in procs:
+        so, se = p.communicate(timeout=120)
+        assert p.returncode == 0, se
+        outs.append(last_json(so))
+    shares = assign_shards_to_nodes(m, 3, seed=0)
+    written: list[str] = []
+    for node in range(3):
+        lines = (dest / f".stager-journal.node{node}.jsonl").read_text().splitlines()[1:]
+        names = [json.loads(x)["f"] for x in lines]
+        assert sorted(names) == sorted(m.shards[i].name for i in shares[node])
+        written += names
+    assert sorted(written) == sorted(s.name for s in m.shards)  # every shard exactly once
+    assert sum(o["files_copied"] for o in outs) == len(m.shards)
+    rec = load_receipt(dest)
+    assert rec is not None and rec.mode == "shared" and sorted(rec.shards) == sorted(s.name for s in m.shards)
+    assert_verified_copy(m, dest)
+
+
+def test_shared_mode_times_out_when_a_peer_never_comes(ds, tmp_path: Path) -> None:
+    src, _ = ds
+    r = stager("stage", str(src), str(tmp_path / "d"), "--shared", "--node", "0", "--num-nodes", "2",
+               "--timeout", "0.5")
+    assert r.returncode == 5 and "nodes [1]" in r.stderr
+
+
+def test_resolve_node_precedence() -> None:
+    assert resolve_node(2, 4, 8, env={"SLURM_NODEID": "1", "SLURM_NNODES": "3"}) == (2, 4, 8, "flags")
+    assert resolve_node(None, None, None, env={"SLURM_NODEID": "1", "SLURM_NNODES": "3",
+                                               "SLURM_TASKS_PER_NODE": "4(x3)"}) == (1, 3, 4, "slurm")
+    n = resolve_node(None, None, None, env={"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
+                                            "LOCAL_WORLD_SIZE": "4"})
+    assert n[:3] == (1, 2, 4)
+
+
+def test_plan_detects_beegfs_dest_as_shared(ds, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src, _ = ds
+    mi = tmp_path / "mountinfo"
+    mi.write_text(f"40 1 0:50 / {tmp_path}/beeond rw,relatime - beegfs beegfs_nodev rw,cfgFile=/etc/b.conf\n"
+                  "1 0 8:1 / / rw - ext4 /dev/sda1 rw\n")
+    monkeypatch.setenv("STAGER_MOUNTINFO", str(mi))
+    m, raw = read_source_manifest(str(src))
+    plan = plan_stage(str(src), m, raw, tmp_path / "beeond" / "x", node=0, num_nodes=2)
+    assert plan.mode == "shared"
+    assert plan_stage(str(src), m, raw, tmp_path / "local").mode == "full"
+
+
+def test_clean_removes_only_staged_files(ds, tmp_path: Path) -> None:
+    src, _ = ds
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / "keep.txt").write_text("mine")
+    (dest / "shard-000000.tar.abcdef012345.partial").write_bytes(b"x")  # stale partial of a staged name
+    stage(src, dest, unpack=False)
+    r = stager("clean", str(dest), "--json")
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in dest.iterdir()) == ["keep.txt"]
+    r = stager("clean", str(dest))
+    assert r.returncode == 2 and "no stager-receipt.json" in r.stderr
+
+
+def test_clean_refuses_receipt_paths_outside_dest(ds, tmp_path: Path) -> None:
+    src, _ = ds
+    dest = tmp_path / "dest"
+    stage(src, dest)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("do not delete")
+    rec = json.loads((dest / RECEIPT_NAME).read_text())
+    rec["files"].append("../victim.txt")
+    (dest / RECEIPT_NAME).write_text(json.dumps(rec))
+    r = stager("clean", str(dest))
+    assert r.returncode == 3 and "victim" in r.stderr
+    assert victim.exists() and (dest / "manifest.json").exists()
+
+
+def test_other_dataset_in_dest_is_refused(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    make_dataset(a, n=2, seed=1)
+    make_dataset(b, n=2, seed=2)
+    dest = tmp_path / "dest"
+    stage(a, dest)
+    r = stager("stage", str(b), str(dest))
+    assert r.returncode == 2 and "stager clean" in r.stderr
