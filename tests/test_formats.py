@@ -423,3 +423,26 @@ def test_record_index_lists_every_record(tmp_path: Path) -> None:
     assert idx[-1, 0] + idx[-1, 1] == m.shards[0].bytes
     for (off, size), e in zip(idx, extents, strict=True):  # each image lies inside its own record
         assert off + 12 <= e.offset and e.offset + e.size <= off + size - 4
+
+
+_json_values = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.text(max_size=8)),
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=5), inner, max_size=3)),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    meta=st.dictionaries(st.text(max_size=8), _json_values, max_size=5),
+    key=st.text(min_size=1, max_size=10),
+    label=st.integers(-1, 10**6),
+    cls=st.text(max_size=10),
+)
+def test_tar_json_metadata_equals_json_dumps(meta: dict, key: str, label: int, cls: str) -> None:
+    import json
+
+    from stager.formats.tar import _json_meta
+
+    expect = {**meta, "class": cls, "key": key, "label": label}
+    assert _json_meta(key, label, cls, meta) == json.dumps(expect, sort_keys=True, separators=(",", ":")).encode()
