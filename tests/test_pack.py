@@ -9,6 +9,7 @@ decoded pixels.
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import os
 import pickle
@@ -26,7 +27,6 @@ from stager.formats import FORMAT_NAMES, get_format
 from stager.manifest import load_manifest
 from stager.pack import cut_shards, pack, plan_order
 from stager.verify import verify
-from tools.datagen import png_bytes
 
 ENCODED = [f for f in FORMAT_NAMES if get_format(f).sample_kind == "encoded"]
 
@@ -182,7 +182,7 @@ def test_cut_shards_invariants(sizes: list[int], sps: int | None, cap: int | Non
             assert b - a <= sps
         if cap is not None and b - a > 1:
             assert int(arr[a:b].sum()) <= cap
-    for (a, b), (c, _) in zip(runs, runs[1:], strict=False):  # a shard ends only when a limit forces it
+    for (a, b), (c, _) in itertools.pairwise(runs):  # a shard ends only when a limit forces it
         n, total = b - a, int(arr[a:b].sum()) + int(arr[c])
         assert (sps is not None and n >= sps) or (cap is not None and total > cap)
 

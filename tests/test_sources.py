@@ -215,11 +215,11 @@ def test_check_encoded_catches_truncation_and_non_images() -> None:
     jpg = jpeg_bytes(np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8))
     png = _png(0)
     assert check_encoded(jpg, "x") == "jpg" and check_encoded(png, "x") == "png"
-    with pytest.raises(SourceError, match="a.jpg: truncated JPEG"):
+    with pytest.raises(SourceError, match=r"a\.jpg: truncated JPEG"):
         check_encoded(jpg[: len(jpg) // 2], "a.jpg")
-    with pytest.raises(SourceError, match="b.png: truncated PNG"):
+    with pytest.raises(SourceError, match=r"b\.png: truncated PNG"):
         check_encoded(png[:-5], "b.png")
-    with pytest.raises(SourceError, match="c.jpg: not an image file"):
+    with pytest.raises(SourceError, match=r"c\.jpg: not an image file"):
         check_encoded(b"hello world, definitely text", "c.jpg")
 
 
@@ -234,7 +234,7 @@ def test_prepare_sample_resize_quality_and_decoded() -> None:
     assert out.ext == "jpg" and Image.open(io.BytesIO(out.data)).size == (12, 10)
     dec = prepare_sample(s, target_kind="decoded", where="k")
     np.testing.assert_array_equal(dec.data, arr)
-    with pytest.raises(SourceError, match="k: image is 20x30, expected 8x8.*--resize"):
+    with pytest.raises(SourceError, match=r"k: image is 20x30, expected 8x8.*--resize"):
         prepare_sample(s, target_kind="decoded", where="k", image_shape=(8, 8, 3))
     enc = prepare_sample(Sample("k", 1, arr, "png"), target_kind="encoded", where="k")
     np.testing.assert_array_equal(np.asarray(Image.open(io.BytesIO(enc.data))), arr)
