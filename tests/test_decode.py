@@ -367,3 +367,25 @@ def test_header_parser_agrees_with_pillow_and_simplejpeg() -> None:
         h, w, _, _ = sj.decode_jpeg_header(data)
         assert (hdr.height, hdr.width) == (h, w) == Image.open(io.BytesIO(data)).size[::-1]
         assert hdr.single_scan == (kind != "jpeg_progressive")
+
+
+def test_decoders_pickle_for_spawned_workers(decoder: dc.Decoder) -> None:
+    import pickle
+
+    clone = pickle.loads(pickle.dumps(decoder))
+    data = INPUTS["jpeg420"]
+    a = dc.decode_random_resized_crop(data, 40, np.random.default_rng(5), decoder=decoder)
+    b = dc.decode_random_resized_crop(data, 40, np.random.default_rng(5), decoder=clone)
+    assert clone.name == decoder.name and np.array_equal(a, b)
+
+
+@pytest.mark.skipif(not HAVE_FAST, reason="simplejpeg missing")
+def test_scratch_reuse_does_not_leak_between_calls() -> None:
+    fast = dc.get_decoder("fast")
+    first = dc.decode_center_crop(INPUTS["jpeg420"], 64, decoder=fast)
+    kept = first.copy()
+    dc.decode_center_crop(INPUTS["jpeg444"], 64, decoder=fast)  # reuses the scratch buffer
+    assert np.array_equal(first, kept)
+    full = dc.decode_rgb(INPUTS["jpeg420"], decoder=fast)
+    dc.decode_random_resized_crop(INPUTS["jpeg422"], 64, np.random.default_rng(0), decoder=fast)
+    assert np.array_equal(full, _reference_rgb(INPUTS["jpeg420"]))

@@ -21,6 +21,7 @@ raises CorruptSampleError.
 from __future__ import annotations
 
 import math
+import threading
 from types import ModuleType
 
 import numpy as np
@@ -70,7 +71,27 @@ class FastJpegDecoder:
         self.fast_upsample = fast_upsample
         self.dct_scale = dct_scale
         self.truncate = truncate
+        self.use_cv2 = use_cv2
         self.name = "simplejpeg+cv2" if self._cv2 is not None else "simplejpeg+pil"
+        # Per-thread scratch for decodes that are cropped and resized at once: reusing the memory
+        # saves the page faults of a fresh ~0.5 MB allocation per image (~10% measured).
+        self._local = threading.local()
+
+    def __getstate__(self) -> dict[str, bool]:
+        """Options only, so a decoder can be sent to spawned loader workers."""
+        keys = ("fast_dct", "fast_upsample", "dct_scale", "truncate", "use_cv2")
+        return {k: getattr(self, k) for k in keys}
+
+    def __setstate__(self, state: dict[str, bool]) -> None:
+        self.__init__(**state)  # type: ignore[misc]
+
+    def _scratch(self, shape: tuple[int, int, int]) -> np.ndarray:
+        n = shape[0] * shape[1] * shape[2]
+        buf: np.ndarray | None = getattr(self._local, "buf", None)
+        if buf is None or buf.size < n:
+            buf = np.empty(max(n, 1 << 20), np.uint8)
+            self._local.buf = buf
+        return buf[:n].reshape(shape)
 
     # -- header -----------------------------------------------------------------------------------
     def probe(self, data: bytes) -> Probe:
@@ -111,20 +132,20 @@ class FastJpegDecoder:
             keep = (math.ceil(bottom / mcu) + 1) * mcu  # one MCU row of upsampling context below
             rows = min(rows, keep)
         shape = (-(-rows // denom), -(-hdr.width // denom), 3)
-        kw: dict[str, object] = {}
+        buf = self._scratch(shape)
+        kw: dict[str, object] = {"buffer": buf}
         if denom > 1:
-            kw = {"min_height": shape[0], "min_width": shape[1]}
+            kw.update(min_height=shape[0], min_width=shape[1])
         try:
             if rows == hdr.height:
                 arr = self._sj_decode(data, **kw)
                 return arr if arr.shape == shape else None
-            buf = np.empty(shape, np.uint8)
             # libjpeg reports the entropy data we told it not to decode only after writing every
             # row; a sentinel in the last row proves that it did.
             sentinel = (np.arange(buf[-1].size, dtype=np.uint32) * 37 + 11) % 251
             buf[-1] = sentinel.astype(np.uint8).reshape(buf[-1].shape)
             try:
-                self._sj_decode(with_height(data, hdr, rows), buffer=buf, **kw)
+                self._sj_decode(with_height(data, hdr, rows), **kw)
             except ValueError as e:
                 if _EXTRANEOUS not in str(e) or np.array_equal(buf[-1].reshape(-1), sentinel):
                     raise
@@ -132,13 +153,14 @@ class FastJpegDecoder:
         except ValueError:
             return None
 
-    def decode_region(
+    def _decode_region(
         self, data: bytes, probe: Probe, box: tuple[float, float, float, float], out_h: int, out_w: int
     ) -> tuple[np.ndarray, tuple[float, float, float, float]]:
         """Decode enough of ``data`` to cover ``box`` (top, left, height, width in original pixels).
 
         Returns the decoded array and the box in its coordinates; the array may be a reduced-scale
-        and/or top-rows-only decode.
+        and/or top-rows-only decode, and may live in this thread's scratch buffer, which the next
+        call overwrites: resize it before decoding again.
         """
         hdr = probe.handle
         top, left, bh, bw = box
@@ -188,10 +210,10 @@ class FastJpegDecoder:
     # -- transforms -------------------------------------------------------------------------------
     def crop_resize(self, data: bytes, probe: Probe, box: Box, size: int) -> np.ndarray:
         fbox = (float(box[0]), float(box[1]), float(box[2]), float(box[3]))
-        arr, b = self.decode_region(data, probe, fbox, size, size)
+        arr, b = self._decode_region(data, probe, fbox, size, size)
         return self._resize(arr, b, size, size)
 
     def center_crop(self, data: bytes, probe: Probe, size: int, resize: int) -> np.ndarray:
         box = center_crop_box(probe.height, probe.width, size, resize)
-        arr, b = self.decode_region(data, probe, box, size, size)
+        arr, b = self._decode_region(data, probe, box, size, size)
         return self._resize(arr, b, size, size)
