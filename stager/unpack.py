@@ -30,7 +30,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from .errors import UnsafeArchiveError, VerificationError
+from .errors import CorruptSampleError, UnsafeArchiveError, VerificationError
 from .manifest import Manifest, ShardInfo, check_safe_name
 
 UNLABELED = "_unlabeled"
@@ -219,12 +219,20 @@ class Unpacker:
                         f"{info.name}: checksum mismatch while unpacking (expected {info.bytes} bytes "
                         f"{info.hash}, got {reader.nbytes} bytes {got}); the source shard is damaged"
                     )
+        except CorruptSampleError as exc:
+            # A damaged container is a verification failure of the shard (exit 3), like a bad hash.
+            self._remove(written)
+            raise VerificationError(str(exc)) from exc
         except BaseException:
-            for p in written:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(p)
+            self._remove(written)
             raise
         return len(written)
+
+    @staticmethod
+    def _remove(paths: list[str]) -> None:
+        for p in paths:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)
 
     def unpack_samples(self, samples: Iterable[Any], info: ShardInfo) -> int:
         """Write samples from a format reader's ``iter_samples()`` (encoded bytes or decoded arrays)."""

@@ -22,7 +22,6 @@ from stager.manifest import load_manifest
 from stager.partition import assign_shards_to_nodes
 from stager.receipt import RECEIPT_NAME, find_staged_copy, load_receipt
 from stager.stage import plan_stage, read_source_manifest, resolve_node, stage
-
 from tests.test_stage_support import assert_verified_copy, last_json, make_dataset, spawn, stager
 
 
@@ -216,7 +215,7 @@ def test_file_size_limit_is_a_clean_out_of_space_error(tmp_path: Path) -> None:
 def test_free_space_checked_up_front(ds, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     src, _ = ds
     monkeypatch.setenv("STAGER_TEST_FREE_BYTES", "1000")
-    with pytest.raises(OutOfSpaceError, match="needs .* but only"):
+    with pytest.raises(OutOfSpaceError, match=r"needs .* but only"):
         stage(src, tmp_path / "dest")
     r = stager("stage", str(src), str(tmp_path / "d2"))
     assert r.returncode == 4

@@ -1,0 +1,169 @@
+"""stage --unpack: ImageFolder output from real packs, and hostile tar members refused safely."""
+
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from stager.checksum import hash_file
+from stager.manifest import Manifest, ShardInfo
+from stager.pack import pack
+from stager.receipt import find_staged_copy, load_receipt
+from stager.stage import stage
+from tests.test_stage_support import last_json, stager
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    """{"<class>/<stem>": bytes}: pack normalises extensions (.JPEG -> .jpg), the bytes stay identical."""
+    return {str(p.relative_to(root).with_suffix("")): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def packed_tar(imagenet_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("packed") / "tar"
+    pack(imagenet_tiny, out, format="tar", samples_per_shard=5)
+    return out
+
+
+def test_unpack_also_writes_imagefolder_identical_to_source(packed_tar: Path, imagenet_tiny: Path,
+                                                             tmp_path: Path) -> None:
+    dest = tmp_path / "dest"
+    r = stager("stage", str(packed_tar), str(dest), "--unpack", "--json")
+    assert r.returncode == 0, r.stderr
+    out = last_json(r.stdout)
+    src_tree = _tree(imagenet_tiny)
+    assert out["unpacked_files"] == len(src_tree)
+    assert _tree(dest / "unpacked") == src_tree
+    rec = load_receipt(dest)
+    assert rec is not None and rec.unpacked == str(dest / "unpacked")
+    assert (dest / "shard-00000.tar").exists()
+    again = stager("stage", str(packed_tar), str(dest), "--unpack", "--json")
+    assert last_json(again.stdout)["already_staged"]
+    assert stager("clean", str(dest)).returncode == 0
+    assert not (dest / "unpacked").exists() and not any(dest.iterdir())
+
+
+def test_unpack_only_streams_from_source_and_keeps_no_shards(packed_tar: Path, imagenet_tiny: Path,
+                                                             tmp_path: Path) -> None:
+    dest = tmp_path / "dest"
+    res = stage(packed_tar, dest, unpack="only", unpack_dir="train")
+    assert _tree(dest / "train") == _tree(imagenet_tiny)
+    assert not list(dest.glob("shard-*"))
+    m = Manifest.from_bytes((packed_tar / "manifest.json").read_bytes())
+    # The loader must not mistake an unpack-only DEST for a staged shard copy.
+    assert find_staged_copy(m, [dest]) is None
+    assert res.unpacked_files == m.num_samples
+
+
+def test_unpack_only_catches_a_damaged_source_shard(packed_tar: Path, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    for p in packed_tar.iterdir():
+        (src / p.name).write_bytes(p.read_bytes())
+    shard = src / "shard-00001.tar"
+    data = bytearray(shard.read_bytes())
+    data[-600] ^= 0x40  # inside the end-of-archive padding region or last member: hashing catches it
+    shard.write_bytes(bytes(data))
+    r = stager("stage", str(src), str(tmp_path / "d"), "--unpack", "only", "-j", "1")
+    assert r.returncode == 3, r.stderr
+    assert "shard-00001.tar" in r.stderr
+
+
+def test_unpack_hdf5_through_its_reader(imagenet_tiny: Path, tmp_path: Path) -> None:
+    out = tmp_path / "h5"
+    pack(imagenet_tiny, out, format="hdf5", samples_per_shard=8)
+    dest = tmp_path / "dest"
+    stage(out, dest, unpack=True)
+    assert _tree(dest / "unpacked") == _tree(imagenet_tiny)
+
+
+# ---- hostile archives -----------------------------------------------------------------------------
+def _hostile_shard(tmp: Path, kind: str) -> tuple[Path, str]:
+    """A packed dir with one tar shard holding a benign image and one hostile member ``kind``."""
+    src = tmp / f"src-{kind}"
+    src.mkdir()
+    buf = io.BytesIO()
+    good = b"\xff\xd8good-jpeg-bytes\xff\xd9"
+    evil_name = {"dotdot": "../../evil.jpg", "absolute": "/tmp/evil-abs.jpg", "symlink": "c0/link.jpg",
+                 "hardlink": "c0/hard.jpg", "device": "c0/dev.jpg", "oversize": "c0/big.jpg",
+                 "fifo": "c0/fifo.jpg"}[kind]
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tf:
+        ti = tarfile.TarInfo("c0/a.jpg")
+        ti.size = len(good)
+        tf.addfile(ti, io.BytesIO(good))
+        ti = tarfile.TarInfo(evil_name)
+        payload = b""
+        if kind == "symlink":
+            ti.type, ti.linkname = tarfile.SYMTYPE, "/etc/passwd"
+        elif kind == "hardlink":
+            ti.type, ti.linkname = tarfile.LNKTYPE, "c0/a.jpg"
+        elif kind == "device":
+            ti.type, ti.devmajor, ti.devminor = tarfile.CHRTYPE, 1, 3
+        elif kind == "fifo":
+            ti.type = tarfile.FIFOTYPE
+        else:
+            payload = b"x" * 100
+        ti.size = len(payload)
+        tf.addfile(ti, io.BytesIO(payload))
+    with tarfile.open(fileobj=io.BytesIO(buf.getvalue())) as tf:
+        members = tf.getmembers()
+    shard = src / "shard-00000.tar"
+    shard.write_bytes(buf.getvalue())
+    keys = ["c0/a", evil_name.rsplit(".", 1)[0]]
+    offsets = np.array([m.offset_data for m in members], np.int64)
+    sizes = np.array([len(good), 10 if kind == "oversize" else members[1].size], np.int64)
+    nbytes, h = hash_file(shard)
+    info = ShardInfo(shard.name, nbytes, h, keys, np.zeros(2, np.int64), offsets, sizes)
+    Manifest(format="tar", classes=["c0"], shards=[info]).write(src)
+    return src, evil_name
+
+
+def _snapshot(root: Path, skip: Path) -> set[str]:
+    return {str(p) for p in root.rglob("*") if skip not in p.parents and p != skip}
+
+
+@pytest.mark.parametrize("kind", ["dotdot", "absolute", "symlink", "hardlink", "device", "fifo", "oversize"])
+def test_hostile_members_are_refused_and_nothing_escapes(tmp_path: Path, kind: str) -> None:
+    src, evil = _hostile_shard(tmp_path, kind)
+    dest = tmp_path / "work" / "dest"
+    dest.parent.mkdir()
+    before = _snapshot(tmp_path, dest)
+    r = stager("stage", str(src), str(dest), "--unpack", "-q")
+    assert r.returncode == 3, (kind, r.stderr)
+    assert "shard-00000.tar" in r.stderr
+    if kind in ("dotdot", "absolute", "oversize"):
+        assert evil.lstrip("/").split("/")[-1] in r.stderr
+    assert _snapshot(tmp_path, dest) == before  # nothing written outside DEST
+    assert not os.path.exists("/tmp/evil-abs.jpg")
+    files = [p for p in (dest / "unpacked").rglob("*") if p.is_file() or p.is_symlink()]
+    assert files == []  # the benign member of the refused shard was removed too
+    assert load_receipt(dest) is None
+
+
+def test_hostile_class_name_is_refused(tmp_path: Path) -> None:
+    src, _ = _hostile_shard(tmp_path, "oversize")
+    m = Manifest.from_bytes((src / "manifest.json").read_bytes())
+    m.classes = ["../up"]
+    m.shards[0].sizes[1] = 100
+    m.digest = ""
+    m.write(src)
+    dest = tmp_path / "dest"
+    r = stager("stage", str(src), str(dest), "--unpack", "-q")
+    assert r.returncode == 3 and "../up" in r.stderr
+    assert not (tmp_path / "up").exists()
+
+
+def test_unpack_dir_symlink_is_refused(packed_tar: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (dest / "unpacked").symlink_to(elsewhere)
+    r = stager("stage", str(packed_tar), str(dest), "--unpack", "-q")
+    assert r.returncode == 3 and "symlink" in r.stderr
+    assert not any(elsewhere.iterdir())
