@@ -48,6 +48,9 @@ IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "ppm", "pgm", "pbm", "bmp", "tif", "
 _ZERO_BLOCK = bytes(BLOCK)
 _PADS = [bytes(n) for n in range(BLOCK)]
 _EXT_RE = re.compile(r"^[a-z0-9_][a-z0-9_.-]{0,31}$")
+# '/'-separated non-empty parts without NUL or backslash; no part is '.' or '..'; the last part has
+# no '.'; no leading '__' (webdataset's skip_meta pattern).
+_KEY_RE = re.compile(r"(?!__)(?:(?!\.\.?/)[^/\\\0]+/)*[^./\\\0]+")
 
 
 def _pad(n: int) -> bytes:
@@ -152,20 +155,10 @@ def _ustar_split(raw: bytes) -> tuple[bytes, bytes] | None:
 
 def check_key(key: object, where: str = "") -> str:
     """Return ``key`` if webdataset will group its members back under exactly this key."""
-    if not isinstance(key, str) or not key:
-        raise UsageError(f"{where}sample key must be a non-empty string, got {key!r}")
-    last = key.rsplit("/", 1)[-1]
-    if (
-        not last
-        or "." in last
-        or key.startswith(("/", "__"))
-        or "\0" in key
-        or "\\" in key
-        or any(part in ("", ".", "..") for part in key.split("/"))
-    ):
+    if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
         raise UsageError(
             f"{where}invalid sample key {key!r}: expected '/'-separated non-empty parts, no '.' in the last "
-            "part, no '..' part, not starting with '/' or '__' (webdataset splits member names at the first dot)"
+            "part, no '.' or '..' part, not starting with '__' (webdataset splits member names at the first dot)"
         )
     return key
 
@@ -236,6 +229,7 @@ class TarShardWriter:
         self._buf = bytearray()
         self._written = 0  # bytes already handed to the OS
         self._keys: set[str] = set()
+        self._exts_ok: dict[str, str] = {}  # validated extension -> its lower-case form
 
     def write(self, sample: Sample) -> Extent:
         if self._f is None:
@@ -249,9 +243,12 @@ class TarShardWriter:
             raise UsageError(
                 f"{self.shard_name}: tar stores encoded image files; got {type(data).__name__} for {key!r}"
             )
-        ext = sample.ext.lower()
-        if not _EXT_RE.match(ext) or ext in RESERVED_EXTS:
-            raise UsageError(f"{self.shard_name}: invalid image extension {sample.ext!r} for {key!r}")
+        ext = sample.ext
+        if ext not in self._exts_ok:
+            if not _EXT_RE.match(ext.lower()) or ext.lower() in RESERVED_EXTS:
+                raise UsageError(f"{self.shard_name}: invalid image extension {sample.ext!r} for {key!r}")
+            self._exts_ok[ext] = ext.lower()
+        ext = self._exts_ok[ext]
         label = int(sample.label)
         cls = self.classes[label] if 0 <= label < len(self.classes) else ""
         self._keys.add(key)
