@@ -38,10 +38,10 @@ def make_loader(
     storage_options: dict[str, Any] | None = None,
     staged: bool | str = "auto",
     staging_roots: tuple[str, ...] = (),
-    run_bytes: int = 1 << 20,
-    min_run: int = 4,
+    run_bytes: int | str = "auto",
+    min_run: int | None = None,
     shuffle_buffer: int | None = None,
-    shuffle_buffer_bytes: int = 256 << 20,
+    shuffle_buffer_bytes: int = 512 << 20,
     multiprocessing_context: Any = None,
     timeout: float = 0,
 ) -> Loader:
@@ -53,7 +53,8 @@ def make_loader(
     ``ceil(N / world_size)`` samples by repeating samples (the last batch may be short);
     ``drop_last=True`` keeps ``floor(N / world_size)`` per rank and only full batches. Shuffle
     memory is bounded by ``shuffle_buffer_bytes`` per rank (or ``shuffle_buffer`` samples per
-    worker); reads are runs of ~``run_bytes`` (at least ``min_run`` samples).
+    worker); reads are runs of ~``run_bytes`` (at least ``min_run`` samples); ``"auto"`` is 1 MiB
+    (4 samples) on shared file systems and URLs, 256 KiB (2 samples) on node-local storage.
     """
     if num_workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")

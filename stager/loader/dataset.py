@@ -24,9 +24,13 @@ from .source import Resolved, ShardAccess, check_shards, resolve, validate_parti
 from .transforms import make_sample_fn
 
 _TAG_AUGMENT = 3
-DEFAULT_RUN_BYTES = 1 << 20
-DEFAULT_MIN_RUN = 4
-DEFAULT_BUFFER_BYTES = 256 << 20
+# Run size by storage (run_bytes="auto"): on a shared/network file system (Lustre, GPFS, BeeGFS,
+# NFS, fsspec URLs) reads should be whole stripes (1 MiB+); on node-local NVMe/tmpfs (a staged copy)
+# 256 KiB reads already run at full device speed, and shorter runs shuffle better for the same
+# buffer memory (docs/loader.md, "Shuffle quality").
+SHARED_RUN_BYTES, SHARED_MIN_RUN = 1 << 20, 4
+LOCAL_RUN_BYTES, LOCAL_MIN_RUN = 256 << 10, 2
+DEFAULT_BUFFER_BYTES = 512 << 20
 MAX_BUFFER_SAMPLES = 1 << 16
 
 
@@ -61,8 +65,8 @@ class ShardedDataset(IterableDataset):
         storage_options: dict[str, Any] | None = None,
         staged: bool | str = "auto",
         staging_roots: tuple[str, ...] = (),
-        run_bytes: int = DEFAULT_RUN_BYTES,
-        min_run: int = DEFAULT_MIN_RUN,
+        run_bytes: int | str = "auto",
+        min_run: int | None = None,
         shuffle_buffer: int | None = None,
         shuffle_buffer_bytes: int = DEFAULT_BUFFER_BYTES,
         resolved: Resolved | None = None,
@@ -93,7 +97,9 @@ class ShardedDataset(IterableDataset):
         self._sample_fn = make_sample_fn(decode, transform, image_size, self.index.kind)
         payload = self.index.payload_bytes()
         counts = np.diff(self.index.starts)
-        self.run_len = planlib.run_lengths(counts, payload, run_bytes, min_run)
+        rb, mr = self._run_size(run_bytes, min_run)
+        self.run_bytes, self.min_run = rb, mr
+        self.run_len = planlib.run_lengths(counts, payload, rb, mr)
         mean = float(payload.sum()) / max(1, self.index.num_samples)
         self._buffer_override = shuffle_buffer
         self._buffer_bytes = shuffle_buffer_bytes
@@ -117,6 +123,23 @@ class ShardedDataset(IterableDataset):
         self.seq_override: np.ndarray | None = None
 
     # ---- planning -------------------------------------------------------------------------------
+    def _run_size(self, run_bytes: int | str, min_run: int | None) -> tuple[int, int]:
+        if run_bytes != "auto":
+            if not isinstance(run_bytes, int) or run_bytes < 1:
+                raise UsageError(f"run_bytes must be a positive integer or 'auto', got {run_bytes!r}")
+            return run_bytes, SHARED_MIN_RUN if min_run is None else min_run
+        shared = True
+        if self.res.is_local:
+            from ..fsinfo import detect_fs
+
+            try:
+                shared = detect_fs(self.res.root.removeprefix("file://")).is_shared
+            except OSError:
+                shared = True
+        if shared:
+            return SHARED_RUN_BYTES, SHARED_MIN_RUN if min_run is None else min_run
+        return LOCAL_RUN_BYTES, LOCAL_MIN_RUN if min_run is None else min_run
+
     def _partition_per_rank(self, rpn: int) -> int:
         from ..partition import assign_shards_to_nodes
 

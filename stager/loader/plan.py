@@ -12,7 +12,9 @@ Vocabulary (all sample ids are *global*: positions in manifest order, shard afte
   truncated), equal in length on every rank, so every rank gets the same number of batches;
 * the rank slice is cut contiguously into one **stream** per worker, sized so that worker ``k``
   produces exactly the rank's batches ``k, k + W, k + 2W, ...`` (``W`` workers): the order in which
-  torch's DataLoader round-robins over workers, which makes the rank's batch order deterministic;
+  torch's DataLoader round-robins over workers, which makes the rank's batch order deterministic
+  (with ``shuffle=False`` worker ``k``'s stream is instead the slices of its own batches, so the
+  rank sees exact manifest order);
 * a worker emits its stream through a **shuffle buffer** of ``K`` samples (the classic
   fill-then-swap reservoir), simulated here on positions so the order is known in advance and
   only the stream (never the buffer's order) decides what is read when.
@@ -285,14 +287,21 @@ def plan_rank(
     ids = ids[:used]
     padded = min(padded, used)
     nw = cfg.streams
+    cum = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     workers = []
     lo = 0
     for k in range(nw):
         mine = np.arange(k, len(sizes), nw, dtype=np.int64)
         wsizes = sizes[mine]
         q = int(wsizes.sum())
-        stream = ids[lo : lo + q]
-        lo += q
+        if cfg.mode == "none":
+            # Exact manifest order on the rank: worker k takes the slices of its own batches.
+            pieces = [ids[cum[j] : cum[j + 1]] for j in mine.tolist()]
+            stream = np.concatenate(pieces) if pieces else np.zeros(0, np.int64)
+        else:
+            # Shuffled modes: one contiguous chunk per worker keeps runs whole (one read each).
+            stream = ids[lo : lo + q]
+            lo += q
         rng = np.random.default_rng((cfg.seed, epoch, _TAG_BUFFER, cfg.world_size, rank, nw, k))
         buf = cfg.buffer_samples if cfg.mode in ("runs", "shards") else 0
         emit = buffer_shuffle(q, buf, rng)
