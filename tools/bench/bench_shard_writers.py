@@ -196,6 +196,11 @@ def write_markdown(results: dict, out: Path) -> None:
         "sorted field plan, records are serialised by a specialised protobuf encoder, and output is "
         "buffered into multi-MB writes instead of several small writes per sample.",
         "",
+        "Reading the MDS column: a webdataset tar sample is three 512-byte-aligned members (image, "
+        "`.cls`, `.json` with key/class/source), about twice the bytes of an MDS sample holding only "
+        "image and label, so on tiny images the tar writer moves ~2x the data for the same work. "
+        "Figures from a shared, busy machine are provisional; rerun on an idle node.",
+        "",
     ]
     (out / "shard_writers.md").write_text("\n".join(lines))
 
