@@ -338,6 +338,11 @@ def test_fast_path_close_to_reference() -> None:
     # downscaling) on noisy synthetic photos; a wrong crop or channel order would give 30+.
     assert np.mean(rrc) < 4.0 and max(rrc) < 8.0, (np.mean(rrc), max(rrc))
     assert np.mean(cc) < 4.0 and max(cc) < 6.0, cc
+    approx = dc.get_decoder("fast-approx")
+    data = _photos(1)[0]
+    a = dc.decode_random_resized_crop(data, 64, np.random.default_rng(0), decoder=approx)
+    b = dc.decode_random_resized_crop(data, 64, np.random.default_rng(0), decoder=ref)
+    assert np.abs(a.astype(np.int16) - b).mean() < 5.0
 
 
 @pytest.mark.skipif(not HAVE_FAST, reason="simplejpeg missing")

@@ -57,6 +57,7 @@ from stager.decode.jpeg_header import parse_jpeg_header  # noqa: E402
 from tools.datagen import make_imagefolder  # noqa: E402
 
 SIZE = 224
+SHAPES = [(375, 500), (600, 800), (768, 1024), (1080, 1440), (1500, 2000), (3000, 4000)]  # HxW
 Fn = Callable[[bytes, np.random.Generator], np.ndarray]
 
 
@@ -172,7 +173,7 @@ def variants() -> dict[str, Fn]:
 
         out["turbojpeg"] = tj_scaled
     except Exception as e:  # library missing or libjpeg-turbo < 3: reported, not fatal
-        print(f"turbojpeg unavailable: {e!s:.120}", file=sys.stderr)
+        print(f"turbojpeg unavailable: {str(e).splitlines()[0]}", file=sys.stderr)
     return out
 
 
@@ -211,6 +212,16 @@ def engagement(data: list[bytes], draws: int = 20) -> dict[str, float]:
     res["rows_decoded_fraction"] = float(np.mean(rows))
     res["area_interp_fraction"] = area_interp / total
     return res
+
+
+def scale_shares(h: int, w: int, draws: int = 20000) -> dict[str, float]:
+    """Share of RandomResizedCrop(224) draws on an ``h x w`` image per DCT scale (geometry only)."""
+    rng = np.random.default_rng(1)
+    counts = {1: 0, 2: 0, 4: 0, 8: 0}
+    for _ in range(draws):
+        _, _, bh, bw = random_resized_crop_box(h, w, rng)
+        counts[next((s for s in (8, 4, 2) if bh / s >= SIZE and bw / s >= SIZE), 1)] += 1
+    return {f"1/{k}": round(c / draws, 4) for k, c in counts.items()}
 
 
 def run(n: int, seconds: float, rounds: int, work: Path) -> dict[str, Any]:
@@ -257,6 +268,7 @@ def run(n: int, seconds: float, rounds: int, work: Path) -> dict[str, Any]:
         "default_backend": dc.backend(),
         "train_rrc224_per_core": train,
         "engagement": {k: round(v, 4) for k, v in engagement(data).items()},
+        "dct_scale_share_by_image_size": {f"{h}x{w}": scale_shares(h, w) for h, w in SHAPES},
         "eval_and_full_decode_per_core": {k: round(v, 1) for k, v in other.items()},
         "machine": {
             "cpu_count": os.cpu_count(),
@@ -274,7 +286,8 @@ def markdown(res: dict[str, Any]) -> str:
         "",
         f"{res['images']} synthetic ImageNet-like JPEGs (tools.datagen, mean {res['mean_shape_hw'][0]}x"
         f"{res['mean_shape_hw'][1]} HxW, {res['mean_bytes'] // 1000} KB, quality 90, "
-        f"{res['single_scan_fraction']:.0%} single-scan); same crop draws for every variant; samples per CPU-second, best of "
+        f"{res['single_scan_fraction']:.0%} single-scan); same crop draws for every variant; "
+        f"samples per CPU-second, best of "
         f"{res['rounds']} interleaved rounds of {res['seconds_per_measure']} s. Machine: {res['machine']['cpu_count']} "
         f"cores, load average {res['machine']['loadavg_1m']} during the run (shared: figures are provisional).",
         "Produced by `python -m tools.bench.bench_decode`.",
@@ -288,6 +301,10 @@ def markdown(res: dict[str, Any]) -> str:
     lines += ["| measure | value |", "|---|---:|"]
     for k, v in res["engagement"].items():
         lines.append(f"| {k} | {v:.3f} |")
+    lines += ["", "Share of draws per DCT scale by image size (HxW; geometry only, no decoding):", ""]
+    lines += ["| image | 1/1 | 1/2 | 1/4 | 1/8 |", "|---|---:|---:|---:|---:|"]
+    for shape, sh in res["dct_scale_share_by_image_size"].items():
+        lines.append(f"| {shape} | {sh['1/1']:.3f} | {sh['1/2']:.3f} | {sh['1/4']:.3f} | {sh['1/8']:.3f} |")
     lines += ["", "Eval transform (Resize 256 + CenterCrop 224) and full decode, samples/s per core:", ""]
     lines += ["| measure | samples/s |", "|---|---:|"]
     for k, v in res["eval_and_full_decode_per_core"].items():
