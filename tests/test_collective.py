@@ -1,0 +1,296 @@
+"""Collective staging: real processes on loopback acting as nodes, each with its own DEST.
+
+SRC bytes are counted independently of stager's own counters: the node processes read SRC through
+a test-only fsspec file system (``countfs://``) that logs every read to a file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stager.collective_group import resolve_endpoint
+from stager.collective_io import IoCounters, ShareReader, StreamSink, copy_share
+from stager.collective_plan import FileEntry, StreamLayout, assign_read_shares, chunk_size_for, plan_streams
+from stager.errors import UsageError, VerificationError
+from stager.manifest import load_manifest
+from stager.pack import pack
+from stager.partition import assign_shards_to_nodes
+from stager.receipt import load_receipt
+from stager.verify import verify
+
+LAUNCHER = r'''
+import os, sys
+import fsspec
+from fsspec.implementations.local import LocalFileOpener, LocalFileSystem
+
+class CountingOpener(LocalFileOpener):
+    def _log(self, n):
+        with open(os.environ["COUNTFS_LOG"], "a") as f:
+            f.write(f"{os.path.basename(self.path)}\t{n}\n")
+
+    def read(self, n=-1):
+        data = super().read(n)
+        self._log(len(data))
+        return data
+
+    def readinto(self, b):
+        n = self.f.readinto(b)
+        self._log(n or 0)
+        return n
+
+class CountingFS(LocalFileSystem):
+    protocol = "countfs"
+    def _open(self, path, mode="rb", block_size=None, **kw):
+        return CountingOpener(self._strip_protocol(path), mode, fs=self, **kw)
+
+fsspec.register_implementation("countfs", CountingFS, clobber=True)
+from stager.cli import main
+sys.exit(main(sys.argv[1:]))
+'''
+
+
+@pytest.fixture(scope="module")
+def packed(imagenet_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """12 tar shards of 2 JPEGs (~20 KB each, ~250 KB in all)."""
+    out = tmp_path_factory.mktemp("coll") / "packed"
+    pack(imagenet_tiny, out, samples_per_shard=2)
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _launch(tmp: Path, src: str, n: int, *, ranks: list[int] | None = None, extra: list[str] | None = None,
+            env_extra: dict[str, str] | None = None, timeout: float = 20.0) -> list[subprocess.Popen[str]]:
+    """Start one `stager stage --collective` process per simulated node (rank = node)."""
+    (tmp / "launcher.py").write_text(LAUNCHER)
+    port = _free_port()
+    procs = []
+    for i in ranks if ranks is not None else range(n):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC"))}
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(i), WORLD_SIZE=str(n),
+                   LOCAL_WORLD_SIZE="1", COUNTFS_LOG=str(tmp / f"count{i}.log"))
+        env.update(env_extra or {})
+        cmd = [sys.executable, str(tmp / "launcher.py"), "stage", src, str(tmp / f"dest{i}"), "--collective",
+               "--chunk-size", "8192", "--timeout", str(timeout), "--json", *(extra or [])]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def _finish(procs: list[subprocess.Popen[str]], limit: float = 90) -> list[tuple[int, dict, str]]:
+    out = []
+    for p in procs:
+        try:
+            so, se = p.communicate(timeout=limit)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        lines = [ln for ln in so.splitlines() if ln.startswith("{")]
+        out.append((p.returncode, json.loads(lines[-1]) if lines else {}, se))
+    return out
+
+
+def _src_reads(tmp: Path, n: int) -> dict[str, int]:
+    """Bytes read per SRC file name, summed over all nodes' countfs logs."""
+    reads: dict[str, int] = {}
+    for i in range(n):
+        log = tmp / f"count{i}.log"
+        if log.exists():
+            for line in log.read_text().splitlines():
+                name, k = line.split("\t")
+                reads[name] = reads.get(name, 0) + int(k)
+    return reads
+
+
+def test_four_nodes_read_src_once_and_end_identical(packed: Path, tmp_path: Path) -> None:
+    m = load_manifest(packed)
+    n = 4
+    results = _finish(_launch(tmp_path, f"countfs://{packed}", n))
+    for rc, res, err in results:
+        assert rc == 0, err
+        assert res["collective"] and res["fallback"] is None
+        assert res["totals"]["src_bytes"] == m.num_bytes
+        assert res["totals"]["exchange_bytes"] == (n - 1) * m.num_bytes
+    # Independent count: every shard byte left SRC exactly once across the four nodes.
+    reads = _src_reads(tmp_path, n)
+    assert {k: v for k, v in reads.items() if k != "manifest.json"} == {s.name: s.bytes for s in m.shards}
+    # Every DEST verified, identical to SRC, with a collective receipt and no partial files.
+    for i in range(n):
+        dest = tmp_path / f"dest{i}"
+        assert verify(dest, deep=True).ok
+        for s in m.shards:
+            assert (dest / s.name).read_bytes() == (packed / s.name).read_bytes()
+        assert (dest / "manifest.json").read_bytes() == (packed / "manifest.json").read_bytes()
+        rec = load_receipt(dest)
+        assert rec is not None and rec.mode == "full" and rec.verified == "xxh3_128 while copying (collective)"
+        assert sorted(rec.shards) == sorted(s.name for s in m.shards)
+        assert not list(dest.glob("*.partial"))
+    # The read shares are disjoint and cover the dataset: per-node SRC bytes add up.
+    per_node = sorted(r["src_bytes"] for _, r, _ in results)
+    assert sum(per_node) == m.num_bytes and per_node[0] > 0
+
+
+def test_partition_each_node_holds_its_share(packed: Path, tmp_path: Path) -> None:
+    m = load_manifest(packed)
+    n = 3
+    results = _finish(_launch(tmp_path, str(packed), n, extra=["--partition", "--seed", "7"]))
+    shares = assign_shards_to_nodes(m, n, 7)
+    for i, (rc, res, err) in enumerate(results):
+        assert rc == 0, err
+        assert res["mode"] == "partition" and res["exchange_bytes"] == 0
+        assert res["totals"]["src_bytes"] == m.num_bytes
+        dest = tmp_path / f"dest{i}"
+        held = sorted(p.name for p in dest.glob("*.tar"))
+        assert held == sorted(m.shards[j].name for j in shares[i])
+        rec = load_receipt(dest)
+        assert rec is not None and rec.mode == "partition"
+        assert rec.partition == {"num_nodes": n, "node": i, "seed": 7, "ranks_per_node": 1}
+
+
+def test_killed_node_fails_everyone_cleanly_and_rerun_resumes(packed: Path, tmp_path: Path) -> None:
+    m = load_manifest(packed)
+    n = 3
+    procs = _launch(tmp_path, str(packed), n, env_extra={"STAGER_TEST_COLLECTIVE_KILL": "1:3"}, timeout=20)
+    results = _finish(procs, limit=60)  # hang guard: survivors must exit on their own
+    assert results[1][0] == -signal.SIGKILL
+    for i in (0, 2):
+        rc, res, err = results[i]
+        assert rc == 5, err
+        assert "node 1" in err and "exit 5" in err, err
+        assert not (tmp_path / f"dest{i}" / "stager-receipt.json").exists()
+    kept_before = [
+        {json.loads(ln)["f"] for ln in (tmp_path / f"dest{i}" / ".stager-journal.jsonl").read_text().splitlines()[1:]}
+        for i in range(n)
+        if (tmp_path / f"dest{i}" / ".stager-journal.jsonl").exists()
+    ]
+    held_by_all = set.intersection(*kept_before) if len(kept_before) == n else set()
+    # Rerun: completes, every DEST verified, nothing already held by everyone is read again.
+    results = _finish(_launch(tmp_path, str(packed), n))
+    for i, (rc, _res, err) in enumerate(results):
+        assert rc == 0, err
+        assert verify(tmp_path / f"dest{i}").ok
+    tot = results[0][1]["totals"]
+    assert sum(r["files_kept"] for _, r, _ in results) > 0
+    skipped = sum(s.bytes for s in m.shards if s.name in held_by_all)
+    assert tot["src_bytes"] + tot["local_bytes"] + skipped == m.num_bytes
+
+
+def test_fallback_direct_when_no_peers_show_up(packed: Path, tmp_path: Path) -> None:
+    # Node 1 of 2 alone: node 0's store never appears. Node 0 of 2 alone: nobody joins its store.
+    (tmp_path / "none").mkdir()
+    procs = _launch(tmp_path, str(packed), 2, ranks=[1], timeout=3)
+    procs += _launch(tmp_path / "none", str(packed), 2, ranks=[0], timeout=3, extra=["--fallback", "none"])
+    (rc1, res1, err1), (rc0, _, err0) = _finish(procs)
+    assert rc1 == 0, err1
+    assert res1["fallback"] == "direct" and not res1["collective"]
+    assert verify(tmp_path / "dest1", deep=True).ok
+    rec = load_receipt(tmp_path / "dest1")
+    assert rec is not None and rec.mode == "full" and "collective" not in rec.verified
+    assert rc0 == 5, err0
+    assert "did not form" in err0
+    assert not (tmp_path / "none" / "dest0" / "stager-receipt.json").exists()
+
+
+# ---- pure pieces ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("nodes", [1, 2, 3, 5, 13])
+def test_read_shares_are_disjoint_cover_and_balanced(packed: Path, nodes: int) -> None:
+    m = load_manifest(packed)
+    sizes = np.array([s.bytes for s in m.shards])
+    for osts in (None, [i % 4 for i in range(len(m.shards))]):
+        shares = assign_read_shares(m, nodes, seed=3, osts=osts)
+        flat = sorted(i for sh in shares for i in sh)
+        assert flat == list(range(len(m.shards)))
+        loads = [int(sizes[sh].sum()) for sh in shares]
+        if len(m.shards) >= nodes:
+            # Balanced to within one shard per OST group.
+            assert max(loads) - min(loads) <= int(sizes.max()) * (1 if osts is None else 4)
+        if osts is not None and nodes <= 4:
+            # Every node reads an equal slice (+-1 shard) of every OST, and nodes start on different OSTs.
+            for o in range(4):
+                counts = [sum(1 for i in sh if osts[i] == o) for sh in shares]
+                assert max(counts) - min(counts) <= 1
+            firsts = [osts[sh[0]] for sh in shares if sh]
+            assert len(set(firsts)) == len(firsts)
+    assert assign_read_shares(m, nodes, seed=3) == assign_shards_to_nodes(m, nodes, 3)
+
+
+def test_chunk_size_respects_memory_budget() -> None:
+    for n in (1, 4, 64, 4096):
+        c = chunk_size_for(n, 8 << 20, 256 << 20)
+        assert c % 4096 == 0 and 4096 <= c <= 8 << 20
+        if n >= 64:
+            assert 3 * (n + 1) * c <= max(256 << 20, 3 * (n + 1) * (64 << 10))
+    with pytest.raises(UsageError):
+        chunk_size_for(4, 100, 1 << 20)
+
+
+def test_endpoint_from_slurm_nodelist() -> None:
+    env = {"SLURM_JOB_NODELIST": "gpu[07-09],login1", "SLURM_JOB_ID": "123456"}
+    assert resolve_endpoint(env) == ("gpu07", 20000 + 123456 % 20000)
+    assert resolve_endpoint({"MASTER_ADDR": "h", "MASTER_PORT": "1234"}) == ("h", 1234)
+    with pytest.raises(UsageError):
+        resolve_endpoint({})
+
+
+@settings(max_examples=25, deadline=None)
+@given(sizes=st.lists(st.integers(0, 5000), min_size=1, max_size=6), chunk=st.integers(1, 7000),
+       seed=st.integers(0, 2**16))
+def test_stream_roundtrip(tmp_path_factory: pytest.TempPathFactory, sizes: list[int], chunk: int, seed: int) -> None:
+    """Any file sizes (empty included), any chunking: the sink rebuilds every file exactly, verified."""
+    tmp = tmp_path_factory.mktemp("rt")
+    src, dest = tmp / "src", tmp / "dest"
+    src.mkdir()
+    dest.mkdir()
+    rng = np.random.default_rng(seed)
+    files = []
+    for i, n in enumerate(sizes):
+        data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        (src / f"f{i}").write_bytes(data)
+        files.append(FileEntry(f"f{i}", n, xxhash.xxh3_128_hexdigest(data), i))
+    lay = StreamLayout(0, tuple(files))
+    c = IoCounters()
+    have: set[str] = set()
+    copy_share(ShareReader(str(src), dest, lay, counters=c), StreamSink(dest, lay, algo="xxh3_128", counters=c,
+                                                                        have=have), max(chunk, 1))
+    assert have == {f.name for f in files}
+    for f in files:
+        assert (dest / f.name).read_bytes() == (src / f.name).read_bytes()
+    assert c.src_bytes == sum(sizes) and c.written_bytes == sum(sizes)
+    assert not list(dest.glob("*.partial"))
+
+
+def test_sink_refuses_corrupt_bytes_and_leaves_no_partial(tmp_path: Path) -> None:
+    data = b"x" * 10000
+    entry = FileEntry("f0", len(data), xxhash.xxh3_128_hexdigest(data), 0)
+    lay = StreamLayout(0, (entry,))
+    sink = StreamSink(tmp_path, lay, algo="xxh3_128", counters=IoCounters(), have=set(), origin=" from node 3")
+    sink.feed(memoryview(b"x" * 5000))
+    with pytest.raises(VerificationError, match="from node 3"):
+        sink.feed(memoryview(b"y" * 5000))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_plan_streams_skips_files_everyone_has(packed: Path) -> None:
+    m = load_manifest(packed)
+    shares = assign_read_shares(m, 3)
+    skip = {m.shards[0].name, m.shards[5].name}
+    lays = plan_streams(m, shares, skip)
+    names = [f.name for lay in lays for f in lay.files]
+    assert sorted(names) == sorted(s.name for s in m.shards if s.name not in skip)
+    assert sum(lay.length for lay in lays) == m.num_bytes - sum(m.shards[i].bytes for i in (0, 5))
