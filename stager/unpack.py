@@ -155,7 +155,13 @@ class Unpacker:
         return path
 
     def write_file(self, path: str, data: bytes | memoryview) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_NOFOLLOW | _O_CLOEXEC, self.file_mode)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC
+        try:
+            fd = os.open(path, flags, self.file_mode)
+        except FileExistsError:
+            # A rerun after a crash: replace (never write through) whatever is there, even a symlink.
+            os.unlink(path)
+            fd = os.open(path, flags, self.file_mode)
         try:
             view = memoryview(data)
             while view:

@@ -228,7 +228,7 @@ def test_recommendation_rules() -> None:
 
 def test_stage_from_lustre_interleaves_osts(tmp_path: Path, fake_lustre: dict[str, Path]) -> None:
     src = fake_lustre["mount"] / "ds"
-    m = make_dataset(src, n=12, size=8 << 10)
+    m = make_dataset(src, n=6, size=8 << 10)
     tasks = [FileTask(s.name, s.bytes, s.hash, str(src / s.name), i) for i, s in enumerate(m.shards)]
     ordered, how, block = order_for_streams(tasks, detect_fs(src))
     assert how == "ost-round-robin" and block % (1 << 20) == 0
