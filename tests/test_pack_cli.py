@@ -24,7 +24,12 @@ from tools.datagen import png_bytes
 
 def stager(*args: Any, check: bool = True, **kw: Any) -> subprocess.CompletedProcess[str]:
     p = subprocess.run(
-        [sys.executable, "-m", "stager", *map(str, args)], capture_output=True, text=True, timeout=240, **kw
+        [sys.executable, "-m", "stager", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+        **kw,
     )
     if check and p.returncode != 0:
         raise AssertionError(f"exit {p.returncode}\nstdout: {p.stdout}\nstderr: {p.stderr}")

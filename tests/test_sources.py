@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
@@ -215,9 +215,9 @@ def test_check_encoded_catches_truncation_and_non_images() -> None:
     jpg = jpeg_bytes(np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8))
     png = _png(0)
     assert check_encoded(jpg, "x") == "jpg" and check_encoded(png, "x") == "png"
-    with pytest.raises(SourceError, match=r"a\.jpg: truncated JPEG"):
+    with pytest.raises(SourceError, match=r"a\.jpg: damaged JPEG \(truncated"):
         check_encoded(jpg[: len(jpg) // 2], "a.jpg")
-    with pytest.raises(SourceError, match=r"b\.png: truncated PNG"):
+    with pytest.raises(SourceError, match=r"b\.png: damaged PNG \(truncated"):
         check_encoded(png[:-5], "b.png")
     with pytest.raises(SourceError, match=r"c\.jpg: not an image file"):
         check_encoded(b"hello world, definitely text", "c.jpg")
@@ -238,3 +238,29 @@ def test_prepare_sample_resize_quality_and_decoded() -> None:
         prepare_sample(s, target_kind="decoded", where="k", image_shape=(8, 8, 3))
     enc = prepare_sample(Sample("k", 1, arr, "png"), target_kind="encoded", where="k")
     np.testing.assert_array_equal(np.asarray(Image.open(io.BytesIO(enc.data))), arr)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    q=st.integers(5, 100),
+    progressive=st.booleans(),
+    subsampling=st.sampled_from([0, 1, 2]),
+    exif=st.booleans(),
+    hw=st.tuples(st.integers(1, 40), st.integers(1, 40)),
+    cut=st.floats(0.0, 0.999),
+)
+def test_jpeg_structure_check_accepts_valid_and_rejects_every_truncation(
+    q: int, progressive: bool, subsampling: int, exif: bool, hw: tuple[int, int], cut: float
+) -> None:
+    arr = np.random.default_rng(q).integers(0, 256, (*hw, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    kw: dict[str, object] = {"quality": q, "progressive": progressive, "subsampling": subsampling}
+    if exif:
+        e = Image.Exif()
+        e[0x010E] = "a description long enough to matter " * 4
+        kw["exif"] = e.tobytes()
+    Image.fromarray(arr).save(buf, format="JPEG", **kw)
+    data = buf.getvalue()
+    assert check_encoded(data, "x.jpg") == "jpg"
+    with pytest.raises(SourceError, match=r"x\.jpg: damaged JPEG"):
+        check_encoded(data[: max(3, int(len(data) * cut))], "x.jpg")
