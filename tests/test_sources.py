@@ -250,7 +250,7 @@ def test_prepare_sample_resize_quality_and_decoded() -> None:
     cut=st.floats(0.0, 0.999),
 )
 def test_jpeg_structure_check_accepts_valid_and_rejects_every_truncation(
-    q: int, progressive: bool, subsampling: int, exif: bool, hw: tuple[int, int], cut: float
+    *, q: int, progressive: bool, subsampling: int, exif: bool, hw: tuple[int, int], cut: float
 ) -> None:
     arr = np.random.default_rng(q).integers(0, 256, (*hw, 3), dtype=np.uint8)
     buf = io.BytesIO()
