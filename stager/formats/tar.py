@@ -168,6 +168,10 @@ def _json_meta(key: str, label: int, cls: str, meta: dict[str, Any]) -> bytes:
     ``json.dumps(..., sort_keys=True, separators=(",", ":"))`` but several times cheaper for flat
     metadata: the sorted field order is computed once per set of metadata keys, and str/int values
     are encoded directly (anything else goes through ``json.dumps`` per value)."""
+    if not meta:  # what `stager pack` writes when the source has no extra metadata
+        return (
+            f'{{"class":{encode_basestring_ascii(cls)},"key":{encode_basestring_ascii(key)},"label":{label}}}'.encode()
+        )
     values = {**meta, "class": cls, "key": key, "label": label}
     parts = []
     for k, prefix in _json_plan(tuple(meta), key):
@@ -230,6 +234,7 @@ class TarShardWriter:
         self._written = 0  # bytes already handed to the OS
         self._keys: set[str] = set()
         self._exts_ok: dict[str, str] = {}  # validated extension -> its lower-case form
+        self._labels: dict[Any, tuple[int, str, tuple[bytes, bytes]]] = {}
 
     def write(self, sample: Sample) -> Extent:
         if self._f is None:
@@ -249,23 +254,24 @@ class TarShardWriter:
                 raise UsageError(f"{self.shard_name}: invalid image extension {sample.ext!r} for {key!r}")
             self._exts_ok[ext] = ext.lower()
         ext = self._exts_ok[ext]
-        label = int(sample.label)
-        cls = self.classes[label] if 0 <= label < len(self.classes) else ""
+        per_label = self._labels.get(sample.label)
+        if per_label is None:
+            per_label = self._label_entry(sample.label)
+        label, cls, cls_member = per_label
         self._keys.add(key)
 
         size = len(data)
-        cls_bytes = b"%d" % label
         js = _json_meta(key, label, cls, sample.meta)
         kb = key.encode()
         if len(kb) <= 95 and len(kb) + len(ext) <= 99 and kb.isascii():  # all names fit the 100-byte field
             ks = sum(kb) + 46  # + "."
             eb = ext.encode()
             h_img = _fast_header(kb + b"." + eb, ks + sum(eb), size)
-            h_cls = _fast_header(kb + b".cls", ks + 322, len(cls_bytes))
+            h_cls = _fast_header(kb + b".cls", ks + 322, len(cls_member[1]))
             h_js = _fast_header(kb + b".json", ks + 442, len(js))
         else:
             h_img = member_header(f"{key}.{ext}", size)
-            h_cls = member_header(f"{key}.cls", len(cls_bytes))
+            h_cls = member_header(f"{key}.cls", len(cls_member[1]))
             h_js = member_header(f"{key}.json", len(js))
         buf = self._buf
         buf += h_img
@@ -273,14 +279,22 @@ class TarShardWriter:
         buf += data
         buf += _PADS[-size % BLOCK]
         buf += h_cls
-        buf += cls_bytes
-        buf += _PADS[-len(cls_bytes) % BLOCK]
+        buf += cls_member[0]
         buf += h_js
         buf += js
         buf += _PADS[-len(js) % BLOCK]
         if len(buf) >= self._flush_bytes:
             self._flush()
         return Extent(offset, size)
+
+    def _label_entry(self, label: Any) -> tuple[int, str, tuple[bytes, bytes]]:
+        """``(int label, class name, (padded .cls data, .cls data))`` for ``label``, cached per label."""
+        value = int(label)
+        cls = self.classes[value] if 0 <= value < len(self.classes) else ""
+        text = b"%d" % value
+        entry = (value, cls, (text + _PADS[-len(text) % BLOCK], text))
+        self._labels[label] = entry
+        return entry
 
     def _flush(self) -> None:
         assert self._f is not None
