@@ -97,7 +97,7 @@ def atomic_write_bytes(final: str | os.PathLike[str], data: bytes, mode: int | N
 
 def remove_stale_partials(directory: str | os.PathLike[str]) -> list[Path]:
     """Delete ``*.partial`` files left by a crashed run in ``directory``; return what was removed."""
-    removed = []
+    removed: list[Path] = []
     d = Path(directory)
     if not d.is_dir():
         return removed
