@@ -38,11 +38,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the shard-to-node assignment")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds to wait for another stager on this node or for peer nodes (default: no limit)")
+    # Collective staging (stager/collective.py): one process per node, each byte read from SRC once.
+    p.add_argument("--collective", action="store_true",
+                   help="one process per node (srun --ntasks-per-node=1 / torchrun --nnodes): nodes read disjoint "
+                   "shares of SRC and exchange them over the network (gloo), so SRC serves the data once")
+    p.add_argument("--fallback", choices=["direct", "none"], default="direct",
+                   help="--collective: what to do when the group cannot form within --timeout (default: direct)")
+    p.add_argument("--chunk-size", type=int, default=8 << 20, metavar="BYTES",
+                   help="--collective: bytes per node per exchange step (default 8 MiB)")
     add_common(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.collective:
+        return _run_collective(args)
     res = stage(
         args.src,
         args.dest,
@@ -56,6 +66,31 @@ def run(args: argparse.Namespace) -> int:
         ranks_per_node=args.ranks_per_node,
         seed=args.seed,
         timeout=args.timeout,
+        quiet=args.quiet or args.json,
+    )
+    for w in res.warnings:
+        print(f"stager stage: warning: {w}", file=sys.stderr)
+    emit(args, res.to_json(), res.summary())
+    return 0
+
+
+def _run_collective(args: argparse.Namespace) -> int:
+    from ..collective import stage_collective
+
+    if args.unpack or args.shared:
+        print("stager stage: error: --collective cannot be combined with --unpack or --shared", file=sys.stderr)
+        return 2
+    res = stage_collective(
+        args.src,
+        args.dest,
+        partition=args.partition,
+        node=args.node,
+        num_nodes=args.num_nodes,
+        ranks_per_node=args.ranks_per_node,
+        seed=args.seed,
+        timeout=args.timeout if args.timeout is not None else 300.0,
+        fallback=args.fallback,
+        chunk_bytes=args.chunk_size,
         quiet=args.quiet or args.json,
     )
     for w in res.warnings:
