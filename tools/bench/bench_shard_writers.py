@@ -10,9 +10,10 @@ hashed (stager's xxh3-128 ``hash_file``) so "samples/s" includes the checksum a 
 * ``mosaicml MDSWriter`` (columns ``image: bytes``, ``label: int``) when ``streaming`` is installed.
 
 Workloads: ``png32`` (CIFAR-like 32x32 PNGs, ~3 KB) and ``jpeg100k`` (ImageNet-like JPEGs from
-tools.datagen, ~100 KB). Reported: best-of-``--rounds`` samples/s and ours/peer ratios.
+tools.datagen, ~100 KB). Reported: best-of-``--rounds`` samples/s (rounds interleaved across
+writers, so load from other processes hits all of them alike) and ours/peer ratios.
 
-Usage: ``python -m tools.bench.bench_shard_writers [--n-small 20000] [--n-large 2000] [--rounds 3]
+Usage: ``python -m tools.bench.bench_shard_writers [--n-small 20000] [--n-large 2000] [--rounds 5]
 [--out DIR]``. Prints one JSON object; writes docs/bench/shard_writers.md.
 """
 
@@ -111,16 +112,18 @@ def run_mds(samples: list[Sample], d: str) -> None:
         hash_file(p)
 
 
-def best_rate(fn: Callable[[list[Sample], str], None], samples: list[Sample], rounds: int) -> float:
-    best = 0.0
+def best_rates(fns: dict[str, Callable[[list[Sample], str], None]], samples: list[Sample], rounds: int) -> dict:
+    """Best samples/s of each writer; rounds are interleaved so every writer sees the same load."""
+    best = dict.fromkeys(fns, 0.0)
     for _ in range(rounds):
-        d = tempfile.mkdtemp(prefix="bench-writers-")
-        try:
-            t = time.perf_counter()
-            fn(samples, d)
-            best = max(best, len(samples) / (time.perf_counter() - t))
-        finally:
-            shutil.rmtree(d, ignore_errors=True)
+        for name, fn in fns.items():
+            d = tempfile.mkdtemp(prefix="bench-writers-")
+            try:
+                t = time.perf_counter()
+                fn(samples, d)
+                best[name] = max(best[name], len(samples) / (time.perf_counter() - t))
+            finally:
+                shutil.rmtree(d, ignore_errors=True)
     return best
 
 
@@ -128,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--n-small", type=int, default=20000)
     ap.add_argument("--n-large", type=int, default=2000)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default=str(ROOT / "docs" / "bench"))
     args = ap.parse_args(argv)
     try:
@@ -141,14 +144,15 @@ def main(argv: list[str] | None = None) -> dict:
     for kind, n, ext in (("png32", args.n_small, "png"), ("jpeg100k", args.n_large, "jpg")):
         payloads = make_payloads(kind, 64 if kind == "png32" else 16)
         samples = samples_of(payloads, n, ext)
-        rates = {
-            "stager_tar": best_rate(lambda s, d: run_stager("tar", s, d), samples, args.rounds),
-            "webdataset_tarwriter": best_rate(run_wds, samples, args.rounds),
-            "stager_record": best_rate(lambda s, d: run_stager("record", s, d), samples, args.rounds),
-            "tfrecord_writer": best_rate(run_tfrecord, samples, args.rounds),
+        fns: dict[str, Callable[[list[Sample], str], None]] = {
+            "stager_tar": lambda s, d: run_stager("tar", s, d),
+            "webdataset_tarwriter": run_wds,
+            "stager_record": lambda s, d: run_stager("record", s, d),
+            "tfrecord_writer": run_tfrecord,
         }
         if have_mds:
-            rates["mosaicml_mdswriter"] = best_rate(run_mds, samples, args.rounds)
+            fns["mosaicml_mdswriter"] = run_mds
+        rates = best_rates(fns, samples, args.rounds)
         w: dict = {
             "samples": n,
             "mean_payload_bytes": int(np.mean([len(p) for p in payloads])),
