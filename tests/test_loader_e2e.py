@@ -280,3 +280,13 @@ def test_staged_copy_is_used_and_partition_is_respected(
     assert set(seen) == set(range(N))
     with pytest.raises(UsageError, match="node"):
         make_loader(packed["tar"], 9, rank=0, world_size=4, staging_roots=(str(node_dirs[1]),))
+
+
+def test_spawned_workers(packed: dict[str, Path]) -> None:
+    """The dataset pickles: workers started with spawn (Python 3.14's forkserver default) work."""
+    kw: dict[str, Any] = {"rank": 0, "world_size": 1, "decode": "uint8", "transform": "train", "image_size": 8}
+    ld = make_loader(packed["tar"], 128, num_workers=1, multiprocessing_context="spawn", staged=False, **kw)
+    ref = make_loader(packed["tar"], 128, num_workers=1, staged=False, **kw)
+    a, b = list(ld), list(ref)
+    assert [x["index"].tolist() for x in a] == [x["index"].tolist() for x in b]
+    assert all(torch.equal(x["image"], y["image"]) for x, y in zip(a, b, strict=True)), "augmentation is seeded"

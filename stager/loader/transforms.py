@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import io
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -97,9 +96,55 @@ def decoder_backend() -> str:
     return str(mod.backend()) if mod is not None else "PIL (stager.loader fallback)"
 
 
-def make_sample_fn(
-    decode: str, transform: Any, image_size: int, kind: str
-) -> Callable[[Any, np.random.Generator], Any]:
+class SampleFn:
+    """Picklable per-sample function (workers may be started with spawn/forkserver)."""
+
+    def __init__(self, decode: str, transform: Any, image_size: int, kind: str) -> None:
+        self.decode, self.transform, self.size, self.kind = decode, transform, image_size, kind
+        self._mod: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_mod": None}
+
+    def _decoder(self) -> Any:
+        if self._mod is None:
+            self._mod = _decode_module() or False
+        return self._mod
+
+    def __call__(self, payload: Any, rng: np.random.Generator) -> Any:
+        t, size = self.transform, self.size
+        if self.decode == "raw":
+            return payload
+        if self.kind == "decoded":
+            from PIL import Image
+
+            if self.decode == "pil":
+                img = Image.fromarray(payload)
+                return t(img) if callable(t) else img
+            if t is None:
+                return payload
+            if t == "train":
+                return _random_resized_crop(Image.fromarray(payload), size, rng)
+            if t == "eval":
+                return _resize_center_crop(Image.fromarray(payload), size)
+            return t(payload, rng)
+        if self.decode == "pil":
+            img = _pil_rgb(payload)
+            return t(img) if callable(t) else img
+        mod = self._decoder()
+        if t == "train":
+            if mod:
+                return mod.decode_random_resized_crop(bytes(payload), size, rng)
+            return _random_resized_crop(_pil_rgb(payload), size, rng)
+        if t is None or t == "eval":
+            if mod:
+                return mod.decode_center_crop(bytes(payload), size)
+            return _resize_center_crop(_pil_rgb(payload), size)
+        arr = mod.decode_rgb(bytes(payload)) if mod else np.asarray(_pil_rgb(payload))
+        return t(arr, rng)
+
+
+def make_sample_fn(decode: str, transform: Any, image_size: int, kind: str) -> SampleFn:
     """Build the per-sample function (see module docstring). ``kind``: "encoded" or "decoded"."""
     if decode not in DECODE_MODES:
         raise UsageError(f"decode must be one of {', '.join(DECODE_MODES)}, got {decode!r}")
@@ -107,38 +152,4 @@ def make_sample_fn(
         raise UsageError(f"transform must be None, 'train', 'eval' or a callable, got {transform!r}")
     if image_size < 1:
         raise UsageError(f"image_size must be >= 1, got {image_size}")
-    size = image_size
-    if decode == "raw":
-        if kind == "decoded":
-            return lambda arr, rng: arr
-        return lambda data, rng: data
-    if kind == "decoded":
-        from PIL import Image
-
-        if decode == "pil":
-            if callable(transform):
-                return lambda arr, rng: transform(Image.fromarray(arr))
-            return lambda arr, rng: Image.fromarray(arr)
-        if transform is None:
-            return lambda arr, rng: arr
-        if transform == "train":
-            return lambda arr, rng: _random_resized_crop(Image.fromarray(arr), size, rng)
-        if transform == "eval":
-            return lambda arr, rng: _resize_center_crop(Image.fromarray(arr), size)
-        return transform
-    if decode == "pil":
-        if callable(transform):
-            return lambda data, rng: transform(_pil_rgb(data))
-        return lambda data, rng: _pil_rgb(data)
-    mod = _decode_module()
-    if transform == "train":
-        if mod is not None:
-            return lambda data, rng: mod.decode_random_resized_crop(bytes(data), size, rng)
-        return lambda data, rng: _random_resized_crop(_pil_rgb(data), size, rng)
-    if transform in (None, "eval"):
-        if mod is not None:
-            return lambda data, rng: mod.decode_center_crop(bytes(data), size)
-        return lambda data, rng: _resize_center_crop(_pil_rgb(data), size)
-    if mod is not None:
-        return lambda data, rng: transform(mod.decode_rgb(bytes(data)), rng)
-    return lambda data, rng: transform(np.asarray(_pil_rgb(data)), rng)
+    return SampleFn(decode, transform, image_size, kind)
