@@ -1,0 +1,1 @@
+"""Fault-injection suite (docs/reliability.md): fast subsets run in `make test`, full counts under `-m faults`."""

@@ -1,0 +1,64 @@
+"""kill -9 at seeded random points during pack / stage / stage --unpack / training, then rerun.
+
+Invariant per kill: the rerun (or ``--resume``) completes, ``stager verify`` passes, the result
+equals a clean run (same shards and keys; every unpacked file with the right bytes; every
+training key exactly once per epoch), and no ``.partial`` file or lock is left. The fast subset
+runs a few kill points per command; ``-m faults`` runs the full counts (>= 50 kill points).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.faults.conftest import record_kills
+from tools.faults import kill
+
+FULL_PACK = {"tar": 6, "record": 4, "hdf5": 3, "zarr": 3}
+
+
+def test_kill_pack_fast(work: Path) -> None:
+    st = kill.pack_trials(work, 3, seed=11, fmt="tar")
+    record_kills("kill -9 during `stager pack`", st, minimum=3)
+
+
+def test_kill_stage_fast(work: Path) -> None:
+    st = kill.stage_trials(work, 3, seed=12)
+    record_kills("kill -9 during `stager stage`", st, minimum=3)
+
+
+def test_kill_stage_unpack_fast(work: Path) -> None:
+    st = kill.stage_trials(work, 3, seed=13, unpack="also")
+    record_kills("kill -9 during `stager stage --unpack`", st, minimum=3)
+
+
+def test_kill_train_fast(work: Path) -> None:
+    st = kill.train_trials(work, 1, seed=14)
+    record_kills("kill -9 during training (tools/train.py, checkpoint + --resume)", st, minimum=1)
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("fmt", sorted(FULL_PACK))
+def test_kill_pack_full(work: Path, fmt: str) -> None:
+    st = kill.pack_trials(work, FULL_PACK[fmt], seed=21, fmt=fmt)
+    record_kills("kill -9 during `stager pack`", st, minimum=FULL_PACK[fmt])
+
+
+@pytest.mark.faults
+def test_kill_stage_full(work: Path) -> None:
+    st = kill.stage_trials(work, 14, seed=22)
+    record_kills("kill -9 during `stager stage`", st, minimum=14)
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize(("mode", "n"), [("also", 8), ("only", 6)])
+def test_kill_stage_unpack_full(work: Path, mode: str, n: int) -> None:
+    st = kill.stage_trials(work, n, seed=23, unpack=mode)
+    record_kills("kill -9 during `stager stage --unpack`", st, minimum=n)
+
+
+@pytest.mark.faults
+def test_kill_train_full(work: Path) -> None:
+    st = kill.train_trials(work, 8, seed=24)
+    record_kills("kill -9 during training (tools/train.py, checkpoint + --resume)", st, minimum=8)
