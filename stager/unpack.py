@@ -30,6 +30,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from .atomicio import space_error
 from .errors import CorruptSampleError, UnsafeArchiveError, VerificationError
 from .manifest import Manifest, ShardInfo, check_safe_name
 
@@ -167,6 +168,14 @@ class Unpacker:
             while view:
                 n = os.write(fd, view)
                 view = view[n:]
+        except OSError as exc:
+            # Never leave a short file under its final name; a full disk is exit 4, not a traceback.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            err = space_error(exc, path)
+            if err is not None:
+                raise err from exc
+            raise
         finally:
             os.close(fd)
         with self._lock:
