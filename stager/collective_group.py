@@ -141,8 +141,8 @@ class Group:
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         is_master = self.node == 0 and not agent
         try:
-            if not is_master:
-                _wait_for_port(self.addr, self.port, time.monotonic() + self.timeout)
+            if not is_master and not _wait_for_port(self.addr, self.port, time.monotonic() + self.timeout):
+                raise TimeoutError(f"nothing listens at {self.addr}:{self.port} (node 0 not started?)")
             self.store = self._make_store(is_master, True)
             dist.init_process_group(
                 self.backend,
@@ -357,14 +357,14 @@ def _host_of(client: Any, node: int) -> str:
     return "host unknown"
 
 
-def _wait_for_port(addr: str, port: int, deadline: float) -> None:
-    """Poll until node 0's store accepts connections (the store client's own retry backs off to
-    seconds, which adds up to ~10 s when every node starts at once)."""
+def _wait_for_port(addr: str, port: int, deadline: float) -> bool:
+    """Poll until node 0's store accepts connections; False at the deadline. (The store client's
+    own retry backs off to seconds, which adds up to ~10 s when every node starts at once.)"""
     while True:
         try:
             with socket.create_connection((addr, port), timeout=1.0):
-                return
+                return True
         except OSError:
             if time.monotonic() >= deadline:
-                return  # let the store client produce the real error
+                return False
             time.sleep(0.05)

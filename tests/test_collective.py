@@ -170,7 +170,7 @@ def test_killed_node_fails_everyone_cleanly_and_rerun_resumes(packed: Path, tmp_
     results = _finish(procs, limit=60)  # hang guard: survivors must exit on their own
     assert results[1][0] == -signal.SIGKILL
     for i in (0, 2):
-        rc, res, err = results[i]
+        rc, _res, err = results[i]
         assert rc == 5, err
         assert "node 1" in err and "exit 5" in err, err
         assert not (tmp_path / f"dest{i}" / "stager-receipt.json").exists()
@@ -194,8 +194,8 @@ def test_killed_node_fails_everyone_cleanly_and_rerun_resumes(packed: Path, tmp_
 def test_fallback_direct_when_no_peers_show_up(packed: Path, tmp_path: Path) -> None:
     # Node 1 of 2 alone: node 0's store never appears. Node 0 of 2 alone: nobody joins its store.
     (tmp_path / "none").mkdir()
-    procs = _launch(tmp_path, str(packed), 2, ranks=[1], timeout=3)
-    procs += _launch(tmp_path / "none", str(packed), 2, ranks=[0], timeout=3, extra=["--fallback", "none"])
+    procs = _launch(tmp_path, str(packed), 2, ranks=[1], timeout=2)
+    procs += _launch(tmp_path / "none", str(packed), 2, ranks=[0], timeout=2, extra=["--fallback", "none"])
     (rc1, res1, err1), (rc0, _, err0) = _finish(procs)
     assert rc1 == 0, err1
     assert res1["fallback"] == "direct" and not res1["collective"]

@@ -1,0 +1,406 @@
+"""Clairvoyant prefetch for datasets larger than a node's local disk (NoPFS-style).
+
+The loader's order is a pure function of (seed, epoch, world size, rank, workers, ...), so the
+shards this node's ranks will read next are known in advance. :class:`Prefetcher` keeps, within a
+byte ``budget``, the shards with the soonest next use on local disk (Belady's MIN policy, exact
+here because the future is known): it fetches the next-needed shards ahead of training and evicts
+shards whose next use is furthest away or that are not needed again.
+
+Loader integration needs no loader change: DEST is a packed directory (``manifest.json`` copied
+verbatim) in which every shard name is either a verified local file (a *hit*) or a symlink to the
+file in SRC (a *miss*: the loader reads through to the shared file system). Fetching replaces the
+symlink with the local copy atomically (``<name>.<uuid>.partial`` -> hash check -> rename);
+evicting replaces the file with the symlink again. File descriptors the loader already holds stay
+valid either way (same bytes). Point the loader at DEST with ``staged=False``.
+
+The schedule comes from the loader itself: one :class:`stager.loader.ShardedDataset` per rank of
+this node, built with the same arguments the training script passes to ``make_loader``, and its
+``plan(epoch)`` - so the order is identical by construction. A worker reads a segment (a run of
+consecutive samples in one shard) when its batch first needs it, so the read of segment ``k`` of
+worker ``w`` happens at the rank's batch ``batches[b]`` for the first worker batch ``b`` that
+reaches it.
+
+Progress: the training loop calls :meth:`Prefetcher.advance` with (epoch, batches done), or, for
+a prefetcher in another process (``stager stage --follow``), :func:`report_progress` writes it to
+``DEST/.stager-progress/rank<r>``. The hit rate counts, per batch, the bytes of the shard reads
+whose shard was local when the batch began (reported by :meth:`Prefetcher.stats`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .atomicio import atomic_write_bytes, fsync_dir
+from .collective_io import IoCounters, ShareReader, StreamSink, copy_share
+from .collective_plan import StreamLayout, files_of_shards
+from .errors import UsageError
+from .manifest import MANIFEST_NAME, Manifest, dataset_root, load_manifest
+
+PROGRESS_DIR = ".stager-progress"
+
+
+@dataclass(frozen=True)
+class Read:
+    """One shard read of this node at (epoch, rank-level batch): ``bytes`` of payload from ``shard``."""
+
+    batch: int
+    shard: int
+    bytes: int
+
+
+def rank_reads(ds: Any, epoch: int) -> list[Read]:
+    """The shard reads of one rank's epoch, from the loader's own plan (``ds``: a ShardedDataset).
+
+    Mirrors ``ShardedDataset._worker_batches``: worker batch ``b`` reads segments until the stream
+    position ``max(batch positions) + 1`` is loaded.
+    """
+    from .loader import plan as planlib
+
+    rp = ds.plan(epoch)
+    idx = ds.index
+    out: list[Read] = []
+    for wp in rp.workers:
+        segs = planlib.segments(wp.stream, idx.starts)
+        seg_i, loaded = 0, 0
+        for b in range(len(wp.batches)):
+            pos = wp.batch_positions(b)
+            hi = int(pos.max()) + 1 if len(pos) else 0
+            while loaded < hi:
+                lo_s, hi_s, shard = segs[seg_i]
+                seg_i += 1
+                ids = wp.stream[lo_s:hi_s]
+                out.append(Read(int(wp.batches[b]), shard, int(idx.sizes[ids].sum())))
+                loaded = hi_s
+    return out
+
+
+@dataclass
+class PrefetchStats:
+    """``hit_bytes``/``miss_bytes``: payload bytes the node's ranks read from local copies / SRC."""
+
+    fetched_shards: int = 0
+    fetched_bytes: int = 0
+    evicted_shards: int = 0
+    hit_bytes: int = 0
+    miss_bytes: int = 0
+    hit_reads: int = 0
+    miss_reads: int = 0
+    peak_local_bytes: int = 0
+    budget: int = 0
+    per_epoch: dict[int, dict[str, int]] = field(default_factory=dict)
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hit_bytes + self.miss_bytes
+        return self.hit_bytes / total if total else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "hit_rate": round(self.hit_rate, 4),
+            "hit_bytes": self.hit_bytes,
+            "miss_bytes": self.miss_bytes,
+            "hit_reads": self.hit_reads,
+            "miss_reads": self.miss_reads,
+            "fetched_shards": self.fetched_shards,
+            "fetched_bytes": self.fetched_bytes,
+            "evicted_shards": self.evicted_shards,
+            "peak_local_bytes": self.peak_local_bytes,
+            "budget": self.budget,
+            "per_epoch": self.per_epoch,
+        }
+
+
+def prepare_dest(src: str | os.PathLike[str], dest: str | os.PathLike[str]) -> Manifest:
+    """Make DEST a packed directory of symlinks into SRC (local copies already there are kept).
+
+    A regular file in DEST counts as local only if it has the manifest's size; otherwise it is
+    replaced by the symlink (the prefetcher fetches and verifies it again when needed).
+    """
+    src_s = os.fspath(src)
+    if "://" in src_s:
+        raise UsageError(f"{src_s}: prefetch needs SRC as a mounted path (the loader reads misses through symlinks)")
+    root = Path(os.path.abspath(dataset_root(src_s)))
+    m = load_manifest(src_s)
+    d = Path(dest)
+    d.mkdir(parents=True, exist_ok=True)
+    mbytes = (root / MANIFEST_NAME).read_bytes()
+    mpath = d / MANIFEST_NAME
+    if not mpath.exists() or mpath.read_bytes() != mbytes:
+        atomic_write_bytes(mpath, mbytes, mode=0o644)
+    for f in files_of_shards(m, range(len(m.shards))):
+        p = d / f.name
+        if p.is_symlink() and os.readlink(p) == str(root / f.name):
+            continue
+        if p.is_file() and not p.is_symlink() and p.stat().st_size == f.bytes:
+            continue
+        _link(root / f.name, p)
+    fsync_dir(d)
+    return m
+
+
+def _link(target: Path, at: Path) -> None:
+    tmp = at.with_name(f"{at.name}.{os.getpid()}.{threading.get_ident()}.link.partial")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    os.symlink(target, tmp)
+    os.replace(tmp, at)
+
+
+def report_progress(dest: str | os.PathLike[str], rank: int, epoch: int, batches_done: int) -> None:
+    """For a prefetcher in another process: record that ``rank`` finished ``batches_done`` batches."""
+    d = Path(dest) / PROGRESS_DIR
+    d.mkdir(exist_ok=True)
+    tmp = d / f".rank{rank}.{os.getpid()}.tmp"
+    tmp.write_text(f"{epoch} {batches_done}\n")
+    os.replace(tmp, d / f"rank{rank}")
+
+
+def read_progress(dest: str | os.PathLike[str], ranks: Sequence[int]) -> tuple[int, int] | None:
+    """The slowest of ``ranks``' reported (epoch, batches done), or None if one has not reported."""
+    out = []
+    for r in ranks:
+        try:
+            e, b = (Path(dest) / PROGRESS_DIR / f"rank{r}").read_text().split()
+        except (OSError, ValueError):
+            return None
+        out.append((int(e), int(b)))
+    return min(out)
+
+
+class Prefetcher:
+    """Keeps the shards this node needs soonest on local disk, within ``budget`` bytes.
+
+    ``loader_kwargs``: what the training script passes to ``make_loader`` besides path and rank
+    (batch_size, world_size, num_workers, seed, shuffle, drop_last, run_bytes, ...). ``ranks``:
+    the global ranks running on this node. Use as a context manager (starts/stops the thread), call
+    :meth:`advance` after every batch, read :meth:`stats` at the end.
+    """
+
+    def __init__(
+        self,
+        src: str | os.PathLike[str],
+        dest: str | os.PathLike[str],
+        *,
+        budget: int,
+        ranks: Sequence[int],
+        loader_kwargs: dict[str, Any],
+        lookahead_epochs: int = 1,
+        poll: float = 0.02,
+    ) -> None:
+        if budget <= 0:
+            raise UsageError(f"prefetch budget must be > 0 bytes, got {budget}")
+        self.src = Path(os.path.abspath(dataset_root(os.fspath(src))))
+        self.dest = Path(dest)
+        self.budget = budget
+        self.ranks = list(ranks)
+        self.manifest = prepare_dest(src, dest)
+        from .loader import ShardedDataset
+
+        kw = dict(loader_kwargs)
+        kw.pop("staged", None)
+        self._datasets = [ShardedDataset(str(self.dest), rank=r, staged=False, **kw) for r in self.ranks]
+        self.batches_per_epoch = len(self._datasets[0])
+        self.lookahead_epochs = lookahead_epochs
+        self.poll = poll
+        m = self.manifest
+        self._size = np.array([s.bytes + sum(a.bytes for a in s.aux) for s in m.shards], dtype=np.int64)
+        self._local = np.array([self._is_local(i) for i in range(len(m.shards))], dtype=bool)
+        self._stats = PrefetchStats(budget=budget)
+        self._reads: dict[int, list[list[Read]]] = {}  # epoch -> reads grouped by batch
+        self._now = (0, 0)  # (epoch, batches done) of the slowest rank on this node
+        self._cv = threading.Condition()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._stats.peak_local_bytes = int(self._size[self._local].sum())
+        self._plan_lock = threading.Lock()
+        self._snap = self._local.copy()  # local shards when the batches now running began
+
+    # ---- schedule -------------------------------------------------------------------------------
+    def _epoch_reads(self, epoch: int) -> list[list[Read]]:
+        with self._plan_lock:
+            return self._epoch_reads_locked(epoch)
+
+    def _epoch_reads_locked(self, epoch: int) -> list[list[Read]]:
+        got = self._reads.get(epoch)
+        if got is None:
+            per_batch: list[list[Read]] = [[] for _ in range(self.batches_per_epoch)]
+            for ds in self._datasets:
+                for r in rank_reads(ds, epoch):
+                    per_batch[r.batch].append(r)
+            got = per_batch
+            self._reads[epoch] = got
+            for old in [e for e in self._reads if e < epoch - 1]:
+                del self._reads[old]
+        return got
+
+    def next_uses(self, epoch: int, done: int) -> np.ndarray:
+        """Per shard, the global batch (epoch * batches + batch) of its next read, or a huge number."""
+        never = np.iinfo(np.int64).max
+        nxt = np.full(len(self.manifest.shards), never, dtype=np.int64)
+        bpe = self.batches_per_epoch
+        for e in range(epoch, epoch + 1 + self.lookahead_epochs):
+            reads = self._epoch_reads(e)
+            start = done if e == epoch else 0
+            for j in range(start, bpe):
+                t = e * bpe + j
+                for r in reads[j]:
+                    if nxt[r.shard] == never:
+                        nxt[r.shard] = t
+        return nxt
+
+    def wanted(self, epoch: int, done: int) -> np.ndarray:
+        """Shards to hold now: soonest next use first, as many as fit the budget (Belady's MIN)."""
+        nxt = self.next_uses(epoch, done)
+        order = np.argsort(nxt, kind="stable")
+        keep = np.zeros(len(nxt), dtype=bool)
+        used = 0
+        never = np.iinfo(np.int64).max
+        for i in order.tolist():
+            if nxt[i] == never:
+                break
+            if used + int(self._size[i]) > self.budget:
+                break  # strictly by next use: nothing later may jump the queue
+            keep[i] = True
+            used += int(self._size[i])
+        return keep
+
+    # ---- files ----------------------------------------------------------------------------------
+    def _is_local(self, shard: int) -> bool:
+        p = self.dest / self.manifest.shards[shard].name
+        return p.is_file() and not p.is_symlink()
+
+    def _fetch(self, shard: int) -> None:
+        files = tuple(files_of_shards(self.manifest, [shard]))
+        lay = StreamLayout(0, files)
+        c = IoCounters()
+        have: set[str] = set()
+        copy_share(ShareReader(str(self.src), self.dest, lay, counters=c),
+                   StreamSink(self.dest, lay, algo=self.manifest.hash_algo, counters=c, have=have), 8 << 20)
+        with self._cv:
+            self._local[shard] = True
+            self._stats.fetched_shards += 1
+            self._stats.fetched_bytes += c.src_bytes
+            self._stats.peak_local_bytes = max(self._stats.peak_local_bytes, int(self._size[self._local].sum()))
+
+    def _evict(self, shard: int) -> None:
+        with self._cv:
+            self._local[shard] = False
+            self._stats.evicted_shards += 1
+        for f in files_of_shards(self.manifest, [shard]):
+            _link(self.src / f.name, self.dest / f.name)
+
+    # ---- the thread -----------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                with self._cv:
+                    epoch, done = self._now
+                keep = self.wanted(epoch, done)
+                for i in np.flatnonzero(self._local & ~keep).tolist():
+                    self._evict(i)
+                nxt = self.next_uses(epoch, done)
+                todo = [i for i in np.argsort(nxt, kind="stable").tolist() if keep[i] and not self._local[i]]
+                if todo:
+                    self._fetch(todo[0])  # one at a time, then re-plan: progress may have moved
+                    continue
+                with self._cv:
+                    if self._now == (epoch, done):
+                        self._cv.wait(self.poll)
+        except BaseException as exc:
+            self._error = exc
+
+    def start(self) -> Prefetcher:
+        self._thread = threading.Thread(target=self._run, name="stager-prefetch", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._cv:
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+    def __enter__(self) -> Prefetcher:
+        return self.start()
+
+    def __exit__(self, et: Any, ev: Any, tb: Any) -> None:
+        self.close()
+
+    # ---- progress and accounting ----------------------------------------------------------------
+    def advance(self, epoch: int, batches_done: int) -> None:
+        """This node's ranks have finished ``batches_done`` batches of ``epoch`` (call after each batch).
+
+        Accounts the reads of the batches just finished as hits or misses by the local state at the
+        previous call (when they began; conservative for a shard fetched mid-batch), then lets the
+        thread re-plan.
+        """
+        if batches_done >= self.batches_per_epoch:  # the end of an epoch is the start of the next
+            epoch, batches_done = epoch + 1, 0
+        with self._cv:
+            e0, d0 = self._now
+            if (epoch, batches_done) <= (e0, d0):
+                return
+            for e in range(e0, epoch + 1):
+                lo = d0 if e == e0 else 0
+                hi = batches_done if e == epoch else self.batches_per_epoch
+                self._account(e, lo, hi)
+            self._now = (epoch, batches_done)
+            self._snap = self._local.copy()
+            self._cv.notify_all()
+
+    def _account(self, epoch: int, lo: int, hi: int) -> None:
+        reads = self._epoch_reads(epoch)
+        pe = self._stats.per_epoch.setdefault(epoch, {"hit_bytes": 0, "miss_bytes": 0})
+        for j in range(lo, min(hi, self.batches_per_epoch)):
+            for r in reads[j]:
+                if self._snap[r.shard]:
+                    self._stats.hit_bytes += r.bytes
+                    self._stats.hit_reads += 1
+                    pe["hit_bytes"] += r.bytes
+                else:
+                    self._stats.miss_bytes += r.bytes
+                    self._stats.miss_reads += 1
+                    pe["miss_bytes"] += r.bytes
+
+    def ready(self, epoch: int, batch: int) -> bool:
+        """True when every shard batch ``batch`` of ``epoch`` reads on this node is local.
+
+        When that batch is the next one to run (``(epoch, batch)`` is the last :meth:`advance`),
+        its hits are judged from now on: the caller waited for it, so its reads come after this.
+        """
+        with self._cv:
+            ok = all(self._local[r.shard] for r in self._epoch_reads(epoch)[batch])
+            if ok and (epoch, batch) == self._now:
+                self._snap = self._local.copy()
+            return ok
+
+    def wait_ready(self, epoch: int, batch: int, timeout: float) -> bool:
+        """Block until :meth:`ready` (or ``timeout`` seconds); a training loop's compute time stand-in."""
+        deadline = time.monotonic() + timeout
+        while not self.ready(epoch, batch):
+            if self._error is not None:
+                raise self._error
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(self.poll)
+        return True
+
+    def local_bytes(self) -> int:
+        with self._cv:
+            return int(self._size[self._local].sum())
+
+    def stats(self) -> PrefetchStats:
+        return self._stats

@@ -1,0 +1,153 @@
+"""Clairvoyant prefetch: the real loader reads DEST (local copies + symlinks into SRC) within a budget."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from stager.loader import ShardedDataset, make_loader
+from stager.manifest import load_manifest
+from stager.pack import pack
+from stager.prefetch import Prefetcher, prepare_dest, rank_reads, read_progress, report_progress
+
+LOADER_KW = {"batch_size": 2, "world_size": 2, "num_workers": 0, "seed": 5, "decode": "raw", "shuffle_buffer": 2}
+
+NODE = r'''
+import json, sys
+import numpy as np
+from stager.loader import make_loader
+from stager.prefetch import Prefetcher
+
+src, dest, rank, budget, ahead = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
+kw = json.loads(sys.argv[6])
+out = {"epochs": []}
+with Prefetcher(src, dest, budget=budget, ranks=[rank], loader_kwargs=kw) as pf:
+    loader = make_loader(dest, rank=rank, staged=False, **kw)
+    if ahead:
+        assert pf.wait_ready(0, 0, timeout=20)
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        ids, payloads = [], []
+        for j, batch in enumerate(loader):
+            data, offs = batch["data"].numpy(), batch["offsets"].numpy()
+            ids += batch["index"].tolist()
+            payloads += [bytes(data[offs[k]:offs[k + 1]]).hex() for k in range(len(offs) - 1)]
+            pf.advance(epoch, j + 1)
+            assert pf.local_bytes() <= budget
+            if ahead:  # compute time during which the prefetcher gets the next batch's shards
+                nxt = (epoch, j + 1) if j + 1 < len(loader) else (epoch + 1, 0)
+                assert pf.wait_ready(*nxt, timeout=20)
+        out["epochs"].append({"ids": ids, "payloads": payloads})
+    out["stats"] = pf.stats().to_json()
+print(json.dumps(out))
+'''
+
+
+@pytest.fixture(scope="module")
+def packed(imagenet_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("pf") / "packed"
+    pack(imagenet_tiny, out, samples_per_shard=2)
+    return out
+
+
+def _payload(packed: Path, gid: int) -> bytes:
+    m = load_manifest(packed)
+    starts = m.sample_starts()
+    s = int(np.searchsorted(starts, gid, side="right") - 1)
+    sh = m.shards[s]
+    k = gid - int(starts[s])
+    with open(packed / sh.name, "rb") as f:
+        f.seek(int(sh.offsets[k]))
+        return f.read(int(sh.sizes[k]))
+
+
+def test_schedule_matches_what_the_loader_reads(packed: Path, tmp_path: Path) -> None:
+    """Every shard holding a sample of batch j is read at or before batch j in the prefetch schedule."""
+    dest = tmp_path / "dest"
+    m = prepare_dest(packed, dest)
+    starts = m.sample_starts()
+    for rank in (0, 1):
+        kw = dict(LOADER_KW)
+        ds = ShardedDataset(str(dest), rank=rank, staged=False, **kw)
+        loader = make_loader(str(dest), rank=rank, staged=False, **kw)
+        for epoch in (0, 3):
+            loader.set_epoch(epoch)
+            reads = rank_reads(ds, epoch)
+            read_by: dict[int, set[int]] = {}
+            for r in reads:
+                for j in range(r.batch, len(loader)):
+                    read_by.setdefault(j, set()).add(r.shard)
+            seen: list[int] = []
+            for j, batch in enumerate(loader):
+                shards = set((np.searchsorted(starts, batch["index"].numpy(), side="right") - 1).tolist())
+                assert shards <= read_by[j]
+                seen += batch["index"].tolist()
+            # Reads cover the rank's samples once: payload bytes add up to the rank's samples.
+            sizes = np.concatenate([s.sizes for s in m.shards])
+            assert sum(r.bytes for r in reads) == int(sizes[seen].sum())
+
+
+def test_dest_is_a_packed_dir_of_symlinks_and_progress_files(packed: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "dest"
+    m = prepare_dest(packed, dest)
+    for s in m.shards:
+        assert (dest / s.name).is_symlink() and (dest / s.name).read_bytes() == (packed / s.name).read_bytes()
+    assert read_progress(dest, [0, 1]) is None
+    report_progress(dest, 0, 1, 7)
+    report_progress(dest, 1, 1, 3)
+    assert read_progress(dest, [0, 1]) == (1, 3)
+
+
+def test_prefetcher_respects_budget_and_evicts(packed: Path, tmp_path: Path) -> None:
+    m = load_manifest(packed)
+    budget = m.num_bytes // 3
+    with Prefetcher(packed, tmp_path / "d", budget=budget, ranks=[0], loader_kwargs=LOADER_KW) as pf:
+        bpe = pf.batches_per_epoch
+        for j in range(bpe):
+            assert pf.wait_ready(0, j, timeout=20)
+            assert pf.local_bytes() <= budget
+            pf.advance(0, j + 1)
+        st = pf.stats()
+    assert st.hit_rate == 1.0 and st.evicted_shards > 0 and st.peak_local_bytes <= budget
+    local = [s for s in m.shards if not (tmp_path / "d" / s.name).is_symlink()]
+    for s in local:  # what stayed local is a verified, complete copy
+        assert (tmp_path / "d" / s.name).read_bytes() == (packed / s.name).read_bytes()
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_two_node_training_run_reads_each_sample_once(packed: Path, tmp_path: Path, ahead: bool) -> None:
+    """Two real processes (one rank per node, own DEST, budget 1/3 of the data) train for 2 epochs."""
+    m = load_manifest(packed)
+    budget = m.num_bytes // 3
+    env = dict(os.environ)
+    procs = [
+        subprocess.Popen([sys.executable, "-c", NODE, str(packed), str(tmp_path / f"dest{r}"), str(r), str(budget),
+                          "1" if ahead else "0", json.dumps(LOADER_KW)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for r in range(2)
+    ]
+    outs = []
+    for p in procs:
+        so, se = p.communicate(timeout=120)
+        assert p.returncode == 0, se
+        outs.append(json.loads(so.splitlines()[-1]))
+    n = m.num_samples
+    for epoch in range(2):
+        ids = outs[0]["epochs"][epoch]["ids"] + outs[1]["epochs"][epoch]["ids"]
+        assert sorted(ids) == list(range(n))  # every sample exactly once per epoch across the 2 ranks
+        for o in outs:
+            e = o["epochs"][epoch]
+            for gid, hexdata in zip(e["ids"][:6], e["payloads"][:6], strict=True):
+                assert bytes.fromhex(hexdata) == _payload(packed, gid)
+    for o in outs:
+        st = o["stats"]
+        assert st["peak_local_bytes"] <= budget
+        assert st["hit_bytes"] + st["miss_bytes"] > 0 and 0.0 <= st["hit_rate"] <= 1.0
+        if ahead:
+            assert st["hit_rate"] == 1.0, st
