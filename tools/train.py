@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import random
@@ -113,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also checkpoint every N optimizer steps (0: epoch ends only)")
     r.add_argument("--eval-every", type=int, default=1, help="evaluate every N epochs (0: never)")
     r.add_argument("--eval-batch-size", type=int, help="default: --batch-size")
+    r.add_argument("--eval-only", action="store_true", help="evaluate the --resume checkpoint once, no training")
     r.add_argument("--log-every", type=int, default=50, help="log every N optimizer steps")
     r.add_argument("--summary-json", help="also write the final summary to this file")
     r.add_argument("--baseline-ips", type=float, help="images/s of a 1-rank run: report scaling efficiency")
@@ -208,9 +210,7 @@ class Trainer:
         self.raw_model = model
         self.model: nn.Module = model
         if info.distributed:
-            self.model = nn.parallel.DistributedDataParallel(
-                model, device_ids=[dev.index] if cuda else None, broadcast_buffers=True
-            )
+            self.model = nn.parallel.DistributedDataParallel(model, device_ids=[dev.index] if cuda else None)
         self.optimizer = torch.optim.SGD(
             param_groups(model, args.weight_decay, args.no_bn_decay),
             lr=args.lr, momentum=args.momentum, nesterov=args.nesterov,
@@ -270,7 +270,10 @@ class Trainer:
 
     def restore(self, path: Path) -> None:
         state = ckpt.load(path)
-        for k in ("arch", "width", "stem", "num_classes", "global_batch"):
+        # The model must match; the global batch too when training continues (it sets the LR and
+        # the loader's elastic resume keeps batch_size * world_size constant).
+        keys = ("arch", "width", "stem", "num_classes") + (() if self.args.eval_only else ("global_batch",))
+        for k in keys:
             if state["config"].get(k) != self.config[k]:
                 raise SystemExit(
                     f"train.py: error: {path}: checkpoint has {k}={state['config'].get(k)!r}, "
@@ -289,7 +292,7 @@ class Trainer:
         if self.step_in_epoch and loader_state is not None:
             self.pending_loader_state = loader_state
         for k, v in state.get("stats", {}).items():
-            if k in ("loss_history", "epoch_loss", "accuracy"):
+            if k in ("loss_history", "epoch_loss", "accuracy") and not self.args.eval_only:
                 setattr(self.stats, k, list(v))
         log(self.info, f"resumed from {path}: epoch {self.epoch}, step {self.step_in_epoch}/{self.steps_per_epoch}, "
             f"global step {self.step}", self.tag)
@@ -402,32 +405,45 @@ class Trainer:
                 f"{INPUT_BOUND_SHARE:.0%}): {INPUT_BOUND_HINT}", self.tag)
 
     @torch.no_grad()
-    def evaluate(self) -> dict[str, float] | None:
-        """Top-1/top-5 over the eval data: per-rank hit counts of used samples, summed over ranks."""
-        if self.eval_source is None:
+    def evaluate(self) -> dict[str, Any] | None:
+        """Top-1/top-5 over the eval data, every sample counted exactly once across ranks.
+
+        The loader gives every rank the same number of batches by repeating samples on the last
+        rank (padding). Each rank writes its per-sample results into dense vectors indexed by the
+        sample's global dataset index (``batch["index"]``); an element-wise MAX all-reduce merges
+        them, so a padded repeat lands on the same slot as its original instead of being counted
+        twice. The counts are then sums over those vectors (identical on every rank). Cost: 3
+        int32 vectors of length N per evaluation (0.6 MB for ImageNet val).
+        """
+        src = self.eval_source
+        if src is None:
             return None
         self.model.eval()
-        self.eval_source.set_epoch(0)
-        counts = torch.zeros(4, dtype=torch.float64, device=self.info.device)  # top1, top5, n, loss sum
-        for batch in self.eval_source:
+        src.set_epoch(0)
+        dev = self.info.device
+        n = src.num_samples
+        hits = torch.zeros(3, n, dtype=torch.int32, device=dev)  # rows: counted, top-1, top-5
+        losses = torch.zeros(n, dtype=torch.float32, device=dev)
+        for batch in src:
             with self.autocast():
-                logits = self.model(batch.images)
-            hits = topk_correct(logits.float(), batch.labels)
-            use = batch.use
-            loss = F.cross_entropy(logits.float(), batch.labels, reduction="none")
-            counts += torch.stack([
-                (hits[0] & use).sum(), (hits[1] & use).sum(), use.sum(), (loss * use).sum()
-            ]).to(torch.float64)
-        tdist.all_reduce_sum(counts, self.info)
-        n = float(counts[2])
+                logits = self.model(batch.images).float()
+            assert batch.index is not None
+            idx = batch.index[batch.use]
+            top = topk_correct(logits, batch.labels)[:, batch.use]
+            hits[0, idx] = 1
+            hits[1, idx] = top[0].to(torch.int32)
+            hits[2, idx] = top[1].to(torch.int32)
+            losses[idx] = F.cross_entropy(logits, batch.labels, reduction="none")[batch.use]
+        tdist.all_reduce_max(hits, self.info)
+        tdist.all_reduce_max(losses, self.info)  # cross-entropy >= 0, so MAX with the zero default is exact
+        counted, top1, top5 = (int(v) for v in hits.sum(dim=1, dtype=torch.int64).tolist())
         res = {
-            "epoch": self.epoch, "top1": round(float(counts[0]) / max(n, 1), 5),
-            "top5": round(float(counts[1]) / max(n, 1), 5), "loss": round(float(counts[3]) / max(n, 1), 5),
-            "samples": int(n),
+            "epoch": self.epoch, "top1": round(top1 / max(counted, 1), 5), "top5": round(top5 / max(counted, 1), 5),
+            "loss": round(float(losses.sum()) / max(counted, 1), 5), "samples": counted,
         }
         self.stats.accuracy.append(res)
         log(self.info, f"eval epoch {self.epoch}: top-1 {res['top1']:.2%} top-5 {res['top5']:.2%} "
-            f"loss {res['loss']:.4f} over {int(n)} samples", self.tag)
+            f"loss {res['loss']:.4f} over {counted} samples", self.tag)
         return res
 
     # ------------------------------------------------------------------ run
@@ -437,11 +453,16 @@ class Trainer:
         if resume_path is not None:
             self.restore(resume_path)
         log(info, json.dumps({"event": "config", **self.config}), self.tag)
+        if isinstance(self.train_source, StagerSource):
+            ls = self.train_source.loader_stats()
+            log(info, f"reading {a.data} from {ls['reading_from']} (staged: {ls['staged']})", self.tag)
         timer = StepTimer(self.sync)
         log_timer = StepTimer(self.sync)
         wall0 = time.perf_counter()
         finished = True
-        while self.epoch < a.epochs:
+        if a.eval_only:
+            self.evaluate()
+        while self.epoch < a.epochs and not a.eval_only:
             finished = self.train_epoch(timer, log_timer)
             if not finished:
                 break
@@ -466,9 +487,32 @@ class Trainer:
                    "step_time_s": round(timer.total_s / max(timer.steps, 1), 5),
                    "input_bound_warnings": self.stats.warnings, "launcher": info.launcher, "config": self.config},
         )
+        if isinstance(self.train_source, StagerSource):
+            ls = self.train_source.loader_stats()
+            summary["data_source"] = {k: ls[k] for k in ("source", "reading_from", "staged", "staged_mode")}
+            summary["loader"] = {k: ls[k] for k in ("samples_per_s", "io_seconds", "decode_seconds", "wait_seconds")}
         if self.keys_file is not None:
             self.keys_file.close()
         return summary
+
+
+def train(args: argparse.Namespace, info: tdist.DistInfo) -> dict[str, Any]:
+    """Run one training (this process's share of it) and return the summary dict."""
+    tag = ""
+    chosen = resolve_sweep(args, info.local_rank if args.independent else 0, info.local_world_size)
+    if args.independent:
+        tag = f":run{info.local_rank:02d}"
+        args.out = str(Path(args.out) / f"run{info.local_rank:02d}")
+        if args.summary_json:
+            base, ext = os.path.splitext(args.summary_json)
+            args.summary_json = f"{base}.run{info.local_rank:02d}{ext or '.json'}"
+        if args.dump_keys:
+            args.dump_keys = str(Path(args.dump_keys) / f"run{info.local_rank:02d}")
+    seed_everything(args.seed)
+    summary = Trainer(args, info, tag).run()
+    if args.independent:
+        summary["independent"] = {"local_rank": info.local_rank, **chosen}
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -481,32 +525,21 @@ def main(argv: list[str] | None = None) -> int:
     else:
         torch.backends.cudnn.benchmark = True
     info = tdist.setup(independent=args.independent, device=args.device)
-    tag = ""
     try:
-        chosen = resolve_sweep(args, info.local_rank if args.independent else 0, info.local_world_size)
-        if args.independent:
-            tag = f":run{info.local_rank:02d}"
-            args.out = str(Path(args.out) / f"run{info.local_rank:02d}")
-            if args.summary_json:
-                base, ext = os.path.splitext(args.summary_json)
-                args.summary_json = f"{base}.run{info.local_rank:02d}{ext or '.json'}"
-            if args.dump_keys:
-                args.dump_keys = str(Path(args.dump_keys) / f"run{info.local_rank:02d}")
-        seed_everything(args.seed)
-        trainer = Trainer(args, info, tag)
-        summary = trainer.run()
-        if args.independent:
-            summary["independent"] = {"local_rank": info.local_rank, **chosen}
+        summary = train(args, info)
         if info.is_main:
-            line = json.dumps(summary)
-            print(line, flush=True)
+            print(json.dumps(summary), flush=True)
             if args.summary_json:
                 from stager.atomicio import atomic_write_bytes
 
                 Path(args.summary_json).parent.mkdir(parents=True, exist_ok=True)
                 atomic_write_bytes(args.summary_json, (json.dumps(summary, indent=1) + "\n").encode())
+        tdist.barrier(info)
         return 0
     finally:
+        # The trainer (and DDP's reducer holding the process group) is gone once train() returned;
+        # collect it before tearing the group down, not during interpreter shutdown.
+        gc.collect()
         tdist.cleanup()
 
 

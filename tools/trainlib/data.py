@@ -15,7 +15,6 @@ resume.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -33,13 +32,17 @@ STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
 @dataclass
 class DeviceBatch:
     """``images`` (B, 3, S, S) float on the device (channels_last when asked), ``labels`` (B,) int64,
-    ``use`` (B,) bool: samples that count (False for held-out samples in training and for padding
-    or non-held-out samples in evaluation), ``keys`` the sample keys (empty for synthetic data)."""
+    ``use`` (B,) bool: samples that count (False for held-out samples in training and for
+    non-held-out samples in evaluation), ``keys`` the sample keys (empty for synthetic data),
+    ``index`` (B,) int64 on the device: the samples' global positions in the dataset (None for
+    synthetic data). Padding repeats (the loader pads the last rank's share) carry the index of the
+    sample they repeat, which is how evaluation counts every sample exactly once."""
 
     images: torch.Tensor
     labels: torch.Tensor
     use: torch.Tensor
     keys: list[str]
+    index: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -58,9 +61,9 @@ class Normalizer:
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
         x = images.to(self.device, non_blocking=True).float()
         x = (x - self.mean) / self.std
-        if self.channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
-        return x
+        # The loader stacks HWC arrays, so the batch may arrive with channels-last strides; fix the
+        # layout explicitly so kernels (and DDP's gradient buckets) always see the same one.
+        return x.contiguous(memory_format=torch.channels_last if self.channels_last else torch.contiguous_format)
 
 
 def holdout_mask(keys: list[str], fraction: float) -> np.ndarray:
@@ -75,9 +78,8 @@ class StagerSource:
     """Batches from :func:`stager.loader.make_loader` moved to the device.
 
     ``role="train"``: random-resized-crop + flip, shuffled; held-out samples masked out when
-    ``holdout > 0``. ``role="eval"``: center crop, unshuffled; padding samples (the loader pads so
-    every rank gets the same number of batches) are masked out, and with ``holdout > 0`` only
-    held-out samples count.
+    ``holdout > 0``. ``role="eval"``: center crop, unshuffled, padded (not dropped) so every rank
+    gets the same number of batches; with ``holdout > 0`` only held-out samples count.
     """
 
     def __init__(
@@ -118,7 +120,9 @@ class StagerSource:
             drop_last=train,
             **kwargs,
         )
-        self.classes = dataset_classes(self.loader, path)
+        index = self.loader.dataset.index
+        self.classes: list[str] = list(index.classes)
+        self.num_samples: int = int(index.num_samples)
 
     def set_epoch(self, epoch: int) -> None:
         self.loader.set_epoch(epoch)
@@ -132,44 +136,32 @@ class StagerSource:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loader.load_state_dict(state)
 
+    def loader_stats(self) -> dict[str, Any]:
+        """The loader's own figures (where it reads from, staged or not, I/O vs decode seconds)."""
+        return dict(self.loader.stats())
+
     def __iter__(self) -> Iterator[DeviceBatch]:
-        for batch in self.loader:
-            keys = list(batch["key"])
-            use = ~pad_mask(batch, len(keys))
-            if self.holdout > 0:
-                held = torch.from_numpy(holdout_mask(keys, self.holdout))
-                use &= held if self.role == "eval" else ~held
-            dev = self.normalizer.device
-            yield DeviceBatch(
-                images=self.normalizer(batch["image"]),
-                labels=batch["label"].to(dev, non_blocking=True),
-                use=use.to(dev, non_blocking=True),
-                keys=keys,
-            )
-
-
-def pad_mask(batch: dict[str, Any], n: int) -> torch.Tensor:
-    """Bool (n,): True for samples the loader added as padding (so they are not counted twice)."""
-    for name in ("pad", "is_pad", "padding"):
-        if name in batch:
-            return torch.as_tensor(batch[name], dtype=torch.bool).reshape(n)
-    if "valid" in batch:
-        return ~torch.as_tensor(batch["valid"], dtype=torch.bool).reshape(n)
-    return torch.zeros(n, dtype=torch.bool)
-
-
-def dataset_classes(loader: Any, path: str) -> list[str]:
-    """Class names of the dataset behind ``loader`` (from the loader, else the manifest/folders)."""
-    for obj in (loader, getattr(loader, "dataset", None)):
-        classes = getattr(obj, "classes", None)
-        if classes:
-            return list(classes)
-    from stager.manifest import load_manifest
-
-    try:
-        return list(load_manifest(path).classes)
-    except Exception:
-        return sorted(e.name for e in os.scandir(path) if e.is_dir())
+        dev = self.normalizer.device
+        inner = iter(self.loader)
+        try:
+            for batch in inner:
+                keys = list(batch["key"])
+                use = torch.ones(len(keys), dtype=torch.bool)
+                if self.holdout > 0:
+                    held = torch.from_numpy(holdout_mask(keys, self.holdout))
+                    use = held if self.role == "eval" else ~held
+                yield DeviceBatch(
+                    images=self.normalizer(batch["image"]),
+                    labels=batch["label"].to(dev, non_blocking=True),
+                    use=use.to(dev, non_blocking=True),
+                    keys=keys,
+                    index=batch["index"].to(dev, non_blocking=True),
+                )
+        finally:
+            # Leaving an epoch early (--max-steps, accumulation remainder): stop the workers now.
+            close = getattr(inner, "close", None)
+            if close is not None:
+                close()
 
 
 class SyntheticSource:

@@ -114,6 +114,13 @@ def all_reduce_sum(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
     return t
 
 
+def all_reduce_max(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """Element-wise max of ``t`` over ranks in place (no-op for one process); returns ``t``."""
+    if info.distributed:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t
+
+
 def all_gather_objects(obj: object, info: DistInfo) -> list[object]:
     """Every rank's ``obj`` in rank order (``[obj]`` for one process)."""
     if not info.distributed:

@@ -1,0 +1,229 @@
+"""tools/train.py end to end: real 2-rank gloo DDP runs (torch.distributed.run) on a packed CIFAR-like set.
+
+One module-scoped fixture packs 96 train / 25 test 32x32 images (tools.datagen + stager.pack); a
+tiny ResNet-18 (width 4) trains deterministically (torch.use_deterministic_algorithms, 1 thread).
+Checked: the loss falls; each step the two ranks see disjoint samples and each epoch covers the
+train set exactly once; both ranks make the same number of steps; a run interrupted mid-epoch and
+resumed from its checkpoint takes the same next batch and reproduces the uninterrupted run's losses;
+the 2-rank evaluation (25 samples: one padded repeat) equals a 1-rank evaluation of the same model.
+Plus fast in-process checks of the model zoo, the LR recipe, rendezvous, sweeps and checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ROOT / "tools" / "train.py"
+sys.path.insert(0, str(ROOT))
+
+from tools.train import build_parser, resolve_sweep  # noqa: E402
+from tools.trainlib import checkpoint as ckpt  # noqa: E402
+from tools.trainlib.distributed import rendezvous  # noqa: E402
+from tools.trainlib.metrics import topk_correct  # noqa: E402
+from tools.trainlib.models import build_model  # noqa: E402
+from tools.trainlib.schedule import LRSchedule, scaled_lr  # noqa: E402
+
+COMMON = [
+    "--arch", "resnet18", "--width", "4", "--image-size", "32", "--batch-size", "8",
+    "--epochs", "2", "--lr", "0.8", "--warmup-epochs", "0.5", "--lr-decay", "cosine",
+    "--threads", "1", "--deterministic", "--workers", "0", "--log-every", "1",
+]
+
+
+def run_train(args: list[str], nproc: int = 2, timeout: float = 240, summaries: int = 1) -> dict[str, Any]:
+    """Run train.py under torch.distributed.run (gloo on localhost); return rank 0's summary.
+
+    ``summaries``: how many summary lines to expect (1: DDP prints from rank 0 only; N for N
+    independent runs)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(TRAIN), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    res = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    assert res.returncode == 0, f"train.py failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}"
+    found = [json.loads(ln) for ln in res.stdout.splitlines() if ln.startswith('{"event": "summary"')]
+    assert len(found) == summaries, f"expected {summaries} summary line(s), got {len(found)}:\n{res.stdout}"
+    return found[0]
+
+
+def read_keys(d: Path, rank: int) -> list[dict[str, Any]]:
+    return [json.loads(ln) for ln in (d / f"keys-rank{rank}.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def cifar_packed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from stager.pack import pack
+    from tools.datagen import make_cifar
+
+    base = tmp_path_factory.mktemp("train")
+    src = make_cifar(base / "cifar", n_train=96, n_test=25, seed=5)
+    train = pack(src, base / "train", "tar", samples_per_shard=16, split="train").out
+    test = pack(src, base / "test", "tar", samples_per_shard=16, split="test").out
+    return {"train": Path(train), "test": Path(test), "base": base}
+
+
+@pytest.fixture(scope="module")
+def full_run(cifar_packed: dict[str, Path]) -> dict[str, Any]:
+    """The uninterrupted 2-rank reference run: 2 epochs x 6 steps, keys dumped per rank."""
+    out = cifar_packed["base"] / "full"
+    summary = run_train(["--data", str(cifar_packed["train"]), "--val", str(cifar_packed["test"]), *COMMON,
+                         "--out", str(out), "--dump-keys", str(out / "keys")])
+    return {"summary": summary, "out": out}
+
+
+def test_two_ranks_learn_on_disjoint_samples(full_run: dict[str, Any], cifar_packed: dict[str, Path]) -> None:
+    from stager.manifest import load_manifest
+
+    s = full_run["summary"]
+    assert s["world_size"] == 2 and s["completed"] and s["global_step"] == 12
+    assert s["config"]["global_batch"] == 16 and s["config"]["steps_per_epoch"] == 6
+    # Loss falls: the second epoch's mean training loss is below the first's, and below ln(10).
+    e0, e1 = (e["loss"] for e in s["epoch_loss"])
+    assert e1 < e0 and e1 < 2.302
+    keys0, keys1 = read_keys(full_run["out"] / "keys", 0), read_keys(full_run["out"] / "keys", 1)
+    assert [r["step"] for r in keys0] == [r["step"] for r in keys1] == list(range(1, 13))
+    all_keys = sorted(k for sh in load_manifest(cifar_packed["train"]).shards for k in sh.keys)
+    for epoch in (0, 1):
+        seen = {0: [], 1: []}
+        for rank, recs in ((0, keys0), (1, keys1)):
+            for r in recs:
+                if r["epoch"] == epoch:
+                    assert len(r["keys"]) == 8
+                    seen[rank] += r["keys"]
+        assert not set(seen[0]) & set(seen[1]), "ranks shared samples within an epoch"
+        assert sorted(seen[0] + seen[1]) == all_keys, "an epoch must cover the train set exactly once"
+    # Evaluation ran every epoch over all 25 test samples (one of them a padding repeat on rank 1).
+    assert [a["samples"] for a in s["accuracy"]] == [25, 25]
+    assert all(0.0 <= a["top1"] <= a["top5"] <= 1.0 for a in s["accuracy"])
+    assert 0.0 <= s["data_wait_share"] <= 1.0 and s["images_per_s"] > 0
+    assert len(s["loss_history"]) == 12
+
+
+def test_resume_mid_epoch_reproduces_uninterrupted_run(full_run: dict[str, Any], cifar_packed: dict[str, Path]) -> None:
+    out = cifar_packed["base"] / "interrupted"
+    args = ["--data", str(cifar_packed["train"]), "--val", str(cifar_packed["test"]), *COMMON,
+            "--out", str(out), "--dump-keys", str(out / "keys"), "--checkpoint-every", "2"]
+    first = run_train([*args, "--max-steps", "4"])
+    assert not first["completed"] and first["global_step"] == 4
+    state = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=False)
+    assert (state["epoch"], state["step_in_epoch"], state["step"]) == (0, 4, 4)
+    assert [ls["batches_done"] for ls in state["loader"]] == [4, 4]
+    assert not list(out.glob("*.partial")), "a partial checkpoint file was left behind"
+
+    resumed = run_train([*args, "--resume"])
+    assert resumed["completed"] and resumed["global_step"] == 12
+    ref = full_run["summary"]
+    # Same losses at every step (deterministic CPU run; the first 4 come from the checkpoint's history).
+    got = {h["step"]: h["loss"] for h in resumed["loss_history"]}
+    want = {h["step"]: h["loss"] for h in ref["loss_history"]}
+    assert got.keys() == want.keys()
+    for step, loss in want.items():
+        assert got[step] == pytest.approx(loss, abs=1e-5), f"step {step}: {got[step]} != {loss}"
+    assert resumed["accuracy"] == ref["accuracy"]
+    # Same next batch: the keys of every step after the interruption match the reference run's.
+    for rank in (0, 1):
+        mine = {r["step"]: r["keys"] for r in read_keys(out / "keys", rank)}
+        theirs = {r["step"]: r["keys"] for r in read_keys(full_run["out"] / "keys", rank)}
+        assert sorted(mine) == list(range(1, 13))
+        assert mine == theirs
+
+
+def test_eval_reduction_matches_single_rank(full_run: dict[str, Any], cifar_packed: dict[str, Path]) -> None:
+    """Evaluating the final checkpoint on 1 rank gives the 2-rank run's counts: no pad counted twice."""
+    out = cifar_packed["base"] / "eval1"
+    one = run_train(["--data", str(cifar_packed["train"]), "--val", str(cifar_packed["test"]), *COMMON,
+                     "--out", str(out), "--resume", str(full_run["out"] / "checkpoint.pt"), "--eval-only"], nproc=1)
+    two = full_run["summary"]["accuracy"][-1]
+    (acc,) = one["accuracy"]
+    assert acc["samples"] == two["samples"] == 25
+    assert (acc["top1"], acc["top5"]) == (two["top1"], two["top5"])
+    assert acc["loss"] == pytest.approx(two["loss"], rel=1e-4)
+
+
+def test_independent_sweep_and_accumulation_on_synthetic_data(tmp_path: Path) -> None:
+    """--independent: each local rank trains alone with its own sweep entry and output directory."""
+    out = tmp_path / "sweep"
+    run_train(["--data", "synthetic", "--num-classes", "10", "--synthetic-images", "64", "--independent",
+               "--arch", "resnet18", "--width", "4", "--image-size", "32", "--batch-size", "4",
+               "--accum-steps", "2", "--lr", "0.1,0.2", "--seed", "3,4", "--epochs", "1", "--max-steps", "3",
+               "--threads", "1", "--log-every", "1", "--out", str(out), "--summary-json", str(out / "s.json")],
+              summaries=2)
+    runs = [json.loads((out / f"s.run{i:02d}.json").read_text()) for i in (0, 1)]
+    assert [r["independent"]["lr"] for r in runs] == [0.1, 0.2]
+    assert [r["config"]["seed"] for r in runs] == [3, 4]
+    assert all(r["world_size"] == 1 and r["global_step"] == 3 and r["config"]["global_batch"] == 8 for r in runs)
+    assert (out / "run00" / "checkpoint.pt").is_file() and (out / "run01" / "checkpoint.pt").is_file()
+
+
+# ---------------------------------------------------------------- in-process unit checks
+
+
+@pytest.mark.parametrize(("arch", "params"), [("resnet18", 11_689_512), ("resnet50", 25_557_032),
+                                             ("resnet101", 44_549_160)])
+def test_model_sizes_match_the_reference_architectures(arch: str, params: int) -> None:
+    # Parameter counts of the reference (torchvision / He et al.) ImageNet models.
+    assert sum(p.numel() for p in build_model(arch, 1000).parameters()) == params
+
+
+def test_cifar_stem_and_zero_init_residual() -> None:
+    m = build_model("resnet18", 10, width=8, stem="cifar", zero_init_residual=True)
+    assert m.stem[0].kernel_size == (3, 3) and m.stem[0].stride == (1, 1) and len(m.stem) == 3  # no max-pool
+    assert all(float(b.last_bn.weight.detach().abs().sum()) == 0 for b in m.modules() if hasattr(b, "last_bn"))
+    assert m(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
+
+
+def test_lr_schedule_follows_goyal_recipe() -> None:
+    peak = scaled_lr(0.1, 8192)
+    assert peak == pytest.approx(3.2)
+    s = LRSchedule(base_lr=0.1, peak_lr=peak, steps_per_epoch=100, epochs=90, warmup_epochs=5,
+                   decay="step", milestones=(30, 60, 80))
+    assert s(0) == pytest.approx(0.1) and s(250) == pytest.approx(0.1 + (3.2 - 0.1) / 2)
+    assert s(500) == pytest.approx(3.2) and s(2999) == pytest.approx(3.2)
+    assert s(3000) == pytest.approx(0.32) and s(6000) == pytest.approx(0.032) and s(8999) == pytest.approx(0.0032)
+    c = LRSchedule(base_lr=0.1, peak_lr=0.4, steps_per_epoch=10, epochs=10, warmup_epochs=1, decay="cosine")
+    assert c(10) == pytest.approx(0.4) and c(55) == pytest.approx(0.2) and c(100) == pytest.approx(0.0, abs=1e-12)
+    assert all(c(i) >= c(i + 1) for i in range(10, 100))
+
+
+def test_topk_counts() -> None:
+    logits = torch.tensor([[0.1, 0.9, 0.0], [0.8, 0.05, 0.15], [0.2, 0.3, 0.5]])
+    hits = topk_correct(logits, torch.tensor([1, 2, 0]), ks=(1, 2, 5))
+    assert hits.tolist() == [[True, False, False], [True, True, False], [True, True, True]]
+
+
+def test_rendezvous_from_slurm_environment() -> None:
+    env = {"SLURM_JOB_NODELIST": "gpu[07-09],gpu12", "SLURM_JOB_ID": "123456"}
+    assert rendezvous(env) == ("gpu07", 20000 + 123456 % 20000)
+    assert rendezvous({**env, "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "29400"}) == ("10.0.0.5", 29400)
+    assert rendezvous({}) == ("127.0.0.1", 29500)
+
+
+def test_sweep_lists_need_independent_mode() -> None:
+    args = build_parser().parse_args(["--data", "synthetic", "--lr", "0.1,0.2"])
+    with pytest.raises(SystemExit, match="needs --independent"):
+        resolve_sweep(args, 0, 2)
+    args = build_parser().parse_args(["--data", "synthetic", "--independent", "--lr", "0.1,0.2,0.3"])
+    with pytest.raises(SystemExit, match="3 values for 2 local ranks"):
+        resolve_sweep(args, 0, 2)
+    args = build_parser().parse_args(["--data", "synthetic", "--independent", "--lr", "0.1,0.2", "--seed", "7"])
+    assert resolve_sweep(args, 1, 2)["lr"] == 0.2 and args.seed == 7
+
+
+def test_checkpoint_is_atomic_and_refuses_missing_files(tmp_path: Path) -> None:
+    path = ckpt.save(tmp_path / "ck" / "checkpoint.pt", {"model": {"w": torch.ones(3)}, "step": 7})
+    assert sorted(p.name for p in path.parent.iterdir()) == ["checkpoint.pt"]
+    assert ckpt.load(path)["step"] == 7
+    assert ckpt.resolve_resume("auto", tmp_path / "nothing") is None
+    assert ckpt.resolve_resume("auto", path.parent) == path
+    from stager.errors import StagerError
+
+    with pytest.raises(StagerError, match="no checkpoint there"):
+        ckpt.load(tmp_path / "missing.pt")
