@@ -241,6 +241,9 @@ class ShardedDataset(IterableDataset):
         needed[wp.emit[skip:]] = True
         segs = planlib.segments(wp.stream, idx.starts)
         cache: dict[int, Any] = {}
+        # A payload is a view of its run's read buffer; a sample waiting in the shuffle buffer would
+        # pin that whole run. Copying out keeps the bound at K samples (not K runs) per worker.
+        own_copies = self.config().buffer_samples > 1 and self.mode in ("runs", "shards")
         seg_i, loaded = 0, 0
         for b in range(b0, len(wp.batches)):
             io_s = dec_s = 0.0
@@ -254,6 +257,8 @@ class ShardedDataset(IterableDataset):
                 if len(want):
                     t = time.perf_counter()
                     payloads, nb = self._read(access, shard, wp.stream[want] - idx.starts[shard])
+                    if own_copies:
+                        payloads = [_own(x) for x in payloads]
                     io_s += time.perf_counter() - t
                     nbytes += nb
                     cache.update(zip(want.tolist(), payloads, strict=True))
@@ -318,3 +323,12 @@ class ShardedDataset(IterableDataset):
             out += got
             total += nb
         return out, total
+
+
+def _own(x: Any) -> Any:
+    """A payload that owns its memory (bytes for views, a copy for array views)."""
+    if isinstance(x, memoryview):
+        return x.tobytes()
+    if isinstance(x, np.ndarray) and x.base is not None:
+        return x.copy()
+    return x

@@ -1,0 +1,386 @@
+"""Loader throughput: stager's loader (each format) against the peers' readers, same data, one run.
+
+For a CIFAR-like set (32x32 PNGs) and an ImageNet-like set (~500x375 JPEGs), packed once per
+reader's own format from the same ImageFolder tree, this measures samples/s for:
+
+* ``raw``: the encoded bytes of every sample, in-process (one core) and through a torch DataLoader
+  with 2 workers (batches of ``--batch``);
+* ``crops``: decoded 224x224 random-resized training crops (flip included), in-process, per core.
+
+Readers: ``stager <fmt>`` (``make_loader``, default shuffle), webdataset ``WebDataset`` over
+stager's tar shards (they are webdataset-compatible; ``shardshuffle=False``, no sample shuffle:
+the fastest it can go), MosaicML ``StreamingDataset`` over an MDS copy, LitData
+``StreamingDataset`` over a ``litdata.optimize`` copy, a per-file ImageFolder loop (``open`` +
+``read`` per image: the small-file baseline), and ``cat`` of the stager tar shards to /dev/null as
+the ceiling. Peers that cannot be imported are skipped with a note (``tools/bench/setup_peers.sh``
+installs them). The peers' DataLoader path collates per-sample ``bytes`` (pickled through the
+worker queue); stager's raw batches travel as one shared-memory tensor.
+
+Crops: stager (``decode="uint8", transform="train"``: :mod:`stager.decode`) against "plain PIL"
+(``Image.open`` + ``convert("RGB")`` + a torchvision-equivalent RandomResizedCrop in PIL).
+
+The page cache is warm (the data was just written): this measures the reader, not the disk.
+Usage: ``python -m tools.bench.bench_loader [--cifar 4000] [--imagenet 400] [--batch 64]``; prints
+a JSON object and writes docs/bench/loader.md (with the shuffle-quality tables).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from stager.loader import make_loader  # noqa: E402
+from stager.pack import pack  # noqa: E402
+from tools.datagen import make_cifar, make_imagefolder  # noqa: E402
+
+FORMATS = ("tar", "record", "hdf5", "zarr")
+SHARD_BYTES = 64 << 20
+
+
+# ---- data ---------------------------------------------------------------------------------------
+def make_sets(work: Path, n_cifar: int, n_imagenet: int) -> dict[str, Path]:
+    sets = {}
+    if n_cifar:
+        make_cifar(work / "cifar", n_train=n_cifar, n_test=10, seed=1, png_folder=True)
+        sets["cifar"] = work / "cifar" / "cifar-png" / "train"
+    if n_imagenet:
+        per = max(1, n_imagenet // 10)
+        sets["imagenet"] = make_imagefolder(work / "imagenet", num_classes=10, per_class=per, seed=2)
+    return sets
+
+
+def list_folder(src: Path) -> list[tuple[Path, int]]:
+    classes = sorted(p.name for p in src.iterdir() if p.is_dir())
+    return [(f, i) for i, c in enumerate(classes) for f in sorted((src / c).iterdir())]
+
+
+def pack_peers(src: Path, out: Path) -> dict[str, str]:
+    """Write the MDS and LitData copies (not timed). Returns notes for peers that are unavailable."""
+    notes = {}
+    items = list_folder(src)
+    try:
+        from streaming import MDSWriter
+
+        with MDSWriter(out=str(out / "mds"), columns={"image": "bytes", "label": "int"}, size_limit=SHARD_BYTES) as w:
+            for path, label in items:
+                w.write({"image": path.read_bytes(), "label": label})
+    except Exception as exc:  # an optional peer: any import/setup failure means "skip with a note"
+        notes["mosaicml"] = f"skipped: {type(exc).__name__}: {exc}"[:200]
+    try:
+        from litdata import optimize
+
+        optimize(
+            fn=_litdata_item,
+            inputs=[(str(p), lab) for p, lab in items],
+            output_dir=str(out / "litdata"),
+            chunk_bytes=SHARD_BYTES,
+            num_workers=1,
+            mode="overwrite",
+            verbose=False,
+            reorder_files=False,
+        )
+    except Exception as exc:
+        notes["litdata"] = f"skipped: {type(exc).__name__}: {exc}"[:200]
+    return notes
+
+
+def _litdata_item(item: tuple[str, int]) -> dict[str, Any]:
+    with open(item[0], "rb") as f:
+        return {"image": f.read(), "label": item[1]}
+
+
+# ---- readers: each returns an iterable of samples (bytes-like) or of batches ----------------------
+def _collate_bytes(samples: list[Any]) -> list[Any]:
+    return samples
+
+
+def wds_samples(tar_dir: Path) -> Iterable[bytes]:
+    import webdataset as wds
+
+    urls = sorted(str(p) for p in tar_dir.glob("*.tar"))
+    for s in wds.WebDataset(urls, shardshuffle=False, empty_check=False):
+        yield next(v for k, v in s.items() if k in ("jpg", "jpeg", "png"))
+
+
+def mds_dataset(mds_dir: Path) -> Any:
+    from streaming import StreamingDataset
+
+    return StreamingDataset(local=str(mds_dir), shuffle=False, batch_size=1)
+
+
+def litdata_dataset(lit_dir: Path) -> Any:
+    from litdata import StreamingDataset
+
+    return StreamingDataset(str(lit_dir))
+
+
+class _Mapped:
+    """An iterable dataset wrapper that yields ``sample["image"]`` (for the peers' datasets)."""
+
+    def __init__(self, ds: Any) -> None:
+        self.ds = ds
+
+    def __iter__(self) -> Any:
+        for s in self.ds:
+            img = s["image"]
+            # LitData hands out memoryviews, which cannot cross a worker queue: what a user does.
+            yield bytes(img) if isinstance(img, memoryview) else img
+
+
+def per_file(src: Path) -> Iterable[bytes]:
+    for path, _ in list_folder(src):
+        with open(path, "rb") as f:
+            yield f.read()
+
+
+MIN_SECONDS = 1.0  # repeat whole passes (epochs) until this much time is measured
+
+
+def _rate(make: Callable[[], Iterable[Any]], n_expect: int, size: Callable[[Any], int]) -> float:
+    """Samples/s over whole passes after one untimed warm-up pass (imports, first opens)."""
+    passes = [0]
+
+    def one() -> None:
+        n = sum(size(x) for x in make())
+        if n < n_expect:
+            raise RuntimeError(f"reader yielded {n} samples, expected {n_expect}")
+        passes[0] += 1
+
+    one()
+    passes[0] = 0
+    t = time.perf_counter()
+    while time.perf_counter() - t < MIN_SECONDS:
+        one()
+    return passes[0] * n_expect / (time.perf_counter() - t)
+
+
+def time_samples(make: Callable[[], Iterable[Any]], n_expect: int) -> float:
+    return _rate(make, n_expect, lambda _: 1)
+
+
+def time_batches(make: Callable[[], Iterable[Any]], n_expect: int, size: Callable[[Any], int]) -> float:
+    return _rate(make, n_expect, size)
+
+
+class _Split:
+    """IterableDataset over a sample iterable, dealing samples round-robin to DataLoader workers."""
+
+    def __init__(self, factory: Callable[[], Any]) -> None:
+        self.factory = factory
+
+    def __iter__(self) -> Any:
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()
+        for i, s in enumerate(self.factory()):
+            if info is None or i % info.num_workers == info.id:
+                yield s
+
+
+def dataloader(iterable_factory: Callable[[], Any], batch: int) -> Any:
+    """The peers' path: per-sample ``bytes`` collated into lists and pickled through the queue."""
+    from torch.utils.data import DataLoader, IterableDataset
+
+    ds = type("SplitDS", (_Split, IterableDataset), {})(iterable_factory)
+    return DataLoader(
+        ds, batch_size=batch, num_workers=2, collate_fn=_collate_bytes, multiprocessing_context="fork", timeout=120
+    )
+
+
+def bench_set(name: str, src: Path, work: Path, batch: int, crops: int) -> dict[str, Any]:
+    packed = {}
+    for fmt in FORMATS:
+        resize = (32, 32) if (fmt == "zarr" and name == "cifar") else (256, 256) if fmt == "zarr" else None
+        packed[fmt] = work / f"{name}-{fmt}"
+        pack(src, packed[fmt], fmt, shard_size=SHARD_BYTES, resize=resize)
+    notes = pack_peers(src, work / f"{name}-peers")
+    import multiprocessing
+
+    multiprocessing.set_start_method("fork", force=True)  # litdata.optimize switches it to spawn
+    n = len(list_folder(src))
+    raw: dict[str, dict[str, float]] = {}
+
+    def add(reader: str, mode: str, fn: Callable[[], float]) -> None:
+        try:
+            raw.setdefault(reader, {})[mode] = round(fn(), 1)
+        except Exception as exc:
+            notes[f"{reader} {mode}"] = f"failed: {type(exc).__name__}: {exc}"[:200]
+
+    for fmt in FORMATS:
+        label = f"stager {fmt}" + (" (decoded arrays)" if fmt == "zarr" else "")
+
+        def inproc(fmt: str = fmt) -> float:
+            ld = make_loader(packed[fmt], batch, rank=0, world_size=1, decode="raw", staged=False)
+            return time_batches(lambda: ld, n, lambda b: len(b["key"]))
+
+        def dl2(fmt: str = fmt) -> float:
+            ld = make_loader(
+                packed[fmt],
+                batch,
+                rank=0,
+                world_size=1,
+                decode="raw",
+                num_workers=2,
+                staged=False,
+                multiprocessing_context="fork",
+            )
+            return time_batches(lambda: ld, n, lambda b: len(b["key"]))
+
+        add(label, "in-process", inproc)
+        add(label, "2-worker DataLoader", dl2)
+    tar_dir = packed["tar"]
+    add("webdataset", "in-process", lambda: time_samples(lambda: wds_samples(tar_dir), n))
+    add(
+        "webdataset",
+        "2-worker DataLoader",
+        lambda: time_batches(lambda: dataloader(lambda: wds_samples(tar_dir), batch), n, len),
+    )
+    if "mosaicml" not in notes:
+        mds = work / f"{name}-peers" / "mds"
+        add("mosaicml streaming", "in-process", lambda: time_samples(lambda: _Mapped(mds_dataset(mds)), n))
+        add(
+            "mosaicml streaming",
+            "2-worker DataLoader",
+            lambda: time_batches(lambda: dataloader(lambda: _Mapped(mds_dataset(mds)), batch), n, len),
+        )
+    if "litdata" not in notes:
+        lit = work / f"{name}-peers" / "litdata"
+        add("litdata", "in-process", lambda: time_samples(lambda: _Mapped(litdata_dataset(lit)), n))
+        add(
+            "litdata",
+            "2-worker DataLoader",
+            lambda: time_batches(lambda: dataloader(lambda: _Mapped(litdata_dataset(lit)), batch), n, len),
+        )
+    add("ImageFolder per-file", "in-process", lambda: time_samples(lambda: per_file(src), n))
+    add(
+        "ImageFolder per-file",
+        "2-worker DataLoader",
+        lambda: time_batches(lambda: dataloader(lambda: per_file(src), batch), n, len),
+    )
+
+    def cat() -> float:
+        files = sorted(str(p) for p in tar_dir.glob("*.tar"))
+        t = time.perf_counter()
+        subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)
+        return n / (time.perf_counter() - t)
+
+    add("cat (ceiling)", "in-process", cat)
+
+    # Decoded training crops on one core.
+    k = min(n, crops)
+    crop_rates = {}
+    ld = make_loader(packed["tar"], 32, rank=0, world_size=1, decode="uint8", transform="train", staged=False)
+    t = time.perf_counter()
+    got = 0
+    for b in ld:
+        got += len(b["key"])
+        if got >= k:
+            break
+    crop_rates["stager (stager.decode)"] = round(got / (time.perf_counter() - t), 1)
+    from stager.loader.transforms import _random_resized_crop
+
+    rng = np.random.default_rng(0)
+    from PIL import Image
+
+    t = time.perf_counter()
+    m = 0
+    for data in per_file(src):
+        img = Image.open(io.BytesIO(data)).convert("RGB")
+        _random_resized_crop(img, 224, rng)
+        m += 1
+        if m >= k:
+            break
+    crop_rates["plain PIL"] = round(m / (time.perf_counter() - t), 1)
+    peers = [r for r in ("webdataset", "mosaicml streaming", "litdata") if r in raw]
+    best = {
+        mode: max((raw[r].get(mode, 0.0) for r in peers), default=0.0) for mode in ("in-process", "2-worker DataLoader")
+    }
+    ratios = {
+        f"{r} {mode} / fastest peer": round(v / best[mode], 2)
+        for r, modes in raw.items()
+        if r.startswith("stager")
+        for mode, v in modes.items()
+        if best.get(mode)
+    }
+    ratios["crops stager / plain PIL"] = round(crop_rates["stager (stager.decode)"] / crop_rates["plain PIL"], 2)
+    return {"samples": n, "raw_samples_per_s": raw, "crops_samples_per_s": crop_rates, "ratios": ratios, "notes": notes}
+
+
+def to_markdown(results: dict[str, Any], quality: list[dict[str, Any]]) -> str:
+    from tools.bench.shuffle_quality import to_markdown as quality_md
+
+    lines = [
+        "# Loader throughput (provisional)",
+        "",
+        f"Machine: {results['machine']}. One run each, page cache warm, busy shared machine: **provisional**"
+        " figures, to be rerun quietly. Generated by `python -m tools.bench.bench_loader`.",
+        "",
+    ]
+    for name, res in results["sets"].items():
+        lines += [
+            f"## {name} ({res['samples']} samples)",
+            "",
+            "| reader | raw in-process (samples/s) | raw 2-worker DataLoader (samples/s) |",
+            "| --- | --- | --- |",
+        ]
+        for r, modes in res["raw_samples_per_s"].items():
+            lines.append(f"| {r} | {modes.get('in-process', '-')} | {modes.get('2-worker DataLoader', '-')} |")
+        lines += ["", "| decoded 224x224 train crops, 1 core | samples/s |", "| --- | --- |"]
+        for r, v in res["crops_samples_per_s"].items():
+            lines.append(f"| {r} | {v} |")
+        lines += ["", "Ratios: " + ", ".join(f"{k} = **{v}**" for k, v in res["ratios"].items()), ""]
+        if res["notes"]:
+            lines += ["Notes: " + "; ".join(f"{k}: {v}" for k, v in res["notes"].items()), ""]
+    lines += ["## Shuffle quality", "", "See tools/bench/shuffle_quality.py for the metric.", quality_md(quality)]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cifar", type=int, default=4000, help="CIFAR-like samples (0: skip)")
+    ap.add_argument("--imagenet", type=int, default=400, help="ImageNet-like samples (0: skip)")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--crops", type=int, default=300, help="samples timed for decoded crops")
+    ap.add_argument("--work", help="scratch directory (default: a temporary one)")
+    ap.add_argument("--md", default=str(ROOT / "docs" / "bench" / "loader.md"))
+    args = ap.parse_args(argv)
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="bench-loader-"))
+    try:
+        sets = make_sets(work, args.cifar, args.imagenet)
+        results: dict[str, Any] = {
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+            "sets": {name: bench_set(name, src, work, args.batch, args.crops) for name, src in sets.items()},
+        }
+        from tools.bench.shuffle_quality import measure
+
+        quality = [measure("cifar"), measure("imagenet")]
+        results["shuffle_quality"] = quality
+        print(json.dumps(results, indent=1))
+        if args.md:
+            Path(args.md).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.md).write_text(to_markdown(results, quality))
+    finally:
+        if not args.work:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
