@@ -54,6 +54,7 @@ def test_every_sample_once_equal_counts(  # noqa: PLR0917 (hypothesis passes str
         assert int((counts_seen - 1).sum()) == padded
         assert padded < world or n < world
     for p in plans:
+        assert int(p.batch_padding().sum()) == p.padded
         for w in p.workers:
             assert sorted(w.emit.tolist()) == list(range(len(w.stream)))
             assert np.all(w.batches % cfg.streams == w.worker)

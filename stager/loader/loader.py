@@ -170,36 +170,9 @@ class Loader:
     def _padded_positions(self) -> np.ndarray:
         """Per batch of this rank: how many of its samples are padding repeats (int64, (batches,))."""
         ds = self.dataset
-        sizes = ds.batch_sizes()
-        per = int(sizes.sum())
-        total = len(ds.seq_override) if ds.seq_override is not None else ds.index.num_samples
-        if ds._local_mask is not None:
-            total = int(ds._local_mask.sum())
-        lo = ds._plan_rank * (self._per_rank_slice())
-        out = np.zeros(len(sizes), dtype=np.int64)
-        if total == 0:
-            return out
-        # Rank slice positions >= total (mod nothing) are repeats; they land in the rank's last
-        # worker streams. Count them per batch through the plan's stream layout.
-        n_pad = max(0, min(per, lo + per - max(lo, total)))
-        if n_pad == 0:
-            return out
-        rplan = ds.plan()
-        for wp in rplan.workers:
-            # Stream positions of this worker that correspond to padded slice positions.
-            start = int(sum(int(w.sizes.sum()) for w in rplan.workers[: wp.worker]))
-            slice_pos = start + np.arange(len(wp.stream))
-            is_pad = (lo + slice_pos) >= total
-            for b in range(len(wp.batches)):
-                out[int(wp.batches[b])] = int(is_pad[wp.batch_positions(b)].sum())
-        return out
-
-    def _per_rank_slice(self) -> int:
-        ds = self.dataset
-        if ds._per_rank is not None:
-            return ds._per_rank
-        total = len(ds.seq_override) if ds.seq_override is not None else ds.index.num_samples
-        return planlib.samples_per_rank(total, ds._plan_world, ds.drop_last)
+        if self._total_in_plan() >= ds._plan_world * int(ds.batch_sizes().sum()):
+            return np.zeros(len(ds), dtype=np.int64)  # nothing padded: skip planning here
+        return ds.plan().batch_padding()
 
     # ---- observability ------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -230,7 +203,7 @@ class Loader:
         st = LoaderState(
             dataset_id=ds.index.dataset_id,
             epoch=ds.epoch,
-            batches_done=self._done if (self._done or self._completed or self._resume_pending) else 0,
+            batches_done=self._done,
             seed=ds.seed,
             world_size=ds.world_size,
             num_workers=self.num_workers,

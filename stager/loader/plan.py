@@ -228,6 +228,7 @@ class WorkerPlan:
     emit: np.ndarray
     batches: np.ndarray
     sizes: np.ndarray
+    is_pad: np.ndarray  # bool, shape (n,): stream entries that are padding repeats
 
     def batch_positions(self, b: int) -> np.ndarray:
         """Stream positions of this worker's ``b``-th batch, in emission order."""
@@ -254,6 +255,14 @@ class RankPlan:
     @property
     def num_batches(self) -> int:
         return len(self.sizes)
+
+    def batch_padding(self) -> np.ndarray:
+        """Per batch (rank order): how many of its samples are padding repeats (int64, (batches,))."""
+        out = np.zeros(self.num_batches, dtype=np.int64)
+        for w in self.workers:
+            for b, j in enumerate(w.batches.tolist()):
+                out[j] = int(w.is_pad[w.batch_positions(b)].sum())
+        return out
 
     def batch_ids(self) -> list[np.ndarray]:
         """All of the rank's batches in rank order (sample ids), by interleaving the workers."""
@@ -296,16 +305,19 @@ def plan_rank(
         q = int(wsizes.sum())
         if cfg.mode == "none":
             # Exact manifest order on the rank: worker k takes the slices of its own batches.
-            pieces = [ids[cum[j] : cum[j + 1]] for j in mine.tolist()]
-            stream = np.concatenate(pieces) if pieces else np.zeros(0, np.int64)
+            pieces = [np.arange(cum[j], cum[j + 1], dtype=np.int64) for j in mine.tolist()]
+            spos = np.concatenate(pieces) if pieces else np.zeros(0, np.int64)
         else:
             # Shuffled modes: one contiguous chunk per worker keeps runs whole (one read each).
-            stream = ids[lo : lo + q]
+            spos = np.arange(lo, lo + q, dtype=np.int64)
             lo += q
+        stream = ids[spos]
+        # Slice position p of rank r is epoch position r*per_rank + p; from len(seq) on it wraps.
+        is_pad = rank * per_rank + spos >= len(seq)
         rng = np.random.default_rng((cfg.seed, epoch, _TAG_BUFFER, cfg.world_size, rank, nw, k))
         buf = cfg.buffer_samples if cfg.mode in ("runs", "shards") else 0
         emit = buffer_shuffle(q, buf, rng)
-        workers.append(WorkerPlan(k, stream, emit, mine, wsizes))
+        workers.append(WorkerPlan(k, stream, emit, mine, wsizes, is_pad))
     return RankPlan(rank, epoch, ids, sizes, padded, dropped, tuple(workers))
 
 
