@@ -89,6 +89,8 @@ class CollectiveResult:
     written_bytes: int = 0
     steps: int = 0
     chunk_bytes: int = 0
+    group_s: float = 0.0
+    exchange_s: float = 0.0
     seconds: float = 0.0
     gbps: float = 0.0
     backend: str = ""
@@ -212,8 +214,10 @@ def stage_collective(
             raise
         res.warnings.append(str(exc))
         return direct("direct")
+    res.group_s = time.perf_counter() - t0  # includes importing torch and waiting for the last node
     failed = True
     try:
+        t_data = time.perf_counter()
         if partition:
             # A node's partition share is read straight from SRC: nothing to exchange.
             sr = _stage.stage(src, dest, partition=True, shared=False, node=n_idx, num_nodes=n_nodes,
@@ -227,6 +231,7 @@ def stage_collective(
             _mkdir_dest(plan)
             with NodeLock(plan.lock_path, timeout=timeout):
                 _run_full(plan, group, res, chunk_bytes=chunk_bytes, memory_bytes=memory_bytes, quiet=quiet)
+        res.exchange_s = time.perf_counter() - t_data
         res.seconds = time.perf_counter() - t0
         res.gbps = res.written_bytes / max(res.seconds, 1e-9) / 1e9
         import torch.distributed as dist
@@ -252,7 +257,8 @@ def _mkdir_dest(plan: _stage.StagePlan) -> None:
 
 def _stats(res: CollectiveResult) -> dict[str, Any]:
     return {"node": res.node, "src_bytes": res.src_bytes, "exchange_bytes": res.exchange_bytes,
-            "written_bytes": res.written_bytes, "seconds": res.seconds, "local_bytes": res.local_bytes}
+            "written_bytes": res.written_bytes, "seconds": res.seconds, "local_bytes": res.local_bytes,
+            "exchange_s": res.exchange_s}
 
 
 def _totals(per_node: list[Any]) -> dict[str, Any]:
@@ -264,6 +270,7 @@ def _totals(per_node: list[Any]) -> dict[str, Any]:
         "local_bytes": sum(int(s["local_bytes"]) for s in per_node),
         "written_bytes": written,
         "seconds": secs,
+        "exchange_s": max(float(s.get("exchange_s", 0.0)) for s in per_node),
         "gbps": written / max(secs, 1e-9) / 1e9,
         "per_node": per_node,
     }

@@ -82,7 +82,7 @@ def distribution(sizes: np.ndarray) -> dict[str, Any]:
     }
 
 
-def hints(path: str | os.PathLike[str], *, dest: str | None = None) -> dict[str, Any]:
+def hints(path: str | os.PathLike[str], *, dest: str | None = None, nodes: int | None = None) -> dict[str, Any]:
     """Analyse ``path`` (an image tree or a packed directory); return the JSON-able report."""
     p = os.path.abspath(os.fspath(path))
     if not os.path.exists(p):
@@ -150,6 +150,11 @@ def hints(path: str | os.PathLike[str], *, dest: str | None = None) -> dict[str,
             f"{need / 1e9:.1f} GB does not fit {root} ({fit['dest_free'] / 1e9:.1f} GB free): "
             "use `stager stage --partition` (each node stages its share) or a BeeOND/shared DEST"
         )
+    # Which staging strategy for this job's node count (stager.scaling's bandwidth model).
+    from .scaling import strategy_for
+
+    report["strategy"] = strategy_for(need, nodes=nodes, local_capacity=fit["dest_free"], osts=osts,
+                                      files=num_shards)
     return report
 
 
@@ -182,5 +187,9 @@ def human(report: dict[str, Any]) -> str:
     if fit["ram_available"]:
         lines.append(f"  RAM available {fit['ram_available'] / 1e9:.1f} GB -> "
                      f"{'fits in page cache' if fit['fits_ram'] else 'does not fit in RAM'}")
+    st = report.get("strategy")
+    if st:
+        lines.append(f"  staging strategy for {st['nodes']} node(s): {st['strategy']} ({st['reason']}): "
+                     f"{st['command']}")
     lines += [f"  warning: {w}" for w in report["warnings"]]
     return "\n".join(lines)

@@ -16,11 +16,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("path", metavar="PATH")
     p.add_argument("--dest", default=None, help="staging destination to check (default: $STAGER_DEST, "
                    "$SLURM_TMPDIR, $TMPDIR)")
+    p.add_argument("--nodes", type=int, default=None, help="nodes that will stage it (default: $SLURM_NNODES, "
+                   "else 1): picks direct, --collective, --partition or streaming (docs/scaling.md)")
     add_common(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    rep = hints(args.path, dest=args.dest)
+    rep = hints(args.path, dest=args.dest, nodes=args.nodes)
     emit(args, rep, human(rep))
     return 0
