@@ -20,9 +20,10 @@ consecutive samples in one shard) when its batch first needs it, so the read of 
 worker ``w`` happens at the rank's batch ``batches[b]`` for the first worker batch ``b`` that
 reaches it.
 
-Progress: the training loop calls :meth:`Prefetcher.advance` with (epoch, batches done), or, for
-a prefetcher in another process (``stager stage --follow``), :func:`report_progress` writes it to
-``DEST/.stager-progress/rank<r>``. The hit rate counts, per batch, the bytes of the shard reads
+Progress: the training loop calls :meth:`Prefetcher.advance` with (epoch, batches done).
+:func:`report_progress` / :func:`read_progress` are the file protocol (``DEST/.stager-progress/
+rank<r>``) for a prefetcher in another process; the ``stager stage --follow`` command that would
+poll them is not wired yet. The hit rate counts, per batch, the bytes of the shard reads
 whose shard was local when the batch began (reported by :meth:`Prefetcher.stats`).
 """
 
