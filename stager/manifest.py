@@ -333,7 +333,11 @@ def load_manifest(path: str | os.PathLike[str], storage_options: dict[str, Any] 
     else:
         try:
             with open(mp, "rb") as f:
-                data = f.read(MAX_MANIFEST_BYTES + 1)
+                # Check the size first: read(MAX + 1) asks for a 4 GiB buffer up front, a MemoryError
+                # under `ulimit -v` or strict overcommit (common on HPC nodes).
+                if os.fstat(f.fileno()).st_size > MAX_MANIFEST_BYTES:
+                    raise ManifestError(f"{mp}: larger than {MAX_MANIFEST_BYTES} bytes; refusing to parse")
+                data = f.read()
         except FileNotFoundError as exc:
             raise ShardMissingError(f"{mp}: no manifest; is this a `stager pack` output directory?") from exc
         except IsADirectoryError as exc:
