@@ -227,3 +227,27 @@ def test_checkpoint_is_atomic_and_refuses_missing_files(tmp_path: Path) -> None:
 
     with pytest.raises(StagerError, match="no checkpoint there"):
         ckpt.load(tmp_path / "missing.pt")
+
+
+def test_stop_signal_checkpoints_and_exits_cleanly(tmp_path: Path) -> None:
+    """SIGUSR1 (what `sbatch --signal=USR1@300` sends before the time limit): checkpoint mid-epoch, exit 0."""
+    import signal
+
+    out = tmp_path / "pre"
+    cmd = [sys.executable, str(TRAIN), "--data", "synthetic", "--num-classes", "10", "--synthetic-images", "100000",
+           "--arch", "resnet18", "--width", "4", "--image-size", "32", "--batch-size", "4", "--epochs", "1",
+           "--threads", "1", "--log-every", "1", "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "step 3/" in line:
+                proc.send_signal(signal.SIGUSR1)
+        assert proc.wait(timeout=120) == 0, "".join(lines)
+    summary = json.loads(next(ln for ln in lines if ln.startswith('{"event": "summary"')))
+    assert summary["preempted"] and not summary["completed"]
+    state = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=False)
+    assert state["step"] == summary["global_step"] >= 3 and state["step_in_epoch"] == state["step"]
+    assert state["loader"][0]["position"] == state["step"]
