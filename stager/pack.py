@@ -45,9 +45,10 @@ from .atomicio import atomic_write_bytes, commit_partial, fsync_dir, partial_pat
 from .checksum import ALGOS, new_hasher
 from .errors import DestinationError, ManifestError, SourceError, StagerError, UsageError
 from .formats import get_format
+from .formats.base import Sample
 from .manifest import MANIFEST_NAME, AuxFile, Manifest, ShardInfo, load_manifest
 from .progress import Progress
-from .sources import SampleRef, Source, open_source, prepare_sample, probe_hw
+from .sources import SampleRef, Source, check_encoded, open_source, prepare_sample, probe_hw
 
 PLAN_STREAM = 0x5EED_9AC4  # second element of the shuffle seed tuple: the "plan" random stream
 STATE_DIR = ".stager-pack"
@@ -179,6 +180,7 @@ class ShardJob:
     quality: int | None
     on_error: str
     hash_algo: str
+    keys_checked: bool = False  # the plan's keys passed the format's check_keys (writers skip it)
 
 
 @dataclass
@@ -239,6 +241,9 @@ def write_shard(job: ShardJob, source: Source, progress: Progress | None = None)
     Per-sample source failures raise :class:`SourceError` (``on_error="raise"``) or are skipped and
     listed (``"skip"``). Disk-full errors become :class:`OutOfSpaceError`. Nothing is left under a
     final name on failure: the writer's ``.partial`` files are removed.
+
+    Formats that hash while writing (``Format.hashes_while_writing``, tar) are handed the hasher, so
+    the shard is not read back: it is only fsynced before the rename.
     """
     fmt = get_format(job.format)
     out = Path(job.out)
@@ -253,45 +258,67 @@ def write_shard(job: ShardJob, source: Source, progress: Progress | None = None)
     payload = 0
     companions: list[tuple[str, str]] = []
     writer = None
+    hasher = new_hasher(job.hash_algo) if getattr(fmt, "hashes_while_writing", False) else None
+    # Encoded files that pass through unchanged need only the cheap structure check: done inline, with
+    # the error message (naming the file) built only when the check fails.
+    passthrough = job.target_kind == "encoded" and not job.resize and not job.quality
     try:
-        writer = fmt.open_writer(str(tmp), shard_name=sh.name, classes=list(job.classes))
+        writer = fmt.open_writer(
+            str(tmp), shard_name=sh.name, classes=list(job.classes), keys_checked=job.keys_checked, hasher=hasher
+        )
+        write = writer.write
         for a in range(0, len(sh.refs), LOAD_BATCH):
             batch = sh.refs[a : a + LOAD_BATCH]
             loaded = source.load_many(batch)
+            nbytes = 0
+            before = len(keys)
             for ref, res in zip(batch, loaded, strict=True):
-                where = source.path_of(ref)
                 try:
                     if isinstance(res, BaseException):
-                        raise _as_source_error(res, where)
-                    sample = prepare_sample(
-                        res,
-                        target_kind=job.target_kind,
-                        where=where,
-                        resize=job.resize,
-                        quality=job.quality,
-                        image_shape=job.image_shape,
-                    )
+                        raise _as_source_error(res, source.path_of(ref))
+                    data = res.data
+                    if passthrough and type(data) is bytes:
+                        try:
+                            ext = check_encoded(data, "")
+                        except SourceError:
+                            check_encoded(data, source.path_of(ref))  # raises, naming the file
+                            raise
+                        sample = res if ext == res.ext else Sample(res.key, res.label, data, ext, res.meta)
+                    else:
+                        sample = prepare_sample(
+                            res,
+                            target_kind=job.target_kind,
+                            where=source.path_of(ref),
+                            resize=job.resize,
+                            quality=job.quality,
+                            image_shape=job.image_shape,
+                        )
                 except SourceError as exc:
                     if job.on_error != "skip":
                         raise
-                    skipped.append({"key": ref.key, "path": where, "error": str(exc), "shard": sh.name})
+                    skipped.append({"key": ref.key, "path": source.path_of(ref), "error": str(exc), "shard": sh.name})
                     continue
-                ext = writer.write(sample)
+                ext_ = write(sample)
                 keys.append(sample.key)
                 labels.append(sample.label)
-                offsets.append(ext.offset)
-                sizes.append(ext.size)
-                n = sample.data.nbytes if isinstance(sample.data, np.ndarray) else len(sample.data)
-                payload += n
-                if progress is not None:
-                    progress.update(1, n)
+                offsets.append(ext_.offset)
+                sizes.append(ext_.size)
+                d = sample.data
+                nbytes += d.nbytes if isinstance(d, np.ndarray) else len(d)
+            payload += nbytes
+            if progress is not None:
+                progress.update(len(keys) - before, nbytes)
         companions = writer.close()
         writer = None
         aux = []
         for cname, ctmp in companions:
             cbytes, chash = fsync_and_hash(ctmp, job.hash_algo)
             aux.append(AuxFile(cname, cbytes, chash))
-        nbytes, digest = fsync_and_hash(tmp, job.hash_algo)
+        if hasher is not None:
+            nbytes_total = fsync_file(tmp)
+            digest = hasher.hexdigest()
+        else:
+            nbytes_total, digest = fsync_and_hash(tmp, job.hash_algo)
         # Companions first: a shard under its final name always has its companions beside it.
         for cname, ctmp in companions:
             os.replace(ctmp, out / cname)
@@ -310,7 +337,7 @@ def write_shard(job: ShardJob, source: Source, progress: Progress | None = None)
         raise
     info = ShardInfo(
         sh.name,
-        nbytes,
+        nbytes_total,
         digest,
         keys,
         np.asarray(labels, dtype=np.int64),
@@ -321,6 +348,16 @@ def write_shard(job: ShardJob, source: Source, progress: Progress | None = None)
     done = ShardDone(info, skipped, payload, sh.fingerprint)
     atomic_write_bytes(out / STATE_DIR / f"{sh.name}.json", json.dumps(done.to_json()).encode())
     return done
+
+
+def fsync_file(path: str | os.PathLike[str]) -> int:
+    """fsync the file at ``path``; return its size."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)
 
 
 def _as_source_error(exc: BaseException, where: str) -> SourceError:
@@ -546,6 +583,11 @@ def pack(
     out_p = Path(os.path.abspath(os.fspath(out)))
     if source.kind == "pack" and out_p == source.root:
         raise UsageError(f"{out_p}: output is the source pack itself; choose another directory")
+    # Keys are checked once for the whole plan (one pass), so writers need not check each one.
+    check_keys = getattr(fmt, "check_keys", None)
+    keys_checked = check_keys is not None
+    if check_keys is not None:
+        check_keys([r.key for r in source.refs], f"{source.root}: ")
     resize_t = (int(resize[0]), int(resize[1])) if resize else None
     target_kind = fmt.sample_kind
     image_shape: tuple[int, int, int] | None = None
@@ -666,6 +708,7 @@ def pack(
             quality,
             on_error,
             hash_algo,
+            keys_checked,
         )
         for s in todo
     ]

@@ -51,6 +51,8 @@ _EXT_RE = re.compile(r"^[a-z0-9_][a-z0-9_.-]{0,31}$")
 # '/'-separated non-empty parts without NUL or backslash; no part is '.' or '..'; the last part has
 # no '.'; no leading '__' (webdataset's skip_meta pattern).
 _KEY_RE = re.compile(r"(?!__)(?:(?!\.\.?/)[^/\\\0]+/)*[^./\\\0]+")
+_KEY_BODY = r"(?!__)(?:(?!\.\.?/)[^/\\\0\n]+/)*[^./\\\0\n]+"
+_KEYS_RE = re.compile(f"{_KEY_BODY}(?:\n{_KEY_BODY})*")  # newline-joined keys, each matching _KEY_RE
 
 
 def _pad(n: int) -> bytes:
@@ -92,6 +94,41 @@ def _fast_header(name: bytes, name_sum: int, size: int) -> bytes:
     sz = b"%011o\0" % size
     chk = _REG_SUM + name_sum + sum(sz)
     return b"".join((name, _NULS[100 - len(name)], _MID1, sz, _MID2, b"%06o\0 " % chk, _REG_TAIL))
+
+
+_SIZE_FIELDS: dict[int, tuple[bytes, int]] = {}
+
+
+def _size_field(size: int) -> tuple[bytes, int]:
+    """``(size field, its byte sum)``, cached for the small sizes of ``.cls``/``.json`` members."""
+    got = _SIZE_FIELDS.get(size)
+    if got is None:
+        sz = b"%011o\0" % size
+        got = (sz, sum(sz))
+        if size < 4096:
+            _SIZE_FIELDS[size] = got
+    return got
+
+
+def sample_headers(
+    kb: bytes, ext: bytes, ext_sum: int, size: int, *, cls_len: int, js_len: int
+) -> tuple[bytes, bytes, bytes]:
+    """The three ustar headers of one sample (``<key>.<ext>``, ``<key>.cls``, ``<key>.json``).
+
+    ``kb`` is the ASCII key (at most 95 bytes) and ``ext`` the extension with its dot
+    (``len(kb) + len(ext) <= 100``), so every name fits the 100-byte name field; ``ext_sum`` is the
+    byte sum of ``ext``. The key's byte sum is
+    computed once for the three checksums, and the members' small sizes come from a cache.
+    """
+    ks = _REG_SUM + sum(kb)
+    pad = _NULS[100 - len(kb) - len(ext)]
+    sz = b"%011o\0" % size
+    h_img = b"".join((kb, ext, pad, _MID1, sz, _MID2, b"%06o\0 " % (ks + ext_sum + sum(sz)), _REG_TAIL))
+    sz, zs = _size_field(cls_len)
+    h_cls = b"".join((kb, b".cls", _NULS[96 - len(kb)], _MID1, sz, _MID2, b"%06o\0 " % (ks + 368 + zs), _REG_TAIL))
+    sz, zs = _size_field(js_len)
+    h_js = b"".join((kb, b".json", _NULS[95 - len(kb)], _MID1, sz, _MID2, b"%06o\0 " % (ks + 488 + zs), _REG_TAIL))
+    return h_img, h_cls, h_js
 
 
 def _ustar_header(name: bytes, size: int, typeflag: bytes = b"0", prefix: bytes = b"") -> bytes:
@@ -153,6 +190,28 @@ def _ustar_split(raw: bytes) -> tuple[bytes, bytes] | None:
     return None
 
 
+def check_keys(keys: Sequence[str], where: str = "") -> None:
+    """Validate many keys at once (what :func:`check_key` checks for each, and uniqueness).
+
+    One regular-expression pass over the joined keys instead of one call per key: ``stager pack``
+    validates a whole plan this way before writing anything, then opens writers with
+    ``keys_checked=True``. Raises :class:`UsageError` naming the first bad or repeated key.
+    """
+    if not keys:
+        return
+    if len(set(keys)) != len(keys):
+        seen: set[str] = set()
+        for k in keys:
+            if k in seen:
+                raise UsageError(f"{where}duplicate sample key {k!r}")
+            seen.add(k)
+    joined = "\n".join(keys) if all(type(k) is str for k in keys) else "\n"
+    if joined.count("\n") == len(keys) - 1 and _KEYS_RE.fullmatch(joined):  # no key holds a newline
+        return
+    for k in keys:  # find and name the first offender
+        check_key(k, where)
+
+
 def check_key(key: object, where: str = "") -> str:
     """Return ``key`` if webdataset will group its members back under exactly this key."""
     if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
@@ -168,10 +227,15 @@ def _json_meta(key: str, label: int, cls: str, meta: dict[str, Any]) -> bytes:
     ``json.dumps(..., sort_keys=True, separators=(",", ":"))`` but several times cheaper for flat
     metadata: the sorted field order is computed once per set of metadata keys, and str/int values
     are encoded directly (anything else goes through ``json.dumps`` per value)."""
-    if not meta:  # what `stager pack` writes when the source has no extra metadata
+    if not meta:
         return (
             f'{{"class":{encode_basestring_ascii(cls)},"key":{encode_basestring_ascii(key)},"label":{label}}}'.encode()
         )
+    if len(meta) == 1 and type(meta.get("source")) is str:  # what `stager pack` writes
+        return (
+            f'{{"class":{encode_basestring_ascii(cls)},"key":{encode_basestring_ascii(key)},"label":{label},'
+            f'"source":{encode_basestring_ascii(meta["source"])}}}'
+        ).encode()
     values = {**meta, "class": cls, "key": key, "label": label}
     parts = []
     for k, prefix in _json_plan(tuple(meta), key):
@@ -210,8 +274,12 @@ class TarShardWriter:
     images costs a handful of ``write`` calls rather than several per sample.
 
     Options: ``flush_bytes`` (buffer size before a write), ``fsync`` (fsync in ``close()``; off by
-    default because the caller, ``stager.pack``, fsyncs and hashes the file before renaming it).
-    Unknown options are ignored so that one option set can be passed to every format.
+    default because the caller, ``stager.pack``, fsyncs and hashes the file before renaming it),
+    ``keys_checked`` (the caller has already validated every key with :func:`check_keys` and
+    guarantees they are unique: the per-sample key checks are skipped), ``hasher`` (an object with
+    ``update(bytes)``, e.g. an xxh3 hasher: every byte of the shard is fed to it as it is written, so
+    the caller need not read the file back to hash it). Unknown options are ignored so that one
+    option set can be passed to every format.
     """
 
     def __init__(
@@ -222,6 +290,8 @@ class TarShardWriter:
         classes: Sequence[str],
         flush_bytes: int = FLUSH_BYTES,
         fsync: bool = False,
+        keys_checked: bool = False,
+        hasher: Any = None,
         **options: Any,
     ) -> None:
         self.path = path
@@ -229,46 +299,44 @@ class TarShardWriter:
         self.classes = list(classes)
         self._flush_bytes = flush_bytes
         self._fsync = fsync
+        self._keys_checked = keys_checked
+        self._hasher = hasher
         self._f: BinaryIO | None = open(path, "wb", buffering=0)  # noqa: SIM115 - closed in close()/abort()
         self._buf = bytearray()
         self._written = 0  # bytes already handed to the OS
         self._keys: set[str] = set()
-        self._exts_ok: dict[str, str] = {}  # validated extension -> its lower-case form
+        self._exts_ok: dict[str, tuple[str, bytes, int]] = {}  # extension -> (lower, b".lower", byte sum)
         self._labels: dict[Any, tuple[int, str, tuple[bytes, bytes]]] = {}
 
     def write(self, sample: Sample) -> Extent:
         if self._f is None:
             raise UsageError(f"{self.shard_name}: write() after close()")
         key = sample.key
-        if key in self._keys:
-            raise UsageError(f"{self.shard_name}: duplicate sample key {key!r} in one shard")
-        check_key(key, f"{self.shard_name}: ")
+        if not self._keys_checked:
+            if key in self._keys:
+                raise UsageError(f"{self.shard_name}: duplicate sample key {key!r} in one shard")
+            check_key(key, f"{self.shard_name}: ")
         data = sample.data
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise UsageError(
                 f"{self.shard_name}: tar stores encoded image files; got {type(data).__name__} for {key!r}"
             )
-        ext = sample.ext
-        if ext not in self._exts_ok:
-            if not _EXT_RE.match(ext.lower()) or ext.lower() in RESERVED_EXTS:
-                raise UsageError(f"{self.shard_name}: invalid image extension {sample.ext!r} for {key!r}")
-            self._exts_ok[ext] = ext.lower()
-        ext = self._exts_ok[ext]
+        ext_entry = self._exts_ok.get(sample.ext)
+        if ext_entry is None:
+            ext_entry = self._ext_entry(sample.ext, key)
+        ext, dot_ext, ext_sum = ext_entry
         per_label = self._labels.get(sample.label)
         if per_label is None:
             per_label = self._label_entry(sample.label)
         label, cls, cls_member = per_label
-        self._keys.add(key)
+        if not self._keys_checked:
+            self._keys.add(key)  # only once the sample is known to be writable
 
         size = len(data)
         js = _json_meta(key, label, cls, sample.meta)
         kb = key.encode()
-        if len(kb) <= 95 and len(kb) + len(ext) <= 99 and kb.isascii():  # all names fit the 100-byte field
-            ks = sum(kb) + 46  # + "."
-            eb = ext.encode()
-            h_img = _fast_header(kb + b"." + eb, ks + sum(eb), size)
-            h_cls = _fast_header(kb + b".cls", ks + 322, len(cls_member[1]))
-            h_js = _fast_header(kb + b".json", ks + 442, len(js))
+        if len(kb) <= 95 and len(kb) + len(dot_ext) <= 100 and kb.isascii():  # all names fit the name field
+            h_img, h_cls, h_js = sample_headers(kb, dot_ext, ext_sum, size, cls_len=len(cls_member[1]), js_len=len(js))
         else:
             h_img = member_header(f"{key}.{ext}", size)
             h_cls = member_header(f"{key}.cls", len(cls_member[1]))
@@ -287,6 +355,14 @@ class TarShardWriter:
             self._flush()
         return Extent(offset, size)
 
+    def _ext_entry(self, ext: str, key: str) -> tuple[str, bytes, int]:
+        low = ext.lower()
+        if not _EXT_RE.match(low) or low in RESERVED_EXTS:
+            raise UsageError(f"{self.shard_name}: invalid image extension {ext!r} for {key!r}")
+        dot = b"." + low.encode()
+        entry = self._exts_ok[ext] = (low, dot, sum(dot))
+        return entry
+
     def _label_entry(self, label: Any) -> tuple[int, str, tuple[bytes, bytes]]:
         """``(int label, class name, (padded .cls data, .cls data))`` for ``label``, cached per label."""
         value = int(label)
@@ -299,6 +375,8 @@ class TarShardWriter:
     def _flush(self) -> None:
         assert self._f is not None
         view = memoryview(self._buf)
+        if self._hasher is not None:
+            self._hasher.update(view)
         done = 0
         while done < len(view):
             done += self._f.write(view[done:]) or 0
@@ -593,6 +671,11 @@ class TarFormat:
     name = "tar"
     suffix = ".tar"
     sample_kind = "encoded"
+    hashes_while_writing = True  # the writer feeds every byte to an optional ``hasher``
+
+    def check_keys(self, keys: Sequence[str], where: str = "") -> None:
+        """Validate a whole plan's keys before anything is written (see :func:`check_keys`)."""
+        check_keys(keys, where)
 
     def shard_name(self, index: int) -> str:
         return f"shard-{index:05d}.tar"
