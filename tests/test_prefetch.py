@@ -35,9 +35,12 @@ with Prefetcher(src, dest, budget=budget, ranks=[rank], loader_kwargs=kw) as pf:
         loader.set_epoch(epoch)
         ids, payloads = [], []
         for j, batch in enumerate(loader):
-            data, offs = batch["data"].numpy(), batch["offsets"].numpy()
             ids += batch["index"].tolist()
-            payloads += [bytes(data[offs[k]:offs[k + 1]]).hex() for k in range(len(offs) - 1)]
+            if "data" in batch:  # raw payloads as one buffer + offsets
+                data, offs = batch["data"].numpy(), batch["offsets"].numpy()
+                payloads += [bytes(data[offs[k]:offs[k + 1]]).hex() for k in range(len(offs) - 1)]
+            else:  # raw payloads as a list of bytes
+                payloads += [bytes(x).hex() for x in batch["image"]]
             pf.advance(epoch, j + 1)
             assert pf.local_bytes() <= budget
             if ahead:  # compute time during which the prefetcher gets the next batch's shards
