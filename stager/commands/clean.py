@@ -13,12 +13,11 @@ import argparse
 import contextlib
 import os
 import re
-import shutil
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ..cli import add_common, emit
-from ..errors import DestinationError, UnsafeArchiveError
+from ..errors import DestinationError, StagerError, UnsafeArchiveError
 from ..lock import NodeLock
 from ..receipt import RECEIPT_NAME, load_receipt
 
@@ -67,6 +66,43 @@ def _size_of(p: Path) -> int:
         return 0
 
 
+def _unpacked_stems(d: Path) -> set[str] | None:
+    """``<class>/<key basename>`` of every file ``stage --unpack`` writes for DEST's manifest (the
+    extension comes from the shard, so files are matched without it); None if the manifest is unreadable."""
+    from ..manifest import load_manifest
+    from ..unpack import UNLABELED
+
+    try:
+        m = load_manifest(d)
+    except StagerError:
+        return None
+    stems = set()
+    for s in m.shards:
+        for key, label in zip(s.keys, s.labels.tolist(), strict=True):
+            ok = label != -1 and m.classes and 0 <= label < len(m.classes)
+            stems.add(f"{m.classes[label] if ok else UNLABELED}/{key.rsplit('/', 1)[-1]}")
+    return stems
+
+
+def _remove_unpacked(tree: Path, stems: set[str] | None) -> None:
+    """Remove the files of an unpacked tree that stage wrote, then the directories left empty.
+
+    Anything else (a file a user added) stays, with the directories that hold it. Without a readable
+    manifest (``stems`` None) nothing in the tree is removed.
+    """
+    if stems is None:
+        return
+    for dirpath, _dirs, files in os.walk(tree, topdown=False):
+        for f in files:
+            rel = os.path.relpath(os.path.join(dirpath, f), tree)
+            head, _, base = rel.rpartition("/")
+            if f"{head}/{base.split('.', 1)[0]}" in stems:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(dirpath, f))
+        with contextlib.suppress(OSError):
+            os.rmdir(dirpath)  # only when empty
+
+
 def clean(dest: str | os.PathLike[str], *, dry_run: bool = False, timeout: float | None = 600.0) -> dict[str, Any]:
     """Remove the staged copy in ``dest``; return ``{"dest", "removed", "bytes_freed", "dry_run"}``."""
     d = Path(os.path.abspath(dest))
@@ -87,6 +123,7 @@ def clean(dest: str | os.PathLike[str], *, dry_run: bool = False, timeout: float
     removed: list[str] = []
     freed = 0
     lock_name = ".stager-lock" + (f".node{rec.partition['node']}" if rec.mode == "shared" and rec.partition else "")
+    stems = _unpacked_stems(d) if rec.unpacked else None  # before manifest.json goes
     with NodeLock(d / lock_name, timeout=timeout):
         partials = [d / e.name for e in os.scandir(d) if (m := _PARTIAL_RE.match(e.name)) and m.group("base") in base]
         for p in [*targets, *partials, d / RECEIPT_NAME]:
@@ -97,7 +134,7 @@ def clean(dest: str | os.PathLike[str], *, dry_run: bool = False, timeout: float
             if dry_run:
                 continue
             if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p)
+                _remove_unpacked(p, stems)
             else:
                 with contextlib.suppress(FileNotFoundError):
                     p.unlink()

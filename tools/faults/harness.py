@@ -133,8 +133,12 @@ def snapshot(root: str | os.PathLike[str], skip: str | os.PathLike[str] | None =
             if skip_p is not None and p.resolve() == skip_p:
                 continue
             st = p.lstat()
-            out[str(p.relative_to(root))] = (stat.S_IFMT(st.st_mode), st.st_size, st.st_mtime_ns,
-                                             stat.S_IMODE(st.st_mode))
+            if stat.S_ISDIR(st.st_mode):
+                # A directory's mtime changes when DEST is created in it; its entries are listed anyway.
+                out[str(p.relative_to(root))] = (stat.S_IFDIR, stat.S_IMODE(st.st_mode))
+            else:
+                out[str(p.relative_to(root))] = (stat.S_IFMT(st.st_mode), st.st_size, st.st_mtime_ns,
+                                                 stat.S_IMODE(st.st_mode))
     return out
 
 
@@ -193,3 +197,32 @@ def verify_ok(path: str | os.PathLike[str], deep: bool = False) -> tuple[bool, l
 
     res = verify(path, deep=deep)
     return res.ok, res.bad
+
+
+SUBPROCESS_ENV = "STAGER_FAULTS_SUBPROCESS"
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """``stager ARGS`` in this process (fast) unless ``$STAGER_FAULTS_SUBPROCESS=1`` (real process).
+
+    An exception escaping the CLI becomes exit 1 with "Traceback" in stderr, as it would in a
+    process, so :func:`one_line_error` rejects it.
+    """
+    if os.environ.get(SUBPROCESS_ENV) == "1":
+        return run_stager(*args)
+    import io
+    import traceback
+    from contextlib import redirect_stderr, redirect_stdout
+
+    from stager.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        try:
+            rc = main(list(args))
+        except SystemExit as exc:
+            rc = exc.code if isinstance(exc.code, int) else 1
+        except Exception:
+            traceback.print_exc()
+            rc = 1
+    return subprocess.CompletedProcess(["stager", *args], rc, out.getvalue(), err.getvalue())
