@@ -42,10 +42,11 @@ COMMON = [
 def run_train(args: list[str], nproc: int = 2, timeout: float = 240, summaries: int = 1) -> dict[str, Any]:
     """Run train.py under torch.distributed.run (gloo on localhost); return rank 0's summary.
 
-    ``summaries``: how many summary lines to expect (1: DDP prints from rank 0 only; N for N
+    ``nproc=0``: a plain ``python tools/train.py`` without any launcher. ``summaries``: how many
+    summary lines to expect (1: DDP prints from rank 0 only; N for N
     independent runs)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(TRAIN), *args]
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc else []
+    cmd = [sys.executable, *launcher, str(TRAIN), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     res = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     assert res.returncode == 0, f"train.py failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}"
@@ -75,7 +76,7 @@ def full_run(cifar_packed: dict[str, Path]) -> dict[str, Any]:
     """The uninterrupted 2-rank reference run: 2 epochs x 6 steps, keys dumped per rank."""
     out = cifar_packed["base"] / "full"
     summary = run_train(["--data", str(cifar_packed["train"]), "--val", str(cifar_packed["test"]), *COMMON,
-                         "--out", str(out), "--dump-keys", str(out / "keys")])
+                         "--out", str(out), "--dump-keys", str(out / "keys"), "--baseline-ips", "100"])
     return {"summary": summary, "out": out}
 
 
@@ -104,6 +105,7 @@ def test_two_ranks_learn_on_disjoint_samples(full_run: dict[str, Any], cifar_pac
     assert [a["samples"] for a in s["accuracy"]] == [25, 25]
     assert all(0.0 <= a["top1"] <= a["top5"] <= 1.0 for a in s["accuracy"])
     assert 0.0 <= s["data_wait_share"] <= 1.0 and s["images_per_s"] > 0
+    assert s["scaling_efficiency"] == pytest.approx(s["images_per_s"] / 200, rel=1e-3)
     assert len(s["loss_history"]) == 12
 
 
@@ -137,10 +139,11 @@ def test_resume_mid_epoch_reproduces_uninterrupted_run(full_run: dict[str, Any],
 
 
 def test_eval_reduction_matches_single_rank(full_run: dict[str, Any], cifar_packed: dict[str, Path]) -> None:
-    """Evaluating the final checkpoint on 1 rank gives the 2-rank run's counts: no pad counted twice."""
+    """Evaluating the final checkpoint in one process (no launcher) gives the 2-rank run's counts:
+    no padded repeat counted twice, none missed."""
     out = cifar_packed["base"] / "eval1"
     one = run_train(["--data", str(cifar_packed["train"]), "--val", str(cifar_packed["test"]), *COMMON,
-                     "--out", str(out), "--resume", str(full_run["out"] / "checkpoint.pt"), "--eval-only"], nproc=1)
+                     "--out", str(out), "--resume", str(full_run["out"] / "checkpoint.pt"), "--eval-only"], nproc=0)
     two = full_run["summary"]["accuracy"][-1]
     (acc,) = one["accuracy"]
     assert acc["samples"] == two["samples"] == 25
@@ -229,13 +232,16 @@ def test_checkpoint_is_atomic_and_refuses_missing_files(tmp_path: Path) -> None:
         ckpt.load(tmp_path / "missing.pt")
 
 
-def test_stop_signal_checkpoints_and_exits_cleanly(tmp_path: Path) -> None:
-    """SIGUSR1 (what `sbatch --signal=USR1@300` sends before the time limit): checkpoint mid-epoch, exit 0."""
+def test_stop_signal_on_one_rank_stops_all_ranks_at_the_same_step(tmp_path: Path) -> None:
+    """SIGUSR1 (what `sbatch --signal=USR1@300` sends) reaching only one of two DDP ranks, with
+    gradient accumulation (no_sync micro-steps): both ranks stop after the same step, rank 0 writes
+    a consistent mid-epoch checkpoint, and the job exits 0."""
     import signal
 
     out = tmp_path / "pre"
-    cmd = [sys.executable, str(TRAIN), "--data", "synthetic", "--num-classes", "10", "--synthetic-images", "100000",
-           "--arch", "resnet18", "--width", "4", "--image-size", "32", "--batch-size", "4", "--epochs", "1",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(TRAIN),
+           "--data", "synthetic", "--num-classes", "10", "--synthetic-images", "100000", "--arch", "resnet18",
+           "--width", "4", "--image-size", "32", "--batch-size", "4", "--accum-steps", "2", "--epochs", "1",
            "--threads", "1", "--log-every", "1", "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
@@ -244,10 +250,13 @@ def test_stop_signal_checkpoints_and_exits_cleanly(tmp_path: Path) -> None:
         for line in proc.stdout:
             lines.append(line)
             if "step 3/" in line:
-                proc.send_signal(signal.SIGUSR1)
+                # torchrun's workers are its children; signal just one of them.
+                children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+                os.kill(int(children[-1]), signal.SIGUSR1)
         assert proc.wait(timeout=120) == 0, "".join(lines)
     summary = json.loads(next(ln for ln in lines if ln.startswith('{"event": "summary"')))
-    assert summary["preempted"] and not summary["completed"]
+    assert summary["preempted"] and not summary["completed"] and summary["world_size"] == 2
     state = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=False)
     assert state["step"] == summary["global_step"] >= 3 and state["step_in_epoch"] == state["step"]
-    assert state["loader"][0]["position"] == state["step"]
+    # Both ranks consumed the same number of micro-batches: 2 per optimizer step.
+    assert [ls["position"] for ls in state["loader"]] == [2 * state["step"]] * 2
