@@ -59,7 +59,11 @@ def holder_is_dead(record: dict[str, Any]) -> bool:
         return False  # another host's process: we cannot see it, so never assume it is dead
     if record.get("boot_id") and record.get("boot_id") != boot_id():
         return True
-    return not pid_alive(int(record.get("pid", -1)))
+    try:
+        pid = int(record.get("pid", -1))
+    except (TypeError, ValueError):
+        return False  # an unreadable record: never assume its holder is dead
+    return not pid_alive(pid)
 
 
 class NodeLock:
@@ -125,7 +129,9 @@ class NodeLock:
                 return False  # released and replaced meanwhile
             try:
                 record = json.loads(os.pread(fd, 4096, 0) or b"{}")
-            except ValueError:
+            except (ValueError, RecursionError):
+                record = {}
+            if not isinstance(record, dict):
                 record = {}
             if not flocked and not holder_is_dead(record):
                 return False
@@ -142,9 +148,10 @@ class NodeLock:
 
     def holder(self) -> dict[str, Any]:
         try:
-            return dict(json.loads(self.path.read_bytes() or b"{}"))
-        except (OSError, ValueError):
+            rec = json.loads(self.path.read_bytes() or b"{}")
+        except (OSError, ValueError, RecursionError):
             return {}
+        return rec if isinstance(rec, dict) else {}
 
     def acquire(self) -> NodeLock:
         start = time.monotonic()

@@ -61,14 +61,37 @@ def load_receipt(dest: str | os.PathLike[str]) -> Receipt | None:
         data = json.loads(path.read_bytes())
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise ManifestError(f"{path}: unreadable receipt ({exc}); run `stager clean` and stage again") from exc
     if not isinstance(data, dict) or data.get("schema") != RECEIPT_SCHEMA:
         raise ManifestError(f"{path}: unknown receipt schema; run `stager clean` and stage again")
     try:
-        return Receipt(**data)
+        rec = Receipt(**data)
     except TypeError as exc:
         raise ManifestError(f"{path}: malformed receipt ({exc})") from exc
+    bad = _wrong_types(rec)
+    if bad:
+        raise ManifestError(f"{path}: malformed receipt (field {bad!r} has the wrong type); run `stager clean` "
+                            "and stage again")
+    return rec
+
+
+def _wrong_types(rec: Receipt) -> str | None:
+    """The first field of ``rec`` whose JSON type is not the documented one, else None."""
+    for name in ("dataset_id", "manifest_digest", "source", "dest", "created", "host", "verified", "mode"):
+        if not isinstance(getattr(rec, name), str):
+            return name
+    for name in ("shards", "files"):
+        v = getattr(rec, name)
+        if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+            return name
+    if rec.unpacked is not None and not isinstance(rec.unpacked, str):
+        return "unpacked"
+    if rec.partition is not None and not isinstance(rec.partition, dict):
+        return "partition"
+    if not isinstance(rec.stats, dict):
+        return "stats"
+    return None
 
 
 def staging_roots(extra: Iterable[str | os.PathLike[str]] = ()) -> list[Path]:

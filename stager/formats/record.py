@@ -316,9 +316,12 @@ def read_index(path: str) -> np.ndarray:
             if len(parts) != 2:
                 raise CorruptSampleError(f"{path}:{lineno}: expected '<offset> <size>'")
             try:
-                rows.append((int(parts[0]), int(parts[1])))
+                off, size = int(parts[0]), int(parts[1])
             except ValueError as exc:
                 raise CorruptSampleError(f"{path}:{lineno}: expected two integers") from exc
+            if not (0 <= off < 1 << 63 and 0 <= size < 1 << 63):
+                raise CorruptSampleError(f"{path}:{lineno}: offset/size out of range")
+            rows.append((off, size))
     return np.array(rows, dtype=np.int64).reshape(-1, 2)
 
 
