@@ -42,13 +42,15 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from . import lustre
 from .atomicio import atomic_write_bytes, fsync_dir, space_error
 from .checksum import new_hasher
+from .copyengine import CopyTuning, WriteBehind, copy_hashed
 from .errors import (
     DestinationError,
     OutOfSpaceError,
@@ -266,8 +268,9 @@ def plan_stage(
                      tasks, unpack, unpack_dir, explicit)
 
 
-def order_for_streams(tasks: list[FileTask], src_fs: FsInfo | None) -> tuple[list[FileTask], str, int]:
-    """Order files for parallel streams; return ``(tasks, how, block size)``.
+def order_for_streams(tasks: list[FileTask], src_fs: FsInfo | None, block: int = DEFAULT_BLOCK
+                      ) -> tuple[list[FileTask], str, int]:
+    """Order files for parallel streams; return ``(tasks, how, block size)`` (``block`` is the target).
 
     From Lustre (with ``lfs``): interleave files by first OST (``lfs getstripe -i``), so the streams
     running at once read from different OSTs, and read blocks that are a multiple of the stripe
@@ -295,9 +298,8 @@ def order_for_streams(tasks: list[FileTask], src_fs: FsInfo | None) -> tuple[lis
             ssize = lustre.stripe_size(tasks[0].src)
         except lustre.LfsError:
             ssize = 0
-        block = ssize * max(1, DEFAULT_BLOCK // ssize) if ssize > 0 else DEFAULT_BLOCK
-        return ordered, "ost-round-robin", block
-    return sorted(tasks, key=lambda t: -t.bytes), "largest-first", DEFAULT_BLOCK
+        return ordered, "ost-round-robin", ssize * max(1, block // ssize) if ssize > 0 else block
+    return sorted(tasks, key=lambda t: -t.bytes), "largest-first", block
 
 
 # ---- the result -----------------------------------------------------------------------------------
@@ -365,17 +367,21 @@ class Journal:
         with contextlib.suppress(FileNotFoundError):
             lines = path.read_bytes().splitlines()
             if lines:
-                with contextlib.suppress(ValueError):
-                    valid = json.loads(lines[0]).get("digest") == digest
+                with contextlib.suppress(ValueError, RecursionError):
+                    head = json.loads(lines[0])
+                    valid = isinstance(head, dict) and head.get("digest") == digest
             for line in lines[1:] if valid else []:
                 try:
                     rec = json.loads(line)
-                except ValueError:
+                except (ValueError, RecursionError):
                     continue  # a torn last line
-                if "f" in rec:
-                    self.files[str(rec["f"])] = int(rec["b"])
-                elif "u" in rec:
-                    self.unpacked.add(str(rec["u"]))
+                # A damaged line is ignored: its file is then copied (and verified) again.
+                if not isinstance(rec, dict):
+                    continue
+                if isinstance(rec.get("f"), str) and type(rec.get("b")) is int:
+                    self.files[rec["f"]] = rec["b"]
+                elif isinstance(rec.get("u"), str):
+                    self.unpacked.add(rec["u"])
         if not valid:
             atomic_write_bytes(path, (json.dumps({"journal": 1, "digest": digest}) + "\n").encode(), mode=0o600)
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
@@ -399,12 +405,31 @@ class Journal:
 
 
 # ---- copying ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Verified:
+    """A copy whose size and hash matched, still open as ``fd`` under its partial name ``tmp``."""
+
+    task: FileTask
+    fd: int
+    tmp: Path
+    final: Path
+    mode: int
+    gid: int | None
+
+
 class _Copier:
-    """Runs the copy streams; the first error cancels the others and is re-raised."""
+    """Runs the copy streams; the first error cancels the others and is re-raised.
+
+    ``workers`` threads each take the next file and copy it with :func:`~stager.copyengine.copy_hashed`
+    (one reused buffer per stream, write-back started per block). A verified copy is then handed to
+    one of ``tuning.sync_threads`` finisher threads (fchmod, fchown, fsync, rename, journal), so a
+    stream goes on with its next file while the disk absorbs the last one; 0 finishes inline.
+    """
 
     def __init__(self, plan: StagePlan, *, block: int, workers: int, journal: Journal, progress: Progress,
-                 warnings: list[str]) -> None:
+                 warnings: list[str], tuning: CopyTuning | None = None) -> None:
         self.plan = plan
+        self.tuning = tuning or CopyTuning()
         self.block = block
         self.workers = workers
         self.journal = journal
@@ -418,20 +443,34 @@ class _Copier:
         self._next = 0
         self._throttle = float(os.environ.get(THROTTLE_ENV) or 0)
         self._warned_group = False
+        self._finishers: ThreadPoolExecutor | None = None
+        # Bounds the verified copies waiting for a finisher (each holds an open fd).
+        self._pending = threading.BoundedSemaphore(max(1, self.tuning.sync_threads) + workers)
 
     def run(self, tasks: list[FileTask]) -> None:
         self._tasks = tasks
+        if self.tuning.sync_threads > 0:
+            self._finishers = ThreadPoolExecutor(self.tuning.sync_threads, thread_name_prefix="stage-sync")
         threads = [threading.Thread(target=self._worker, name=f"stage-{i}", daemon=True)
                    for i in range(min(self.workers, len(tasks)))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        finally:
+            if self._finishers is not None:
+                self._finishers.shutdown(wait=True)
         if self.errors:
             raise self.errors[0]
 
+    def _fail(self, exc: BaseException) -> None:
+        with self._lock:
+            self.errors.append(exc)
+        self.cancel.set()
+
     def _worker(self) -> None:
-        buf = bytearray(self.block)
+        buf = memoryview(bytearray(self.block))
         while not self.cancel.is_set():
             with self._lock:
                 if self._next >= len(self._tasks):
@@ -441,9 +480,7 @@ class _Copier:
             try:
                 self._copy(task, buf)
             except BaseException as exc:
-                with self._lock:
-                    self.errors.append(exc)
-                self.cancel.set()
+                self._fail(exc)
                 return
 
     def _source_meta(self, task: FileTask) -> tuple[int, int | None]:
@@ -454,40 +491,35 @@ class _Copier:
         # Owner read/write always; group/other only what the source grants (never more).
         return (stat.S_IMODE(st.st_mode) & 0o644) | 0o600, st.st_gid
 
-    def _copy(self, task: FileTask, buf: bytearray) -> None:
-        dest = self.plan.dest
-        final = dest / task.name
-        tmp = dest / f"{task.name}.{uuid.uuid4().hex[:12]}.partial"
+    def _on_block(self, start: float, done: list[int]) -> Any:
+        def on_block(n: int) -> None:
+            if self.cancel.is_set():
+                raise _CancelledError()
+            self.progress.update(0, n)
+            if self._throttle > 0:
+                done[0] += n
+                lag = done[0] / self._throttle - (time.perf_counter() - start)
+                if lag > 0:
+                    time.sleep(lag)
+        return on_block
+
+    def _copy(self, task: FileTask, buf: memoryview) -> None:
+        """Copy and verify ``task`` into a partial file, then finish it (inline or on a finisher)."""
+        final = self.plan.dest / task.name
+        tmp = self.plan.dest / f"{task.name}.{uuid.uuid4().hex[:12]}.partial"
         mode, gid = self._source_meta(task)
         hasher = new_hasher(self.plan.manifest.hash_algo)
-        view = memoryview(buf)
-        total = 0
-        start = time.perf_counter()
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
         try:
             with _open_source(task.src) as f:
-                while True:
-                    if self.cancel.is_set():
-                        raise _CancelledError()
-                    n = f.readinto(view)
-                    if not n:
-                        break
-                    total += n
-                    if total > task.bytes:
-                        raise VerificationError(
-                            f"{task.name}: source {task.src} is larger than the manifest's {task.bytes} bytes; "
-                            "the source changed after packing: re-pack or restore it (no copy kept)"
-                        )
-                    chunk = view[:n]
-                    hasher.update(chunk)
-                    while chunk:
-                        w = os.write(fd, chunk)
-                        chunk = chunk[w:]
-                    self.progress.update(0, n)
-                    if self._throttle > 0:
-                        lag = total / self._throttle - (time.perf_counter() - start)
-                        if lag > 0:
-                            time.sleep(lag)
+                wb = WriteBehind(fd, self.tuning.window) if self.tuning.window >= 0 else None
+                total = copy_hashed(f, fd, buf, hasher, limit=task.bytes, write_behind=wb,
+                                    on_block=self._on_block(time.perf_counter(), [0]))
+            if total > task.bytes:
+                raise VerificationError(
+                    f"{task.name}: source {task.src} is larger than the manifest's {task.bytes} bytes; "
+                    "the source changed after packing: re-pack or restore it (no copy kept)"
+                )
             got = hasher.hexdigest()
             if total != task.bytes or got != task.hash:
                 raise VerificationError(
@@ -495,6 +527,33 @@ class _Copier:
                     f"{self.plan.manifest.hash_algo} {task.hash}, got {total} bytes {got}); the source shard is "
                     "damaged: restore it or re-pack (no copy kept)"
                 )
+        except BaseException as exc:
+            self._discard(fd, tmp, final, exc)
+        done = _Verified(task, fd, tmp, final, mode, gid)
+        if self._finishers is None:
+            self._finish(done)
+            return
+        self._pending.acquire()
+        try:
+            self._finishers.submit(self._finish_async, done)
+        except BaseException as exc:
+            self._pending.release()
+            self._discard(fd, tmp, final, exc)
+
+    def _finish_async(self, done: _Verified) -> None:
+        try:
+            self._finish(done)
+        except BaseException as exc:
+            self._fail(exc)
+        finally:
+            self._pending.release()
+
+    def _finish(self, done: _Verified) -> None:
+        """Permissions, group, fsync, rename, journal line; closes the fd (removes the partial on error)."""
+        task, fd, tmp, final, mode, gid = done.task, done.fd, done.tmp, done.final, done.mode, done.gid
+        try:
+            if self.cancel.is_set():
+                raise _CancelledError()
             os.fchmod(fd, mode)
             if gid is not None and gid != os.getegid():
                 try:
@@ -509,20 +568,26 @@ class _Copier:
             fd = -1
             os.replace(tmp, final)
         except BaseException as exc:
-            if fd >= 0:
-                os.close(fd)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            if isinstance(exc, OSError) and not isinstance(exc, StagerError):
-                err = space_error(exc, final)
-                if err is not None:
-                    raise err from exc
-            raise
+            self._discard(fd, tmp, final, exc)
         self.journal.add_file(task.name, task.bytes)
         with self._lock:
             self.copied += 1
             self.bytes += task.bytes
         self.progress.update(1, 0)
+
+    @staticmethod
+    def _discard(fd: int, tmp: Path, final: Path, exc: BaseException) -> NoReturn:
+        """Close ``fd`` (if open), remove ``tmp`` and re-raise ``exc`` (disk-full errors made one-line)."""
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        if isinstance(exc, OSError) and not isinstance(exc, StagerError):
+            err = space_error(exc, final)
+            if err is not None:
+                raise err from exc
+        raise exc
 
 
 class _CancelledError(Exception):
@@ -638,11 +703,14 @@ def stage(
     timeout: float | None = None,
     unpack_dir: str = DEFAULT_UNPACK_DIR,
     storage_options: dict[str, Any] | None = None,
+    tuning: CopyTuning | None = None,
 ) -> StageResult:
     """Stage SRC (packed dir or its manifest.json; local or fsspec URL) into DEST; see module doc.
 
     ``unpack``: False, True/"also" (shards and an ImageFolder tree) or "only" (tree only).
     ``timeout`` bounds the wait for the node lock and for peers in shared mode (None: no limit).
+    ``tuning`` overrides the copy engine's block size, write-behind window and finisher threads
+    (:class:`~stager.copyengine.CopyTuning`; benchmarks).
     Raises StagerError subclasses (exit codes in stager.errors).
     """
     del json  # output formatting belongs to the CLI; accepted for API symmetry
@@ -677,12 +745,12 @@ def stage(
             result.already_staged = True
             result.seconds = time.perf_counter() - t0
             return result
-        _stage_locked(plan, result, t0=t0, workers=workers, quiet=quiet, timeout=timeout)
+        _stage_locked(plan, result, t0=t0, workers=workers, quiet=quiet, timeout=timeout, tuning=tuning)
     return result
 
 
 def _stage_locked(plan: StagePlan, result: StageResult, *, t0: float, workers: int | None, quiet: bool,
-                  timeout: float | None) -> None:
+                  timeout: float | None, tuning: CopyTuning | None = None) -> None:
     dest = plan.dest
     m = plan.manifest
     existing = load_receipt_quiet(dest)
@@ -723,7 +791,7 @@ def _stage_locked(plan: StagePlan, result: StageResult, *, t0: float, workers: i
         src_fs = detect_fs(plan.src_root) if "://" not in plan.src_root else None
         result.source_fs = src_fs.fstype if src_fs else plan.src_root.split("://", 1)[0]
         result.dest_fs = detect_fs(dest).fstype
-        ordered, how, block = order_for_streams(todo, src_fs)
+        ordered, how, block = order_for_streams(todo, src_fs, (tuning and tuning.block) or DEFAULT_BLOCK)
         nworkers = workers or min(8, max(2, os.cpu_count() or 2))
         if nworkers < 1:
             raise UsageError(f"--workers must be >= 1, got {nworkers}")
@@ -733,7 +801,7 @@ def _stage_locked(plan: StagePlan, result: StageResult, *, t0: float, workers: i
             progress = Progress("stage", total_items=len(ordered), total_bytes=sum(t.bytes for t in ordered),
                                 unit="files", quiet=quiet)
             copier = _Copier(plan, block=block, workers=nworkers, journal=journal, progress=progress,
-                              warnings=result.warnings)
+                             warnings=result.warnings, tuning=tuning)
             try:
                 copier.run(ordered)
             finally:
