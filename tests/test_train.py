@@ -260,3 +260,23 @@ def test_stop_signal_on_one_rank_stops_all_ranks_at_the_same_step(tmp_path: Path
     assert state["step"] == summary["global_step"] >= 3 and state["step_in_epoch"] == state["step"]
     # Both ranks consumed the same number of micro-batches: 2 per optimizer step.
     assert [ls["position"] for ls in state["loader"]] == [2 * state["step"]] * 2
+
+
+def test_holdout_view_without_val(cifar_packed: dict[str, Path]) -> None:
+    """No --val: held-out keys (by hash) are never trained on and are exactly the evaluated samples."""
+    from stager.manifest import load_manifest
+    from tools.trainlib.data import holdout_mask
+
+    out = cifar_packed["base"] / "holdout"
+    s = run_train(["--data", str(cifar_packed["train"]), *COMMON[:-2], "--log-every", "2", "--epochs", "1",
+                   "--holdout", "0.25", "--out", str(out), "--dump-keys", str(out / "keys")], nproc=0)
+    keys = [k for sh in load_manifest(cifar_packed["train"]).shards for k in sh.keys]
+    held = {k for k, h in zip(keys, holdout_mask(keys, 0.25), strict=True) if h}
+    assert 0 < len(held) < len(keys)
+    (acc,) = s["accuracy"]
+    assert acc["samples"] == len(held)
+    # Held-out samples still pass through training batches (same batch count on every rank) but
+    # are masked out of the loss: exactly the held-out keys are reported as masked.
+    recs = read_keys(out / "keys", 0)
+    assert sorted(k for r in recs for k in r["keys"]) == sorted(keys)
+    assert {k for r in recs for k in r["masked"]} == held

@@ -338,6 +338,7 @@ class Trainer:
                 g["lr"] = lr
             self.optimizer.zero_grad(set_to_none=True)
             step_keys: list[str] = []
+            masked_keys: list[str] = []
             step_loss = torch.zeros((), device=info.device)
             images = 0
             for micro in range(a.accum_steps):
@@ -359,6 +360,8 @@ class Trainer:
                 step_loss += loss.detach() / a.accum_steps
                 images += batch.size
                 step_keys += batch.keys
+                if self.keys_file is not None:  # debug only: .tolist() synchronizes the device
+                    masked_keys += [k for k, u in zip(batch.keys, batch.use.tolist(), strict=True) if not u]
                 timer.compute_done(batch.size)
                 log_timer.compute_done(batch.size)
             timer.step_done()
@@ -370,7 +373,7 @@ class Trainer:
             log_loss += torch.stack([step_loss, torch.ones((), device=info.device)])
             if self.keys_file is not None:
                 self.keys_file.write(json.dumps({"epoch": self.epoch, "step": self.step, "loss": float(step_loss),
-                                                 "keys": step_keys}) + "\n")
+                                                 "keys": step_keys, "masked": masked_keys}) + "\n")
                 self.keys_file.flush()
             if a.log_every and self.step % a.log_every == 0:
                 self.log_interval(log_timer, log_loss, lr)
