@@ -74,7 +74,14 @@ def test_raw_and_pil_modes(packed: dict[str, Path], src: Path) -> None:
     assert isinstance(first["image"][0], memoryview)
     key = first["key"][0]
     assert bytes(first["image"][0]) == (src / f"{key}.JPEG").read_bytes(), "raw bytes are the source file's bytes"
-    assert first["data"].dtype == torch.uint8 and first["offsets"].shape == (101,)
+    # Through a worker the batch travels as one shared-memory buffer plus offsets, same bytes.
+    via = make_loader(
+        packed["tar"], 100, rank=0, world_size=1, decode="raw", shuffle=False, staged=False, num_workers=1
+    )
+    b = next(iter(via))
+    assert b["data"].dtype == torch.uint8 and b["data"].is_shared() and b["offsets"].shape == (101,)
+    assert [bytes(x) for x in b["image"]] == [bytes(x) for x in first["image"]]
+    assert b["label"].dtype == torch.int64 and torch.equal(b["label"], first["label"])
     pil = make_loader(packed["hdf5"], 10, rank=0, world_size=1, decode="pil", shuffle=False, staged=False)
     img = next(iter(pil))["image"][0]
     assert img.mode == "RGB"

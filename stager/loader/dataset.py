@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ..errors import CorruptSampleError, UsageError
@@ -40,7 +39,8 @@ class ShardedDataset(IterableDataset):
     Batches are dicts: ``key`` (list[str]), ``label`` (int64 tensor (B,)), ``index`` (int64 tensor
     (B,), global sample ids in manifest order), and ``image`` (uint8 (B, C, H, W), channels-last
     memory) for ``decode="uint8"``, ``data``/``offsets`` (one uint8 buffer + int64 (B + 1,)) for
-    ``"raw"``, or ``image`` (list of PIL images) for ``"pil"``. ``_w`` carries the worker's timing
+    ``"raw"`` in workers (in-process: ``image`` = list of ``memoryview``), or ``image`` (list of PIL
+    images) for ``"pil"``. ``_w`` carries the worker's timing
     figures (consumed by :class:`~stager.loader.Loader`).
 
     ``num_workers=None`` takes the worker count from the DataLoader at iteration time (the order
@@ -241,6 +241,7 @@ class ShardedDataset(IterableDataset):
         needed[wp.emit[skip:]] = True
         segs = planlib.segments(wp.stream, idx.starts)
         cache: dict[int, Any] = {}
+        in_worker = get_worker_info() is not None
         # A payload is a view of its run's read buffer; a sample waiting in the shuffle buffer would
         # pin that whole run. Copying out keeps the bound at K samples (not K runs) per worker.
         own_copies = self.config().buffer_samples > 1 and self.mode in ("runs", "shards")
@@ -290,15 +291,20 @@ class ShardedDataset(IterableDataset):
                 kept.append(gid)
             batch: dict[str, Any] = {
                 "key": keys,
-                "label": torch.tensor(labels, dtype=torch.int64),
-                "index": torch.tensor(kept, dtype=torch.int64),
+                # Small arrays cross the worker queue pickled (a shared-memory segment per tiny
+                # tensor costs more); the Loader turns them into tensors (finish_batch).
+                "label": np.asarray(labels, dtype=np.int64),
+                "index": np.asarray(kept, dtype=np.int64),
             }
             if self.decode == "raw":
-                batch["data"], batch["offsets"] = pack_raw(items)
+                if in_worker:
+                    batch["data"], batch["offsets"] = pack_raw(items, shared=True)
+                else:
+                    batch["image"] = [x if isinstance(x, memoryview) else memoryview(x) for x in items]
             elif self.decode == "pil":
                 batch["image"] = items
             else:
-                batch["image"] = stack_images(items)
+                batch["image"] = stack_images(items, shared=in_worker)
             dec_s = time.perf_counter() - t
             batch["_w"] = {"bytes": nbytes, "io_s": io_s, "decode_s": dec_s, "skipped": skipped, "batch": j}
             yield batch

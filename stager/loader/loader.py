@@ -18,7 +18,7 @@ import xxhash
 
 from ..errors import UsageError
 from . import plan as planlib
-from .batching import raw_views
+from .batching import finish_batch
 from .dataset import ShardedDataset
 from .state import LoaderState
 from .stats import LoaderStats
@@ -134,6 +134,9 @@ class Loader:
                 pin_memory=self.pin_memory,
                 multiprocessing_context=self.multiprocessing_context,
                 timeout=self.timeout,
+                # Batches are already built; torch's default_convert would turn the small numpy
+                # arrays into tensors inside the worker (one shared-memory segment each).
+                collate_fn=_identity,
                 **kwargs,
             )
             it = iter(dl)
@@ -154,8 +157,7 @@ class Loader:
                 st.batches += 1
                 st.samples += len(batch["key"])
                 st.padded += int(rank_ids_padded[self._done])
-                if "data" in batch:
-                    batch["image"] = raw_views(batch["data"], batch["offsets"])
+                finish_batch(batch)
                 self._done += 1
                 if self._done == len(plan_sizes):
                     self._completed = True
@@ -300,3 +302,7 @@ class Loader:
             for ids in rp.batch_ids()[: st.batches_done]:
                 consumed[ids] = True
         return seq[~consumed[seq]]
+
+
+def _identity(batch: Any) -> Any:
+    return batch

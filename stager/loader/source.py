@@ -29,6 +29,9 @@ _LOGGED: set[str] = set()  # "staged copy used" is logged once per process and d
 MAX_OPEN_FILES = 64
 # Payloads separated by less than this many bytes (tar headers, record framing) share one read.
 MAX_GAP = 64 << 10
+# ...but one read stays below this size (a long sequential stretch, e.g. shuffle=False, is read in
+# pieces): bigger reads gain nothing and cost fresh, page-faulted buffers.
+MAX_SPAN = 4 << 20
 
 
 def _is_url(p: str) -> bool:
@@ -257,7 +260,7 @@ class ShardAccess:
         while i < n:
             # Coalesce ascending, nearby payloads into one span: one pread / one ranged GET.
             j, start, end = i + 1, int(offs[i]), int(offs[i] + sizes[i])
-            while j < n and 0 <= int(offs[j]) - end <= MAX_GAP:
+            while j < n and 0 <= int(offs[j]) - end <= MAX_GAP and int(offs[j] + sizes[j]) - start <= MAX_SPAN:
                 end = int(offs[j] + sizes[j])
                 j += 1
             buf = self._read_span(shard, start, end)

@@ -55,14 +55,24 @@ SHARD_BYTES = 64 << 20
 
 
 # ---- data ---------------------------------------------------------------------------------------
-def make_sets(work: Path, n_cifar: int, n_imagenet: int) -> dict[str, Path]:
+def make_sets(work: Path, n_cifar: int, n_imagenet: int, unique_imagenet: int = 200) -> dict[str, Path]:
+    """CIFAR-like PNGs, and ImageNet-like JPEGs: ``unique_imagenet`` rendered images, each copied
+    under several names up to ``n_imagenet`` (rendering is slow; readers only see bytes)."""
     sets = {}
     if n_cifar:
         make_cifar(work / "cifar", n_train=n_cifar, n_test=10, seed=1, png_folder=True)
         sets["cifar"] = work / "cifar" / "cifar-png" / "train"
     if n_imagenet:
-        per = max(1, n_imagenet // 10)
-        sets["imagenet"] = make_imagefolder(work / "imagenet", num_classes=10, per_class=per, seed=2)
+        per = max(1, unique_imagenet // 10)
+        uniq = make_imagefolder(work / "imagenet-unique", num_classes=10, per_class=per, seed=2)
+        files = sorted(uniq.rglob("*.JPEG"))
+        out = work / "imagenet"
+        for i in range(n_imagenet):
+            f = files[i % len(files)]
+            d = out / f.parent.name
+            d.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, d / f"{f.stem}_{i // len(files)}.JPEG")
+        sets["imagenet"] = out
     return sets
 
 
@@ -194,11 +204,25 @@ class _Split:
                 yield s
 
 
-def dataloader(iterable_factory: Callable[[], Any], batch: int) -> Any:
-    """The peers' path: per-sample ``bytes`` collated into lists and pickled through the queue."""
+class _Whole:
+    """IterableDataset over a peer's dataset, which splits its samples over workers itself."""
+
+    def __init__(self, factory: Callable[[], Any]) -> None:
+        self.factory = factory
+
+    def __iter__(self) -> Any:
+        return iter(self.factory())
+
+
+def dataloader(iterable_factory: Callable[[], Any], batch: int, *, split: bool = True) -> Any:
+    """The peers' path: per-sample ``bytes`` collated into lists and pickled through the queue.
+
+    ``split``: deal samples to workers here (plain iterables); the peers' datasets (webdataset,
+    MosaicML, LitData) split by worker themselves.
+    """
     from torch.utils.data import DataLoader, IterableDataset
 
-    ds = type("SplitDS", (_Split, IterableDataset), {})(iterable_factory)
+    ds = type("WorkerDS", (_Split if split else _Whole, IterableDataset), {})(iterable_factory)
     return DataLoader(
         ds, batch_size=batch, num_workers=2, collate_fn=_collate_bytes, multiprocessing_context="fork", timeout=120
     )
@@ -223,14 +247,15 @@ def bench_set(name: str, src: Path, work: Path, batch: int, crops: int) -> dict[
         except Exception as exc:
             notes[f"{reader} {mode}"] = f"failed: {type(exc).__name__}: {exc}"[:200]
 
-    for fmt in FORMATS:
-        label = f"stager {fmt}" + (" (decoded arrays)" if fmt == "zarr" else "")
+    # Same semantics as the peers' readers below (no shuffle), then stager's default shuffle.
+    for fmt, shuffle in [(f, False) for f in FORMATS] + [("tar", True)]:
+        label = f"stager {fmt}" + (" (decoded arrays)" if fmt == "zarr" else "") + (" shuffled" if shuffle else "")
 
-        def inproc(fmt: str = fmt) -> float:
-            ld = make_loader(packed[fmt], batch, rank=0, world_size=1, decode="raw", staged=False)
+        def inproc(fmt: str = fmt, shuffle: bool = shuffle) -> float:
+            ld = make_loader(packed[fmt], batch, rank=0, world_size=1, decode="raw", staged=False, shuffle=shuffle)
             return time_batches(lambda: ld, n, lambda b: len(b["key"]))
 
-        def dl2(fmt: str = fmt) -> float:
+        def dl2(fmt: str = fmt, shuffle: bool = shuffle) -> float:
             ld = make_loader(
                 packed[fmt],
                 batch,
@@ -239,6 +264,7 @@ def bench_set(name: str, src: Path, work: Path, batch: int, crops: int) -> dict[
                 decode="raw",
                 num_workers=2,
                 staged=False,
+                shuffle=shuffle,
                 multiprocessing_context="fork",
             )
             return time_batches(lambda: ld, n, lambda b: len(b["key"]))
@@ -250,7 +276,7 @@ def bench_set(name: str, src: Path, work: Path, batch: int, crops: int) -> dict[
     add(
         "webdataset",
         "2-worker DataLoader",
-        lambda: time_batches(lambda: dataloader(lambda: wds_samples(tar_dir), batch), n, len),
+        lambda: time_batches(lambda: dataloader(lambda: wds_samples(tar_dir), batch, split=False), n, len),
     )
     if "mosaicml" not in notes:
         mds = work / f"{name}-peers" / "mds"
@@ -258,7 +284,7 @@ def bench_set(name: str, src: Path, work: Path, batch: int, crops: int) -> dict[
         add(
             "mosaicml streaming",
             "2-worker DataLoader",
-            lambda: time_batches(lambda: dataloader(lambda: _Mapped(mds_dataset(mds)), batch), n, len),
+            lambda: time_batches(lambda: dataloader(lambda: _Mapped(mds_dataset(mds)), batch, split=False), n, len),
         )
     if "litdata" not in notes:
         lit = work / f"{name}-peers" / "litdata"
@@ -266,7 +292,7 @@ def bench_set(name: str, src: Path, work: Path, batch: int, crops: int) -> dict[
         add(
             "litdata",
             "2-worker DataLoader",
-            lambda: time_batches(lambda: dataloader(lambda: _Mapped(litdata_dataset(lit)), batch), n, len),
+            lambda: time_batches(lambda: dataloader(lambda: _Mapped(litdata_dataset(lit)), batch, split=False), n, len),
         )
     add("ImageFolder per-file", "in-process", lambda: time_samples(lambda: per_file(src), n))
     add(
@@ -315,7 +341,7 @@ def bench_set(name: str, src: Path, work: Path, batch: int, crops: int) -> dict[
     ratios = {
         f"{r} {mode} / fastest peer": round(v / best[mode], 2)
         for r, modes in raw.items()
-        if r.startswith("stager")
+        if r.startswith("stager") and "shuffled" not in r
         for mode, v in modes.items()
         if best.get(mode)
     }
@@ -354,8 +380,8 @@ def to_markdown(results: dict[str, Any], quality: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cifar", type=int, default=4000, help="CIFAR-like samples (0: skip)")
-    ap.add_argument("--imagenet", type=int, default=400, help="ImageNet-like samples (0: skip)")
+    ap.add_argument("--cifar", type=int, default=10000, help="CIFAR-like samples (0: skip)")
+    ap.add_argument("--imagenet", type=int, default=2000, help="ImageNet-like samples (0: skip)")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--crops", type=int, default=300, help="samples timed for decoded crops")
     ap.add_argument("--work", help="scratch directory (default: a temporary one)")
