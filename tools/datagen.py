@@ -49,7 +49,7 @@ def render_image(rng: np.random.Generator, label: int, num_classes: int, h: int,
     coarse = rng.normal(0, 1, size=(max(h // 32, 2), max(w // 32, 2), 3)).astype(np.float32)
     field = np.asarray(
         Image.fromarray(((coarse - coarse.min()) / (np.ptp(coarse) + 1e-6) * 255).astype(np.uint8)).resize(
-            (w, h), Image.BICUBIC
+            (w, h), Image.Resampling.BICUBIC
         ),
         dtype=np.float32,
     )
@@ -58,7 +58,7 @@ def render_image(rng: np.random.Generator, label: int, num_classes: int, h: int,
     fine = rng.normal(0, 1, size=(max(h // 4, 2), max(w // 4, 2))).astype(np.float32)
     tex = np.asarray(
         Image.fromarray(((fine - fine.min()) / (np.ptp(fine) + 1e-6) * 255).astype(np.uint8)).resize(
-            (w, h), Image.BILINEAR
+            (w, h), Image.Resampling.BILINEAR
         ),
         dtype=np.float32,
     )
