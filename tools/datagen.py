@@ -37,7 +37,9 @@ def _class_style(label: int, num_classes: int) -> tuple[np.ndarray, float, float
     return palette, angle, freq
 
 
-def render_image(rng: np.random.Generator, label: int, num_classes: int, h: int, w: int, noise: float = 14.0) -> np.ndarray:
+def render_image(
+    rng: np.random.Generator, label: int, num_classes: int, h: int, w: int, *, noise: float = 14.0
+) -> np.ndarray:
     """An (h, w, 3) uint8 image: class-styled gradient, oriented texture, random shapes, noise."""
     palette, angle, freq = _class_style(label, num_classes)
     yy, xx = np.mgrid[0:h, 0:w].astype(np.float32)
