@@ -15,8 +15,10 @@ to DEST: what ``stager clean`` may remove), ``stats``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import stat
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -48,10 +50,32 @@ class Receipt:
     stats: dict[str, Any] = field(default_factory=dict)
     schema: str = RECEIPT_SCHEMA
 
-    def write(self, dest: str | os.PathLike[str], mode: int | None = None) -> Path:
+    def write(self, dest: str | os.PathLike[str], mode: int | None = None, gid: int | None = None) -> Path:
+        """Write DEST/stager-receipt.json atomically with ``mode``, then give it group ``gid`` (if allowed)."""
         path = Path(dest) / RECEIPT_NAME
         atomic_write_bytes(path, (json.dumps(asdict(self), indent=1) + "\n").encode(), mode=mode)
+        chgrp_quiet(path, gid)
         return path
+
+
+def source_access(source_file: str | os.PathLike[str]) -> tuple[int, int | None]:
+    """``(mode, gid)`` for a file stage writes about a dataset (receipt, unpacked images): the source
+    file's group and at most its read/write bits, owner read/write always, so a group-only (licensed)
+    dataset never becomes world-readable. URLs and unreadable paths give ``(0o644, None)`` / ``(0o600, None)``."""
+    if "://" in os.fspath(source_file):
+        return 0o644, None
+    try:
+        st = os.stat(source_file)
+    except OSError:
+        return 0o600, None
+    return (stat.S_IMODE(st.st_mode) & 0o644) | 0o600, st.st_gid
+
+
+def chgrp_quiet(path: str | os.PathLike[str], gid: int | None) -> None:
+    """Give ``path`` group ``gid`` when it differs from ours; skipped where we may not (EPERM)."""
+    if gid is not None and gid != os.getegid():
+        with contextlib.suppress(PermissionError):
+            os.chown(path, -1, gid)
 
 
 def load_receipt(dest: str | os.PathLike[str]) -> Receipt | None:

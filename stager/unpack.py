@@ -32,7 +32,8 @@ import numpy as np
 
 from .atomicio import space_error
 from .errors import CorruptSampleError, UnsafeArchiveError, VerificationError
-from .manifest import Manifest, ShardInfo, check_safe_name
+from .manifest import Manifest, ShardInfo, check_safe_name, manifest_path
+from .receipt import chgrp_quiet, source_access
 
 UNLABELED = "_unlabeled"
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -101,14 +102,17 @@ class Unpacker:
     """
 
     def __init__(self, root: str | os.PathLike[str], manifest: Manifest, *, file_mode: int = 0o644,
-                 dir_mode: int = 0o755) -> None:
+                 dir_mode: int = 0o755, gid: int | None = None) -> None:
         self.root = Path(root)
         self.manifest = manifest
         self.file_mode = file_mode
         self.dir_mode = dir_mode
+        self.gid = gid
         self.root.mkdir(parents=True, exist_ok=True)
         if self.root.is_symlink():
             raise UnsafeArchiveError(f"{self.root}: unpack directory is a symlink; refusing to write through it")
+        os.chmod(self.root, dir_mode)
+        chgrp_quiet(self.root, gid)
         self.real_root = os.path.realpath(self.root)
         self._dirs: dict[int, str] = {}
         self._targets: dict[str, str] = {}
@@ -135,6 +139,7 @@ class Unpacker:
             path = os.path.join(self.root, name)
             with contextlib.suppress(FileExistsError):
                 os.mkdir(path, self.dir_mode)
+                chgrp_quiet(path, self.gid)
             real = os.path.realpath(path)
             if not os.path.isdir(path) or os.path.islink(path) or os.path.dirname(real) != self.real_root:
                 raise UnsafeArchiveError(f"{path}: not a plain directory under {self.root}; refusing to unpack into it")
@@ -164,6 +169,9 @@ class Unpacker:
             os.unlink(path)
             fd = os.open(path, flags, self.file_mode)
         try:
+            if self.gid is not None and self.gid != os.getegid():
+                with contextlib.suppress(PermissionError):
+                    os.fchown(fd, -1, self.gid)
             view = memoryview(data)
             while view:
                 n = os.write(fd, view)
@@ -294,7 +302,11 @@ def run_unpack(plan: Any, journal: Any, workers: int, quiet: bool, result: Any) 
     m: Manifest = plan.manifest
     root = Path(plan.dest) / plan.unpack_dir
     fresh = not root.is_dir()
-    unpacker = Unpacker(root, m)
+    # The source's group and at most its permissions (a licensed dataset stays group-only); dirs get x
+    # wherever files get r.
+    mode, gid = source_access(manifest_path(plan.source))
+    dir_mode = mode | 0o100 | (0o010 if mode & 0o040 else 0) | (0o001 if mode & 0o004 else 0)
+    unpacker = Unpacker(root, m, file_mode=mode, dir_mode=dir_mode, gid=gid)
     shards = [m.shards[i] for i in plan.mine if fresh or m.shards[i].name not in journal.unpacked]
     src_of = {t.name: t.src for t in plan.tasks}
     progress = Progress("unpack", total_items=sum(s.samples for s in shards), unit="files", quiet=quiet)
