@@ -26,14 +26,11 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import multiprocessing as mp
 import os
 import re
 import shutil
-import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -148,17 +145,23 @@ def plan_shards(
     every shard fingerprint, so changing any of them invalidates all completed shards.
     """
     order = plan_order(len(refs), seed=seed, keep_order=keep_order)
-    sizes = np.fromiter((refs[i].size for i in order.tolist()), dtype=np.int64, count=len(order))
+    ordered = [refs[i] for i in order.tolist()]
+    # Columns of the ordered refs, transposed at C speed (SampleRef is a tuple); the fingerprints
+    # hash them per shard as whole columns rather than one formatted line per sample.
+    keys, labels, _, sizes_t, mtimes = zip(*ordered, strict=True) if ordered else ((),) * 5
+    sizes = np.asarray(sizes_t, dtype=np.int64)
+    labels_a = np.asarray(labels, dtype=np.int64)
+    mtimes_a = np.asarray(mtimes, dtype=np.int64)
     base = _digest({"format": fmt_name, "classes": list(classes), "options": options})
     shards = []
     for idx, (a, b) in enumerate(cut_shards(sizes, samples_per_shard=samples_per_shard, shard_size=shard_size)):
-        srefs = tuple(refs[i] for i in order[a:b].tolist())
         name = shard_name(idx)
         h = xxhash.xxh3_128()
-        h.update(f"{base}\0{idx}\0{name}\0".encode())
-        for r in srefs:
-            h.update(f"{r.key}\0{r.label}\0{r.size}\0{r.mtime}\n".encode())
-        shards.append(PlannedShard(idx, name, srefs, int(sizes[a:b].sum()), h.hexdigest()))
+        h.update(f"{base}\0{idx}\0{name}\0{b - a}\0".encode())
+        h.update(json.dumps(keys[a:b]).encode())
+        for col in (labels_a, sizes, mtimes_a):
+            h.update(col[a:b].tobytes())
+        shards.append(PlannedShard(idx, name, tuple(ordered[a:b]), int(sizes[a:b].sum()), h.hexdigest()))
     fp = _digest({"base": base, "shards": [s.fingerprint for s in shards]})
     return Plan(fmt_name, shards, fp, options)
 
@@ -250,64 +253,15 @@ def write_shard(job: ShardJob, source: Source, progress: Progress | None = None)
     sh = job.shard
     final = out / sh.name
     tmp = partial_path(final)
-    keys: list[str] = []
-    labels: list[int] = []
-    offsets: list[int] = []
-    sizes: list[int] = []
-    skipped: list[dict[str, str]] = []
-    payload = 0
+    rows = SampleRows()
     companions: list[tuple[str, str]] = []
     writer = None
     hasher = new_hasher(job.hash_algo) if getattr(fmt, "hashes_while_writing", False) else None
-    # Encoded files that pass through unchanged need only the cheap structure check: done inline, with
-    # the error message (naming the file) built only when the check fails.
-    passthrough = job.target_kind == "encoded" and not job.resize and not job.quality
     try:
         writer = fmt.open_writer(
             str(tmp), shard_name=sh.name, classes=list(job.classes), keys_checked=job.keys_checked, hasher=hasher
         )
-        write = writer.write
-        for a in range(0, len(sh.refs), LOAD_BATCH):
-            batch = sh.refs[a : a + LOAD_BATCH]
-            loaded = source.load_many(batch)
-            nbytes = 0
-            before = len(keys)
-            for ref, res in zip(batch, loaded, strict=True):
-                try:
-                    if isinstance(res, BaseException):
-                        raise _as_source_error(res, source.path_of(ref))
-                    data = res.data
-                    if passthrough and type(data) is bytes:
-                        try:
-                            ext = check_encoded(data, "")
-                        except SourceError:
-                            check_encoded(data, source.path_of(ref))  # raises, naming the file
-                            raise
-                        sample = res if ext == res.ext else Sample(res.key, res.label, data, ext, res.meta)
-                    else:
-                        sample = prepare_sample(
-                            res,
-                            target_kind=job.target_kind,
-                            where=source.path_of(ref),
-                            resize=job.resize,
-                            quality=job.quality,
-                            image_shape=job.image_shape,
-                        )
-                except SourceError as exc:
-                    if job.on_error != "skip":
-                        raise
-                    skipped.append({"key": ref.key, "path": source.path_of(ref), "error": str(exc), "shard": sh.name})
-                    continue
-                ext_ = write(sample)
-                keys.append(sample.key)
-                labels.append(sample.label)
-                offsets.append(ext_.offset)
-                sizes.append(ext_.size)
-                d = sample.data
-                nbytes += d.nbytes if isinstance(d, np.ndarray) else len(d)
-            payload += nbytes
-            if progress is not None:
-                progress.update(len(keys) - before, nbytes)
+        write_samples(writer, sh.refs, source, job, rows, progress=progress)
         companions = writer.close()
         writer = None
         aux = []
@@ -335,19 +289,110 @@ def write_shard(job: ShardJob, source: Source, progress: Progress | None = None)
             if err is not None:
                 raise err from exc
         raise
+    return record_done(out, sh, rows, nbytes=nbytes_total, digest=digest, aux=aux)
+
+
+@dataclass
+class SampleRows:
+    """The index rows of the samples written so far (manifest order), and those skipped."""
+
+    keys: list[str] = field(default_factory=list)
+    labels: list[int] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+    skipped: list[dict[str, str]] = field(default_factory=list)
+    payload: int = 0  # bytes of the samples written (for throughput)
+
+    def extend(self, other: SampleRows, base: int) -> None:
+        """Append ``other``'s rows, whose offsets are relative to ``base``."""
+        self.keys += other.keys
+        self.labels += other.labels
+        self.offsets += [o + base for o in other.offsets]
+        self.sizes += other.sizes
+        self.skipped += other.skipped
+        self.payload += other.payload
+
+
+def record_done(
+    out: Path, sh: PlannedShard, rows: SampleRows, *, nbytes: int, digest: str, aux: list[AuxFile]
+) -> ShardDone:
+    """The finished shard's :class:`ShardDone`, also written as its done-record (for resume)."""
     info = ShardInfo(
         sh.name,
-        nbytes_total,
+        nbytes,
         digest,
-        keys,
-        np.asarray(labels, dtype=np.int64),
-        np.asarray(offsets, dtype=np.int64),
-        np.asarray(sizes, dtype=np.int64),
+        rows.keys,
+        np.asarray(rows.labels, dtype=np.int64),
+        np.asarray(rows.offsets, dtype=np.int64),
+        np.asarray(rows.sizes, dtype=np.int64),
         aux,
     )
-    done = ShardDone(info, skipped, payload, sh.fingerprint)
+    done = ShardDone(info, rows.skipped, rows.payload, sh.fingerprint)
     atomic_write_bytes(out / STATE_DIR / f"{sh.name}.json", json.dumps(done.to_json()).encode())
     return done
+
+
+def write_samples(
+    writer: Any,
+    refs: Sequence[SampleRef],
+    source: Source,
+    job: ShardJob,
+    rows: SampleRows,
+    *,
+    progress: Progress | None,
+) -> None:
+    """Load, check/re-encode and write ``refs`` in order with ``writer``, appending to ``rows``.
+
+    Per-sample source failures raise :class:`SourceError` (``job.on_error == "raise"``) or are
+    recorded in ``rows.skipped``.
+    """
+    sh_name = job.shard.name
+    keys, labels, offsets, sizes = rows.keys, rows.labels, rows.offsets, rows.sizes
+    # Encoded files that pass through unchanged need only the cheap structure check: done inline, with
+    # the error message (naming the file) built only when the check fails.
+    passthrough = job.target_kind == "encoded" and not job.resize and not job.quality
+    write = writer.write
+    for a in range(0, len(refs), LOAD_BATCH):
+        batch = refs[a : a + LOAD_BATCH]
+        loaded = source.load_many(batch)
+        nbytes = 0
+        before = len(keys)
+        for ref, res in zip(batch, loaded, strict=True):
+            try:
+                if isinstance(res, BaseException):
+                    raise _as_source_error(res, source.path_of(ref))
+                data = res.data
+                if passthrough and type(data) is bytes:
+                    try:
+                        ext = check_encoded(data, "")
+                    except SourceError:
+                        check_encoded(data, source.path_of(ref))  # raises, naming the file
+                        raise
+                    sample = res if ext == res.ext else Sample(res.key, res.label, data, ext, res.meta)
+                else:
+                    sample = prepare_sample(
+                        res,
+                        target_kind=job.target_kind,
+                        where=source.path_of(ref),
+                        resize=job.resize,
+                        quality=job.quality,
+                        image_shape=job.image_shape,
+                    )
+            except SourceError as exc:
+                if job.on_error != "skip":
+                    raise
+                rows.skipped.append({"key": ref.key, "path": source.path_of(ref), "error": str(exc), "shard": sh_name})
+                continue
+            ext_ = write(sample)
+            keys.append(sample.key)
+            labels.append(sample.label)
+            offsets.append(ext_.offset)
+            sizes.append(ext_.size)
+            d = sample.data
+            nbytes += d.nbytes if isinstance(d, np.ndarray) else len(d)
+        rows.payload += nbytes
+        if progress is not None:
+            progress.update(len(keys) - before, nbytes)
 
 
 def fsync_file(path: str | os.PathLike[str]) -> int:
@@ -366,18 +411,6 @@ def _as_source_error(exc: BaseException, where: str) -> SourceError:
     if isinstance(exc, OSError):
         return SourceError(f"{where}: cannot read ({exc.strerror or exc}); fix it or use --on-error skip")
     return SourceError(f"{where}: {exc}")
-
-
-# Worker-process state: the source, sent once per worker by the pool initializer.
-_WORKER: dict[str, Source] = {}
-
-
-def _init_worker(source: Source) -> None:
-    _WORKER["source"] = source
-
-
-def _run_job(job: ShardJob) -> ShardDone:
-    return write_shard(job, _WORKER["source"])
 
 
 # ---- the output directory ------------------------------------------------------------------------
@@ -579,7 +612,13 @@ def pack(
         hash_algo=hash_algo,
     )
     fmt = get_format(format)
-    source = open_source(src, split=split)
+    if workers > 1:
+        from .pack_workers import ListingPool
+
+        with ListingPool(workers) as lister:  # forks only if the source lists folders (ImageFolder)
+            source = open_source(src, split=split, map_fn=lister.map)
+    else:
+        source = open_source(src, split=split)
     out_p = Path(os.path.abspath(os.fspath(out)))
     if source.kind == "pack" and out_p == source.root:
         raise UsageError(f"{out_p}: output is the source pack itself; choose another directory")
@@ -715,11 +754,13 @@ def pack(
     progress = Progress(f"pack {format}", total_items=sum(len(s.refs) for s in todo), quiet=quiet)
     done: dict[str, ShardDone] = dict(reuse)
     try:
-        if workers == 1 or len(jobs) <= 1:
+        if workers == 1 or not jobs or (len(jobs) == 1 and not hasattr(fmt, "open_fragment")):
             for job in jobs:
                 done[job.shard.name] = write_shard(job, source, progress)
         else:
-            for d in _run_pool(jobs, source, workers, progress):
+            from .pack_workers import run_pool
+
+            for d in run_pool(jobs, source, workers, progress):
                 done[d.info.name] = d
     except BaseException:
         remove_stale_partials(out_p)
@@ -820,35 +861,6 @@ def _check_free_space(
             f"{out}: needs about {need / 1e9:.2f} GB but only {free / 1e9:.2f} GB is free; "
             "free space or choose another destination"
         )
-
-
-def _mp_context() -> Any:
-    # fork is cheapest (no re-import, the source is inherited) but unsafe once threads exist
-    # (zarr/h5py may start some); fall back to spawn then.
-    if "fork" in mp.get_all_start_methods() and threading.active_count() == 1:
-        return mp.get_context("fork")
-    return mp.get_context("spawn")
-
-
-def _run_pool(jobs: list[ShardJob], source: Source, workers: int, progress: Progress) -> list[ShardDone]:
-    """Write ``jobs`` on ``workers`` processes; stop at the first failure and re-raise it."""
-    out: list[ShardDone] = []
-    ex = ProcessPoolExecutor(
-        max_workers=min(workers, len(jobs)), mp_context=_mp_context(), initializer=_init_worker, initargs=(source,)
-    )
-    try:
-        pending: set[Future[ShardDone]] = {ex.submit(_run_job, j) for j in jobs}
-        while pending:
-            finished, pending = wait(pending, return_when=FIRST_EXCEPTION)
-            for f in finished:
-                d = f.result()  # re-raises the worker's exception
-                out.append(d)
-                progress.update(d.info.samples, d.payload_bytes)
-    except BaseException:
-        ex.shutdown(wait=True, cancel_futures=True)
-        raise
-    ex.shutdown(wait=True)
-    return out
 
 
 def format_plan(plan: Plan, out: str, limit: int = 20) -> str:

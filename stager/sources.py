@@ -28,6 +28,7 @@ import json
 import os
 import pickle
 from collections.abc import Iterable, Sequence
+from itertools import repeat
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -172,22 +173,39 @@ class ImageFolderSource(Source):
 
     kind = "imagefolder"
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, map_fn: Any = None) -> None:
+        """List ``root``; ``map_fn`` (``map``-like, e.g. a process pool's) lists the class folders.
+
+        Listing costs a ``stat`` per file (size and mtime for the plan); ``stager pack --workers N``
+        passes its pool's ``map`` so that the folders are listed in parallel.
+        """
         super().__init__(root)
         classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
         if not classes:
             raise SourceError(f"{root}: no class sub-folders; expected an ImageFolder tree root/<class>/<image>")
         self.classes = classes
-        rows: list[tuple[str, int, int, int, str]] = []
         base = str(root)
         self._cut = len(base) + 1
-        for label, cls in enumerate(classes):
-            _walk_images(f"{base}/{cls}", cls, label, rows)
-        rows.sort()
-        keys = [f"{r[0][: r[0].rfind('/')]}/{r[4]}" for r in rows]  # rel dir + stem (see key_for)
+        parts = list((map_fn or map)(list_class_folder, [(base, c, i) for i, c in enumerate(classes)]))
+        locs: list[str] = []
+        keys: list[str] = []
+        labels: list[int] = []
+        sizes: list[int] = []
+        mtimes: list[int] = []
+        for label, (p_locs, p_keys, p_sizes, p_mtimes) in enumerate(parts):
+            locs += p_locs
+            keys += p_keys
+            labels += [label] * len(p_locs)
+            sizes += p_sizes
+            mtimes += p_mtimes
+        # Samples are in relative-path order; class folders concatenated in name order almost always are.
+        if sorted(locs) != locs:
+            order = sorted(range(len(locs)), key=locs.__getitem__)
+            locs, keys, labels, sizes, mtimes = ([c[i] for i in order] for c in (locs, keys, labels, sizes, mtimes))  # type: ignore[assignment]
         if len(set(keys)) != len(keys):
             keys = unique_keys(keys)
-        self.refs = [SampleRef(k, r[1], f"{base}/{r[0]}", r[2], r[3]) for k, r in zip(keys, rows, strict=True)]
+        # tuple.__new__ straight from C: SampleRef's Python-level __new__ would double the cost.
+        self.refs = list(map(tuple.__new__, repeat(SampleRef), zip(keys, labels, locs, sizes, mtimes, strict=True)))
 
     def load(self, ref: SampleRef) -> Sample:
         data = read_file(ref.locator, ref.size)
@@ -212,6 +230,22 @@ class ImageFolderSource(Source):
 
 def _suffix(path: str) -> str:
     return Path(path).suffix.lower().lstrip(".") or "bin"
+
+
+def list_class_folder(job: tuple[str, str, int]) -> tuple[list[str], list[str], list[int], list[int]]:
+    """List one class folder ``(base, class name, label)``: ``(paths, keys, sizes, mtimes_ns)`` of its
+    image files in relative-path order (keys not yet made unique across the source). Columns, not
+    rows, so that a pool worker's answer pickles cheaply."""
+    base, cls, label = job
+    rows: list[tuple[str, int, int, int, str]] = []
+    _walk_images(f"{base}/{cls}", cls, label, rows)
+    rows.sort()
+    return (
+        [f"{base}/{r[0]}" for r in rows],
+        [f"{r[0][: r[0].rfind('/')]}/{r[4]}" for r in rows],  # rel dir + stem (see key_for)
+        [r[2] for r in rows],
+        [r[3] for r in rows],
+    )
 
 
 def _walk_images(folder: str, rel: str, label: int, rows: list[tuple[str, int, int, int, str]]) -> None:
@@ -559,11 +593,12 @@ class PackSource(Source):
 # ---- detection ----------------------------------------------------------------------------------
 
 
-def open_source(src: str | os.PathLike[str], *, split: str | None = None) -> Source:
+def open_source(src: str | os.PathLike[str], *, split: str | None = None, map_fn: Any = None) -> Source:
     """Recognise and list the source at ``src`` (see the module docstring for the kinds).
 
-    Raises :class:`SourceNotFoundError` for a missing path and :class:`SourceError` for an empty or
-    unrecognisable one.
+    ``map_fn`` (``map``-like) is used to list an ImageFolder's class folders (in parallel when it is
+    a process pool's ``map``). Raises :class:`SourceNotFoundError` for a missing path and
+    :class:`SourceError` for an empty or unrecognisable one.
     """
     root = Path(os.path.abspath(os.fspath(src)))
     if not root.exists():
@@ -583,7 +618,7 @@ def open_source(src: str | os.PathLike[str], *, split: str | None = None) -> Sou
     elif any((root / b).is_file() for names in CIFAR_SPLITS.values() for b in names):
         src_obj = CifarSource(root, split or "train")
     else:
-        src_obj = ImageFolderSource(root)
+        src_obj = ImageFolderSource(root, map_fn=map_fn)
     if split is not None and src_obj.kind != "cifar":
         raise UsageError(f"--split applies to CIFAR batch directories only; {root} is a {src_obj.kind} source")
     if not src_obj.refs:

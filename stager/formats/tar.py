@@ -205,7 +205,10 @@ def check_keys(keys: Sequence[str], where: str = "") -> None:
             if k in seen:
                 raise UsageError(f"{where}duplicate sample key {k!r}")
             seen.add(k)
-    joined = "\n".join(keys) if all(type(k) is str for k in keys) else "\n"
+    try:
+        joined = "\n".join(keys)
+    except TypeError:  # a key is not a string: the loop below names it
+        joined = "\n" * len(keys)
     if joined.count("\n") == len(keys) - 1 and _KEYS_RE.fullmatch(joined):  # no key holds a newline
         return
     for k in keys:  # find and name the first offender
@@ -309,7 +312,7 @@ class TarShardWriter:
         self._labels: dict[Any, tuple[int, str, tuple[bytes, bytes]]] = {}
 
     def write(self, sample: Sample) -> Extent:
-        if self._f is None:
+        if self._closed():
             raise UsageError(f"{self.shard_name}: write() after close()")
         key = sample.key
         if not self._keys_checked:
@@ -354,6 +357,9 @@ class TarShardWriter:
         if len(buf) >= self._flush_bytes:
             self._flush()
         return Extent(offset, size)
+
+    def _closed(self) -> bool:
+        return self._f is None
 
     def _ext_entry(self, ext: str, key: str) -> tuple[str, bytes, int]:
         low = ext.lower()
@@ -405,6 +411,50 @@ class TarShardWriter:
     def bytes_written(self) -> int:
         """Bytes of the shard so far (including buffered ones)."""
         return self._written + len(self._buf)
+
+
+class TarFragmentWriter(TarShardWriter):
+    """Builds a run of samples' tar members in memory, without the end-of-archive marker.
+
+    Tar members do not record their position, so a shard is the concatenation of the fragments of
+    consecutive runs of its samples followed by two zero blocks, byte-identical to what
+    :class:`TarShardWriter` writes for the same samples. ``stager pack --workers N`` builds
+    fragments of one shard in parallel and writes each at its offset. ``write`` returns extents
+    relative to the fragment's start; :meth:`take` returns the bytes.
+    """
+
+    def __init__(self, *, shard_name: str, classes: Sequence[str], keys_checked: bool = False, **options: Any) -> None:
+        self.path = ""
+        self.shard_name = shard_name
+        self.classes = list(classes)
+        self._flush_bytes = 1 << 62  # never flushed: the caller takes the bytes
+        self._fsync = False
+        self._keys_checked = keys_checked
+        self._hasher = None
+        self._f = None
+        self._open = True
+        self._buf = bytearray()
+        self._written = 0
+        self._keys = set()
+        self._exts_ok = {}
+        self._labels = {}
+
+    def _closed(self) -> bool:
+        return not self._open
+
+    def take(self) -> bytearray:
+        """The fragment's bytes; the writer is finished afterwards."""
+        self._open = False
+        buf, self._buf = self._buf, bytearray()
+        return buf
+
+    def close(self) -> list[tuple[str, str]]:
+        self._open = False
+        return []
+
+    def abort(self) -> None:
+        self._open = False
+        self._buf = bytearray()
 
 
 # ---- reading -----------------------------------------------------------------------------------
@@ -672,6 +722,11 @@ class TarFormat:
     suffix = ".tar"
     sample_kind = "encoded"
     hashes_while_writing = True  # the writer feeds every byte to an optional ``hasher``
+    END_MARKER = _ZERO_BLOCK * 2  # what follows the concatenated fragments of a shard
+
+    def open_fragment(self, *, shard_name: str, classes: Sequence[str], **options: Any) -> TarFragmentWriter:
+        """An in-memory writer for a run of a shard's samples (see :class:`TarFragmentWriter`)."""
+        return TarFragmentWriter(shard_name=shard_name, classes=classes, **options)
 
     def check_keys(self, keys: Sequence[str], where: str = "") -> None:
         """Validate a whole plan's keys before anything is written (see :func:`check_keys`)."""

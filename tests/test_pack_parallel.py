@@ -1,0 +1,152 @@
+"""``stager pack --workers N`` segment parallelism and the fast paths of pack/tar.
+
+Invariants: the output is byte-identical whatever the number of workers and however shards are cut
+into segments (including one shard cut into many segments, with skipped samples); a bad sample in a
+middle segment stops the pack with the error naming that file and leaves no partial file; the
+parallel listing equals the serial one; the one-pass key check agrees with the per-key check;
+every tar sample's ``.json`` names its source file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tarfile
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import stager.pack_workers as pw
+from stager.errors import SourceError, UsageError
+from stager.formats.tar import check_key, check_keys
+from stager.manifest import load_manifest
+from stager.pack import pack
+from stager.pack_workers import ListingPool
+from stager.sources import open_source
+
+
+def _files(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.name != "manifest.json"}
+
+
+def _manifest(out: Path) -> dict:
+    m = json.loads((out / "manifest.json").read_text())
+    m.pop("created", None)
+    m.pop("digest", None)
+    return m
+
+
+@pytest.mark.parametrize("seg_samples", [1, 3, 1000])
+def test_segments_give_the_same_bytes_as_one_process(
+    imagenet_tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seg_samples: int
+) -> None:
+    monkeypatch.setattr(pw, "SEG_SAMPLES", seg_samples)
+    ref = pack(imagenet_tiny, tmp_path / "w1", "tar", workers=1)  # one 256 MiB shard
+    assert ref.shards == 1
+    for w in (2, 3):
+        got = pack(imagenet_tiny, tmp_path / f"w{w}", "tar", workers=w)
+        assert _files(tmp_path / f"w{w}") == _files(tmp_path / "w1")
+        assert _manifest(tmp_path / f"w{w}") == _manifest(tmp_path / "w1")
+        assert got.samples == ref.samples == 24
+
+
+def test_segments_with_skipped_samples_match_one_process(
+    imagenet_tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(imagenet_tiny, src)
+    bad = sorted(src.rglob("*.JPEG"))[::5]
+    for p in bad:  # truncated copies: no end-of-image marker
+        p.write_bytes(p.read_bytes()[:300])
+    monkeypatch.setattr(pw, "SEG_SAMPLES", 2)
+    outs = []
+    for w in (1, 2):
+        out = tmp_path / f"w{w}"
+        r = pack(src, out, "tar", workers=w, on_error="skip", samples_per_shard=9)
+        assert len(r.skipped) == len(bad)
+        outs.append(out)
+    assert _files(outs[0]) == _files(outs[1])
+    assert _manifest(outs[0]) == _manifest(outs[1])
+
+
+def test_bad_sample_in_a_middle_segment_names_the_file(
+    imagenet_tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(imagenet_tiny, src)
+    victim = sorted(src.rglob("*.JPEG"))[13]
+    victim.write_bytes(b"not an image at all")
+    monkeypatch.setattr(pw, "SEG_SAMPLES", 2)
+    out = tmp_path / "out"
+    with pytest.raises(SourceError, match=victim.name):
+        pack(src, out, "tar", workers=2)
+    assert not (out / "manifest.json").exists()
+    assert not [p for p in out.iterdir() if p.name.endswith(".partial") or p.suffix == ".tar"]
+
+
+def test_parallel_listing_equals_serial(imagenet_tiny: Path, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(imagenet_tiny, src)
+    # Class names where folder-order concatenation is not path order ("c-x/..." < "c/..."), nested
+    # folders and a key collision (a.b.png and a_b.png both give key a_b).
+    for d in ("c", "c-x", "c/sub"):
+        (src / d).mkdir(parents=True, exist_ok=True)
+    img = next(src.rglob("*.JPEG")).read_bytes()
+    for rel in ("c/a.b.jpg", "c/a_b.jpg", "c/sub/z.jpg", "c-x/y.jpg"):
+        (src / rel).write_bytes(img)
+    serial = open_source(src)
+    with ListingPool(2) as lister:
+        par = open_source(src, map_fn=lister.map)
+    assert par.refs == serial.refs and par.classes == serial.classes
+    assert [r.locator for r in serial.refs] == sorted(r.locator for r in serial.refs)
+    assert len({r.key for r in serial.refs}) == len(serial.refs)
+
+
+def test_tar_json_names_the_source_file(imagenet_tiny: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    pack(imagenet_tiny, out, "tar", workers=2)
+    m = load_manifest(out)
+    seen = 0
+    for info in m.shards:
+        with tarfile.open(out / info.name) as tf:
+            for mem in tf.getmembers():
+                if mem.name.endswith(".json"):
+                    meta = json.loads(tf.extractfile(mem).read())  # type: ignore[union-attr]
+                    assert (imagenet_tiny / meta["source"]).is_file()
+                    assert meta["source"].rsplit(".", 1)[0] == meta["key"]
+                    seen += 1
+    assert seen == m.num_samples
+
+
+_key_chars = st.sampled_from(["a", "b", ".", "/", "_", "\\", "\0", "\n", "é", " "])
+
+
+@settings(max_examples=300, deadline=None)
+@given(keys=st.lists(st.text(_key_chars, min_size=0, max_size=8), min_size=1, max_size=6))
+def test_check_keys_agrees_with_check_key(keys: list[str]) -> None:
+    def one_by_one() -> bool:
+        try:
+            for k in keys:
+                check_key(k)
+        except UsageError:
+            return False
+        return len(set(keys)) == len(keys)
+
+    try:
+        check_keys(keys)
+        ok = True
+    except UsageError:
+        ok = False
+    assert ok == one_by_one()
+
+
+def test_workers_do_not_leave_processes_or_partials(imagenet_tiny: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    pack(imagenet_tiny, out, "tar", workers=2, samples_per_shard=5)
+    assert not [n for n in os.listdir(out) if n.endswith(".partial")]
+    import multiprocessing as mp
+
+    assert not mp.active_children()
