@@ -71,11 +71,9 @@ def read_epoch(src: str, root: str) -> dict[str, Any]:
     loader = make_loader(src, 4, staged="auto", staging_roots=(root,), decode="raw", seed=1)
     pairs: list[tuple[str, str]] = []
     for b in loader:
-        data, offsets = b["data"], b["offsets"]
-        raw = bytes(data.numpy()) if hasattr(data, "numpy") else bytes(data)
-        offs = [int(x) for x in (offsets.tolist() if hasattr(offsets, "tolist") else offsets)]
-        for i, k in enumerate(b["key"]):
-            pairs.append((k, xxhash.xxh3_64_hexdigest(raw[offs[i]:offs[i + 1]])))
+        # docs/loader.md: with decode="raw", ``image`` holds each sample's encoded bytes (memoryviews).
+        for k, payload in zip(b["key"], b["image"], strict=True):
+            pairs.append((k, xxhash.xxh3_64_hexdigest(bytes(payload))))
     s = loader.stats()
     return {"pairs": pairs, "reading_from": s["reading_from"], "staged": s["staged"]}
 
