@@ -45,7 +45,7 @@ def _loader(work: Path, fmt: str, n: int, seed: int) -> None:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_damaged_shards_fast(work: Path, fmt: str) -> None:
-    _shards(work, fmt, 3, seed=51)
+    _shards(work, fmt, 2, seed=51)
 
 
 def test_damaged_manifest_fast(work: Path) -> None:

@@ -31,22 +31,22 @@ def mountable(work: Path) -> bool:
 
 
 def test_fsize_pack_fast(work: Path) -> None:
-    _check("RLIMIT_FSIZE (random limit) during `stager pack`", space.pack_fsize_trials(work, 2, seed=31), 2)
+    _check("RLIMIT_FSIZE (random limit) during `stager pack`", space.pack_fsize_trials(work, 1, seed=31), 1)
 
 
 def test_fsize_stage_fast(work: Path) -> None:
-    _check("RLIMIT_FSIZE (random limit) during `stager stage`", space.stage_fsize_trials(work, 2, seed=32), 2)
+    _check("RLIMIT_FSIZE (random limit) during `stager stage`", space.stage_fsize_trials(work, 1, seed=32), 1)
 
 
 def test_fsize_unpack_fast(work: Path) -> None:
-    st = space.stage_fsize_trials(work, 2, seed=33, unpack="only")
-    _check("RLIMIT_FSIZE (random limit) during `stager stage --unpack`", st, 2)
+    st = space.stage_fsize_trials(work, 1, seed=33, unpack="only")
+    _check("RLIMIT_FSIZE (random limit) during `stager stage --unpack`", st, 1)
 
 
 def test_enospc_stage_fast(work: Path, mountable: bool) -> None:
     if not mountable:
         pytest.skip("mounting a tmpfs is not permitted here (needs root)")
-    _check("ENOSPC (full tmpfs, random size)", space.enospc_trials(work, 2, seed=34, command="stage"), 2)
+    _check("ENOSPC (full tmpfs, random size)", space.enospc_trials(work, 1, seed=34, command="stage"), 1)
 
 
 @pytest.mark.faults
