@@ -20,20 +20,24 @@ consecutive samples in one shard) when its batch first needs it, so the read of 
 worker ``w`` happens at the rank's batch ``batches[b]`` for the first worker batch ``b`` that
 reaches it.
 
-Progress: the training loop calls :meth:`Prefetcher.advance` with (epoch, batches done).
-:func:`report_progress` / :func:`read_progress` are the file protocol (``DEST/.stager-progress/
-rank<r>``) for a prefetcher in another process; the ``stager stage --follow`` command that would
-poll them is not wired yet. The hit rate counts, per batch, the bytes of the shard reads
-whose shard was local when the batch began (reported by :meth:`Prefetcher.stats`).
+Progress: in one process the training loop calls :meth:`Prefetcher.advance` with (epoch, batches
+done). Beside training, ``stager stage --follow`` (:mod:`stager.follow`) runs the prefetcher in its
+own process and learns the progress from files the ranks write with :class:`ProgressReporter`
+(``DEST/.stager-progress/rank<r>.json``: position, pid, and the loader's plan arguments, so the
+follower plans exactly what the ranks read). The hit rate counts, per batch, the bytes of the shard
+reads whose shard was local when the batch began (reported by :meth:`Prefetcher.stats`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
+import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +51,9 @@ from .errors import UsageError
 from .manifest import MANIFEST_NAME, Manifest, dataset_root, load_manifest
 
 PROGRESS_DIR = ".stager-progress"
+DONE_MARKER = "done"
+_REPORT_RE = re.compile(r"rank(\d+)\.json")
+_SHARD_PARTIAL_RE = re.compile(r"(?P<base>.+)\.[0-9a-f]{12}\.partial")
 
 
 @dataclass(frozen=True)
@@ -156,25 +163,195 @@ def _link(target: Path, at: Path) -> None:
     os.replace(tmp, at)
 
 
-def report_progress(dest: str | os.PathLike[str], rank: int, epoch: int, batches_done: int) -> None:
-    """For a prefetcher in another process: record that ``rank`` finished ``batches_done`` batches."""
+def report_progress(
+    dest: str | os.PathLike[str],
+    rank: int,
+    epoch: int,
+    batches_done: int,
+    *,
+    config: dict[str, Any] | None = None,
+    finished: bool = False,
+    failed: bool = False,
+) -> None:
+    """Record that ``rank`` finished ``batches_done`` batches of ``epoch`` (for a follower process).
+
+    Writes ``DEST/.stager-progress/rank<r>.json`` atomically (tmp + rename, no fsync: progress is
+    ephemeral): ``{"rank", "epoch", "done", "pid", "host", "finished", "failed", "config", "time"}``.
+    ``config``: the loader's plan arguments (:func:`loader_config`); ``finished``: the rank will
+    read no more (training ended, or failed).
+    """
     d = Path(dest) / PROGRESS_DIR
     d.mkdir(exist_ok=True)
-    tmp = d / f".rank{rank}.{os.getpid()}.tmp"
-    tmp.write_text(f"{epoch} {batches_done}\n")
-    os.replace(tmp, d / f"rank{rank}")
+    rec = {
+        "rank": rank,
+        "epoch": epoch,
+        "done": batches_done,
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "finished": finished,
+        "failed": failed,
+        "config": config,
+        "time": time.time(),
+    }
+    tmp = d / f".rank{rank}.{os.getpid()}.{threading.get_ident()}.tmp"
+    tmp.write_text(json.dumps(rec) + "\n")
+    os.replace(tmp, d / f"rank{rank}.json")
+
+
+def read_reports(dest: str | os.PathLike[str], ranks: Iterable[int] = ()) -> dict[int, dict[str, Any]]:
+    """The last progress record of every rank that reported in DEST (rank -> record).
+
+    ``ranks`` are also looked up by name: a directory listing taken while another report is being
+    renamed into place may miss an entry (readdir is unspecified under concurrent renames), a
+    lookup by name never does. Missing or unreadable records are left out.
+    """
+    out: dict[int, dict[str, Any]] = {}
+    d = Path(dest) / PROGRESS_DIR
+    try:
+        names = os.listdir(d)
+    except FileNotFoundError:
+        return out
+    found = {int(m.group(1)) for m in map(_REPORT_RE.fullmatch, names) if m}
+    for r in sorted(found | set(ranks)):
+        try:
+            rec = json.loads((d / f"rank{r}.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(rec, dict):
+            out[r] = rec
+    return out
 
 
 def read_progress(dest: str | os.PathLike[str], ranks: Sequence[int]) -> tuple[int, int] | None:
     """The slowest of ``ranks``' reported (epoch, batches done), or None if one has not reported."""
+    reports = read_reports(dest, ranks)
     out = []
     for r in ranks:
-        try:
-            e, b = (Path(dest) / PROGRESS_DIR / f"rank{r}").read_text().split()
-        except (OSError, ValueError):
+        rec = reports.get(r)
+        if rec is None:
             return None
-        out.append((int(e), int(b)))
+        out.append((int(rec["epoch"]), int(rec["done"])))
     return min(out)
+
+
+def mark_done(dest: str | os.PathLike[str]) -> None:
+    """Tell a follower on DEST that training is over (what ``touch DEST/.stager-progress/done`` does)."""
+    d = Path(dest) / PROGRESS_DIR
+    d.mkdir(parents=True, exist_ok=True)
+    (d / DONE_MARKER).touch()
+
+
+def loader_config(loader: Any) -> dict[str, Any]:
+    """The plan arguments of a :func:`~stager.loader.make_loader` Loader (or a ShardedDataset).
+
+    Passed (with ``rank``) to ``ShardedDataset`` they reproduce the rank's read order exactly:
+    batch size, world size, worker streams, seed, shuffle mode, drop_last, run size and the
+    per-worker shuffle buffer (resolved to samples, so ``"auto"`` settings cannot drift).
+    """
+    ds = getattr(loader, "dataset", loader)
+    nw = getattr(loader, "num_workers", None)
+    nw = ds.num_workers if nw is None else nw
+    nw = int(nw or 0)
+    return {
+        "batch_size": int(ds.batch_size),
+        "world_size": int(ds.world_size),
+        "num_workers": nw,
+        "seed": int(ds.seed),
+        "shuffle": ds.mode,
+        "drop_last": bool(ds.drop_last),
+        "run_bytes": int(ds.run_bytes),
+        "min_run": int(ds.min_run),
+        "shuffle_buffer": int(ds.buffer_samples(max(1, nw))),
+    }
+
+
+class ProgressReporter:
+    """What a training rank calls so that ``stager stage --follow`` knows where it is.
+
+    ``ProgressReporter(DEST, loader)`` (the Loader reading DEST) reports the loader's position
+    and plan arguments at once; call :meth:`update` after each training step with the epoch and
+    batches done in it, and use it as a context manager (or call :meth:`finish`) so the follower
+    learns when the rank is done. Writes are throttled to one per ``min_interval`` seconds except
+    at an epoch change and at the end. ``rank`` defaults to the loader's rank.
+    """
+
+    def __init__(
+        self,
+        dest: str | os.PathLike[str],
+        loader: Any = None,
+        *,
+        rank: int | None = None,
+        min_interval: float = 0.02,
+    ) -> None:
+        self.dest = Path(dest)
+        self.config = loader_config(loader) if loader is not None else None
+        if rank is None:
+            if loader is None:
+                from .world import World
+
+                rank = World.detect().rank
+            else:
+                rank = int(getattr(loader, "dataset", loader).rank)
+        self.rank = rank
+        self.min_interval = min_interval
+        self._pos = (0, 0)
+        if loader is not None and hasattr(loader, "state_dict"):
+            st = loader.state_dict()  # a resumed loader starts mid-epoch
+            self._pos = (int(st["epoch"]), int(st["batches_done"]))
+        self._last = 0.0
+        self._write()
+
+    def _write(self, *, finished: bool = False, failed: bool = False) -> None:
+        report_progress(self.dest, self.rank, *self._pos, config=self.config, finished=finished, failed=failed)
+        self._last = time.monotonic()
+
+    def update(self, epoch: int, batches_done: int) -> None:
+        """``batches_done`` batches of ``epoch`` are finished (the epoch's last one: its length)."""
+        new_epoch = epoch != self._pos[0]
+        self._pos = (epoch, batches_done)
+        if new_epoch or time.monotonic() - self._last >= self.min_interval:
+            self._write()
+
+    def finish(self, failed: bool = False) -> None:
+        """This rank reads no more: the follower exits once every rank of the node has finished."""
+        self._write(finished=True, failed=failed)
+
+    def __enter__(self) -> ProgressReporter:
+        return self
+
+    def __exit__(self, et: Any, ev: Any, tb: Any) -> None:
+        self.finish(failed=et is not None)
+
+
+def remove_fetch_partials(dest: str | os.PathLike[str], manifest: Manifest) -> list[str]:
+    """Delete ``<shard file>.<12 hex>.partial`` files a killed fetcher left in DEST (holder of the lock only)."""
+    names = {f.name for f in files_of_shards(manifest, range(len(manifest.shards)))}
+    removed = []
+    with os.scandir(dest) as it:
+        for entry in it:
+            m = _SHARD_PARTIAL_RE.fullmatch(entry.name)
+            if m and m.group("base") in names and entry.is_file(follow_symlinks=False):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+                removed.append(entry.name)
+    return removed
+
+
+class _StoppedError(Exception):
+    """The prefetcher was asked to stop in the middle of a fetch (the partial file is removed)."""
+
+
+class _StoppableReader(ShareReader):
+    """A :class:`ShareReader` that gives up between chunks once ``stop`` is set."""
+
+    def __init__(self, *args: Any, stop: threading.Event, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._stop_event = stop
+
+    def fill(self, view: memoryview) -> int:
+        if self._stop_event.is_set():
+            raise _StoppedError
+        return super().fill(view)
 
 
 class Prefetcher:
@@ -196,6 +373,7 @@ class Prefetcher:
         loader_kwargs: dict[str, Any],
         lookahead_epochs: int = 1,
         poll: float = 0.02,
+        chunk_bytes: int = 8 << 20,
     ) -> None:
         if budget <= 0:
             raise UsageError(f"prefetch budget must be > 0 bytes, got {budget}")
@@ -204,14 +382,12 @@ class Prefetcher:
         self.budget = budget
         self.ranks = list(ranks)
         self.manifest = prepare_dest(src, dest)
-        from .loader import ShardedDataset
-
-        kw = dict(loader_kwargs)
-        kw.pop("staged", None)
-        self._datasets = [ShardedDataset(str(self.dest), rank=r, staged=False, **kw) for r in self.ranks]
+        self.loader_kwargs = dict(loader_kwargs)
+        self._datasets = self._make_datasets(self.ranks, self.loader_kwargs)
         self.batches_per_epoch = len(self._datasets[0])
         self.lookahead_epochs = lookahead_epochs
         self.poll = poll
+        self.chunk_bytes = chunk_bytes
         m = self.manifest
         self._size = np.array([s.bytes + sum(a.bytes for a in s.aux) for s in m.shards], dtype=np.int64)
         self._local = np.array([self._is_local(i) for i in range(len(m.shards))], dtype=bool)
@@ -227,6 +403,39 @@ class Prefetcher:
         self._snap = self._local.copy()  # local shards when the batches now running began
 
     # ---- schedule -------------------------------------------------------------------------------
+    def _make_datasets(self, ranks: Sequence[int], loader_kwargs: dict[str, Any]) -> list[Any]:
+        from .loader import ShardedDataset
+
+        if not ranks:
+            raise UsageError("prefetch needs at least one rank of this node to plan for")
+        kw = dict(loader_kwargs)
+        kw.pop("staged", None)
+        return [ShardedDataset(str(self.dest), rank=r, staged=False, **kw) for r in ranks]
+
+    def config(self) -> dict[str, Any]:
+        """The plan arguments this prefetcher schedules for (:func:`loader_config` of its datasets)."""
+        return loader_config(self._datasets[0])
+
+    def replan(self, ranks: Sequence[int], loader_kwargs: dict[str, Any]) -> None:
+        """Schedule for other ranks or loader arguments from now on (stops and restarts the thread).
+
+        Local copies stay; the next pass of the thread evicts what the new schedule does not want.
+        """
+        datasets = self._make_datasets(ranks, loader_kwargs)  # may raise: keep the old plan then
+        running = self._thread is not None and self._thread.is_alive()
+        if running:
+            self._halt()
+        with self._cv, self._plan_lock:  # the order advance() and ready() take them in
+            self.ranks = list(ranks)
+            self.loader_kwargs = dict(loader_kwargs)
+            self._datasets = datasets
+            self.batches_per_epoch = len(datasets[0])
+            self._reads.clear()
+            e, d = self._now
+            self._now = (e, min(d, self.batches_per_epoch))
+        if running:
+            self.start()
+
     def _epoch_reads(self, epoch: int) -> list[list[Read]]:
         with self._plan_lock:
             return self._epoch_reads_locked(epoch)
@@ -281,12 +490,18 @@ class Prefetcher:
         return p.is_file() and not p.is_symlink()
 
     def _fetch(self, shard: int) -> None:
+        """Copy one shard (and its companion files) from SRC, hashing while copying, then rename.
+
+        Raises :class:`_StoppedError` between chunks once :meth:`close` was called; ``copy_share`` then
+        deletes the ``.partial`` file, so nothing half-written stays in DEST.
+        """
         files = tuple(files_of_shards(self.manifest, [shard]))
         lay = StreamLayout(0, files)
         c = IoCounters()
         have: set[str] = set()
-        copy_share(ShareReader(str(self.src), self.dest, lay, counters=c),
-                   StreamSink(self.dest, lay, algo=self.manifest.hash_algo, counters=c, have=have), 8 << 20)
+        copy_share(_StoppableReader(str(self.src), self.dest, lay, counters=c, stop=self._stop),
+                   StreamSink(self.dest, lay, algo=self.manifest.hash_algo, counters=c, have=have),
+                   self.chunk_bytes)
         with self._cv:
             self._local[shard] = True
             self._stats.fetched_shards += 1
@@ -315,24 +530,37 @@ class Prefetcher:
                     self._fetch(todo[0])  # one at a time, then re-plan: progress may have moved
                     continue
                 with self._cv:
-                    if self._now == (epoch, done):
+                    if self._now == (epoch, done) and not self._stop.is_set():
                         self._cv.wait(self.poll)
+        except _StoppedError:
+            pass
         except BaseException as exc:
             self._error = exc
 
     def start(self) -> Prefetcher:
+        self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="stager-prefetch", daemon=True)
         self._thread.start()
         return self
 
-    def close(self) -> None:
+    def _halt(self) -> None:
         self._stop.set()
         with self._cv:
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join()
+            self._thread = None
+
+    def close(self) -> None:
+        """Stop the thread; a fetch in progress is abandoned between chunks and its partial file deleted."""
+        self._halt()
         if self._error is not None:
             raise self._error
+
+    @property
+    def error(self) -> BaseException | None:
+        """What stopped the thread, if it failed (a fetch that could not be verified, a full disk)."""
+        return self._error
 
     def __enter__(self) -> Prefetcher:
         return self.start()
@@ -398,6 +626,12 @@ class Prefetcher:
                 return False
             time.sleep(self.poll)
         return True
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """(epoch, batches done) of the slowest rank as last given to :meth:`advance`."""
+        with self._cv:
+            return self._now
 
     def local_bytes(self) -> int:
         with self._cv:

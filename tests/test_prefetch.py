@@ -6,7 +6,10 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -154,3 +157,127 @@ def test_two_node_training_run_reads_each_sample_once(packed: Path, tmp_path: Pa
         assert st["hit_bytes"] + st["miss_bytes"] > 0 and 0.0 <= st["hit_rate"] <= 1.0
         if ahead:
             assert st["hit_rate"] == 1.0, st
+
+
+# ---- stager stage --follow: a real follower process beside real training-like processes --------------
+
+TRAINER = r'''
+import json, os, sys, time
+from stager.loader import make_loader
+from stager.prefetch import ProgressReporter, prepare_dest
+
+src, dest, rank, kw, gate = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4]), sys.argv[5]
+prepare_dest(src, dest)  # idempotent and safe beside the follower (it may not have started yet)
+loader = make_loader(dest, rank=rank, staged=False, **kw)
+out = {"epochs": []}
+with ProgressReporter(dest, loader) as progress:
+    while not os.path.exists(gate):  # the test opens the gate once the follower is fetching
+        time.sleep(0.01)
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        ids, payloads = [], []
+        for j, batch in enumerate(loader):
+            ids += batch["index"].tolist()
+            payloads += [bytes(x).hex() for x in batch["image"]]
+            time.sleep(0.03)  # the training step: time in which the follower fetches ahead
+            progress.update(epoch, j + 1)
+        out["epochs"].append({"ids": ids, "payloads": payloads})
+print(json.dumps(out))
+'''
+
+
+def _local_bytes(dest: Path) -> int:
+    """Bytes of regular files among DEST's shard entries, .partial files included (symlinks are 0)."""
+    total = 0
+    with os.scandir(dest) as it:
+        for e in it:
+            if e.name == "manifest.json" or e.name.startswith(".stager"):
+                continue
+            try:
+                if e.is_file(follow_symlinks=False):
+                    total += e.stat(follow_symlinks=False).st_size
+            except FileNotFoundError:
+                pass
+    return total
+
+
+def _sample_budget(dest: Path, stop: threading.Event, peaks: list[int]) -> None:
+    while not stop.is_set():
+        if dest.is_dir():
+            peaks.append(_local_bytes(dest))
+        time.sleep(0.002)
+
+
+def _follower(packed: Path, dest: Path, budget: int, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "stager", "stage", str(packed), str(dest), "--follow", "--budget", str(budget),
+         "--json", *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(cond: Any, proc: subprocess.Popen[str], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert proc.poll() is None, proc.communicate()[1]
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("with_flags", [True, False])
+def test_follow_beside_two_training_processes(packed: Path, tmp_path: Path, with_flags: bool) -> None:
+    """One `stager stage --follow` process and 2 ranks on one node reading DEST: budget 1/3 of the data.
+
+    with_flags: the follower is told the loader arguments and ranks; without: it learns both from
+    the ranks' progress reports. Either way the ranks start their epochs once the follower has
+    filled half the budget (a test gate: the ranks' start-up time in a real job).
+    """
+    m = load_manifest(packed)
+    budget = m.num_bytes // 3
+    kw = {"batch_size": 2, "world_size": 2, "num_workers": 2, "seed": 7, "decode": "raw"}
+    dest = tmp_path / "dest"
+    flags = ["--batch-size", "2", "--world-size", "2", "--loader-workers", "2", "--seed", "7", "--ranks", "0-1"]
+    fol = _follower(packed, dest, budget, *(flags if with_flags else []))
+    stop, peaks = threading.Event(), []
+    sampler = threading.Thread(target=_sample_budget, args=(dest, stop, peaks), daemon=True)
+    sampler.start()
+    try:
+        gate = tmp_path / "gate"
+        trainers = [subprocess.Popen([sys.executable, "-c", TRAINER, str(packed), str(dest), str(r), json.dumps(kw),
+                                      str(gate)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                    for r in range(2)]
+        _wait_for(lambda: dest.is_dir() and _local_bytes(dest) >= budget // 2, fol)
+        gate.touch()
+        outs = []
+        for p in trainers:
+            so, se = p.communicate(timeout=120)
+            assert p.returncode == 0, se
+            outs.append(json.loads(so.splitlines()[-1]))
+        fso, fse = fol.communicate(timeout=60)  # exits by itself once both ranks finished
+    finally:
+        stop.set()
+        sampler.join()
+        if fol.poll() is None:
+            fol.kill()
+    assert fol.returncode == 0, fse
+    rep = json.loads(fso)
+    assert rep["stopped"] == "finished" and rep["ranks"] == [0, 1]
+    n = m.num_samples
+    sizes = np.concatenate([s.sizes for s in m.shards])
+    read = 0
+    for epoch in range(2):
+        ids = outs[0]["epochs"][epoch]["ids"] + outs[1]["epochs"][epoch]["ids"]
+        assert sorted(ids) == list(range(n))  # every sample exactly once per epoch across the 2 ranks
+        read += int(sizes[ids].sum())
+        for o in outs:  # the bytes the loader got over DEST (local copy or symlink) are SRC's
+            e = o["epochs"][epoch]
+            for gid, hexdata in zip(e["ids"], e["payloads"], strict=True):
+                assert bytes.fromhex(hexdata) == _payload(packed, gid)
+    assert peaks and max(peaks) <= budget  # sampled every ~2 ms, .partial files included
+    assert rep["peak_local_bytes"] <= budget and rep["budget"] == budget
+    # The follower accounted every read of both ranks' 2 epochs, as a hit or a miss.
+    assert rep["hit_bytes"] + rep["miss_bytes"] == read, rep
+    assert 0.0 < rep["hit_rate"] <= 1.0 and rep["fetched_bytes"] > 0, rep
+    assert not [p for p in os.listdir(dest) if p.endswith(".partial")]
+    for s in m.shards:  # every shard entry is a verified local copy or a symlink into SRC
+        p = dest / s.name
+        assert p.is_symlink() or p.read_bytes() == (packed / s.name).read_bytes()

@@ -46,11 +46,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="--collective: what to do when the group cannot form within --timeout (default: direct)")
     p.add_argument("--chunk-size", type=int, default=8 << 20, metavar="BYTES",
                    help="--collective: bytes per node per exchange step (default 8 MiB)")
+    _add_follow_args(p)
     add_common(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.follow:
+        return _run_follow(args)
     if args.collective:
         return _run_collective(args)
     res = stage(
@@ -93,6 +96,99 @@ def _run_collective(args: argparse.Namespace) -> int:
         chunk_bytes=args.chunk_size,
         quiet=args.quiet or args.json,
     )
+    for w in res.warnings:
+        print(f"stager stage: warning: {w}", file=sys.stderr)
+    emit(args, res.to_json(), res.summary())
+    return 0
+
+
+# ---- --follow: prefetch beside training (stager/follow.py) ------------------------------------------
+# stager.loader.plan.SHUFFLE_MODES, spelled out so that `stager --help` does not import torch.
+_SHUFFLE_MODES = ("runs", "shards", "random", "none")
+
+
+def _add_follow_args(p: argparse.ArgumentParser) -> None:
+    from .pack import parse_size
+
+    g = p.add_argument_group(
+        "prefetch beside training (--follow)",
+        "One process per node beside training keeps DEST filled with the shards this node's ranks read next, "
+        "within --budget (docs/scaling.md). The ranks report progress with stager.prefetch.ProgressReporter; "
+        "the loader flags below let fetching start before the first report (the ranks' own arguments win).",
+    )
+    g.add_argument("--follow", action="store_true",
+                   help="run beside training until it finishes: fetch ahead and evict within --budget; point the "
+                   "loader at DEST with staged=False")
+    g.add_argument("--budget", type=parse_size, default=None, metavar="SIZE",
+                   help="--follow: most bytes of local copies in DEST, e.g. 40G")
+    g.add_argument("--ranks", type=_parse_ranks, default=None, metavar="LIST",
+                   help="--follow: global ranks on this node, e.g. 0-3 or 4,5 (default: --node x --ranks-per-node "
+                   "when --ranks-per-node is given, else the ranks that report)")
+    g.add_argument("--batch-size", type=int, default=None, help="--follow: the loader's batch_size (per rank)")
+    g.add_argument("--world-size", type=int, default=None, help="--follow: number of training ranks")
+    g.add_argument("--loader-workers", type=int, default=0, metavar="N",
+                   help="--follow: the loader's num_workers (default 0)")
+    g.add_argument("--shuffle", choices=_SHUFFLE_MODES, default="runs", help="--follow: the loader's shuffle mode")
+    g.add_argument("--drop-last", action="store_true", help="--follow: the loader's drop_last")
+    g.add_argument("--shuffle-buffer", type=int, default=None, metavar="N",
+                   help="--follow: the loader's shuffle_buffer (samples per worker)")
+    g.add_argument("--run-bytes", type=parse_size, default=None, metavar="SIZE",
+                   help="--follow: the loader's run_bytes")
+    g.add_argument("--pid", type=int, default=None, help="--follow: also stop when this process is gone")
+    g.add_argument("--epochs", type=int, default=None, help="--follow: stop after this many epochs")
+    g.add_argument("--poll", type=float, default=0.05, metavar="SECONDS",
+                   help="--follow: how often to read the progress files (default 0.05)")
+
+
+def _parse_ranks(text: str) -> list[int]:
+    out: list[int] = []
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.strip().partition("-")
+            out += list(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid rank list {text!r}: expected e.g. 0-3 or 0,1,4") from None
+    if not out or min(out) < 0:
+        raise argparse.ArgumentTypeError(f"invalid rank list {text!r}: expected e.g. 0-3 or 0,1,4")
+    return out
+
+
+def _run_follow(args: argparse.Namespace) -> int:
+    import os
+    import threading
+
+    from ..errors import UsageError
+    from ..follow import follow, stop_on_signals
+
+    if args.dest is None:
+        raise UsageError("--follow needs DEST (the directory the training loader reads)")
+    if args.budget is None:
+        raise UsageError("--follow needs --budget SIZE (bytes of local copies to keep, e.g. 40G)")
+    if args.collective or args.unpack or args.partition or args.shared:
+        raise UsageError("--follow cannot be combined with --collective, --unpack, --partition or --shared")
+    loader_kwargs = None
+    if args.batch_size is not None:
+        if args.world_size is None:
+            raise UsageError("--follow --batch-size also needs --world-size (the number of training ranks)")
+        loader_kwargs = {
+            "batch_size": args.batch_size, "world_size": args.world_size, "num_workers": args.loader_workers,
+            "seed": args.seed, "shuffle": args.shuffle, "drop_last": args.drop_last,
+            "shuffle_buffer": args.shuffle_buffer, "run_bytes": args.run_bytes or "auto",
+        }
+    ranks = args.ranks
+    if ranks is None and args.ranks_per_node is not None:
+        node = args.node
+        if node is None:
+            env = os.environ.get("SLURM_NODEID") or os.environ.get("GROUP_RANK")
+            if env is None:
+                raise UsageError("--ranks-per-node needs --node (or SLURM_NODEID) to name this node's ranks")
+            node = int(env)
+        ranks = list(range(node * args.ranks_per_node, (node + 1) * args.ranks_per_node))
+    stop = threading.Event()
+    with stop_on_signals(stop):
+        res = follow(args.src, args.dest, budget=args.budget, loader_kwargs=loader_kwargs, ranks=ranks,
+                     watch_pid=args.pid, epochs=args.epochs, poll=args.poll, chunk_bytes=args.chunk_size,
+                     stop=stop, lock_timeout=args.timeout if args.timeout is not None else 0.0)
     for w in res.warnings:
         print(f"stager stage: warning: {w}", file=sys.stderr)
     emit(args, res.to_json(), res.summary())

@@ -1,0 +1,269 @@
+"""``stager stage SRC DEST --follow``: keep DEST filled with what this node's ranks read next.
+
+One process per node runs beside training. It makes DEST a prefetch directory (manifest + a verified
+local copy or a symlink into SRC per shard, :func:`stager.prefetch.prepare_dest`), then polls the
+progress files the node's ranks write (:class:`stager.prefetch.ProgressReporter`) and drives a
+:class:`stager.prefetch.Prefetcher` with the slowest rank's (epoch, batches done): Belady's MIN
+within the byte budget, fetching ahead (hash while copying, ``.partial`` + fsync + rename) and
+evicting shards whose next read is furthest away or not in the lookahead at all.
+
+What is planned, and for whom:
+
+* Loader arguments: from the command line (so fetching starts while training still starts up),
+  else from the first report. Reports carry the ranks' actual plan arguments
+  (:func:`stager.prefetch.loader_config`); when they differ from the command line's, the reports
+  win (warning, re-plan): the order the ranks read is the one that matters.
+* Ranks: ``ranks`` when given, else the ranks that report (DEST is node-local, so every report in
+  it comes from this node). The position is taken once every planned rank has reported.
+
+Stops (reason in the result) when every planned rank has finished (``finished``), the done marker
+``DEST/.stager-progress/done`` exists (``done``), every reporting rank's process is gone without
+finishing (``ranks-gone``, a crashed run), the watched pid is gone (``pid-gone``), this process's
+parent is gone (``parent-gone``), ``epochs`` epochs are done (``epochs``), or on SIGTERM/SIGINT
+(``signal``). A fetch in progress is then abandoned between chunks and its ``.partial`` deleted, so
+DEST holds only verified copies and symlinks; the loader keeps reading correctly with or without a
+follower.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import UsageError
+from .lock import NodeLock, pid_alive
+from .prefetch import (
+    DONE_MARKER,
+    PROGRESS_DIR,
+    Prefetcher,
+    PrefetchStats,
+    prepare_dest,
+    read_reports,
+    remove_fetch_partials,
+)
+
+LOCK_NAME = ".stager-follow.lock"
+
+
+@dataclass
+class FollowResult:
+    """What one follower did: why it stopped, for whom it planned, and the prefetch figures."""
+
+    src: str
+    dest: str
+    budget: int
+    reason: str = ""
+    ranks: list[int] = field(default_factory=list)
+    loader_kwargs: dict[str, Any] | None = None
+    position: tuple[int, int] | None = None
+    replans: int = 0
+    seconds: float = 0.0
+    removed_partials: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    stats: PrefetchStats = field(default_factory=PrefetchStats)
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "ok": True,
+            "mode": "follow",
+            "src": self.src,
+            "dest": self.dest,
+            "stopped": self.reason,
+            "ranks": self.ranks,
+            "loader": self.loader_kwargs,
+            "position": None if self.position is None else {"epoch": self.position[0],
+                                                            "batches_done": self.position[1]},
+            "replans": self.replans,
+            "seconds": round(self.seconds, 3),
+            "removed_partials": self.removed_partials,
+            "warnings": self.warnings,
+        }
+        d.update(self.stats.to_json())
+        d["budget"] = self.budget
+        return d
+
+    def summary(self) -> str:
+        s = self.stats
+        read = s.hit_bytes + s.miss_bytes
+        return (
+            f"prefetch follower stopped ({self.reason}) after {self.seconds:.1f}s: hit rate {s.hit_rate:.1%} "
+            f"({s.hit_bytes / 1e9:.3f} of {read / 1e9:.3f} GB read locally), fetched {s.fetched_shards} shards "
+            f"({s.fetched_bytes / 1e9:.3f} GB), evicted {s.evicted_shards}, peak local "
+            f"{s.peak_local_bytes / 1e9:.3f} GB of the {self.budget / 1e9:.3f} GB budget"
+        )
+
+
+@contextlib.contextmanager
+def stop_on_signals(stop: threading.Event, signums: Sequence[int] = (signal.SIGTERM, signal.SIGINT)) -> Iterator[None]:
+    """Within the block, these signals set ``stop`` (main thread only) instead of killing the process."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.signal(s, lambda *_: stop.set()) for s in signums}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _clear_stale(dest: Path) -> None:
+    """Forget a previous run's reports (writer gone) and done marker: they are not this run's."""
+    d = dest / PROGRESS_DIR
+    d.mkdir(exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(d / DONE_MARKER)
+    host = socket.gethostname()
+    for r, rec in read_reports(dest).items():
+        if rec.get("host") == host and not pid_alive(int(rec.get("pid", 0))):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(d / f"rank{r}.json")
+
+
+def follow(
+    src: str | os.PathLike[str],
+    dest: str | os.PathLike[str],
+    *,
+    budget: int,
+    loader_kwargs: dict[str, Any] | None = None,
+    ranks: Sequence[int] | None = None,
+    watch_pid: int | None = None,
+    epochs: int | None = None,
+    poll: float = 0.05,
+    chunk_bytes: int = 8 << 20,
+    lookahead_epochs: int = 1,
+    stop: threading.Event | None = None,
+    lock_timeout: float | None = 0.0,
+) -> FollowResult:
+    """Run the follower until training ends or ``stop`` is set (see the module docstring).
+
+    ``loader_kwargs``: the training loader's plan arguments (as for ``ShardedDataset``: batch_size,
+    world_size, num_workers, seed, shuffle, drop_last, run_bytes, min_run, shuffle_buffer), or None
+    to learn them from the first report. ``ranks``: the global ranks on this node, or None to
+    learn them. One follower per DEST: a second one fails after ``lock_timeout`` seconds.
+    """
+    if budget <= 0:
+        raise UsageError(f"--budget must be > 0 bytes, got {budget}")
+    if epochs is not None and epochs < 1:
+        raise UsageError(f"--epochs must be >= 1, got {epochs}")
+    t0 = time.monotonic()
+    d = Path(dest)
+    d.mkdir(parents=True, exist_ok=True)
+    stop = stop or threading.Event()
+    parent = os.getppid()
+    host = socket.gethostname()
+    res = FollowResult(src=os.fspath(src), dest=str(d), budget=budget, loader_kwargs=loader_kwargs)
+    fixed_ranks = sorted(set(ranks)) if ranks else None
+    with NodeLock(d / LOCK_NAME, timeout=lock_timeout):
+        manifest = prepare_dest(src, d)
+        res.removed_partials = remove_fetch_partials(d, manifest)
+        _clear_stale(d)
+        pf: Prefetcher | None = None
+        seen_configs: set[str] = set()
+        known_pids: set[int] = set()
+        seen: set[int] = set()  # ranks that reported: looked up by name from then on
+        try:
+            while True:
+                # Liveness before reading: a rank that finishes writes its last report, then exits,
+                # so a pid dead before this read has its final report in this read.
+                dead = {pid for pid in known_pids if not pid_alive(pid)}
+                reports = read_reports(d, set(fixed_ranks or ()) | set(seen))
+                seen.update(reports)
+                known_pids = {int(rec.get("pid", 0)) for rec in reports.values() if rec.get("host") == host}
+                plan_ranks = fixed_ranks or sorted(reports)
+                cfg = loader_kwargs
+                reported = [reports[r]["config"] for r in sorted(reports) if reports[r].get("config")]
+                if reported:
+                    cfg = reported[0]
+                    for other in reported[1:]:
+                        if other != cfg and repr(other) not in seen_configs:
+                            seen_configs.add(repr(other))
+                            res.warnings.append(f"ranks report different loader arguments: {other} vs {cfg}")
+                if plan_ranks and cfg is not None:
+                    if pf is None:
+                        pf = Prefetcher(src, d, budget=budget, ranks=plan_ranks, loader_kwargs=cfg,
+                                        lookahead_epochs=lookahead_epochs, chunk_bytes=chunk_bytes).start()
+                        if reported and loader_kwargs is not None and pf.config() != _resolved(pf, loader_kwargs):
+                            res.warnings.append(f"the ranks' loader arguments {cfg} differ from the command "
+                                                f"line's {loader_kwargs}; following the ranks")
+                    elif plan_ranks != pf.ranks or (reported and cfg != pf.config()):
+                        if reported and cfg != pf.config():
+                            res.warnings.append(f"the ranks' loader arguments {cfg} differ from the planned "
+                                                f"{pf.config()}; re-planned")
+                        pf.replan(plan_ranks, cfg)
+                        res.replans += 1
+                    res.ranks, res.loader_kwargs = list(pf.ranks), dict(cfg)
+                    if all(r in reports for r in plan_ranks):
+                        first = res.position is None
+                        res.position = min((int(reports[r]["epoch"]), int(reports[r]["done"])) for r in plan_ranks)
+                        pf.advance(*res.position)
+                        if first:  # judge the batch about to run by what is local now, if all of it is
+                            pf.ready(*pf.position)
+                    if pf.error is not None:
+                        raise pf.error
+                res.reason = _stop_reason(d, reports=reports, plan_ranks=plan_ranks, position=res.position,
+                                          pf=pf, stop=stop, host=host, dead=dead, watch_pid=watch_pid, parent=parent,
+                                          epochs=epochs)
+                if res.reason:
+                    break
+                stop.wait(poll)
+        finally:
+            if pf is not None:
+                with contextlib.suppress(Exception):
+                    pf.close()  # re-raises a thread error that the loop above already raised
+                res.stats = pf.stats()
+    res.stats.budget = budget
+    res.seconds = time.monotonic() - t0
+    return res
+
+
+def _resolved(pf: Prefetcher, loader_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``loader_kwargs`` with "auto" settings resolved as the loader resolves them on DEST."""
+    from .loader import ShardedDataset
+    from .prefetch import loader_config
+
+    kw = {k: v for k, v in loader_kwargs.items() if k != "staged"}
+    return loader_config(ShardedDataset(str(pf.dest), rank=pf.ranks[0], staged=False, **kw))
+
+
+def _stop_reason(
+    dest: Path,
+    *,
+    reports: dict[int, dict[str, Any]],
+    plan_ranks: list[int],
+    position: tuple[int, int] | None,
+    pf: Prefetcher | None,
+    stop: threading.Event,
+    host: str,
+    dead: set[int],
+    watch_pid: int | None,
+    parent: int,
+    epochs: int | None,
+) -> str:
+    if stop.is_set():
+        return "signal"
+    if (dest / PROGRESS_DIR / DONE_MARKER).exists():
+        return "done"
+    mine = [reports[r] for r in plan_ranks if r in reports]
+    if plan_ranks and len(mine) == len(plan_ranks) and all(rec.get("finished") for rec in mine):
+        return "finished"
+    if reports and all(rec.get("finished") or (rec.get("host") == host and int(rec.get("pid", 0)) in dead)
+                       for rec in reports.values()):
+        return "ranks-gone"
+    if watch_pid is not None and not pid_alive(watch_pid):
+        return "pid-gone"
+    if os.getppid() != parent:
+        return "parent-gone"
+    if epochs is not None and position is not None and pf is not None:
+        e, b = position
+        if e >= epochs or (e == epochs - 1 and b >= pf.batches_per_epoch):
+            return "epochs"
+    return ""
