@@ -42,7 +42,7 @@ MANIFEST = fuzz.valid_manifest()
 RECEIPT = fuzz.valid_receipt()
 
 
-def prop(row: str, strategy: st.SearchStrategy[Any], check: Callable[[Any, Path], None]) -> None:
+def prop(row: str, strategy: st.SearchStrategy[Any], check: Callable[[Any, Path], object]) -> None:
     """Run ``check`` on hypothesis examples in a scratch dir; StagerError counts as a clean refusal.
     Records the example count once every example has passed."""
     count = [0, 0]

@@ -139,7 +139,7 @@ def reframe_records(payloads: list[bytes]) -> bytes:
 def record_payloads(data: bytes) -> list[bytes]:
     from stager.formats.record import iter_records
 
-    return [p for _, p in iter_records(io.BytesIO(data), len(data), "seed")]  # type: ignore[arg-type]
+    return [p for _, p in iter_records(io.BytesIO(data), len(data), "seed")]
 
 
 def valid_manifest() -> bytes:
@@ -334,8 +334,8 @@ def run(per_parser: int, seed: int = 0) -> dict[str, dict[str, Any]]:
         tmp = Path(d)
         for name, (trial, gen) in parsers().items():
             rng = random.Random(f"{seed}/{name}")
-            res = {"trials": 0, "ok": 0, "refused": 0, "crashed": 0, "max_read_over_size": 0, "examples": [],
-                   "seconds": 0.0}
+            res: dict[str, Any] = {"trials": 0, "ok": 0, "refused": 0, "crashed": 0, "max_read_over_size": 0,
+                                   "examples": [], "seconds": 0.0}
             t0 = time.perf_counter()
             for _ in range(per_parser):
                 data = gen(rng)

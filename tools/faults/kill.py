@@ -271,7 +271,7 @@ TRAIN_ARGS = ["--arch", "resnet18", "--width", "8", "--image-size", "32", "--bat
 def read_step_records(path: Path) -> list[dict[str, Any]]:
     """Records of ``--dump-keys`` in write order. A kill can tear the last line of a run; the next run
     appends to it, so a line may hold a torn prefix followed by a whole record."""
-    out = []
+    out: list[dict[str, Any]] = []
     if not path.exists():
         return out
     for line in path.read_text(errors="replace").splitlines():
