@@ -14,7 +14,11 @@ What is planned, and for whom:
   (:func:`stager.prefetch.loader_config`); when they differ from the command line's, the reports
   win (warning, re-plan): the order the ranks read is the one that matters.
 * Ranks: ``ranks`` when given, else the ranks that report (DEST is node-local, so every report in
-  it comes from this node). The position is taken once every planned rank has reported.
+  it comes from this node). Each rank is scheduled from its own reported position and its hits
+  and misses are counted from the first position the follower saw.
+
+While running it writes ``DEST/.stager-progress/follower.json`` (ranks observed, slowest position,
+figures so far) when the set of observed ranks changes and every second, for monitoring.
 
 Stops (reason in the result) when every planned rank has finished (``finished``), the done marker
 ``DEST/.stager-progress/done`` exists (``done``), every reporting rank's process is gone without
@@ -28,6 +32,7 @@ follower.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -51,6 +56,8 @@ from .prefetch import (
 )
 
 LOCK_NAME = ".stager-follow.lock"
+STATUS_NAME = "follower.json"
+STATUS_INTERVAL = 1.0
 
 
 @dataclass
@@ -170,6 +177,8 @@ def follow(
         seen_configs: set[str] = set()
         known_pids: set[int] = set()
         seen: set[int] = set()  # ranks that reported: looked up by name from then on
+        observed: set[int] = set()  # ranks whose position the prefetcher has (counted from there)
+        last_status: tuple[set[int], float] = (set(), 0.0)
         try:
             while True:
                 # Liveness before reading: a rank that finishes writes its last report, then exits,
@@ -190,7 +199,8 @@ def follow(
                 if plan_ranks and cfg is not None:
                     if pf is None:
                         pf = Prefetcher(src, d, budget=budget, ranks=plan_ranks, loader_kwargs=cfg,
-                                        lookahead_epochs=lookahead_epochs, chunk_bytes=chunk_bytes).start()
+                                        lookahead_epochs=lookahead_epochs, chunk_bytes=chunk_bytes,
+                                        baseline=False).start()
                         if reported and loader_kwargs is not None and pf.config() != _resolved(pf, loader_kwargs):
                             res.warnings.append(f"the ranks' loader arguments {cfg} differ from the command "
                                                 f"line's {loader_kwargs}; following the ranks")
@@ -201,12 +211,12 @@ def follow(
                         pf.replan(plan_ranks, cfg)
                         res.replans += 1
                     res.ranks, res.loader_kwargs = list(pf.ranks), dict(cfg)
+                    for r in plan_ranks:
+                        if r in reports:
+                            pf.advance(int(reports[r]["epoch"]), int(reports[r]["done"]), rank=r)
+                            observed.add(r)
                     if all(r in reports for r in plan_ranks):
-                        first = res.position is None
-                        res.position = min((int(reports[r]["epoch"]), int(reports[r]["done"])) for r in plan_ranks)
-                        pf.advance(*res.position)
-                        if first:  # judge the batch about to run by what is local now, if all of it is
-                            pf.ready(*pf.position)
+                        res.position = pf.position
                     if pf.error is not None:
                         raise pf.error
                 res.reason = _stop_reason(d, reports=reports, plan_ranks=plan_ranks, position=res.position,
@@ -214,6 +224,9 @@ def follow(
                                           epochs=epochs)
                 if res.reason:
                     break
+                if observed != last_status[0] or time.monotonic() - last_status[1] >= STATUS_INTERVAL:
+                    _write_status(d, res, pf, sorted(observed))
+                    last_status = (set(observed), time.monotonic())
                 stop.wait(poll)
         finally:
             if pf is not None:
@@ -223,6 +236,16 @@ def follow(
     res.stats.budget = budget
     res.seconds = time.monotonic() - t0
     return res
+
+
+def _write_status(dest: Path, res: FollowResult, pf: Prefetcher | None, observed: list[int]) -> None:
+    """``DEST/.stager-progress/follower.json``: what the follower plans for and its figures so far."""
+    rec = {"pid": os.getpid(), "time": time.time(), "ranks": res.ranks, "observed": observed,
+           "position": res.position, "stats": pf.stats().to_json() if pf is not None else None}
+    d = dest / PROGRESS_DIR
+    tmp = d / f".{STATUS_NAME}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(rec) + "\n")
+    os.replace(tmp, d / STATUS_NAME)
 
 
 def _resolved(pf: Prefetcher, loader_kwargs: dict[str, Any]) -> dict[str, Any]:

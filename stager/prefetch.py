@@ -354,6 +354,34 @@ class _StoppableReader(ShareReader):
         return super().fill(view)
 
 
+@dataclass(frozen=True)
+class EpochReads:
+    """The node's shard reads of one epoch as parallel int64 arrays of shape (reads,).
+
+    ``rank``: index into :attr:`Prefetcher.ranks`; ``batch``: the rank's batch whose loading
+    makes the read; ``shard``; ``nbytes``: payload bytes read from it.
+    """
+
+    rank: np.ndarray
+    batch: np.ndarray
+    shard: np.ndarray
+    nbytes: np.ndarray
+
+    @classmethod
+    def of(cls, per_rank: Sequence[Sequence[Read]]) -> EpochReads:
+        rank = np.concatenate([np.full(len(r), i, dtype=np.int64) for i, r in enumerate(per_rank)])
+        flat = [x for r in per_rank for x in r]
+        return cls(
+            rank=rank,
+            batch=np.array([x.batch for x in flat], dtype=np.int64),
+            shard=np.array([x.shard for x in flat], dtype=np.int64),
+            nbytes=np.array([x.bytes for x in flat], dtype=np.int64),
+        )
+
+
+NEVER = np.iinfo(np.int64).max
+
+
 class Prefetcher:
     """Keeps the shards this node needs soonest on local disk, within ``budget`` bytes.
 
@@ -361,6 +389,12 @@ class Prefetcher:
     (batch_size, world_size, num_workers, seed, shuffle, drop_last, run_bytes, ...). ``ranks``:
     the global ranks running on this node. Use as a context manager (starts/stops the thread), call
     :meth:`advance` after every batch, read :meth:`stats` at the end.
+
+    Each rank has its own position (epoch, batches done): a shard's next use is the earliest read
+    of any rank at or after that rank's position, within ``lookahead_epochs`` epochs past it.
+    Hits and misses are counted per rank from its first known position (``baseline=True``: from
+    (0, 0) at construction, as for a training loop in this process; ``False``: from the rank's
+    first :meth:`advance`, as for a follower that may start after training did).
     """
 
     def __init__(
@@ -374,6 +408,7 @@ class Prefetcher:
         lookahead_epochs: int = 1,
         poll: float = 0.02,
         chunk_bytes: int = 8 << 20,
+        baseline: bool = True,
     ) -> None:
         if budget <= 0:
             raise UsageError(f"prefetch budget must be > 0 bytes, got {budget}")
@@ -392,15 +427,18 @@ class Prefetcher:
         self._size = np.array([s.bytes + sum(a.bytes for a in s.aux) for s in m.shards], dtype=np.int64)
         self._local = np.array([self._is_local(i) for i in range(len(m.shards))], dtype=bool)
         self._stats = PrefetchStats(budget=budget)
-        self._reads: dict[int, list[list[Read]]] = {}  # epoch -> reads grouped by batch
-        self._now = (0, 0)  # (epoch, batches done) of the slowest rank on this node
+        self._reads: dict[int, EpochReads] = {}
+        # Per rank (index into self.ranks): position (epoch, batches done) that the schedule starts
+        # from, whether hits are counted from it yet, and the local shards when its batch began.
+        self._pos = [(0, 0)] * len(self.ranks)
+        self._counted = [baseline] * len(self.ranks)
         self._cv = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._stats.peak_local_bytes = int(self._size[self._local].sum())
         self._plan_lock = threading.Lock()
-        self._snap = self._local.copy()  # local shards when the batches now running began
+        self._snap = [self._local.copy() for _ in self.ranks]
 
     # ---- schedule -------------------------------------------------------------------------------
     def _make_datasets(self, ranks: Sequence[int], loader_kwargs: dict[str, Any]) -> list[Any]:
@@ -419,64 +457,66 @@ class Prefetcher:
     def replan(self, ranks: Sequence[int], loader_kwargs: dict[str, Any]) -> None:
         """Schedule for other ranks or loader arguments from now on (stops and restarts the thread).
 
-        Local copies stay; the next pass of the thread evicts what the new schedule does not want.
+        Ranks kept keep their positions and counts; a new rank is scheduled from the slowest known
+        position and counted from its first :meth:`advance`. Local copies stay; the next pass of
+        the thread evicts what the new schedule does not want.
         """
         datasets = self._make_datasets(ranks, loader_kwargs)  # may raise: keep the old plan then
         running = self._thread is not None and self._thread.is_alive()
         if running:
             self._halt()
         with self._cv, self._plan_lock:  # the order advance() and ready() take them in
+            old = {r: i for i, r in enumerate(self.ranks)}
+            slowest = min(self._pos) if self._pos else (0, 0)
+            self._pos = [self._pos[old[r]] if r in old else slowest for r in ranks]
+            self._counted = [self._counted[old[r]] if r in old else False for r in ranks]
+            self._snap = [self._snap[old[r]] if r in old else self._local.copy() for r in ranks]
             self.ranks = list(ranks)
             self.loader_kwargs = dict(loader_kwargs)
             self._datasets = datasets
             self.batches_per_epoch = len(datasets[0])
             self._reads.clear()
-            e, d = self._now
-            self._now = (e, min(d, self.batches_per_epoch))
         if running:
             self.start()
 
-    def _epoch_reads(self, epoch: int) -> list[list[Read]]:
+    def _epoch_reads(self, epoch: int) -> EpochReads:
         with self._plan_lock:
-            return self._epoch_reads_locked(epoch)
+            got = self._reads.get(epoch)
+            if got is None:
+                got = EpochReads.of([rank_reads(ds, epoch) for ds in self._datasets])
+                self._reads[epoch] = got
+                lo = min(e for e, _ in self._pos) if self._pos else epoch
+                for old in [e for e in self._reads if e < lo]:
+                    del self._reads[old]
+            return got
 
-    def _epoch_reads_locked(self, epoch: int) -> list[list[Read]]:
-        got = self._reads.get(epoch)
-        if got is None:
-            per_batch: list[list[Read]] = [[] for _ in range(self.batches_per_epoch)]
-            for ds in self._datasets:
-                for r in rank_reads(ds, epoch):
-                    per_batch[r.batch].append(r)
-            got = per_batch
-            self._reads[epoch] = got
-            for old in [e for e in self._reads if e < epoch - 1]:
-                del self._reads[old]
-        return got
+    def next_uses(self, positions: Sequence[tuple[int, int]] | None = None) -> np.ndarray:
+        """Per shard, the global batch (epoch * batches + batch) of its next read, or ``NEVER``.
 
-    def next_uses(self, epoch: int, done: int) -> np.ndarray:
-        """Per shard, the global batch (epoch * batches + batch) of its next read, or a huge number."""
-        never = np.iinfo(np.int64).max
-        nxt = np.full(len(self.manifest.shards), never, dtype=np.int64)
+        ``positions``: per rank (epoch, batches done); default: the ranks' current positions.
+        """
+        pos = list(self._pos) if positions is None else list(positions)
         bpe = self.batches_per_epoch
-        for e in range(epoch, epoch + 1 + self.lookahead_epochs):
-            reads = self._epoch_reads(e)
-            start = done if e == epoch else 0
-            for j in range(start, bpe):
-                t = e * bpe + j
-                for r in reads[j]:
-                    if nxt[r.shard] == never:
-                        nxt[r.shard] = t
+        nxt = np.full(len(self.manifest.shards), NEVER, dtype=np.int64)
+        start = np.array([e * bpe + d for e, d in pos], dtype=np.int64)
+        stop = np.array([(e + 1 + self.lookahead_epochs) * bpe for e, _ in pos], dtype=np.int64)
+        for e in range(min(e for e, _ in pos), max(e for e, _ in pos) + 1 + self.lookahead_epochs):
+            er = self._epoch_reads(e)
+            t = e * bpe + er.batch
+            ok = (t >= start[er.rank]) & (t < stop[er.rank])
+            np.minimum.at(nxt, er.shard[ok], t[ok])
         return nxt
 
-    def wanted(self, epoch: int, done: int) -> np.ndarray:
+    def wanted(self, positions: Sequence[tuple[int, int]] | None = None) -> np.ndarray:
         """Shards to hold now: soonest next use first, as many as fit the budget (Belady's MIN)."""
-        nxt = self.next_uses(epoch, done)
+        return self._wanted(self.next_uses(positions))
+
+    def _wanted(self, nxt: np.ndarray) -> np.ndarray:
         order = np.argsort(nxt, kind="stable")
         keep = np.zeros(len(nxt), dtype=bool)
         used = 0
-        never = np.iinfo(np.int64).max
         for i in order.tolist():
-            if nxt[i] == never:
+            if nxt[i] == NEVER:
                 break
             if used + int(self._size[i]) > self.budget:
                 break  # strictly by next use: nothing later may jump the queue
@@ -492,8 +532,8 @@ class Prefetcher:
     def _fetch(self, shard: int) -> None:
         """Copy one shard (and its companion files) from SRC, hashing while copying, then rename.
 
-        Raises :class:`_StoppedError` between chunks once :meth:`close` was called; ``copy_share`` then
-        deletes the ``.partial`` file, so nothing half-written stays in DEST.
+        Raises :class:`_StoppedError` between chunks once :meth:`close` was called; ``copy_share``
+        then deletes the ``.partial`` file, so nothing half-written stays in DEST.
         """
         files = tuple(files_of_shards(self.manifest, [shard]))
         lay = StreamLayout(0, files)
@@ -520,17 +560,17 @@ class Prefetcher:
         try:
             while not self._stop.is_set():
                 with self._cv:
-                    epoch, done = self._now
-                keep = self.wanted(epoch, done)
+                    pos = list(self._pos)
+                nxt = self.next_uses(pos)
+                keep = self._wanted(nxt)
                 for i in np.flatnonzero(self._local & ~keep).tolist():
                     self._evict(i)
-                nxt = self.next_uses(epoch, done)
                 todo = [i for i in np.argsort(nxt, kind="stable").tolist() if keep[i] and not self._local[i]]
                 if todo:
                     self._fetch(todo[0])  # one at a time, then re-plan: progress may have moved
                     continue
                 with self._cv:
-                    if self._now == (epoch, done) and not self._stop.is_set():
+                    if self._pos == pos and not self._stop.is_set():
                         self._cv.wait(self.poll)
         except _StoppedError:
             pass
@@ -569,51 +609,66 @@ class Prefetcher:
         self.close()
 
     # ---- progress and accounting ----------------------------------------------------------------
-    def advance(self, epoch: int, batches_done: int) -> None:
-        """This node's ranks have finished ``batches_done`` batches of ``epoch`` (call after each batch).
+    def advance(self, epoch: int, batches_done: int, rank: int | None = None) -> None:
+        """``rank`` (default: every rank of the node) finished ``batches_done`` batches of ``epoch``.
 
-        Accounts the reads of the batches just finished as hits or misses by the local state at the
-        previous call (when they began; conservative for a shard fetched mid-batch), then lets the
-        thread re-plan.
+        Call after each batch. Counts the reads of the batches just finished as hits or misses by
+        the local state at the rank's previous call (when they began; conservative for a shard
+        fetched mid-batch), then lets the thread re-plan. Positions never move backwards.
         """
         if batches_done >= self.batches_per_epoch:  # the end of an epoch is the start of the next
             epoch, batches_done = epoch + 1, 0
+        new = (epoch, batches_done)
         with self._cv:
-            e0, d0 = self._now
-            if (epoch, batches_done) <= (e0, d0):
-                return
-            for e in range(e0, epoch + 1):
-                lo = d0 if e == e0 else 0
-                hi = batches_done if e == epoch else self.batches_per_epoch
-                self._account(e, lo, hi)
-            self._now = (epoch, batches_done)
-            self._snap = self._local.copy()
-            self._cv.notify_all()
-
-    def _account(self, epoch: int, lo: int, hi: int) -> None:
-        reads = self._epoch_reads(epoch)
-        pe = self._stats.per_epoch.setdefault(epoch, {"hit_bytes": 0, "miss_bytes": 0})
-        for j in range(lo, min(hi, self.batches_per_epoch)):
-            for r in reads[j]:
-                if self._snap[r.shard]:
-                    self._stats.hit_bytes += r.bytes
-                    self._stats.hit_reads += 1
-                    pe["hit_bytes"] += r.bytes
+            idx = range(len(self.ranks)) if rank is None else [self.ranks.index(rank)]
+            moved = False
+            for i in idx:
+                if not self._counted[i]:
+                    self._counted[i] = True
+                elif new <= self._pos[i]:
+                    continue
                 else:
-                    self._stats.miss_bytes += r.bytes
-                    self._stats.miss_reads += 1
-                    pe["miss_bytes"] += r.bytes
+                    self._account(i, self._pos[i], new)
+                self._pos[i] = new
+                self._snap[i] = self._local.copy()
+                moved = True
+            if moved:
+                self._cv.notify_all()
+
+    def _account(self, i: int, frm: tuple[int, int], to: tuple[int, int]) -> None:
+        snap = self._snap[i]
+        st = self._stats
+        for e in range(frm[0], to[0] + 1):
+            lo = frm[1] if e == frm[0] else 0
+            hi = to[1] if e == to[0] else self.batches_per_epoch
+            if lo >= hi:
+                continue
+            er = self._epoch_reads(e)
+            sel = (er.rank == i) & (er.batch >= lo) & (er.batch < hi)
+            hit = snap[er.shard[sel]]
+            nb = er.nbytes[sel]
+            hb, mb = int(nb[hit].sum()), int(nb[~hit].sum())
+            st.hit_bytes += hb
+            st.miss_bytes += mb
+            st.hit_reads += int(hit.sum())
+            st.miss_reads += int((~hit).sum())
+            pe = st.per_epoch.setdefault(e, {"hit_bytes": 0, "miss_bytes": 0})
+            pe["hit_bytes"] += hb
+            pe["miss_bytes"] += mb
 
     def ready(self, epoch: int, batch: int) -> bool:
         """True when every shard batch ``batch`` of ``epoch`` reads on this node is local.
 
-        When that batch is the next one to run (``(epoch, batch)`` is the last :meth:`advance`),
-        its hits are judged from now on: the caller waited for it, so its reads come after this.
+        For a rank about to run that batch (its position is ``(epoch, batch)``), hits are judged
+        from now on: the caller waited for it, so its reads come after this.
         """
+        er = self._epoch_reads(epoch)
         with self._cv:
-            ok = all(self._local[r.shard] for r in self._epoch_reads(epoch)[batch])
-            if ok and (epoch, batch) == self._now:
-                self._snap = self._local.copy()
+            ok = bool(self._local[er.shard[er.batch == batch]].all())
+            if ok:
+                for i, p in enumerate(self._pos):
+                    if p == (epoch, batch):
+                        self._snap[i] = self._local.copy()
             return ok
 
     def wait_ready(self, epoch: int, batch: int, timeout: float) -> bool:
@@ -629,9 +684,9 @@ class Prefetcher:
 
     @property
     def position(self) -> tuple[int, int]:
-        """(epoch, batches done) of the slowest rank as last given to :meth:`advance`."""
+        """(epoch, batches done) of the slowest rank of the node."""
         with self._cv:
-            return self._now
+            return min(self._pos)
 
     def local_bytes(self) -> int:
         with self._cv:

@@ -208,6 +208,14 @@ def _sample_budget(dest: Path, stop: threading.Event, peaks: list[int]) -> None:
         time.sleep(0.002)
 
 
+def _observed(dest: Path) -> list[int]:
+    """The ranks whose position the follower has, from its status file (counted from there)."""
+    try:
+        return list(json.loads((dest / ".stager-progress" / "follower.json").read_text())["observed"])
+    except (OSError, ValueError):
+        return []
+
+
 def _follower(packed: Path, dest: Path, budget: int, *extra: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "stager", "stage", str(packed), str(dest), "--follow", "--budget", str(budget),
@@ -229,7 +237,8 @@ def test_follow_beside_two_training_processes(packed: Path, tmp_path: Path, with
 
     with_flags: the follower is told the loader arguments and ranks; without: it learns both from
     the ranks' progress reports. Either way the ranks start their epochs once the follower has
-    filled half the budget (a test gate: the ranks' start-up time in a real job).
+    filled half the budget and seen both ranks (a test gate: the ranks' start-up time in a real job),
+    so that its hit/miss account covers every read of both ranks.
     """
     m = load_manifest(packed)
     budget = m.num_bytes // 3
@@ -245,7 +254,7 @@ def test_follow_beside_two_training_processes(packed: Path, tmp_path: Path, with
         trainers = [subprocess.Popen([sys.executable, "-c", TRAINER, str(packed), str(dest), str(r), json.dumps(kw),
                                       str(gate)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                     for r in range(2)]
-        _wait_for(lambda: dest.is_dir() and _local_bytes(dest) >= budget // 2, fol)
+        _wait_for(lambda: _observed(dest) == [0, 1] and _local_bytes(dest) >= budget // 2, fol)
         gate.touch()
         outs = []
         for p in trainers:
