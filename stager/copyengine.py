@@ -35,7 +35,7 @@ from .checksum import Hasher
 SYNC_FILE_RANGE_WAIT_BEFORE = 1
 SYNC_FILE_RANGE_WRITE = 2
 SYNC_FILE_RANGE_WAIT_AFTER = 4
-DEFAULT_WINDOW = 32 << 20  # dirty bytes one stream may hold before it waits for its oldest write-back
+DEFAULT_WINDOW = 64 << 20  # dirty bytes one stream may hold before it waits for its oldest write-back
 
 
 @dataclass(frozen=True)

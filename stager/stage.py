@@ -41,16 +41,16 @@ import stat
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
 from . import lustre
-from .atomicio import atomic_write_bytes, fsync_dir, space_error
+from .atomicio import atomic_write_bytes, commit_partial, fsync_dir, partial_path, space_error
 from .checksum import new_hasher
-from .copyengine import CopyTuning, WriteBehind, copy_hashed
+from .copyengine import CopyTuning, WriteBehind, copy_hashed, write_all
 from .errors import (
     DestinationError,
     OutOfSpaceError,
@@ -65,7 +65,7 @@ from .lock import NodeLock
 from .manifest import MANIFEST_NAME, Manifest, dataset_root, manifest_path
 from .partition import assign_shards_to_nodes
 from .progress import Progress
-from .receipt import RECEIPT_NAME, STAGING_ROOT_VARS, Receipt, load_receipt
+from .receipt import RECEIPT_NAME, STAGING_ROOT_VARS, Receipt, chgrp_quiet, load_receipt, source_access
 from .world import World, parse_tasks_per_node
 
 THROTTLE_ENV = "STAGER_TEST_THROTTLE_BPS"
@@ -382,13 +382,25 @@ class Journal:
                     self.files[rec["f"]] = rec["b"]
                 elif isinstance(rec.get("u"), str):
                     self.unpacked.add(rec["u"])
-        if not valid:
-            atomic_write_bytes(path, (json.dumps({"journal": 1, "digest": digest}) + "\n").encode(), mode=0o600)
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        self._digest = digest
+        # A fresh header is written (atomically, fsynced) by the first append or by close(), not here:
+        # during a copy that is a finisher thread, so its two fsyncs overlap the copy streams. Until
+        # then an old journal stays as it was; it does not match the digest, so it is ignored.
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND) if valid else -1
+
+    def _open(self) -> int:
+        """The append fd, writing a fresh header first if needed (call with ``_lock`` held)."""
+        if self._fd == -2:
+            raise ValueError(f"{self.path}: journal already closed")
+        if self._fd < 0:
+            header = (json.dumps({"journal": 1, "digest": self._digest}) + "\n").encode()
+            atomic_write_bytes(self.path, header, mode=0o600)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        return self._fd
 
     def _append(self, rec: dict[str, Any]) -> None:
         with self._lock:
-            os.write(self._fd, (json.dumps(rec) + "\n").encode())
+            os.write(self._open(), (json.dumps(rec) + "\n").encode())
 
     def add_file(self, name: str, nbytes: int) -> None:
         self._append({"f": name, "b": nbytes})
@@ -399,9 +411,12 @@ class Journal:
         self.unpacked.add(shard)
 
     def close(self) -> None:
+        with self._lock:
+            fd = self._open()
+            self._fd = -2  # closed: a later append fails instead of silently recreating the header
         with contextlib.suppress(OSError):
-            os.fsync(self._fd)
-        os.close(self._fd)
+            os.fsync(fd)
+        os.close(fd)
 
 
 # ---- copying ----------------------------------------------------------------------------------------
@@ -447,7 +462,8 @@ class _Copier:
         # Bounds the verified copies waiting for a finisher (each holds an open fd).
         self._pending = threading.BoundedSemaphore(max(1, self.tuning.sync_threads) + workers)
 
-    def run(self, tasks: list[FileTask]) -> None:
+    def run(self, tasks: list[FileTask], meanwhile: Callable[[], None] | None = None) -> None:
+        """Copy ``tasks``; ``meanwhile()`` runs on the calling thread while the streams copy."""
         self._tasks = tasks
         if self.tuning.sync_threads > 0:
             self._finishers = ThreadPoolExecutor(self.tuning.sync_threads, thread_name_prefix="stage-sync")
@@ -456,6 +472,11 @@ class _Copier:
         try:
             for t in threads:
                 t.start()
+            if meanwhile is not None:
+                try:
+                    meanwhile()
+                except BaseException as exc:
+                    self._fail(exc)
             for t in threads:
                 t.join()
         finally:
@@ -528,7 +549,7 @@ class _Copier:
                     "damaged: restore it or re-pack (no copy kept)"
                 )
         except BaseException as exc:
-            self._discard(fd, tmp, final, exc)
+            _discard_partial(fd, tmp, final, exc)
         done = _Verified(task, fd, tmp, final, mode, gid)
         if self._finishers is None:
             self._finish(done)
@@ -538,7 +559,7 @@ class _Copier:
             self._finishers.submit(self._finish_async, done)
         except BaseException as exc:
             self._pending.release()
-            self._discard(fd, tmp, final, exc)
+            _discard_partial(fd, tmp, final, exc)
 
     def _finish_async(self, done: _Verified) -> None:
         try:
@@ -568,26 +589,50 @@ class _Copier:
             fd = -1
             os.replace(tmp, final)
         except BaseException as exc:
-            self._discard(fd, tmp, final, exc)
+            _discard_partial(fd, tmp, final, exc)
         self.journal.add_file(task.name, task.bytes)
         with self._lock:
             self.copied += 1
             self.bytes += task.bytes
         self.progress.update(1, 0)
 
-    @staticmethod
-    def _discard(fd: int, tmp: Path, final: Path, exc: BaseException) -> NoReturn:
-        """Close ``fd`` (if open), remove ``tmp`` and re-raise ``exc`` (disk-full errors made one-line)."""
-        if fd >= 0:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        if isinstance(exc, OSError) and not isinstance(exc, StagerError):
-            err = space_error(exc, final)
-            if err is not None:
-                raise err from exc
-        raise exc
+
+
+def _discard_partial(fd: int, tmp: Path, final: Path, exc: BaseException) -> NoReturn:
+    """Close ``fd`` (if open), remove ``tmp`` and re-raise ``exc`` (disk-full errors made one-line)."""
+    if fd >= 0:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    if isinstance(exc, OSError) and not isinstance(exc, StagerError):
+        err = space_error(exc, final)
+        if err is not None:
+            raise err from exc
+    raise exc
+
+
+def _write_partial(final: Path, data: bytes, mode: int) -> Path:
+    """Write ``data`` to a fsynced ``<final>.<uuid>.partial`` with ``mode``; return its path (not renamed)."""
+    tmp = partial_path(final)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+    try:
+        write_all(fd, memoryview(data))
+        os.fchmod(fd, mode)
+        os.fsync(fd)
+    except BaseException as exc:
+        _discard_partial(fd, tmp, final, exc)
+    os.close(fd)
+    return tmp
+
+
+def _manifest_mode(plan: StagePlan) -> int:
+    """The staged manifest's mode: the source manifest's, masked like the shards' (0o644 for URLs)."""
+    if "://" in plan.src_root:
+        return 0o644
+    with contextlib.suppress(OSError):
+        return (stat.S_IMODE(os.stat(manifest_path(plan.source)).st_mode) & 0o644) | 0o600
+    return 0o644
 
 
 class _CancelledError(Exception):
@@ -797,26 +842,40 @@ def _stage_locked(plan: StagePlan, result: StageResult, *, t0: float, workers: i
             raise UsageError(f"--workers must be >= 1, got {nworkers}")
         result.ordering, result.workers, result.block_size = how, nworkers, block
         tar_stream_only = plan.unpack == "only" and m.format == "tar"
+        # The manifest, verbatim (it is what makes DEST a packed directory for the loader): written and
+        # fsynced by the main thread while the streams copy, renamed only once every shard is in
+        # place, so a failed run never leaves a manifest that promises missing shards.
+        mpath = dest / MANIFEST_NAME
+        mtmp: list[Path | None] = [None]
+
+        def prepare_manifest() -> None:
+            if mtmp[0] is None and _read_quiet(mpath) != plan.manifest_bytes:
+                tmp = _write_partial(mpath, plan.manifest_bytes, _manifest_mode(plan))
+                chgrp_quiet(tmp, source_access(manifest_path(plan.source))[1])  # the source's group
+                mtmp[0] = tmp
+
         if not tar_stream_only and ordered:
             progress = Progress("stage", total_items=len(ordered), total_bytes=sum(t.bytes for t in ordered),
                                 unit="files", quiet=quiet)
             copier = _Copier(plan, block=block, workers=nworkers, journal=journal, progress=progress,
                              warnings=result.warnings, tuning=tuning)
             try:
-                copier.run(ordered)
+                copier.run(ordered, meanwhile=prepare_manifest)
+                if mtmp[0] is not None:
+                    os.replace(mtmp[0], mpath)
+                    mtmp[0] = None
             finally:
+                if mtmp[0] is not None:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(mtmp[0])
                 if copier.copied:
-                    fsync_dir(dest)
+                    fsync_dir(dest)  # one directory fsync for every rename above
                 progress.close()
             result.files_copied, result.bytes_copied = copier.copied, copier.bytes
-        # The manifest, verbatim (it is what makes DEST a packed directory for the loader).
-        mpath = dest / MANIFEST_NAME
-        if _read_quiet(mpath) != plan.manifest_bytes:
-            src_mode = 0o644
-            if "://" not in plan.src_root:
-                with contextlib.suppress(OSError):
-                    src_mode = (stat.S_IMODE(os.stat(manifest_path(plan.source)).st_mode) & 0o644) | 0o600
-            atomic_write_bytes(mpath, plan.manifest_bytes, mode=src_mode)
+        else:
+            prepare_manifest()
+            if mtmp[0] is not None:
+                commit_partial(mtmp[0], mpath)
         if plan.unpack:
             from .unpack import run_unpack
 
@@ -920,7 +979,7 @@ def _write_receipt(plan: StagePlan, result: StageResult) -> None:
         files=files,
         stats=stats,
     )
-    rec.write(dest, mode=0o644)
+    rec.write(dest, *source_access(manifest_path(plan.source)))
 
 
 __all__ = ["StagePlan", "StageResult", "plan_stage", "resolve_node", "stage"]
