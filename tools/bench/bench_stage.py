@@ -1,45 +1,70 @@
-"""Staging throughput vs the tools people use instead, measured in the same run.
+"""Staging throughput vs the tools people use instead, measured in the same run, runs alternating.
 
-For an ImageNet-like set (JPEGs of ~100 KB) and a CIFAR-like set (PNGs of ~2 KB), packed into tar
+For an ImageNet-like set (JPEGs of ~90 KB) and a CIFAR-like set (PNGs of ~2 KB), packed into tar
 shards with ``stager pack``:
 
-* ``stage``: ``stager.stage.stage(packed, DEST)`` - parallel copy with xxh3 verification, receipt;
-* ``cp -r shards``: ``cp -r`` of the same packed directory (no verification);
-* ``stage --unpack only``: shards streamed, verified and written as an ImageFolder tree;
+* ``stage``: ``stager.stage.stage(packed, DEST)``: parallel copy with xxh3 verification, every
+  shard fsynced before its rename, receipt;
+* ``cp``: ``cp -r`` of the same packed directory (no verification; nothing is durable when it
+  returns: the data sits in the page cache);
+* ``cp+sync``: ``cp -r`` then ``sync DEST DEST/*`` (fsync of every file and the directory: the
+  durability stage gives);
+* ``unpack``: ``stage --unpack only``: shards streamed, verified and written as an ImageFolder tree;
 * ``tar xf``: GNU tar extracting one tar of the same image tree (the Alliance Canada recipe);
-* ``cp -r tree``: ``cp -r`` of the original small-file tree.
+* ``cp tree``: ``cp -r`` of the original small-file tree.
 
 Ratios (targets in the issue): stage/cp bytes/s >= 0.8; unpack/tar-xf files/s >= 1.0; staged shards
 vs ``cp -r`` of the tree in samples/s >= 10 for CIFAR-like data.
 
-Conditions: the page cache cannot be dropped here (no root on the host), so every source is read
-hot from the page cache and DEST is on the same local disk; this measures the CPU/syscall cost of
-each method, which is what separates them on node-local NVMe. Each figure is the median of
-``--repeat`` runs. Prints one JSON object; writes docs/bench/stage.md.
+Measuring on a busy machine: methods run alternately (stage, cp, cp+sync, stage, ...) for
+``--rounds`` rounds; each figure is the best of its rounds (the run least disturbed by others),
+with the median alongside, and a ratio is also given as the median of per-round ratios (the two
+runs of a round saw similar load). CPU seconds per GB (user+system of the process and its
+children) is a second, less load-sensitive figure. The load average is recorded. The page cache
+cannot be dropped here (no root), so sources are read hot and DEST is on the same disk: this
+measures the CPU/syscall/fsync cost of each method, which is what separates them on node-local
+NVMe. ``--scale K`` replicates the ImageNet-like tree K times (hard links, distinct keys) so the
+shard bytes are large enough that fixed costs (manifest, lock, receipt, a few fsyncs) stop
+dominating; the small set is also reported.
 
-Usage: ``python tools/bench/bench_stage.py [--small] [--out docs/bench/stage.md]``
+``--sweep`` adds block size (1-8 MiB) x streams (1-8) for the verified copy; ``--engines`` compares
+the copy engine's variants (fsync inline vs finisher threads, write-behind on/off).
+
+Usage: ``python tools/bench/bench_stage.py [--small] [--rounds 5] [--scale 10] [--sweep] [--engines]``
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from stager.copyengine import CopyTuning  # noqa: E402
 from stager.pack import pack  # noqa: E402
 from stager.stage import stage  # noqa: E402
 from tools.datagen import make_cifar, make_imagefolder  # noqa: E402
+
+ENGINES = {
+    # The first engine: each stream fsyncs and renames its own file, no write-behind.
+    "inline fsync": CopyTuning(window=-1, sync_threads=0),
+    "finishers": CopyTuning(window=-1),
+    "write-behind": CopyTuning(sync_threads=0),
+    "write-behind + finishers (default)": CopyTuning(),
+}
 
 
 def _count(tree: Path) -> tuple[int, int]:
@@ -51,72 +76,175 @@ def _count(tree: Path) -> tuple[int, int]:
     return n, b
 
 
-def _timed(fn: Any, cleanup: Path, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        shutil.rmtree(cleanup, ignore_errors=True)
-        os.sync()  # start each run without other runs' dirty pages pending
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    shutil.rmtree(cleanup, ignore_errors=True)
-    return statistics.median(times)
+def _cpu() -> float:
+    s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
 
 
-def _run(cmd: list[str], cwd: Path | None = None) -> None:
-    subprocess.run(cmd, check=True, cwd=cwd)
+def _run(cmd: list[str] | str) -> None:
+    subprocess.run(cmd, check=True, shell=isinstance(cmd, str))
 
 
-def bench_set(name: str, tree: Path, work: Path, repeat: int, workers: int) -> dict[str, Any]:
-    packed = work / f"{name}-packed"
-    pack(tree, packed, format="tar", shard_size=64 << 20, workers=1)
-    files, tree_bytes = _count(tree)
-    shard_bytes = sum(p.stat().st_size for p in packed.iterdir() if p.name != "manifest.json")
+def alternate(methods: dict[str, Callable[[], object]], dest: Path, rounds: int
+              ) -> dict[str, list[tuple[float, float]]]:
+    """Run every method once per round, in turn; return ``{method: [(seconds, cpu seconds), ...]}``."""
+    out: dict[str, list[tuple[float, float]]] = {k: [] for k in methods}
+    for _ in range(rounds):
+        for name, fn in methods.items():
+            shutil.rmtree(dest, ignore_errors=True)
+            os.sync()  # start each run without other runs' dirty pages pending
+            c, t = _cpu(), time.perf_counter()
+            fn()
+            out[name].append((time.perf_counter() - t, _cpu() - c))
+    shutil.rmtree(dest, ignore_errors=True)
+    return out
+
+
+def summarize(runs: dict[str, list[tuple[float, float]]], amount: float, per: str) -> dict[str, dict[str, Any]]:
+    """Per method: best and median rate (``amount`` per second) and CPU seconds per ``per``."""
+    res: dict[str, dict[str, Any]] = {}
+    for name, v in runs.items():
+        ts = [t for t, _ in v]
+        cs = [c for _, c in v]
+        res[name] = {"best": amount / min(ts), "median": amount / statistics.median(ts),
+                     f"cpu_s_per_{per}": min(cs) / amount, f"cpu_s_per_{per}_median": statistics.median(cs) / amount,
+                     "runs_s": [round(t, 4) for t in ts]}
+    return res
+
+
+def paired(runs: dict[str, list[tuple[float, float]]], a: str, b: str) -> float:
+    """Median over rounds of (rate of a) / (rate of b) = time of b / time of a."""
+    return statistics.median(tb / ta for (ta, _), (tb, _) in zip(runs[a], runs[b], strict=True))
+
+
+def copy_methods(packed: Path, dest: Path, workers: int | None) -> dict[str, Callable[[], object]]:
+    return {
+        "stage": lambda: stage(packed, dest, workers=workers),
+        "cp": lambda: _run(["cp", "-r", str(packed), str(dest)]),
+        "cp+sync": lambda: _run(f"cp -r '{packed}' '{dest}' && sync '{dest}' '{dest}'/*"),
+    }
+
+
+def bench_copy(packed: Path, dest: Path, rounds: int, workers: int | None) -> dict[str, Any]:
+    nbytes = sum(p.stat().st_size for p in packed.iterdir())
+    runs = alternate(copy_methods(packed, dest, workers), dest, rounds)
+    s = summarize(runs, nbytes / 1e9, "GB")
+    return {
+        "bytes": nbytes, "shards": len(list(packed.glob("*.tar"))), "GBps": s,
+        "stage_vs_cp_best": s["stage"]["best"] / s["cp"]["best"],
+        "stage_vs_cp_paired_median": paired(runs, "stage", "cp"),
+        "stage_vs_cp_sync_best": s["stage"]["best"] / s["cp+sync"]["best"],
+        "stage_vs_cp_sync_paired_median": paired(runs, "stage", "cp+sync"),
+    }
+
+
+def bench_files(name: str, tree: Path, packed: Path, work: Path, *, rounds: int, workers: int | None
+                ) -> dict[str, Any]:
+    """--unpack only vs tar xf (files/s) and staged shards vs cp -r of the tree (samples/s)."""
+    files, _ = _count(tree)
     tarball = work / f"{name}-tree.tar"
-    _run(["tar", "cf", str(tarball), "-C", str(tree.parent), tree.name])
+    if not tarball.exists():
+        _run(["tar", "cf", str(tarball), "-C", str(tree.parent), tree.name])
     dest = work / "dest"
-    r: dict[str, Any] = {"files": files, "tree_bytes": tree_bytes, "shard_bytes": shard_bytes,
-                         "shards": len(list(packed.glob("*.tar")))}
-    r["stage_s"] = _timed(lambda: stage(packed, dest, workers=workers), dest, repeat)
-    r["cp_shards_s"] = _timed(lambda: _run(["cp", "-r", str(packed), str(dest)]), dest, repeat)
-    r["unpack_s"] = _timed(lambda: stage(packed, dest, workers=workers, unpack="only"), dest, repeat)
 
     def tar_x() -> None:
         dest.mkdir()
         _run(["tar", "xf", str(tarball), "-C", str(dest)])
 
-    r["tar_xf_s"] = _timed(tar_x, dest, repeat)
-    r["cp_tree_s"] = _timed(lambda: _run(["cp", "-r", str(tree), str(dest)]), dest, repeat)
-    r["stage_GBps"] = shard_bytes / r["stage_s"] / 1e9
-    r["cp_shards_GBps"] = shard_bytes / r["cp_shards_s"] / 1e9
-    r["stage_samples_per_s"] = files / r["stage_s"]
-    r["unpack_files_per_s"] = files / r["unpack_s"]
-    r["tar_xf_files_per_s"] = files / r["tar_xf_s"]
-    r["cp_tree_samples_per_s"] = files / r["cp_tree_s"]
-    r["ratio_stage_vs_cp_bytes"] = r["stage_GBps"] / r["cp_shards_GBps"]
-    r["ratio_unpack_vs_tar_xf_files"] = r["unpack_files_per_s"] / r["tar_xf_files_per_s"]
-    r["ratio_shards_vs_tree_samples"] = r["stage_samples_per_s"] / r["cp_tree_samples_per_s"]
-    return r
+    runs = alternate({
+        "stage": lambda: stage(packed, dest, workers=workers),
+        "cp tree": lambda: _run(["cp", "-r", str(tree), str(dest)]),
+        "unpack": lambda: stage(packed, dest, workers=workers, unpack="only"),
+        "tar xf": tar_x,
+    }, dest, rounds)
+    s = summarize(runs, files, "file")
+    return {
+        "files": files, "per_s": s,
+        "unpack_vs_tar_xf_best": s["unpack"]["best"] / s["tar xf"]["best"],
+        "unpack_vs_tar_xf_paired_median": paired(runs, "unpack", "tar xf"),
+        "shards_vs_tree_best": s["stage"]["best"] / s["cp tree"]["best"],
+        "shards_vs_tree_paired_median": paired(runs, "stage", "cp tree"),
+    }
+
+
+def bench_sweep(packed: Path, dest: Path, rounds: int) -> dict[str, Any]:
+    nbytes = sum(p.stat().st_size for p in packed.iterdir())
+    methods: dict[str, Callable[[], object]] = {"cp": lambda: _run(["cp", "-r", str(packed), str(dest)])}
+    for mib in (1, 2, 4, 8):
+        for w in (1, 2, 4, 8):
+            methods[f"{mib}MiB x{w}"] = functools.partial(stage, packed, dest, workers=w,
+                                                         tuning=CopyTuning(block=mib << 20))
+    runs = alternate(methods, dest, rounds)
+    s = summarize(runs, nbytes / 1e9, "GB")
+    return {k: {**v, "vs_cp_paired_median": paired(runs, k, "cp")} for k, v in s.items()}
+
+
+def bench_engines(packed: Path, dest: Path, rounds: int, workers: int | None) -> dict[str, Any]:
+    nbytes = sum(p.stat().st_size for p in packed.iterdir())
+    methods: dict[str, Callable[[], object]] = {"cp": lambda: _run(["cp", "-r", str(packed), str(dest)])}
+    for name, tuning in ENGINES.items():
+        methods[name] = functools.partial(stage, packed, dest, workers=workers, tuning=tuning)
+    runs = alternate(methods, dest, rounds)
+    s = summarize(runs, nbytes / 1e9, "GB")
+    return {k: {**v, "vs_cp_paired_median": paired(runs, k, "cp")} for k, v in s.items()}
+
+
+def replicate(tree: Path, out: Path, k: int) -> Path:
+    """``out``: ``tree``'s class folders with every file hard-linked ``k`` times under new names."""
+    if out.exists():
+        return out
+    for cls in sorted(p for p in tree.iterdir() if p.is_dir()):
+        (out / cls.name).mkdir(parents=True)
+        for f in sorted(cls.iterdir()):
+            for i in range(k):
+                target = out / cls.name / f"r{i}_{f.name}"
+                try:
+                    os.link(f, target)
+                except OSError:
+                    shutil.copyfile(f, target)
+    return out
 
 
 def write_md(path: Path, res: dict[str, Any]) -> None:
-    lines = [
-        "# Staging benchmark (tools/bench/bench_stage.py)",
-        "",
-        f"Conditions: {res['conditions']}",
-        "",
-        "| set | files | shard MB | stage GB/s (verified) | cp -r shards GB/s | stage/cp | unpack files/s | "
-        "tar xf files/s | unpack/tar xf | stage samples/s | cp -r tree samples/s | shards/tree |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for name, r in res["sets"].items():
+    lines = ["# Staging benchmark (tools/bench/bench_stage.py)", "", f"Conditions: {res['conditions']}", "",
+             "## Verified copy vs cp (bytes/s)", "",
+             "`cp` returns with the data only in the page cache; `cp+sync` and `stage` return with every "
+             "file fsynced. Best of the rounds (median in brackets); ratio also as the median of per-round "
+             "ratios; CPU = user+system seconds per GB, best (median).", "",
+             "| set | shards | GB | stage GB/s | cp GB/s | cp+sync GB/s | stage/cp best | stage/cp paired | "
+             "stage/(cp+sync) best | CPU s/GB stage | CPU s/GB cp | CPU s/GB cp+sync |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, r in res["copy"].items():
+        g = r["GBps"]
+
+        def cell(k: str, g: dict[str, Any] = g) -> str:
+            return f"{g[k]['best']:.2f} ({g[k]['median']:.2f})"
+
+        def cpu(k: str, g: dict[str, Any] = g) -> str:
+            return f"{g[k]['cpu_s_per_GB']:.2f} ({g[k]['cpu_s_per_GB_median']:.2f})"
+
         lines.append(
-            f"| {name} | {r['files']} | {r['shard_bytes'] / 1e6:.1f} | {r['stage_GBps']:.2f} | "
-            f"{r['cp_shards_GBps']:.2f} | {r['ratio_stage_vs_cp_bytes']:.2f}x | {r['unpack_files_per_s']:,.0f} | "
-            f"{r['tar_xf_files_per_s']:,.0f} | {r['ratio_unpack_vs_tar_xf_files']:.2f}x | "
-            f"{r['stage_samples_per_s']:,.0f} | {r['cp_tree_samples_per_s']:,.0f} | "
-            f"{r['ratio_shards_vs_tree_samples']:.1f}x |"
-        )
+            f"| {name} | {r['shards']} | {r['bytes'] / 1e9:.3f} | {cell('stage')} | {cell('cp')} | {cell('cp+sync')} | "
+            f"{r['stage_vs_cp_best']:.2f}x | {r['stage_vs_cp_paired_median']:.2f}x | "
+            f"{r['stage_vs_cp_sync_best']:.2f}x | {cpu('stage')} | {cpu('cp')} | {cpu('cp+sync')} |")
+    lines += ["", "## Files: --unpack only vs tar xf, staged shards vs cp -r of the tree", "",
+              "| set | files | unpack files/s | tar xf files/s | unpack/tar xf best | paired | stage samples/s | "
+              "cp -r tree samples/s | shards/tree best | paired |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, r in res["files"].items():
+        p = r["per_s"]
+        lines.append(
+            f"| {name} | {r['files']} | {p['unpack']['best']:,.0f} | {p['tar xf']['best']:,.0f} | "
+            f"{r['unpack_vs_tar_xf_best']:.2f}x | {r['unpack_vs_tar_xf_paired_median']:.2f}x | "
+            f"{p['stage']['best']:,.0f} | {p['cp tree']['best']:,.0f} | {r['shards_vs_tree_best']:.1f}x | "
+            f"{r['shards_vs_tree_paired_median']:.1f}x |")
+    for key, title in (("engines", "Copy engine variants"), ("sweep", "Block size x streams")):
+        if key not in res:
+            continue
+        lines += ["", f"## {title} ({res['big_set']})", "",
+                  "| variant | GB/s best (median) | vs cp paired | CPU s/GB best (median) |", "|---|---|---|---|"]
+        for k, v in res[key].items():
+            lines.append(f"| {k} | {v['best']:.2f} ({v['median']:.2f}) | {v['vs_cp_paired_median']:.2f}x | "
+                         f"{v['cpu_s_per_GB']:.2f} ({v['cpu_s_per_GB_median']:.2f}) |")
     lines += ["", "Targets: stage/cp >= 0.8x; unpack/tar xf >= 1.0x; CIFAR-like shards/tree >= 10x.", ""]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines))
@@ -124,27 +252,53 @@ def write_md(path: Path, res: dict[str, Any]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--small", action="store_true", help="tiny sets (smoke run)")
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--small", action="store_true", help="tiny sets, 2 rounds (smoke run)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--scale", type=int, default=10, help="replicas of the ImageNet-like tree for the large set")
+    ap.add_argument("--workers", type=int, default=None, help="copy streams (default: stage's default)")
+    ap.add_argument("--sweep", action="store_true", help="block size x streams sweep on the large set")
+    ap.add_argument("--engines", action="store_true", help="copy engine variants on the large set")
     ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "stage.md"))
-    ap.add_argument("--work", default=None, help="scratch directory (default: a temp dir on /tmp)")
+    ap.add_argument("--work", default=None, help="scratch directory, kept and reused (default: a temp dir)")
     args = ap.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="bench_stage_"))
     work.mkdir(parents=True, exist_ok=True)
+    rounds = 2 if args.small else args.rounds
+    scale = 2 if args.small else args.scale
+    load0 = os.getloadavg()
     try:
         per_class = 10 if args.small else 100
-        inet = make_imagefolder(work / "imagenet" / "train", num_classes=10, per_class=per_class, seed=0)
-        n_cifar = 2000 if args.small else 20000
-        make_cifar(work / "cifar", n_train=n_cifar, n_test=10, seed=0, png_folder=True)
+        inet = work / "imagenet" / "train"
+        if not inet.exists():
+            make_imagefolder(inet, num_classes=10, per_class=per_class, seed=0)
         cifar = work / "cifar" / "cifar-png" / "train"
-        res: dict[str, Any] = {
-            "conditions": "hot page cache (cannot drop caches here), source and DEST on the same local disk, "
-            f"{os.cpu_count()} CPUs, workers={args.workers}, median of {args.repeat}",
-            "sets": {},
-        }
-        res["sets"]["imagenet-like"] = bench_set("imagenet", inet, work, args.repeat, args.workers)
-        res["sets"]["cifar-like"] = bench_set("cifar", cifar, work, args.repeat, args.workers)
+        if not cifar.exists():
+            make_cifar(work / "cifar", n_train=2000 if args.small else 20000, n_test=10, seed=0, png_folder=True)
+        big = replicate(inet, work / f"imagenet-x{scale}" / "train", scale)
+        sets = {"imagenet-like": inet, f"imagenet-like x{scale}": big, "cifar-like": cifar}
+        packed = {}
+        for name, tree in sets.items():
+            packed[name] = work / f"{name.replace(' ', '_')}-packed"
+            if not (packed[name] / "manifest.json").exists():
+                pack(tree, packed[name], format="tar", shard_size=64 << 20, workers=1)
+        for p in packed.values():  # hot page cache for every source, as in every run after the first
+            _run(f"cat '{p}'/* > /dev/null")
+        dest = work / "dest"
+        res: dict[str, Any] = {"copy": {}, "files": {}, "big_set": f"imagenet-like x{scale}"}
+        for name in sets:
+            res["copy"][name] = bench_copy(packed[name], dest, rounds, args.workers)
+        for name in ("imagenet-like", "cifar-like"):
+            res["files"][name] = bench_files(name, sets[name], packed[name], work, rounds=rounds, workers=args.workers)
+        if args.engines:
+            res["engines"] = bench_engines(packed[res["big_set"]], dest, rounds, args.workers)
+        if args.sweep:
+            res["sweep"] = bench_sweep(packed[res["big_set"]], dest, max(2, rounds // 2))
+        load1 = os.getloadavg()
+        res["conditions"] = (
+            f"hot page cache (cannot drop caches here), source and DEST on the same local disk "
+            f"({Path(work).resolve()}), {os.cpu_count()} CPUs, workers={args.workers or 'default'}, "
+            f"{rounds} alternating rounds, load average {load0[0]:.1f} at start, {load1[0]:.1f} at end")
+        res["load_average"] = {"start": load0, "end": load1}
         write_md(Path(args.out), res)
         print(json.dumps(res, indent=1))
     finally:
