@@ -74,17 +74,51 @@ def test_raw_and_pil_modes(packed: dict[str, Path], src: Path) -> None:
     assert isinstance(first["image"][0], memoryview)
     key = first["key"][0]
     assert bytes(first["image"][0]) == (src / f"{key}.JPEG").read_bytes(), "raw bytes are the source file's bytes"
-    # Through a worker the batch travels as one shared-memory buffer plus offsets, same bytes.
+    # Through a worker the batch travels as one shared-memory buffer plus offsets, same bytes
+    # (a slot of the worker's reused ring, stager.loader.shm).
     via = make_loader(
         packed["tar"], 100, rank=0, world_size=1, decode="raw", shuffle=False, staged=False, num_workers=1
     )
     b = next(iter(via))
-    assert b["data"].dtype == torch.uint8 and b["data"].is_shared() and b["offsets"].shape == (101,)
+    assert b["data"].dtype == torch.uint8 and b["offsets"].shape == (101,)
     assert [bytes(x) for x in b["image"]] == [bytes(x) for x in first["image"]]
     assert b["label"].dtype == torch.int64 and torch.equal(b["label"], first["label"])
     pil = make_loader(packed["hdf5"], 10, rank=0, world_size=1, decode="pil", shuffle=False, staged=False)
     img = next(iter(pil))["image"][0]
     assert img.mode == "RGB"
+
+
+@pytest.mark.parametrize("decode", ["raw", "uint8"])
+def test_worker_batches_held_by_the_consumer_are_never_overwritten(packed: dict[str, Path], decode: str) -> None:
+    """Workers reuse shared-memory slots once a batch is released: holding every batch of an epoch
+    (more than the ring's slots) must still give exactly the in-process batches, and the epoch
+    leaves nothing behind in /dev/shm."""
+    import glob
+
+    # shuffle=False: the same (manifest) order with and without workers.
+    kw: dict[str, Any] = {"rank": 0, "world_size": 1, "decode": decode, "staged": False, "shuffle": False}
+    kw |= {"image_size": 8, "transform": "eval"} if decode == "uint8" else {}
+    before = set(glob.glob("/dev/shm/stager-*"))
+    held = list(make_loader(packed["tar"], 16, num_workers=2, multiprocessing_context="fork", **kw))
+    assert len(held) > 2 * 16, "more batches held than the two rings have slots"
+    ref = list(make_loader(packed["tar"], 16, num_workers=0, **kw))
+    assert [b["index"].tolist() for b in held] == [b["index"].tolist() for b in ref]
+    for got, want in zip(held, ref, strict=True):
+        if decode == "raw":
+            assert [bytes(x) for x in got["image"]] == [bytes(x) for x in want["image"]]
+        else:
+            assert got["image"].shape == want["image"].shape and torch.equal(got["image"], want["image"])
+    assert set(glob.glob("/dev/shm/stager-*")) <= before
+    # Released batches are reused: a second epoch consumed one batch at a time still matches.
+    loader = make_loader(packed["tar"], 16, num_workers=2, multiprocessing_context="fork", **kw)
+    loader.set_epoch(1)
+    ref_loader = make_loader(packed["tar"], 16, num_workers=0, **kw)
+    ref_loader.set_epoch(1)
+    for got, want in zip(loader, ref_loader, strict=True):
+        if decode == "raw":
+            assert [bytes(x) for x in got["image"]] == [bytes(x) for x in want["image"]]
+        else:
+            assert torch.equal(got["image"], want["image"])
 
 
 @pytest.mark.parametrize(("fmt", "workers"), [("tar", 2), ("record", 0), ("hdf5", 0), ("zarr", 1)])

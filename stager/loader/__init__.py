@@ -44,6 +44,7 @@ def make_loader(
     shuffle_buffer_bytes: int = 512 << 20,
     multiprocessing_context: Any = None,
     timeout: float = 0,
+    use_mmap: bool = True,
 ) -> Loader:
     """A per-rank iterable of batch dicts ``{"key", "label", "index", "image"}`` (see docs/loader.md).
 
@@ -55,6 +56,8 @@ def make_loader(
     memory is bounded by ``shuffle_buffer_bytes`` per rank (or ``shuffle_buffer`` samples per
     worker); reads are runs of ~``run_bytes`` (at least ``min_run`` samples); ``"auto"`` is 1 MiB
     (4 samples) on shared file systems and URLs, 256 KiB (2 samples) on node-local storage.
+    ``use_mmap``: local shards of encoded formats are mapped and payloads are zero-copy slices of
+    the mapping (``False``: one ``pread`` per run into a private buffer).
     """
     if num_workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")
@@ -78,6 +81,7 @@ def make_loader(
         min_run=min_run,
         shuffle_buffer=shuffle_buffer,
         shuffle_buffer_bytes=shuffle_buffer_bytes,
+        use_mmap=use_mmap,
     )
     return Loader(
         ds,

@@ -13,18 +13,25 @@ built as few large tensors:
   (``num_workers=0``) nothing crosses a process boundary, so ``image`` is the list of payload views
   straight from the reads (no copy) and there is no ``data``/``offsets``.
 
-In workers the tensors are allocated in shared memory before they are filled.
+In workers the buffers are allocated in shared memory before they are filled: under
+:class:`~stager.loader.Loader`, in the worker's ring of reused slots (:mod:`stager.loader.shm`: the
+batch travels as a name and reaches the main process as a tensor over the slot; decoded images
+then arrive as ``image_nhwc`` and :func:`finish_batch` permutes them); for a ``ShardedDataset`` in
+a user's own DataLoader, as torch shared tensors.
 
 Every batch also carries ``key`` (list[str]) and ``label`` (int64 tensor, shape (B,)).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
+
+from .shm import WorkerRing
 
 
 def _empty(shape: tuple[int, ...], shared: bool) -> torch.Tensor:
@@ -39,16 +46,25 @@ def _empty(shape: tuple[int, ...], shared: bool) -> torch.Tensor:
     return flat[:n].view(shape)
 
 
-def stack_images(items: Sequence[Any], shared: bool = False) -> torch.Tensor:
-    """Stack (H, W, C) uint8 arrays (or tensors) into a (B, C, H, W) uint8 tensor, channels-last memory."""
+def stack_images(items: Sequence[Any], shared: bool = False, ring: WorkerRing | None = None) -> Any:
+    """Stack (H, W, C) uint8 arrays (or tensors) into a (B, C, H, W) uint8 tensor, channels-last memory.
+
+    With ``ring``: fill a ring slot instead and return its :class:`~stager.loader.shm.ShmRef`
+    (shape (B, H, W, C); the receiver permutes, see :func:`finish_batch`).
+    """
     if not items:
         return torch.zeros((0, 3, 0, 0), dtype=torch.uint8)
     first = np.asarray(items[0])
     if first.ndim == 2:
         first = first[:, :, None]
     h, w, c = first.shape
-    out = _empty((len(items), h, w, c), shared)
-    dst = out.numpy()
+    ref = None
+    if ring is not None:
+        flat, ref = ring.acquire(len(items) * h * w * c, (len(items), h, w, c))
+        dst = flat.reshape(len(items), h, w, c)
+    else:
+        out = _empty((len(items), h, w, c), shared)
+        dst = out.numpy()
     for i, it in enumerate(items):
         a = np.asarray(it)
         if a.ndim == 2:
@@ -56,21 +72,32 @@ def stack_images(items: Sequence[Any], shared: bool = False) -> torch.Tensor:
         if a.shape != (h, w, c):
             raise ValueError(f"sample {i} has shape {a.shape}, expected {(h, w, c)}: use a transform with a fixed size")
         dst[i] = a
+    if ref is not None:
+        return ref
     return out.permute(0, 3, 1, 2)
 
 
-def pack_raw(items: Sequence[Any], shared: bool = False) -> tuple[torch.Tensor, np.ndarray]:
-    """Copy bytes-like payloads (or arrays) into one uint8 tensor; return ``(data, offsets)``.
+def pack_raw(items: Sequence[Any], shared: bool = False, ring: WorkerRing | None = None) -> tuple[Any, np.ndarray]:
+    """Copy bytes-like payloads (or arrays) into one uint8 buffer; return ``(data, offsets)``.
 
-    ``offsets`` is an int64 array of shape (B + 1,) (a tensor only after :func:`finish_batch`).
+    ``data``: a uint8 tensor, or with ``ring`` the :class:`~stager.loader.shm.ShmRef` of the ring
+    slot holding the payloads (a uint8 tensor once received). ``offsets`` is an int64 array of
+    shape (B + 1,) (a tensor only after :func:`finish_batch`). One ``memcpy`` per payload.
     """
-    lens = [memoryview(it).nbytes for it in items]
-    offsets = np.zeros(len(items) + 1, dtype=np.int64)
-    np.cumsum(lens, out=offsets[1:])
-    data = _empty((int(offsets[-1]),), shared)
-    dst = data.numpy()
-    for i, it in enumerate(items):
-        dst[offsets[i] : offsets[i + 1]] = np.frombuffer(memoryview(it).cast("B"), dtype=np.uint8)
+    views = [it if isinstance(it, memoryview) else memoryview(it) for it in items]
+    views = [v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views]
+    offsets = np.zeros(len(views) + 1, dtype=np.int64)
+    np.cumsum([len(v) for v in views], out=offsets[1:])
+    total = int(offsets[-1])
+    data: Any
+    if ring is not None:
+        flat, data = ring.acquire(total, (total,))
+    else:
+        data = _empty((total,), shared)
+        flat = data.numpy()
+    dst = memoryview(flat.data).cast("B") if total else memoryview(b"")
+    for v, a, b in zip(views, offsets[:-1].tolist(), offsets[1:].tolist(), strict=True):
+        dst[a:b] = v
     return data, offsets
 
 
@@ -79,6 +106,8 @@ def finish_batch(batch: dict[str, Any]) -> dict[str, Any]:
     for k in ("label", "index", "offsets"):
         if isinstance(batch.get(k), np.ndarray):
             batch[k] = torch.from_numpy(batch[k])
+    if "image_nhwc" in batch:
+        batch["image"] = batch.pop("image_nhwc").permute(0, 3, 1, 2)
     if "data" in batch:
         batch["image"] = raw_views(batch["data"], batch["offsets"])
     return batch
@@ -86,6 +115,8 @@ def finish_batch(batch: dict[str, Any]) -> dict[str, Any]:
 
 def raw_views(data: torch.Tensor, offsets: torch.Tensor) -> list[memoryview]:
     """Per-sample ``memoryview`` slices of a raw batch buffer (no copy)."""
-    mv = memoryview(data.numpy().data).cast("B")
     off = offsets.tolist()
-    return [mv[off[i] : off[i + 1]] for i in range(len(off) - 1)]
+    if not off or off[-1] == 0:
+        return [memoryview(b"")] * max(0, len(off) - 1)
+    mv = memoryview(data.numpy().data).cast("B")
+    return [mv[a:b] for a, b in itertools.pairwise(off)]

@@ -10,7 +10,7 @@ front to back with one read per run and emitting samples through its shuffle buf
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -19,6 +19,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from ..errors import CorruptSampleError, UsageError
 from . import plan as planlib
 from .batching import pack_raw, stack_images
+from .shm import WorkerRing
 from .source import Resolved, ShardAccess, check_shards, resolve, validate_partition
 from .transforms import make_sample_fn
 
@@ -70,6 +71,7 @@ class ShardedDataset(IterableDataset):
         shuffle_buffer: int | None = None,
         shuffle_buffer_bytes: int = DEFAULT_BUFFER_BYTES,
         resolved: Resolved | None = None,
+        use_mmap: bool = True,
     ) -> None:
         from ..world import World
 
@@ -119,8 +121,17 @@ class ShardedDataset(IterableDataset):
         check_shards(self.res, needed)
         self.epoch = 0
         self.start_batch = 0
+        # Local shards of encoded formats are mapped (zero-copy payload views) unless disabled.
+        self.use_mmap = use_mmap
+        # Set by the Loader for each epoch: workers then send batches through reused shared
+        # memory rings named by it (stager.loader.shm), which the Loader cleans up.
+        self._ipc_token: str | None = None
+        self._keys: np.ndarray | None = None
         # Elastic resume: the epoch's remaining samples in the old plan's order (None: plain plan).
         self.seq_override: np.ndarray | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_keys": None}  # rebuilt where needed
 
     # ---- planning -------------------------------------------------------------------------------
     def _run_size(self, run_bytes: int | str, min_run: int | None) -> tuple[int, int]:
@@ -227,7 +238,7 @@ class ShardedDataset(IterableDataset):
         logical = (phys + self.start_batch) % cfg.streams
         rplan = self.plan()
         wp = rplan.workers[logical]
-        access = ShardAccess(self.res)
+        access = ShardAccess(self.res, use_mmap=self.use_mmap)
         try:
             yield from self._worker_batches(wp, access)
         finally:
@@ -239,75 +250,156 @@ class ShardedDataset(IterableDataset):
         skip = int(wp.sizes[:b0].sum())
         needed = np.zeros(len(wp.stream), dtype=bool)
         needed[wp.emit[skip:]] = True
-        segs = planlib.segments(wp.stream, idx.starts)
-        cache: dict[int, Any] = {}
         in_worker = get_worker_info() is not None
-        # A payload is a view of its run's read buffer; a sample waiting in the shuffle buffer would
-        # pin that whole run. Copying out keeps the bound at K samples (not K runs) per worker.
-        own_copies = self.config().buffer_samples > 1 and self.mode in ("runs", "shards")
-        seg_i, loaded = 0, 0
+        ring = WorkerRing(self._ipc_token) if (in_worker and self._ipc_token is not None) else None
+        if in_worker:
+            _single_threaded_cv2()
+        keys = self._keys_array()
+        access.check_pid()
+        fetch = self._mapped_fetcher(wp, access, needed) if access.mapped else self._read_fetcher(wp, access, needed)
+        cum = np.concatenate([[0], np.cumsum(wp.sizes)]).astype(np.int64)
         for b in range(b0, len(wp.batches)):
-            io_s = dec_s = 0.0
-            nbytes = 0
-            pos = wp.batch_positions(b)
-            hi = int(pos.max()) + 1 if len(pos) else 0
-            while loaded < hi:
-                lo_s, hi_s, shard = segs[seg_i]
-                seg_i += 1
-                want = np.flatnonzero(needed[lo_s:hi_s]) + lo_s
-                if len(want):
-                    t = time.perf_counter()
-                    payloads, nb = self._read(access, shard, wp.stream[want] - idx.starts[shard])
-                    if own_copies:
-                        payloads = [_own(x) for x in payloads]
-                    io_s += time.perf_counter() - t
-                    nbytes += nb
-                    cache.update(zip(want.tolist(), payloads, strict=True))
-                loaded = hi_s
-            j = int(wp.batches[b])
-            rng = np.random.default_rng((self.seed, self.epoch, _TAG_AUGMENT, self.world_size, self.rank, j))
-            ids = wp.stream[pos]
-            keys, items, labels, kept, skipped = [], [], [], [], []
+            pos = wp.emit[cum[b] : cum[b + 1]]
             t = time.perf_counter()
-            for p, gid in zip(pos.tolist(), ids.tolist(), strict=True):
-                payload = cache.pop(p)
-                key = idx.keys[gid]
-                try:
-                    if payload is None:
-                        raise CorruptSampleError("unreadable payload")
-                    item = self._sample_fn(payload, rng)
-                except Exception as exc:
-                    if self.on_error == "skip":
-                        skipped.append(key)
-                        continue
-                    shard = int(idx.shard_of(np.array([gid]))[0])
-                    raise CorruptSampleError(
-                        f"{self.res.shard_path(shard)}: sample {key!r} cannot be decoded "
-                        f"({type(exc).__name__}: {exc}); run `stager verify --deep` or pass on_error='skip'"
-                    ) from exc
-                keys.append(key)
-                items.append(item)
-                labels.append(int(idx.labels[gid]))
-                kept.append(gid)
+            payloads, nbytes = fetch(pos)
+            io_s = time.perf_counter() - t
+            j = int(wp.batches[b])
+            ids = wp.stream[pos]
+            t = time.perf_counter()
+            skipped: list[str] = []
+            if self.decode == "raw" and all(p is not None for p in payloads):
+                items, kept = payloads, ids  # nothing to decode: no per-sample work
+            else:
+                items, kept, skipped = self._decode_all(payloads, ids, j)
             batch: dict[str, Any] = {
-                "key": keys,
+                "key": keys[kept].tolist(),
                 # Small arrays cross the worker queue pickled (a shared-memory segment per tiny
                 # tensor costs more); the Loader turns them into tensors (finish_batch).
-                "label": np.asarray(labels, dtype=np.int64),
+                "label": idx.labels[kept],
                 "index": np.asarray(kept, dtype=np.int64),
             }
             if self.decode == "raw":
                 if in_worker:
-                    batch["data"], batch["offsets"] = pack_raw(items, shared=True)
+                    batch["data"], batch["offsets"] = pack_raw(items, shared=True, ring=ring)
                 else:
                     batch["image"] = [x if isinstance(x, memoryview) else memoryview(x) for x in items]
             elif self.decode == "pil":
                 batch["image"] = items
+            elif ring is not None and items:
+                batch["image_nhwc"] = stack_images(items, ring=ring)
             else:
                 batch["image"] = stack_images(items, shared=in_worker)
             dec_s = time.perf_counter() - t
             batch["_w"] = {"bytes": nbytes, "io_s": io_s, "decode_s": dec_s, "skipped": skipped, "batch": j}
             yield batch
+
+    def _decode_all(self, payloads: list[Any], ids: np.ndarray, j: int) -> tuple[list[Any], np.ndarray, list[str]]:
+        """Apply the sample function; returns ``(items, kept ids, skipped keys)`` (``on_error``)."""
+        idx = self.index
+        rng = np.random.default_rng((self.seed, self.epoch, _TAG_AUGMENT, self.world_size, self.rank, j))
+        items, kept, skipped = [], [], []
+        for payload, gid in zip(payloads, ids.tolist(), strict=True):
+            try:
+                if payload is None:
+                    raise CorruptSampleError("unreadable payload")
+                items.append(self._sample_fn(payload, rng))
+                kept.append(gid)
+            except Exception as exc:
+                key = idx.keys[gid]
+                if self.on_error == "skip":
+                    skipped.append(key)
+                    continue
+                shard = int(idx.shard_of(np.array([gid]))[0])
+                raise CorruptSampleError(
+                    f"{self.res.shard_path(shard)}: sample {key!r} cannot be decoded "
+                    f"({type(exc).__name__}: {exc}); run `stager verify --deep` or pass on_error='skip'"
+                ) from exc
+        return items, np.asarray(kept, dtype=np.int64), skipped
+
+    def _keys_array(self) -> np.ndarray:
+        """The keys as an object array, so a batch's keys are one fancy-indexing call."""
+        if self._keys is None:
+            self._keys = np.empty(len(self.index.keys), dtype=object)
+            self._keys[:] = self.index.keys
+        return self._keys
+
+    def _mapped_fetcher(
+        self, wp: planlib.WorkerPlan, access: ShardAccess, needed: np.ndarray
+    ) -> Callable[[np.ndarray], tuple[list[Any], int]]:
+        """Payloads of a batch as slices of the mapped shards (no copy, nothing buffered).
+
+        Runs are still "read" in stream order: when a batch needs stream positions up to ``hi``,
+        every run before ``hi`` not yet reached is advised to the kernel (``MADV_WILLNEED``), so a
+        cold shard is read ahead in runs, and the shuffle buffer holds positions, not bytes.
+        """
+        idx = self.index
+        stream = wp.stream
+        shard_of = idx.shard_of(stream) if len(stream) else np.zeros(0, np.int64)
+        offs = idx.offsets[stream]
+        ends = offs + idx.sizes[stream]
+        segs = planlib.segments(stream, idx.starts)
+        # Each run's needed byte span, computed at once: [min offset, max end) of its needed samples.
+        big = np.iinfo(np.int64).max
+        lo_arr = np.where(needed, offs, big)
+        hi_arr = np.where(needed, ends, 0)
+        seg_lo = np.array([s[0] for s in segs], dtype=np.int64)
+        span_lo = np.minimum.reduceat(lo_arr, seg_lo).tolist() if len(segs) else []
+        span_hi = np.maximum.reduceat(hi_arr, seg_lo).tolist() if len(segs) else []
+        state = {"seg": 0, "loaded": 0}
+
+        def fetch(pos: np.ndarray) -> tuple[list[Any], int]:
+            hi = int(pos.max()) + 1 if len(pos) else 0
+            si = state["seg"]
+            while state["loaded"] < hi:
+                _lo, hi_s, shard = segs[si]
+                if span_hi[si] > 0:
+                    access.mapping(shard)
+                    access.advise(shard, span_lo[si], span_hi[si])
+                state["loaded"] = hi_s
+                si += 1
+            state["seg"] = si
+            sh = shard_of[pos]
+            o, e = offs[pos], ends[pos]
+            first = int(sh[0]) if len(sh) else 0
+            if len(sh) and (sh == first).all():
+                m = access.mapping(first)
+                out = [m[a:z] for a, z in zip(o.tolist(), e.tolist(), strict=True)]
+            else:
+                maps = {s: access.mapping(s) for s in set(sh.tolist())}
+                out = [maps[s][a:z] for s, a, z in zip(sh.tolist(), o.tolist(), e.tolist(), strict=True)]
+            return out, int((e - o).sum())
+
+        return fetch
+
+    def _read_fetcher(
+        self, wp: planlib.WorkerPlan, access: ShardAccess, needed: np.ndarray
+    ) -> Callable[[np.ndarray], tuple[list[Any], int]]:
+        """Payloads of a batch from reads of whole runs in stream order, held until emitted."""
+        idx = self.index
+        segs = planlib.segments(wp.stream, idx.starts)
+        cache: dict[int, Any] = {}
+        # A payload is a view of its run's read buffer; a sample waiting in the shuffle buffer would
+        # pin that whole run. Copying out keeps the bound at K samples (not K runs) per worker.
+        own_copies = self.config().buffer_samples > 1 and self.mode in ("runs", "shards")
+        state = {"seg": 0, "loaded": 0}
+
+        def fetch(pos: np.ndarray) -> tuple[list[Any], int]:
+            nbytes = 0
+            hi = int(pos.max()) + 1 if len(pos) else 0
+            while state["loaded"] < hi:
+                lo_s, hi_s, shard = segs[state["seg"]]
+                state["seg"] += 1
+                want = np.flatnonzero(needed[lo_s:hi_s]) + lo_s
+                if len(want):
+                    payloads, nb = self._read(access, shard, wp.stream[want] - idx.starts[shard])
+                    if own_copies:
+                        payloads = [_own(x) for x in payloads]
+                    nbytes += nb
+                    cache.update(zip(want.tolist(), payloads, strict=True))
+                state["loaded"] = hi_s
+            return [cache.pop(p) for p in pos.tolist()], nbytes
+
+        return fetch
 
     def _read(self, access: ShardAccess, shard: int, positions: np.ndarray) -> tuple[list[Any], int]:
         """Read a run; on a damaged run, isolate the bad samples (None payloads) or name the key."""
@@ -329,6 +421,15 @@ class ShardedDataset(IterableDataset):
             out += got
             total += nb
         return out, total
+
+
+def _single_threaded_cv2() -> None:
+    """One OpenCV thread per worker (torch does the same for itself): W workers already fill W cores."""
+    import sys
+
+    cv2 = sys.modules.get("cv2")
+    if cv2 is not None:
+        cv2.setNumThreads(1)
 
 
 def _own(x: Any) -> Any:

@@ -18,6 +18,7 @@ import xxhash
 
 from ..errors import UsageError
 from . import plan as planlib
+from . import shm
 from .batching import finish_batch
 from .dataset import ShardedDataset
 from .state import LoaderState
@@ -139,6 +140,8 @@ class Loader:
                 collate_fn=_identity,
                 **kwargs,
             )
+            if shm.available():
+                ds._ipc_token = shm.new_token()
             it = iter(dl)
         st = self._stats
         st.start()
@@ -168,6 +171,9 @@ class Loader:
             st.stop()
             if hasattr(it, "_shutdown_workers"):
                 it._shutdown_workers()
+            if ds._ipc_token is not None:
+                shm.cleanup(ds._ipc_token)
+                ds._ipc_token = None
 
     def _padded_positions(self) -> np.ndarray:
         """Per batch of this rank: how many of its samples are padding repeats (int64, (batches,))."""

@@ -2,14 +2,17 @@
 
 :func:`resolve` turns the user's ``path`` into a :class:`Resolved` (index + where to read + whether a
 staged copy is used); :class:`ShardAccess` reads runs of samples from shard files (one ``pread`` per
-run for local files, one ranged ``cat_file`` per run over fsspec). ``ShardAccess`` is created inside
-each worker process (file descriptors are never shared across ``fork``).
+run for local files, one ranged ``cat_file`` per run over fsspec), or, for local shard files of the
+encoded formats, maps each shard once and hands out ``memoryview`` slices of the mapping
+(:meth:`ShardAccess.mapping`: no copy out of the page cache at all). ``ShardAccess`` is created
+inside each worker process (file descriptors and mappings are never shared across ``fork``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import os
 import tempfile
 from collections import OrderedDict
@@ -172,12 +175,23 @@ class ShardAccess:
     ``read(shard, positions)`` returns ``(payloads, nbytes)``: payloads are ``memoryview`` slices of
     one buffer per coalesced span (encoded formats) or ``(H, W, C)`` arrays (zarr), in the order of
     ``positions`` (in-shard positions, ascending within a run).
+
+    ``mapped`` (local shard files of an encoded format, ``use_mmap``): :meth:`mapping` returns the
+    whole shard as a read-only ``memoryview`` of one ``mmap``, and payloads are slices of it. Up
+    to :data:`MAX_OPEN_FILES` mappings are cached; one dropped from the cache is unmapped when the
+    last slice of it dies (slices handed to the user stay valid). The shard's size is checked
+    against the manifest's extents when it is mapped; a file truncated *in place* after that would
+    fault (SIGBUS) on access, which is why stager only ever replaces files by rename.
     """
 
-    def __init__(self, res: Resolved) -> None:
+    def __init__(self, res: Resolved, *, use_mmap: bool = True) -> None:
         self.res = res
         self.index = res.index
         self._local = _local_of(res.root)
+        self.mapped = bool(
+            use_mmap and self._local is not None and res.index.kind == "encoded" and res.index.format != "folder"
+        )
+        self._maps: OrderedDict[int, tuple[mmap.mmap, memoryview]] = OrderedDict()
         self._fds: OrderedDict[int, int] = OrderedDict()
         self._zarr: OrderedDict[int, Any] = OrderedDict()
         self._tmp: dict[int, str] = {}
@@ -200,6 +214,49 @@ class ShardAccess:
         if len(self._fds) > MAX_OPEN_FILES:
             os.close(self._fds.popitem(last=False)[1])
         return fd
+
+    def mapping(self, shard: int) -> memoryview:
+        """The whole shard file as a read-only ``memoryview`` (mapped once per process)."""
+        got = self._maps.get(shard)
+        if got is not None:
+            self._maps.move_to_end(shard)
+            return got[1]
+        assert self._local is not None
+        path = os.path.join(self._local, self.index.shard_names[shard])
+        a, b = int(self.index.starts[shard]), int(self.index.starts[shard + 1])
+        need = int((self.index.offsets[a:b] + self.index.sizes[a:b]).max()) if b > a else 0
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise ShardMissingError(f"{path}: shard missing; re-stage the dataset or re-run `stager pack`") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size < need:
+                raise VerificationError(
+                    f"{path}: shard is {size} bytes but its samples extend to byte {need} (truncated); "
+                    "run `stager verify` and re-stage or re-pack it"
+                )
+            mm = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
+        finally:
+            os.close(fd)
+        view = memoryview(mm) if mm is not None else memoryview(b"")
+        self._maps[shard] = (mm, view)  # type: ignore[assignment]
+        if len(self._maps) > MAX_OPEN_FILES:
+            self._maps.popitem(last=False)  # unmapped once no slice of it is alive
+        return view
+
+    def advise(self, shard: int, start: int, end: int) -> None:
+        """Ask the kernel to read ``[start, end)`` of a mapped shard ahead (``MADV_WILLNEED``).
+
+        Issued in stream order, one call per run, so a cold shard is read in runs, ahead of the
+        page faults of the samples' consumers, like the ``pread`` path reads it.
+        """
+        mm = self._maps[shard][0] if shard in self._maps else None
+        if mm is None or end <= start:
+            return
+        lo = start - start % mmap.PAGESIZE
+        with contextlib.suppress(OSError, ValueError):
+            mm.madvise(mmap.MADV_WILLNEED, lo, min(end, len(mm)) - lo)
 
     def _filesystem(self) -> Any:
         if self._fs is None:
@@ -242,11 +299,7 @@ class ShardAccess:
 
     # ---- reads --------------------------------------------------------------------------------
     def read(self, shard: int, positions: np.ndarray) -> tuple[list[Any], int]:
-        if self._pid != os.getpid():  # forked: inherited descriptors are not ours to use
-            self._fds.clear()
-            self._zarr.clear()
-            self._fs = None
-            self._pid = os.getpid()
+        self.check_pid()
         base = int(self.index.starts[shard])
         gids = positions + base
         if self.index.kind == "decoded":
@@ -272,6 +325,14 @@ class ShardAccess:
             i = j
         return out, nbytes
 
+    def check_pid(self) -> None:
+        if self._pid != os.getpid():  # forked: inherited descriptors are not ours to use
+            self._fds.clear()
+            self._maps.clear()
+            self._zarr.clear()
+            self._fs = None
+            self._pid = os.getpid()
+
     def _read_span(self, shard: int, start: int, end: int) -> bytes:
         if self._local is not None:
             buf = os.pread(self._fd(shard), end - start, start)
@@ -295,6 +356,7 @@ class ShardAccess:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
         self._fds.clear()
+        self._maps.clear()  # unmapped when the last payload slice handed out dies
         self._zarr.clear()
         self._tmp.clear()
 
