@@ -1,0 +1,105 @@
+"""The copy engine (stager/copyengine.py) and the stage copier's tunings, on real files."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_stage_support import assert_verified_copy, make_dataset
+
+from stager.checksum import hash_bytes, new_hasher
+from stager.copyengine import CopyTuning, WriteBehind, copy_hashed, sync_file_range
+from stager.errors import VerificationError
+from stager.manifest import MANIFEST_NAME
+from stager.stage import stage
+
+BLOCK = 4096
+
+
+@pytest.mark.parametrize("size", [0, 1, BLOCK - 1, BLOCK, BLOCK + 1, 5 * BLOCK + 17])
+@pytest.mark.parametrize("window", [None, 0, BLOCK, 3 * BLOCK])
+def test_copy_hashed_copies_and_hashes_every_byte(tmp_path: Path, size: int, window: int | None) -> None:
+    data = np.random.default_rng(size).bytes(size)
+    (tmp_path / "src").write_bytes(data)
+    blocks: list[int] = []
+    fd = os.open(tmp_path / "dst", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with open(tmp_path / "src", "rb", buffering=0) as f:
+            h = new_hasher()
+            wb = None if window is None else WriteBehind(fd, window)
+            n = copy_hashed(f, fd, memoryview(bytearray(BLOCK)), h, limit=size, write_behind=wb,
+                            on_block=blocks.append)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    assert n == size == sum(blocks)
+    assert all(0 < b <= BLOCK for b in blocks)
+    assert (tmp_path / "dst").read_bytes() == data
+    assert h.hexdigest() == hash_bytes(data)
+
+
+def test_copy_hashed_stops_once_past_the_limit(tmp_path: Path) -> None:
+    """A source larger than expected is not read to its end (it may be huge or growing)."""
+    (tmp_path / "src").write_bytes(b"x" * (10 * BLOCK))
+    fd = os.open(tmp_path / "dst", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        with open(tmp_path / "src", "rb", buffering=0) as f:
+            n = copy_hashed(f, fd, memoryview(bytearray(BLOCK)), new_hasher(), limit=2 * BLOCK + 1)
+    finally:
+        os.close(fd)
+    assert n == 3 * BLOCK
+
+
+def test_sync_file_range_on_files_and_pipes(tmp_path: Path) -> None:
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, b"y" * BLOCK)
+        assert sync_file_range(fd, 0, BLOCK, 2) is sys.platform.startswith("linux")
+    finally:
+        os.close(fd)
+    r, w = os.pipe()
+    try:
+        assert sync_file_range(w, 0, 1, 2) is False  # ESPIPE: not supported, nothing done, no error
+        wb = WriteBehind(w, BLOCK)
+        wb.wrote(0, 10)
+        assert wb.enabled is False
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+TUNINGS = [
+    CopyTuning(window=-1, sync_threads=0),  # each stream fsyncs its own files, no write-behind
+    CopyTuning(window=0, sync_threads=1),
+    CopyTuning(block=64 << 10, window=128 << 10, sync_threads=3),
+]
+
+
+@pytest.mark.parametrize("tuning", TUNINGS)
+@pytest.mark.parametrize("workers", [1, 3])
+def test_every_tuning_stages_a_verified_copy(tmp_path: Path, tuning: CopyTuning, workers: int) -> None:
+    m = make_dataset(tmp_path / "src", n=7, size=200 << 10, seed=workers)
+    r = stage(tmp_path / "src", tmp_path / "dest", workers=workers, tuning=tuning)
+    assert r.files_copied == 7 and r.bytes_copied == sum(s.bytes for s in m.shards)
+    assert_verified_copy(m, tmp_path / "dest")
+    assert (tmp_path / "dest" / MANIFEST_NAME).read_bytes() == (tmp_path / "src" / MANIFEST_NAME).read_bytes()
+    journal = (tmp_path / "dest" / ".stager-journal.jsonl").read_text().splitlines()
+    assert len(journal) == 1 + 7
+
+
+@pytest.mark.parametrize("tuning", TUNINGS)
+def test_a_damaged_shard_leaves_no_manifest_and_no_partial(tmp_path: Path, tuning: CopyTuning) -> None:
+    """Verification fails mid-run: no partial file, no manifest promising shards that are not there."""
+    m = make_dataset(tmp_path / "src", n=6, size=150 << 10, seed=3)
+    bad = tmp_path / "src" / m.shards[2].name
+    data = bytearray(bad.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    with pytest.raises(VerificationError, match=m.shards[2].name):
+        stage(tmp_path / "src", tmp_path / "dest", workers=2, tuning=tuning)
+    left = sorted(p.name for p in (tmp_path / "dest").iterdir())
+    assert not [n for n in left if n.endswith(".partial")]
+    assert MANIFEST_NAME not in left and m.shards[2].name not in left
