@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -191,7 +192,7 @@ def _local_bytes(dest: Path) -> int:
     total = 0
     with os.scandir(dest) as it:
         for e in it:
-            if e.name == "manifest.json" or e.name.startswith(".stager"):
+            if e.name.startswith(("manifest.json", ".stager")):  # the manifest (or its .partial), state
                 continue
             try:
                 if e.is_file(follow_symlinks=False):
@@ -290,3 +291,178 @@ def test_follow_beside_two_training_processes(packed: Path, tmp_path: Path, with
     for s in m.shards:  # every shard entry is a verified local copy or a symlink into SRC
         p = dest / s.name
         assert p.is_symlink() or p.read_bytes() == (packed / s.name).read_bytes()
+
+
+def _partials(dest: Path) -> list[str]:
+    return [p for p in os.listdir(dest) if p.endswith(".partial")]
+
+
+def _is_stopped(pid: int) -> bool:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+
+
+def _freeze_mid_fetch(proc: subprocess.Popen[str], dest: Path, timeout: float = 30) -> bool:
+    """SIGSTOP the follower at a moment when a fetch's .partial file exists; True if that happened."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if dest.is_dir() and _partials(dest):
+            os.kill(proc.pid, signal.SIGSTOP)
+            while not _is_stopped(proc.pid):
+                time.sleep(0.0005)
+            if _partials(dest):
+                return True
+            os.kill(proc.pid, signal.SIGCONT)
+    return False
+
+
+def test_follow_sigterm_mid_fetch_leaves_no_partial(packed: Path, tmp_path: Path) -> None:
+    """SIGTERM while a shard is half copied: the follower exits 0 with its figures, no .partial stays."""
+    m = load_manifest(packed)
+    caught = False
+    for attempt in range(3):  # a fetch must be caught in flight; tiny chunks make fetches slow
+        dest = tmp_path / f"dest{attempt}"
+        fol = _follower(packed, dest, m.num_bytes, "--batch-size", "2", "--world-size", "2", "--ranks", "0",
+                        "--chunk-size", "64")
+        try:
+            caught = _freeze_mid_fetch(fol, dest)
+            os.kill(fol.pid, signal.SIGTERM)
+            os.kill(fol.pid, signal.SIGCONT)
+            so, se = fol.communicate(timeout=60)
+        finally:
+            if fol.poll() is None:
+                fol.kill()
+        assert fol.returncode == 0, se
+        rep = json.loads(so)
+        assert rep["stopped"] == "signal" and rep["budget"] == m.num_bytes
+        assert _partials(dest) == []
+        for s in m.shards:  # what is local is a complete verified copy; the rest are symlinks into SRC
+            p = dest / s.name
+            assert p.is_symlink() or p.read_bytes() == (packed / s.name).read_bytes()
+        if caught:
+            break
+    assert caught, "no fetch was caught in flight in 3 attempts"
+
+
+def test_follow_stop_conditions_and_one_follower_per_dest(packed: Path, tmp_path: Path) -> None:
+    """In-process follow(): done marker, a rank that dies without finishing, a watched pid, the lock."""
+    from stager.errors import StagerTimeoutError
+    from stager.follow import follow
+    from stager.prefetch import mark_done
+
+    m = load_manifest(packed)
+    kw = {k: v for k, v in LOADER_KW.items() if k != "decode"}
+
+    def run_bg(dest: Path, **extra: Any) -> tuple[threading.Thread, dict[str, Any]]:
+        box: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                box["res"] = follow(packed, dest, budget=m.num_bytes // 2, poll=0.01, **extra)
+            except BaseException as exc:  # handed to the test thread
+                box["exc"] = exc
+
+        t = threading.Thread(target=target, daemon=True)
+        t.start()
+        return t, box
+
+    def wait_dest(dest: Path) -> None:
+        deadline = time.monotonic() + 30
+        while not (dest / ".stager-progress" / "follower.json").exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
+    # done marker; a second follower on the same DEST is refused while the first runs
+    dest = tmp_path / "a"
+    (dest).mkdir()
+    stale = dest / f"{m.shards[0].name}.0123456789ab.partial"
+    stale.write_bytes(b"left by a killed fetcher")
+    t, box = run_bg(dest, loader_kwargs=kw, ranks=[0])
+    wait_dest(dest)
+    with pytest.raises(StagerTimeoutError, match="locked"):
+        follow(packed, dest, budget=1, loader_kwargs=kw, ranks=[0])
+    mark_done(dest)
+    t.join(30)
+    assert "exc" not in box, box.get("exc")
+    assert box["res"].reason == "done" and box["res"].removed_partials == [stale.name] and not stale.exists()
+
+    # a rank process that reports, then dies without finishing: the follower stops ("ranks-gone")
+    dest = tmp_path / "b"
+    t, box = run_bg(dest)
+    wait_dest(dest)
+    code = ("import sys; from stager.prefetch import report_progress; "
+            "report_progress(sys.argv[1], 0, 0, 0)")
+    subprocess.run([sys.executable, "-c", code, str(dest)], check=True)
+    t.join(30)
+    assert box["res"].reason == "ranks-gone"
+
+    # a watched pid that goes away
+    dest = tmp_path / "c"
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    t, box = run_bg(dest, loader_kwargs=kw, ranks=[0], watch_pid=sleeper.pid)
+    wait_dest(dest)
+    sleeper.kill()
+    sleeper.wait()
+    t.join(30)
+    assert box["res"].reason == "pid-gone"
+
+
+def test_follow_replans_when_the_ranks_report_other_loader_arguments(packed: Path, tmp_path: Path) -> None:
+    """Command-line loader flags that differ from the ranks' loader: the ranks' arguments win."""
+    from stager.follow import follow
+    from stager.prefetch import ProgressReporter
+
+    m = load_manifest(packed)
+    dest = tmp_path / "d"
+    wrong = {k: v for k, v in LOADER_KW.items() if k != "decode"} | {"seed": 99}
+    stop = threading.Event()
+    box: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: box.update(res=follow(packed, dest, budget=m.num_bytes // 3, poll=0.01,
+                                                              loader_kwargs=wrong, ranks=[0, 1], stop=stop)))
+    t.start()
+    try:
+        deadline = time.monotonic() + 30
+        while _local_bytes(dest) == 0 if dest.is_dir() else True:
+            assert time.monotonic() < deadline and t.is_alive()
+            time.sleep(0.01)
+        loaders = [make_loader(str(dest), rank=r, staged=False, **LOADER_KW) for r in (0, 1)]
+        reporters = [ProgressReporter(dest, ld) for ld in loaders]
+        deadline = time.monotonic() + 30
+        while not (dest / ".stager-progress" / "follower.json").exists() or \
+                json.loads((dest / ".stager-progress" / "follower.json").read_text())["observed"] != [0, 1]:
+            assert time.monotonic() < deadline and t.is_alive()
+            time.sleep(0.01)
+        for rp in reporters:
+            rp.update(0, 2)
+            rp.finish()
+        t.join(30)  # the follower stops by itself once both ranks finished
+    finally:
+        stop.set()  # no-op unless the test failed above
+        t.join(30)
+    res = box["res"]
+    assert res.reason == "finished" and res.replans == 1 and res.loader_kwargs["seed"] == LOADER_KW["seed"]
+    assert any("differ" in w for w in res.warnings)
+
+
+def test_next_uses_per_rank_positions(packed: Path, tmp_path: Path) -> None:
+    """Each shard's next use is the earliest read of any rank at or after that rank's own position."""
+    kw = {k: v for k, v in LOADER_KW.items() if k != "decode"}
+    pf = Prefetcher(packed, tmp_path / "d", budget=1 << 30, ranks=[0, 1], loader_kwargs=kw, lookahead_epochs=1)
+    bpe = pf.batches_per_epoch
+    for pos in ([(0, 0), (0, 0)], [(0, 3), (0, 1)], [(1, 2), (0, bpe - 1)]):
+        expect = np.full(len(pf.manifest.shards), np.iinfo(np.int64).max)
+        for i, (e0, d0) in enumerate(pos):
+            for e in range(e0, e0 + 2):
+                for r in rank_reads(pf._datasets[i], e):
+                    t = e * bpe + r.batch
+                    if t >= e0 * bpe + d0:
+                        expect[r.shard] = min(expect[r.shard], t)
+        assert (pf.next_uses(pos) == expect).all()
+
+
+def test_follow_cli_usage_errors(packed: Path, tmp_path: Path) -> None:
+    for extra, msg in ((["--follow"], "--budget"),
+                       (["--follow", "--budget", "1M", "--batch-size", "2"], "--world-size"),
+                       (["--follow", "--budget", "1M", "--partition"], "cannot be combined")):
+        p = subprocess.run([sys.executable, "-m", "stager", "stage", str(packed), str(tmp_path / "d"), *extra],
+                           check=False, capture_output=True, text=True)
+        assert p.returncode == 2 and msg in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
