@@ -37,6 +37,7 @@ import re
 import socket
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,26 +59,39 @@ _SHARD_PARTIAL_RE = re.compile(r"(?P<base>.+)\.[0-9a-f]{12}\.partial")
 
 @dataclass(frozen=True)
 class Read:
-    """One shard read of this node at (epoch, rank-level batch): ``bytes`` of payload from ``shard``."""
+    """One shard read of this node at (epoch, rank-level batch): ``bytes`` of payload from ``shard``.
+
+    ``worker``: the rank's DataLoader worker stream that reads it. ``opens``: the worker opens (or
+    maps) the shard's file here; False when it still holds the file from an earlier read this
+    epoch, and then reads whatever file that was (a local copy, or SRC through the symlink) even if
+    DEST changed since.
+    """
 
     batch: int
     shard: int
     bytes: int
+    worker: int = 0
+    opens: bool = True
 
 
-def rank_reads(ds: Any, epoch: int) -> list[Read]:
+def rank_reads(ds: Any, epoch: int, open_files: int | None = None) -> list[Read]:
     """The shard reads of one rank's epoch, from the loader's own plan (``ds``: a ShardedDataset).
 
     Mirrors ``ShardedDataset._worker_batches``: worker batch ``b`` reads segments until the stream
-    position ``max(batch positions) + 1`` is loaded.
+    position ``max(batch positions) + 1`` is loaded. Each worker keeps the ``open_files`` (default
+    the loader's ``MAX_OPEN_FILES``) most recently read shards open (an LRU, new each epoch), which
+    decides :attr:`Read.opens`.
     """
     from .loader import plan as planlib
+    from .loader.source import MAX_OPEN_FILES
 
+    cap = MAX_OPEN_FILES if open_files is None else open_files
     rp = ds.plan(epoch)
     idx = ds.index
     out: list[Read] = []
-    for wp in rp.workers:
+    for w, wp in enumerate(rp.workers):
         segs = planlib.segments(wp.stream, idx.starts)
+        held: OrderedDict[int, None] = OrderedDict()
         seg_i, loaded = 0, 0
         for b in range(len(wp.batches)):
             pos = wp.batch_positions(b)
@@ -86,7 +100,12 @@ def rank_reads(ds: Any, epoch: int) -> list[Read]:
                 lo_s, hi_s, shard = segs[seg_i]
                 seg_i += 1
                 ids = wp.stream[lo_s:hi_s]
-                out.append(Read(int(wp.batches[b]), shard, int(idx.sizes[ids].sum())))
+                opens = shard not in held
+                held[shard] = None
+                held.move_to_end(shard)
+                if len(held) > cap:
+                    held.popitem(last=False)
+                out.append(Read(int(wp.batches[b]), shard, int(idx.sizes[ids].sum()), w, opens))
                 loaded = hi_s
     return out
 
@@ -356,26 +375,44 @@ class _StoppableReader(ShareReader):
 
 @dataclass(frozen=True)
 class EpochReads:
-    """The node's shard reads of one epoch as parallel int64 arrays of shape (reads,).
+    """The node's shard reads of one epoch as parallel arrays of shape (reads,).
 
     ``rank``: index into :attr:`Prefetcher.ranks`; ``batch``: the rank's batch whose loading
-    makes the read; ``shard``; ``nbytes``: payload bytes read from it.
+    makes the read; ``shard``; ``nbytes``: payload bytes read; ``opens`` (bool): the worker opens
+    the shard's file at this read; ``opener``: index of the read whose open this read uses (itself
+    when it opens). ``open_hit``/``open_known`` (bool, mutable): whether that open found a local
+    copy, once accounted.
     """
 
     rank: np.ndarray
     batch: np.ndarray
     shard: np.ndarray
     nbytes: np.ndarray
+    opens: np.ndarray
+    opener: np.ndarray
+    open_hit: np.ndarray
+    open_known: np.ndarray
 
     @classmethod
     def of(cls, per_rank: Sequence[Sequence[Read]]) -> EpochReads:
         rank = np.concatenate([np.full(len(r), i, dtype=np.int64) for i, r in enumerate(per_rank)])
         flat = [x for r in per_rank for x in r]
+        opener = np.empty(len(flat), dtype=np.int64)
+        last: dict[tuple[int, int, int], int] = {}
+        for k, (i, x) in enumerate(zip(rank.tolist(), flat, strict=True)):
+            key = (i, x.worker, x.shard)
+            if x.opens or key not in last:
+                last[key] = k
+            opener[k] = last[key]
         return cls(
             rank=rank,
             batch=np.array([x.batch for x in flat], dtype=np.int64),
             shard=np.array([x.shard for x in flat], dtype=np.int64),
             nbytes=np.array([x.bytes for x in flat], dtype=np.int64),
+            opens=np.array([x.opens for x in flat], dtype=bool),
+            opener=opener,
+            open_hit=np.zeros(len(flat), dtype=bool),
+            open_known=np.zeros(len(flat), dtype=bool),
         )
 
 
@@ -491,7 +528,7 @@ class Prefetcher:
             return got
 
     def next_uses(self, positions: Sequence[tuple[int, int]] | None = None) -> np.ndarray:
-        """Per shard, the global batch (epoch * batches + batch) of its next read, or ``NEVER``.
+        """Per shard, the global batch (epoch * batches + batch) of its next open, or ``NEVER``.
 
         ``positions``: per rank (epoch, batches done); default: the ranks' current positions.
         """
@@ -503,7 +540,8 @@ class Prefetcher:
         for e in range(min(e for e, _ in pos), max(e for e, _ in pos) + 1 + self.lookahead_epochs):
             er = self._epoch_reads(e)
             t = e * bpe + er.batch
-            ok = (t >= start[er.rank]) & (t < stop[er.rank])
+            # Only opens need the local file: a read through a file the worker holds gets that file.
+            ok = er.opens & (t >= start[er.rank]) & (t < stop[er.rank])
             np.minimum.at(nxt, er.shard[ok], t[ok])
         return nxt
 
@@ -644,9 +682,15 @@ class Prefetcher:
             if lo >= hi:
                 continue
             er = self._epoch_reads(e)
-            sel = (er.rank == i) & (er.batch >= lo) & (er.batch < hi)
-            hit = snap[er.shard[sel]]
-            nb = er.nbytes[sel]
+            k = np.flatnonzero((er.rank == i) & (er.batch >= lo) & (er.batch < hi))
+            # An open finds what DEST held when its batch began; a later read of the same held
+            # file gets that file (an open the follower did not see: judged like an open now).
+            ko = k[er.opens[k] | ~er.open_known[er.opener[k]]]
+            ko = np.union1d(ko, er.opener[ko])
+            er.open_hit[ko] = snap[er.shard[ko]]
+            er.open_known[ko] = True
+            hit = er.open_hit[er.opener[k]]
+            nb = er.nbytes[k]
             hb, mb = int(nb[hit].sum()), int(nb[~hit].sum())
             st.hit_bytes += hb
             st.miss_bytes += mb
@@ -657,14 +701,14 @@ class Prefetcher:
             pe["miss_bytes"] += mb
 
     def ready(self, epoch: int, batch: int) -> bool:
-        """True when every shard batch ``batch`` of ``epoch`` reads on this node is local.
+        """True when every shard that batch ``batch`` of ``epoch`` opens on this node is local.
 
         For a rank about to run that batch (its position is ``(epoch, batch)``), hits are judged
         from now on: the caller waited for it, so its reads come after this.
         """
         er = self._epoch_reads(epoch)
         with self._cv:
-            ok = bool(self._local[er.shard[er.batch == batch]].all())
+            ok = bool(self._local[er.shard[(er.batch == batch) & er.opens]].all())
             if ok:
                 for i, p in enumerate(self._pos):
                     if p == (epoch, batch):
