@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import mmap
 import os
 import re
 import shutil
@@ -38,7 +39,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from .atomicio import atomic_write_bytes, commit_partial, fsync_dir, partial_path, remove_stale_partials, space_error
+from .atomicio import atomic_write_bytes, fsync_dir, partial_path, remove_stale_partials, space_error
 from .checksum import ALGOS, new_hasher
 from .errors import DestinationError, ManifestError, SourceError, StagerError, UsageError
 from .formats import get_format
@@ -217,16 +218,29 @@ def _info_from_json(j: dict[str, Any]) -> ShardInfo:
 
 
 def fsync_and_hash(path: str | os.PathLike[str], algo: str) -> tuple[int, str]:
-    """Hash a just-written file and fsync it through the same descriptor: ``(bytes, hex digest)``."""
+    """Hash a just-written file and fsync it through the same descriptor: ``(bytes, hex digest)``.
+
+    The file is hashed through a read-only memory map (no copy out of the page cache: ~3 ms for
+    85 MB against ~6-13 ms with ``read``), or read in 8 MB chunks where it cannot be mapped.
+    """
     h = new_hasher(algo)
-    total = 0
-    buf = bytearray(8 << 20)
-    view = memoryview(buf)
     fd = os.open(path, os.O_RDONLY)
     try:
-        while n := os.readv(fd, [buf]):
-            h.update(view[:n])
-            total += n
+        total = os.fstat(fd).st_size
+        try:
+            if total:
+                with mmap.mmap(fd, total, access=mmap.ACCESS_READ) as mm:
+                    mm.madvise(mmap.MADV_SEQUENTIAL)
+                    with memoryview(mm) as v:
+                        h.update(v)
+        except (OSError, ValueError, AttributeError):  # not mappable here: read it
+            h = new_hasher(algo)
+            total = 0
+            buf = bytearray(8 << 20)
+            view = memoryview(buf)
+            while n := os.preadv(fd, [buf], total):
+                h.update(view[:n])
+                total += n
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -259,7 +273,12 @@ def write_shard(job: ShardJob, source: Source, progress: Progress | None = None)
     hasher = new_hasher(job.hash_algo) if getattr(fmt, "hashes_while_writing", False) else None
     try:
         writer = fmt.open_writer(
-            str(tmp), shard_name=sh.name, classes=list(job.classes), keys_checked=job.keys_checked, hasher=hasher
+            str(tmp),
+            shard_name=sh.name,
+            classes=list(job.classes),
+            keys_checked=job.keys_checked,
+            hasher=hasher,
+            writeback=True,
         )
         write_samples(writer, sh.refs, source, job, rows, progress=progress)
         companions = writer.close()
@@ -273,10 +292,12 @@ def write_shard(job: ShardJob, source: Source, progress: Progress | None = None)
             digest = hasher.hexdigest()
         else:
             nbytes_total, digest = fsync_and_hash(tmp, job.hash_algo)
-        # Companions first: a shard under its final name always has its companions beside it.
+        # Companions first: a shard under its final name always has its companions beside it. The
+        # data are fsynced; the renames become durable with the directory fsync that publishes the
+        # manifest (a crash before it loses at most renames, and a rerun rewrites those shards).
         for cname, ctmp in companions:
             os.replace(ctmp, out / cname)
-        commit_partial(tmp, final)
+        os.replace(tmp, final)
     except BaseException as exc:
         if writer is not None:
             with contextlib.suppress(Exception):
@@ -328,8 +349,25 @@ def record_done(
         aux,
     )
     done = ShardDone(info, rows.skipped, rows.payload, sh.fingerprint)
-    atomic_write_bytes(out / STATE_DIR / f"{sh.name}.json", json.dumps(done.to_json()).encode())
+    write_hint(out / STATE_DIR / f"{sh.name}.json", json.dumps(done.to_json()).encode())
     return done
+
+
+def write_hint(final: Path, data: bytes) -> None:
+    """Publish a done-record atomically (partial + rename) but without fsync.
+
+    A done-record is a hint that a rerun verifies (the shard's size and hash must match), so losing
+    one in a crash costs a rewrite, never a wrong pack; an fsync per shard would cost more than the
+    shard's own.
+    """
+    tmp = partial_path(final)
+    try:
+        with open(tmp, "xb") as f:
+            f.write(data)
+        os.replace(tmp, final)
+    except BaseException:
+        _unlink(tmp)
+        raise
 
 
 def write_samples(
@@ -600,6 +638,61 @@ def pack(
     :class:`DestinationError` (OUT holds something else and ``overwrite`` is false),
     :class:`OutOfSpaceError` (disk full; completed shards are kept for a rerun).
     """
+    pool = None
+    if workers > 1:
+        from .pack_workers import PackPool
+
+        pool = PackPool(workers)  # started on first use; reused from listing to writing
+    try:
+        return _pack(
+            src,
+            out,
+            format,
+            samples_per_shard=samples_per_shard,
+            shard_size=shard_size,
+            workers=workers,
+            seed=seed,
+            keep_order=keep_order,
+            resize=resize,
+            quality=quality,
+            on_error=on_error,
+            overwrite=overwrite,
+            dry_run=dry_run,
+            quiet=quiet,
+            hash_algo=hash_algo,
+            stripe_count=stripe_count,
+            stripe_size=stripe_size,
+            split=split,
+            pool=pool,
+        )
+    finally:
+        if pool is not None:
+            pool.close()
+
+
+def _pack(
+    src: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    format: str = "tar",
+    *,
+    samples_per_shard: int | None = None,
+    shard_size: int | None = 256 << 20,
+    workers: int = 1,
+    seed: int = 0,
+    keep_order: bool = False,
+    resize: tuple[int, int] | None = None,
+    quality: int | None = None,
+    on_error: str = "raise",
+    overwrite: bool = False,
+    dry_run: bool = False,
+    quiet: bool = True,
+    hash_algo: str = "xxh3_128",
+    stripe_count: int | None = None,
+    stripe_size: int | None = None,
+    split: str | None = None,
+    pool: Any = None,
+) -> PackResult:
+    """:func:`pack` with its worker pool (None for one process)."""
     t0 = time.perf_counter()
     _check_args(
         format=format,
@@ -612,13 +705,9 @@ def pack(
         hash_algo=hash_algo,
     )
     fmt = get_format(format)
-    if workers > 1:
-        from .pack_workers import ListingPool
-
-        with ListingPool(workers) as lister:  # forks only if the source lists folders (ImageFolder)
-            source = open_source(src, split=split, map_fn=lister.map)
-    else:
-        source = open_source(src, split=split)
+    # With workers, an ImageFolder lists its class folders on the pool (the only source that starts it
+    # this early); other sources leave it to start at writing time and so be inherited by fork.
+    source = open_source(src, split=split, map_fn=pool.map if pool is not None else None)
     out_p = Path(os.path.abspath(os.fspath(out)))
     if source.kind == "pack" and out_p == source.root:
         raise UsageError(f"{out_p}: output is the source pack itself; choose another directory")
@@ -754,13 +843,11 @@ def pack(
     progress = Progress(f"pack {format}", total_items=sum(len(s.refs) for s in todo), quiet=quiet)
     done: dict[str, ShardDone] = dict(reuse)
     try:
-        if workers == 1 or not jobs or (len(jobs) == 1 and not hasattr(fmt, "open_fragment")):
+        if pool is None or not jobs or (len(jobs) == 1 and not hasattr(fmt, "open_fragment")):
             for job in jobs:
                 done[job.shard.name] = write_shard(job, source, progress)
         else:
-            from .pack_workers import run_pool
-
-            for d in run_pool(jobs, source, workers, progress):
+            for d in pool.run(jobs, source, progress, state):
                 done[d.info.name] = d
     except BaseException:
         remove_stale_partials(out_p)

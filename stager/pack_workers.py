@@ -24,18 +24,24 @@ caller removes the ``.partial`` files.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import mmap
 import multiprocessing as mp
 import os
+import pickle
 import threading
 import time
+import uuid
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
+from itertools import repeat
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .atomicio import commit_partial, partial_path, space_error
+from .atomicio import partial_path, space_error
 from .errors import StagerError
 from .formats import get_format
 from .pack import (
@@ -49,7 +55,8 @@ from .pack import (
     write_shard,
 )
 from .progress import Progress
-from .sources import Source
+from .sources import SampleRef, Source
+from .writeback import start_writeback
 
 SEG_SAMPLES = 512  # at most this many samples per segment ...
 SEG_BYTES = 4 << 20  # ... and about this many source bytes (a few ms of work: small vs. task overhead)
@@ -61,49 +68,73 @@ class SegmentAbortedError(Exception):
     """A segment stopped because an earlier one failed (never the error reported to the user)."""
 
 
-# Worker-process state, set once per worker by the pool initializer (inherited, not pickled, on fork).
+# Worker-process state: ``source`` when the pool was started after the source was opened (fork
+# inherits it, spawn pickles it once per worker); plans and offset arrays published later arrive
+# through files named in each task (loaded once per worker, then cached by path).
 _STATE: dict[str, Any] = {}
 
 
-def _init_worker(source: Source, jobs: list[ShardJob] | None = None, slots: Any = None) -> None:
-    _STATE.update(source=source, jobs=jobs, slots=slots)
-
-
-def _run_job(job: ShardJob) -> ShardDone:
-    return write_shard(job, _STATE["source"])
+def _init_worker(source: Source | None = None) -> None:
+    _STATE.clear()
+    _STATE["source"] = source
 
 
 def _mp_context() -> Any:
-    # fork is cheapest (no re-import, the source and plan are inherited) but unsafe once threads
-    # exist (zarr/h5py may start some); fall back to spawn then.
+    # fork is cheapest (no re-import, the source is inherited) but unsafe once threads exist
+    # (zarr/h5py may start some); fall back to spawn then.
     if "fork" in mp.get_all_start_methods() and threading.active_count() == 1:
         return mp.get_context("fork")
     return mp.get_context("spawn")
 
 
-class ListingPool:
-    """A ``map`` that starts ``workers`` processes on first use (listing an ImageFolder's class
-    folders in parallel) and stops them on exit; sources that never call it start nothing."""
+class PackPool:
+    """The worker processes of one ``pack --workers N``, started on first use and reused throughout.
+
+    An ImageFolder source is listed through :meth:`map` (the pool starts then, before the plan
+    exists); :meth:`run` then writes the planned shards on the same processes, handing them the plan
+    through a pickle file and the segment offsets through a shared memory-mapped file, so no process
+    is forked twice (a fork costs ~5-15 ms here). Sources that never call :meth:`map` (CIFAR batches,
+    packs, lists) start the pool in :meth:`run`, after the source is loaded, and fork inherits it.
+    """
 
     def __init__(self, workers: int) -> None:
         self.workers = workers
         self._ex: ProcessPoolExecutor | None = None
 
+    def _executor(self, source: Source | None = None) -> ProcessPoolExecutor:
+        if self._ex is None:
+            self._ex = ProcessPoolExecutor(
+                max_workers=self.workers, mp_context=_mp_context(), initializer=_init_worker, initargs=(source,)
+            )
+        return self._ex
+
     def map(self, fn: Any, items: list[Any]) -> list[Any]:
+        """``list(map(fn, items))`` on the workers (in order)."""
         if len(items) < 2:
             return list(map(fn, items))
-        if self._ex is None:
-            self._ex = ProcessPoolExecutor(max_workers=min(self.workers, len(items)), mp_context=_mp_context())
-        # Several folders per task (fewer round trips), yet enough tasks to balance uneven folders.
-        return list(self._ex.map(fn, items, chunksize=max(1, len(items) // (self.workers * 4))))
+        # Several items per task (fewer round trips), yet enough tasks to balance uneven ones.
+        chunk = max(1, len(items) // (self.workers * 4))
+        return list(self._executor().map(fn, items, chunksize=chunk))
 
-    def __enter__(self) -> ListingPool:
-        return self
+    def run(self, jobs: list[ShardJob], source: Source, progress: Progress, state_dir: Path) -> list[ShardDone]:
+        """Write ``jobs`` (segments where the format allows, else whole shards); see the module doc."""
+        inherited = self._ex is None  # started now, with the loaded source
+        ex = self._executor(source)
+        plan_file = _publish_plan(state_dir, jobs, None if inherited else source)
+        if fragmentable(jobs[0].format):
+            return _run_segments(ex, self.workers, jobs, plan_file, progress=progress, state_dir=state_dir)
+        return _run_shards(ex, jobs, plan_file, progress)
 
-    def __exit__(self, *exc: object) -> None:
+    def close(self) -> None:
         if self._ex is not None:
             self._ex.shutdown(wait=True, cancel_futures=True)
             self._ex = None
+
+    def __enter__(self) -> PackPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def fragmentable(format_name: str) -> bool:
@@ -111,20 +142,61 @@ def fragmentable(format_name: str) -> bool:
     return hasattr(get_format(format_name), "open_fragment")
 
 
-def run_pool(jobs: list[ShardJob], source: Source, workers: int, progress: Progress) -> list[ShardDone]:
-    """Write ``jobs`` on ``workers`` processes (segments where the format allows); see the module doc."""
-    if fragmentable(jobs[0].format):
-        return _run_segments(jobs, source, workers, progress)
-    return _run_shards(jobs, source, workers, progress)
+# ---- the plan, as the workers see it ---------------------------------------------------------------
 
 
-def _run_shards(jobs: list[ShardJob], source: Source, workers: int, progress: Progress) -> list[ShardDone]:
+def _publish_plan(state_dir: Path, jobs: list[ShardJob], source: Source | None) -> str:
+    """Pickle the jobs (their samples as columns: ~18x cheaper to pickle than SampleRef tuples) and,
+    for workers that did not inherit it, the source without its listing; return the file's path."""
+    light = []
+    cols = []
+    for j in jobs:
+        refs = j.shard.refs
+        cols.append(tuple(list(c) for c in zip(*refs, strict=True)) if refs else ((),) * 5)
+        light.append(dataclasses.replace(j, shard=dataclasses.replace(j.shard, refs=())))
+    src = None
+    if source is not None:
+        src = copy.copy(source)
+        src.refs = []
+    path = state_dir / f"workers-{uuid.uuid4().hex[:12]}.pkl"
+    path.write_bytes(pickle.dumps({"jobs": light, "cols": cols, "source": src}, protocol=pickle.HIGHEST_PROTOCOL))
+    return str(path)
+
+
+def _plan(plan_file: str) -> dict[str, Any]:
+    got = _STATE.get(plan_file)
+    if got is None:
+        with open(plan_file, "rb") as f:
+            got = pickle.load(f)
+        _STATE[plan_file] = got
+    return got
+
+
+def _source(plan: dict[str, Any]) -> Source:
+    src = _STATE.get("source") or plan["source"]
+    assert src is not None, "a worker started before the source has it in the plan file"
+    return src
+
+
+def _job(plan: dict[str, Any], ji: int, a: int = 0, b: int | None = None) -> tuple[ShardJob, tuple[SampleRef, ...]]:
+    """Job ``ji`` and the SampleRefs of its samples ``[a, b)``, rebuilt from the columns."""
+    job: ShardJob = plan["jobs"][ji]
+    cols = plan["cols"][ji]
+    sl = slice(a, b)
+    refs = tuple(map(tuple.__new__, repeat(SampleRef), zip(*(c[sl] for c in cols), strict=True)))
+    return job, refs
+
+
+def _run_job(plan_file: str, ji: int) -> ShardDone:
+    plan = _plan(plan_file)
+    job, refs = _job(plan, ji)
+    return write_shard(dataclasses.replace(job, shard=dataclasses.replace(job.shard, refs=refs)), _source(plan))
+
+
+def _run_shards(ex: ProcessPoolExecutor, jobs: list[ShardJob], plan_file: str, progress: Progress) -> list[ShardDone]:
     out: list[ShardDone] = []
-    ex = ProcessPoolExecutor(
-        max_workers=min(workers, len(jobs)), mp_context=_mp_context(), initializer=_init_worker, initargs=(source,)
-    )
     try:
-        pending: set[Future[ShardDone]] = {ex.submit(_run_job, j) for j in jobs}
+        pending: set[Future[ShardDone]] = {ex.submit(_run_job, plan_file, ji) for ji in range(len(jobs))}
         while pending:
             finished, pending = wait(pending, return_when=FIRST_EXCEPTION)
             for f in finished:
@@ -132,16 +204,48 @@ def _run_shards(jobs: list[ShardJob], source: Source, workers: int, progress: Pr
                 out.append(d)
                 progress.update(d.info.samples, d.payload_bytes)
     except BaseException:
-        ex.shutdown(wait=True, cancel_futures=True)
+        for f in pending:
+            f.cancel()
+        wait(pending)
         raise
-    ex.shutdown(wait=True)
     return out
+
+
+# ---- segments --------------------------------------------------------------------------------------
 
 
 def plan_segments(job: ShardJob) -> list[tuple[int, int]]:
     """``[start, stop)`` runs of ``job``'s planned samples, one per segment."""
     sizes = np.asarray([r[3] for r in job.shard.refs], dtype=np.int64)  # r[3] is r.size
     return cut_shards(sizes, samples_per_shard=SEG_SAMPLES, shard_size=SEG_BYTES)
+
+
+class Slots:
+    """Shared int64 offset slots in a memory-mapped file (works across fork and spawn, and for
+    workers started before the array existed)."""
+
+    def __init__(self, path: str, n: int | None = None) -> None:
+        self.path = path
+        if n is not None:
+            with open(path, "wb") as f:
+                f.write(np.full(max(n, 1), _UNKNOWN, dtype=np.int64).tobytes())
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self._mm = mmap.mmap(fd, 0)
+        finally:
+            os.close(fd)
+        self.a = memoryview(self._mm).cast("q")  # aligned 8-byte stores: atomic on every platform we run
+
+    def close(self) -> None:
+        self.a.release()
+        self._mm.close()
+
+
+def _slots(path: str) -> Slots:
+    got = _STATE.get(path)
+    if got is None:
+        got = _STATE[path] = Slots(path)
+    return got
 
 
 def _wait_slot(slots: Any, i: int) -> int:
@@ -154,17 +258,18 @@ def _wait_slot(slots: Any, i: int) -> int:
     return v
 
 
-def _run_segment(task: tuple[int, int, int, int, str]) -> tuple[int, int, SampleRows]:
+def _run_segment(task: tuple[str, str, int, int, int, int, str]) -> tuple[int, int, SampleRows]:
     """Build one segment, publish its end offset, pwrite it; return (job index, start, rows)."""
-    ji, a, b, slot, path = task
-    job: ShardJob = _STATE["jobs"][ji]
-    slots = _STATE["slots"]
+    plan_file, slots_file, ji, a, b, slot, path = task
+    plan = _plan(plan_file)
+    job, refs = _job(plan, ji, a, b)
+    slots = _slots(slots_file).a
     fmt: Any = get_format(job.format)
     rows = SampleRows()
     published = False
     try:
         w = fmt.open_fragment(shard_name=job.shard.name, classes=list(job.classes), keys_checked=job.keys_checked)
-        write_samples(w, job.shard.refs[a:b], _STATE["source"], job, rows, progress=None)
+        write_samples(w, refs, _source(plan), job, rows, progress=None)
         buf = w.take()
         start = _wait_slot(slots, slot)
         slots[slot + 1] = start + len(buf)
@@ -175,6 +280,7 @@ def _run_segment(task: tuple[int, int, int, int, str]) -> tuple[int, int, Sample
             done = 0
             while done < len(view):
                 done += os.pwrite(fd, view[done:], start + done)
+            start_writeback(fd, start, len(view))
         finally:
             os.close(fd)
     except BaseException as exc:
@@ -188,29 +294,23 @@ def _run_segment(task: tuple[int, int, int, int, str]) -> tuple[int, int, Sample
     return ji, start, rows
 
 
-def _run_segments(jobs: list[ShardJob], source: Source, workers: int, progress: Progress) -> list[ShardDone]:
-    ctx = _mp_context()
+def _run_segments(
+    ex: ProcessPoolExecutor, workers: int, jobs: list[ShardJob], plan_file: str, *, progress: Progress, state_dir: Path
+) -> list[ShardDone]:
     segs = [plan_segments(j) for j in jobs]
     bases = np.cumsum([0] + [len(s) + 1 for s in segs]).tolist()  # slot of each shard's first segment
-    slots = ctx.RawArray("q", int(bases[-1]))
-    slots[:] = [_UNKNOWN] * len(slots)
+    slots = Slots(str(state_dir / f"slots-{uuid.uuid4().hex[:12]}.bin"), int(bases[-1]))
     tmps: list[Path] = []
-    queue: deque[tuple[int, int, int, int, str]] = deque()
+    queue: deque[tuple[str, str, int, int, int, int, str]] = deque()
     for ji, (job, runs) in enumerate(zip(jobs, segs, strict=True)):
         tmp = partial_path(Path(job.out) / job.shard.name)
         with open(tmp, "wb"):
             pass
         tmps.append(tmp)
-        slots[bases[ji]] = 0
-        queue.extend((ji, a, b, bases[ji] + k, str(tmp)) for k, (a, b) in enumerate(runs))
+        slots.a[bases[ji]] = 0
+        queue.extend((plan_file, slots.path, ji, a, b, bases[ji] + k, str(tmp)) for k, (a, b) in enumerate(runs))
     parts: list[list[tuple[int, SampleRows]]] = [[] for _ in jobs]
     out: list[ShardDone] = []
-    ex = ProcessPoolExecutor(
-        max_workers=min(workers, len(queue)),
-        mp_context=ctx,
-        initializer=_init_worker,
-        initargs=(source, jobs, slots),
-    )
     # Segments are submitted a few at a time, in plan order, so that a shard's finishing task (end
     # marker, hash, fsync, rename, done-record: run by a worker, not here) starts soon after its last
     # segment instead of after every queued segment.
@@ -238,30 +338,33 @@ def _run_segments(jobs: list[ShardJob], source: Source, workers: int, progress: 
                 parts[ji].append((start, r))
                 progress.update(len(r.keys), r.payload)
                 if len(parts[ji]) == len(segs[ji]):
-                    end = int(slots[bases[ji + 1] - 1])
-                    g = ex.submit(_finish_shard, ji, str(tmps[ji]), end, parts[ji])
+                    end = int(slots.a[bases[ji + 1] - 1])
+                    g = ex.submit(_finish_shard, plan_file, ji, str(tmps[ji]), end, parts[ji])
                     pending[g] = False
                     every.append(g)
             refill()
     except BaseException as exc:
-        for i in range(len(slots)):  # release every waiting segment
-            if slots[i] == _UNKNOWN:
-                slots[i] = _POISON
-        ex.shutdown(wait=True, cancel_futures=True)
+        for i in range(len(slots.a)):  # release every waiting segment
+            if slots.a[i] == _UNKNOWN:
+                slots.a[i] = _POISON
+        for f in pending:
+            f.cancel()
+        wait(pending)
         if isinstance(exc, SegmentAbortedError):  # report the failure that caused it, in plan order
             for f in every:
                 e = f.exception() if f.done() and not f.cancelled() else None
                 if e is not None and not isinstance(e, SegmentAbortedError):
                     raise e from None
         raise
-    ex.shutdown(wait=True)
+    finally:
+        slots.close()
     return out
 
 
-def _finish_shard(ji: int, tmp: str, end: int, parts: list[tuple[int, SampleRows]]) -> ShardDone:
+def _finish_shard(plan_file: str, ji: int, tmp: str, end: int, parts: list[tuple[int, SampleRows]]) -> ShardDone:
     """In a worker: end marker, hash + fsync, rename and done-record of a shard whose segments are
     all written (``end`` is where the last one stopped)."""
-    job: ShardJob = _STATE["jobs"][ji]
+    job: ShardJob = _plan(plan_file)["jobs"][ji]
     fmt: Any = get_format(job.format)
     final = Path(job.out) / job.shard.name
     try:
@@ -271,7 +374,7 @@ def _finish_shard(ji: int, tmp: str, end: int, parts: list[tuple[int, SampleRows
         finally:
             os.close(fd)
         nbytes, digest = fsync_and_hash(tmp, job.hash_algo)
-        commit_partial(tmp, final)
+        os.replace(tmp, final)  # durable with the manifest's directory fsync, as in write_shard
     except OSError as exc:
         err = space_error(exc, final)
         if err is not None:

@@ -24,7 +24,7 @@ from stager.errors import SourceError, UsageError
 from stager.formats.tar import check_key, check_keys
 from stager.manifest import load_manifest
 from stager.pack import pack
-from stager.pack_workers import ListingPool
+from stager.pack_workers import PackPool
 from stager.sources import open_source
 
 
@@ -98,8 +98,8 @@ def test_parallel_listing_equals_serial(imagenet_tiny: Path, tmp_path: Path) -> 
     for rel in ("c/a.b.jpg", "c/a_b.jpg", "c/sub/z.jpg", "c-x/y.jpg"):
         (src / rel).write_bytes(img)
     serial = open_source(src)
-    with ListingPool(2) as lister:
-        par = open_source(src, map_fn=lister.map)
+    with PackPool(2) as pool:
+        par = open_source(src, map_fn=pool.map)
     assert par.refs == serial.refs and par.classes == serial.classes
     assert [r.locator for r in serial.refs] == sorted(r.locator for r in serial.refs)
     assert len({r.key for r in serial.refs}) == len(serial.refs)
@@ -150,3 +150,14 @@ def test_workers_do_not_leave_processes_or_partials(imagenet_tiny: Path, tmp_pat
     import multiprocessing as mp
 
     assert not mp.active_children()
+
+
+@pytest.mark.parametrize("fmt", ["record", "hdf5"])
+def test_shard_level_formats_on_a_pool_started_for_listing(imagenet_tiny: Path, tmp_path: Path, fmt: str) -> None:
+    # The pool starts while listing the ImageFolder, before the plan exists: its workers get the
+    # plan and the source from the plan file instead of inheriting them.
+    a = pack(imagenet_tiny, tmp_path / "w1", fmt, workers=1, samples_per_shard=7)
+    b = pack(imagenet_tiny, tmp_path / "w2", fmt, workers=2, samples_per_shard=7)
+    assert a.shards == b.shards == 4
+    assert _files(tmp_path / "w1") == _files(tmp_path / "w2")
+    assert _manifest(tmp_path / "w1") == _manifest(tmp_path / "w2")

@@ -35,6 +35,7 @@ import numpy as np
 
 from ..errors import CorruptSampleError, UnsafeArchiveError, UsageError
 from ..manifest import Manifest, ShardInfo
+from ..writeback import start_writeback
 from .base import Extent, Sample, pread_runs
 
 BLOCK = 512
@@ -281,8 +282,9 @@ class TarShardWriter:
     ``keys_checked`` (the caller has already validated every key with :func:`check_keys` and
     guarantees they are unique: the per-sample key checks are skipped), ``hasher`` (an object with
     ``update(bytes)``, e.g. an xxh3 hasher: every byte of the shard is fed to it as it is written, so
-    the caller need not read the file back to hash it). Unknown options are ignored so that one
-    option set can be passed to every format.
+    the caller need not read the file back to hash it), ``writeback`` (start the kernel's writeback
+    of each chunk as it is written, see :mod:`stager.writeback`, so that the caller's fsync is
+    short). Unknown options are ignored so that one option set can be passed to every format.
     """
 
     def __init__(
@@ -295,9 +297,11 @@ class TarShardWriter:
         fsync: bool = False,
         keys_checked: bool = False,
         hasher: Any = None,
+        writeback: bool = False,
         **options: Any,
     ) -> None:
         self.path = path
+        self._writeback = writeback
         self.shard_name = shard_name
         self.classes = list(classes)
         self._flush_bytes = flush_bytes
@@ -387,6 +391,8 @@ class TarShardWriter:
         while done < len(view):
             done += self._f.write(view[done:]) or 0
         view.release()
+        if self._writeback:
+            start_writeback(self._f.fileno(), self._written, len(self._buf))
         self._written += len(self._buf)
         self._buf = bytearray()
 
@@ -431,6 +437,7 @@ class TarFragmentWriter(TarShardWriter):
         self._fsync = False
         self._keys_checked = keys_checked
         self._hasher = None
+        self._writeback = False
         self._f = None
         self._open = True
         self._buf = bytearray()
