@@ -35,7 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--node", type=int, default=None, help="this node's index (default: Slurm, then torchrun env)")
     p.add_argument("--num-nodes", type=int, default=None, help="number of nodes")
     p.add_argument("--ranks-per-node", type=int, default=None, help="training ranks per node (recorded)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the shard-to-node assignment")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the shard-to-node assignment (--follow: the loader's seed)")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds to wait for another stager on this node or for peer nodes (default: no limit)")
     # Collective staging (stager/collective.py): one process per node, each byte read from SRC once.
@@ -45,7 +46,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fallback", choices=["direct", "none"], default="direct",
                    help="--collective: what to do when the group cannot form within --timeout (default: direct)")
     p.add_argument("--chunk-size", type=int, default=8 << 20, metavar="BYTES",
-                   help="--collective: bytes per node per exchange step (default 8 MiB)")
+                   help="--collective: bytes per node per exchange step; --follow: bytes per read of a fetch "
+                   "(default 8 MiB)")
     _add_follow_args(p)
     add_common(p)
     p.set_defaults(func=run)
