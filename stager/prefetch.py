@@ -485,7 +485,10 @@ class Prefetcher:
             raise UsageError("prefetch needs at least one rank of this node to plan for")
         kw = dict(loader_kwargs)
         kw.pop("staged", None)
-        return [ShardedDataset(str(self.dest), rank=r, staged=False, **kw) for r in ranks]
+        first = ShardedDataset(str(self.dest), rank=ranks[0], staged=False, **kw)
+        # One index for all ranks of the node (it is the manifest's columns: large for big datasets).
+        return [first] + [ShardedDataset(str(self.dest), rank=r, staged=False, resolved=first.res, **kw)
+                          for r in ranks[1:]]
 
     def config(self) -> dict[str, Any]:
         """The plan arguments this prefetcher schedules for (:func:`loader_config` of its datasets)."""
