@@ -16,13 +16,15 @@ from tools.faults.tally import record
 
 
 def _check(row: str, st: space.SpaceStats, minimum: int) -> None:
+    # Recorded before asserting, so a known failure (xfail) shows in the table as not handled.
+    record(row, group="out of space", trials=st.trials, handled=st.handled, lost=st.lost,
+           note="exit 4 + one line naming the file; nothing torn under a final name; rerun completes",
+           torn_final=st.torn_final, leftovers=st.leftovers, no_fault_runs=st.no_fault,
+           clean_errors=st.clean_errors, reruns_ok=st.rerun_ok)
     assert st.trials >= minimum, f"{st.command}: only {st.trials} limits were hit ({st.no_fault} runs fit)"
     assert st.errors == [], st.errors
     assert st.clean_errors == st.trials and st.rerun_ok == st.trials
     assert st.torn_final == 0 and st.leftovers == 0 and st.lost == 0
-    record(row, group="out of space", trials=st.trials, handled=st.handled, lost=st.lost,
-           note="exit 4 + one line naming the file; nothing torn under a final name; rerun completes",
-           torn_final=st.torn_final, leftovers=st.leftovers, no_fault_runs=st.no_fault)
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +33,7 @@ def mountable(work: Path) -> bool:
 
 
 def test_fsize_pack_fast(work: Path) -> None:
-    _check("RLIMIT_FSIZE (random limit) during `stager pack`", space.pack_fsize_trials(work, 1, seed=31), 1)
+    _check("RLIMIT_FSIZE (random limit) during `stager pack` (tar)", space.pack_fsize_trials(work, 1, seed=31), 1)
 
 
 def test_fsize_stage_fast(work: Path) -> None:
@@ -49,10 +51,15 @@ def test_enospc_stage_fast(work: Path, mountable: bool) -> None:
     _check("ENOSPC (full tmpfs, random size)", space.enospc_trials(work, 1, seed=34, command="stage"), 1)
 
 
+HDF5_CRASH = pytest.mark.xfail(strict=True, reason="h5py/libhdf5 segfaults closing a file after a failed write "
+                               "(EFBIG): stager/formats/hdf5.py writer close(); see docs/reliability.md")
+
+
 @pytest.mark.faults
-@pytest.mark.parametrize("fmt", ["tar", "record", "hdf5", "zarr"])
+@pytest.mark.parametrize("fmt", ["tar", "record", pytest.param("hdf5", marks=HDF5_CRASH), "zarr"])
 def test_fsize_pack_full(work: Path, fmt: str) -> None:
-    _check("RLIMIT_FSIZE (random limit) during `stager pack`", space.pack_fsize_trials(work, 4, seed=41, fmt=fmt), 4)
+    st = space.pack_fsize_trials(work, 4, seed=41, fmt=fmt)
+    _check(f"RLIMIT_FSIZE (random limit) during `stager pack` ({fmt})", st, 4)
 
 
 @pytest.mark.faults
