@@ -213,7 +213,9 @@ def follow(
                     res.ranks, res.loader_kwargs = list(pf.ranks), dict(cfg)
                     for r in plan_ranks:
                         if r in reports:
-                            pf.advance(int(reports[r]["epoch"]), int(reports[r]["done"]), rank=r)
+                            pf.advance(*_loaded(reports[r], pf.batches_per_epoch, cfg), rank=r)
+                            if int(reports[r]["done"]) == 0 and not reports[r].get("finished"):
+                                pf.refresh(r)  # not stepping yet: what is fetched meanwhile counts
                             observed.add(r)
                     if all(r in reports for r in plan_ranks):
                         res.position = pf.position
@@ -236,6 +238,22 @@ def follow(
     res.stats.budget = budget
     res.seconds = time.monotonic() - t0
     return res
+
+
+def _loaded(rec: dict[str, Any], batches_per_epoch: int, cfg: dict[str, Any]) -> tuple[int, int]:
+    """Where a rank's workers are loading: ``done`` plus their read-ahead, within the epoch.
+
+    The schedule starts there (the batches in flight opened their files already) and a batch's
+    reads are judged by DEST when that batch began loading, not when it was consumed. The epoch's
+    end needs no special case: ``(e, batches)`` is ``(e + 1, 0)`` to the prefetcher.
+    """
+    ahead = rec.get("read_ahead")
+    if ahead is None:  # a report without it: torch's default prefetch_factor 2
+        ahead = 2 * int(cfg.get("num_workers") or 0)
+    done = int(rec["done"])
+    if done == 0:  # reported before the first step (start or resume): loading may not have begun
+        return int(rec["epoch"]), 0
+    return int(rec["epoch"]), min(done + int(ahead), batches_per_epoch)
 
 
 def _write_status(dest: Path, res: FollowResult, pf: Prefetcher | None, observed: list[int]) -> None:

@@ -191,13 +191,15 @@ def report_progress(
     config: dict[str, Any] | None = None,
     finished: bool = False,
     failed: bool = False,
+    read_ahead: int | None = None,
 ) -> None:
     """Record that ``rank`` finished ``batches_done`` batches of ``epoch`` (for a follower process).
 
     Writes ``DEST/.stager-progress/rank<r>.json`` atomically (tmp + rename, no fsync: progress is
-    ephemeral): ``{"rank", "epoch", "done", "pid", "host", "finished", "failed", "config", "time"}``.
-    ``config``: the loader's plan arguments (:func:`loader_config`); ``finished``: the rank will
-    read no more (training ended, or failed).
+    ephemeral): ``{"rank", "epoch", "done", "pid", "host", "finished", "failed", "config",
+    "read_ahead", "time"}``. ``config``: the loader's plan arguments (:func:`loader_config`);
+    ``read_ahead``: batches the loader's workers load ahead of ``done`` (:func:`loader_read_ahead`);
+    ``finished``: the rank will read no more (training ended, or failed).
     """
     d = Path(dest) / PROGRESS_DIR
     d.mkdir(exist_ok=True)
@@ -210,6 +212,7 @@ def report_progress(
         "finished": finished,
         "failed": failed,
         "config": config,
+        "read_ahead": read_ahead,
         "time": time.time(),
     }
     tmp = d / f".rank{rank}.{os.getpid()}.{threading.get_ident()}.tmp"
@@ -284,6 +287,19 @@ def loader_config(loader: Any) -> dict[str, Any]:
     }
 
 
+def loader_read_ahead(loader: Any) -> int:
+    """Batches a Loader's DataLoader workers have in flight beyond the one being consumed.
+
+    ``num_workers x prefetch_factor`` (torch's default factor is 2); 0 in-process. When a rank has
+    finished ``d`` batches, its workers have loaded (or are loading) batches up to ``d + this``.
+    """
+    nw = int(getattr(loader, "num_workers", 0) or 0)
+    if nw == 0:
+        return 0
+    pf = getattr(loader, "prefetch_factor", None)
+    return nw * int(pf if pf is not None else 2)
+
+
 class ProgressReporter:
     """What a training rank calls so that ``stager stage --follow`` knows where it is.
 
@@ -304,6 +320,7 @@ class ProgressReporter:
     ) -> None:
         self.dest = Path(dest)
         self.config = loader_config(loader) if loader is not None else None
+        self.read_ahead = loader_read_ahead(loader) if loader is not None else None
         if rank is None:
             if loader is None:
                 from .world import World
@@ -321,7 +338,8 @@ class ProgressReporter:
         self._write()
 
     def _write(self, *, finished: bool = False, failed: bool = False) -> None:
-        report_progress(self.dest, self.rank, *self._pos, config=self.config, finished=finished, failed=failed)
+        report_progress(self.dest, self.rank, *self._pos, config=self.config, finished=finished, failed=failed,
+                        read_ahead=self.read_ahead)
         self._last = time.monotonic()
 
     def update(self, epoch: int, batches_done: int) -> None:
@@ -675,6 +693,13 @@ class Prefetcher:
                 moved = True
             if moved:
                 self._cv.notify_all()
+
+    def refresh(self, rank: int) -> None:
+        """``rank`` has not begun loading the batch at its position yet: judge that batch by DEST now."""
+        with self._cv:
+            i = self.ranks.index(rank)
+            if self._counted[i]:
+                self._snap[i] = self._local.copy()
 
     def _account(self, i: int, frm: tuple[int, int], to: tuple[int, int]) -> None:
         snap = self._snap[i]

@@ -249,9 +249,12 @@ def test_follow_beside_two_training_processes(packed: Path, tmp_path: Path, with
     """
     m = load_manifest(packed)
     budget = m.num_bytes // 3
-    kw = {"batch_size": 2, "world_size": 2, "num_workers": 2, "seed": 7, "decode": "raw"}
+    # A 2-sample shuffle buffer spreads each worker's reads over the epoch (the default buffer holds
+    # this whole tiny dataset, so every read would happen at the first batch).
+    kw = {"batch_size": 2, "world_size": 2, "num_workers": 2, "seed": 7, "decode": "raw", "shuffle_buffer": 2}
     dest = tmp_path / "dest"
-    flags = ["--batch-size", "2", "--world-size", "2", "--loader-workers", "2", "--seed", "7", "--ranks", "0-1"]
+    flags = ["--batch-size", "2", "--world-size", "2", "--loader-workers", "2", "--seed", "7", "--ranks", "0-1",
+             "--shuffle-buffer", "2"]
     fol = _follower(packed, dest, budget, *(flags if with_flags else []))
     stop, peaks = threading.Event(), []
     sampler = threading.Thread(target=_sample_budget, args=(dest, stop, peaks), daemon=True)
