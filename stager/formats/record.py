@@ -35,6 +35,7 @@ import numpy as np
 from ..atomicio import partial_path
 from ..errors import CorruptSampleError, ShardMissingError, UsageError
 from ..manifest import Manifest, ShardInfo
+from ..writeback import start_writeback
 from .base import Extent, Sample
 from .example_pb import ExampleDecodeError, decode_example, varint
 from .tar import FLUSH_BYTES, read_extents
@@ -110,7 +111,9 @@ def encode_image_example(
 class RecordShardWriter:
     """Writes one TFRecord shard and, on close, its DALI-style ``.idx`` companion.
 
-    Records are accumulated and written in ``flush_bytes`` chunks; ``fsync`` as for the tar writer.
+    Records are accumulated and written in ``flush_bytes`` chunks; ``fsync``, ``hasher`` (fed every
+    byte of the shard as it is written; the ``.idx`` companion is not included) and ``writeback`` as
+    for the tar writer.
     """
 
     def __init__(
@@ -121,6 +124,8 @@ class RecordShardWriter:
         classes: Sequence[str],
         flush_bytes: int = FLUSH_BYTES,
         fsync: bool = False,
+        hasher: Any = None,
+        writeback: bool = False,
         **options: Any,
     ) -> None:
         self.path = path
@@ -128,6 +133,8 @@ class RecordShardWriter:
         self.classes = list(classes)
         self._flush_bytes = flush_bytes
         self._fsync = fsync
+        self._hasher = hasher
+        self._writeback = writeback
         self._f: BinaryIO | None = open(path, "wb", buffering=0)  # noqa: SIM115 - closed in close()/abort()
         self._buf = bytearray()
         self._written = 0
@@ -163,10 +170,14 @@ class RecordShardWriter:
     def _flush(self) -> None:
         assert self._f is not None
         view = memoryview(self._buf)
+        if self._hasher is not None:
+            self._hasher.update(view)
         done = 0
         while done < len(view):
             done += self._f.write(view[done:]) or 0
         view.release()
+        if self._writeback:
+            start_writeback(self._f.fileno(), self._written, len(self._buf))
         self._written += len(self._buf)
         self._buf = bytearray()
 
@@ -331,6 +342,7 @@ class RecordFormat:
     name = "record"
     suffix = ".tfrecord"
     sample_kind = "encoded"
+    hashes_while_writing = True  # the writer feeds the shard's bytes to an optional ``hasher``
 
     def shard_name(self, index: int) -> str:
         return f"shard-{index:05d}.tfrecord"
