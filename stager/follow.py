@@ -38,11 +38,12 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .collective_plan import shard_sizes
 from .errors import UsageError
 from .lock import NodeLock, pid_alive
 from .prefetch import (
@@ -76,6 +77,13 @@ class FollowResult:
     removed_partials: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     stats: PrefetchStats = field(default_factory=PrefetchStats)
+    on_warning: Callable[[str], None] | None = field(default=None, repr=False)
+
+    def warn(self, message: str) -> None:
+        """Record a warning and pass it on at once (a follower runs for hours; exit is too late)."""
+        self.warnings.append(message)
+        if self.on_warning is not None:
+            self.on_warning(message)
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -149,6 +157,7 @@ def follow(
     lookahead_epochs: int = 1,
     stop: threading.Event | None = None,
     lock_timeout: float | None = 0.0,
+    on_warning: Callable[[str], None] | None = None,
 ) -> FollowResult:
     """Run the follower until training ends or ``stop`` is set (see the module docstring).
 
@@ -156,6 +165,7 @@ def follow(
     world_size, num_workers, seed, shuffle, drop_last, run_bytes, min_run, shuffle_buffer), or None
     to learn them from the first report. ``ranks``: the global ranks on this node, or None to
     learn them. One follower per DEST: a second one fails after ``lock_timeout`` seconds.
+    ``on_warning`` gets each warning when it arises (they are also in the result).
     """
     if budget <= 0:
         raise UsageError(f"--budget must be > 0 bytes, got {budget}")
@@ -167,11 +177,16 @@ def follow(
     stop = stop or threading.Event()
     parent = os.getppid()
     host = socket.gethostname()
-    res = FollowResult(src=os.fspath(src), dest=str(d), budget=budget, loader_kwargs=loader_kwargs)
+    res = FollowResult(src=os.fspath(src), dest=str(d), budget=budget, loader_kwargs=loader_kwargs,
+                       on_warning=on_warning)
     fixed_ranks = sorted(set(ranks)) if ranks else None
     with NodeLock(d / LOCK_NAME, timeout=lock_timeout):
         manifest = prepare_dest(src, d)
         res.removed_partials = remove_fetch_partials(d, manifest)
+        sizes = shard_sizes(manifest)
+        if len(sizes) and int(sizes.max()) > budget:
+            res.warn(f"--budget {budget} B is below the largest shard ({int(sizes.max())} B, with its "
+                                "companion files): such shards are never fetched, and nothing needed after them")
         _clear_stale(d)
         pf: Prefetcher | None = None
         seen_configs: set[str] = set()
@@ -195,18 +210,18 @@ def follow(
                     for other in reported[1:]:
                         if other != cfg and repr(other) not in seen_configs:
                             seen_configs.add(repr(other))
-                            res.warnings.append(f"ranks report different loader arguments: {other} vs {cfg}")
+                            res.warn(f"ranks report different loader arguments: {other} vs {cfg}")
                 if plan_ranks and cfg is not None:
                     if pf is None:
                         pf = Prefetcher(src, d, budget=budget, ranks=plan_ranks, loader_kwargs=cfg,
                                         lookahead_epochs=lookahead_epochs, chunk_bytes=chunk_bytes,
                                         baseline=False).start()
                         if reported and loader_kwargs is not None and pf.config() != _resolved(pf, loader_kwargs):
-                            res.warnings.append(f"the ranks' loader arguments {cfg} differ from the command "
+                            res.warn(f"the ranks' loader arguments {cfg} differ from the command "
                                                 f"line's {loader_kwargs}; following the ranks")
                     elif plan_ranks != pf.ranks or (reported and cfg != pf.config()):
                         if reported and cfg != pf.config():
-                            res.warnings.append(f"the ranks' loader arguments {cfg} differ from the planned "
+                            res.warn(f"the ranks' loader arguments {cfg} differ from the planned "
                                                 f"{pf.config()}; re-planned")
                         pf.replan(plan_ranks, cfg)
                         res.replans += 1

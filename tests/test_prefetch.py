@@ -475,3 +475,16 @@ def test_follow_cli_usage_errors(packed: Path, tmp_path: Path) -> None:
         p = subprocess.run([sys.executable, "-m", "stager", "stage", str(packed), str(tmp_path / "d"), *extra],
                            check=False, capture_output=True, text=True)
         assert p.returncode == 2 and msg in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_follow_cli_budget_below_a_shard_warns_and_watched_pid(packed: Path, tmp_path: Path) -> None:
+    """A budget no shard fits in is a warning on stderr; a --pid that is gone stops the follower."""
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], check=True,
+                          capture_output=True, text=True)
+    p = subprocess.run([sys.executable, "-m", "stager", "stage", str(packed), str(tmp_path / "d"), "--follow",
+                        "--budget", "1", "--pid", gone.stdout.strip(), "--json"],
+                       check=False, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    rep = json.loads(p.stdout)
+    assert rep["stopped"] == "pid-gone" and rep["fetched_bytes"] == 0
+    assert "below the largest shard" in p.stderr and rep["warnings"]

@@ -190,8 +190,7 @@ def _run_follow(args: argparse.Namespace) -> int:
     with stop_on_signals(stop):
         res = follow(args.src, args.dest, budget=args.budget, loader_kwargs=loader_kwargs, ranks=ranks,
                      watch_pid=args.pid, epochs=args.epochs, poll=args.poll, chunk_bytes=args.chunk_size,
-                     stop=stop, lock_timeout=args.timeout if args.timeout is not None else 0.0)
-    for w in res.warnings:
-        print(f"stager stage: warning: {w}", file=sys.stderr)
+                     stop=stop, lock_timeout=args.timeout if args.timeout is not None else 0.0,
+                     on_warning=lambda w: print(f"stager stage: warning: {w}", file=sys.stderr, flush=True))
     emit(args, res.to_json(), res.summary())
     return 0
