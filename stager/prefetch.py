@@ -18,14 +18,17 @@ this node, built with the same arguments the training script passes to ``make_lo
 ``plan(epoch)`` - so the order is identical by construction. A worker reads a segment (a run of
 consecutive samples in one shard) when its batch first needs it, so the read of segment ``k`` of
 worker ``w`` happens at the rank's batch ``batches[b]`` for the first worker batch ``b`` that
-reaches it.
+reaches it. A worker keeps its most recently read shard files open for the epoch (the loader's LRU
+of ``MAX_OPEN_FILES``), and reads a held file whatever DEST holds meanwhile; so only the reads that
+*open* a file need it local (:attr:`Read.opens`), and the next use of a shard is its next open.
 
 Progress: in one process the training loop calls :meth:`Prefetcher.advance` with (epoch, batches
 done). Beside training, ``stager stage --follow`` (:mod:`stager.follow`) runs the prefetcher in its
 own process and learns the progress from files the ranks write with :class:`ProgressReporter`
 (``DEST/.stager-progress/rank<r>.json``: position, pid, and the loader's plan arguments, so the
-follower plans exactly what the ranks read). The hit rate counts, per batch, the bytes of the shard
-reads whose shard was local when the batch began (reported by :meth:`Prefetcher.stats`).
+follower plans exactly what the ranks read). Each rank has its own position. The hit rate counts
+the payload bytes of reads whose open found the shard local when the batch began (per rank, from
+its first known position; reported by :meth:`Prefetcher.stats`).
 """
 
 from __future__ import annotations
