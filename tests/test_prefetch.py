@@ -488,3 +488,18 @@ def test_follow_cli_budget_below_a_shard_warns_and_watched_pid(packed: Path, tmp
     rep = json.loads(p.stdout)
     assert rep["stopped"] == "pid-gone" and rep["fetched_bytes"] == 0
     assert "below the largest shard" in p.stderr and rep["warnings"]
+
+
+def test_follow_stops_when_its_parent_is_gone(packed: Path, tmp_path: Path) -> None:
+    """Started in the background by a shell that then exits: the orphaned follower stops by itself."""
+    out = tmp_path / "out.json"
+    script = (f'"{sys.executable}" -m stager stage "{packed}" "{tmp_path / "d"}" --follow --budget 1M --json '
+              f'--poll 0.01 > "{out}" 2>/dev/null & '
+              # exit only once the follower runs (it has recorded this shell as its parent by then)
+              f'while [ ! -d "{tmp_path / "d" / ".stager-progress"}" ]; do sleep 0.02; done')
+    subprocess.run(["bash", "-c", script], check=True, timeout=60)
+    deadline = time.monotonic() + 60
+    while not (out.exists() and out.read_text().endswith("\n")):
+        assert time.monotonic() < deadline, "the orphaned follower did not stop"
+        time.sleep(0.05)
+    assert json.loads(out.read_text())["stopped"] == "parent-gone"
