@@ -261,6 +261,7 @@ class EpochReads:
     opener: np.ndarray
     open_hit: np.ndarray
     open_known: np.ndarray
+    rank_start: np.ndarray  # reads of rank i are [rank_start[i], rank_start[i + 1])
 
     @classmethod
     def of(cls, per_rank: Sequence[Sequence[Read]]) -> EpochReads:
@@ -282,6 +283,7 @@ class EpochReads:
             opener=opener,
             open_hit=np.zeros(len(flat), dtype=bool),
             open_known=np.zeros(len(flat), dtype=bool),
+            rank_start=np.concatenate([[0], np.cumsum([len(r) for r in per_rank])]).astype(np.int64),
         )
 
 
@@ -561,7 +563,8 @@ class Prefetcher:
             if lo >= hi:
                 continue
             er = self._epoch_reads(e)
-            k = np.flatnonzero((er.rank == i) & (er.batch >= lo) & (er.batch < hi))
+            a, z = int(er.rank_start[i]), int(er.rank_start[i + 1])
+            k = a + np.flatnonzero((er.batch[a:z] >= lo) & (er.batch[a:z] < hi))
             # An open finds what DEST held when its batch began; a later read of the same held
             # file gets that file (an open the follower did not see: judged like an open now).
             ko = k[er.opens[k] | ~er.open_known[er.opener[k]]]
