@@ -8,12 +8,14 @@ Three steps, each with one job:
    ends when it would exceed either limit). Each shard gets a fingerprint over its samples' keys,
    labels, source sizes and mtimes and the output-affecting options; the plan fingerprint covers
    them all.
-2. **Write** (:func:`write_shard`): each shard is written by exactly one process, as
-   ``<name>.<uuid>.partial``, fsynced, hashed, then renamed with its companion files; a done-record
-   ``.stager-pack/<name>.json`` (its ShardInfo and fingerprint) is written atomically after the
-   rename. Because a shard's bytes depend only on its planned samples, the output is byte-identical
-   whatever ``workers`` is.
-3. **Publish**: ``manifest.json`` is written last, atomically, and the state directory removed.
+2. **Write** (:func:`write_shard`, or :mod:`stager.pack_workers` with ``workers > 1``: tar shards
+   in parallel segments, other formats one process per shard): each shard is written as
+   ``<name>.<uuid>.partial``, hashed, fsynced, then renamed with its companion files; a done-record
+   ``.stager-pack/<name>.json`` (its ShardInfo and fingerprint; a hint, not fsynced) is written
+   atomically after the rename. Because a shard's bytes depend only on its planned samples, the
+   output is byte-identical whatever ``workers`` is.
+3. **Publish**: ``manifest.json`` is written last, atomically (its directory fsync also makes the
+   shard renames durable), and the state directory removed.
 
 Resume: a rerun with the same plan (after kill -9, a full disk, ...) keeps every shard whose
 done-record fingerprint matches the plan and whose size and hash still match, and rewrites the
@@ -365,6 +367,12 @@ def write_hint(final: Path, data: bytes) -> None:
         with open(tmp, "xb") as f:
             f.write(data)
         os.replace(tmp, final)
+    except OSError as exc:
+        _unlink(tmp)
+        err = space_error(exc, final)  # a full disk is exit 4 with one line, not a traceback
+        if err is not None:
+            raise err from exc
+        raise
     except BaseException:
         _unlink(tmp)
         raise
