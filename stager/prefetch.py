@@ -194,13 +194,22 @@ def prepare_dest(src: str | os.PathLike[str], dest: str | os.PathLike[str]) -> M
         atomic_write_bytes(mpath, mbytes, mode=0o644)
     for f in files_of_shards(m, range(len(m.shards))):
         p = d / f.name
-        if p.is_symlink() and os.readlink(p) == str(root / f.name):
+        if p.is_symlink() and _links_to(p, root / f.name):
             continue
         if p.is_file() and not p.is_symlink() and p.stat().st_size == f.bytes:
             continue
         _link(root / f.name, p)
     fsync_dir(d)
     return m
+
+
+def _links_to(p: Path, target: Path) -> bool:
+    """``p`` is a symlink to ``target`` (any spelling of it: ranks and the follower may name SRC
+    differently; replacing such a link could race with a fetch renaming a local copy into place)."""
+    try:
+        return os.readlink(p) == str(target) or os.path.samefile(p, target)
+    except OSError:
+        return False
 
 
 def _link(target: Path, at: Path) -> None:

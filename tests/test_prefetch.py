@@ -111,6 +111,12 @@ def test_dest_is_a_packed_dir_of_symlinks_and_progress_files(packed: Path, tmp_p
     m = prepare_dest(packed, dest)
     for s in m.shards:
         assert (dest / s.name).is_symlink() and (dest / s.name).read_bytes() == (packed / s.name).read_bytes()
+    # Another spelling of SRC (a rank may name it differently) keeps the links as they are.
+    alias = tmp_path / "alias"
+    alias.symlink_to(packed)
+    before = {s.name: os.readlink(dest / s.name) for s in m.shards}
+    prepare_dest(alias, dest)
+    assert {s.name: os.readlink(dest / s.name) for s in m.shards} == before
     assert read_progress(dest, [0, 1]) is None
     report_progress(dest, 0, 1, 7)
     report_progress(dest, 1, 1, 3)
