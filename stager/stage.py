@@ -862,8 +862,13 @@ def _stage_locked(plan: StagePlan, result: StageResult, *, t0: float, workers: i
             try:
                 copier.run(ordered, meanwhile=prepare_manifest)
                 if mtmp[0] is not None:
-                    os.replace(mtmp[0], mpath)
-                    mtmp[0] = None
+                    tmp, mtmp[0] = mtmp[0], None
+                    try:
+                        os.replace(tmp, mpath)
+                    except FileNotFoundError:
+                        # Shared DEST: another node starting up removed it as a stale partial.
+                        if _read_quiet(mpath) != plan.manifest_bytes:
+                            atomic_write_bytes(mpath, plan.manifest_bytes, mode=_manifest_mode(plan))
             finally:
                 if mtmp[0] is not None:
                     with contextlib.suppress(FileNotFoundError):

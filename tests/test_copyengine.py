@@ -103,3 +103,28 @@ def test_a_damaged_shard_leaves_no_manifest_and_no_partial(tmp_path: Path, tunin
     left = sorted(p.name for p in (tmp_path / "dest").iterdir())
     assert not [n for n in left if n.endswith(".partial")]
     assert MANIFEST_NAME not in left and m.shards[2].name not in left
+
+
+def test_shared_dest_peer_starting_mid_copy_keeps_the_manifest(tmp_path: Path) -> None:
+    """Shared DEST: a node that starts while another is copying removes the other's stale-looking
+    ``manifest.json.<uuid>.partial``; the copying node still publishes the manifest and finishes."""
+    import time
+
+    from test_stage_support import last_json, spawn
+
+    src = tmp_path / "src"
+    m = make_dataset(src, n=4, size=64 << 10)
+    dest = tmp_path / "beeond"
+    slow = spawn("stage", str(src), str(dest), "--shared", "--node", "0", "--num-nodes", "2", "--json",
+                 "--timeout", "120", env={"STAGER_TEST_THROTTLE_BPS": str(16 << 10)})
+    deadline = time.monotonic() + 60
+    while not list(dest.glob(f"{MANIFEST_NAME}.*.partial")) and slow.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    late = spawn("stage", str(src), str(dest), "--shared", "--node", "1", "--num-nodes", "2", "--json",
+                 "--timeout", "120")
+    for p in (slow, late):
+        so, se = p.communicate(timeout=180)
+        assert p.returncode == 0, se
+        assert last_json(so)["ok"]
+    assert_verified_copy(m, dest)
+    assert (dest / MANIFEST_NAME).read_bytes() == (src / MANIFEST_NAME).read_bytes()
