@@ -810,7 +810,11 @@ def _stage_locked(plan: StagePlan, result: StageResult, *, t0: float, workers: i
         # The old receipt no longer describes DEST once we start changing it.
         with contextlib.suppress(FileNotFoundError):
             os.unlink(dest / RECEIPT_NAME)
-    names = {t.name for t in plan.tasks} | {MANIFEST_NAME, RECEIPT_NAME, plan.journal_path.name}
+    names = {t.name for t in plan.tasks} | {plan.journal_path.name}
+    if plan.mode != "shared":
+        # On a shared DEST another node may be writing the manifest or receipt right now: its
+        # partial files are not stale, so only a node-private DEST cleans them up.
+        names |= {MANIFEST_NAME, RECEIPT_NAME}
     result.removed_partials = _remove_stale_partials(dest, names)
     journal = Journal(plan.journal_path, m.digest)
     try:
