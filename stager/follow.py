@@ -117,12 +117,22 @@ class FollowResult:
 
 
 @contextlib.contextmanager
-def stop_on_signals(stop: threading.Event, signums: Sequence[int] = (signal.SIGTERM, signal.SIGINT)) -> Iterator[None]:
-    """Within the block, these signals set ``stop`` (main thread only) instead of killing the process."""
+def stop_on_signals(
+    stop: threading.Event,
+    signums: Sequence[int] = (signal.SIGTERM, signal.SIGINT),
+    ignore: Sequence[int] = (signal.SIGUSR1,),
+) -> Iterator[None]:
+    """Within the block, ``signums`` set ``stop`` (main thread only) instead of killing the process.
+
+    ``ignore``: SIGUSR1 is what `#SBATCH --signal=USR1@...` sends to every task of every step
+    before the time limit, as the training's "checkpoint and exit" request. The follower keeps
+    going: the ranks finish (their reports say so) and it exits then.
+    """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     old = {s: signal.signal(s, lambda *_: stop.set()) for s in signums}
+    old.update({s: signal.signal(s, signal.SIG_IGN) for s in ignore})
     try:
         yield
     finally:

@@ -331,7 +331,10 @@ def _freeze_mid_fetch(proc: subprocess.Popen[str], dest: Path, timeout: float = 
 
 
 def test_follow_sigterm_mid_fetch_leaves_no_partial(packed: Path, tmp_path: Path) -> None:
-    """SIGTERM while a shard is half copied: the follower exits 0 with its figures, no .partial stays."""
+    """SIGTERM while a shard is half copied: the follower exits 0 with its figures, no .partial stays.
+
+    A SIGUSR1 sent before it (what the job scripts' `--signal=USR1@300` delivers) does not stop it.
+    """
     m = load_manifest(packed)
     caught = False
     for attempt in range(3):  # a fetch must be caught in flight; tiny chunks make fetches slow
@@ -340,6 +343,8 @@ def test_follow_sigterm_mid_fetch_leaves_no_partial(packed: Path, tmp_path: Path
                         "--chunk-size", "64")
         try:
             caught = _freeze_mid_fetch(fol, dest)
+            # SIGUSR1 (Slurm's --signal=USR1@... to every task: training's checkpoint request) is ignored
+            os.kill(fol.pid, signal.SIGUSR1)
             os.kill(fol.pid, signal.SIGTERM)
             os.kill(fol.pid, signal.SIGCONT)
             so, se = fol.communicate(timeout=60)
