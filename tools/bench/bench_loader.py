@@ -529,7 +529,8 @@ def main(argv: list[str] | None = None) -> int:
             "load_before": [round(x, 2) for x in os.getloadavg()],
         }
         results["sets"] = {
-            name: bench_set(name, src, work, args.batch, crops=args.crops, rounds=args.rounds) for name, src in sets.items()
+            name: bench_set(name, src, work, args.batch, crops=args.crops, rounds=args.rounds)
+            for name, src in sets.items()
         }
         results["load_after"] = [round(x, 2) for x in os.getloadavg()]
         quality: list[dict[str, Any]] = []
