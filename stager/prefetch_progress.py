@@ -15,7 +15,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -146,10 +146,11 @@ class ProgressReporter:
     """What a training rank calls so that ``stager stage --follow`` knows where it is.
 
     ``ProgressReporter(DEST, loader)`` (the Loader reading DEST) reports the loader's position
-    and plan arguments at once; call :meth:`update` after each training step with the epoch and
-    batches done in it, and use it as a context manager (or call :meth:`finish`) so the follower
-    learns when the rank is done. Writes are throttled to one per ``min_interval`` seconds except
-    at an epoch change and at the end. ``rank`` defaults to the loader's rank.
+    and plan arguments at once; iterate epochs with :meth:`iterate` (or call :meth:`update` after
+    each training step with the epoch and batches done in it), and use it as a context manager (or
+    call :meth:`finish`) so the follower learns when the rank is done. Writes are throttled to one
+    per ``min_interval`` seconds except at an epoch change and at the end. ``rank`` defaults to
+    the loader's rank.
     """
 
     def __init__(
@@ -190,6 +191,22 @@ class ProgressReporter:
         self._pos = (epoch, batches_done)
         if new_epoch or time.monotonic() - self._last >= self.min_interval:
             self._write()
+
+    def iterate(self, loader: Any) -> Iterator[Any]:
+        """``for batch in progress.iterate(loader)``: one epoch of ``loader``, reported as it goes.
+
+        A batch counts as done when the next one is asked for (the training step on it is over)
+        and at the end of the epoch; the epoch and a resumed loader's start come from
+        ``loader.state_dict()``.
+        """
+        st = loader.state_dict() if hasattr(loader, "state_dict") else {"epoch": self._pos[0], "batches_done": 0}
+        epoch, done = int(st["epoch"]), int(st["batches_done"])
+        if done >= len(loader):  # a finished epoch: iterating it starts the next one
+            epoch, done = epoch + 1, 0
+        for batch in loader:
+            yield batch
+            done += 1
+            self.update(epoch, done)
 
     def finish(self, failed: bool = False) -> None:
         """This rank reads no more: the follower exits once every rank of the node has finished."""

@@ -189,11 +189,14 @@ with ProgressReporter(dest, loader) as progress:
     for epoch in range(2):
         loader.set_epoch(epoch)
         ids, payloads = [], []
-        for j, batch in enumerate(loader):
+        # Both ways of reporting: rank 0 calls update() after each step, rank 1 iterates through it.
+        batches = enumerate(loader) if rank == 0 else enumerate(progress.iterate(loader))
+        for j, batch in batches:
             ids += batch["index"].tolist()
             payloads += [bytes(x).hex() for x in batch["image"]]
             time.sleep(0.03)  # the training step: time in which the follower fetches ahead
-            progress.update(epoch, j + 1)
+            if rank == 0:
+                progress.update(epoch, j + 1)
         out["epochs"].append({"ids": ids, "payloads": payloads})
 print(json.dumps(out))
 '''
@@ -514,3 +517,30 @@ def test_follow_stops_when_its_parent_is_gone(packed: Path, tmp_path: Path) -> N
         assert time.monotonic() < deadline, "the orphaned follower did not stop"
         time.sleep(0.05)
     assert json.loads(out.read_text())["stopped"] == "parent-gone"
+
+
+def test_progress_reporter_iterate_follows_the_loaders_epochs_and_resume(packed: Path, tmp_path: Path) -> None:
+    from stager.prefetch import ProgressReporter, read_reports
+
+    dest = tmp_path / "d"
+    prepare_dest(packed, dest)
+    kw = dict(LOADER_KW)
+    loader = make_loader(str(dest), rank=1, staged=False, **kw)
+    n = len(loader)
+    with ProgressReporter(dest, loader, min_interval=0) as progress:
+        assert read_reports(dest)[1]["config"]["seed"] == kw["seed"] and read_reports(dest)[1]["done"] == 0
+        for j, _ in enumerate(progress.iterate(loader)):
+            assert (read_reports(dest)[1]["epoch"], read_reports(dest)[1]["done"]) == (0, j)
+        assert (read_reports(dest)[1]["epoch"], read_reports(dest)[1]["done"]) == (0, n)
+        it = progress.iterate(loader)  # no set_epoch: the loader moves on to epoch 1
+        next(it)
+        next(it)
+        state = loader.state_dict()
+        assert (read_reports(dest)[1]["epoch"], read_reports(dest)[1]["done"]) == (1, 1) == (state["epoch"], 1)
+    assert read_reports(dest)[1]["finished"]
+    resumed = make_loader(str(dest), rank=1, staged=False, **kw)
+    resumed.load_state_dict(state)  # 2 batches of epoch 1 handed out
+    with ProgressReporter(dest, resumed, min_interval=0) as progress:
+        assert (read_reports(dest)[1]["epoch"], read_reports(dest)[1]["done"]) == (1, 2)
+        assert sum(1 for _ in progress.iterate(resumed)) == n - 2
+        assert (read_reports(dest)[1]["epoch"], read_reports(dest)[1]["done"]) == (1, n)
