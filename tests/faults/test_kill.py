@@ -16,6 +16,8 @@ from tests.faults.conftest import record_kills
 from tools.faults import kill
 
 FULL_PACK = {"tar": 6, "record": 4, "hdf5": 3, "zarr": 3}
+TRAIN_ROW = "kill -9 during training (tools/train.py, checkpoint + --resume)"
+TRAIN_NOTE = "--resume completes; every key exactly once per epoch; replayed steps repeat the same keys"
 
 
 def test_kill_pack_fast(work: Path) -> None:
@@ -35,7 +37,7 @@ def test_kill_stage_unpack_fast(work: Path) -> None:
 
 def test_kill_train_fast(work: Path) -> None:
     st = kill.train_trials(work, 1, seed=14)
-    record_kills("kill -9 during training (tools/train.py, checkpoint + --resume)", st, minimum=1)
+    record_kills(TRAIN_ROW, st, minimum=1, note=TRAIN_NOTE)
 
 
 @pytest.mark.faults
@@ -61,4 +63,4 @@ def test_kill_stage_unpack_full(work: Path, mode: str, n: int) -> None:
 @pytest.mark.faults
 def test_kill_train_full(work: Path) -> None:
     st = kill.train_trials(work, 8, seed=24)
-    record_kills("kill -9 during training (tools/train.py, checkpoint + --resume)", st, minimum=8)
+    record_kills(TRAIN_ROW, st, minimum=8, note=TRAIN_NOTE)

@@ -59,8 +59,10 @@ def test_licensed_dataset_stays_group_only(work: Path, tmp_path: Path, unpack: s
     world = [e[0] for e in entries if e[1] & 0o007]
     wrong_group = [e[0] for e in data if e[2] != GROUP]
     ok = not world and not wrong_group
-    record("licensed (group-only) source staged", group="permissions", trials=len(data), handled=len(data) - len(
-        set(world) | set(wrong_group)), lost=len(world), note="staged files + receipt keep group, never world-readable")
+    bad = set(world) | set(wrong_group)
+    record("licensed (group-only) source staged: files checked", group="permissions", trials=len(data),
+           handled=len(data) - len(bad), lost=len(world),
+           note="staged files + receipt keep group, never world-readable")
     assert not world, f"world-accessible: {world[:10]}"
     assert not wrong_group, f"not in the source's group {GROUP}: {wrong_group[:10]}"
     assert ok
@@ -96,7 +98,8 @@ def test_clean_removes_exactly_what_stage_wrote(work: Path, tmp_path: Path, unpa
     staged = set(keep) - set(before) - {"dest/unpacked-extra.txt"}
     removed = set(keep) - set(after)
     ok = removed == staged and set(after) == set(before) | {"dest/unpacked-extra.txt"}
-    record("`stager clean` after stage", group="permissions", trials=len(keep), handled=len(keep) - len(
-        removed ^ staged), lost=len(removed - staged), note="removes exactly the entries stage created")
+    record("`stager clean` after stage: entries checked", group="permissions", trials=len(keep),
+           handled=len(keep) - len(removed ^ staged), lost=len(removed - staged),
+           note="removes exactly the entries stage created")
     assert removed == staged, (sorted(removed - staged)[:10], sorted(staged - removed)[:10])
     assert ok

@@ -142,7 +142,7 @@ def run_suites(quick: bool, examples: int, tally: Path, extra: list[str]) -> tup
 
 def render(rows: list[Row], status: str, rc: int, seconds: float, quick: bool) -> str:
     order = list(GROUP_TITLES)
-    rows = sorted(rows, key=lambda r: order.index(r.group) if r.group in order else len(order))
+    rows = sorted(rows, key=lambda r: (order.index(r.group) if r.group in order else len(order), r.row))
     kills = sum(r.trials for r in rows if r.group == "kill -9")
     out = [INTRO]
     when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -221,12 +221,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="only the fast subset (what `make test` runs)")
     p.add_argument("--examples", type=int, default=400, help="hypothesis examples per property (full run)")
     p.add_argument("--out", default=str(OUT), help="markdown file to write (default docs/reliability.md)")
+    p.add_argument("--keep-tally", metavar="FILE", help="also keep the raw tally lines in FILE")
     p.add_argument("pytest_args", nargs="*", help="extra pytest arguments (e.g. -x)")
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as d:
         tally = Path(d) / "tally.jsonl"
         rc, status, seconds = run_suites(a.quick, 60 if a.quick else a.examples, tally, a.pytest_args)
         rows = load(tally)
+        if a.keep_tally and tally.exists():
+            Path(a.keep_tally).write_bytes(tally.read_bytes())
     text = render(rows, status, rc, seconds, a.quick)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(text)
