@@ -161,3 +161,42 @@ def test_shard_level_formats_on_a_pool_started_for_listing(imagenet_tiny: Path, 
     assert a.shards == b.shards == 4
     assert _files(tmp_path / "w1") == _files(tmp_path / "w2")
     assert _manifest(tmp_path / "w1") == _manifest(tmp_path / "w2")
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    key=st.text(st.sampled_from("ab_/-09Z"), min_size=1, max_size=110).filter(
+        lambda k: not k.startswith(("/", "__")) and not k.endswith("/") and "//" not in k
+    ),
+    size=st.integers(0, 1500),
+    label=st.integers(-1, 12),
+    ext=st.sampled_from(["jpg", "png", "jpeg", "webp"]),
+)
+def test_tar_fast_path_equals_generic_headers(key: str, size: int, label: int, ext: str) -> None:
+    """The one-join member builder gives the bytes of the generic ustar/PAX header code."""
+    import tempfile
+
+    from stager.formats.base import Sample
+    from stager.formats.tar import BLOCK, TarShardWriter, _json_meta, member_header
+
+    classes = [f"c{i}" for i in range(10)]
+    data = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    meta = {"source": f"{key}.{ext}"}
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "s.tar")
+        w = TarShardWriter(path, shard_name="s.tar", classes=classes)
+        ext_ = w.write(Sample(key, label, data, ext, meta))
+        w.close()
+        got = Path(path).read_bytes()
+
+    def pad(n: int) -> bytes:
+        return bytes(-n % BLOCK)
+
+    cls = b"%d" % label
+    js = _json_meta(key, label, classes[label] if 0 <= label < 10 else "", meta)
+    head = member_header(f"{key}.{ext}", size)
+    members = [head, data, pad(size), member_header(f"{key}.cls", len(cls)), cls, pad(len(cls))]
+    members += [member_header(f"{key}.json", len(js)), js, pad(len(js)), bytes(2 * BLOCK)]
+    want = b"".join(members)
+    assert got == want
+    assert (ext_.offset, ext_.size) == (len(head), size)

@@ -90,13 +90,6 @@ _REG_SUM = _TEMPLATE_SUM + ord("0")
 _NULS = [bytes(n) for n in range(101)]
 
 
-def _fast_header(name: bytes, name_sum: int, size: int) -> bytes:
-    """Regular-file header for an ASCII ``name`` of <= 100 bytes whose byte sum is ``name_sum``."""
-    sz = b"%011o\0" % size
-    chk = _REG_SUM + name_sum + sum(sz)
-    return b"".join((name, _NULS[100 - len(name)], _MID1, sz, _MID2, b"%06o\0 " % chk, _REG_TAIL))
-
-
 _SIZE_FIELDS: dict[int, tuple[bytes, int]] = {}
 
 
@@ -109,27 +102,6 @@ def _size_field(size: int) -> tuple[bytes, int]:
         if size < 4096:
             _SIZE_FIELDS[size] = got
     return got
-
-
-def sample_headers(
-    kb: bytes, ext: bytes, ext_sum: int, size: int, *, cls_len: int, js_len: int
-) -> tuple[bytes, bytes, bytes]:
-    """The three ustar headers of one sample (``<key>.<ext>``, ``<key>.cls``, ``<key>.json``).
-
-    ``kb`` is the ASCII key (at most 95 bytes) and ``ext`` the extension with its dot
-    (``len(kb) + len(ext) <= 100``), so every name fits the 100-byte name field; ``ext_sum`` is the
-    byte sum of ``ext``. The key's byte sum is
-    computed once for the three checksums, and the members' small sizes come from a cache.
-    """
-    ks = _REG_SUM + sum(kb)
-    pad = _NULS[100 - len(kb) - len(ext)]
-    sz = b"%011o\0" % size
-    h_img = b"".join((kb, ext, pad, _MID1, sz, _MID2, b"%06o\0 " % (ks + ext_sum + sum(sz)), _REG_TAIL))
-    sz, zs = _size_field(cls_len)
-    h_cls = b"".join((kb, b".cls", _NULS[96 - len(kb)], _MID1, sz, _MID2, b"%06o\0 " % (ks + 368 + zs), _REG_TAIL))
-    sz, zs = _size_field(js_len)
-    h_js = b"".join((kb, b".json", _NULS[95 - len(kb)], _MID1, sz, _MID2, b"%06o\0 " % (ks + 488 + zs), _REG_TAIL))
-    return h_img, h_cls, h_js
 
 
 def _ustar_header(name: bytes, size: int, typeflag: bytes = b"0", prefix: bytes = b"") -> bytes:
@@ -313,7 +285,7 @@ class TarShardWriter:
         self._written = 0  # bytes already handed to the OS
         self._keys: set[str] = set()
         self._exts_ok: dict[str, tuple[str, bytes, int]] = {}  # extension -> (lower, b".lower", byte sum)
-        self._labels: dict[Any, tuple[int, str, tuple[bytes, bytes]]] = {}
+        self._labels: dict[Any, tuple[int, str, tuple[bytes, bytes], bytes, int]] = {}
 
     def write(self, sample: Sample) -> Extent:
         if self._closed():
@@ -335,29 +307,43 @@ class TarShardWriter:
         per_label = self._labels.get(sample.label)
         if per_label is None:
             per_label = self._label_entry(sample.label)
-        label, cls, cls_member = per_label
+        label, cls, cls_member, cls_sz, cls_zs = per_label
         if not self._keys_checked:
             self._keys.add(key)  # only once the sample is known to be writable
 
         size = len(data)
         js = _json_meta(key, label, cls, sample.meta)
+        nj = len(js)
         kb = key.encode()
-        if len(kb) <= 95 and len(kb) + len(dot_ext) <= 100 and kb.isascii():  # all names fit the name field
-            h_img, h_cls, h_js = sample_headers(kb, dot_ext, ext_sum, size, cls_len=len(cls_member[1]), js_len=len(js))
-        else:
-            h_img = member_header(f"{key}.{ext}", size)
-            h_cls = member_header(f"{key}.cls", len(cls_member[1]))
-            h_js = member_header(f"{key}.json", len(js))
+        nk = len(kb)
         buf = self._buf
-        buf += h_img
-        offset = self._written + len(buf)
-        buf += data
-        buf += _PADS[-size % BLOCK]
-        buf += h_cls
-        buf += cls_member[0]
-        buf += h_js
-        buf += js
-        buf += _PADS[-len(js) % BLOCK]
+        if nk <= 95 and nk + len(dot_ext) <= 100 and kb.isascii():  # all three names fit the name field
+            # One join builds the sample's three members, headers from constant pieces with the key's
+            # byte sum computed once for the three checksums (the checksum field counts as spaces).
+            ks = _REG_SUM + sum(kb)
+            sz = b"%011o\0" % size
+            jz, jzs = _SIZE_FIELDS.get(nj) or _size_field(nj)
+            offset = self._written + len(buf) + BLOCK
+            buf += b"".join(
+                (
+                    kb, dot_ext, _NULS[100 - nk - len(dot_ext)], _MID1, sz, _MID2,
+                    b"%06o\0 " % (ks + ext_sum + sum(sz)), _REG_TAIL, data, _PADS[-size % BLOCK],
+                    kb, b".cls", _NULS[96 - nk], _MID1, cls_sz, _MID2, b"%06o\0 " % (ks + 368 + cls_zs), _REG_TAIL,
+                    cls_member[0],
+                    kb, b".json", _NULS[95 - nk], _MID1, jz, _MID2, b"%06o\0 " % (ks + 488 + jzs), _REG_TAIL,
+                    js, _PADS[-nj % BLOCK],
+                )
+            )  # fmt: skip
+        else:
+            buf += member_header(f"{key}.{ext}", size)
+            offset = self._written + len(buf)
+            buf += data
+            buf += _PADS[-size % BLOCK]
+            buf += member_header(f"{key}.cls", len(cls_member[1]))
+            buf += cls_member[0]
+            buf += member_header(f"{key}.json", nj)
+            buf += js
+            buf += _PADS[-nj % BLOCK]
         if len(buf) >= self._flush_bytes:
             self._flush()
         return Extent(offset, size)
@@ -373,12 +359,14 @@ class TarShardWriter:
         entry = self._exts_ok[ext] = (low, dot, sum(dot))
         return entry
 
-    def _label_entry(self, label: Any) -> tuple[int, str, tuple[bytes, bytes]]:
-        """``(int label, class name, (padded .cls data, .cls data))`` for ``label``, cached per label."""
+    def _label_entry(self, label: Any) -> tuple[int, str, tuple[bytes, bytes], bytes, int]:
+        """``(int label, class name, (padded .cls data, .cls data), .cls size field, its byte sum)``
+        for ``label``, cached per label."""
         value = int(label)
         cls = self.classes[value] if 0 <= value < len(self.classes) else ""
         text = b"%d" % value
-        entry = (value, cls, (text + _PADS[-len(text) % BLOCK], text))
+        sz, zs = _size_field(len(text))
+        entry = (value, cls, (text + _PADS[-len(text) % BLOCK], text), sz, zs)
         self._labels[label] = entry
         return entry
 
