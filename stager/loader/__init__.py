@@ -45,6 +45,7 @@ def make_loader(
     multiprocessing_context: Any = None,
     timeout: float = 0,
     use_mmap: bool = True,
+    persistent_workers: bool | None = None,
 ) -> Loader:
     """A per-rank iterable of batch dicts ``{"key", "label", "index", "image"}`` (see docs/loader.md).
 
@@ -57,7 +58,9 @@ def make_loader(
     worker); reads are runs of ~``run_bytes`` (at least ``min_run`` samples); ``"auto"`` is 1 MiB
     (4 samples) on shared file systems and URLs, 256 KiB (2 samples) on node-local storage.
     ``use_mmap``: local shards of encoded formats are mapped and payloads are zero-copy slices of
-    the mapping (``False``: one ``pread`` per run into a private buffer).
+    the mapping (``False``: one ``pread`` per run into a private buffer). ``persistent_workers``
+    (default: True when ``num_workers > 0``): start the worker processes once and reuse them every
+    epoch (same batches; :meth:`Loader.close` stops them).
     """
     if num_workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")
@@ -90,4 +93,5 @@ def make_loader(
         prefetch_factor=prefetch_factor,
         multiprocessing_context=multiprocessing_context,
         timeout=timeout,
+        persistent_workers=persistent_workers,
     )

@@ -126,12 +126,14 @@ class ShardedDataset(IterableDataset):
         # Set by the Loader for each epoch: workers then send batches through reused shared
         # memory rings named by it (stager.loader.shm), which the Loader cleans up.
         self._ipc_token: str | None = None
+        # The worker's ring, kept across the epochs a persistent worker serves under one token.
+        self._ring: WorkerRing | None = None
         self._keys: np.ndarray | None = None
         # Elastic resume: the epoch's remaining samples in the old plan's order (None: plain plan).
         self.seq_override: np.ndarray | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_keys": None}  # rebuilt where needed
+        return {**self.__dict__, "_keys": None, "_ring": None}  # rebuilt where needed
 
     # ---- planning -------------------------------------------------------------------------------
     def _run_size(self, run_bytes: int | str, min_run: int | None) -> tuple[int, int]:
@@ -251,7 +253,11 @@ class ShardedDataset(IterableDataset):
         needed = np.zeros(len(wp.stream), dtype=bool)
         needed[wp.emit[skip:]] = True
         in_worker = get_worker_info() is not None
-        ring = WorkerRing(self._ipc_token) if (in_worker and self._ipc_token is not None) else None
+        ring = None
+        if in_worker and self._ipc_token is not None:
+            if self._ring is None or self._ring.token != self._ipc_token:
+                self._ring = WorkerRing(self._ipc_token)
+            ring = self._ring
         if in_worker:
             _single_threaded_cv2()
         keys = self._keys_array()

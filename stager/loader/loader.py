@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,6 +22,7 @@ from . import plan as planlib
 from . import shm
 from .batching import finish_batch
 from .dataset import ShardedDataset
+from .persistent import WorkerPool
 from .state import LoaderState
 from .stats import LoaderStats
 
@@ -33,6 +35,11 @@ class Loader:
     ``len(loader)`` is the number of batches per rank in the current epoch, equal on every rank.
     After a complete pass the next ``iter()`` moves to the next epoch unless ``set_epoch`` is
     called; ``set_epoch(e)`` with the epoch of a just-loaded state keeps the resume position.
+
+    ``persistent_workers`` (default: on when ``num_workers > 0``): the worker processes start at
+    the first epoch and serve every later one (each epoch's parameters reach them through
+    :mod:`stager.loader.persistent`); same batches as fresh workers per epoch. They stop at
+    :meth:`close`, when the Loader is collected, or at interpreter exit.
     """
 
     def __init__(
@@ -44,9 +51,13 @@ class Loader:
         prefetch_factor: int | None = None,
         multiprocessing_context: Any = None,
         timeout: float = 0,
+        persistent_workers: bool | None = None,
     ) -> None:
         self.dataset = dataset
         self.num_workers = num_workers
+        self.persistent_workers = num_workers > 0 and (persistent_workers is None or bool(persistent_workers))
+        self._pool: WorkerPool | None = None
+        self._pool_finalizer: weakref.finalize[Any, Any] | None = None
         self.pin_memory = pin_memory
         self.prefetch_factor = prefetch_factor
         self.multiprocessing_context = multiprocessing_context
@@ -120,31 +131,22 @@ class Loader:
         plan_sizes = ds.batch_sizes()
         rank_ids_padded = self._padded_positions()
         it: Any
+        pool: WorkerPool | None = None
         if self.num_workers == 0:
             it = iter(ds)
+        elif self.persistent_workers:
+            pool = self._worker_pool()
+            it = pool.epoch_iter(ds)
         else:
             from torch.utils.data import DataLoader
 
-            kwargs: dict[str, Any] = {}
-            if self.prefetch_factor is not None:
-                kwargs["prefetch_factor"] = self.prefetch_factor
-            dl = DataLoader(
-                ds,
-                batch_size=None,
-                num_workers=self.num_workers,
-                pin_memory=self.pin_memory,
-                multiprocessing_context=self.multiprocessing_context,
-                timeout=self.timeout,
-                # Batches are already built; torch's default_convert would turn the small numpy
-                # arrays into tensors inside the worker (one shared-memory segment each).
-                collate_fn=_identity,
-                **kwargs,
-            )
+            dl = DataLoader(ds, batch_size=None, num_workers=self.num_workers, **self._dl_kwargs())
             if shm.available():
                 ds._ipc_token = shm.new_token()
             it = iter(dl)
         st = self._stats
         st.start()
+        clean_end = False
         try:
             while True:
                 t = time.perf_counter()
@@ -165,15 +167,48 @@ class Loader:
                 if self._done == len(plan_sizes):
                     self._completed = True
                 st.stop()
+                clean_end = True  # a consumer leaving here (break, GeneratorExit) leaves a sane pool
                 yield batch
+                clean_end = False
                 st.start()
+            clean_end = True
         finally:
             st.stop()
-            if hasattr(it, "_shutdown_workers"):
-                it._shutdown_workers()
-            if ds._ipc_token is not None:
-                shm.cleanup(ds._ipc_token)
-                ds._ipc_token = None
+            if pool is not None:
+                if not clean_end:  # a worker error or a broken contract: start afresh next epoch
+                    self.close()
+            else:
+                if hasattr(it, "_shutdown_workers"):
+                    it._shutdown_workers()
+                if ds._ipc_token is not None:
+                    shm.cleanup(ds._ipc_token)
+                    ds._ipc_token = None
+
+    def _dl_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {
+            "pin_memory": self.pin_memory,
+            "multiprocessing_context": self.multiprocessing_context,
+            "timeout": self.timeout,
+            # Batches are already built; torch's default_convert would turn the small numpy
+            # arrays into tensors inside the worker (one shared-memory segment each).
+            "collate_fn": _identity,
+        }
+        if self.prefetch_factor is not None:
+            kwargs["prefetch_factor"] = self.prefetch_factor
+        return kwargs
+
+    def _worker_pool(self) -> WorkerPool:
+        if self._pool is None or self._pool.closed:
+            self._pool = WorkerPool(self.dataset, self.num_workers, self._dl_kwargs())
+            # Not a bound method: the finalizer must not keep the Loader alive.
+            self._pool_finalizer = weakref.finalize(self, self._pool.close)
+        return self._pool
+
+    def close(self) -> None:
+        """Stop persistent workers now (the next epoch starts new ones). No-op otherwise."""
+        if self._pool_finalizer is not None:
+            self._pool_finalizer()
+        self._pool = self._pool_finalizer = None
 
     def _padded_positions(self) -> np.ndarray:
         """Per batch of this rank: how many of its samples are padding repeats (int64, (batches,))."""

@@ -79,6 +79,7 @@ class WorkerRing:
     """The worker's side: slots it writes batches into, reused once the main process released them."""
 
     def __init__(self, token: str) -> None:
+        self.token = token
         self.prefix = os.path.join(SHM_DIR, f"stager-{token}-{os.getpid()}")
         self.ctl_name = self.prefix + "-ctl"
         self._ctl = _create(self.ctl_name, MAX_SLOTS)

@@ -1,0 +1,172 @@
+"""Persistent DataLoader workers: the same batches as fresh workers per epoch, exact resume, clean exit.
+
+Data: 240 tiny JPEGs in 4 classes, packed in class order into tar shards of 20 samples. Each test
+compares a persistent-worker loader against the non-persistent one (fresh workers each epoch), whose
+order the other loader tests pin to the plan.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stager.loader import make_loader
+from stager.pack import pack
+from tools.datagen import make_imagefolder
+
+KW: dict[str, Any] = {
+    "rank": 1,
+    "world_size": 2,
+    "decode": "raw",
+    "seed": 4,
+    "staged": False,
+    "shuffle_buffer": 16,
+    "multiprocessing_context": "fork",
+}
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    src = tmp_path_factory.mktemp("persist_src") / "train"
+    make_imagefolder(src, num_classes=4, per_class=60, seed=5, size=(10, 8))
+    out = tmp_path_factory.mktemp("persist_packed") / "tar"
+    pack(src, out, "tar", samples_per_shard=20, keep_order=True)
+    return out
+
+
+def content(batch: dict[str, Any]) -> tuple[list[str], list[int], list[bytes]]:
+    return batch["key"], batch["label"].tolist(), [bytes(x) for x in batch["image"]]
+
+
+def epoch(loader: Any, stop: int | None = None) -> list[Any]:
+    out = []
+    for i, b in enumerate(loader):
+        if stop is not None and i == stop:
+            break
+        out.append(content(b))
+    return out
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_same_batches_as_fresh_workers_over_epochs(packed: Path, workers: int) -> None:
+    """Two implicit epochs, an abandoned one, and an explicit set_epoch: batch for batch identical,
+    each epoch exactly len(loader) batches, and the workers are the same processes throughout."""
+    per = make_loader(packed, 7, num_workers=workers, **KW)
+    fresh = make_loader(packed, 7, num_workers=workers, persistent_workers=False, **KW)
+    assert per.persistent_workers and not fresh.persistent_workers
+    seen = []
+    pids = None
+    for _ in range(2):
+        a, b = epoch(per), epoch(fresh)
+        assert a == b and len(a) == len(per) == len(fresh)
+        seen.append(a)
+        now = [w.pid for w in per._pool.dl._iterator._workers]  # type: ignore[union-attr]
+        assert pids is None or now == pids, "persistent workers were restarted"
+        pids = now
+    assert seen[0] != seen[1], "epochs differ in order"
+    assert epoch(per, stop=3) == epoch(fresh, stop=3)  # epoch 2, abandoned after 3 batches
+    per.set_epoch(5)
+    fresh.set_epoch(5)
+    assert epoch(per) == epoch(fresh)
+    per.close()
+    assert epoch(per) == epoch(fresh), "a closed loader starts new workers for the next epoch"
+    per.close()
+
+
+def test_mid_epoch_resume_is_exact(packed: Path) -> None:
+    """state_dict() after c batches, loaded into a loader whose persistent workers already served an
+    epoch, yields exactly the rest (and the same as a non-persistent loader given that state);
+    an elastic resume (different worker count) reaches the running workers too."""
+    ref = make_loader(packed, 5, num_workers=2, **KW)
+    ref.set_epoch(3)
+    full = epoch(ref)
+    for c in (0, 1, len(full) // 2, len(full) - 1, len(full)):
+        src = make_loader(packed, 5, num_workers=2, **KW)
+        src.set_epoch(3)
+        it: Any = iter(src)
+        for _ in range(c):
+            next(it)
+        state = src.state_dict()
+        it.close()
+        src.close()
+        warm = make_loader(packed, 5, num_workers=2, **KW)
+        epoch(warm)  # workers started and used for epoch 0
+        warm.load_state_dict(state)
+        warm.set_epoch(3)  # the usual training-loop call keeps the loaded position
+        rest = epoch(warm)
+        assert rest == full[c:], f"resume after {c} batches"
+        fresh = make_loader(packed, 5, num_workers=2, persistent_workers=False, **KW)
+        fresh.load_state_dict(state)
+        assert epoch(fresh) == rest
+        assert epoch(warm) == epoch(fresh), "the epoch after the resumed one"
+        warm.close()
+    # Elastic: a 2-worker state into a 3-worker persistent loader, against a fresh 3-worker one.
+    src = make_loader(packed, 5, num_workers=2, **KW)
+    src.set_epoch(1)
+    it2: Any = iter(src)
+    for _ in range(4):
+        next(it2)
+    state = src.state_dict()
+    it2.close()
+    src.close()
+    warm = make_loader(packed, 5, num_workers=3, **KW)
+    epoch(warm)
+    warm.load_state_dict(state)
+    fresh = make_loader(packed, 5, num_workers=3, persistent_workers=False, **KW)
+    fresh.load_state_dict(state)
+    a, b = epoch(warm), epoch(fresh)
+    assert a == b and len(a) == len(fresh)
+    assert epoch(warm) == epoch(fresh), "back to the plain plan in the next epoch"
+    warm.close()
+
+
+EXIT_SCRIPT = """
+import os, sys
+from stager.loader import make_loader
+loader = make_loader(sys.argv[1], 7, rank=0, world_size=1, decode="raw", staged=False, num_workers=2)
+for b in loader:
+    pass
+for i, b in enumerate(loader):
+    if i == 2:
+        break
+held = b  # a batch still referenced at exit
+print("PIDS", *[w.pid for w in loader._pool.dl._iterator._workers], flush=True)
+"""
+
+
+def test_process_exits_cleanly_without_close(packed: Path, tmp_path: Path) -> None:
+    """A training script that never calls close(), stopping mid-epoch with batches in flight, exits
+    promptly with status 0, its workers are gone and nothing of it remains under /dev/shm."""
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent(EXIT_SCRIPT))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.run(
+        [sys.executable, str(script), str(packed)], check=False, capture_output=True, text=True, timeout=120, env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("PIDS"))
+    pids = [int(p) for p in line.split()[1:]]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids), "a worker outlived the process"
+    # Ring files are named stager-<token>-<worker pid>-... (stager.loader.shm).
+    left = [p for p in glob.glob("/dev/shm/stager-*") if any(f"-{w}-" in p for w in pids)]
+    assert left == []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
