@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -18,7 +19,9 @@ from typing import Any
 
 import pytest
 
+from stager.errors import CorruptSampleError
 from stager.loader import make_loader
+from stager.manifest import load_manifest
 from stager.pack import pack
 from tools.datagen import make_imagefolder
 
@@ -43,7 +46,9 @@ def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def content(batch: dict[str, Any]) -> tuple[list[str], list[int], list[bytes]]:
-    return batch["key"], batch["label"].tolist(), [bytes(x) for x in batch["image"]]
+    images = batch["image"]
+    data = [bytes(x) for x in images] if isinstance(images, list) else [images.numpy().tobytes()]
+    return batch["key"], batch["label"].tolist(), data
 
 
 def epoch(loader: Any, stop: int | None = None) -> list[Any]:
@@ -170,3 +175,20 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_worker_error_restarts_the_workers(packed: Path, tmp_path: Path) -> None:
+    """A corrupt sample raised in a persistent worker stops that pool (workers gone); the next epoch
+    starts new workers and raises again instead of hanging on the broken pool."""
+    d = tmp_path / "tar"
+    shutil.copytree(packed, d)
+    shard = load_manifest(d).shards[2]
+    with open(d / shard.name, "r+b") as f:
+        f.seek(int(shard.offsets[1]))
+        f.write(b"\0" * 16)  # the JPEG markers, size kept
+    kw = {k: v for k, v in KW.items() if k != "decode"} | {"decode": "uint8", "image_size": 8, "transform": "eval"}
+    loader = make_loader(d, 7, num_workers=2, **kw)
+    for _ in range(2):
+        with pytest.raises(CorruptSampleError, match=shard.name):
+            epoch(loader)
+        assert loader._pool is None

@@ -4,7 +4,8 @@
 the four formats), its staged node-local copy when ``stager stage`` made one, or a plain ImageFolder
 tree. Modules: :mod:`.plan` (the epoch plan, pure functions), :mod:`.index` / :mod:`.source` (what
 to read and from where), :mod:`.dataset` (``ShardedDataset``), :mod:`.batching` (shared-memory
-batches), :mod:`.transforms`, :mod:`.state`, :mod:`.stats`, :mod:`.loader` (``Loader``).
+batches), :mod:`.transforms`, :mod:`.state`, :mod:`.stats`, :mod:`.loader` (``Loader``), :mod:`.persistent`
+(DataLoader workers kept across epochs).
 """
 
 from __future__ import annotations
