@@ -25,7 +25,19 @@ The writer spools image bytes (memory up to 64 MiB, then ``$TMPDIR``) and builds
 ``close()``: ``write()`` must return each sample's final file offset before the dataset's size is
 known. That works because ``/images`` is created first with early allocation, so its data always
 starts at the same file offset whatever its size; :func:`images_data_offset` measures that offset
-once on an in-memory file and ``close()`` checks the real file agrees.
+once on an in-memory file and ``close()`` checks the built file agrees.
+
+HDF5 never writes to the shard path. ``close()`` builds the whole file in memory with the "core"
+driver (no backing store), takes its image (``H5Fget_file_image``) and writes that to ``path``
+with plain ``os.write``. Reason: when libhdf5 itself hits a write error (EFBIG under
+``RLIMIT_FSIZE``, ENOSPC, EDQUOT), h5py/libhdf5 can crash with SIGSEGV while closing the file, so
+a full disk killed ``stager pack`` instead of giving exit 4. Our own ``os.write`` raises a plain
+``OSError`` that ``stager.pack`` turns into :class:`~stager.errors.OutOfSpaceError`. The core
+driver lays files out exactly like the default POSIX driver, so shards are byte-identical to the
+ones HDF5 wrote directly. Cost: ``close()`` briefly holds about twice the shard file's size in
+memory (the core buffer plus the image copy; the spool is released first), e.g. ~512 MiB for a
+256 MiB shard, and it is released before ``close()`` returns. Use a smaller ``--shard-size`` where
+pack workers are memory-bound.
 """
 
 from __future__ import annotations
@@ -91,6 +103,25 @@ def images_data_offset() -> int:
     return int(offset)
 
 
+def _write_file(path: str, image: bytes) -> None:
+    """Write ``image`` to ``path`` (created or truncated) with ``os.write``, in COPY_BLOCK pieces.
+
+    Errors (EFBIG, ENOSPC, EDQUOT, EIO) propagate as ``OSError`` for the caller to translate; the
+    caller owns ``path`` (a ``.partial`` name) and removes it on failure. No fsync here: the caller
+    fsyncs while hashing.
+    """
+    view = memoryview(image)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o666)
+    try:
+        pos = 0
+        while pos < len(view):
+            # os.write may write less than asked (e.g. up to a file size limit); the next call
+            # then raises the error.
+            pos += os.write(fd, view[pos : pos + COPY_BLOCK])
+    finally:
+        os.close(fd)
+
+
 class Hdf5Writer:
     """Writes one HDF5 shard at ``path`` (see the module docstring for the layout)."""
 
@@ -140,7 +171,7 @@ class Hdf5Writer:
         total = self._bounds[-1]
         strings = h5py.string_dtype("utf-8")
         try:
-            with _open_new(self.path) as f:
+            with _open_new("stager-shard.h5", driver="core", backing_store=False) as f:
                 dsid = _create_images(f, total)
                 offset = dsid.get_offset()
                 if total and offset != self._base:
@@ -155,6 +186,7 @@ class Hdf5Writer:
                     block = spool.read(min(COPY_BLOCK, total - pos))
                     images[pos : pos + len(block)] = np.frombuffer(block, dtype=np.uint8)
                     pos += len(block)
+                spool.close()  # the image bytes now live in the core buffer: do not hold them twice
                 n = len(self._keys)
                 opts: dict[str, Any] = {"track_times": False}
                 f.create_dataset("offsets", data=np.asarray(self._bounds, dtype=np.int64), **opts)
@@ -166,8 +198,14 @@ class Hdf5Writer:
                 f.attrs["layout"] = LAYOUT
                 f.attrs["num_samples"] = np.int64(n)
                 f.attrs["classes"] = json.dumps(self.classes)
+                f.flush()
+                # The image of a flushed file equals what closing it on disk writes (the open-for-
+                # write superblock flag is cleared in the copy); tests/test_formats.py checks that
+                # h5py reads it back and that identical input gives identical bytes.
+                image = f.id.get_file_image()
         finally:
             spool.close()
+        _write_file(self.path, image)
         return []
 
     def abort(self) -> None:

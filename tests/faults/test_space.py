@@ -51,12 +51,8 @@ def test_enospc_stage_fast(work: Path, mountable: bool) -> None:
     _check("ENOSPC (full tmpfs, random size)", space.enospc_trials(work, 1, seed=34, command="stage"), 1)
 
 
-HDF5_CRASH = pytest.mark.xfail(strict=True, reason="h5py/libhdf5 segfaults closing a file after a failed write "
-                               "(EFBIG): stager/formats/hdf5.py writer close(); see docs/reliability.md")
-
-
 @pytest.mark.faults
-@pytest.mark.parametrize("fmt", ["tar", "record", pytest.param("hdf5", marks=HDF5_CRASH), "zarr"])
+@pytest.mark.parametrize("fmt", ["tar", "record", "hdf5", "zarr"])
 def test_fsize_pack_full(work: Path, fmt: str) -> None:
     st = space.pack_fsize_trials(work, 4, seed=41, fmt=fmt)
     _check(f"RLIMIT_FSIZE (random limit) during `stager pack` ({fmt})", st, 4)
