@@ -1,20 +1,27 @@
 """``stage --unpack``: write shards' samples as an ImageFolder tree, safely and fast.
 
 Layout: ``ROOT/<class>/<key basename>.<ext>`` where ``<class>`` is ``manifest.classes[label]``
-(``_unlabeled`` for label -1). Tar shards are streamed member by member with
-:func:`stager.formats.tar.iter_members`, which checks every header (checksum, size against the
-shard, type: links, devices and FIFOs are refused, as are absolute and ``..`` names); each image
-member is matched to its manifest entry by data offset and must have exactly the manifest's size.
+(``_unlabeled`` for label -1). Tar shards are streamed through one reused buffer
+(:class:`ChunkReader`) and walked header by header (:func:`walk_tar`, the same checks as
+:func:`stager.formats.tar.iter_members`: checksum, size against the shard, type: links, devices and
+FIFOs are refused, as are absolute and ``..`` names); each image member is matched to its manifest
+entry by data offset and must have exactly the manifest's size, checked before its data is read.
 Other formats go through their readers' ``iter_samples``.
 
 Safety: output names come from the manifest (class names and key basenames must be plain file
-names), class directories are created by us and must not be symlinks, files are opened with
-``O_NOFOLLOW``, and every target's resolved parent is checked to lie under ROOT. Two samples that
-map to the same file are refused instead of silently overwriting each other.
+names), class directories are created by us and must not be symlinks, and files are created with
+``openat(class dir fd, basename, O_CREAT|O_EXCL|O_NOFOLLOW)``: a basename has no ``/``, so nothing
+is resolved outside the directory we opened. Two samples that map to the same file are refused
+instead of silently overwriting each other.
 
-Speed: one ``open``/``write``/``close`` per sample, directories created once, no per-file fsync;
-:meth:`Unpacker.sync` flushes the whole file system once (``syncfs``) before the receipt is
-written. Measured against ``tar xf`` in tools/bench/bench_stage.py.
+Speed (measured in docs/bench/stage.md, tools/bench/bench_stage.py ``--unpack-only``): per file one
+``openat``/``write``/``close`` and no allocation or copy of its bytes in Python (``os.write`` of a
+memoryview into the read buffer; one ``read`` per 1 MiB, a size that stays in the CPU cache
+between the read, the hash and the write); the group comes from a setgid class
+directory instead of a ``fchown`` per file. Durability: no per-file fsync; a write-behind thread
+calls ``syncfs`` on DEST every :data:`WRITE_BEHIND_BYTES` written, so the disk works while we
+extract and the final ``syncfs`` (before the receipt) waits only for the tail. A shard is recorded
+as unpacked in the journal only after a ``syncfs`` that began after its last file was written.
 """
 
 from __future__ import annotations
@@ -23,67 +30,216 @@ import contextlib
 import ctypes
 import io
 import os
+import stat
 import threading
-from collections.abc import Callable, Iterable
+import zlib
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
-
-import numpy as np
+from typing import Any
 
 from .atomicio import space_error
 from .errors import CorruptSampleError, UnsafeArchiveError, VerificationError
+from .formats.tar import (  # the header parsers iter_members uses, so both walkers agree
+    BLOCK,
+    _parse_checksum,
+    _parse_number,
+    _parse_pax,
+    _safe_member_name,
+    split_member_name,
+)
 from .manifest import Manifest, ShardInfo, check_safe_name, manifest_path
 from .receipt import chgrp_quiet, source_access
 
 UNLABELED = "_unlabeled"
+WRITE_BEHIND_BYTES = 32 << 20
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC
+_ZERO_BLOCK = bytes(BLOCK)
+_REGULAR = (b"0", b"\0", b"7")
 
 
-class HashingReader(io.RawIOBase):
-    """A forward-only reader that feeds every byte it returns to ``hasher`` (``update``).
+def header_sum(hdr: bytes) -> int:
+    """``sum(hdr)`` of a 512-byte header, 8x faster: adler32's low half is ``1 + sum mod 65521``,
+    exact for 256 bytes (at most 65,280)."""
+    return (zlib.adler32(hdr[:256]) & 0xFFFF) + (zlib.adler32(hdr[256:]) & 0xFFFF) - 2
 
-    ``seek(n, SEEK_CUR)`` reads and hashes the skipped bytes, so the digest covers the whole stream.
-    ``drain()`` hashes the rest up to EOF. ``nbytes`` counts bytes read.
+
+class ChunkReader:
+    """Forward-only reader of a byte stream through one reused buffer.
+
+    ``take(n)`` returns a memoryview of the next ``n`` bytes (shorter at EOF), valid until the next
+    call: no copy, no allocation per call. Every byte read is fed once to ``hasher.update`` (if
+    any); ``skip`` and ``drain`` read (and hash) what they pass over. ``nbytes`` counts bytes
+    consumed. The buffer grows only for a request larger than it.
     """
 
-    def __init__(self, raw: BinaryIO, hasher: Any | None, chunk: int = 8 << 20) -> None:
-        super().__init__()
+    def __init__(self, raw: Any, hasher: Any | None = None, size: int = 1 << 20) -> None:
         self._raw = raw
+        self._readinto = getattr(raw, "readinto", None)
         self._h = hasher
-        self._chunk = chunk
+        self._buf = bytearray(size)
+        self._mv = memoryview(self._buf)
+        self._start = self._end = 0
+        self._eof = False
         self.nbytes = 0
 
-    def readable(self) -> bool:
-        return True
+    def _fill(self, n: int) -> None:
+        """Make at least ``n`` bytes available from ``_start`` (fewer at EOF)."""
+        have = self._end - self._start
+        if n > len(self._buf):
+            buf = bytearray(max(n, 2 * len(self._buf)))
+            buf[:have] = self._mv[self._start:self._end]
+            self._buf, self._mv = buf, memoryview(buf)
+        elif self._start + n > len(self._buf):
+            self._mv[:have] = self._mv[self._start:self._end]  # memmove of the unread tail
+        else:
+            have = -1
+        if have >= 0:
+            self._start, self._end = 0, have
+        while self._end - self._start < n and not self._eof:
+            room = self._mv[self._end:]
+            if self._readinto is not None:
+                got = self._readinto(room) or 0
+            else:
+                data = self._raw.read(len(room))
+                got = len(data)
+                room[:got] = data
+            if got == 0:
+                self._eof = True
+                break
+            if self._h is not None:
+                self._h.update(room[:got])
+            self._end += got
 
-    def read(self, size: int | None = -1) -> bytes:
-        data = self._raw.read() if size is None or size < 0 else self._raw.read(size)
-        if self._h is not None and data:
-            self._h.update(data)
-        self.nbytes += len(data)
-        return data
+    def take(self, n: int) -> memoryview:
+        if self._end - self._start < n:
+            self._fill(n)
+        s = self._start
+        e = min(s + n, self._end)
+        self._start = e
+        self.nbytes += e - s
+        return self._mv[s:e]
 
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        if whence != os.SEEK_CUR or offset < 0:
-            raise io.UnsupportedOperation("forward-only stream")
-        while offset > 0:
-            got = self.read(min(offset, self._chunk))
+    def skip(self, n: int) -> int:
+        """Pass over ``n`` bytes; return how many there were."""
+        done = 0
+        while done < n:
+            got = len(self.take(min(n - done, len(self._buf))))
             if not got:
                 break
-            offset -= len(got)
-        return self.nbytes
+            done += got
+        return done
 
     def drain(self) -> None:
-        while self.read(self._chunk):
+        while self.skip(len(self._buf)):
             pass
 
 
-def _syncfs(path: str) -> None:
+def walk_tar(r: ChunkReader, file_size: int, where: str, sizes: dict[int, int]
+             ) -> Iterator[tuple[str, int, memoryview]]:
+    """Yield ``(name, data offset, data)`` for the members whose data offset is a key of ``sizes``.
+
+    Every header is checked exactly as :func:`stager.formats.tar.iter_members` does (test: both
+    walkers agree on valid, damaged and hostile shards); other regular members (``.cls``/``.json``
+    companions) are skipped after their name is checked. A listed member whose size is not
+    ``sizes[offset]`` is refused before its data is read. ``data`` is a view into ``r``'s buffer,
+    valid until the next iteration.
+    """
+    pos = 0
+    long_name: str | None = None
+    pax: dict[str, bytes] = {}
+    while True:
+        hdr = bytes(r.take(BLOCK))
+        if len(hdr) < BLOCK:
+            raise CorruptSampleError(
+                f"{where}: truncated at byte {pos} (no end-of-archive marker); re-pack or re-stage this shard"
+            )
+        if hdr == _ZERO_BLOCK:
+            if bytes(r.take(BLOCK)) != _ZERO_BLOCK:
+                raise CorruptSampleError(f"{where}: damaged end-of-archive marker at byte {pos}")
+            if long_name is not None or pax:
+                raise CorruptSampleError(f"{where}: extended header without a member at byte {pos}")
+            return
+        stored = _parse_checksum(hdr, where, pos)
+        unsigned = header_sum(hdr) - sum(hdr[148:156]) + 256  # the checksum field counts as 8 spaces
+        # Some historic writers summed signed chars; accept either, as GNU tar does.
+        if stored != unsigned and stored != unsigned - 256 * sum(1 for b in hdr[:148] + hdr[156:] if b > 127):
+            raise CorruptSampleError(
+                f"{where}: bad tar header checksum at byte {pos} (stored {stored}, computed {unsigned}); "
+                "the shard is damaged: re-pack or re-stage it"
+            )
+        try:
+            size = _parse_number(hdr[124:136])
+        except ValueError as exc:
+            raise CorruptSampleError(f"{where}: bad size field in tar header at byte {pos}") from exc
+        typeflag = hdr[156:157]
+        if "size" in pax and typeflag in _REGULAR:
+            try:
+                size = int(pax["size"])
+            except ValueError as exc:
+                raise CorruptSampleError(f"{where}: bad PAX size at byte {pos}") from exc
+        data_start = pos + BLOCK
+        if size < 0 or data_start + size > file_size:
+            raise CorruptSampleError(
+                f"{where}: member at byte {pos} claims {size} bytes but the file has {file_size}; "
+                "the shard is truncated: re-pack or re-stage it"
+            )
+        padded = size + (-size % BLOCK)
+        if typeflag in (b"x", b"g", b"L"):
+            ext = bytes(r.take(padded))[:size]
+            if len(ext) < size:
+                raise CorruptSampleError(f"{where}: truncated extended header at byte {pos}")
+            if typeflag == b"x":
+                pax = _parse_pax(ext, where)
+            elif typeflag == b"L":
+                long_name = ext.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+            pos = data_start + padded
+            continue
+        if typeflag == b"5":  # directory: no data, nothing to yield
+            r.skip(padded)
+            pos = data_start + padded
+            long_name, pax = None, {}
+            continue
+        if typeflag not in _REGULAR:
+            kind = {b"1": "hard link", b"2": "symlink", b"3": "char device", b"4": "block device", b"6": "FIFO"}
+            raise UnsafeArchiveError(
+                f"{where}: member at byte {pos} is a {kind.get(typeflag, f'type {typeflag!r}')}, "
+                "not a regular file; refusing this shard"
+            )
+        if "path" in pax:
+            name = pax["path"].decode("utf-8", "surrogateescape")
+        elif long_name is not None:
+            name = long_name
+        else:
+            raw = hdr[:100].split(b"\0", 1)[0]
+            if hdr[257:262] == b"ustar" and hdr[345] != 0:
+                raw = hdr[345:500].split(b"\0", 1)[0] + b"/" + raw
+            name = raw.decode("utf-8", "surrogateescape")
+        name = _safe_member_name(name, where)
+        want = sizes.get(data_start)
+        if want is None:
+            if r.skip(padded) < size:
+                raise CorruptSampleError(f"{where}: truncated member {name!r} at byte {pos}")
+        elif size != want:
+            raise UnsafeArchiveError(
+                f"{where}: member {name!r} is {size} bytes but the manifest says {want}; refusing"
+            )
+        else:
+            data = r.take(padded)
+            if len(data) < size:
+                raise CorruptSampleError(f"{where}: truncated member {name!r} at byte {pos}")
+            yield name, data_start, data[:size]
+        pos = data_start + padded
+        long_name, pax = None, {}
+
+
+def _syncfs(path: str | os.PathLike[str]) -> None:
     """Flush the file system holding ``path`` once (Linux ``syncfs``); fall back to ``os.sync``."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
         try:
             if libc.syncfs(fd) == 0:
                 return
@@ -94,34 +250,110 @@ def _syncfs(path: str) -> None:
     os.sync()
 
 
+class WriteBehind:
+    """Makes unpacked files durable in the background, and only then journals their shards.
+
+    Writers call :meth:`wrote` with the bytes of each file and :meth:`shard_done` with a finished
+    shard's name. A thread calls ``syncfs`` on ``path`` whenever :data:`WRITE_BEHIND_BYTES` more
+    were written, so write-back overlaps the extraction; after each ``syncfs`` it passes the shards
+    finished before that ``syncfs`` began to ``on_durable`` (the journal). :meth:`finish` does the
+    last ``syncfs`` and journals the rest: once it returns, every file written is on disk.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], on_durable: Callable[[str], None],
+                 every: int = WRITE_BEHIND_BYTES) -> None:
+        self.path = path
+        self._on_durable = on_durable
+        self._every = every
+        self._pending = 0  # bytes since the last kick; an int += under the GIL, read racily: a hint
+        self._done: list[str] = []
+        self._lock = threading.Lock()
+        self._kick = threading.Event()
+        self._stop = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="stager-unpack-writebehind", daemon=True)
+        self._thread.start()
+
+    def wrote(self, nbytes: int) -> None:
+        self._pending += nbytes
+        if self._pending >= self._every:
+            self._pending = 0
+            self._kick.set()
+
+    def shard_done(self, name: str) -> None:
+        with self._lock:
+            self._done.append(name)
+
+    def _sync_and_journal(self) -> None:
+        with self._lock:
+            ready, self._done = self._done, []
+        _syncfs(self.path)
+        for name in ready:
+            self._on_durable(name)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                self._kick.wait()
+                self._kick.clear()
+                if self._stop:
+                    return
+                self._sync_and_journal()
+        except BaseException as exc:  # surfaced by finish()
+            self._error = exc
+
+    def finish(self, *, durable: bool = True) -> None:
+        """Stop the thread; with ``durable``, ``syncfs`` once more and journal every finished shard."""
+        self._stop = True
+        self._kick.set()
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        if durable:
+            self._sync_and_journal()
+
+
 class Unpacker:
     """Writes samples under ``root`` (created if needed). Thread-safe across shards.
 
-    ``file_mode``/``dir_mode`` are applied to what it creates; ``gid`` (or None) is the group.
-    ``files``/``bytes`` count what was written.
+    ``file_mode``/``dir_mode`` are applied to what it creates (``file_mode`` through the ``open``
+    mode, so the umask applies as it does for ``tar``); ``gid`` (or None) is the group: class
+    directories get it with the setgid bit, so files inherit it with no ``fchown`` (checked on
+    the first file of each directory; ``fchown`` per file where a file system does not inherit).
+    ``files``/``bytes`` count what was written; ``on_write(nbytes)`` is called per file.
     """
 
     def __init__(self, root: str | os.PathLike[str], manifest: Manifest, *, file_mode: int = 0o644,
-                 dir_mode: int = 0o755, gid: int | None = None) -> None:
+                 dir_mode: int = 0o755, gid: int | None = None,
+                 on_write: Callable[[int], None] | None = None) -> None:
         self.root = Path(root)
         self.manifest = manifest
         self.file_mode = file_mode
         self.dir_mode = dir_mode
-        self.gid = gid
+        self.gid = gid if gid is not None and gid != os.getegid() else None
+        self.on_write = on_write
+        self.chunk_size = 1 << 20  # read buffer of unpack_tar: stays in the CPU cache from read to write
         self.root.mkdir(parents=True, exist_ok=True)
         if self.root.is_symlink():
             raise UnsafeArchiveError(f"{self.root}: unpack directory is a symlink; refusing to write through it")
         os.chmod(self.root, dir_mode)
         chgrp_quiet(self.root, gid)
-        self.real_root = os.path.realpath(self.root)
-        self._dirs: dict[int, str] = {}
-        self._targets: dict[str, str] = {}
+        self._root_fd = os.open(self.root, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC)
+        # label -> (class dir fd, class dir path, group state: 0 inherits/none needed, 1 check first file, 2 fchown)
+        self._dirs: dict[int, tuple[int, str, int]] = {}
+        self._targets: dict[tuple[int, str], tuple[str, str]] = {}
         self._lock = threading.Lock()
         self.files = 0
         self.bytes = 0
 
+    def close(self) -> None:
+        for fd, _, _ in self._dirs.values():
+            os.close(fd)
+        self._dirs.clear()
+        os.close(self._root_fd)
+
     # ---- paths -----------------------------------------------------------------------------------
-    def _class_dir(self, label: int, where: str) -> str:
+    def _class_dir(self, label: int, where: str) -> tuple[int, str, int]:
         d = self._dirs.get(label)
         if d is not None:
             return d
@@ -138,109 +370,145 @@ class Unpacker:
                 raise UnsafeArchiveError(f"{where}: label {label} has no class name; refusing")
             path = os.path.join(self.root, name)
             with contextlib.suppress(FileExistsError):
-                os.mkdir(path, self.dir_mode)
-                chgrp_quiet(path, self.gid)
-            real = os.path.realpath(path)
-            if not os.path.isdir(path) or os.path.islink(path) or os.path.dirname(real) != self.real_root:
-                raise UnsafeArchiveError(f"{path}: not a plain directory under {self.root}; refusing to unpack into it")
-            self._dirs[label] = path
-            return path
+                os.mkdir(name, self.dir_mode, dir_fd=self._root_fd)
+                if self.gid is not None:
+                    with contextlib.suppress(PermissionError):
+                        os.chown(name, -1, self.gid, dir_fd=self._root_fd, follow_symlinks=False)
+            try:  # O_NOFOLLOW|O_DIRECTORY: a symlink or a file planted under the class name is refused
+                fd = os.open(name, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=self._root_fd)
+            except (NotADirectoryError, OSError) as exc:
+                raise UnsafeArchiveError(
+                    f"{path}: not a plain directory under {self.root}; refusing to unpack into it"
+                ) from exc
+            group = 0
+            if self.gid is not None:
+                st = os.fstat(fd)
+                if st.st_gid == self.gid:
+                    with contextlib.suppress(PermissionError):
+                        os.fchmod(fd, stat.S_IMODE(st.st_mode) | stat.S_ISGID)
+                    group = 1  # inherited if the file system honours setgid directories: see the first file
+                else:
+                    group = 2  # chgrp refused (EPERM) or an existing directory: fchown each file (may fail too)
+            d = self._dirs[label] = (fd, path, group)
+            return d
+
+    def _place(self, info: ShardInfo, index: int, ext: str) -> tuple[int, str]:
+        """``(label, basename)`` of sample ``index`` of shard ``info``: refuses unsafe basenames and
+        two samples mapping to one file; creates the class directory on first use."""
+        key = info.keys[index]
+        base = check_safe_name(key.rsplit("/", 1)[-1] + (f".{ext}" if ext else ""), f"sample file name (key {key!r})")
+        label = int(info.labels[index])
+        if label not in self._dirs:
+            self._class_dir(label, info.name)
+        prev = self._targets.setdefault((label, base), (info.name, key))  # atomic: no Python __eq__
+        if prev != (info.name, key):
+            raise UnsafeArchiveError(
+                f"{info.name}: sample {key!r} and {prev[0]}:{prev[1]!r} both unpack to "
+                f"{os.path.join(self._dirs[label][1], base)}; keys must have distinct basenames per class"
+            )
+        return label, base
 
     def target(self, info: ShardInfo, index: int, ext: str) -> str:
         """The output path of sample ``index`` of shard ``info`` with file extension ``ext``."""
-        where = info.name
-        key = info.keys[index]
-        base = check_safe_name(key.rsplit("/", 1)[-1] + (f".{ext}" if ext else ""), f"sample file name (key {key!r})")
-        path = os.path.join(self._class_dir(int(info.labels[index]), where), base)
-        with self._lock:
-            prev = self._targets.setdefault(path, f"{where}:{key}")
-        if prev != f"{where}:{key}":
-            raise UnsafeArchiveError(
-                f"{where}: sample {key!r} and {prev} both unpack to {path}; keys must have distinct basenames per class"
-            )
-        return path
+        label, base = self._place(info, index, ext)
+        return os.path.join(self._dirs[label][1], base)
 
-    def write_file(self, path: str, data: bytes | memoryview) -> None:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC
+    def write_file(self, label: int, base: str, data: bytes | memoryview) -> int:
+        """Create ``<class dir of label>/base`` holding ``data`` (never through an existing file);
+        return the class directory's fd (for :meth:`_remove`)."""
+        dfd, dirpath, group = self._dirs[label]
         try:
-            fd = os.open(path, flags, self.file_mode)
+            fd = os.open(base, _CREATE, self.file_mode, dir_fd=dfd)
         except FileExistsError:
             # A rerun after a crash: replace (never write through) whatever is there, even a symlink.
-            os.unlink(path)
-            fd = os.open(path, flags, self.file_mode)
+            os.unlink(base, dir_fd=dfd)
+            fd = os.open(base, _CREATE, self.file_mode, dir_fd=dfd)
         try:
-            if self.gid is not None and self.gid != os.getegid():
-                with contextlib.suppress(PermissionError):
-                    os.fchown(fd, -1, self.gid)
-            view = memoryview(data)
-            while view:
-                n = os.write(fd, view)
-                view = view[n:]
+            if group:
+                self._group(fd, label, group)
+            n = os.write(fd, data)
+            if n < len(data):
+                view = memoryview(data)[n:]
+                while view:
+                    n = os.write(fd, view)
+                    view = view[n:]
         except OSError as exc:
             # Never leave a short file under its final name; a full disk is exit 4, not a traceback.
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-            err = space_error(exc, path)
+                os.unlink(base, dir_fd=dfd)
+            err = space_error(exc, os.path.join(dirpath, base))
             if err is not None:
                 raise err from exc
             raise
         finally:
             os.close(fd)
+        if self.on_write is not None:
+            self.on_write(len(data))
+        return dfd
+
+    def _group(self, fd: int, label: int, group: int) -> None:
+        gid = self.gid
+        assert gid is not None
+        if group == 1:  # first file in a setgid directory: did it inherit the group?
+            dfd, dirpath, _ = self._dirs[label]
+            group = 0 if os.fstat(fd).st_gid == gid else 2
+            self._dirs[label] = (dfd, dirpath, group)
+        if group == 2:
+            with contextlib.suppress(PermissionError):
+                os.fchown(fd, -1, gid)
+
+    def _count(self, files: int, nbytes: int) -> None:
         with self._lock:
-            self.files += 1
-            self.bytes += len(data)
+            self.files += files
+            self.bytes += nbytes
 
     # ---- formats ---------------------------------------------------------------------------------
-    def unpack_tar(self, stream: BinaryIO, info: ShardInfo, hasher: Any | None = None,
-                   on_file: Callable[[int], None] | None = None) -> int:
-        """Stream one tar shard from ``stream`` and write its image members; return files written.
+    def unpack_tar(self, stream: Any, info: ShardInfo, hasher: Any | None = None,
+                   on_progress: Callable[[int, int], None] | None = None) -> int:
+        """Stream one tar shard from ``stream`` (a binary file, ideally unbuffered: it is read in
+        1 MiB ``readinto`` calls) and write its image members; return files written.
 
         With ``hasher`` the whole stream is hashed and compared with ``info.hash``
-        (VerificationError on mismatch, after removing this shard's files).
+        (VerificationError on mismatch, after removing this shard's files). ``on_progress(files,
+        bytes)`` is called every 64 files and at the end.
         """
-        from .formats.tar import iter_members, split_member_name
-
-        by_offset = {int(o): i for i, o in enumerate(info.offsets.tolist())}
-        reader = HashingReader(stream, hasher)
-        written: list[str] = []
-        seen = np.zeros(info.samples, dtype=bool)
+        offsets = info.offsets.tolist()
+        sizes = dict(zip(offsets, info.sizes.tolist(), strict=True))
+        index = {o: i for i, o in enumerate(offsets)}
+        keys = info.keys
+        reader = ChunkReader(stream, hasher, self.chunk_size)
+        written: list[tuple[int, str]] = []
+        got = bytearray(info.samples)
+        nbytes = step_bytes = 0
         try:
-            for name, offset, data in iter_members(reader, info.bytes, info.name):  # type: ignore[arg-type]
-                i = by_offset.get(offset)
-                if i is None:
-                    continue  # .cls/.json companions: the manifest already holds label and key
-                want = int(info.sizes[i])
-                if len(data) != want:
-                    raise UnsafeArchiveError(
-                        f"{info.name}: member {name!r} is {len(data)} bytes but the manifest says {want}; refusing"
-                    )
+            for name, offset, data in walk_tar(reader, info.bytes, info.name, sizes):
+                i = index[offset]  # offsets strictly increase, so each entry is met at most once
                 key, ext = split_member_name(name)
-                if key != info.keys[i]:
+                if key != keys[i]:
                     raise UnsafeArchiveError(
                         f"{info.name}: member {name!r} at offset {offset} does not match manifest key "
-                        f"{info.keys[i]!r}; refusing"
+                        f"{keys[i]!r}; refusing"
                     )
-                if seen[i]:
-                    raise UnsafeArchiveError(f"{info.name}: member {name!r} appears twice; refusing")
-                seen[i] = True
-                path = self.target(info, i, ext)
-                self.write_file(path, data)
-                written.append(path)
-                if on_file is not None:
-                    on_file(len(data))
+                label, base = self._place(info, i, ext)
+                written.append((self.write_file(label, base, data), base))
+                got[i] = 1
+                nbytes += len(data)
+                if on_progress is not None and len(written) % 64 == 0:
+                    on_progress(64, nbytes - step_bytes)
+                    step_bytes = nbytes
             reader.drain()
-            if not seen.all():
-                missing = info.keys[int(np.flatnonzero(~seen)[0])]
+            if len(written) != info.samples:
+                missing = keys[got.index(0)]
                 raise VerificationError(
-                    f"{info.name}: {int((~seen).sum())} samples of the manifest are not in the tar "
+                    f"{info.name}: {info.samples - len(written)} samples of the manifest are not in the tar "
                     f"(first: {missing!r}); re-pack this dataset"
                 )
             if hasher is not None:
-                got = hasher.hexdigest()
-                if reader.nbytes != info.bytes or got != info.hash:
+                digest = hasher.hexdigest()
+                if reader.nbytes != info.bytes or digest != info.hash:
                     raise VerificationError(
                         f"{info.name}: checksum mismatch while unpacking (expected {info.bytes} bytes "
-                        f"{info.hash}, got {reader.nbytes} bytes {got}); the source shard is damaged"
+                        f"{info.hash}, got {reader.nbytes} bytes {digest}); the source shard is damaged"
                     )
         except CorruptSampleError as exc:
             # A damaged container is a verification failure of the shard (exit 3), like a bad hash.
@@ -249,18 +517,23 @@ class Unpacker:
         except BaseException:
             self._remove(written)
             raise
+        if on_progress is not None and len(written) % 64:
+            on_progress(len(written) % 64, nbytes - step_bytes)
+        self._count(len(written), nbytes)
         return len(written)
 
     @staticmethod
-    def _remove(paths: list[str]) -> None:
-        for p in paths:
+    def _remove(paths: list[tuple[int, str]]) -> None:
+        for dfd, base in paths:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(p)
+                os.unlink(base, dir_fd=dfd)
 
     def unpack_samples(self, samples: Iterable[Any], info: ShardInfo) -> int:
         """Write samples from a format reader's ``iter_samples()`` (encoded bytes or decoded arrays)."""
+        import numpy as np
+
         index = {k: i for i, k in enumerate(info.keys)}
-        n = 0
+        n = nbytes = 0
         for s in samples:
             i = index.get(s.key)
             if i is None:
@@ -269,16 +542,15 @@ class Unpacker:
             ext = s.ext
             if isinstance(data, np.ndarray):
                 data, ext = _png(data), "png"
-            path = self.target(info, i, ext)
-            self.write_file(path, data)
+            label, base = self._place(info, i, ext)
+            self.write_file(label, base, data)
             n += 1
+            nbytes += len(data)
+        self._count(n, nbytes)
         return n
 
-    def sync(self) -> None:
-        _syncfs(str(self.root))
 
-
-def _png(arr: np.ndarray) -> bytes:
+def _png(arr: Any) -> bytes:
     from PIL import Image
 
     buf = io.BytesIO()
@@ -292,7 +564,8 @@ def run_unpack(plan: Any, journal: Any, workers: int, quiet: bool, result: Any) 
     ``DEST/<plan.unpack_dir>``; shards the journal lists as unpacked are skipped. Returns files written.
 
     Tar shards are read from DEST, or streamed (and hashed) from the source with ``--unpack only``;
-    other formats are read through their readers from the verified copy in DEST.
+    other formats are read through their readers from the verified copy in DEST. On return every
+    file written is durable (``syncfs``) and its shard is journaled.
     """
     from concurrent.futures import ThreadPoolExecutor
 
@@ -306,10 +579,12 @@ def run_unpack(plan: Any, journal: Any, workers: int, quiet: bool, result: Any) 
     # wherever files get r.
     mode, gid = source_access(manifest_path(plan.source))
     dir_mode = mode | 0o100 | (0o010 if mode & 0o040 else 0) | (0o001 if mode & 0o004 else 0)
-    unpacker = Unpacker(root, m, file_mode=mode, dir_mode=dir_mode, gid=gid)
     shards = [m.shards[i] for i in plan.mine if fresh or m.shards[i].name not in journal.unpacked]
     src_of = {t.name: t.src for t in plan.tasks}
     progress = Progress("unpack", total_items=sum(s.samples for s in shards), unit="files", quiet=quiet)
+    unpacker = Unpacker(root, m, file_mode=mode, dir_mode=dir_mode, gid=gid)
+    behind = WriteBehind(root, journal.add_unpacked)
+    unpacker.on_write = behind.wrote
     streamed = [0]
 
     def one(info: ShardInfo) -> None:
@@ -319,13 +594,11 @@ def run_unpack(plan: Any, journal: Any, workers: int, quiet: bool, result: Any) 
                 from .stage import _open_source
 
                 with _open_source(src_of[info.name]) as raw:
-                    stream = io.BufferedReader(raw, 8 << 20) if isinstance(raw, io.RawIOBase) else raw
-                    unpacker.unpack_tar(stream, info, new_hasher(m.hash_algo),
-                                        on_file=lambda n: progress.update(1, n))
+                    unpacker.unpack_tar(raw, info, new_hasher(m.hash_algo), on_progress=progress.update)
                 streamed[0] += info.bytes
             else:
-                with open(local, "rb", buffering=8 << 20) as f:
-                    unpacker.unpack_tar(f, info, None, on_file=lambda n: progress.update(1, n))
+                with open(local, "rb", buffering=0) as f:
+                    unpacker.unpack_tar(f, info, None, on_progress=progress.update)
         else:
             from .formats import get_format
 
@@ -334,15 +607,27 @@ def run_unpack(plan: Any, journal: Any, workers: int, quiet: bool, result: Any) 
                 progress.update(unpacker.unpack_samples(reader.iter_samples(), info))
             finally:
                 reader.close()
-        journal.add_unpacked(info.name)
+        behind.shard_done(info.name)
 
     try:
         with ThreadPoolExecutor(max(1, min(workers, len(shards) or 1))) as ex:
-            for fut in [ex.submit(one, s) for s in shards]:
-                fut.result()
+            futures = [ex.submit(one, s) for s in shards]
+            try:
+                for fut in futures:
+                    fut.result()
+            except BaseException:
+                for fut in futures:  # a refused or failed shard stops the shards not yet started
+                    fut.cancel()
+                raise
+    except BaseException:
+        # Shards finished before the failure are made durable and journaled, so a rerun skips them.
+        with contextlib.suppress(Exception):
+            behind.finish()
+        raise
     finally:
         progress.close()
-    unpacker.sync()
+        unpacker.close()
+    behind.finish()
     if plan.unpack == "only" and m.format == "tar":
         result.bytes_copied += streamed[0]
     return unpacker.files
