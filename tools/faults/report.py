@@ -193,19 +193,14 @@ FINDINGS = """## Bugs this suite found (fixed)
   traceback; now exit 4 with one line (stager/pack.py).
 * `stager clean` removed the whole unpacked tree, including files a user had added there; it now
   removes only the files `stage --unpack` writes for the manifest, and directories left empty.
+* `stager pack --format hdf5` under a file-size limit crashed (SIGSEGV inside h5py closing a file after
+  EFBIG) instead of exiting 4; the writer now builds the file in memory (core driver) and writes
+  it with `os.write`, so the limit is a clean `OutOfSpaceError` (stager/formats/hdf5.py).
 * The receipt was always world-readable (0644) and the unpacked tree world-readable (0644/0755) in
   the process's group, even for a group-only (licensed) source; both now keep the source's group and
   at most its permission bits.
 
 ## Known gaps
-
-* **Open bug: `stager pack --format hdf5` under a file-size limit crashes** (SIGSEGV, exit -11)
-  instead of exiting 4: after libhdf5's write fails with EFBIG, h5py segfaults closing the file
-  (stager/formats/hdf5.py, the writer's `close()` reopening the partial with `_open_new`). Nothing
-  torn is published (the shard was still a `.partial`) and the rerun completes, but the job sees a
-  crash, not a clean error; its row above shows 0 handled and the test is a strict xfail until the
-  writer builds the file in memory (`driver="core", backing_store=False`) and writes the image
-  itself, or pre-checks the space it needs.
 
 * CIFAR packs cannot be unpacked: their keys (`data_batch_1/00000`, `data_batch_2/00000`, ...) share
   basenames within a class, and `stage --unpack` refuses the collision (exit 3). The unpack trials
