@@ -107,10 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes: a smoke run of every script")
     ap.add_argument("--only", nargs="+", choices=sorted(SUITE), help="run only these topics")
     ap.add_argument("--no-doc", action="store_true", help="do not rewrite docs/benchmarks.md")
+    ap.add_argument("--splice-only", action="store_true", help="rebuild docs/benchmarks.md only")
     args = ap.parse_args(argv)
     info = machine()
     topics = args.only or list(SUITE)
-    results = [run(t, args.quick) for t in topics]
+    results = [] if args.splice_only else [run(t, args.quick) for t in topics]
     if not args.no_doc:
         splice(list(SUITE), info)
     print(json.dumps({"machine": info, "runs": results}, default=str))
