@@ -261,10 +261,10 @@ class WriteBehind:
     """
 
     def __init__(self, path: str | os.PathLike[str], on_durable: Callable[[str], None],
-                 every: int = WRITE_BEHIND_BYTES) -> None:
+                 every: int | None = None) -> None:
         self.path = path
         self._on_durable = on_durable
-        self._every = every
+        self._every = every or WRITE_BEHIND_BYTES
         self._pending = 0  # bytes since the last kick; an int += under the GIL, read racily: a hint
         self._done: list[str] = []
         self._lock = threading.Lock()

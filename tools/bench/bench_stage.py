@@ -30,7 +30,16 @@ dominating; the small set is also reported.
 ``--sweep`` adds block size (1-8 MiB) x streams (1-8) for the verified copy; ``--engines`` compares
 the copy engine's variants (fsync inline vs finisher threads, write-behind on/off).
 
-Usage: ``python tools/bench/bench_stage.py [--small] [--rounds 5] [--scale 10] [--sweep] [--engines]``
+``--unpack-only`` runs only ``stage --unpack only`` vs ``tar xf`` vs ``tar xf`` + ``sync -f`` (the
+durability unpack gives: one syncfs) and rewrites only its own section of the markdown. Every run
+extracts into a **fresh directory**; all are deleted at the end. (Deleting the previous run's tree
+right before a run, as ``alternate`` does, makes ext4 without a journal skip each recently deleted
+inode one by one in ``find_inode_bit``/``recently_deleted`` for ~30 s: measured here, that put
+~0.9 ms of kernel time on every file created, ten times the cost of the create itself, for both
+methods alike.)
+
+Usage: ``python tools/bench/bench_stage.py [--small] [--rounds 5] [--scale 10] [--sweep] [--engines]
+[--unpack-only]``
 """
 
 from __future__ import annotations
@@ -167,6 +176,89 @@ def bench_files(name: str, tree: Path, packed: Path, work: Path, *, rounds: int,
     }
 
 
+def bench_unpack(name: str, tree: Path, packed: Path, work: Path, *, rounds: int, workers: int | None
+                 ) -> dict[str, Any]:
+    """--unpack only vs tar xf vs tar xf + sync -f (files/s), each run into a fresh directory."""
+    files, _ = _count(tree)
+    tarball = work / f"{name.replace(' ', '_')}-tree-deref.tar"
+    if not tarball.exists():  # the x{scale} tree is hard links: tar would store (and extract) links
+        _run(["tar", "cf", str(tarball), "--hard-dereference", "-C", str(tree.parent), tree.name])
+    # Deleted by the caller after every set has run: a delete just before a run slows it (see above).
+    runs_dir = work / "unpack-runs" / name.replace(" ", "_")
+    runs_dir.mkdir(parents=True)
+
+    def tar_x(d: Path, sync: bool) -> None:
+        d.mkdir()
+        _run(["tar", "xf", str(tarball), "-C", str(d)])
+        if sync:
+            _run(["sync", "-f", str(d)])
+
+    methods: dict[str, Callable[[Path], object]] = {
+        "unpack": lambda d: stage(packed, d, workers=workers, unpack="only"),
+        "tar xf": lambda d: tar_x(d, False),
+        "tar xf+sync": lambda d: tar_x(d, True),
+    }
+    runs: dict[str, list[tuple[float, float]]] = {k: [] for k in methods}
+    for r in range(rounds):
+        for k in list(methods) if r % 2 == 0 else list(methods)[::-1]:  # cancel drift within a round
+            d = runs_dir / f"{k.replace(' ', '_').replace('+', '_')}-{r}"
+            os.sync()
+            c, t = _cpu(), time.perf_counter()
+            methods[k](d)
+            runs[k].append((time.perf_counter() - t, _cpu() - c))
+    per_s: dict[str, dict[str, Any]] = {
+        k: {"best": files / min(t for t, _ in v), "median": files / statistics.median(t for t, _ in v),
+            "cpu_s_per_1000_files": 1000 * min(c for _, c in v) / files,
+            "cpu_s_per_1000_files_median": 1000 * statistics.median(c for _, c in v) / files,
+            "runs_s": [round(t, 4) for t, _ in v]} for k, v in runs.items()}
+    return {"files": files, "per_s": per_s,
+            "unpack_vs_tar_xf_best": per_s["unpack"]["best"] / per_s["tar xf"]["best"],
+            "unpack_vs_tar_xf_paired_median": paired(runs, "unpack", "tar xf"),
+            "unpack_vs_tar_xf_sync_best": per_s["unpack"]["best"] / per_s["tar xf+sync"]["best"],
+            "unpack_vs_tar_xf_sync_paired_median": paired(runs, "unpack", "tar xf+sync")}
+
+
+UNPACK_START, UNPACK_END = "<!-- unpack-only:start -->", "<!-- unpack-only:end -->"
+
+
+def write_unpack_md(path: Path, res: dict[str, Any]) -> None:
+    """Replace (or append) the marked --unpack-only section of ``path``; the rest is left alone."""
+    lines = [UNPACK_START, "## --unpack only vs tar xf (fresh directory per run)", "",
+             f"Conditions: {res['conditions']}", "",
+             "`tar xf` returns with the files in the page cache only; `tar xf+sync` adds `sync -f` (one "
+             "syncfs: the durability `--unpack` gives before its receipt). Files/s best of the rounds "
+             "(median in brackets); ratios best-of and median of per-round ratios; CPU = user+system "
+             "seconds per 1,000 files of the process and its children, best (median): kernel write-back "
+             "threads are not counted, for either.", "",
+             "| set | files | unpack files/s | tar xf files/s | tar xf+sync files/s | unpack/tar xf best | paired | "
+             "unpack/(tar xf+sync) best | paired | CPU s/1k unpack | CPU s/1k tar xf |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, r in res["unpack"].items():
+        p = r["per_s"]
+
+        def cell(k: str, p: dict[str, Any] = p) -> str:
+            return f"{p[k]['best']:,.0f} ({p[k]['median']:,.0f})"
+
+        def cpu(k: str, p: dict[str, Any] = p) -> str:
+            return f"{p[k]['cpu_s_per_1000_files']:.3f} ({p[k]['cpu_s_per_1000_files_median']:.3f})"
+
+        lines.append(
+            f"| {name} | {r['files']} | {cell('unpack')} | {cell('tar xf')} | {cell('tar xf+sync')} | "
+            f"{r['unpack_vs_tar_xf_best']:.2f}x | {r['unpack_vs_tar_xf_paired_median']:.2f}x | "
+            f"{r['unpack_vs_tar_xf_sync_best']:.2f}x | {r['unpack_vs_tar_xf_sync_paired_median']:.2f}x | "
+            f"{cpu('unpack')} | {cpu('tar xf')} |")
+    lines += ["", f"Command: `python tools/bench/bench_stage.py --unpack-only {res['args']}`", UNPACK_END]
+    section = "\n".join(lines)
+    old = path.read_text() if path.exists() else "# Staging benchmark (tools/bench/bench_stage.py)\n"
+    if UNPACK_START in old and UNPACK_END in old:
+        head, rest = old.split(UNPACK_START, 1)
+        new = head + section + rest.split(UNPACK_END, 1)[1]
+    else:
+        new = old.rstrip("\n") + "\n\n" + section + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(new)
+
+
 def bench_sweep(packed: Path, dest: Path, rounds: int) -> dict[str, Any]:
     nbytes = sum(p.stat().st_size for p in packed.iterdir())
     methods: dict[str, Callable[[], object]] = {"cp": lambda: _run(["cp", "-r", str(packed), str(dest)])}
@@ -254,17 +346,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--small", action="store_true", help="tiny sets, 2 rounds (smoke run)")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--scale", type=int, default=10, help="replicas of the ImageNet-like tree for the large set")
+    ap.add_argument("--scale", type=int, default=None,
+                    help="replicas of the ImageNet-like tree for the large set (default 10; 2 with --unpack-only)")
     ap.add_argument("--workers", type=int, default=None, help="copy streams (default: stage's default)")
     ap.add_argument("--sweep", action="store_true", help="block size x streams sweep on the large set")
     ap.add_argument("--engines", action="store_true", help="copy engine variants on the large set")
+    ap.add_argument("--unpack-only", action="store_true",
+                    help="only --unpack only vs tar xf (fresh directory per run); rewrites only that section")
     ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "stage.md"))
     ap.add_argument("--work", default=None, help="scratch directory, kept and reused (default: a temp dir)")
     args = ap.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="bench_stage_"))
     work.mkdir(parents=True, exist_ok=True)
     rounds = 2 if args.small else args.rounds
-    scale = 2 if args.small else args.scale
+    scale = 2 if args.small else args.scale or (2 if args.unpack_only else 10)
     load0 = os.getloadavg()
     try:
         per_class = 10 if args.small else 100
@@ -284,6 +379,28 @@ def main() -> None:
         for p in packed.values():  # hot page cache for every source, as in every run after the first
             _run(f"cat '{p}'/* > /dev/null")
         dest = work / "dest"
+        if args.unpack_only:
+            ures: dict[str, Any] = {"unpack": {}}
+            if (work / "unpack-runs").exists():  # a crashed run's leftovers: delete, let ext4 forget them
+                shutil.rmtree(work / "unpack-runs", ignore_errors=True)
+                time.sleep(35)
+            try:
+                for name, tree in sets.items():
+                    ures["unpack"][name] = bench_unpack(name, tree, packed[name], work, rounds=rounds,
+                                                        workers=args.workers)
+            finally:
+                os.sync()
+                shutil.rmtree(work / "unpack-runs", ignore_errors=True)
+            load1 = os.getloadavg()
+            ures["conditions"] = (
+                f"hot page cache, source and DEST on the same local disk ({Path(work).resolve()}), "
+                f"{os.cpu_count()} CPUs, workers={args.workers or 'default'}, {rounds} alternating rounds "
+                f"(order reversed every other round), load average {load0[0]:.1f} at start, {load1[0]:.1f} at end")
+            ures["args"] = " ".join(a for a in sys.argv[1:] if a != "--unpack-only")
+            ures["load_average"] = {"start": load0, "end": load1}
+            write_unpack_md(Path(args.out), ures)
+            print(json.dumps(ures, indent=1))
+            return
         res: dict[str, Any] = {"copy": {}, "files": {}, "big_set": f"imagenet-like x{scale}"}
         for name in sets:
             res["copy"][name] = bench_copy(packed[name], dest, rounds, args.workers)
