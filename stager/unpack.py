@@ -1,14 +1,16 @@
 """``stage --unpack``: write shards' samples as an ImageFolder tree, safely and fast.
 
-Layout: ``ROOT/<class>/<key basename>.<ext>`` where ``<class>`` is ``manifest.classes[label]``
-(``_unlabeled`` for label -1). Tar shards are streamed through one reused buffer
-(:class:`ChunkReader`) and walked header by header (:func:`walk_tar`, the same checks as
+Layout: ``ROOT/<class>/<stem>.<ext>`` where ``<class>`` is ``manifest.classes[label]``
+(``_unlabeled`` for label -1) and ``<stem>`` is the key without a leading ``<class>/``, its other
+``/`` turned into ``_`` (:func:`unpacked_stem`): an ImageFolder pack unpacks to its original file
+names, a CIFAR pack's ``data_batch_1/00006`` to ``data_batch_1_00006``. Tar shards are streamed
+through one reused buffer (:class:`ChunkReader`) and walked header by header (:func:`walk_tar`, the same checks as
 :func:`stager.formats.tar.iter_members`: checksum, size against the shard, type: links, devices and
 FIFOs are refused, as are absolute and ``..`` names); each image member is matched to its manifest
 entry by data offset and must have exactly the manifest's size, checked before its data is read.
 Other formats go through their readers' ``iter_samples``.
 
-Safety: output names come from the manifest (class names and key basenames must be plain file
+Safety: output names come from the manifest (class names and file stems must be plain file
 names), class directories are created by us and must not be symlinks, and files are created with
 ``openat(class dir fd, basename, O_CREAT|O_EXCL|O_NOFOLLOW)``: a basename has no ``/``, so nothing
 is resolved outside the directory we opened. Two samples that map to the same file are refused
@@ -51,6 +53,24 @@ from .manifest import Manifest, ShardInfo, check_safe_name, manifest_path
 from .receipt import chgrp_quiet, source_access
 
 UNLABELED = "_unlabeled"
+
+
+def class_dir_name(classes: list[str], label: int) -> str:
+    """The class folder of ``label`` (unchecked; :meth:`Unpacker._class_dir` validates it)."""
+    return UNLABELED if label == -1 or not classes or not 0 <= label < len(classes) else classes[label]
+
+
+def unpacked_stem(key: str, class_name: str) -> str:
+    """The file name (without extension) a sample unpacks to inside its class folder.
+
+    The key minus a leading ``<class>/`` (ImageFolder keys keep their original file names), with
+    any further ``/`` turned into ``_`` so keys that differ only by a directory (CIFAR's
+    ``data_batch_1/00006`` and ``data_batch_2/00006``) stay distinct files.
+    """
+    prefix = class_name + "/"
+    if key.startswith(prefix):
+        key = key[len(prefix) :]
+    return key.replace("/", "_")
 WRITE_BEHIND_BYTES = 32 << 20
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -396,15 +416,16 @@ class Unpacker:
         """``(label, basename)`` of sample ``index`` of shard ``info``: refuses unsafe basenames and
         two samples mapping to one file; creates the class directory on first use."""
         key = info.keys[index]
-        base = check_safe_name(key.rsplit("/", 1)[-1] + (f".{ext}" if ext else ""), f"sample file name (key {key!r})")
         label = int(info.labels[index])
+        stem = unpacked_stem(key, class_dir_name(self.manifest.classes, label))
+        base = check_safe_name(stem + (f".{ext}" if ext else ""), f"sample file name (key {key!r})")
         if label not in self._dirs:
             self._class_dir(label, info.name)
         prev = self._targets.setdefault((label, base), (info.name, key))  # atomic: no Python __eq__
         if prev != (info.name, key):
             raise UnsafeArchiveError(
                 f"{info.name}: sample {key!r} and {prev[0]}:{prev[1]!r} both unpack to "
-                f"{os.path.join(self._dirs[label][1], base)}; keys must have distinct basenames per class"
+                f"{os.path.join(self._dirs[label][1], base)}; keys must map to distinct file names per class"
             )
         return label, base
 

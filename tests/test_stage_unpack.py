@@ -167,3 +167,28 @@ def test_unpack_dir_symlink_is_refused(packed_tar: Path, tmp_path: Path) -> None
     r = stager("stage", str(packed_tar), str(dest), "--unpack", "-q")
     assert r.returncode == 3 and "symlink" in r.stderr
     assert not any(elsewhere.iterdir())
+
+
+def test_cifar_pack_unpacks_with_distinct_names_and_cleans(cifar_tiny: Path, tmp_path: Path) -> None:
+    """CIFAR keys (``data_batch_1/00006``, ``data_batch_2/00006``) share basenames within a class:
+    they must unpack to distinct files, every sample once, and `stager clean` must remove them all."""
+    import subprocess
+    import sys
+
+    from stager.manifest import load_manifest
+
+    out, dest = tmp_path / "p", tmp_path / "d"
+
+    def run(*a: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "stager", *a], check=False, capture_output=True, text=True)
+
+    assert run("pack", str(cifar_tiny), str(out), "--format", "tar", "-q").returncode == 0
+    r = run("stage", str(out), str(dest), "--unpack", "also", "-q")
+    assert r.returncode == 0, r.stderr
+    m = load_manifest(out)
+    files = sorted(p for p in (dest / "unpacked").rglob("*") if p.is_file())
+    assert len(files) == m.num_samples
+    assert len({p.relative_to(dest / "unpacked") for p in files}) == m.num_samples
+    r = run("clean", str(dest), "-q")
+    assert r.returncode == 0, r.stderr
+    assert not (dest / "unpacked").exists() or not any((dest / "unpacked").rglob("*.png"))

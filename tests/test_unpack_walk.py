@@ -217,15 +217,16 @@ def test_damaged_shard_leaves_none_of_its_files(packed: Path, tmp_path: Path) ->
 
 def test_two_samples_to_one_file_are_refused(tmp_path: Path) -> None:
     payload = b"\xff\xd8x\xff\xd9"
-    data = _tar([(tarfile.TarInfo("a/k.jpg"), payload), (tarfile.TarInfo("b/k.jpg"), payload)])
+    # In class "c", key "c/a_k" (class prefix stripped) and key "a/k" ("/" -> "_") both become a_k.
+    data = _tar([(tarfile.TarInfo("c/a_k.jpg"), payload), (tarfile.TarInfo("a/k.jpg"), payload)])
     offs = [off for _, off, _ in _reference(data)[0]]
-    info = ShardInfo("s.tar", len(data), "", ["a/k", "b/k"], np.zeros(2, np.int64), np.array(offs, np.int64),
+    info = ShardInfo("s.tar", len(data), "", ["c/a_k", "a/k"], np.zeros(2, np.int64), np.array(offs, np.int64),
                      np.array([len(payload)] * 2, np.int64))
     u = Unpacker(tmp_path / "out", Manifest(format="tar", classes=["c"], shards=[info]))
     with pytest.raises(UnsafeArchiveError, match="both unpack to"):
         u.unpack_tar(io.BytesIO(data), info)
     u.close()
-    assert not (tmp_path / "out" / "c" / "k.jpg").exists()
+    assert not (tmp_path / "out" / "c" / "a_k.jpg").exists()
 
 
 def test_a_leftover_symlink_is_replaced_not_written_through(packed: Path, tmp_path: Path) -> None:

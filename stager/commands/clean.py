@@ -67,10 +67,10 @@ def _size_of(p: Path) -> int:
 
 
 def _unpacked_stems(d: Path) -> set[str] | None:
-    """``<class>/<key basename>`` of every file ``stage --unpack`` writes for DEST's manifest (the
+    """``<class>/<stem>`` of every file ``stage --unpack`` writes for DEST's manifest (the
     extension comes from the shard, so files are matched without it); None if the manifest is unreadable."""
     from ..manifest import load_manifest
-    from ..unpack import UNLABELED
+    from ..unpack import class_dir_name, unpacked_stem
 
     try:
         m = load_manifest(d)
@@ -79,8 +79,8 @@ def _unpacked_stems(d: Path) -> set[str] | None:
     stems = set()
     for s in m.shards:
         for key, label in zip(s.keys, s.labels.tolist(), strict=True):
-            ok = label != -1 and m.classes and 0 <= label < len(m.classes)
-            stems.add(f"{m.classes[label] if ok else UNLABELED}/{key.rsplit('/', 1)[-1]}")
+            cls = class_dir_name(m.classes, label)
+            stems.add(f"{cls}/{unpacked_stem(key, cls)}")
     return stems
 
 

@@ -202,9 +202,6 @@ FINDINGS = """## Bugs this suite found (fixed)
 
 ## Known gaps
 
-* CIFAR packs cannot be unpacked: their keys (`data_batch_1/00000`, `data_batch_2/00000`, ...) share
-  basenames within a class, and `stage --unpack` refuses the collision (exit 3). The unpack trials
-  use an ImageFolder set.
 * The loader `on_error` trials cover the encoded formats (tar, record, hdf5); zarr stores decoded
   arrays whose damage the chunk CRC catches at read time (covered by the zarr reader's own tests).
 * tmpfs trials need root (mount); elsewhere they are skipped and their row is absent.
