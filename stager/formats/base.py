@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ..errors import CorruptSampleError, ShardMissingError, UsageError
 from ..manifest import Manifest, ShardInfo
 
 
@@ -117,3 +118,52 @@ def pread_runs(fd: int, offsets: np.ndarray, sizes: np.ndarray, max_gap: int = 1
             out[order[k]] = bytes(view[o : o + int(sizes[order[k]])])
         i = j + 1
     return out
+
+
+class ExtentReader:
+    """Shared plumbing of readers whose payloads sit at the manifest's byte extents (tar, record, hdf5).
+
+    ``read(positions)`` fetches payloads with :func:`pread_runs` through one descriptor per process
+    (reopened after ``fork()``, so a reader inherited by a DataLoader worker never closes its
+    parent's descriptor). Subclasses add ``iter_samples`` (their own container parser).
+    """
+
+    def __init__(self, path: str, info: ShardInfo | None = None, manifest: Manifest | None = None) -> None:
+        self.path = path
+        self.info = info
+        self._fd: int | None = None
+        self._pid = 0
+
+    def fd(self) -> int:
+        if self._fd is None or self._pid != os.getpid():
+            try:
+                self._fd = os.open(self.path, os.O_RDONLY)
+            except FileNotFoundError as exc:
+                raise ShardMissingError(
+                    f"{self.path}: shard missing; re-stage the dataset or re-run `stager pack`"
+                ) from exc
+            self._pid = os.getpid()
+        return self._fd
+
+    def read(self, positions: Sequence[int] | np.ndarray) -> list[Any]:
+        """Payloads of in-shard ``positions`` (manifest order), in the order given."""
+        if self.info is None:
+            raise UsageError(f"{self.path}: read() needs the shard's manifest entry")
+        pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+        if len(pos) and (pos.min() < 0 or pos.max() >= self.info.samples):
+            raise UsageError(f"{self.path}: sample positions must be in 0..{self.info.samples - 1}")
+        try:
+            return pread_runs(self.fd(), self.info.offsets[pos], self.info.sizes[pos])
+        except EOFError as exc:
+            raise CorruptSampleError(f"{self.path}: {exc}; the shard is truncated: re-stage or re-pack it") from exc
+
+    def close(self) -> None:
+        if self._fd is not None and self._pid == os.getpid():
+            os.close(self._fd)
+        self._fd = None
+
+    def __enter__(self) -> ExtentReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

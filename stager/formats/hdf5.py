@@ -53,7 +53,7 @@ import numpy as np
 
 from ..errors import CorruptSampleError, ShardMissingError, SourceError, StagerError
 from ..manifest import Manifest, ShardInfo
-from .base import Extent, Sample, pread_runs
+from .base import Extent, ExtentReader, Sample
 
 FORMAT_VERSION = "stager.hdf5/1"
 LAYOUT = "contiguous-uint8"
@@ -218,14 +218,8 @@ def _corrupt(path: str, what: str) -> CorruptSampleError:
     return CorruptSampleError(f"{path}: damaged HDF5 shard ({what}); run `stager verify` and re-stage or re-pack it")
 
 
-class Hdf5Reader:
-    """Reads one HDF5 shard: ``iter_samples`` through h5py, ``read`` with ``os.pread``."""
-
-    def __init__(self, path: str, info: ShardInfo | None = None, manifest: Manifest | None = None) -> None:
-        self.path = path
-        self.info = info
-        self._fd: int | None = None
-        self._pid = 0
+class Hdf5Reader(ExtentReader):
+    """Reads one HDF5 shard: ``iter_samples`` through h5py, ``read`` with ``os.pread`` (no h5py)."""
 
     # ---- container scan (convert, deep verify) ------------------------------------------
     def iter_samples(self) -> Iterator[Sample]:
@@ -296,35 +290,6 @@ class Hdf5Reader:
         if bounds[0] != 0 or bounds[-1] != images.shape[0] or (n and np.any(np.diff(bounds) < 0)):
             raise _corrupt(self.path, "/offsets is not a non-decreasing 0..len(/images) sequence")
         return bounds, labels, keys, exts, metas, images
-
-    # ---- loader path ----------------------------------------------------------------------
-    def _fileno(self) -> int:
-        # A reader inherited through fork() must not share the parent's descriptor position state
-        # (pread has none, but close() in one process must not close the other's fd).
-        if self._fd is None or self._pid != os.getpid():
-            try:
-                self._fd = os.open(self.path, os.O_RDONLY)
-            except FileNotFoundError as exc:
-                raise ShardMissingError(
-                    f"{self.path}: shard missing; re-stage the dataset or re-run `stager pack`"
-                ) from exc
-            self._pid = os.getpid()
-        return self._fd
-
-    def read(self, positions: Sequence[int] | np.ndarray) -> list[Any]:
-        """Encoded bytes of in-shard ``positions`` (in that order), via the manifest's extents."""
-        if self.info is None:
-            raise StagerError(f"{self.path}: read() needs the manifest's shard index")
-        pos = np.asarray(positions, dtype=np.int64)
-        try:
-            return pread_runs(self._fileno(), self.info.offsets[pos], self.info.sizes[pos])
-        except EOFError as exc:
-            raise _corrupt(self.path, f"{exc}; the file is shorter than the manifest says") from exc
-
-    def close(self) -> None:
-        if self._fd is not None and self._pid == os.getpid():
-            os.close(self._fd)
-        self._fd = None
 
 
 class Hdf5Format:

@@ -36,9 +36,9 @@ from ..atomicio import partial_path
 from ..errors import CorruptSampleError, ShardMissingError, UsageError
 from ..manifest import Manifest, ShardInfo
 from ..writeback import start_writeback
-from .base import Extent, Sample
+from .base import Extent, ExtentReader, Sample
 from .example_pb import ExampleDecodeError, decode_example, varint
-from .tar import FLUSH_BYTES, read_extents
+from .tar import FLUSH_BYTES
 
 _crc = _crc32c.crc32c
 _MASK_DELTA = 0xA282EAD8
@@ -271,13 +271,8 @@ def example_to_sample(payload: bytes, index: int, where: str) -> Sample:
     return Sample(key=key, label=label, data=data, ext=ext)
 
 
-class RecordShardReader:
+class RecordShardReader(ExtentReader):
     """Reads one record shard: ``iter_samples`` parses it; ``read`` uses the manifest's extents."""
-
-    def __init__(self, path: str, info: ShardInfo | None = None, manifest: Manifest | None = None) -> None:
-        self.path = path
-        self.info = info
-        self._fd: int | None = None
 
     def iter_samples(self) -> Iterator[Sample]:
         """Every sample in physical order; framing, both CRCs and the Example are checked."""
@@ -291,31 +286,6 @@ class RecordShardReader:
                 yield example_to_sample(payload, i, self.path)
         finally:
             f.close()
-
-    def read(self, positions: Sequence[int] | np.ndarray) -> list[Any]:
-        """Image bytes of in-shard ``positions`` (manifest order), in the order given."""
-        if self.info is None:
-            raise UsageError(f"{self.path}: read() needs the shard's manifest entry")
-        return read_extents(self, self.info, positions)
-
-    def fd(self) -> int:
-        if self._fd is None:
-            try:
-                self._fd = os.open(self.path, os.O_RDONLY)
-            except FileNotFoundError as exc:
-                raise ShardMissingError(f"{self.path}: shard missing; re-stage or re-pack") from exc
-        return self._fd
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-    def __enter__(self) -> RecordShardReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def read_index(path: str) -> np.ndarray:

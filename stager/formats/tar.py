@@ -31,12 +31,10 @@ from collections.abc import Iterator, Sequence
 from json.encoder import encode_basestring_ascii
 from typing import Any, BinaryIO
 
-import numpy as np
-
 from ..errors import CorruptSampleError, UnsafeArchiveError, UsageError
 from ..manifest import Manifest, ShardInfo
 from ..writeback import start_writeback
-from .base import Extent, Sample, pread_runs
+from .base import Extent, ExtentReader, Sample
 
 BLOCK = 512
 FIXED_MTIME = 946684800  # 2000-01-01T00:00:00Z: fixed for reproducibility, yet "plausible" to GNU tar
@@ -627,13 +625,8 @@ def _to_sample(key: str, members: dict[str, bytes], where: str) -> Sample:
     return Sample(key=key, label=label, data=members[ext], ext=ext, meta=meta)
 
 
-class TarShardReader:
+class TarShardReader(ExtentReader):
     """Reads one tar shard: ``iter_samples`` parses it; ``read`` uses the manifest's extents."""
-
-    def __init__(self, path: str, info: ShardInfo | None = None, manifest: Manifest | None = None) -> None:
-        self.path = path
-        self.info = info
-        self._fd: int | None = None
 
     def iter_samples(self) -> Iterator[Sample]:
         """Every sample in physical order, grouped by key (members of one sample are consecutive)."""
@@ -670,44 +663,6 @@ class TarShardReader:
                 yield _to_sample(key, members, where)
         finally:
             f.close()
-
-    def read(self, positions: Sequence[int] | np.ndarray) -> list[Any]:
-        """Image bytes of in-shard ``positions`` (manifest order), in the order given."""
-        if self.info is None:
-            raise UsageError(f"{self.path}: read() needs the shard's manifest entry")
-        return read_extents(self, self.info, positions)
-
-    def fd(self) -> int:
-        if self._fd is None:
-            try:
-                self._fd = os.open(self.path, os.O_RDONLY)
-            except FileNotFoundError as exc:
-                from ..errors import ShardMissingError
-
-                raise ShardMissingError(f"{self.path}: shard missing; re-stage or re-pack") from exc
-        return self._fd
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-    def __enter__(self) -> TarShardReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def read_extents(reader: Any, info: ShardInfo, positions: Sequence[int] | np.ndarray) -> list[bytes]:
-    """Shared by tar and record: payloads at the manifest extents of ``positions`` via ``pread_runs``."""
-    pos = np.asarray(positions, dtype=np.int64).reshape(-1)
-    if len(pos) and (pos.min() < 0 or pos.max() >= info.samples):
-        raise UsageError(f"{reader.path}: sample positions must be in 0..{info.samples - 1}")
-    try:
-        return pread_runs(reader.fd(), info.offsets[pos], info.sizes[pos])
-    except EOFError as exc:
-        raise CorruptSampleError(f"{reader.path}: {exc}; the shard is truncated: re-stage or re-pack it") from exc
 
 
 class TarFormat:
