@@ -19,8 +19,10 @@ the ceiling. Peers that cannot be imported are skipped with a note (``tools/benc
 installs them). The peers' DataLoader path collates per-sample ``bytes`` (pickled through the
 worker queue); stager's raw batches travel as one shared-memory tensor.
 
-Crops: stager (``decode="uint8", transform="train"``: :mod:`stager.decode`) against "plain PIL"
-(``Image.open`` + ``convert("RGB")`` + a torchvision-equivalent RandomResizedCrop in PIL).
+Crops: stager (``decode="uint8", transform="train"``: :mod:`stager.decode`, the whole loader path)
+against "plain PIL" (the issue's baseline: full decode, crop, resize, torchvision's PIL path step for
+step, via ``stager.decode``'s ``pil`` backend) and, for reference, PIL cropping and resizing in one
+pass (``Image.resize(box=...)``).
 
 The page cache is warm (the data was just written): this measures the reader, not the disk.
 Usage: ``python -m tools.bench.bench_loader [--cifar 4000] [--imagenet 400] [--batch 64]``; prints
@@ -509,7 +511,10 @@ def bench_crops(tar_dir: Path, src: Path, n: int, crops: int, rounds: int) -> di
     """
     import cv2
 
+    from stager.decode import decode_random_resized_crop, get_decoder
     from stager.loader.transforms import _random_resized_crop
+
+    pil_decoder = get_decoder("pil")
 
     cv2.setNumThreads(1)
     k = min(n, crops)
@@ -525,6 +530,14 @@ def bench_crops(tar_dir: Path, src: Path, n: int, crops: int, rounds: int) -> di
         return got
 
     def pil_crops(limit: int) -> int:
+        # The issue's baseline: PIL full decode, crop, resize (torchvision's PIL path, step for step).
+        rng = np.random.default_rng(0)
+        for data in payloads[:limit]:
+            decode_random_resized_crop(data, 224, rng, decoder=pil_decoder)
+        return min(limit, len(payloads))
+
+    def pil_one_pass_crops(limit: int) -> int:
+        # A stronger PIL variant for reference: crop and resize in one pass (resize(box=...)).
         from PIL import Image
 
         rng = np.random.default_rng(0)
@@ -534,7 +547,11 @@ def bench_crops(tar_dir: Path, src: Path, n: int, crops: int, rounds: int) -> di
         return min(limit, len(payloads))
 
     out: dict[str, dict[str, float]] = {}
-    fns = {"stager (stager.decode)": stager_crops, "plain PIL": pil_crops}
+    fns = {
+        "stager (stager.decode)": stager_crops,
+        "plain PIL": pil_crops,
+        "PIL one-pass crop+resize": pil_one_pass_crops,
+    }
     for fn in fns.values():
         fn(32)  # warm-up
     for _ in range(rounds):
