@@ -34,20 +34,17 @@ import io
 import os
 import stat
 import threading
-import zlib
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from .atomicio import space_error
 from .errors import CorruptSampleError, UnsafeArchiveError, VerificationError
-from .formats.tar import (  # the header parsers iter_members uses, so both walkers agree
+from .formats.tar import (  # one tar header parser for pack, verify and unpack
     BLOCK,
-    _parse_checksum,
-    _parse_number,
-    _parse_pax,
-    _safe_member_name,
+    padded_size,
     split_member_name,
+    walk_headers,
 )
 from .manifest import Manifest, ShardInfo, check_safe_name, manifest_path
 from .receipt import chgrp_quiet, source_access
@@ -76,14 +73,6 @@ _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC
-_ZERO_BLOCK = bytes(BLOCK)
-_REGULAR = (b"0", b"\0", b"7")
-
-
-def header_sum(hdr: bytes) -> int:
-    """``sum(hdr)`` of a 512-byte header, 8x faster: adler32's low half is ``1 + sum mod 65521``,
-    exact for 256 bytes (at most 65,280)."""
-    return (zlib.adler32(hdr[:256]) & 0xFFFF) + (zlib.adler32(hdr[256:]) & 0xFFFF) - 2
 
 
 class ChunkReader:
@@ -161,87 +150,18 @@ def walk_tar(r: ChunkReader, file_size: int, where: str, sizes: dict[int, int]
              ) -> Iterator[tuple[str, int, memoryview]]:
     """Yield ``(name, data offset, data)`` for the members whose data offset is a key of ``sizes``.
 
-    Every header is checked exactly as :func:`stager.formats.tar.iter_members` does (test: both
-    walkers agree on valid, damaged and hostile shards); other regular members (``.cls``/``.json``
+    Headers are checked by the same parser as :func:`stager.formats.tar.iter_members`
+    (:func:`~stager.formats.tar.walk_headers`); other regular members (``.cls``/``.json``
     companions) are skipped after their name is checked. A listed member whose size is not
     ``sizes[offset]`` is refused before its data is read. ``data`` is a view into ``r``'s buffer,
     valid until the next iteration.
     """
-    pos = 0
-    long_name: str | None = None
-    pax: dict[str, bytes] = {}
-    while True:
-        hdr = bytes(r.take(BLOCK))
-        if len(hdr) < BLOCK:
-            raise CorruptSampleError(
-                f"{where}: truncated at byte {pos} (no end-of-archive marker); re-pack or re-stage this shard"
-            )
-        if hdr == _ZERO_BLOCK:
-            if bytes(r.take(BLOCK)) != _ZERO_BLOCK:
-                raise CorruptSampleError(f"{where}: damaged end-of-archive marker at byte {pos}")
-            if long_name is not None or pax:
-                raise CorruptSampleError(f"{where}: extended header without a member at byte {pos}")
-            return
-        stored = _parse_checksum(hdr, where, pos)
-        unsigned = header_sum(hdr) - sum(hdr[148:156]) + 256  # the checksum field counts as 8 spaces
-        # Some historic writers summed signed chars; accept either, as GNU tar does.
-        if stored != unsigned and stored != unsigned - 256 * sum(1 for b in hdr[:148] + hdr[156:] if b > 127):
-            raise CorruptSampleError(
-                f"{where}: bad tar header checksum at byte {pos} (stored {stored}, computed {unsigned}); "
-                "the shard is damaged: re-pack or re-stage it"
-            )
-        try:
-            size = _parse_number(hdr[124:136])
-        except ValueError as exc:
-            raise CorruptSampleError(f"{where}: bad size field in tar header at byte {pos}") from exc
-        typeflag = hdr[156:157]
-        if "size" in pax and typeflag in _REGULAR:
-            try:
-                size = int(pax["size"])
-            except ValueError as exc:
-                raise CorruptSampleError(f"{where}: bad PAX size at byte {pos}") from exc
-        data_start = pos + BLOCK
-        if size < 0 or data_start + size > file_size:
-            raise CorruptSampleError(
-                f"{where}: member at byte {pos} claims {size} bytes but the file has {file_size}; "
-                "the shard is truncated: re-pack or re-stage it"
-            )
-        padded = size + (-size % BLOCK)
-        if typeflag in (b"x", b"g", b"L"):
-            ext = bytes(r.take(padded))[:size]
-            if len(ext) < size:
-                raise CorruptSampleError(f"{where}: truncated extended header at byte {pos}")
-            if typeflag == b"x":
-                pax = _parse_pax(ext, where)
-            elif typeflag == b"L":
-                long_name = ext.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-            pos = data_start + padded
-            continue
-        if typeflag == b"5":  # directory: no data, nothing to yield
-            r.skip(padded)
-            pos = data_start + padded
-            long_name, pax = None, {}
-            continue
-        if typeflag not in _REGULAR:
-            kind = {b"1": "hard link", b"2": "symlink", b"3": "char device", b"4": "block device", b"6": "FIFO"}
-            raise UnsafeArchiveError(
-                f"{where}: member at byte {pos} is a {kind.get(typeflag, f'type {typeflag!r}')}, "
-                "not a regular file; refusing this shard"
-            )
-        if "path" in pax:
-            name = pax["path"].decode("utf-8", "surrogateescape")
-        elif long_name is not None:
-            name = long_name
-        else:
-            raw = hdr[:100].split(b"\0", 1)[0]
-            if hdr[257:262] == b"ustar" and hdr[345] != 0:
-                raw = hdr[345:500].split(b"\0", 1)[0] + b"/" + raw
-            name = raw.decode("utf-8", "surrogateescape")
-        name = _safe_member_name(name, where)
-        want = sizes.get(data_start)
+    for name, start, size in walk_headers(r.take, r.skip, file_size, where):
+        padded = padded_size(size)
+        want = sizes.get(start)
         if want is None:
             if r.skip(padded) < size:
-                raise CorruptSampleError(f"{where}: truncated member {name!r} at byte {pos}")
+                raise CorruptSampleError(f"{where}: truncated member {name!r} at byte {start - BLOCK}")
         elif size != want:
             raise UnsafeArchiveError(
                 f"{where}: member {name!r} is {size} bytes but the manifest says {want}; refusing"
@@ -249,10 +169,8 @@ def walk_tar(r: ChunkReader, file_size: int, where: str, sizes: dict[int, int]
         else:
             data = r.take(padded)
             if len(data) < size:
-                raise CorruptSampleError(f"{where}: truncated member {name!r} at byte {pos}")
-            yield name, data_start, data[:size]
-        pos = data_start + padded
-        long_name, pax = None, {}
+                raise CorruptSampleError(f"{where}: truncated member {name!r} at byte {start - BLOCK}")
+            yield name, start, data[:size]
 
 
 def _syncfs(path: str | os.PathLike[str]) -> None:

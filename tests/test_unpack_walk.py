@@ -19,10 +19,10 @@ from hypothesis import strategies as st
 
 from stager.checksum import new_hasher
 from stager.errors import CorruptSampleError, StagerError, UnsafeArchiveError, VerificationError
-from stager.formats.tar import iter_members
+from stager.formats.tar import header_sum, iter_members
 from stager.manifest import Manifest, ShardInfo, load_manifest
 from stager.pack import pack
-from stager.unpack import ChunkReader, Unpacker, WriteBehind, header_sum, walk_tar
+from stager.unpack import ChunkReader, Unpacker, WriteBehind, walk_tar
 
 
 @pytest.fixture(scope="module")

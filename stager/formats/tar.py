@@ -27,7 +27,8 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterator, Sequence
+import zlib
+from collections.abc import Callable, Iterator, Sequence
 from json.encoder import encode_basestring_ascii
 from typing import Any, BinaryIO
 
@@ -499,8 +500,29 @@ def split_member_name(name: str) -> tuple[str, str]:
     return (f"{head}/{base}" if head else base), ext
 
 
-def iter_members(f: BinaryIO, file_size: int, where: str) -> Iterator[tuple[str, int, bytes]]:
-    """Yield ``(name, data offset, data)`` for each regular file of the tar stream ``f``.
+_REGULAR = (b"0", b"\0", b"7")
+
+
+def header_sum(hdr: bytes) -> int:
+    """``sum(hdr)`` of a 512-byte header, 8x faster: adler32's low half is ``1 + sum mod 65521``,
+    exact for 256 bytes (at most 65,280)."""
+    return (zlib.adler32(hdr[:256]) & 0xFFFF) + (zlib.adler32(hdr[256:]) & 0xFFFF) - 2
+
+
+def padded_size(size: int) -> int:
+    """A member's data size rounded up to whole 512-byte blocks."""
+    return size + (-size % BLOCK)
+
+
+def walk_headers(
+    take: Callable[[int], bytes | memoryview], skip: Callable[[int], object], file_size: int, where: str
+) -> Iterator[tuple[str, int, int]]:
+    """Check every header of a tar stream; yield ``(name, data offset, size)`` per regular member.
+
+    The one tar header parser (used by :func:`iter_members` and by ``stager.unpack.walk_tar``, so
+    pack, verify and unpack accept exactly the same archives). ``take(n)`` returns the next ``n``
+    bytes of the stream, ``skip(n)`` passes over them. After each yield the caller must consume
+    exactly ``padded_size(size)`` bytes (with ``take`` or ``skip``) before asking for the next member.
 
     Raises :class:`CorruptSampleError` for bad checksums, truncation or a missing end marker, and
     :class:`UnsafeArchiveError` for links, devices, FIFOs and unsafe names. Directories are skipped.
@@ -509,20 +531,19 @@ def iter_members(f: BinaryIO, file_size: int, where: str) -> Iterator[tuple[str,
     long_name: str | None = None
     pax: dict[str, bytes] = {}
     while True:
-        hdr = f.read(BLOCK)
+        hdr = bytes(take(BLOCK))
         if len(hdr) < BLOCK:
             raise CorruptSampleError(
                 f"{where}: truncated at byte {pos} (no end-of-archive marker); re-pack or re-stage this shard"
             )
         if hdr == _ZERO_BLOCK:
-            nxt = f.read(BLOCK)
-            if nxt != _ZERO_BLOCK:
+            if bytes(take(BLOCK)) != _ZERO_BLOCK:
                 raise CorruptSampleError(f"{where}: damaged end-of-archive marker at byte {pos}")
             if long_name is not None or pax:
                 raise CorruptSampleError(f"{where}: extended header without a member at byte {pos}")
             return
         stored = _parse_checksum(hdr, where, pos)
-        unsigned = sum(hdr) - sum(hdr[148:156]) + 256  # the checksum field counts as 8 spaces
+        unsigned = header_sum(hdr) - sum(hdr[148:156]) + 256  # the checksum field counts as 8 spaces
         # Some historic writers summed signed chars; accept either, as GNU tar does.
         if stored != unsigned and stored != unsigned - 256 * sum(1 for b in hdr[:148] + hdr[156:] if b > 127):
             raise CorruptSampleError(
@@ -534,7 +555,7 @@ def iter_members(f: BinaryIO, file_size: int, where: str) -> Iterator[tuple[str,
         except ValueError as exc:
             raise CorruptSampleError(f"{where}: bad size field in tar header at byte {pos}") from exc
         typeflag = hdr[156:157]
-        if "size" in pax and typeflag in (b"0", b"\0", b"7"):
+        if "size" in pax and typeflag in _REGULAR:
             try:
                 size = int(pax["size"])
             except ValueError as exc:
@@ -545,26 +566,25 @@ def iter_members(f: BinaryIO, file_size: int, where: str) -> Iterator[tuple[str,
                 f"{where}: member at byte {pos} claims {size} bytes but the file has {file_size}; "
                 "the shard is truncated: re-pack or re-stage it"
             )
-        padded = size + (-size % BLOCK)
+        padded = padded_size(size)
+        pos = data_start + padded
         if typeflag in (b"x", b"g", b"L"):
-            data = f.read(padded)[:size]
-            if len(data) < size:
-                raise CorruptSampleError(f"{where}: truncated extended header at byte {pos}")
+            ext = bytes(take(padded))[:size]
+            if len(ext) < size:
+                raise CorruptSampleError(f"{where}: truncated extended header at byte {data_start - BLOCK}")
             if typeflag == b"x":
-                pax = _parse_pax(data, where)
+                pax = _parse_pax(ext, where)
             elif typeflag == b"L":
-                long_name = data.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-            pos = data_start + padded
+                long_name = ext.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
             continue
         if typeflag == b"5":  # directory: no data, nothing to yield
-            f.seek(padded, os.SEEK_CUR)
-            pos = data_start + padded
+            skip(padded)
             long_name, pax = None, {}
             continue
-        if typeflag not in (b"0", b"\0", b"7"):
+        if typeflag not in _REGULAR:
             kind = {b"1": "hard link", b"2": "symlink", b"3": "char device", b"4": "block device", b"6": "FIFO"}
             raise UnsafeArchiveError(
-                f"{where}: member at byte {pos} is a {kind.get(typeflag, f'type {typeflag!r}')}, "
+                f"{where}: member at byte {data_start - BLOCK} is a {kind.get(typeflag, f'type {typeflag!r}')}, "
                 "not a regular file; refusing this shard"
             )
         if "path" in pax:
@@ -576,13 +596,21 @@ def iter_members(f: BinaryIO, file_size: int, where: str) -> Iterator[tuple[str,
             if hdr[257:262] == b"ustar" and hdr[345] != 0:
                 raw = hdr[345:500].split(b"\0", 1)[0] + b"/" + raw
             name = raw.decode("utf-8", "surrogateescape")
-        name = _safe_member_name(name, where)
+        yield _safe_member_name(name, where), data_start, size
+        long_name, pax = None, {}
+
+
+def iter_members(f: BinaryIO, file_size: int, where: str) -> Iterator[tuple[str, int, bytes]]:
+    """Yield ``(name, data offset, data)`` for each regular file of the tar stream ``f``.
+
+    Header checks and errors as in :func:`walk_headers`.
+    """
+    for name, start, size in walk_headers(f.read, lambda n: f.seek(n, os.SEEK_CUR), file_size, where):
+        padded = padded_size(size)
         data = f.read(padded)
         if len(data) < size:
-            raise CorruptSampleError(f"{where}: truncated member {name!r} at byte {pos}")
-        yield name, data_start, data[:size] if padded != size else data
-        pos = data_start + padded
-        long_name, pax = None, {}
+            raise CorruptSampleError(f"{where}: truncated member {name!r} at byte {start - BLOCK}")
+        yield name, start, data[:size] if padded != size else data
 
 
 def _parse_checksum(hdr: bytes, where: str, pos: int) -> int:
