@@ -652,246 +652,200 @@ def pack(
 
         pool = PackPool(workers)  # started on first use; reused from listing to writing
     try:
-        return _pack(
-            src,
-            out,
-            format,
+        t0 = time.perf_counter()
+        _check_args(
+            format=format,
             samples_per_shard=samples_per_shard,
             shard_size=shard_size,
             workers=workers,
-            seed=seed,
-            keep_order=keep_order,
             resize=resize,
             quality=quality,
             on_error=on_error,
-            overwrite=overwrite,
-            dry_run=dry_run,
-            quiet=quiet,
             hash_algo=hash_algo,
-            stripe_count=stripe_count,
-            stripe_size=stripe_size,
-            split=split,
-            pool=pool,
         )
-    finally:
-        if pool is not None:
-            pool.close()
-
-
-def _pack(
-    src: str | os.PathLike[str],
-    out: str | os.PathLike[str],
-    format: str = "tar",
-    *,
-    samples_per_shard: int | None = None,
-    shard_size: int | None = 256 << 20,
-    workers: int = 1,
-    seed: int = 0,
-    keep_order: bool = False,
-    resize: tuple[int, int] | None = None,
-    quality: int | None = None,
-    on_error: str = "raise",
-    overwrite: bool = False,
-    dry_run: bool = False,
-    quiet: bool = True,
-    hash_algo: str = "xxh3_128",
-    stripe_count: int | None = None,
-    stripe_size: int | None = None,
-    split: str | None = None,
-    pool: Any = None,
-) -> PackResult:
-    """:func:`pack` with its worker pool (None for one process)."""
-    t0 = time.perf_counter()
-    _check_args(
-        format=format,
-        samples_per_shard=samples_per_shard,
-        shard_size=shard_size,
-        workers=workers,
-        resize=resize,
-        quality=quality,
-        on_error=on_error,
-        hash_algo=hash_algo,
-    )
-    fmt = get_format(format)
-    # With workers, an ImageFolder lists its class folders on the pool (the only source that starts it
-    # this early); other sources leave it to start at writing time and so be inherited by fork.
-    source = open_source(src, split=split, map_fn=pool.map if pool is not None else None)
-    out_p = Path(os.path.abspath(os.fspath(out)))
-    if source.kind == "pack" and out_p == source.root:
-        raise UsageError(f"{out_p}: output is the source pack itself; choose another directory")
-    # Keys are checked once for the whole plan (one pass), so writers need not check each one.
-    check_keys = getattr(fmt, "check_keys", None)
-    keys_checked = check_keys is not None
-    if check_keys is not None:
-        check_keys([r.key for r in source.refs], f"{source.root}: ")
-    resize_t = (int(resize[0]), int(resize[1])) if resize else None
-    target_kind = fmt.sample_kind
-    image_shape: tuple[int, int, int] | None = None
-    if target_kind == "decoded":
-        if resize_t:
-            image_shape = (resize_t[0], resize_t[1], 3)
-        elif source.image_shape is not None:
-            image_shape = source.image_shape
-        else:
-            h, w = probe_hw(source, source.refs, skip_bad=on_error == "skip")
-            image_shape = (h, w, 3)
-    options = {
-        "resize": list(resize_t) if resize_t else None,
-        "quality": quality,
-        "hash_algo": hash_algo,
-        "image_shape": list(image_shape) if image_shape else None,
-    }
-    plan = plan_shards(
-        source.refs,
-        format,
-        fmt.shard_name,
-        classes=source.classes,
-        options=options,
-        samples_per_shard=samples_per_shard,
-        shard_size=shard_size,
-        seed=seed,
-        keep_order=keep_order,
-    )
-    if dry_run:
-        return PackResult(
-            None,
-            str(out_p),
-            time.perf_counter() - t0,
-            plan.samples,
-            plan.est_bytes,
-            [],
-            len(plan.shards),
-            dry_run=True,
-            plan=plan,
+        fmt = get_format(format)
+        # With workers, an ImageFolder lists its class folders on the pool (the only source that starts it
+        # this early); other sources leave it to start at writing time and so be inherited by fork.
+        source = open_source(src, split=split, map_fn=pool.map if pool is not None else None)
+        out_p = Path(os.path.abspath(os.fspath(out)))
+        if source.kind == "pack" and out_p == source.root:
+            raise UsageError(f"{out_p}: output is the source pack itself; choose another directory")
+        # Keys are checked once for the whole plan (one pass), so writers need not check each one.
+        check_keys = getattr(fmt, "check_keys", None)
+        keys_checked = check_keys is not None
+        if check_keys is not None:
+            check_keys([r.key for r in source.refs], f"{source.root}: ")
+        resize_t = (int(resize[0]), int(resize[1])) if resize else None
+        target_kind = fmt.sample_kind
+        image_shape: tuple[int, int, int] | None = None
+        if target_kind == "decoded":
+            if resize_t:
+                image_shape = (resize_t[0], resize_t[1], 3)
+            elif source.image_shape is not None:
+                image_shape = source.image_shape
+            else:
+                h, w = probe_hw(source, source.refs, skip_bad=on_error == "skip")
+                image_shape = (h, w, 3)
+        options = {
+            "resize": list(resize_t) if resize_t else None,
+            "quality": quality,
+            "hash_algo": hash_algo,
+            "image_shape": list(image_shape) if image_shape else None,
+        }
+        plan = plan_shards(
+            source.refs,
+            format,
+            fmt.shard_name,
+            classes=source.classes,
+            options=options,
+            samples_per_shard=samples_per_shard,
+            shard_size=shard_size,
+            seed=seed,
+            keep_order=keep_order,
         )
+        if dry_run:
+            return PackResult(
+                None,
+                str(out_p),
+                time.perf_counter() - t0,
+                plan.samples,
+                plan.est_bytes,
+                [],
+                len(plan.shards),
+                dry_run=True,
+                plan=plan,
+            )
 
-    st = survey_out(out_p, re.match(r"\D*", fmt.shard_name(0)).group())  # type: ignore[union-attr]
-    _check_destination(out_p, st, source, plan, overwrite)
-    reuse = _find_reusable(out_p, st, plan, hash_algo)
-    manifest_opts = {
-        "seed": seed,
-        "keep_order": keep_order,
-        "samples_per_shard": samples_per_shard,
-        "shard_size": shard_size,
-        "resize": options["resize"],
-        "quality": quality,
-        "on_error": on_error,
-        "plan": plan.fingerprint,
-        # Per-shard fingerprints let a rerun after a source change keep the shards it did not touch.
-        "shard_plans": [sh.fingerprint for sh in plan.shards],
-    }
-    if (
-        st.manifest is not None
-        and st.manifest.options.get("plan") == plan.fingerprint
-        and len(reuse) == len(plan.shards)
-    ):
-        m = st.manifest  # the identical pack is already complete: leave it untouched
+        st = survey_out(out_p, re.match(r"\D*", fmt.shard_name(0)).group())  # type: ignore[union-attr]
+        _check_destination(out_p, st, source, plan, overwrite)
+        reuse = _find_reusable(out_p, st, plan, hash_algo)
+        manifest_opts = {
+            "seed": seed,
+            "keep_order": keep_order,
+            "samples_per_shard": samples_per_shard,
+            "shard_size": shard_size,
+            "resize": options["resize"],
+            "quality": quality,
+            "on_error": on_error,
+            "plan": plan.fingerprint,
+            # Per-shard fingerprints let a rerun after a source change keep the shards it did not touch.
+            "shard_plans": [sh.fingerprint for sh in plan.shards],
+        }
+        if (
+            st.manifest is not None
+            and st.manifest.options.get("plan") == plan.fingerprint
+            and len(reuse) == len(plan.shards)
+        ):
+            m = st.manifest  # the identical pack is already complete: leave it untouched
+            return PackResult(
+                m,
+                str(out_p),
+                time.perf_counter() - t0,
+                m.num_samples,
+                m.num_bytes,
+                [],
+                len(m.shards),
+                reused=len(m.shards),
+                plan=plan,
+            )
+
+        # From here on OUT changes: the old manifest goes first so it never describes replaced shards.
+        out_p.mkdir(parents=True, exist_ok=True)
+        _unlink(out_p / MANIFEST_NAME)
+        state = out_p / STATE_DIR
+        state.mkdir(exist_ok=True)
+        names = [s.name for s in plan.shards]
+        atomic_write_bytes(
+            state / "plan.json",
+            json.dumps(
+                {
+                    "schema": PLAN_SCHEMA,
+                    "plan": plan.fingerprint,
+                    "source": source.describe(),
+                    "format": format,
+                    "names": names,
+                }
+            ).encode(),
+        )
+        remove_stale_partials(out_p)
+        keep = set()
+        for d in reuse.values():
+            keep.add(d.info.name)
+            keep.update(a.name for a in d.info.aux)
+        for n in sorted(st.owned - keep):
+            _unlink(out_p / n)
+        for p in state.glob("*.json"):
+            if p.name != "plan.json" and p.name[: -len(".json")] not in reuse:
+                _unlink(p)
+        for d in reuse.values():  # re-record shards reused from a complete manifest
+            atomic_write_bytes(state / f"{d.info.name}.json", json.dumps(d.to_json()).encode())
+        _prepare_dir(out_p, plan, stripe_count, stripe_size)
+        _check_free_space(out=out_p, plan=plan, reuse=reuse, target_kind=target_kind, resize=resize_t, quality=quality)
+
+        todo = [s for s in plan.shards if s.name not in reuse]
+        jobs = [
+            ShardJob(
+                str(out_p),
+                format,
+                s,
+                tuple(source.classes),
+                target_kind,
+                image_shape,
+                resize_t,
+                quality,
+                on_error,
+                hash_algo,
+                keys_checked,
+            )
+            for s in todo
+        ]
+        progress = Progress(f"pack {format}", total_items=sum(len(s.refs) for s in todo), quiet=quiet)
+        done: dict[str, ShardDone] = dict(reuse)
+        try:
+            if pool is None or not jobs or (len(jobs) == 1 and not hasattr(fmt, "open_fragment")):
+                for job in jobs:
+                    done[job.shard.name] = write_shard(job, source, progress)
+            else:
+                for d in pool.run(jobs, source, progress, state):
+                    done[d.info.name] = d
+        except BaseException:
+            remove_stale_partials(out_p)
+            raise
+        finally:
+            source.close()
+        progress.close()
+
+        results = [done[n] for n in names]
+        skipped = [s for d in results for s in d.skipped]
+        m = Manifest(
+            format=format,
+            classes=list(source.classes),
+            shards=[d.info for d in results],
+            source=source.describe(),
+            options=manifest_opts,
+            hash_algo=hash_algo,
+            sample_kind=target_kind,
+            image_shape=image_shape,
+            skipped=skipped,
+        )
+        m.write(out_p)
+        shutil.rmtree(state, ignore_errors=True)
+        fsync_dir(out_p)
         return PackResult(
             m,
             str(out_p),
             time.perf_counter() - t0,
             m.num_samples,
             m.num_bytes,
-            [],
+            skipped,
             len(m.shards),
-            reused=len(m.shards),
+            reused=len(reuse),
             plan=plan,
+            payload_bytes=sum(d.payload_bytes for d in results),
         )
-
-    # From here on OUT changes: the old manifest goes first so it never describes replaced shards.
-    out_p.mkdir(parents=True, exist_ok=True)
-    _unlink(out_p / MANIFEST_NAME)
-    state = out_p / STATE_DIR
-    state.mkdir(exist_ok=True)
-    names = [s.name for s in plan.shards]
-    atomic_write_bytes(
-        state / "plan.json",
-        json.dumps(
-            {
-                "schema": PLAN_SCHEMA,
-                "plan": plan.fingerprint,
-                "source": source.describe(),
-                "format": format,
-                "names": names,
-            }
-        ).encode(),
-    )
-    remove_stale_partials(out_p)
-    keep = set()
-    for d in reuse.values():
-        keep.add(d.info.name)
-        keep.update(a.name for a in d.info.aux)
-    for n in sorted(st.owned - keep):
-        _unlink(out_p / n)
-    for p in state.glob("*.json"):
-        if p.name != "plan.json" and p.name[: -len(".json")] not in reuse:
-            _unlink(p)
-    for d in reuse.values():  # re-record shards reused from a complete manifest
-        atomic_write_bytes(state / f"{d.info.name}.json", json.dumps(d.to_json()).encode())
-    _prepare_dir(out_p, plan, stripe_count, stripe_size)
-    _check_free_space(out=out_p, plan=plan, reuse=reuse, target_kind=target_kind, resize=resize_t, quality=quality)
-
-    todo = [s for s in plan.shards if s.name not in reuse]
-    jobs = [
-        ShardJob(
-            str(out_p),
-            format,
-            s,
-            tuple(source.classes),
-            target_kind,
-            image_shape,
-            resize_t,
-            quality,
-            on_error,
-            hash_algo,
-            keys_checked,
-        )
-        for s in todo
-    ]
-    progress = Progress(f"pack {format}", total_items=sum(len(s.refs) for s in todo), quiet=quiet)
-    done: dict[str, ShardDone] = dict(reuse)
-    try:
-        if pool is None or not jobs or (len(jobs) == 1 and not hasattr(fmt, "open_fragment")):
-            for job in jobs:
-                done[job.shard.name] = write_shard(job, source, progress)
-        else:
-            for d in pool.run(jobs, source, progress, state):
-                done[d.info.name] = d
-    except BaseException:
-        remove_stale_partials(out_p)
-        raise
     finally:
-        source.close()
-    progress.close()
-
-    results = [done[n] for n in names]
-    skipped = [s for d in results for s in d.skipped]
-    m = Manifest(
-        format=format,
-        classes=list(source.classes),
-        shards=[d.info for d in results],
-        source=source.describe(),
-        options=manifest_opts,
-        hash_algo=hash_algo,
-        sample_kind=target_kind,
-        image_shape=image_shape,
-        skipped=skipped,
-    )
-    m.write(out_p)
-    shutil.rmtree(state, ignore_errors=True)
-    fsync_dir(out_p)
-    return PackResult(
-        m,
-        str(out_p),
-        time.perf_counter() - t0,
-        m.num_samples,
-        m.num_bytes,
-        skipped,
-        len(m.shards),
-        reused=len(reuse),
-        plan=plan,
-        payload_bytes=sum(d.payload_bytes for d in results),
-    )
+        if pool is not None:
+            pool.close()
 
 
 def _check_destination(out: Path, st: OutState, source: Source, plan: Plan, overwrite: bool) -> None:
