@@ -35,8 +35,7 @@ import numpy as np
 from ..atomicio import partial_path
 from ..errors import CorruptSampleError, ShardMissingError, UsageError
 from ..manifest import Manifest, ShardInfo
-from ..writeback import start_writeback
-from .base import Extent, ExtentReader, Sample
+from .base import BufferedShardFile, Extent, ExtentReader, Sample
 from .example_pb import ExampleDecodeError, decode_example, varint
 from .tar import FLUSH_BYTES
 
@@ -108,7 +107,7 @@ def encode_image_example(
     return b"".join((top, head, entry_head, data, tail)), offset
 
 
-class RecordShardWriter:
+class RecordShardWriter(BufferedShardFile):
     """Writes one TFRecord shard and, on close, its DALI-style ``.idx`` companion.
 
     Records are accumulated and written in ``flush_bytes`` chunks; ``fsync``, ``hasher`` (fed every
@@ -128,16 +127,9 @@ class RecordShardWriter:
         writeback: bool = False,
         **options: Any,
     ) -> None:
-        self.path = path
+        super().__init__(path, flush_bytes=flush_bytes, fsync=fsync, hasher=hasher, writeback=writeback)
         self.shard_name = shard_name
         self.classes = list(classes)
-        self._flush_bytes = flush_bytes
-        self._fsync = fsync
-        self._hasher = hasher
-        self._writeback = writeback
-        self._f: BinaryIO | None = open(path, "wb", buffering=0)  # noqa: SIM115 - closed in close()/abort()
-        self._buf = bytearray()
-        self._written = 0
         self._index: list[bytes] = []
         self._idx_tmp: str | None = None
 
@@ -167,29 +159,11 @@ class RecordShardWriter:
             self._flush()
         return Extent(start + 12 + off, len(data))
 
-    def _flush(self) -> None:
-        assert self._f is not None
-        view = memoryview(self._buf)
-        if self._hasher is not None:
-            self._hasher.update(view)
-        done = 0
-        while done < len(view):
-            done += self._f.write(view[done:]) or 0
-        view.release()
-        if self._writeback:
-            start_writeback(self._f.fileno(), self._written, len(self._buf))
-        self._written += len(self._buf)
-        self._buf = bytearray()
-
     def close(self) -> list[tuple[str, str]]:
         """Flush the shard and write ``<shard_name>.idx`` next to it; return ``[(idx name, temp path)]``."""
         if self._f is None:
             return []
-        self._flush()
-        if self._fsync:
-            os.fsync(self._f.fileno())
-        self._f.close()
-        self._f = None
+        self._finish()
         final = f"{self.shard_name}.idx"
         tmp = str(partial_path(os.path.join(os.path.dirname(os.path.abspath(self.path)), final)))
         self._idx_tmp = tmp
@@ -201,17 +175,10 @@ class RecordShardWriter:
         return [(final, tmp)]
 
     def abort(self) -> None:
-        if self._f is not None:
-            self._f.close()
-            self._f = None
-        self._buf = bytearray()
+        super().abort()
         if self._idx_tmp is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._idx_tmp)
-
-    @property
-    def bytes_written(self) -> int:
-        return self._written + len(self._buf)
 
 
 def iter_records(f: BinaryIO, file_size: int, where: str) -> Iterator[tuple[int, bytes]]:

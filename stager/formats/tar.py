@@ -34,8 +34,7 @@ from typing import Any, BinaryIO
 
 from ..errors import CorruptSampleError, UnsafeArchiveError, UsageError
 from ..manifest import Manifest, ShardInfo
-from ..writeback import start_writeback
-from .base import Extent, ExtentReader, Sample
+from .base import BufferedShardFile, Extent, ExtentReader, Sample
 
 BLOCK = 512
 FIXED_MTIME = 946684800  # 2000-01-01T00:00:00Z: fixed for reproducibility, yet "plausible" to GNU tar
@@ -242,7 +241,7 @@ def _json_plan(meta_keys: tuple[Any, ...], key: str) -> tuple[tuple[str, str], .
     return plan
 
 
-class TarShardWriter:
+class TarShardWriter(BufferedShardFile):
     """Writes one tar shard; see the module docstring for the layout.
 
     Members are accumulated in a buffer and written in ``flush_bytes`` chunks, so a shard of small
@@ -271,17 +270,10 @@ class TarShardWriter:
         writeback: bool = False,
         **options: Any,
     ) -> None:
-        self.path = path
-        self._writeback = writeback
+        super().__init__(path, flush_bytes=flush_bytes, fsync=fsync, hasher=hasher, writeback=writeback)
         self.shard_name = shard_name
         self.classes = list(classes)
-        self._flush_bytes = flush_bytes
-        self._fsync = fsync
         self._keys_checked = keys_checked
-        self._hasher = hasher
-        self._f: BinaryIO | None = open(path, "wb", buffering=0)  # noqa: SIM115 - closed in close()/abort()
-        self._buf = bytearray()
-        self._written = 0  # bytes already handed to the OS
         self._keys: set[str] = set()
         self._exts_ok: dict[str, tuple[str, bytes, int]] = {}  # extension -> (lower, b".lower", byte sum)
         self._labels: dict[Any, tuple[int, str, tuple[bytes, bytes], bytes, int]] = {}
@@ -369,41 +361,12 @@ class TarShardWriter:
         self._labels[label] = entry
         return entry
 
-    def _flush(self) -> None:
-        assert self._f is not None
-        view = memoryview(self._buf)
-        if self._hasher is not None:
-            self._hasher.update(view)
-        done = 0
-        while done < len(view):
-            done += self._f.write(view[done:]) or 0
-        view.release()
-        if self._writeback:
-            start_writeback(self._f.fileno(), self._written, len(self._buf))
-        self._written += len(self._buf)
-        self._buf = bytearray()
-
     def close(self) -> list[tuple[str, str]]:
         if self._f is None:
             return []
         self._buf += _ZERO_BLOCK * 2
-        self._flush()
-        if self._fsync:
-            os.fsync(self._f.fileno())
-        self._f.close()
-        self._f = None
+        self._finish()
         return []
-
-    def abort(self) -> None:
-        if self._f is not None:
-            self._f.close()
-            self._f = None
-        self._buf = bytearray()
-
-    @property
-    def bytes_written(self) -> int:
-        """Bytes of the shard so far (including buffered ones)."""
-        return self._written + len(self._buf)
 
 
 class TarFragmentWriter(TarShardWriter):
