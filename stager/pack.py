@@ -736,7 +736,10 @@ def pack(
             and st.manifest.options.get("plan") == plan.fingerprint
             and len(reuse) == len(plan.shards)
         ):
-            m = st.manifest  # the identical pack is already complete: leave it untouched
+            m = st.manifest  # the identical pack is already complete: leave its shards untouched
+            # A run killed between publishing the manifest and removing its state leaves both behind.
+            shutil.rmtree(out_p / STATE_DIR, ignore_errors=True)
+            remove_stale_partials(out_p)
             return PackResult(
                 m,
                 str(out_p),

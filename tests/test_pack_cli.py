@@ -201,3 +201,21 @@ def test_missing_source_and_busy_destination(imagenet_tiny: Path, tmp_path: Path
     p = stager("pack", imagenet_tiny, tmp_path / "o", "--format", "tar", "--dry-run", "--json")
     plan = json.loads(p.stdout)
     assert plan["dry_run"] and plan["samples"] == 24 and not (tmp_path / "o").exists()
+
+
+def test_rerun_of_a_complete_pack_clears_state_left_by_a_late_kill(imagenet_tiny: Path, tmp_path: Path) -> None:
+    """A kill between writing manifest.json and removing .stager-pack leaves the state directory
+    and possibly a stale partial; the rerun finds the pack complete and must still clear them."""
+    from stager.pack import STATE_DIR, pack
+
+    out = tmp_path / "o"
+    pack(imagenet_tiny, out, "tar", samples_per_shard=8)
+    (out / STATE_DIR).mkdir()
+    (out / STATE_DIR / "shard-00000.tar.json").write_text("{}")
+    (out / "shard-00001.tar.0123456789ab.partial").write_bytes(b"x")
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and not p.name.endswith(".partial")}
+    r = pack(imagenet_tiny, out, "tar", samples_per_shard=8)
+    assert r.reused == len(r.manifest.shards)
+    assert not (out / STATE_DIR).exists()
+    assert not list(out.glob("*.partial"))
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
