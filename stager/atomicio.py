@@ -4,13 +4,19 @@ Every file stager creates is written as ``<name>.<uuid>.partial`` in the destina
 fsynced, renamed with :func:`os.replace` and the directory fsynced. On any exception the partial
 file is removed. A crash (kill -9, node reboot) can leave ``*.partial`` files, never a torn final
 file; :func:`remove_stale_partials` clears them on the next run.
+
+The one exception is ``stager stage --no-fsync`` (the cp/dcp trade: renamed without fsync, so the
+data may still be in the page cache when the command returns). What it writes is marked with
+:func:`boot_id`; after a reboot such marks no longer match and the files are not trusted again.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +26,18 @@ from .errors import OutOfSpaceError
 
 PARTIAL_SUFFIX = ".partial"
 _SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+@functools.lru_cache(maxsize=1)
+def boot_id() -> str:
+    """An identifier of the running boot: Linux's ``/proc/sys/kernel/random/boot_id``; elsewhere the
+    boot time to 10 s (a rounding edge can only make a later run distrust and redo work, never trust
+    more). Unsynced writes from another boot may be lost or torn, so they are never trusted."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return f"boot@{round(time.time() - time.monotonic(), -1):.0f}"
 
 
 def partial_path(final: str | os.PathLike[str]) -> Path:

@@ -30,15 +30,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from .atomicio import boot_id
 from .errors import StagerTimeoutError
-
-
-def boot_id() -> str:
-    """This boot's random id (Linux), so a lock from before a reboot is recognised as dead."""
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
 
 
 def pid_alive(pid: int) -> bool:

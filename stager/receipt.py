@@ -10,7 +10,9 @@ Receipt fields (schema ``stager.receipt/1``): ``dataset_id``, ``manifest_digest`
 (``"full"``, ``"partition"`` or ``"shared"``), ``partition`` (``{"num_nodes", "node", "seed",
 "ranks_per_node"}`` or null), ``shards`` (names of the shards present), ``unpacked`` (path of an
 ImageFolder tree written by ``--unpack`` or null), ``files`` (every path stager created, relative
-to DEST: what ``stager clean`` may remove), ``stats``.
+to DEST: what ``stager clean`` may remove), ``stats``, ``durable`` (false after ``stage --no-fsync``:
+the files may not have reached the disk) and ``boot_id`` (the boot that wrote a non-durable copy; the
+copy is ignored, and staged again, once the node has rebooted).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .atomicio import atomic_write_bytes
+from .atomicio import atomic_write_bytes, boot_id
 from .errors import ManifestError
 from .manifest import Manifest
 
@@ -48,7 +50,13 @@ class Receipt:
     unpacked: str | None = None
     files: list[str] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
+    durable: bool = True
+    boot_id: str = ""
     schema: str = RECEIPT_SCHEMA
+
+    def trusted(self) -> bool:
+        """False for a non-durable copy written before the last reboot (its files may be torn)."""
+        return self.durable or self.boot_id == boot_id()
 
     def write(self, dest: str | os.PathLike[str], mode: int | None = None, gid: int | None = None) -> Path:
         """Write DEST/stager-receipt.json atomically with ``mode``, then give it group ``gid`` (if allowed)."""
@@ -115,6 +123,10 @@ def _wrong_types(rec: Receipt) -> str | None:
         return "partition"
     if not isinstance(rec.stats, dict):
         return "stats"
+    if not isinstance(rec.durable, bool):
+        return "durable"
+    if not isinstance(rec.boot_id, str):
+        return "boot_id"
     return None
 
 
@@ -136,8 +148,9 @@ def find_staged_copy(
 ) -> tuple[Path, Receipt] | None:
     """Find a complete node-local copy of ``manifest``'s dataset; return ``(dest dir, receipt)``.
 
-    A candidate counts only if its receipt names the same manifest digest and every shard it lists
-    exists with the manifest's size (a cheap stat, no hashing: stage verified them while copying).
+    A candidate counts only if its receipt names the same manifest digest, every shard it lists
+    exists with the manifest's size (a cheap stat, no hashing: stage verified them while copying),
+    and it is not a ``--no-fsync`` copy from before a reboot.
     """
     digest = manifest.digest or manifest.compute_digest()
     sizes = {s.name: s.bytes for s in manifest.shards}
@@ -152,7 +165,7 @@ def find_staged_copy(
                 rec = load_receipt(d)
             except ManifestError:
                 continue
-            if rec is None or rec.manifest_digest != digest:
+            if rec is None or rec.manifest_digest != digest or not rec.trusted():
                 continue
             if all(_size(d / name) == sizes.get(name, -2) for name in rec.shards):
                 return d, rec

@@ -48,9 +48,18 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from . import lustre
-from .atomicio import atomic_write_bytes, commit_partial, fsync_dir, partial_path, space_error
+from .atomicio import atomic_write_bytes, boot_id, commit_partial, fsync_dir, partial_path, space_error
 from .checksum import new_hasher
-from .copyengine import CopyTuning, WriteBehind, copy_hashed, write_all
+from .copyengine import (
+    DIRECT_ALIGN,
+    CopyTuning,
+    WriteBehind,
+    aligned_buffer,
+    copy_hashed,
+    copy_hashed_direct,
+    open_partial,
+    write_all,
+)
 from .errors import (
     DestinationError,
     OutOfSpaceError,
@@ -324,6 +333,8 @@ class StageResult:
     ordering: str = ""
     workers: int = 0
     block_size: int = 0
+    io: str = ""  # "direct" (O_DIRECT writes), "buffered", or "mixed"
+    durable: bool = True  # False with --no-fsync: data may still be in the page cache
     unpacked: str | None = None
     unpacked_files: int = 0
     partition: dict[str, int] | None = None
@@ -341,7 +352,9 @@ class StageResult:
             return (f"{self.dest}: already staged ({self.files_total} files, {self.bytes_total / 1e9:.2f} GB, "
                     f"mode {self.mode}); nothing to do")
         s = (f"staged {self.files_copied} files, {self.bytes_copied / 1e9:.3f} GB in {self.seconds:.2f} s "
-             f"({self.gbps:.2f} GB/s, verified) to {self.dest} [mode {self.mode}]")
+             f"({self.gbps:.2f} GB/s, verified{', ' + self.io + ' I/O' if self.io else ''}"
+             f"{'' if self.durable else ', not fsynced'}) to {self.dest} "
+             f"[mode {self.mode}]")
         if self.files_kept:
             s += f"; kept {self.files_kept} verified files from an earlier run"
         if self.unpacked:
@@ -356,10 +369,14 @@ class Journal:
     Line 1 is ``{"journal": 1, "digest": <manifest digest>}``; then ``{"f": name, "b": bytes}`` per
     verified file and ``{"u": shard name}`` per unpacked shard. A journal of another dataset is reset.
     Appends are single ``write`` calls on an ``O_APPEND`` fd, so a kill -9 loses at most a line.
+    ``volatile`` (``--no-fsync``): the files were not fsynced, so each line also carries
+    ``"v": <boot id>`` and is ignored after a reboot (the file is copied again).
     """
 
-    def __init__(self, path: Path, digest: str) -> None:
+    def __init__(self, path: Path, digest: str, *, volatile: bool = False) -> None:
         self.path = path
+        self._mark = {"v": boot_id()} if volatile else {}
+        this_boot = boot_id()
         self.files: dict[str, int] = {}
         self.unpacked: set[str] = set()
         self._lock = threading.Lock()
@@ -376,8 +393,8 @@ class Journal:
                 except (ValueError, RecursionError):
                     continue  # a torn last line
                 # A damaged line is ignored: its file is then copied (and verified) again.
-                if not isinstance(rec, dict):
-                    continue
+                if not isinstance(rec, dict) or rec.get("v", this_boot) != this_boot:
+                    continue  # damaged, or unsynced before a reboot: not trusted
                 if isinstance(rec.get("f"), str) and type(rec.get("b")) is int:
                     self.files[rec["f"]] = rec["b"]
                 elif isinstance(rec.get("u"), str):
@@ -403,11 +420,11 @@ class Journal:
             os.write(self._open(), (json.dumps(rec) + "\n").encode())
 
     def add_file(self, name: str, nbytes: int) -> None:
-        self._append({"f": name, "b": nbytes})
+        self._append({"f": name, "b": nbytes, **self._mark})
         self.files[name] = nbytes
 
     def add_unpacked(self, shard: str) -> None:
-        self._append({"u": shard})
+        self._append({"u": shard, **self._mark})
         self.unpacked.add(shard)
 
     def close(self) -> None:
@@ -442,8 +459,9 @@ class _Copier:
     """
 
     def __init__(self, plan: StagePlan, *, block: int, workers: int, journal: Journal, progress: Progress,
-                 warnings: list[str], tuning: CopyTuning | None = None) -> None:
+                 warnings: list[str], tuning: CopyTuning | None = None, fsync: bool = True) -> None:
         self.plan = plan
+        self.fsync = fsync
         self.tuning = tuning or CopyTuning()
         self.block = block
         self.workers = workers
@@ -454,6 +472,7 @@ class _Copier:
         self.errors: list[BaseException] = []
         self.copied = 0
         self.bytes = 0
+        self.direct_files = 0  # copies written with O_DIRECT (the rest went through the page cache)
         self._lock = threading.Lock()
         self._next = 0
         self._throttle = float(os.environ.get(THROTTLE_ENV) or 0)
@@ -491,7 +510,7 @@ class _Copier:
         self.cancel.set()
 
     def _worker(self) -> None:
-        buf = memoryview(bytearray(self.block))
+        buf = aligned_buffer(self.block)  # page-aligned: usable for O_DIRECT writes
         while not self.cancel.is_set():
             with self._lock:
                 if self._next >= len(self._tasks):
@@ -530,12 +549,19 @@ class _Copier:
         tmp = self.plan.dest / f"{task.name}.{uuid.uuid4().hex[:12]}.partial"
         mode, gid = self._source_meta(task)
         hasher = new_hasher(self.plan.manifest.hash_algo)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+        fd, direct = open_partial(tmp, direct=self.tuning.direct and self.block % DIRECT_ALIGN == 0)
+        if direct:
+            with self._lock:
+                self.direct_files += 1
         try:
             with _open_source(task.src) as f:
-                wb = WriteBehind(fd, self.tuning.window) if self.tuning.window >= 0 else None
-                total = copy_hashed(f, fd, buf, hasher, limit=task.bytes, write_behind=wb,
-                                    on_block=self._on_block(time.perf_counter(), [0]))
+                on_block = self._on_block(time.perf_counter(), [0])
+                if direct:
+                    total = copy_hashed_direct(f, fd, buf, hasher, limit=task.bytes, on_block=on_block)
+                else:
+                    # Write-behind waits for the disk: only worth it when the fsync would wait anyway.
+                    wb = WriteBehind(fd, self.tuning.window) if self.fsync and self.tuning.window >= 0 else None
+                    total = copy_hashed(f, fd, buf, hasher, limit=task.bytes, write_behind=wb, on_block=on_block)
             if total > task.bytes:
                 raise VerificationError(
                     f"{task.name}: source {task.src} is larger than the manifest's {task.bytes} bytes; "
@@ -584,7 +610,8 @@ class _Copier:
                         if not self._warned_group:
                             self._warned_group = True
                             self.warnings.append(f"cannot give staged files the source's group {gid} (EPERM)")
-            os.fsync(fd)
+            if self.fsync:
+                os.fsync(fd)
             os.close(fd)
             fd = -1
             os.replace(tmp, final)
@@ -667,7 +694,7 @@ def _receipt_done(plan: StagePlan) -> Receipt | None:
         rec = load_receipt(plan.dest)
     except StagerError:
         return None
-    if rec is None or rec.manifest_digest != plan.receipt_digest or rec.mode != plan.mode:
+    if rec is None or rec.manifest_digest != plan.receipt_digest or rec.mode != plan.mode or not rec.trusted():
         return None
     if plan.mode == "partition" and rec.partition != plan.partition_info:
         return None
@@ -749,6 +776,7 @@ def stage(
     unpack_dir: str = DEFAULT_UNPACK_DIR,
     storage_options: dict[str, Any] | None = None,
     tuning: CopyTuning | None = None,
+    fsync: bool = True,
 ) -> StageResult:
     """Stage SRC (packed dir or its manifest.json; local or fsspec URL) into DEST; see module doc.
 
@@ -756,6 +784,10 @@ def stage(
     ``timeout`` bounds the wait for the node lock and for peers in shared mode (None: no limit).
     ``tuning`` overrides the copy engine's block size, write-behind window and finisher threads
     (:class:`~stager.copyengine.CopyTuning`; benchmarks).
+    ``fsync=False`` (``--no-fsync``): verified copies are renamed without fsync and the call returns
+    with the data possibly still in the page cache, as ``cp`` and ``dcp`` do; journal and receipt
+    are marked with the boot id, so after a reboot the copy is not trusted and is staged again.
+    Shared DEST always fsyncs (other nodes read what this one wrote).
     Raises StagerError subclasses (exit codes in stager.errors).
     """
     del json  # output formatting belongs to the CLI; accepted for API symmetry
@@ -778,6 +810,10 @@ def stage(
         partition=plan.partition_info, node_source=plan.node_source,
         receipt=str(plan.dest / RECEIPT_NAME),
     )
+    if plan.mode == "shared" and not fsync:
+        fsync = True
+        result.warnings.append("--no-fsync ignored: a shared DEST is always fsynced (other nodes read it)")
+    result.durable = fsync
     if _receipt_done(plan) is not None:
         result.already_staged = True
         result.seconds = time.perf_counter() - t0
@@ -790,12 +826,13 @@ def stage(
             result.already_staged = True
             result.seconds = time.perf_counter() - t0
             return result
-        _stage_locked(plan, result, t0=t0, workers=workers, quiet=quiet, timeout=timeout, tuning=tuning)
+        _stage_locked(plan, result, t0=t0, workers=workers, quiet=quiet, timeout=timeout, tuning=tuning,
+                      fsync=fsync)
     return result
 
 
 def _stage_locked(plan: StagePlan, result: StageResult, *, t0: float, workers: int | None, quiet: bool,
-                  timeout: float | None, tuning: CopyTuning | None = None) -> None:
+                  timeout: float | None, tuning: CopyTuning | None = None, fsync: bool = True) -> None:
     dest = plan.dest
     m = plan.manifest
     existing = load_receipt_quiet(dest)
@@ -816,7 +853,7 @@ def _stage_locked(plan: StagePlan, result: StageResult, *, t0: float, workers: i
         # partial files are not stale, so only a node-private DEST cleans them up.
         names |= {MANIFEST_NAME, RECEIPT_NAME}
     result.removed_partials = _remove_stale_partials(dest, names)
-    journal = Journal(plan.journal_path, m.digest)
+    journal = Journal(plan.journal_path, m.digest, volatile=not fsync)
     try:
         keep = {t.name for t in plan.tasks if journal.files.get(t.name) == t.bytes and _size(dest / t.name) == t.bytes}
         todo = [t for t in plan.tasks if t.name not in keep]
@@ -862,7 +899,7 @@ def _stage_locked(plan: StagePlan, result: StageResult, *, t0: float, workers: i
             progress = Progress("stage", total_items=len(ordered), total_bytes=sum(t.bytes for t in ordered),
                                 unit="files", quiet=quiet)
             copier = _Copier(plan, block=block, workers=nworkers, journal=journal, progress=progress,
-                             warnings=result.warnings, tuning=tuning)
+                             warnings=result.warnings, tuning=tuning, fsync=fsync)
             try:
                 copier.run(ordered, meanwhile=prepare_manifest)
                 if mtmp[0] is not None:
@@ -877,10 +914,12 @@ def _stage_locked(plan: StagePlan, result: StageResult, *, t0: float, workers: i
                 if mtmp[0] is not None:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(mtmp[0])
-                if copier.copied:
+                if copier.copied and fsync:
                     fsync_dir(dest)  # one directory fsync for every rename above
                 progress.close()
             result.files_copied, result.bytes_copied = copier.copied, copier.bytes
+            result.io = ("direct" if copier.direct_files == len(ordered) else
+                         "buffered" if copier.direct_files == 0 else "mixed")
         else:
             prepare_manifest()
             if mtmp[0] is not None:
@@ -888,7 +927,7 @@ def _stage_locked(plan: StagePlan, result: StageResult, *, t0: float, workers: i
         if plan.unpack:
             from .unpack import run_unpack
 
-            result.unpacked_files = run_unpack(plan, journal, nworkers, quiet, result)
+            result.unpacked_files = run_unpack(plan, journal, nworkers, quiet, result, fsync=fsync)
             result.unpacked = str(dest / plan.unpack_dir)
             if plan.unpack == "only":
                 for t in plan.tasks:
@@ -987,6 +1026,8 @@ def _write_receipt(plan: StagePlan, result: StageResult) -> None:
         unpacked=str(dest / plan.unpack_dir) if plan.unpack else None,
         files=files,
         stats=stats,
+        durable=result.durable,
+        boot_id="" if result.durable else boot_id(),
     )
     rec.write(dest, *source_access(manifest_path(plan.source)))
 

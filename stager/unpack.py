@@ -196,11 +196,13 @@ class WriteBehind:
     were written, so write-back overlaps the extraction; after each ``syncfs`` it passes the shards
     finished before that ``syncfs`` began to ``on_durable`` (the journal). :meth:`finish` does the
     last ``syncfs`` and journals the rest: once it returns, every file written is on disk.
+    ``sync=False`` (``--no-fsync``): no ``syncfs`` at all; shards are journaled as they finish.
     """
 
     def __init__(self, path: str | os.PathLike[str], on_durable: Callable[[str], None],
-                 every: int | None = None) -> None:
+                 every: int | None = None, *, sync: bool = True) -> None:
         self.path = path
+        self.sync = sync
         self._on_durable = on_durable
         self._every = every or WRITE_BEHIND_BYTES
         self._pending = 0  # bytes since the last kick; an int += under the GIL, read racily: a hint
@@ -213,12 +215,17 @@ class WriteBehind:
         self._thread.start()
 
     def wrote(self, nbytes: int) -> None:
+        if not self.sync:
+            return
         self._pending += nbytes
         if self._pending >= self._every:
             self._pending = 0
             self._kick.set()
 
     def shard_done(self, name: str) -> None:
+        if not self.sync:  # --no-fsync: journaled at once (the journal itself is marked volatile)
+            self._on_durable(name)
+            return
         with self._lock:
             self._done.append(name)
 
@@ -247,7 +254,7 @@ class WriteBehind:
         self._thread.join()
         if self._error is not None:
             raise self._error
-        if durable:
+        if durable and self.sync:
             self._sync_and_journal()
 
 
@@ -498,13 +505,15 @@ def _png(arr: Any) -> bytes:
     return buf.getvalue()
 
 
-def run_unpack(plan: Any, journal: Any, workers: int, quiet: bool, result: Any) -> int:
+def run_unpack(plan: Any, journal: Any, workers: int, quiet: bool, result: Any, *, fsync: bool = True) -> int:
     """Unpack this node's shards of ``plan`` (a :class:`stager.stage.StagePlan`) into
     ``DEST/<plan.unpack_dir>``; shards the journal lists as unpacked are skipped. Returns files written.
 
     Tar shards are read from DEST, or streamed (and hashed) from the source with ``--unpack only``;
     other formats are read through their readers from the verified copy in DEST. On return every
-    file written is durable (``syncfs``) and its shard is journaled.
+    file written is durable (``syncfs``) and its shard is journaled; with ``fsync=False``
+    (``--no-fsync``) nothing is synced and shards are journaled as they finish (the journal is then
+    volatile: ignored after a reboot).
     """
     from concurrent.futures import ThreadPoolExecutor
 
@@ -522,7 +531,7 @@ def run_unpack(plan: Any, journal: Any, workers: int, quiet: bool, result: Any) 
     src_of = {t.name: t.src for t in plan.tasks}
     progress = Progress("unpack", total_items=sum(s.samples for s in shards), unit="files", quiet=quiet)
     unpacker = Unpacker(root, m, file_mode=mode, dir_mode=dir_mode, gid=gid)
-    behind = WriteBehind(root, journal.add_unpacked)
+    behind = WriteBehind(root, journal.add_unpacked, sync=fsync)
     unpacker.on_write = behind.wrote
     streamed = [0]
 

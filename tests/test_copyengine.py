@@ -11,7 +11,17 @@ import pytest
 from test_stage_support import assert_verified_copy, make_dataset
 
 from stager.checksum import hash_bytes, new_hasher
-from stager.copyengine import CopyTuning, WriteBehind, copy_hashed, sync_file_range
+from stager.copyengine import (
+    DIRECT_ALIGN,
+    O_DIRECT,
+    CopyTuning,
+    WriteBehind,
+    aligned_buffer,
+    copy_hashed,
+    copy_hashed_direct,
+    open_partial,
+    sync_file_range,
+)
 from stager.errors import VerificationError
 from stager.manifest import MANIFEST_NAME
 from stager.stage import stage
@@ -71,10 +81,71 @@ def test_sync_file_range_on_files_and_pipes(tmp_path: Path) -> None:
         os.close(w)
 
 
+class ShortReads:
+    """A source that returns at most ``step`` bytes per ``readinto``, as network file systems and
+    some fsspec files do before EOF."""
+
+    def __init__(self, path: Path, step: int) -> None:
+        self.f = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by the test
+        self.step = step
+
+    def readinto(self, buf: memoryview) -> int:
+        return self.f.readinto(buf[: self.step]) or 0
+
+
+DBLOCK = 4 * DIRECT_ALIGN
+
+
+@pytest.mark.parametrize("size", [0, 1, DIRECT_ALIGN - 1, DIRECT_ALIGN, DIRECT_ALIGN + 1, DBLOCK, DBLOCK + 1,
+                                  3 * DBLOCK + 5])
+@pytest.mark.parametrize("step", [None, 1000])
+def test_copy_hashed_direct_copies_every_byte(tmp_path: Path, size: int, step: int | None) -> None:
+    """O_DIRECT for whole aligned blocks, the unaligned tail buffered; short reads do not misalign."""
+    data = np.random.default_rng(size).bytes(size)
+    (tmp_path / "src").write_bytes(data)
+    fd, direct = open_partial(tmp_path / "dst", direct=True)
+    try:
+        if sys.platform.startswith("linux") and direct:
+            import fcntl
+
+            assert fcntl.fcntl(fd, fcntl.F_GETFL) & O_DIRECT
+        src = ShortReads(tmp_path / "src", step) if step else open(tmp_path / "src", "rb", buffering=0)  # noqa: SIM115
+        blocks: list[int] = []
+        h = new_hasher()
+        n = copy_hashed_direct(src, fd, aligned_buffer(DBLOCK), h, limit=size, on_block=blocks.append)
+        (src.f if isinstance(src, ShortReads) else src).close()
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    assert n == size == sum(blocks)
+    assert all(b == DBLOCK for b in blocks[:-1])  # full blocks despite short reads: alignment kept
+    assert (tmp_path / "dst").read_bytes() == data
+    assert h.hexdigest() == hash_bytes(data)
+
+
+def test_copy_hashed_direct_refuses_a_misaligned_buffer(tmp_path: Path) -> None:
+    fd, _ = open_partial(tmp_path / "dst", direct=True)
+    try:
+        with open(__file__, "rb") as f, pytest.raises(ValueError, match="multiple"):
+            copy_hashed_direct(f, fd, aligned_buffer(DIRECT_ALIGN + 512), new_hasher(), limit=1 << 20)
+    finally:
+        os.close(fd)
+
+
+def test_open_partial_is_exclusive_and_buffered_on_request(tmp_path: Path) -> None:
+    fd, direct = open_partial(tmp_path / "p", direct=False)
+    os.close(fd)
+    assert direct is False
+    with pytest.raises(FileExistsError):
+        open_partial(tmp_path / "p", direct=True)
+
+
 TUNINGS = [
     CopyTuning(window=-1, sync_threads=0),  # each stream fsyncs its own files, no write-behind
     CopyTuning(window=0, sync_threads=1),
     CopyTuning(block=64 << 10, window=128 << 10, sync_threads=3),
+    CopyTuning(block=64 << 10, direct=True),
+    CopyTuning(block=(64 << 10) + 512, direct=True),  # not O_DIRECT-aligned: buffered
 ]
 
 
@@ -88,6 +159,10 @@ def test_every_tuning_stages_a_verified_copy(tmp_path: Path, tuning: CopyTuning,
     assert (tmp_path / "dest" / MANIFEST_NAME).read_bytes() == (tmp_path / "src" / MANIFEST_NAME).read_bytes()
     journal = (tmp_path / "dest" / ".stager-journal.jsonl").read_text().splitlines()
     assert len(journal) == 1 + 7
+    if not tuning.direct or (tuning.block or 0) % DIRECT_ALIGN:
+        assert r.io == "buffered"
+    elif sys.platform.startswith("linux"):
+        assert r.io in ("direct", "buffered")  # buffered only where DEST's file system refuses O_DIRECT
 
 
 @pytest.mark.parametrize("tuning", TUNINGS)

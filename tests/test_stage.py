@@ -344,3 +344,69 @@ def test_other_dataset_in_dest_is_refused(tmp_path: Path) -> None:
     stage(a, dest)
     r = stager("stage", str(b), str(dest))
     assert r.returncode == 2 and "stager clean" in r.stderr
+
+
+def _as_if_rebooted(dest: Path) -> None:
+    """What a reboot changes for a --no-fsync copy: the boot id it was written under is no longer the
+    running one (the kernel draws a new one at boot; this rewrites the recorded id instead)."""
+    rp = dest / RECEIPT_NAME
+    rec = json.loads(rp.read_text())
+    rec["boot_id"] = "0" * 32
+    rp.write_text(json.dumps(rec))
+    jp = dest / ".stager-journal.jsonl"
+    jp.write_text(jp.read_text().replace(boot_id(), "0" * 32))
+
+
+def test_no_fsync_copy_is_verified_marked_and_not_trusted_after_a_reboot(ds, tmp_path: Path) -> None:
+    src, m = ds
+    dest = tmp_path / "dest"
+    out = last_json(stager("stage", str(src), str(dest), "--no-fsync", "--json").stdout)
+    assert out["ok"] and out["durable"] is False and out["files_copied"] == len(m.shards)
+    assert_verified_copy(m, dest)
+    rec = load_receipt(dest)
+    assert rec is not None and rec.durable is False and rec.boot_id == boot_id() and rec.trusted()
+    journal = [json.loads(x) for x in (dest / ".stager-journal.jsonl").read_text().splitlines()[1:]]
+    assert journal and all(x["v"] == boot_id() for x in journal)
+    assert find_staged_copy(m, [dest]) is not None
+    # Same boot: a rerun (durable or not) trusts the copy and reads nothing.
+    assert stage(src, dest, fsync=False).already_staged
+
+    _as_if_rebooted(dest)
+    assert find_staged_copy(m, [dest]) is None  # the loader reads SRC rather than possibly torn files
+    res = stage(src, dest)  # durable this time: everything is copied again, nothing kept
+    assert not res.already_staged and res.files_kept == 0 and res.files_copied == len(m.shards)
+    rec = load_receipt(dest)
+    assert rec is not None and rec.durable and rec.boot_id == ""
+    assert find_staged_copy(m, [dest]) is not None
+    assert_verified_copy(m, dest)
+
+
+def test_no_fsync_resume_in_the_same_boot_keeps_verified_files(tmp_path: Path) -> None:
+    """A --no-fsync run killed mid-way: a rerun in the same boot keeps what the journal lists."""
+    src = tmp_path / "src"
+    m = make_dataset(src, n=8, size=256 << 10)
+    dest = tmp_path / "dest"
+    p = spawn("stage", str(src), str(dest), "--no-fsync", "-j", "1",
+              env={"STAGER_TEST_THROTTLE_BPS": str(1 << 20)})
+    deadline = time.monotonic() + 60
+    journal = dest / ".stager-journal.jsonl"
+    while time.monotonic() < deadline and p.poll() is None:
+        if journal.exists() and len(journal.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.01)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    done = len(journal.read_text().splitlines()) - 1
+    assert 0 < done < len(m.shards)
+    res = stage(src, dest, fsync=False)
+    assert res.files_kept >= done and res.files_kept + res.files_copied == len(m.shards)
+    assert_verified_copy(m, dest)
+
+
+def test_no_fsync_is_ignored_on_a_shared_dest(ds, tmp_path: Path) -> None:
+    src, m = ds
+    del m
+    res = stage(src, tmp_path / "beeond", shared=True, node=0, num_nodes=1, fsync=False)
+    assert res.durable and any("--no-fsync ignored" in w for w in res.warnings)
+    rec = load_receipt(tmp_path / "beeond")
+    assert rec is not None and rec.durable

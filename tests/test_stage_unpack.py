@@ -60,6 +60,23 @@ def test_unpack_only_streams_from_source_and_keeps_no_shards(packed_tar: Path, i
     assert res.unpacked_files == m.num_samples
 
 
+def test_unpack_only_no_fsync_journals_every_shard_as_volatile(packed_tar: Path, imagenet_tiny: Path,
+                                                               tmp_path: Path) -> None:
+    import json
+
+    from stager.atomicio import boot_id
+
+    dest = tmp_path / "dest"
+    r = stager("stage", str(packed_tar), str(dest), "--unpack", "only", "--no-fsync", "--json")
+    assert r.returncode == 0, r.stderr
+    assert last_json(r.stdout)["durable"] is False
+    assert _tree(dest / "unpacked") == _tree(imagenet_tiny)
+    lines = [json.loads(x) for x in (dest / ".stager-journal.jsonl").read_text().splitlines()[1:]]
+    shards = json.loads((packed_tar / "manifest.json").read_text())["shards"]
+    assert sorted(x["u"] for x in lines if "u" in x) == sorted(s["name"] for s in shards)
+    assert all(x["v"] == boot_id() for x in lines)
+
+
 def test_unpack_only_catches_a_damaged_source_shard(packed_tar: Path, tmp_path: Path) -> None:
     src = tmp_path / "src"
     src.mkdir()

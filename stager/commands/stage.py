@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from ..cli import add_common, emit
+from ..copyengine import CopyTuning
 from ..stage import DEFAULT_UNPACK_DIR, stage
 
 
@@ -37,6 +38,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ranks-per-node", type=int, default=None, help="training ranks per node (recorded)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the shard-to-node assignment (--follow: the loader's seed)")
+    p.add_argument("--no-fsync", dest="fsync", action="store_false",
+                   help="return once every shard is verified and renamed, without waiting for the disk (as cp "
+                   "and dcp do); the receipt is marked non-durable and, after a reboot, ignored and staged again")
+    p.add_argument("--direct", action="store_true",
+                   help="write shards with O_DIRECT (no page-cache copy: half the CPU, leaves the page cache to "
+                   "training; the staged copy is then read from disk on first use)")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds to wait for another stager on this node or for peer nodes (default: no limit)")
     # Collective staging (stager/collective.py): one process per node, each byte read from SRC once.
@@ -72,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         timeout=args.timeout,
         quiet=args.quiet or args.json,
+        fsync=args.fsync,
+        tuning=CopyTuning(direct=True) if args.direct else None,
     )
     for w in res.warnings:
         print(f"stager stage: warning: {w}", file=sys.stderr)

@@ -28,7 +28,8 @@ shard bytes are large enough that fixed costs (manifest, lock, receipt, a few fs
 dominating; the small set is also reported.
 
 ``--sweep`` adds block size (1-8 MiB) x streams (1-8) for the verified copy; ``--engines`` compares
-the copy engine's variants (fsync inline vs finisher threads, write-behind on/off).
+the copy engine's variants (O_DIRECT vs buffered; for buffered: fsync inline vs finisher threads,
+write-behind on/off).
 
 ``--unpack-only`` runs only ``stage --unpack only`` vs ``tar xf`` vs ``tar xf`` + ``sync -f`` (the
 durability unpack gives: one syncfs) and rewrites only its own section of the markdown. Every run
@@ -47,6 +48,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import mmap
 import os
 import resource
 import shutil
@@ -69,10 +71,11 @@ from tools.datagen import make_cifar, make_imagefolder  # noqa: E402
 
 ENGINES = {
     # The first engine: each stream fsyncs and renames its own file, no write-behind.
-    "inline fsync": CopyTuning(window=-1, sync_threads=0),
-    "finishers": CopyTuning(window=-1),
-    "write-behind": CopyTuning(sync_threads=0),
-    "write-behind + finishers (default)": CopyTuning(),
+    "buffered, inline fsync": CopyTuning(window=-1, sync_threads=0, direct=False),
+    "buffered, finishers": CopyTuning(window=-1, direct=False),
+    "buffered, write-behind": CopyTuning(sync_threads=0, direct=False),
+    "buffered, write-behind + finishers (default)": CopyTuning(),
+    "O_DIRECT + finishers (--direct)": CopyTuning(direct=True),
 }
 
 
@@ -94,14 +97,44 @@ def _run(cmd: list[str] | str) -> None:
     subprocess.run(cmd, check=True, shell=isinstance(cmd, str))
 
 
-def alternate(methods: dict[str, Callable[[], object]], dest: Path, rounds: int
+PAGES = {"warm": "every run starts right after 1.25x its bytes of memory were touched and freed (hot "
+                 "pages, as on bare metal)",
+         "cold": "every run starts 3 s after the previous run's files were deleted (the hypervisor has "
+                 "taken the freed pages back; every new page-cache page faults on the host)"}
+SETTINGS = {"pages": "warm"}  # --pages
+
+
+def prepare_pages(nbytes: int) -> None:
+    """Put every method in the same memory state before it runs (see :data:`PAGES`).
+
+    This VM returns freed guest memory to the host (virtio-balloon free page reporting, ~2 s after
+    the free): the first touch of such a page then costs a host fault, ~2.4 ms per MB measured here,
+    which caps a fresh page-cache copy at ~0.5 GB/s. Whether a run gets hot or cold pages depended on
+    what ran just before it (a buffered copy's freed pages are hot for the next run; an O_DIRECT
+    copy frees none), so without this the ratios were an artefact of the order of the methods.
+    """
+    if SETTINGS["pages"] == "cold":
+        time.sleep(3)
+    elif SETTINGS["pages"] == "warm":
+        import numpy as np
+
+        a = np.empty(int(nbytes * 1.25), np.uint8)
+        a[:: mmap.PAGESIZE] = 1  # touch every page, then hand them all back to the guest's free lists
+        del a
+
+
+def alternate(methods: dict[str, Callable[[], object]], dest: Path, rounds: int, nbytes: int = 0
               ) -> dict[str, list[tuple[float, float]]]:
-    """Run every method once per round, in turn; return ``{method: [(seconds, cpu seconds), ...]}``."""
+    """Run every method once per round, in turn; return ``{method: [(seconds, cpu seconds), ...]}``.
+
+    ``nbytes``: what one run writes (sizes the page warm-up of :func:`prepare_pages`).
+    """
     out: dict[str, list[tuple[float, float]]] = {k: [] for k in methods}
     for _ in range(rounds):
         for name, fn in methods.items():
             shutil.rmtree(dest, ignore_errors=True)
             os.sync()  # start each run without other runs' dirty pages pending
+            prepare_pages(nbytes)
             c, t = _cpu(), time.perf_counter()
             fn()
             out[name].append((time.perf_counter() - t, _cpu() - c))
@@ -131,12 +164,14 @@ def copy_methods(packed: Path, dest: Path, workers: int | None) -> dict[str, Cal
         "stage": lambda: stage(packed, dest, workers=workers),
         "cp": lambda: _run(["cp", "-r", str(packed), str(dest)]),
         "cp+sync": lambda: _run(f"cp -r '{packed}' '{dest}' && sync '{dest}' '{dest}'/*"),
+        "stage --direct": lambda: stage(packed, dest, workers=workers, tuning=CopyTuning(direct=True)),
+        "stage --no-fsync": lambda: stage(packed, dest, workers=workers, fsync=False),
     }
 
 
 def bench_copy(packed: Path, dest: Path, rounds: int, workers: int | None) -> dict[str, Any]:
     nbytes = sum(p.stat().st_size for p in packed.iterdir())
-    runs = alternate(copy_methods(packed, dest, workers), dest, rounds)
+    runs = alternate(copy_methods(packed, dest, workers), dest, rounds, nbytes)
     s = summarize(runs, nbytes / 1e9, "GB")
     return {
         "bytes": nbytes, "shards": len(list(packed.glob("*.tar"))), "GBps": s,
@@ -165,7 +200,7 @@ def bench_files(name: str, tree: Path, packed: Path, work: Path, *, rounds: int,
         "cp tree": lambda: _run(["cp", "-r", str(tree), str(dest)]),
         "unpack": lambda: stage(packed, dest, workers=workers, unpack="only"),
         "tar xf": tar_x,
-    }, dest, rounds)
+    }, dest, rounds, sum(p.stat().st_size for p in packed.iterdir()))
     s = summarize(runs, files, "file")
     return {
         "files": files, "per_s": s,
@@ -184,6 +219,7 @@ def bench_unpack(name: str, tree: Path, packed: Path, work: Path, *, rounds: int
     if not tarball.exists():  # the x{scale} tree is hard links: tar would store (and extract) links
         _run(["tar", "cf", str(tarball), "--hard-dereference", "-C", str(tree.parent), tree.name])
     # Deleted by the caller after every set has run: a delete just before a run slows it (see above).
+    nbytes = sum(p.stat().st_size for p in packed.iterdir())
     runs_dir = work / "unpack-runs" / name.replace(" ", "_")
     runs_dir.mkdir(parents=True)
 
@@ -203,6 +239,7 @@ def bench_unpack(name: str, tree: Path, packed: Path, work: Path, *, rounds: int
         for k in list(methods) if r % 2 == 0 else list(methods)[::-1]:  # cancel drift within a round
             d = runs_dir / f"{k.replace(' ', '_').replace('+', '_')}-{r}"
             os.sync()
+            prepare_pages(nbytes)
             c, t = _cpu(), time.perf_counter()
             methods[k](d)
             runs[k].append((time.perf_counter() - t, _cpu() - c))
@@ -266,7 +303,7 @@ def bench_sweep(packed: Path, dest: Path, rounds: int) -> dict[str, Any]:
         for w in (1, 2, 4, 8):
             methods[f"{mib}MiB x{w}"] = functools.partial(stage, packed, dest, workers=w,
                                                          tuning=CopyTuning(block=mib << 20))
-    runs = alternate(methods, dest, rounds)
+    runs = alternate(methods, dest, rounds, nbytes)
     s = summarize(runs, nbytes / 1e9, "GB")
     return {k: {**v, "vs_cp_paired_median": paired(runs, k, "cp")} for k, v in s.items()}
 
@@ -276,7 +313,7 @@ def bench_engines(packed: Path, dest: Path, rounds: int, workers: int | None) ->
     methods: dict[str, Callable[[], object]] = {"cp": lambda: _run(["cp", "-r", str(packed), str(dest)])}
     for name, tuning in ENGINES.items():
         methods[name] = functools.partial(stage, packed, dest, workers=workers, tuning=tuning)
-    runs = alternate(methods, dest, rounds)
+    runs = alternate(methods, dest, rounds, nbytes)
     s = summarize(runs, nbytes / 1e9, "GB")
     return {k: {**v, "vs_cp_paired_median": paired(runs, k, "cp")} for k, v in s.items()}
 
@@ -353,9 +390,12 @@ def main() -> None:
     ap.add_argument("--engines", action="store_true", help="copy engine variants on the large set")
     ap.add_argument("--unpack-only", action="store_true",
                     help="only --unpack only vs tar xf (fresh directory per run); rewrites only that section")
+    ap.add_argument("--pages", choices=sorted(PAGES), default="warm",
+                    help="memory state every run starts in (see prepare_pages; default warm)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "stage.md"))
     ap.add_argument("--work", default=None, help="scratch directory, kept and reused (default: a temp dir)")
     args = ap.parse_args()
+    SETTINGS["pages"] = args.pages
     work = Path(args.work or tempfile.mkdtemp(prefix="bench_stage_"))
     work.mkdir(parents=True, exist_ok=True)
     rounds = 2 if args.small else args.rounds
