@@ -404,8 +404,7 @@ def test_no_fsync_resume_in_the_same_boot_keeps_verified_files(tmp_path: Path) -
 
 
 def test_no_fsync_is_ignored_on_a_shared_dest(ds, tmp_path: Path) -> None:
-    src, m = ds
-    del m
+    src, _ = ds
     res = stage(src, tmp_path / "beeond", shared=True, node=0, num_nodes=1, fsync=False)
     assert res.durable and any("--no-fsync ignored" in w for w in res.warnings)
     rec = load_receipt(tmp_path / "beeond")

@@ -36,7 +36,7 @@ SUITE: dict[str, tuple[str, list[str], list[str], str]] = {
     "decode": ("bench_decode.py", [], ["--n", "16", "--rounds", "1", "--seconds", "0.5"], "decode.md"),
     "loader": ("bench_loader.py", [], ["--cifar", "2000", "--imagenet", "200", "--crops", "64"], "loader.md"),
     "shuffle_quality": ("shuffle_quality.py", ["--md"], ["--scenario", "tiny", "--md"], "shuffle_quality.md"),
-    "stage": ("bench_stage.py", [], ["--small", "--repeat", "1"], "stage.md"),
+    "stage": ("bench_stage.py", ["--rounds", "3", "--large", "100"], ["--small"], "stage.md"),
     "collective": ("bench_collective.py", [], ["--nodes", "2", "--mb", "16"], "collective.md"),
 }
 
