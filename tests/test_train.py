@@ -280,3 +280,38 @@ def test_holdout_view_without_val(cifar_packed: dict[str, Path]) -> None:
     recs = read_keys(out / "keys", 0)
     assert sorted(k for r in recs for k in r["keys"]) == sorted(keys)
     assert {k for r in recs for k in r["masked"]} == held
+
+
+def test_follow_src_feeds_a_real_follower_beside_two_ranks(cifar_packed: dict[str, Path], tmp_path: Path) -> None:
+    """train.py --follow-src with `stager stage --follow` running beside it: the ranks link DEST to
+    SRC and report every step; the follower fetches within its budget and stops by itself once both
+    ranks finished, having seen every batch of both epochs as a hit or a miss."""
+    src = cifar_packed["train"]
+    dest = tmp_path / "dest"
+    m = json.loads((src / "manifest.json").read_text())
+    total = sum(s["bytes"] for s in m["shards"])
+    fol = subprocess.Popen(
+        [sys.executable, "-m", "stager", "stage", str(src), str(dest), "--follow", "--budget", str(total // 2),
+         "--json", "--poll", "0.01"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        summary = run_train(["--data", str(dest), "--follow-src", str(src), "--val", str(cifar_packed["test"]),
+                             *COMMON, "--out", str(tmp_path / "out")])
+        out, err = fol.communicate(timeout=60)
+    finally:
+        if fol.poll() is None:
+            fol.kill()
+    assert fol.returncode == 0, err
+    res = json.loads(out.strip().splitlines()[-1])
+    assert res["stopped"] == "finished"
+    assert res["peak_local_bytes"] <= total // 2
+    from stager.manifest import load_manifest
+
+    sample_bytes = sum(int(sh.sizes.sum()) for sh in load_manifest(src).shards)
+    # 96 samples = 2 ranks x 6 batches x 8: every sample read once per epoch, every read accounted.
+    assert res["hit_bytes"] + res["miss_bytes"] == 2 * sample_bytes, res
+    assert res["fetched_shards"] > 0
+    assert summary["data_source"]["reading_from"].startswith(str(dest))
+    for r in (0, 1):
+        rep = json.loads((dest / ".stager-progress" / f"rank{r}.json").read_text())
+        assert rep["finished"] and not rep.get("failed") and rep["epoch"] == 1

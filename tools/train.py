@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--data", required=True,
                    help="stager dataset (packed dir or ImageFolder, staged or not) or 'synthetic'")
     d.add_argument("--val", help="evaluation dataset; default: a held-out view of --data (see --holdout)")
+    d.add_argument("--follow-src", metavar="SRC",
+                   help="--data is a node-local DEST that `stager stage SRC DEST --follow` fills beside this job: "
+                   "every rank links DEST to SRC (prepare_dest), reads DEST as it is, and reports its position "
+                   "to the follower (ProgressReporter)")
     d.add_argument("--holdout", type=float, default=0.1,
                    help="without --val: fraction of --data (by key hash) never trained on and used for evaluation")
     d.add_argument("--image-size", type=int, default=224, help="training/eval crop size in pixels")
@@ -192,9 +196,14 @@ class Trainer:
             )
         else:
             holdout = 0.0 if args.val else args.holdout
+            if args.follow_src:
+                from stager.prefetch import prepare_dest
+
+                # Every rank: idempotent and atomic, and safe beside a follower that started earlier.
+                prepare_dest(args.follow_src, args.data)
             common = dict(rank=info.rank, world_size=info.world_size, image_size=args.image_size,
                           num_workers=args.workers, seed=args.seed, normalizer=normalizer, holdout=holdout,
-                          pin_memory=cuda)
+                          pin_memory=cuda, staged=False if args.follow_src else "auto")
             self.train_source = StagerSource(args.data, role="train", batch_size=args.batch_size, **common)
             if args.eval_every > 0:
                 self.eval_source = StagerSource(
@@ -236,6 +245,7 @@ class Trainer:
         self.saved_step, self.saved_epoch = -1, -1
         self.preempted = False
         self.keys_file = None
+        self.progress: Any = None  # stager.prefetch.ProgressReporter with --follow-src
         if args.dump_keys:
             Path(args.dump_keys).mkdir(parents=True, exist_ok=True)
             self.keys_file = open(Path(args.dump_keys) / f"keys-rank{info.rank}.jsonl", "a")  # noqa: SIM115
@@ -368,6 +378,8 @@ class Trainer:
             log_timer.step_done()
             self.step += 1
             self.step_in_epoch += 1
+            if self.progress is not None:  # tells `stager stage --follow` which batches are consumed
+                self.progress.update(self.epoch, self.step_in_epoch * a.accum_steps)
             loss_sum += step_loss
             loss_n += 1
             log_loss += torch.stack([step_loss, torch.ones((), device=info.device)])
@@ -482,19 +494,33 @@ class Trainer:
         log_timer = StepTimer(self.sync)
         wall0 = time.perf_counter()
         finished = True
-        if a.eval_only:
-            self.evaluate()
-        while self.epoch < a.epochs and not a.eval_only:
-            finished = self.train_epoch(timer, log_timer)
-            if not finished:
-                break
-            self.step_in_epoch = 0
-            if a.eval_every and (self.epoch + 1) % a.eval_every == 0:
+        if a.follow_src and isinstance(self.train_source, StagerSource) and not a.eval_only:
+            from stager.prefetch import ProgressReporter
+
+            self.progress = ProgressReporter(a.data, self.train_source.loader, rank=info.rank)
+            self.progress.update(self.epoch, self.step_in_epoch * a.accum_steps)  # a resumed position
+        try:
+            if a.eval_only:
                 self.evaluate()
-            self.epoch += 1
-            self.save_checkpoint(loader_state=False)
-        if not finished:
-            self.save_checkpoint(loader_state=True)
+            while self.epoch < a.epochs and not a.eval_only:
+                finished = self.train_epoch(timer, log_timer)
+                if not finished:
+                    break
+                if self.progress is not None:  # the whole epoch is consumed (an accumulation remainder too)
+                    self.progress.update(self.epoch, len(self.train_source))
+                self.step_in_epoch = 0
+                if a.eval_every and (self.epoch + 1) % a.eval_every == 0:
+                    self.evaluate()
+                self.epoch += 1
+                self.save_checkpoint(loader_state=False)
+            if not finished:
+                self.save_checkpoint(loader_state=True)
+        except BaseException:
+            if self.progress is not None:
+                self.progress.finish(failed=True)
+            raise
+        if self.progress is not None:
+            self.progress.finish()  # the follower stops once every rank of the node has finished
         wall = time.perf_counter() - wall0
         self.stats.add(timer)
         ips = self.stats.images / max(timer.total_s, 1e-9)

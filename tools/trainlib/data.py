@@ -79,7 +79,8 @@ class StagerSource:
 
     ``role="train"``: random-resized-crop + flip, shuffled; held-out samples masked out when
     ``holdout > 0``. ``role="eval"``: center crop, unshuffled, padded (not dropped) so every rank
-    gets the same number of batches; with ``holdout > 0`` only held-out samples count.
+    gets the same number of batches; with ``holdout > 0`` only held-out samples count. ``staged``
+    is the loader's (False: read ``path`` itself, as beside ``stager stage --follow``).
     """
 
     def __init__(
@@ -96,6 +97,7 @@ class StagerSource:
         normalizer: Normalizer,
         holdout: float = 0.0,
         pin_memory: bool = False,
+        staged: bool | str = "auto",
     ) -> None:
         from stager.loader import make_loader
 
@@ -118,6 +120,7 @@ class StagerSource:
             transform="train" if train else "eval",
             image_size=image_size,
             drop_last=train,
+            staged=staged,
             **kwargs,
         )
         index = self.loader.dataset.index
