@@ -136,7 +136,7 @@ def test_bash_syntax(script: Path) -> None:
 def test_expected_scripts_exist() -> None:
     names = {p.name for p in SCRIPTS}
     assert {"train_single_node.sbatch", "train_multi_node.sbatch", "train_independent.sbatch",
-            "train_beeond.sbatch"} <= names
+            "train_beeond.sbatch", "train_prefetch.sbatch"} <= names
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
