@@ -13,6 +13,7 @@ data may still be in the page cache when the command returns). What it writes is
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import functools
 import os
@@ -38,6 +39,21 @@ def boot_id() -> str:
             return f.read().strip()
     except OSError:
         return f"boot@{round(time.time() - time.monotonic(), -1):.0f}"
+
+
+def syncfs(path: str | os.PathLike[str]) -> None:
+    """Flush the file system holding ``path`` once (Linux ``syncfs``); fall back to ``os.sync``."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            if libc.syncfs(fd) == 0:
+                return
+        finally:
+            os.close(fd)
+    except (OSError, AttributeError):
+        pass
+    os.sync()
 
 
 def partial_path(final: str | os.PathLike[str]) -> Path:

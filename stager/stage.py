@@ -48,7 +48,15 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from . import lustre
-from .atomicio import atomic_write_bytes, boot_id, commit_partial, fsync_dir, partial_path, space_error
+from .atomicio import (
+    atomic_write_bytes,
+    boot_id,
+    commit_partial,
+    fsync_dir,
+    partial_path,
+    space_error,
+    syncfs,
+)
 from .checksum import new_hasher
 from .copyengine import (
     DIRECT_ALIGN,
@@ -814,16 +822,22 @@ def stage(
         fsync = True
         result.warnings.append("--no-fsync ignored: a shared DEST is always fsynced (other nodes read it)")
     result.durable = fsync
-    if _receipt_done(plan) is not None:
+    done = _receipt_done(plan)
+    if done is not None and (done.durable or not fsync):
         result.already_staged = True
+        result.durable = done.durable
         result.seconds = time.perf_counter() - t0
         return result
     _mkdir_dest(plan.dest, plan.src_root)
     with NodeLock(plan.lock_path, timeout=timeout) as lock:
         result.waited_s = lock.waited
         result.lock_takeover = lock.took_over
-        if _receipt_done(plan) is not None:
+        done = _receipt_done(plan)
+        if done is not None:
+            if fsync and not done.durable:
+                _make_durable(plan, done)  # a --no-fsync copy of this boot, now asked for durably
             result.already_staged = True
+            result.durable = fsync or done.durable
             result.seconds = time.perf_counter() - t0
             return result
         _stage_locked(plan, result, t0=t0, workers=workers, quiet=quiet, timeout=timeout, tuning=tuning,
@@ -985,6 +999,13 @@ def _shared_barrier(plan: StagePlan, result: StageResult, timeout: float | None)
     if bad:
         raise VerificationError(f"{dest}: every node reported done but {bad[0]} is missing or has the wrong size; "
                                 "rerun stage on all nodes")
+
+
+def _make_durable(plan: StagePlan, rec: Receipt) -> None:
+    """Flush a ``--no-fsync`` copy of this boot to disk (one ``syncfs``), then mark its receipt durable."""
+    syncfs(plan.dest)
+    rec.durable, rec.boot_id = True, ""
+    rec.write(plan.dest, *source_access(manifest_path(plan.source)))
 
 
 def _write_receipt(plan: StagePlan, result: StageResult) -> None:

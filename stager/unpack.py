@@ -29,7 +29,6 @@ as unpacked in the journal only after a ``syncfs`` that began after its last fil
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import io
 import os
 import stat
@@ -38,7 +37,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from .atomicio import space_error
+from .atomicio import space_error, syncfs
 from .errors import CorruptSampleError, UnsafeArchiveError, VerificationError
 from .formats.tar import (  # one tar header parser for pack, verify and unpack
     BLOCK,
@@ -173,19 +172,6 @@ def walk_tar(r: ChunkReader, file_size: int, where: str, sizes: dict[int, int]
             yield name, start, data[:size]
 
 
-def _syncfs(path: str | os.PathLike[str]) -> None:
-    """Flush the file system holding ``path`` once (Linux ``syncfs``); fall back to ``os.sync``."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
-        try:
-            if libc.syncfs(fd) == 0:
-                return
-        finally:
-            os.close(fd)
-    except (OSError, AttributeError):
-        pass
-    os.sync()
 
 
 class WriteBehind:
@@ -232,7 +218,7 @@ class WriteBehind:
     def _sync_and_journal(self) -> None:
         with self._lock:
             ready, self._done = self._done, []
-        _syncfs(self.path)
+        syncfs(self.path)
         for name in ready:
             self._on_durable(name)
 

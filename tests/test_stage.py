@@ -409,3 +409,24 @@ def test_no_fsync_is_ignored_on_a_shared_dest(ds, tmp_path: Path) -> None:
     assert res.durable and any("--no-fsync ignored" in w for w in res.warnings)
     rec = load_receipt(tmp_path / "beeond")
     assert rec is not None and rec.durable
+
+
+def test_durable_rerun_upgrades_a_no_fsync_copy_without_copying(ds, tmp_path: Path) -> None:
+    """Same boot: `stage` (durable) after `stage --no-fsync` flushes DEST once and marks the receipt
+    durable instead of copying again; from then on the copy survives a reboot."""
+    src, m = ds
+    dest = tmp_path / "dest"
+    stage(src, dest, fsync=False)
+    for s in m.shards:  # an upgrade must not read the source
+        os.chmod(src / s.name, 0)
+    try:
+        res = stage(src, dest)
+    finally:
+        for s in m.shards:
+            os.chmod(src / s.name, 0o644)
+    assert res.already_staged and res.durable and res.files_copied == 0
+    rec = load_receipt(dest)
+    assert rec is not None and rec.durable and rec.boot_id == ""
+    _as_if_rebooted(dest)
+    assert find_staged_copy(m, [dest]) is not None
+    assert stage(src, dest).already_staged
