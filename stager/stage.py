@@ -387,6 +387,7 @@ class Journal:
         this_boot = boot_id()
         self.files: dict[str, int] = {}
         self.unpacked: set[str] = set()
+        self.has_volatile = False  # a trusted line came from a --no-fsync run of this boot
         self._lock = threading.Lock()
         valid = False
         with contextlib.suppress(FileNotFoundError):
@@ -403,6 +404,7 @@ class Journal:
                 # A damaged line is ignored: its file is then copied (and verified) again.
                 if not isinstance(rec, dict) or rec.get("v", this_boot) != this_boot:
                     continue  # damaged, or unsynced before a reboot: not trusted
+                self.has_volatile |= "v" in rec
                 if isinstance(rec.get("f"), str) and type(rec.get("b")) is int:
                     self.files[rec["f"]] = rec["b"]
                 elif isinstance(rec.get("u"), str):
@@ -949,6 +951,10 @@ def _stage_locked(plan: StagePlan, result: StageResult, *, t0: float, workers: i
                         os.unlink(dest / t.name)
     finally:
         journal.close()
+    if fsync and journal.has_volatile:
+        # Files kept from a --no-fsync run of this boot were never fsynced: one flush before a
+        # receipt that calls them durable.
+        syncfs(dest)
     if plan.mode == "shared":
         _shared_barrier(plan, result, timeout)
     result.seconds = time.perf_counter() - t0

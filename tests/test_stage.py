@@ -382,7 +382,7 @@ def test_no_fsync_copy_is_verified_marked_and_not_trusted_after_a_reboot(ds, tmp
 
 
 def test_no_fsync_resume_in_the_same_boot_keeps_verified_files(tmp_path: Path) -> None:
-    """A --no-fsync run killed mid-way: a rerun in the same boot keeps what the journal lists."""
+    """A --no-fsync run killed mid-way: a (durable) rerun in the same boot keeps what the journal lists."""
     src = tmp_path / "src"
     m = make_dataset(src, n=8, size=256 << 10)
     dest = tmp_path / "dest"
@@ -398,9 +398,14 @@ def test_no_fsync_resume_in_the_same_boot_keeps_verified_files(tmp_path: Path) -
     p.wait()
     done = len(journal.read_text().splitlines()) - 1
     assert 0 < done < len(m.shards)
-    res = stage(src, dest, fsync=False)
+    from stager.stage import Journal
+
+    assert Journal(journal, m.digest).has_volatile  # the durable rerun below must flush what it keeps
+    res = stage(src, dest)  # durable this time: keeps the journaled files, flushes DEST once
     assert res.files_kept >= done and res.files_kept + res.files_copied == len(m.shards)
     assert_verified_copy(m, dest)
+    rec = load_receipt(dest)
+    assert rec is not None and rec.durable
 
 
 def test_no_fsync_is_ignored_on_a_shared_dest(ds, tmp_path: Path) -> None:
