@@ -35,6 +35,11 @@ def test_kill_stage_unpack_fast(work: Path) -> None:
     record_kills("kill -9 during `stager stage --unpack`", st, minimum=3)
 
 
+def test_kill_stage_no_fsync_fast(work: Path) -> None:
+    st = kill.stage_trials(work, 2, seed=15, flags=("--no-fsync",))
+    record_kills("kill -9 during `stager stage --no-fsync` (rerun in the same boot)", st, minimum=2)
+
+
 def test_kill_train_fast(work: Path) -> None:
     st = kill.train_trials(work, 1, seed=14)
     record_kills(TRAIN_ROW, st, minimum=1, note=TRAIN_NOTE)
@@ -58,6 +63,12 @@ def test_kill_stage_full(work: Path) -> None:
 def test_kill_stage_unpack_full(work: Path, mode: str, n: int) -> None:
     st = kill.stage_trials(work, n, seed=23, unpack=mode)
     record_kills("kill -9 during `stager stage --unpack`", st, minimum=n)
+
+
+@pytest.mark.faults
+def test_kill_stage_no_fsync_full(work: Path) -> None:
+    st = kill.stage_trials(work, 6, seed=25, flags=("--no-fsync",))
+    record_kills("kill -9 during `stager stage --no-fsync` (rerun in the same boot)", st, minimum=6)
 
 
 @pytest.mark.faults

@@ -180,22 +180,24 @@ def unpack_damage(root: Path, want: dict[str, bytes]) -> tuple[int, int]:
 
 
 def stage_trials(work: Path, n: int, *, seed: int = 0, unpack: str | None = None, images: int = 192,
-                 throttle_bps: int = 400_000) -> KillStats:
-    """``n`` mid-run kills of ``stager stage [--unpack also|only]`` (at most ``2n`` attempts).
+                 throttle_bps: int = 400_000, flags: tuple[str, ...] = ()) -> KillStats:
+    """``n`` mid-run kills of ``stager stage [--unpack also|only] [flags]`` (at most ``2n`` attempts);
+    the rerun uses the same flags (``--no-fsync``: a resume in the same boot).
 
     The copy streams are throttled (``$STAGER_TEST_THROTTLE_BPS``) so kills land mid-copy; with
     ``--unpack`` half of the progress conditions wait for N unpacked files instead.
     """
     from stager.manifest import MANIFEST_NAME
 
-    label = "stage" + (f" --unpack {unpack}" if unpack else "")
+    label = "stage" + (f" --unpack {unpack}" if unpack else "") + "".join(f" {f}" for f in flags)
     st = KillStats(label)
     rng = np.random.default_rng((seed, 202, len(unpack or "")))
     src, m = staged_source(work, images=images)
-    extra = ["--unpack", unpack] if unpack else []
+    extra = (["--unpack", unpack] if unpack else []) + list(flags)
     env = {"STAGER_TEST_THROTTLE_BPS": str(throttle_bps)}
     want = expected_unpacked(src, m) if unpack else {}
-    ref = work / f"stage-ref-{unpack}"
+    tag = f"{unpack}{''.join(flags)}"
+    ref = work / f"stage-ref-{tag}"
     shutil.rmtree(ref, ignore_errors=True)
     clean_s = _timed(h.stager_argv("stage", str(src), str(ref), "--workers", "2", "-q", *extra), env)
     shutil.rmtree(ref, ignore_errors=True)
@@ -203,7 +205,7 @@ def stage_trials(work: Path, n: int, *, seed: int = 0, unpack: str | None = None
     for i in range(2 * n):
         if st.kills >= n:
             break
-        dest = work / f"stage-{unpack}-{i}"
+        dest = work / f"stage-{tag}-{i}"
         shutil.rmtree(dest, ignore_errors=True)
         cond: Any
         if unpack == "only" or (unpack and i % 4 == 0):
