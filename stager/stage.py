@@ -383,8 +383,8 @@ class Journal:
 
     def __init__(self, path: Path, digest: str, *, volatile: bool = False) -> None:
         self.path = path
-        self._mark = {"v": boot_id()} if volatile else {}
         this_boot = boot_id()
+        self._mark = {"v": this_boot} if volatile else {}
         self.files: dict[str, int] = {}
         self.unpacked: set[str] = set()
         self.has_volatile = False  # a trusted line came from a --no-fsync run of this boot

@@ -203,3 +203,18 @@ def test_shared_dest_peer_starting_mid_copy_keeps_the_manifest(tmp_path: Path) -
         assert last_json(so)["ok"]
     assert_verified_copy(m, dest)
     assert (dest / MANIFEST_NAME).read_bytes() == (src / MANIFEST_NAME).read_bytes()
+
+
+def test_cli_direct_flag_writes_with_o_direct(tmp_path: Path) -> None:
+    from test_stage_support import last_json, stager
+
+    m = make_dataset(tmp_path / "src", n=3, size=300 << 10)
+    r = stager("stage", str(tmp_path / "src"), str(tmp_path / "dest"), "--direct", "--json")
+    assert r.returncode == 0, r.stderr
+    out = last_json(r.stdout)
+    assert out["durable"] is True
+    fd, supported = open_partial(tmp_path / "dest" / "probe", direct=True)  # does DEST take O_DIRECT?
+    os.close(fd)
+    os.unlink(tmp_path / "dest" / "probe")
+    assert out["io"] == ("direct" if supported else "buffered")
+    assert_verified_copy(m, tmp_path / "dest")

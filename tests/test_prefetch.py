@@ -485,7 +485,9 @@ def test_next_uses_per_rank_positions(packed: Path, tmp_path: Path) -> None:
 def test_follow_cli_usage_errors(packed: Path, tmp_path: Path) -> None:
     for extra, msg in ((["--follow"], "--budget"),
                        (["--follow", "--budget", "1M", "--batch-size", "2"], "--world-size"),
-                       (["--follow", "--budget", "1M", "--partition"], "cannot be combined")):
+                       (["--follow", "--budget", "1M", "--partition"], "cannot be combined"),
+                       (["--follow", "--budget", "1M", "--no-fsync"], "cannot be combined"),
+                       (["--collective", "--direct"], "cannot be combined")):
         p = subprocess.run([sys.executable, "-m", "stager", "stage", str(packed), str(tmp_path / "d"), *extra],
                            check=False, capture_output=True, text=True)
         assert p.returncode == 2 and msg in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr

@@ -91,8 +91,9 @@ def run(args: argparse.Namespace) -> int:
 def _run_collective(args: argparse.Namespace) -> int:
     from ..collective import stage_collective
 
-    if args.unpack or args.shared:
-        print("stager stage: error: --collective cannot be combined with --unpack or --shared", file=sys.stderr)
+    if args.unpack or args.shared or not args.fsync or args.direct:
+        print("stager stage: error: --collective cannot be combined with --unpack, --shared, --no-fsync or --direct",
+              file=sys.stderr)
         return 2
     res = stage_collective(
         args.src,
@@ -175,8 +176,9 @@ def _run_follow(args: argparse.Namespace) -> int:
         raise UsageError("--follow needs DEST (the directory the training loader reads)")
     if args.budget is None:
         raise UsageError("--follow needs --budget SIZE (bytes of local copies to keep, e.g. 40G)")
-    if args.collective or args.unpack or args.partition or args.shared:
-        raise UsageError("--follow cannot be combined with --collective, --unpack, --partition or --shared")
+    if args.collective or args.unpack or args.partition or args.shared or not args.fsync or args.direct:
+        raise UsageError("--follow cannot be combined with --collective, --unpack, --partition, --shared, "
+                         "--no-fsync or --direct")
     loader_kwargs = None
     if args.batch_size is not None:
         if args.world_size is None:
