@@ -14,8 +14,9 @@ What is planned, and for whom:
   (:func:`stager.prefetch.loader_config`); when they differ from the command line's, the reports
   win (warning, re-plan): the order the ranks read is the one that matters.
 * Ranks: ``ranks`` when given, else the ranks that report (DEST is node-local, so every report in
-  it comes from this node). Each rank is scheduled from its own reported position and its hits
-  and misses are counted from the first position the follower saw.
+  it comes from this node). Each rank is scheduled from its own reported position; its hits and
+  misses are counted from where it began reading (the report's ``start``), the reads before the
+  follower first saw it by DEST as the follower found it.
 
 While running it writes ``DEST/.stager-progress/follower.json`` (ranks observed, slowest position,
 figures so far) when the set of observed ranks changes and every second, for monitoring.
@@ -238,7 +239,8 @@ def follow(
                     res.ranks, res.loader_kwargs = list(pf.ranks), dict(cfg)
                     for r in plan_ranks:
                         if r in reports:
-                            pf.advance(*_loaded(reports[r], pf.batches_per_epoch, cfg), rank=r)
+                            pf.advance(*_loaded(reports[r], pf.batches_per_epoch, cfg), rank=r,
+                                       start=_start(reports[r]))
                             if int(reports[r]["done"]) == 0 and not reports[r].get("finished"):
                                 pf.refresh(r)  # not stepping yet: what is fetched meanwhile counts
                             observed.add(r)
@@ -279,6 +281,14 @@ def _loaded(rec: dict[str, Any], batches_per_epoch: int, cfg: dict[str, Any]) ->
     if done == 0:  # reported before the first step (start or resume): loading may not have begun
         return int(rec["epoch"]), 0
     return int(rec["epoch"]), min(done + int(ahead), batches_per_epoch)
+
+
+def _start(rec: dict[str, Any]) -> tuple[int, int] | None:
+    """Where the rank began reading in this run (None from a reporter that does not say)."""
+    st = rec.get("start")
+    if not isinstance(st, (list, tuple)) or len(st) != 2:
+        return None
+    return int(st[0]), int(st[1])
 
 
 def _write_status(dest: Path, res: FollowResult, pf: Prefetcher | None, observed: list[int]) -> None:

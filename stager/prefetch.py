@@ -310,8 +310,9 @@ class Prefetcher:
     Each rank has its own position (epoch, batches done): a shard's next use is the earliest read
     of any rank at or after that rank's position, within ``lookahead_epochs`` epochs past it.
     Hits and misses are counted per rank from its first known position (``baseline=True``: from
-    (0, 0) at construction, as for a training loop in this process; ``False``: from the rank's
-    first :meth:`advance`, as for a follower that may start after training did).
+    (0, 0) at construction, as for a training loop in this process; ``False``: from the ``start``
+    given with the rank's first :meth:`advance`, else that call's position, as for a follower that
+    may start after training did).
     """
 
     def __init__(
@@ -530,22 +531,30 @@ class Prefetcher:
         self.close()
 
     # ---- progress and accounting ----------------------------------------------------------------
-    def advance(self, epoch: int, batches_done: int, rank: int | None = None) -> None:
+    def advance(
+        self, epoch: int, batches_done: int, rank: int | None = None, *, start: tuple[int, int] | None = None
+    ) -> None:
         """``rank`` (default: every rank of the node) finished ``batches_done`` batches of ``epoch``.
 
         Call after each batch. Counts the reads of the batches just finished as hits or misses by
         the local state at the rank's previous call (when they began; conservative for a shard
         fetched mid-batch), then lets the thread re-plan. Positions never move backwards.
+
+        ``start``: where the rank began reading in this run (its report's ``start``). At a rank's
+        first call (``baseline=False``), the reads from ``start`` up to this position were made
+        before this prefetcher saw the rank; they are counted by DEST's state when it began
+        planning for the rank (nothing was fetched for the rank before), so every read of the run
+        is accounted however late the follower started.
         """
-        if batches_done >= self.batches_per_epoch:  # the end of an epoch is the start of the next
-            epoch, batches_done = epoch + 1, 0
-        new = (epoch, batches_done)
+        new = self._normal(epoch, batches_done)
         with self._cv:
             idx = range(len(self.ranks)) if rank is None else [self.ranks.index(rank)]
             moved = False
             for i in idx:
                 if not self._counted[i]:
                     self._counted[i] = True
+                    if start is not None and self._normal(*start) < new:
+                        self._account(i, self._normal(*start), new)
                 elif new <= self._pos[i]:
                     continue
                 else:
@@ -555,6 +564,12 @@ class Prefetcher:
                 moved = True
             if moved:
                 self._cv.notify_all()
+
+    def _normal(self, epoch: int, batches_done: int) -> tuple[int, int]:
+        """The end of an epoch is the start of the next: ``(e, batches)`` -> ``(e + 1, 0)``."""
+        if batches_done >= self.batches_per_epoch:
+            return epoch + 1, 0
+        return epoch, batches_done
 
     def refresh(self, rank: int) -> None:
         """``rank`` has not begun loading the batch at its position yet: judge that batch by DEST now."""

@@ -34,14 +34,17 @@ def report_progress(
     finished: bool = False,
     failed: bool = False,
     read_ahead: int | None = None,
+    start: tuple[int, int] | None = None,
 ) -> None:
     """Record that ``rank`` finished ``batches_done`` batches of ``epoch`` (for a follower process).
 
     Writes ``DEST/.stager-progress/rank<r>.json`` atomically (tmp + rename, no fsync: progress is
     ephemeral): ``{"rank", "epoch", "done", "pid", "host", "finished", "failed", "config",
-    "read_ahead", "time"}``. ``config``: the loader's plan arguments (:func:`loader_config`);
+    "read_ahead", "start", "time"}``. ``config``: the loader's plan arguments (:func:`loader_config`);
     ``read_ahead``: batches the loader's workers load ahead of ``done`` (:func:`loader_read_ahead`);
-    ``finished``: the rank will read no more (training ended, or failed).
+    ``start``: the (epoch, batches done) this run of the rank began reading at ((0, 0), or where a
+    resumed loader starts), so that a follower that first sees the rank later still accounts every
+    read since; ``finished``: the rank will read no more (training ended, or failed).
     """
     d = Path(dest) / PROGRESS_DIR
     d.mkdir(exist_ok=True)
@@ -55,6 +58,7 @@ def report_progress(
         "failed": failed,
         "config": config,
         "read_ahead": read_ahead,
+        "start": None if start is None else list(start),
         "time": time.time(),
     }
     tmp = d / f".rank{rank}.{os.getpid()}.{threading.get_ident()}.tmp"
@@ -150,7 +154,8 @@ class ProgressReporter:
     each training step with the epoch and batches done in it), and use it as a context manager (or
     call :meth:`finish`) so the follower learns when the rank is done. Writes are throttled to one
     per ``min_interval`` seconds except at an epoch change and at the end. ``rank`` defaults to
-    the loader's rank.
+    the loader's rank. ``start``: the (epoch, batches done) this run begins at, when no loader is
+    given and training resumes (default: the loader's resumed position, else (0, 0)).
     """
 
     def __init__(
@@ -160,6 +165,7 @@ class ProgressReporter:
         *,
         rank: int | None = None,
         min_interval: float = 0.02,
+        start: tuple[int, int] | None = None,
     ) -> None:
         self.dest = Path(dest)
         self.config = loader_config(loader) if loader is not None else None
@@ -177,12 +183,15 @@ class ProgressReporter:
         if loader is not None and hasattr(loader, "state_dict"):
             st = loader.state_dict()  # a resumed loader starts mid-epoch
             self._pos = (int(st["epoch"]), int(st["batches_done"]))
+        # Where this run began reading: a follower accounts every read from here, also the ones
+        # made before it first saw this rank (it may start after training did).
+        self.start = self._pos if start is None else (int(start[0]), int(start[1]))
         self._last = 0.0
         self._write()
 
     def _write(self, *, finished: bool = False, failed: bool = False) -> None:
         report_progress(self.dest, self.rank, *self._pos, config=self.config, finished=finished, failed=failed,
-                        read_ahead=self.read_ahead)
+                        read_ahead=self.read_ahead, start=self.start)
         self._last = time.monotonic()
 
     def update(self, epoch: int, batches_done: int) -> None:

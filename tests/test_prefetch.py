@@ -311,6 +311,84 @@ def test_follow_beside_two_training_processes(packed: Path, tmp_path: Path, with
         assert p.is_symlink() or p.read_bytes() == (packed / s.name).read_bytes()
 
 
+GATED_TRAINER = r'''
+import json, os, sys, time
+from stager.loader import make_loader
+from stager.prefetch import ProgressReporter, prepare_dest
+
+src, dest, rank, kw, gates = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4]), sys.argv[5]
+prepare_dest(src, dest)
+loader = make_loader(dest, rank=rank, staged=False, **kw)
+out = {"epochs": []}
+with ProgressReporter(dest, loader) as progress:
+    for epoch in range(2):
+        open(os.path.join(gates, f"waiting-{rank}-{epoch}"), "w").close()
+        while not os.path.exists(os.path.join(gates, f"open-{epoch}")):
+            time.sleep(0.01)
+        loader.set_epoch(epoch)
+        ids = []
+        for batch in progress.iterate(loader):
+            ids += batch["index"].tolist()
+        out["epochs"].append({"ids": ids})
+    open(os.path.join(gates, f"waiting-{rank}-2"), "w").close()  # done reading, not yet finished
+    while not os.path.exists(os.path.join(gates, "open-2")):
+        time.sleep(0.01)
+print(json.dumps(out))
+'''
+
+
+@pytest.mark.parametrize("late", [1, 2])
+def test_follow_started_late_accounts_every_read(packed: Path, tmp_path: Path, late: int) -> None:
+    """A follower that first sees the ranks long after they began (slow to start on a busy node, or
+    started by hand mid-run) still accounts every read of the run exactly once: the reports say
+    where each rank began, and the reads before the follower's first look count by DEST as it found
+    it (nothing fetched yet: misses). The ranks are held at gates, so the interleaving is forced,
+    not left to the scheduler: the follower starts when both ranks wait before epoch 1 (late=1)
+    or have read both epochs and not yet finished (late=2)."""
+    m = load_manifest(packed)
+    kw = {"batch_size": 2, "world_size": 2, "num_workers": 2, "seed": 3, "decode": "raw", "shuffle_buffer": 2}
+    dest, gates = tmp_path / "dest", tmp_path / "gates"
+    gates.mkdir()
+    for g in range(late):
+        (gates / f"open-{g}").touch()
+    trainers = [subprocess.Popen([sys.executable, "-c", GATED_TRAINER, str(packed), str(dest), str(r), json.dumps(kw),
+                                  str(gates)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                for r in range(2)]
+    fol = None
+    try:
+        deadline = time.monotonic() + 120
+        while not all((gates / f"waiting-{r}-{late}").exists() for r in range(2)):
+            assert all(p.poll() is None for p in trainers), [p.communicate() for p in trainers]
+            assert time.monotonic() < deadline, "trainers hung"
+            time.sleep(0.01)
+        fol = _follower(packed, dest, m.num_bytes // 3)
+        _wait_for(lambda: _observed(dest) == [0, 1], fol)
+        for g in range(late, 3):
+            (gates / f"open-{g}").touch()
+        outs = [p.communicate(timeout=120) for p in trainers]
+        fso, fse = fol.communicate(timeout=60)
+    finally:
+        for p in [*trainers, *([fol] if fol else [])]:
+            if p.poll() is None:
+                p.kill()
+    for p, (_, se) in zip(trainers, outs, strict=True):
+        assert p.returncode == 0, se
+    assert fol.returncode == 0, fse
+    rep = json.loads(fso)
+    assert rep["stopped"] == "finished", rep
+    sizes = np.concatenate([s.sizes for s in m.shards])
+    runs = [json.loads(so.splitlines()[-1]) for so, _ in outs]
+    per_epoch = []
+    for epoch in range(2):
+        ids = runs[0]["epochs"][epoch]["ids"] + runs[1]["epochs"][epoch]["ids"]
+        assert sorted(ids) == list(range(m.num_samples))
+        per_epoch.append(int(sizes[ids].sum()))
+    assert rep["hit_bytes"] + rep["miss_bytes"] == sum(per_epoch), rep
+    # The epochs read before the follower's first look were all misses (nothing was local then).
+    for epoch in range(late):
+        assert rep["per_epoch"][str(epoch)] == {"hit_bytes": 0, "miss_bytes": per_epoch[epoch]}, rep
+
+
 def _partials(dest: Path) -> list[str]:
     return [p for p in os.listdir(dest) if p.endswith(".partial")]
 
