@@ -1,3 +1,3 @@
-from .cli import main
+from stager.cli import main
 
 raise SystemExit(main())

@@ -13,7 +13,7 @@ from typing import Protocol
 
 import xxhash
 
-from .errors import UsageError
+from stager.errors import UsageError
 
 DEFAULT_ALGO = "xxh3_128"
 ALGOS = ("xxh3_128", "blake2b")

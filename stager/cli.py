@@ -14,8 +14,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from . import __version__
-from .errors import StagerError
+from stager import __version__
+from stager.errors import StagerError
 
 # Each module defines ``register(subparsers)`` which adds its parser and sets ``func=run``, where
 # ``run(args) -> dict`` returns the JSON-able result (printed with --json) and raises StagerError.

@@ -33,10 +33,10 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from . import __version__
-from .atomicio import atomic_write_bytes
-from .checksum import ALGOS, DEFAULT_ALGO
-from .errors import ManifestError, ShardMissingError, UnsafeArchiveError
+from stager import __version__
+from stager.checksum import ALGOS, DEFAULT_ALGO
+from stager.errors import ManifestError, ShardMissingError, UnsafeArchiveError
+from stager.fs.atomic import atomic_write_bytes
 
 SCHEMA = "stager.manifest/1"
 MANIFEST_NAME = "manifest.json"

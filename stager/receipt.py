@@ -26,9 +26,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .atomicio import atomic_write_bytes, boot_id
-from .errors import ManifestError
-from .manifest import Manifest
+from stager.errors import ManifestError
+from stager.fs.atomic import atomic_write_bytes, boot_id
+from stager.manifest import Manifest
 
 RECEIPT_NAME = "stager-receipt.json"
 RECEIPT_SCHEMA = "stager.receipt/1"

@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from .checksum import hash_file
-from .errors import StagerError
-from .manifest import Manifest, ShardInfo, dataset_root, load_manifest
+from stager.checksum import hash_file
+from stager.errors import StagerError
+from stager.manifest import Manifest, ShardInfo, dataset_root, load_manifest
 
 READ_BATCH = 256  # samples compared per reader.read() call in deep mode
 
@@ -77,7 +77,7 @@ def _check_file(root: str, name: str, nbytes: int, digest: str, algo: str) -> st
 
 
 def _deep_check(root: str, info: ShardInfo, m: Manifest) -> str | None:
-    from .formats import get_format
+    from stager.formats import get_format
 
     fmt = get_format(m.format)
     try:

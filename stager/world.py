@@ -13,7 +13,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .errors import UsageError
+from stager.errors import UsageError
 
 
 @dataclass(frozen=True)

@@ -20,14 +20,14 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stager.collective_group import resolve_endpoint
-from stager.collective_io import IoCounters, ShareReader, StreamSink, copy_share
-from stager.collective_plan import FileEntry, StreamLayout, assign_read_shares, chunk_size_for, plan_streams
 from stager.errors import UsageError, VerificationError
 from stager.manifest import load_manifest
-from stager.pack import pack
-from stager.partition import assign_shards_to_nodes
+from stager.order.partition import assign_shards_to_nodes
+from stager.pack.api import pack
 from stager.receipt import load_receipt
+from stager.stage.collective.group import resolve_endpoint
+from stager.stage.collective.io import IoCounters, ShareReader, StreamSink, copy_share
+from stager.stage.collective.plan import FileEntry, StreamLayout, assign_read_shares, chunk_size_for, plan_streams
 from stager.verify import verify
 
 LAUNCHER = r'''

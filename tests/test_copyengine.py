@@ -11,7 +11,8 @@ import pytest
 from test_stage_support import assert_verified_copy, make_dataset
 
 from stager.checksum import hash_bytes, new_hasher
-from stager.copyengine import (
+from stager.errors import VerificationError
+from stager.fs.copy import (
     DIRECT_ALIGN,
     O_DIRECT,
     CopyTuning,
@@ -22,9 +23,8 @@ from stager.copyengine import (
     open_partial,
     sync_file_range,
 )
-from stager.errors import VerificationError
 from stager.manifest import MANIFEST_NAME
-from stager.stage import stage
+from stager.stage.run import stage
 
 BLOCK = 4096
 

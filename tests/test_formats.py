@@ -19,11 +19,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stager.atomicio import partial_path
 from stager.checksum import hash_file
 from stager.errors import CorruptSampleError, ShardMissingError, StagerError, UnsafeArchiveError, UsageError
 from stager.formats import FORMAT_NAMES, get_format
 from stager.formats.base import Extent, Sample
+from stager.fs.atomic import partial_path
 from stager.manifest import AuxFile, Manifest, ShardInfo, check_safe_name, load_manifest
 
 CLASSES = ["cat", "dog", "fish"]

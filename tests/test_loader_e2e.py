@@ -18,7 +18,7 @@ import torch
 from stager.errors import CorruptSampleError, ShardMissingError, UsageError, VerificationError
 from stager.loader import make_loader
 from stager.manifest import load_manifest
-from stager.pack import pack
+from stager.pack.api import pack
 from tools.bench.shuffle_quality import tv_metric
 from tools.datagen import make_imagefolder
 
@@ -288,7 +288,7 @@ def test_imagefolder_tree_and_fsspec_urls(src: Path, packed: dict[str, Path]) ->
 def test_staged_copy_is_used_and_partition_is_respected(
     packed: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from stager.stage import stage
+    from stager.stage.run import stage
 
     root = tmp_path / "nodelocal"
     dest = root / "full"
@@ -300,7 +300,7 @@ def test_staged_copy_is_used_and_partition_is_respected(
     assert sorted(i for b in epoch_batches(loader) for i in b) == list(range(N))
     # Node partitions: 2 nodes x 2 ranks; each node staged only its shards.
     m = load_manifest(packed["tar"])
-    from stager.partition import assign_shards_to_nodes
+    from stager.order.partition import assign_shards_to_nodes
 
     groups = assign_shards_to_nodes(m, 2, 0)
     node_dirs = [tmp_path / f"node{i}" for i in range(2)]

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stager.loader import plan as planlib
+from stager.order import epoch as planlib
 
 
 def _starts(counts: list[int]) -> np.ndarray:

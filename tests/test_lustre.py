@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from stager import lustre
-from stager.fsinfo import detect_fs, parse_mountinfo, statfs_magic
-from stager.stage import FileTask, order_for_streams, stage
+from stager.fs import lustre
+from stager.fs.info import detect_fs, parse_mountinfo, statfs_magic
+from stager.stage.run import FileTask, order_for_streams, stage
 from tests.test_stage_support import LFS_BIN, assert_verified_copy, make_dataset, stager
 
 PLAIN = """/mnt/lustre/test_file

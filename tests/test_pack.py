@@ -25,7 +25,7 @@ from PIL import Image
 from stager.errors import DestinationError, SourceError, SourceNotFoundError, UsageError
 from stager.formats import FORMAT_NAMES, get_format
 from stager.manifest import load_manifest
-from stager.pack import cut_shards, pack, plan_order
+from stager.pack.api import cut_shards, pack, plan_order
 from stager.verify import verify
 
 ENCODED = [f for f in FORMAT_NAMES if get_format(f).sample_kind == "encoded"]

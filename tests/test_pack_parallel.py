@@ -19,13 +19,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import stager.pack_workers as pw
+import stager.pack.workers as pw
 from stager.errors import SourceError, UsageError
 from stager.formats.tar import check_key, check_keys
 from stager.manifest import load_manifest
-from stager.pack import pack
-from stager.pack_workers import PackPool
-from stager.sources import open_source
+from stager.pack.api import pack
+from stager.pack.sources import open_source
+from stager.pack.workers import PackPool
 
 
 def _files(out: Path) -> dict[str, bytes]:

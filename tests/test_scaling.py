@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from stager.collective_plan import chunk_size_for
+from stager.advice.scaling import STRATEGIES, Cluster, exchange_chunk, predict, recommend, strategy_for, table
 from stager.errors import UsageError
-from stager.scaling import STRATEGIES, Cluster, exchange_chunk, predict, recommend, strategy_for, table
+from stager.stage.collective.plan import chunk_size_for
 
 ROOT = Path(__file__).resolve().parents[1]
 NODES = [1, 2, 4, 8, 64, 512, 4096]

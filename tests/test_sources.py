@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from stager.errors import SourceError, SourceNotFoundError, UsageError
-from stager.sources import (
+from stager.pack.sources import (
     check_encoded,
     key_for,
     open_source,

@@ -12,9 +12,9 @@ import pytest
 
 from stager.checksum import hash_file
 from stager.manifest import Manifest, ShardInfo
-from stager.pack import pack
+from stager.pack.api import pack
 from stager.receipt import find_staged_copy, load_receipt
-from stager.stage import stage
+from stager.stage.run import stage
 from tests.test_stage_support import last_json, stager
 
 
@@ -64,7 +64,7 @@ def test_unpack_only_no_fsync_journals_every_shard_as_volatile(packed_tar: Path,
                                                                tmp_path: Path) -> None:
     import json
 
-    from stager.atomicio import boot_id
+    from stager.fs.atomic import boot_id
 
     dest = tmp_path / "dest"
     r = stager("stage", str(packed_tar), str(dest), "--unpack", "only", "--no-fsync", "--json")

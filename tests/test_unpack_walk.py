@@ -21,8 +21,8 @@ from stager.checksum import new_hasher
 from stager.errors import CorruptSampleError, StagerError, UnsafeArchiveError, VerificationError
 from stager.formats.tar import header_sum, iter_members
 from stager.manifest import Manifest, ShardInfo, load_manifest
-from stager.pack import pack
-from stager.unpack import ChunkReader, Unpacker, WriteBehind, walk_tar
+from stager.pack.api import pack
+from stager.stage.unpack import ChunkReader, Unpacker, WriteBehind, walk_tar
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stager.scaling import STRATEGIES, Cluster, format_table, recommend, table
+from stager.advice.scaling import STRATEGIES, Cluster, format_table, recommend, table
 
 NODES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
 

@@ -197,7 +197,7 @@ class Trainer:
         else:
             holdout = 0.0 if args.val else args.holdout
             if args.follow_src:
-                from stager.prefetch import prepare_dest
+                from stager.prefetch.prefetcher import prepare_dest
 
                 # Every rank: idempotent and atomic, and safe beside a follower that started earlier.
                 prepare_dest(args.follow_src, args.data)
@@ -495,7 +495,7 @@ class Trainer:
         wall0 = time.perf_counter()
         finished = True
         if a.follow_src and isinstance(self.train_source, StagerSource) and not a.eval_only:
-            from stager.prefetch import ProgressReporter
+            from stager.prefetch.prefetcher import ProgressReporter
 
             self.progress = ProgressReporter(a.data, self.train_source.loader, rank=info.rank)
             self.progress.update(self.epoch, self.step_in_epoch * a.accum_steps)  # a resumed position
@@ -594,7 +594,7 @@ def main(argv: list[str] | None = None) -> int:
         if info.is_main:
             print(json.dumps(summary), flush=True)
             if args.summary_json:
-                from stager.atomicio import atomic_write_bytes
+                from stager.fs.atomic import atomic_write_bytes
 
                 Path(args.summary_json).parent.mkdir(parents=True, exist_ok=True)
                 atomic_write_bytes(args.summary_json, (json.dumps(summary, indent=1) + "\n").encode())

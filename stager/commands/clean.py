@@ -16,10 +16,10 @@ import re
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from ..cli import add_common, emit
-from ..errors import DestinationError, StagerError, UnsafeArchiveError
-from ..lock import NodeLock
-from ..receipt import RECEIPT_NAME, load_receipt
+from stager.cli import add_common, emit
+from stager.errors import DestinationError, StagerError, UnsafeArchiveError
+from stager.fs.lock import NodeLock
+from stager.receipt import RECEIPT_NAME, load_receipt
 
 _PARTIAL_RE = re.compile(r"^(?P<base>.+)\.[0-9a-f]{12}\.partial$")
 
@@ -69,8 +69,8 @@ def _size_of(p: Path) -> int:
 def _unpacked_stems(d: Path) -> set[str] | None:
     """``<class>/<stem>`` of every file ``stage --unpack`` writes for DEST's manifest (the
     extension comes from the shard, so files are matched without it); None if the manifest is unreadable."""
-    from ..manifest import load_manifest
-    from ..unpack import class_dir_name, unpacked_stem
+    from stager.manifest import load_manifest
+    from stager.stage.unpack import class_dir_name, unpacked_stem
 
     try:
         m = load_manifest(d)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..cli import add_common, emit
-from ..hints import hints, human
+from stager.advice.hints import hints, human
+from stager.cli import add_common, emit
 
 
 def register(sub: argparse._SubParsersAction) -> None:

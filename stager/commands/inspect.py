@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..cli import add_common, emit
+from stager.cli import add_common, emit
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -20,7 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..inspect import format_summary, summarize
+    from stager.summary import format_summary, summarize
 
     d = summarize(args.path)
     emit(args, d, format_summary(d, args.limit))

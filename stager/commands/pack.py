@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import re
 
-from ..cli import add_common, emit
-from ..errors import UsageError
-from ..formats import FORMAT_NAMES
+from stager.cli import add_common, emit
+from stager.errors import UsageError
+from stager.formats import FORMAT_NAMES
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _SI = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
@@ -101,7 +101,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..pack import format_result, pack
+    from stager.pack.api import format_result, pack
 
     if args.format not in FORMAT_NAMES:
         raise UsageError(f"unknown format {args.format!r}; expected one of {', '.join(FORMAT_NAMES)}")

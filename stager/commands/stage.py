@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..cli import add_common, emit
-from ..copyengine import CopyTuning
-from ..stage import DEFAULT_UNPACK_DIR, stage
+from stager.cli import add_common, emit
+from stager.fs.copy import CopyTuning
+from stager.stage.run import DEFAULT_UNPACK_DIR, stage
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_collective(args: argparse.Namespace) -> int:
-    from ..collective import stage_collective
+    from stager.stage.collective.run import stage_collective
 
     if args.unpack or args.shared or not args.fsync or args.direct:
         print("stager stage: error: --collective cannot be combined with --unpack, --shared, --no-fsync or --direct",
@@ -120,7 +120,7 @@ _SHUFFLE_MODES = ("runs", "shards", "random", "none")
 
 
 def _add_follow_args(p: argparse.ArgumentParser) -> None:
-    from .pack import parse_size
+    from stager.commands.pack import parse_size
 
     g = p.add_argument_group(
         "prefetch beside training (--follow)",
@@ -169,8 +169,8 @@ def _run_follow(args: argparse.Namespace) -> int:
     import os
     import threading
 
-    from ..errors import UsageError
-    from ..follow import follow, stop_on_signals
+    from stager.errors import UsageError
+    from stager.prefetch.follow import follow, stop_on_signals
 
     if args.dest is None:
         raise UsageError("--follow needs DEST (the directory the training loader reads)")

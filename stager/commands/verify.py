@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..cli import add_common, emit
-from ..errors import VerificationError
+from stager.cli import add_common, emit
+from stager.errors import VerificationError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -24,7 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..verify import verify
+    from stager.verify import verify
 
     r = verify(args.path, deep=args.deep, threads=max(1, args.threads))
     mode = "deep " if r.deep else ""

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import importlib
 
-from ..errors import UsageError
-from .base import Extent, Format, Sample, ShardReader, ShardWriter
+from stager.errors import UsageError
+from stager.formats.base import Extent, Format, Sample, ShardReader, ShardWriter
 
 _MODULES = {"tar": "tar", "hdf5": "hdf5", "record": "record", "zarr": "zarr_format"}
 FORMAT_NAMES = tuple(_MODULES)

@@ -28,9 +28,9 @@ from typing import Any, BinaryIO, Protocol
 
 import numpy as np
 
-from ..errors import CorruptSampleError, ShardMissingError, UsageError
-from ..manifest import Manifest, ShardInfo
-from ..writeback import start_writeback
+from stager.errors import CorruptSampleError, ShardMissingError, UsageError
+from stager.fs.writeback import start_writeback
+from stager.manifest import Manifest, ShardInfo
 
 
 @dataclass(frozen=True)

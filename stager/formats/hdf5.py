@@ -51,9 +51,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CorruptSampleError, ShardMissingError, SourceError, StagerError
-from ..manifest import Manifest, ShardInfo
-from .base import Extent, ExtentReader, Sample
+from stager.errors import CorruptSampleError, ShardMissingError, SourceError, StagerError
+from stager.formats.base import Extent, ExtentReader, Sample
+from stager.manifest import Manifest, ShardInfo
 
 FORMAT_VERSION = "stager.hdf5/1"
 LAYOUT = "contiguous-uint8"

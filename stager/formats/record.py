@@ -32,12 +32,12 @@ from typing import Any, BinaryIO
 import crc32c as _crc32c
 import numpy as np
 
-from ..atomicio import partial_path
-from ..errors import CorruptSampleError, ShardMissingError, UsageError
-from ..manifest import Manifest, ShardInfo
-from .base import BufferedShardFile, Extent, ExtentReader, Sample
-from .example_pb import ExampleDecodeError, decode_example, varint
-from .tar import FLUSH_BYTES
+from stager.errors import CorruptSampleError, ShardMissingError, UsageError
+from stager.formats.base import BufferedShardFile, Extent, ExtentReader, Sample
+from stager.formats.example_pb import ExampleDecodeError, decode_example, varint
+from stager.formats.tar import FLUSH_BYTES
+from stager.fs.atomic import partial_path
+from stager.manifest import Manifest, ShardInfo
 
 _crc = _crc32c.crc32c
 _MASK_DELTA = 0xA282EAD8

@@ -32,9 +32,9 @@ from collections.abc import Callable, Iterator, Sequence
 from json.encoder import encode_basestring_ascii
 from typing import Any, BinaryIO
 
-from ..errors import CorruptSampleError, UnsafeArchiveError, UsageError
-from ..manifest import Manifest, ShardInfo
-from .base import BufferedShardFile, Extent, ExtentReader, Sample
+from stager.errors import CorruptSampleError, UnsafeArchiveError, UsageError
+from stager.formats.base import BufferedShardFile, Extent, ExtentReader, Sample
+from stager.manifest import Manifest, ShardInfo
 
 BLOCK = 512
 FIXED_MTIME = 946684800  # 2000-01-01T00:00:00Z: fixed for reproducibility, yet "plausible" to GNU tar
@@ -625,7 +625,7 @@ class TarShardReader(ExtentReader):
         try:
             f = open(self.path, "rb", buffering=1 << 20)  # noqa: SIM115 - closed in finally
         except FileNotFoundError as exc:
-            from ..errors import ShardMissingError
+            from stager.errors import ShardMissingError
 
             raise ShardMissingError(f"{self.path}: shard missing; re-stage or re-pack") from exc
         try:

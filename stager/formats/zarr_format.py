@@ -38,9 +38,9 @@ import zarr
 from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteRequest
 from zarr.storage import ZipStore
 
-from ..errors import CorruptSampleError, ShardMissingError, SourceError, StagerError
-from ..manifest import Manifest, ShardInfo
-from .base import Extent, Sample
+from stager.errors import CorruptSampleError, ShardMissingError, SourceError, StagerError
+from stager.formats.base import Extent, Sample
+from stager.manifest import Manifest, ShardInfo
 
 FORMAT_VERSION = "stager.zarr/1"
 ZIP_DATE = (1980, 1, 1, 0, 0, 0)

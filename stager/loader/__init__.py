@@ -13,9 +13,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .dataset import ShardedDataset
-from .loader import Loader
-from .state import LoaderState
+from stager.loader.dataset import ShardedDataset
+from stager.loader.loader import Loader
+from stager.loader.state import LoaderState
 
 __all__ = ["Loader", "LoaderState", "ShardedDataset", "make_loader"]
 

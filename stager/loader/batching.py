@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .shm import WorkerRing
+from stager.loader.shm import WorkerRing
 
 
 def _empty(shape: tuple[int, ...], shared: bool) -> torch.Tensor:

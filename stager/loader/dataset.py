@@ -16,12 +16,12 @@ from typing import Any
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ..errors import CorruptSampleError, UsageError
-from . import plan as planlib
-from .batching import pack_raw, stack_images
-from .shm import WorkerRing
-from .source import Resolved, ShardAccess, check_shards, resolve, validate_partition
-from .transforms import make_sample_fn
+from stager.errors import CorruptSampleError, UsageError
+from stager.loader.batching import pack_raw, stack_images
+from stager.loader.shm import WorkerRing
+from stager.loader.source import Resolved, ShardAccess, check_shards, resolve, validate_partition
+from stager.loader.transforms import make_sample_fn
+from stager.order import epoch as planlib
 
 _TAG_AUGMENT = 3
 # Run size by storage (run_bytes="auto"): on a shared/network file system (Lustre, GPFS, BeeGFS,
@@ -73,7 +73,7 @@ class ShardedDataset(IterableDataset):
         resolved: Resolved | None = None,
         use_mmap: bool = True,
     ) -> None:
-        from ..world import World
+        from stager.world import World
 
         if on_error not in ("raise", "skip"):
             raise UsageError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
@@ -143,7 +143,7 @@ class ShardedDataset(IterableDataset):
             return run_bytes, SHARED_MIN_RUN if min_run is None else min_run
         shared = True
         if self.res.is_local:
-            from ..fsinfo import detect_fs
+            from stager.fs.info import detect_fs
 
             try:
                 shared = detect_fs(self.res.root.removeprefix("file://")).is_shared
@@ -154,7 +154,7 @@ class ShardedDataset(IterableDataset):
         return LOCAL_RUN_BYTES, LOCAL_MIN_RUN if min_run is None else min_run
 
     def _partition_per_rank(self, rpn: int) -> int:
-        from ..partition import assign_shards_to_nodes
+        from stager.order.partition import assign_shards_to_nodes
 
         part = self.res.partition or {}
         m = self.index.manifest

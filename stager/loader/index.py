@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import SourceError, SourceNotFoundError
-from ..manifest import Manifest
+from stager.errors import SourceError, SourceNotFoundError
+from stager.manifest import Manifest
 
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".ppm", ".pgm", ".gif", ".tif", ".tiff")
 

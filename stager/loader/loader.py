@@ -17,14 +17,14 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from ..errors import UsageError
-from . import plan as planlib
-from . import shm
-from .batching import finish_batch
-from .dataset import ShardedDataset
-from .persistent import WorkerPool
-from .state import LoaderState
-from .stats import LoaderStats
+from stager.errors import UsageError
+from stager.loader import shm
+from stager.loader.batching import finish_batch
+from stager.loader.dataset import ShardedDataset
+from stager.loader.persistent import WorkerPool
+from stager.loader.state import LoaderState
+from stager.loader.stats import LoaderStats
+from stager.order import epoch as planlib
 
 log = logging.getLogger("stager.loader")
 

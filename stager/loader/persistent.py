@@ -31,8 +31,8 @@ from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from . import shm
-from .dataset import ShardedDataset
+from stager.loader import shm
+from stager.loader.dataset import ShardedDataset
 
 # How long a worker waits for its epoch message between checks that the main process still lives.
 _POLL_S = 1.0

@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ShardMissingError, SourceNotFoundError, UsageError, VerificationError
-from ..manifest import MANIFEST_NAME, dataset_root, load_manifest
-from ..receipt import Receipt, find_staged_copy
-from .index import DatasetIndex, index_from_folder, index_from_manifest
+from stager.errors import ShardMissingError, SourceNotFoundError, UsageError, VerificationError
+from stager.loader.index import DatasetIndex, index_from_folder, index_from_manifest
+from stager.manifest import MANIFEST_NAME, dataset_root, load_manifest
+from stager.receipt import Receipt, find_staged_copy
 
 log = logging.getLogger("stager.loader")
 
@@ -273,7 +273,7 @@ class ShardAccess:
         r = self._zarr.get(shard)
         if r is not None:
             return r
-        from ..formats import get_format
+        from stager.formats import get_format
 
         if self._local is not None:
             path = os.path.join(self._local, self.index.shard_names[shard])

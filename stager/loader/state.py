@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from ..errors import UsageError
+from stager.errors import UsageError
 
 STATE_VERSION = 1
 

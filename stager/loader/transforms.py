@@ -19,14 +19,14 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import UsageError
+from stager.errors import UsageError
 
 DECODE_MODES = ("uint8", "raw", "pil")
 
 
 def _decode_module() -> Any:
     try:
-        from .. import decode as mod
+        from stager import decode as mod
     except ImportError:
         return None
     return mod

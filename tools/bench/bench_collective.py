@@ -28,8 +28,8 @@ import xxhash
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from stager.advice.scaling import Cluster, predict  # noqa: E402
 from stager.manifest import Manifest, ShardInfo  # noqa: E402
-from stager.scaling import Cluster, predict  # noqa: E402
 
 GATHER = r'''
 import datetime as dt, os, sys, time, torch, torch.distributed as dist

@@ -105,7 +105,7 @@ def run_stager(fmt: str, workers: int) -> Callable[[Path, Path], int]:
     """``pack()`` as ``stager pack`` runs it (a fresh interpreter, so that its worker pool forks)."""
 
     def run(src: Path, out: Path) -> int:
-        from stager.pack import pack
+        from stager.pack.api import pack
 
         return pack(str(src), str(out), fmt, shard_size=SHARD_BYTES, workers=workers).samples
 
@@ -127,8 +127,8 @@ PREIMPORT = {
     "litdata": ["litdata"],
     "stager": [
         "stager.pack",
-        "stager.pack_workers",
-        "stager.lustre",
+        "stager.pack.workers",
+        "stager.fs.lustre",
         "stager.formats.tar",
         "stager.formats.record",
         "stager.formats.hdf5",

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from stager.loader import plan as planlib
+from stager.order import epoch as planlib
 
 SCENARIOS: dict[str, dict[str, Any]] = {
     # 10 classes x 5,000 PNG-sized samples (~2.6 KB), 10 shards of 5,000: CIFAR-10's train split.

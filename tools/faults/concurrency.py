@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import harness as h
-from .kill import staged_source
+from tools.faults import harness as h
+from tools.faults.kill import staged_source
 
 
 @dataclass

@@ -270,7 +270,7 @@ def trial_receipt(data: bytes, tmp: Path) -> int:
 
 
 def trial_journal(data: bytes, tmp: Path) -> int:
-    from stager.stage import Journal
+    from stager.stage.run import Journal
 
     p = tmp / ".stager-journal.jsonl"
     p.write_bytes(b'{"journal": 1, "digest": "d"}\n' + data)
@@ -281,7 +281,7 @@ def trial_journal(data: bytes, tmp: Path) -> int:
 
 
 def trial_lock(data: bytes, tmp: Path) -> int:
-    from stager.lock import NodeLock
+    from stager.fs.lock import NodeLock
 
     p = tmp / ".stager-lock"
     p.write_bytes(data)

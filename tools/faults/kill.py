@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from . import harness as h
+from tools.faults import harness as h
 
 
 @dataclass

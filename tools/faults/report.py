@@ -24,8 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from .harness import ROOT, SUBPROCESS_ENV
-from .tally import TALLY_ENV, Row, load
+from tools.faults.harness import ROOT, SUBPROCESS_ENV
+from tools.faults.tally import TALLY_ENV, Row, load
 
 SUITES = ["tests/faults", "tests/test_hostile.py", "tests/test_properties.py"]
 OUT = ROOT / "docs" / "reliability.md"

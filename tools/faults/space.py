@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from . import harness as h
-from .kill import expected_unpacked, staged_source, unpack_damage
+from tools.faults import harness as h
+from tools.faults.kill import expected_unpacked, staged_source, unpack_damage
 
 
 @dataclass

@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from stager.atomicio import atomic_write, remove_stale_partials
 from stager.errors import SourceNotFoundError
+from stager.fs.atomic import atomic_write, remove_stale_partials
 
 CHECKPOINT_VERSION = 1
 LATEST = "checkpoint.pt"

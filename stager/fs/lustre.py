@@ -23,8 +23,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import StagerError
-from .fsinfo import detect_fs
+from stager.errors import StagerError
+from stager.fs.info import detect_fs
 
 LFS_ENV = "STAGER_LFS"
 MIB = 1 << 20

@@ -37,16 +37,16 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from .atomicio import space_error, syncfs
-from .errors import CorruptSampleError, UnsafeArchiveError, VerificationError
-from .formats.tar import (  # one tar header parser for pack, verify and unpack
+from stager.errors import CorruptSampleError, UnsafeArchiveError, VerificationError
+from stager.formats.tar import (  # one tar header parser for pack, verify and unpack
     BLOCK,
     padded_size,
     split_member_name,
     walk_headers,
 )
-from .manifest import Manifest, ShardInfo, check_safe_name, manifest_path
-from .receipt import chgrp_quiet, source_access
+from stager.fs.atomic import space_error, syncfs
+from stager.manifest import Manifest, ShardInfo, check_safe_name, manifest_path
+from stager.receipt import chgrp_quiet, source_access
 
 UNLABELED = "_unlabeled"
 
@@ -503,8 +503,8 @@ def run_unpack(plan: Any, journal: Any, workers: int, quiet: bool, result: Any, 
     """
     from concurrent.futures import ThreadPoolExecutor
 
-    from .checksum import new_hasher
-    from .progress import Progress
+    from stager.checksum import new_hasher
+    from stager.progress import Progress
 
     m: Manifest = plan.manifest
     root = Path(plan.dest) / plan.unpack_dir
@@ -525,7 +525,7 @@ def run_unpack(plan: Any, journal: Any, workers: int, quiet: bool, result: Any, 
         local = Path(plan.dest) / info.name
         if m.format == "tar":
             if plan.unpack == "only":
-                from .stage import _open_source
+                from stager.stage.run import _open_source
 
                 with _open_source(src_of[info.name]) as raw:
                     unpacker.unpack_tar(raw, info, new_hasher(m.hash_algo), on_progress=progress.update)
@@ -534,7 +534,7 @@ def run_unpack(plan: Any, journal: Any, workers: int, quiet: bool, result: Any, 
                 with open(local, "rb", buffering=0) as f:
                     unpacker.unpack_tar(f, info, None, on_progress=progress.update)
         else:
-            from .formats import get_format
+            from stager.formats import get_format
 
             reader = get_format(m.format).open_reader(str(local), info, m)
             try:

@@ -41,14 +41,14 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from .atomicio import atomic_write_bytes, fsync_dir, partial_path, remove_stale_partials, space_error
-from .checksum import ALGOS, new_hasher
-from .errors import DestinationError, ManifestError, SourceError, StagerError, UsageError
-from .formats import get_format
-from .formats.base import Sample
-from .manifest import MANIFEST_NAME, AuxFile, Manifest, ShardInfo, load_manifest
-from .progress import Progress
-from .sources import SampleRef, Source, check_encoded, open_source, prepare_sample, probe_hw
+from stager.checksum import ALGOS, new_hasher
+from stager.errors import DestinationError, ManifestError, SourceError, StagerError, UsageError
+from stager.formats import get_format
+from stager.formats.base import Sample
+from stager.fs.atomic import atomic_write_bytes, fsync_dir, partial_path, remove_stale_partials, space_error
+from stager.manifest import MANIFEST_NAME, AuxFile, Manifest, ShardInfo, load_manifest
+from stager.pack.sources import SampleRef, Source, check_encoded, open_source, prepare_sample, probe_hw
+from stager.progress import Progress
 
 PLAN_STREAM = 0x5EED_9AC4  # second element of the shuffle seed tuple: the "plan" random stream
 STATE_DIR = ".stager-pack"
@@ -605,7 +605,7 @@ def _check_args(
 
 def _prepare_dir(out: Path, plan: Plan, stripe_count: int | None, stripe_size: int | None) -> None:
     try:
-        from . import lustre
+        from stager.fs import lustre
     except ImportError:  # stager.lustre lands separately; until then striping is skipped
         return
     lustre.prepare_pack_dir(
@@ -648,7 +648,7 @@ def pack(
     """
     pool = None
     if workers > 1:
-        from .pack_workers import PackPool
+        from stager.pack.workers import PackPool
 
         pool = PackPool(workers)  # started on first use; reused from listing to writing
     try:
@@ -907,7 +907,7 @@ def _check_free_space(
     need = sum(s.est_bytes for s in plan.shards if s.name not in reuse)
     free = shutil.disk_usage(out).free
     if need > free:
-        from .errors import OutOfSpaceError
+        from stager.errors import OutOfSpaceError
 
         raise OutOfSpaceError(
             f"{out}: needs about {need / 1e9:.2f} GB but only {free / 1e9:.2f} GB is free; "

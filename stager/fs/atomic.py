@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from .errors import OutOfSpaceError
+from stager.errors import OutOfSpaceError
 
 PARTIAL_SUFFIX = ".partial"
 _SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}

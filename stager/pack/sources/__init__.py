@@ -34,8 +34,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .errors import SourceError, SourceNotFoundError, UsageError
-from .formats.base import Sample
+from stager.errors import SourceError, SourceNotFoundError, UsageError
+from stager.formats.base import Sample
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp", ".gif"})
 CIFAR_SPLITS = {"train": tuple(f"data_batch_{i}" for i in range(1, 6)), "test": ("test_batch",)}
@@ -521,7 +521,7 @@ class PackSource(Source):
 
     def __init__(self, root: Path) -> None:
         super().__init__(root)
-        from .manifest import load_manifest
+        from stager.manifest import load_manifest
 
         self.manifest = load_manifest(root)
         m = self.manifest
@@ -543,7 +543,7 @@ class PackSource(Source):
     def _reader(self, si: int) -> Any:
         r = self._readers.get(si)
         if r is None:
-            from .formats import get_format
+            from stager.formats import get_format
 
             info = self.manifest.shards[si]
             fmt = get_format(self.manifest.format)

@@ -47,8 +47,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
-from . import lustre
-from .atomicio import (
+from stager.checksum import new_hasher
+from stager.errors import (
+    DestinationError,
+    OutOfSpaceError,
+    ShardMissingError,
+    StagerError,
+    StagerTimeoutError,
+    UsageError,
+    VerificationError,
+)
+from stager.fs import lustre
+from stager.fs.atomic import (
     atomic_write_bytes,
     boot_id,
     commit_partial,
@@ -57,8 +67,7 @@ from .atomicio import (
     space_error,
     syncfs,
 )
-from .checksum import new_hasher
-from .copyengine import (
+from stager.fs.copy import (
     DIRECT_ALIGN,
     CopyTuning,
     WriteBehind,
@@ -68,22 +77,13 @@ from .copyengine import (
     open_partial,
     write_all,
 )
-from .errors import (
-    DestinationError,
-    OutOfSpaceError,
-    ShardMissingError,
-    StagerError,
-    StagerTimeoutError,
-    UsageError,
-    VerificationError,
-)
-from .fsinfo import FsInfo, detect_fs
-from .lock import NodeLock
-from .manifest import MANIFEST_NAME, Manifest, dataset_root, manifest_path
-from .partition import assign_shards_to_nodes
-from .progress import Progress
-from .receipt import RECEIPT_NAME, STAGING_ROOT_VARS, Receipt, chgrp_quiet, load_receipt, source_access
-from .world import World, parse_tasks_per_node
+from stager.fs.info import FsInfo, detect_fs
+from stager.fs.lock import NodeLock
+from stager.manifest import MANIFEST_NAME, Manifest, dataset_root, manifest_path
+from stager.order.partition import assign_shards_to_nodes
+from stager.progress import Progress
+from stager.receipt import RECEIPT_NAME, STAGING_ROOT_VARS, Receipt, chgrp_quiet, load_receipt, source_access
+from stager.world import World, parse_tasks_per_node
 
 THROTTLE_ENV = "STAGER_TEST_THROTTLE_BPS"
 FREE_BYTES_ENV = "STAGER_TEST_FREE_BYTES"
@@ -806,7 +806,7 @@ def stage(
     src = os.fspath(src)
     unpack_mode = {False: None, None: None, True: "also", "also": "also", "only": "only"}.get(unpack, unpack)
     if "://" not in src and not os.path.exists(src):
-        from .errors import SourceNotFoundError
+        from stager.errors import SourceNotFoundError
 
         raise SourceNotFoundError(f"{src}: no such packed dataset; give the `stager pack` output directory")
     manifest, mbytes = read_source_manifest(src, storage_options)
@@ -941,7 +941,7 @@ def _stage_locked(plan: StagePlan, result: StageResult, *, t0: float, workers: i
             if mtmp[0] is not None:
                 commit_partial(mtmp[0], mpath)
         if plan.unpack:
-            from .unpack import run_unpack
+            from stager.stage.unpack import run_unpack
 
             result.unpacked_files = run_unpack(plan, journal, nworkers, quiet, result, fsync=fsync)
             result.unpacked = str(dest / plan.unpack_dir)

@@ -46,12 +46,10 @@ from typing import Any
 
 import numpy as np
 
-from .atomicio import atomic_write_bytes, fsync_dir
-from .collective_io import IoCounters, ShareReader, StreamSink, copy_share
-from .collective_plan import StreamLayout, files_of_shards
-from .errors import UsageError
-from .manifest import MANIFEST_NAME, Manifest, dataset_root, load_manifest
-from .prefetch_progress import (
+from stager.errors import UsageError
+from stager.fs.atomic import atomic_write_bytes, fsync_dir
+from stager.manifest import MANIFEST_NAME, Manifest, dataset_root, load_manifest
+from stager.prefetch.reports import (
     DONE_MARKER,
     PROGRESS_DIR,
     ProgressReporter,
@@ -62,6 +60,8 @@ from .prefetch_progress import (
     read_reports,
     report_progress,
 )
+from stager.stage.collective.io import IoCounters, ShareReader, StreamSink, copy_share
+from stager.stage.collective.plan import StreamLayout, files_of_shards
 
 __all__ = [
     "DONE_MARKER",
@@ -111,8 +111,8 @@ def rank_reads(ds: Any, epoch: int, open_files: int | None = None) -> list[Read]
     the loader's ``MAX_OPEN_FILES``) most recently read shards open (an LRU, new each epoch), which
     decides :attr:`Read.opens`.
     """
-    from .loader import plan as planlib
-    from .loader.source import MAX_OPEN_FILES
+    from stager.loader.source import MAX_OPEN_FILES
+    from stager.order import epoch as planlib
 
     cap = MAX_OPEN_FILES if open_files is None else open_files
     rp = ds.plan(epoch)
@@ -360,7 +360,7 @@ class Prefetcher:
 
     # ---- schedule -------------------------------------------------------------------------------
     def _make_datasets(self, ranks: Sequence[int], loader_kwargs: dict[str, Any]) -> list[Any]:
-        from .loader import ShardedDataset
+        from stager.loader import ShardedDataset
 
         if not ranks:
             raise UsageError("prefetch needs at least one rank of this node to plan for")

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import UsageError
+from stager.errors import UsageError
 
 SHUFFLE_MODES = ("runs", "shards", "random", "none")
 

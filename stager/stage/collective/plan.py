@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import UsageError
-from .manifest import Manifest
-from .partition import assign_shards_to_nodes
+from stager.errors import UsageError
+from stager.manifest import Manifest
+from stager.order.partition import assign_shards_to_nodes
 
 
 @dataclass(frozen=True)

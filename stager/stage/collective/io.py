@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from .atomicio import commit_partial, partial_path, space_error
-from .checksum import Hasher, new_hasher
-from .collective_plan import FileEntry, StreamLayout
-from .errors import ShardMissingError, VerificationError
+from stager.checksum import Hasher, new_hasher
+from stager.errors import ShardMissingError, VerificationError
+from stager.fs.atomic import commit_partial, partial_path, space_error
+from stager.stage.collective.plan import FileEntry, StreamLayout
 
 
 @dataclass

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from .manifest import Manifest, load_manifest
+from stager.manifest import Manifest, load_manifest
 
 
 def summarize(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -47,16 +47,16 @@ from typing import Any
 
 import numpy as np
 
-from . import stage as _stage
-from .atomicio import atomic_write_bytes, fsync_dir
-from .collective_group import Group, RendezvousError, resolve_endpoint
-from .collective_io import IoCounters, ShareReader, StreamSink
-from .collective_plan import FileEntry, assign_read_shares, chunk_size_for, plan_streams
-from .errors import DestinationError, OutOfSpaceError, StagerError, UsageError
-from .lock import NodeLock
-from .manifest import MANIFEST_NAME, Manifest
-from .progress import Progress
-from .receipt import RECEIPT_NAME, Receipt
+from stager.errors import DestinationError, OutOfSpaceError, StagerError, UsageError
+from stager.fs.atomic import atomic_write_bytes, fsync_dir
+from stager.fs.lock import NodeLock
+from stager.manifest import MANIFEST_NAME, Manifest
+from stager.progress import Progress
+from stager.receipt import RECEIPT_NAME, Receipt
+from stager.stage import run as _stage
+from stager.stage.collective.group import Group, RendezvousError, resolve_endpoint
+from stager.stage.collective.io import IoCounters, ShareReader, StreamSink
+from stager.stage.collective.plan import FileEntry, assign_read_shares, chunk_size_for, plan_streams
 
 KILL_ENV = "STAGER_TEST_COLLECTIVE_KILL"
 FALLBACKS = ("direct", "none")
@@ -177,7 +177,7 @@ def stage_collective(
     t0 = time.perf_counter()
     src = os.fspath(src)
     if "://" not in src and not os.path.exists(src):
-        from .errors import SourceNotFoundError
+        from stager.errors import SourceNotFoundError
 
         raise SourceNotFoundError(f"{src}: no such packed dataset; give the `stager pack` output directory")
     manifest, mbytes = _stage.read_source_manifest(src, storage_options)
@@ -506,8 +506,8 @@ def _kill_step(node: int) -> int:
 
 def _shard_osts(plan: _stage.StagePlan) -> list[int] | None:
     """First OST of every shard when SRC is on Lustre and ``lfs`` is available, else None."""
-    from . import lustre
-    from .fsinfo import detect_fs
+    from stager.fs import lustre
+    from stager.fs.info import detect_fs
 
     if "://" in plan.src_root or not lustre.lfs_path() or not detect_fs(plan.src_root).is_lustre:
         return None

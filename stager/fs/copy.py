@@ -44,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .checksum import Hasher
+from stager.checksum import Hasher
 
 # <linux/fs.h>
 SYNC_FILE_RANGE_WAIT_BEFORE = 1

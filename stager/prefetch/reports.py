@@ -172,7 +172,7 @@ class ProgressReporter:
         self.read_ahead = loader_read_ahead(loader) if loader is not None else None
         if rank is None:
             if loader is None:
-                from .world import World
+                from stager.world import World
 
                 rank = World.detect().rank
             else:

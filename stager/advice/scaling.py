@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from .errors import UsageError
+from stager.errors import UsageError
 
 STRATEGIES = ("direct", "collective", "partition", "beeond", "stream")
 GB = 1e9

@@ -33,8 +33,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from .errors import StagerTimeoutError, UsageError
-from .world import expand_hostlist
+from stager.errors import StagerTimeoutError, UsageError
+from stager.world import expand_hostlist
 
 DEFAULT_PORT = 29417
 ABORT_KEY = "abort"

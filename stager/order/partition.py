@@ -13,8 +13,8 @@ import heapq
 
 import numpy as np
 
-from .errors import UsageError
-from .manifest import Manifest
+from stager.errors import UsageError
+from stager.manifest import Manifest
 
 
 def assign_shards_to_nodes(manifest: Manifest, num_nodes: int, seed: int = 0) -> list[list[int]]:

@@ -41,10 +41,11 @@ from typing import Any
 
 import numpy as np
 
-from .atomicio import partial_path, space_error
-from .errors import StagerError
-from .formats import get_format
-from .pack import (
+from stager.errors import StagerError
+from stager.formats import get_format
+from stager.fs.atomic import partial_path, space_error
+from stager.fs.writeback import start_writeback
+from stager.pack.api import (
     SampleRows,
     ShardDone,
     ShardJob,
@@ -54,9 +55,8 @@ from .pack import (
     write_samples,
     write_shard,
 )
-from .progress import Progress
-from .sources import SampleRef, Source
-from .writeback import start_writeback
+from stager.pack.sources import SampleRef, Source
+from stager.progress import Progress
 
 SEG_SAMPLES = 512  # at most this many samples per segment ...
 SEG_BYTES = 4 << 20  # ... and about this many source bytes (a few ms of work: small vs. task overhead)

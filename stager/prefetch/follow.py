@@ -44,10 +44,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .collective_plan import shard_sizes
-from .errors import UsageError
-from .lock import NodeLock, pid_alive
-from .prefetch import (
+from stager.errors import UsageError
+from stager.fs.lock import NodeLock, pid_alive
+from stager.prefetch.prefetcher import (
     DONE_MARKER,
     PROGRESS_DIR,
     Prefetcher,
@@ -56,6 +55,7 @@ from .prefetch import (
     read_reports,
     remove_fetch_partials,
 )
+from stager.stage.collective.plan import shard_sizes
 
 LOCK_NAME = ".stager-follow.lock"
 STATUS_NAME = "follower.json"
@@ -303,8 +303,8 @@ def _write_status(dest: Path, res: FollowResult, pf: Prefetcher | None, observed
 
 def _resolved(pf: Prefetcher, loader_kwargs: dict[str, Any]) -> dict[str, Any]:
     """``loader_kwargs`` with "auto" settings resolved as the loader resolves them on DEST."""
-    from .loader import ShardedDataset
-    from .prefetch import loader_config
+    from stager.loader import ShardedDataset
+    from stager.prefetch.prefetcher import loader_config
 
     kw = {k: v for k, v in loader_kwargs.items() if k != "staged"}
     return loader_config(ShardedDataset(str(pf.dest), rank=pf.ranks[0], staged=False, **kw))

@@ -15,11 +15,11 @@ from typing import Any
 
 import numpy as np
 
-from . import lustre
-from .errors import SourceNotFoundError
-from .fsinfo import detect_fs
-from .manifest import MANIFEST_NAME, load_manifest
-from .receipt import STAGING_ROOT_VARS
+from stager.errors import SourceNotFoundError
+from stager.fs import lustre
+from stager.fs.info import detect_fs
+from stager.manifest import MANIFEST_NAME, load_manifest
+from stager.receipt import STAGING_ROOT_VARS
 
 SMALL_FILE = 1 << 20  # files below 1 MiB are "small" for Lustre (one RPC, MDS-bound)
 SMALL_FILE_COUNT = 1000  # below this many files, metadata load does not matter
@@ -151,7 +151,7 @@ def hints(path: str | os.PathLike[str], *, dest: str | None = None, nodes: int |
             "use `stager stage --partition` (each node stages its share) or a BeeOND/shared DEST"
         )
     # Which staging strategy for this job's node count (stager.scaling's bandwidth model).
-    from .scaling import strategy_for
+    from stager.advice.scaling import strategy_for
 
     report["strategy"] = strategy_for(need, nodes=nodes, local_capacity=fit["dest_free"], osts=osts,
                                       files=num_shards)

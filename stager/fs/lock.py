@@ -30,8 +30,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from .atomicio import boot_id
-from .errors import StagerTimeoutError
+from stager.errors import StagerTimeoutError
+from stager.fs.atomic import boot_id
 
 
 def pid_alive(pid: int) -> bool:

@@ -1,0 +1,1 @@
+"""Advice for users: file-system hints and the staging-strategy scaling model."""
