@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from stager.errors import UsageError, VerificationError
 from stager.manifest import load_manifest
 from stager.order.partition import assign_shards_to_nodes
-from stager.pack.api import pack
+from stager.pack import pack
 from stager.receipt import load_receipt
 from stager.stage.collective.group import resolve_endpoint
 from stager.stage.collective.io import IoCounters, ShareReader, StreamSink, copy_share

@@ -24,7 +24,7 @@ from stager.fs.copy import (
     sync_file_range,
 )
 from stager.manifest import MANIFEST_NAME
-from stager.stage.run import stage
+from stager.stage import stage
 
 BLOCK = 4096
 

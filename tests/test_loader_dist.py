@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from stager.pack.api import pack
+from stager.pack import pack
 from tools.datagen import make_imagefolder
 
 N, WORLD = 1001, 3

@@ -18,7 +18,7 @@ import torch
 from stager.errors import CorruptSampleError, ShardMissingError, UsageError, VerificationError
 from stager.loader import make_loader
 from stager.manifest import load_manifest
-from stager.pack.api import pack
+from stager.pack import pack
 from tools.bench.shuffle_quality import tv_metric
 from tools.datagen import make_imagefolder
 
@@ -288,7 +288,7 @@ def test_imagefolder_tree_and_fsspec_urls(src: Path, packed: dict[str, Path]) ->
 def test_staged_copy_is_used_and_partition_is_respected(
     packed: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from stager.stage.run import stage
+    from stager.stage import stage
 
     root = tmp_path / "nodelocal"
     dest = root / "full"

@@ -22,7 +22,7 @@ import pytest
 from stager.errors import CorruptSampleError
 from stager.loader import make_loader
 from stager.manifest import load_manifest
-from stager.pack.api import pack
+from stager.pack import pack
 from tools.datagen import make_imagefolder
 
 KW: dict[str, Any] = {

@@ -25,7 +25,8 @@ from PIL import Image
 from stager.errors import DestinationError, SourceError, SourceNotFoundError, UsageError
 from stager.formats import FORMAT_NAMES, get_format
 from stager.manifest import load_manifest
-from stager.pack.api import cut_shards, pack, plan_order
+from stager.pack.api import pack
+from stager.pack.plan import cut_shards, plan_order
 from stager.verify import verify
 
 ENCODED = [f for f in FORMAT_NAMES if get_format(f).sample_kind == "encoded"]

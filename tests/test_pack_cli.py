@@ -206,7 +206,8 @@ def test_missing_source_and_busy_destination(imagenet_tiny: Path, tmp_path: Path
 def test_rerun_of_a_complete_pack_clears_state_left_by_a_late_kill(imagenet_tiny: Path, tmp_path: Path) -> None:
     """A kill between writing manifest.json and removing .stager-pack leaves the state directory
     and possibly a stale partial; the rerun finds the pack complete and must still clear them."""
-    from stager.pack.api import STATE_DIR, pack
+    from stager.pack.api import pack
+    from stager.pack.shard import STATE_DIR
 
     out = tmp_path / "o"
     pack(imagenet_tiny, out, "tar", samples_per_shard=8)

@@ -23,8 +23,8 @@ import stager.pack.workers as pw
 from stager.errors import SourceError, UsageError
 from stager.formats.tar import check_key, check_keys
 from stager.manifest import load_manifest
-from stager.pack.api import pack
-from stager.pack.sources import open_source
+from stager.pack import pack
+from stager.pack.sources.select import open_source
 from stager.pack.workers import PackPool
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from stager.loader import ShardedDataset, make_loader
 from stager.manifest import load_manifest
-from stager.pack.api import pack
+from stager.pack import pack
 from stager.prefetch.prefetcher import Prefetcher, prepare_dest, rank_reads, read_progress, report_progress
 
 LOADER_KW = {"batch_size": 2, "world_size": 2, "num_workers": 0, "seed": 5, "decode": "raw", "shuffle_buffer": 2}

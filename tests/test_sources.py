@@ -16,14 +16,10 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from stager.errors import SourceError, SourceNotFoundError, UsageError
-from stager.pack.sources import (
-    check_encoded,
-    key_for,
-    open_source,
-    prepare_sample,
-    restricted_load,
-    unique_keys,
-)
+from stager.pack.sources.base import key_for, unique_keys
+from stager.pack.sources.checks import check_encoded, prepare_sample
+from stager.pack.sources.cifar import restricted_load
+from stager.pack.sources.select import open_source
 from tools.datagen import jpeg_bytes, png_bytes
 
 

@@ -21,7 +21,8 @@ from stager.fs.lock import NodeLock, boot_id
 from stager.manifest import load_manifest
 from stager.order.partition import assign_shards_to_nodes
 from stager.receipt import RECEIPT_NAME, find_staged_copy, load_receipt
-from stager.stage.run import plan_stage, read_source_manifest, resolve_node, stage
+from stager.stage import stage
+from stager.stage.plan import plan_stage, read_source_manifest, resolve_node
 from tests.test_stage_support import assert_verified_copy, last_json, make_dataset, spawn, stager
 
 
@@ -398,7 +399,7 @@ def test_no_fsync_resume_in_the_same_boot_keeps_verified_files(tmp_path: Path) -
     p.wait()
     done = len(journal.read_text().splitlines()) - 1
     assert 0 < done < len(m.shards)
-    from stager.stage.run import Journal
+    from stager.stage.journal import Journal
 
     assert Journal(journal, m.digest).has_volatile  # the durable rerun below must flush what it keeps
     res = stage(src, dest)  # durable this time: keeps the journaled files, flushes DEST once

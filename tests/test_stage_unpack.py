@@ -12,9 +12,9 @@ import pytest
 
 from stager.checksum import hash_file
 from stager.manifest import Manifest, ShardInfo
-from stager.pack.api import pack
+from stager.pack import pack
 from stager.receipt import find_staged_copy, load_receipt
-from stager.stage.run import stage
+from stager.stage import stage
 from tests.test_stage_support import last_json, stager
 
 

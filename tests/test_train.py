@@ -61,7 +61,7 @@ def read_keys(d: Path, rank: int) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def cifar_packed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from stager.pack.api import pack
+    from stager.pack import pack
     from tools.datagen import make_cifar
 
     base = tmp_path_factory.mktemp("train")

@@ -21,7 +21,7 @@ from stager.checksum import new_hasher
 from stager.errors import CorruptSampleError, StagerError, UnsafeArchiveError, VerificationError
 from stager.formats.tar import header_sum, iter_members
 from stager.manifest import Manifest, ShardInfo, load_manifest
-from stager.pack.api import pack
+from stager.pack import pack
 from stager.stage.unpack import ChunkReader, Unpacker, WriteBehind, walk_tar
 
 

@@ -7,7 +7,8 @@ import sys
 
 from stager.cli import add_common, emit
 from stager.fs.copy import CopyTuning
-from stager.stage.run import DEFAULT_UNPACK_DIR, stage
+from stager.stage.plan import DEFAULT_UNPACK_DIR
+from stager.stage.run import stage
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -17,9 +17,9 @@ import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
 from stager.errors import CorruptSampleError, UsageError
+from stager.loader.access import Resolved, ShardAccess, check_shards, resolve, validate_partition
 from stager.loader.batching import pack_raw, stack_images
 from stager.loader.shm import WorkerRing
-from stager.loader.source import Resolved, ShardAccess, check_shards, resolve, validate_partition
 from stager.loader.transforms import make_sample_fn
 from stager.order import epoch as planlib
 

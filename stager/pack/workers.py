@@ -45,17 +45,9 @@ from stager.errors import StagerError
 from stager.formats import get_format
 from stager.fs.atomic import partial_path, space_error
 from stager.fs.writeback import start_writeback
-from stager.pack.api import (
-    SampleRows,
-    ShardDone,
-    ShardJob,
-    cut_shards,
-    fsync_and_hash,
-    record_done,
-    write_samples,
-    write_shard,
-)
-from stager.pack.sources import SampleRef, Source
+from stager.pack.plan import cut_shards
+from stager.pack.shard import SampleRows, ShardDone, ShardJob, fsync_and_hash, record_done, write_samples, write_shard
+from stager.pack.sources.base import SampleRef, Source
 from stager.progress import Progress
 
 SEG_SAMPLES = 512  # at most this many samples per segment ...

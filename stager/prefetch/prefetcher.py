@@ -111,7 +111,7 @@ def rank_reads(ds: Any, epoch: int, open_files: int | None = None) -> list[Read]
     the loader's ``MAX_OPEN_FILES``) most recently read shards open (an LRU, new each epoch), which
     decides :attr:`Read.opens`.
     """
-    from stager.loader.source import MAX_OPEN_FILES
+    from stager.loader.access import MAX_OPEN_FILES
     from stager.order import epoch as planlib
 
     cap = MAX_OPEN_FILES if open_files is None else open_files

@@ -525,7 +525,7 @@ def run_unpack(plan: Any, journal: Any, workers: int, quiet: bool, result: Any, 
         local = Path(plan.dest) / info.name
         if m.format == "tar":
             if plan.unpack == "only":
-                from stager.stage.run import _open_source
+                from stager.stage.copier import _open_source
 
                 with _open_source(src_of[info.name]) as raw:
                     unpacker.unpack_tar(raw, info, new_hasher(m.hash_algo), on_progress=progress.update)

@@ -53,7 +53,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from stager.loader import make_loader  # noqa: E402
-from stager.pack.api import pack  # noqa: E402
+from stager.pack import pack  # noqa: E402
 from tools.datagen import make_cifar, make_imagefolder  # noqa: E402
 
 FORMATS = ("tar", "record", "hdf5", "zarr")

@@ -105,7 +105,7 @@ def run_stager(fmt: str, workers: int) -> Callable[[Path, Path], int]:
     """``pack()`` as ``stager pack`` runs it (a fresh interpreter, so that its worker pool forks)."""
 
     def run(src: Path, out: Path) -> int:
-        from stager.pack.api import pack
+        from stager.pack import pack
 
         return pack(str(src), str(out), fmt, shard_size=SHARD_BYTES, workers=workers).samples
 

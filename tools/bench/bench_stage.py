@@ -65,8 +65,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from stager.fs.copy import CopyTuning  # noqa: E402
-from stager.pack.api import pack  # noqa: E402
-from stager.stage.run import stage  # noqa: E402
+from stager.pack import pack  # noqa: E402
+from stager.stage import stage  # noqa: E402
 from tools.datagen import make_cifar, make_imagefolder  # noqa: E402
 
 ENGINES = {

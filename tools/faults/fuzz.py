@@ -270,7 +270,7 @@ def trial_receipt(data: bytes, tmp: Path) -> int:
 
 
 def trial_journal(data: bytes, tmp: Path) -> int:
-    from stager.stage.run import Journal
+    from stager.stage.journal import Journal
 
     p = tmp / ".stager-journal.jsonl"
     p.write_bytes(b'{"journal": 1, "digest": "d"}\n' + data)

@@ -181,7 +181,7 @@ def imagefolder_source(work: Path, classes: int = 3, per_class: int = 8, seed: i
 
 def packed(src: Path, out: Path, fmt: str = "tar", samples_per_shard: int = 8, **kw: Any) -> Any:
     """Pack ``src`` into ``out`` in-process (fixture data; the CLI is what trials exercise)."""
-    from stager.pack.api import pack
+    from stager.pack import pack
 
     if (out / "manifest.json").exists():
         from stager.manifest import load_manifest

@@ -53,10 +53,14 @@ from stager.fs.lock import NodeLock
 from stager.manifest import MANIFEST_NAME, Manifest
 from stager.progress import Progress
 from stager.receipt import RECEIPT_NAME, Receipt
-from stager.stage import run as _stage
 from stager.stage.collective.group import Group, RendezvousError, resolve_endpoint
 from stager.stage.collective.io import IoCounters, ShareReader, StreamSink
 from stager.stage.collective.plan import FileEntry, assign_read_shares, chunk_size_for, plan_streams
+from stager.stage.dest import _free_bytes, _receipt_done, _remove_stale_partials, load_receipt_quiet
+from stager.stage.dest import _mkdir_dest as mkdir_dest
+from stager.stage.journal import Journal
+from stager.stage.plan import StagePlan, plan_stage, read_source_manifest, resolve_node
+from stager.stage.run import stage as stage_node
 
 KILL_ENV = "STAGER_TEST_COLLECTIVE_KILL"
 FALLBACKS = ("direct", "none")
@@ -129,19 +133,19 @@ def _gb(n: int) -> str:
 
 
 # ---- public wrappers of the plain stage's helpers (one implementation of resume and receipts) --------
-def receipt_satisfies(plan: _stage.StagePlan) -> bool:
+def receipt_satisfies(plan: StagePlan) -> bool:
     """True if DEST's receipt already covers ``plan`` (sizes checked, nothing hashed)."""
-    return _stage._receipt_done(plan) is not None
+    return _receipt_done(plan) is not None
 
 
-def remove_stale_partials(plan: _stage.StagePlan) -> list[str]:
+def remove_stale_partials(plan: StagePlan) -> list[str]:
     """Delete ``<file>.<uuid>.partial`` leftovers of this plan's files in DEST."""
     names = {t.name for t in plan.tasks} | {MANIFEST_NAME, RECEIPT_NAME, plan.journal_path.name}
-    return _stage._remove_stale_partials(plan.dest, names)
+    return _remove_stale_partials(plan.dest, names)
 
 
 def free_bytes(dest: Path) -> int:
-    return _stage._free_bytes(dest)
+    return _free_bytes(dest)
 
 
 # ---- the command ------------------------------------------------------------------------------------
@@ -180,9 +184,9 @@ def stage_collective(
         from stager.errors import SourceNotFoundError
 
         raise SourceNotFoundError(f"{src}: no such packed dataset; give the `stager pack` output directory")
-    manifest, mbytes = _stage.read_source_manifest(src, storage_options)
-    n_idx, n_nodes, rpn, _ = _stage.resolve_node(node, num_nodes, ranks_per_node)
-    plan = _stage.plan_stage(src, manifest, mbytes, dest, partition=partition, shared=False, node=n_idx,
+    manifest, mbytes = read_source_manifest(src, storage_options)
+    n_idx, n_nodes, rpn, _ = resolve_node(node, num_nodes, ranks_per_node)
+    plan = plan_stage(src, manifest, mbytes, dest, partition=partition, shared=False, node=n_idx,
                              num_nodes=n_nodes, ranks_per_node=rpn, seed=seed)
     res = CollectiveResult(
         ok=True, source=plan.source, dest=str(plan.dest), mode=plan.mode, node=n_idx, num_nodes=n_nodes,
@@ -191,7 +195,7 @@ def stage_collective(
     )
 
     def direct(reason: str) -> CollectiveResult:
-        sr = _stage.stage(src, dest, partition=partition, shared=False, node=n_idx, num_nodes=n_nodes,
+        sr = stage_node(src, dest, partition=partition, shared=False, node=n_idx, num_nodes=n_nodes,
                           ranks_per_node=rpn, seed=seed, quiet=quiet, timeout=timeout, storage_options=storage_options)
         res.collective, res.fallback = False, reason
         res.dest = sr.dest
@@ -220,7 +224,7 @@ def stage_collective(
         t_data = time.perf_counter()
         if partition:
             # A node's partition share is read straight from SRC: nothing to exchange.
-            sr = _stage.stage(src, dest, partition=True, shared=False, node=n_idx, num_nodes=n_nodes,
+            sr = stage_node(src, dest, partition=True, shared=False, node=n_idx, num_nodes=n_nodes,
                               ranks_per_node=rpn, seed=seed, quiet=quiet, timeout=timeout,
                               storage_options=storage_options)
             res.files_written, res.files_kept = sr.files_copied, sr.files_kept
@@ -251,8 +255,8 @@ def stage_collective(
     return res
 
 
-def _mkdir_dest(plan: _stage.StagePlan) -> None:
-    _stage._mkdir_dest(plan.dest, plan.src_root)
+def _mkdir_dest(plan: StagePlan) -> None:
+    mkdir_dest(plan.dest, plan.src_root)
 
 
 def _stats(res: CollectiveResult) -> dict[str, Any]:
@@ -276,7 +280,7 @@ def _totals(per_node: list[Any]) -> dict[str, Any]:
     }
 
 
-def _file_mode(plan: _stage.StagePlan) -> int:
+def _file_mode(plan: StagePlan) -> int:
     """Staged files get owner rw plus the read bits SRC grants (as the plain stage does)."""
     if "://" in plan.src_root:
         return 0o600
@@ -286,13 +290,13 @@ def _file_mode(plan: _stage.StagePlan) -> int:
         return 0o600
 
 
-def _run_full(plan: _stage.StagePlan, group: Group, res: CollectiveResult, *, chunk_bytes: int,
+def _run_full(plan: StagePlan, group: Group, res: CollectiveResult, *, chunk_bytes: int,
               memory_bytes: int, quiet: bool) -> None:
     import torch.distributed as dist
 
     m = plan.manifest
     dest = plan.dest
-    existing = _stage.load_receipt_quiet(dest)
+    existing = load_receipt_quiet(dest)
     if existing is not None and existing.dataset_id != m.dataset_id:
         raise DestinationError(
             f"{dest}: already holds another staged dataset ({existing.source}, id {existing.dataset_id}); "
@@ -303,7 +307,7 @@ def _run_full(plan: _stage.StagePlan, group: Group, res: CollectiveResult, *, ch
         with contextlib.suppress(FileNotFoundError):
             os.unlink(dest / RECEIPT_NAME)
     remove_stale_partials(plan)
-    journal = _stage.Journal(plan.journal_path, m.digest)
+    journal = Journal(plan.journal_path, m.digest)
     try:
         all_files = [FileEntry(t.name, t.bytes, t.hash, t.shard) for t in plan.tasks]
         have = {f.name for f in all_files if journal.files.get(f.name) == f.bytes and _size(dest / f.name) == f.bytes}
@@ -504,7 +508,7 @@ def _kill_step(node: int) -> int:
     return -1
 
 
-def _shard_osts(plan: _stage.StagePlan) -> list[int] | None:
+def _shard_osts(plan: StagePlan) -> list[int] | None:
     """First OST of every shard when SRC is on Lustre and ``lfs`` is available, else None."""
     from stager.fs import lustre
     from stager.fs.info import detect_fs
@@ -537,7 +541,7 @@ def _read_quiet(p: Path) -> bytes | None:
         return None
 
 
-def _write_receipt(plan: _stage.StagePlan, res: CollectiveResult) -> None:
+def _write_receipt(plan: StagePlan, res: CollectiveResult) -> None:
     m: Manifest = plan.manifest
     files = [*sorted(plan.expected_files()), MANIFEST_NAME, plan.journal_path.name, RECEIPT_NAME]
     rec = Receipt(

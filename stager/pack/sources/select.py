@@ -1,0 +1,46 @@
+"""Which kind of source a path is: :func:`open_source`."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from stager.errors import SourceError, SourceNotFoundError, UsageError
+from stager.pack.sources.base import Source
+from stager.pack.sources.cifar import CIFAR_SPLITS, CifarSource
+from stager.pack.sources.imagefolder import ImageFolderSource
+from stager.pack.sources.listfile import ListSource
+from stager.pack.sources.packed import PackSource
+
+
+def open_source(src: str | os.PathLike[str], *, split: str | None = None, map_fn: Any = None) -> Source:
+    """Recognise and list the source at ``src`` (see the module docstring for the kinds).
+
+    ``map_fn`` (``map``-like) is used to list an ImageFolder's class folders (in parallel when it is
+    a process pool's ``map``). Raises :class:`SourceNotFoundError` for a missing path and
+    :class:`SourceError` for an empty or unrecognisable one.
+    """
+    root = Path(os.path.abspath(os.fspath(src)))
+    if not root.exists():
+        raise SourceNotFoundError(f"{root}: source does not exist")
+    if root.is_file():
+        if root.suffix.lower() in (".csv", ".jsonl", ".ndjson"):
+            src_obj: Source = ListSource(root)
+        elif root.name == "manifest.json":
+            src_obj = PackSource(root.parent)
+        else:
+            raise SourceError(
+                f"{root}: unsupported source file; expected a .csv/.jsonl list, an ImageFolder or CIFAR "
+                "batches directory, or a stager pack"
+            )
+    elif (root / "manifest.json").is_file():
+        src_obj = PackSource(root)
+    elif any((root / b).is_file() for names in CIFAR_SPLITS.values() for b in names):
+        src_obj = CifarSource(root, split or "train")
+    else:
+        src_obj = ImageFolderSource(root, map_fn=map_fn)
+    if split is not None and src_obj.kind != "cifar":
+        raise UsageError(f"--split applies to CIFAR batch directories only; {root} is a {src_obj.kind} source")
+    if not src_obj.refs:
+        raise SourceError(f"{root}: source holds no images ({src_obj.kind}); check the path")
+    return src_obj

@@ -1,0 +1,263 @@
+"""The copy streams of one stage run: verified copies of the plan's files into DEST.
+
+``workers`` threads each take the next file, copy it with the copy engine (:mod:`stager.fs.copy`:
+hash while copying, write-behind or O_DIRECT) into ``<name>.<uuid>.partial`` and compare size and
+hash with the manifest at EOF; finisher threads then fchmod, fchown, fsync, rename and journal the
+verified copy while the stream goes on. The first error cancels the other streams and is re-raised;
+a failed copy never leaves its partial file behind.
+
+``$STAGER_TEST_THROTTLE_BPS`` (test-only) limits each stream to that many bytes/s so that tests can
+kill a run mid-copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+from stager.checksum import new_hasher
+from stager.errors import ShardMissingError, StagerError, VerificationError
+from stager.fs.atomic import space_error
+from stager.fs.copy import (
+    DIRECT_ALIGN,
+    CopyTuning,
+    WriteBehind,
+    aligned_buffer,
+    copy_hashed,
+    copy_hashed_direct,
+    open_partial,
+)
+from stager.progress import Progress
+from stager.stage.journal import Journal
+from stager.stage.plan import FileTask, StagePlan
+
+THROTTLE_ENV = "STAGER_TEST_THROTTLE_BPS"
+
+
+# ---- copying ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Verified:
+    """A copy whose size and hash matched, still open as ``fd`` under its partial name ``tmp``."""
+
+    task: FileTask
+    fd: int
+    tmp: Path
+    final: Path
+    mode: int
+    gid: int | None
+
+
+class _Copier:
+    """Runs the copy streams; the first error cancels the others and is re-raised.
+
+    ``workers`` threads each take the next file and copy it with :func:`~stager.copyengine.copy_hashed`
+    (one reused buffer per stream, write-back started per block). A verified copy is then handed to
+    one of ``tuning.sync_threads`` finisher threads (fchmod, fchown, fsync, rename, journal), so a
+    stream goes on with its next file while the disk absorbs the last one; 0 finishes inline.
+    """
+
+    def __init__(self, plan: StagePlan, *, block: int, workers: int, journal: Journal, progress: Progress,
+                 warnings: list[str], tuning: CopyTuning | None = None, fsync: bool = True) -> None:
+        self.plan = plan
+        self.fsync = fsync
+        self.tuning = tuning or CopyTuning()
+        self.block = block
+        self.workers = workers
+        self.journal = journal
+        self.progress = progress
+        self.warnings = warnings
+        self.cancel = threading.Event()
+        self.errors: list[BaseException] = []
+        self.copied = 0
+        self.bytes = 0
+        self.direct_files = 0  # copies written with O_DIRECT (the rest went through the page cache)
+        self._lock = threading.Lock()
+        self._next = 0
+        self._throttle = float(os.environ.get(THROTTLE_ENV) or 0)
+        self._warned_group = False
+        self._finishers: ThreadPoolExecutor | None = None
+        # Bounds the verified copies waiting for a finisher (each holds an open fd).
+        self._pending = threading.BoundedSemaphore(max(1, self.tuning.sync_threads) + workers)
+
+    def run(self, tasks: list[FileTask], meanwhile: Callable[[], None] | None = None) -> None:
+        """Copy ``tasks``; ``meanwhile()`` runs on the calling thread while the streams copy."""
+        self._tasks = tasks
+        if self.tuning.sync_threads > 0:
+            self._finishers = ThreadPoolExecutor(self.tuning.sync_threads, thread_name_prefix="stage-sync")
+        threads = [threading.Thread(target=self._worker, name=f"stage-{i}", daemon=True)
+                   for i in range(min(self.workers, len(tasks)))]
+        try:
+            for t in threads:
+                t.start()
+            if meanwhile is not None:
+                try:
+                    meanwhile()
+                except BaseException as exc:
+                    self._fail(exc)
+            for t in threads:
+                t.join()
+        finally:
+            if self._finishers is not None:
+                self._finishers.shutdown(wait=True)
+        if self.errors:
+            raise self.errors[0]
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._lock:
+            self.errors.append(exc)
+        self.cancel.set()
+
+    def _worker(self) -> None:
+        buf = aligned_buffer(self.block)  # page-aligned: usable for O_DIRECT writes
+        while not self.cancel.is_set():
+            with self._lock:
+                if self._next >= len(self._tasks):
+                    return
+                task = self._tasks[self._next]
+                self._next += 1
+            try:
+                self._copy(task, buf)
+            except BaseException as exc:
+                self._fail(exc)
+                return
+
+    def _source_meta(self, task: FileTask) -> tuple[int, int | None]:
+        """(mode for the copy, gid to give it or None) from the source file."""
+        if "://" in task.src:
+            return 0o600, None
+        st = os.stat(task.src)
+        # Owner read/write always; group/other only what the source grants (never more).
+        return (stat.S_IMODE(st.st_mode) & 0o644) | 0o600, st.st_gid
+
+    def _on_block(self, start: float, done: list[int]) -> Any:
+        def on_block(n: int) -> None:
+            if self.cancel.is_set():
+                raise _CancelledError()
+            self.progress.update(0, n)
+            if self._throttle > 0:
+                done[0] += n
+                lag = done[0] / self._throttle - (time.perf_counter() - start)
+                if lag > 0:
+                    time.sleep(lag)
+        return on_block
+
+    def _copy(self, task: FileTask, buf: memoryview) -> None:
+        """Copy and verify ``task`` into a partial file, then finish it (inline or on a finisher)."""
+        final = self.plan.dest / task.name
+        tmp = self.plan.dest / f"{task.name}.{uuid.uuid4().hex[:12]}.partial"
+        mode, gid = self._source_meta(task)
+        hasher = new_hasher(self.plan.manifest.hash_algo)
+        fd, direct = open_partial(tmp, direct=self.tuning.direct and self.block % DIRECT_ALIGN == 0)
+        if direct:
+            with self._lock:
+                self.direct_files += 1
+        try:
+            with _open_source(task.src) as f:
+                on_block = self._on_block(time.perf_counter(), [0])
+                if direct:
+                    total = copy_hashed_direct(f, fd, buf, hasher, limit=task.bytes, on_block=on_block)
+                else:
+                    # Write-behind waits for the disk: only worth it when the fsync would wait anyway.
+                    wb = WriteBehind(fd, self.tuning.window) if self.fsync and self.tuning.window >= 0 else None
+                    total = copy_hashed(f, fd, buf, hasher, limit=task.bytes, write_behind=wb, on_block=on_block)
+            if total > task.bytes:
+                raise VerificationError(
+                    f"{task.name}: source {task.src} is larger than the manifest's {task.bytes} bytes; "
+                    "the source changed after packing: re-pack or restore it (no copy kept)"
+                )
+            got = hasher.hexdigest()
+            if total != task.bytes or got != task.hash:
+                raise VerificationError(
+                    f"{task.name}: verification failed copying {task.src} (expected {task.bytes} bytes "
+                    f"{self.plan.manifest.hash_algo} {task.hash}, got {total} bytes {got}); the source shard is "
+                    "damaged: restore it or re-pack (no copy kept)"
+                )
+        except BaseException as exc:
+            _discard_partial(fd, tmp, final, exc)
+        done = _Verified(task, fd, tmp, final, mode, gid)
+        if self._finishers is None:
+            self._finish(done)
+            return
+        self._pending.acquire()
+        try:
+            self._finishers.submit(self._finish_async, done)
+        except BaseException as exc:
+            self._pending.release()
+            _discard_partial(fd, tmp, final, exc)
+
+    def _finish_async(self, done: _Verified) -> None:
+        try:
+            self._finish(done)
+        except BaseException as exc:
+            self._fail(exc)
+        finally:
+            self._pending.release()
+
+    def _finish(self, done: _Verified) -> None:
+        """Permissions, group, fsync, rename, journal line; closes the fd (removes the partial on error)."""
+        task, fd, tmp, final, mode, gid = done.task, done.fd, done.tmp, done.final, done.mode, done.gid
+        try:
+            if self.cancel.is_set():
+                raise _CancelledError()
+            os.fchmod(fd, mode)
+            if gid is not None and gid != os.getegid():
+                try:
+                    os.fchown(fd, -1, gid)
+                except PermissionError:
+                    with self._lock:
+                        if not self._warned_group:
+                            self._warned_group = True
+                            self.warnings.append(f"cannot give staged files the source's group {gid} (EPERM)")
+            if self.fsync:
+                os.fsync(fd)
+            os.close(fd)
+            fd = -1
+            os.replace(tmp, final)
+        except BaseException as exc:
+            _discard_partial(fd, tmp, final, exc)
+        self.journal.add_file(task.name, task.bytes)
+        with self._lock:
+            self.copied += 1
+            self.bytes += task.bytes
+        self.progress.update(1, 0)
+
+
+def _discard_partial(fd: int, tmp: Path, final: Path, exc: BaseException) -> NoReturn:
+    """Close ``fd`` (if open), remove ``tmp`` and re-raise ``exc`` (disk-full errors made one-line)."""
+    if fd >= 0:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    if isinstance(exc, OSError) and not isinstance(exc, StagerError):
+        err = space_error(exc, final)
+        if err is not None:
+            raise err from exc
+    raise exc
+
+
+class _CancelledError(Exception):
+    """Another stream failed; this one stops quietly."""
+
+
+def _open_source(src: str) -> Any:
+    if "://" in src:
+        import fsspec
+
+        return fsspec.open(src, "rb").open()
+    try:
+        f = open(src, "rb", buffering=0)  # noqa: SIM115 - returned to a with-statement
+    except FileNotFoundError as exc:
+        raise ShardMissingError(f"{src}: shard listed in the manifest is missing; restore it or re-pack") from exc
+    with contextlib.suppress(OSError, AttributeError):
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    return f

@@ -1,0 +1,88 @@
+"""The staging journal: an append-only record of the files verified in DEST, for resume."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from stager.fs.atomic import atomic_write_bytes, boot_id
+
+
+# ---- journal ----------------------------------------------------------------------------------------
+class Journal:
+    """Append-only record of verified files (and unpacked shards) of one dataset in DEST.
+
+    Line 1 is ``{"journal": 1, "digest": <manifest digest>}``; then ``{"f": name, "b": bytes}`` per
+    verified file and ``{"u": shard name}`` per unpacked shard. A journal of another dataset is reset.
+    Appends are single ``write`` calls on an ``O_APPEND`` fd, so a kill -9 loses at most a line.
+    ``volatile`` (``--no-fsync``): the files were not fsynced, so each line also carries
+    ``"v": <boot id>`` and is ignored after a reboot (the file is copied again).
+    """
+
+    def __init__(self, path: Path, digest: str, *, volatile: bool = False) -> None:
+        self.path = path
+        this_boot = boot_id()
+        self._mark = {"v": this_boot} if volatile else {}
+        self.files: dict[str, int] = {}
+        self.unpacked: set[str] = set()
+        self.has_volatile = False  # a trusted line came from a --no-fsync run of this boot
+        self._lock = threading.Lock()
+        valid = False
+        with contextlib.suppress(FileNotFoundError):
+            lines = path.read_bytes().splitlines()
+            if lines:
+                with contextlib.suppress(ValueError, RecursionError):
+                    head = json.loads(lines[0])
+                    valid = isinstance(head, dict) and head.get("digest") == digest
+            for line in lines[1:] if valid else []:
+                try:
+                    rec = json.loads(line)
+                except (ValueError, RecursionError):
+                    continue  # a torn last line
+                # A damaged line is ignored: its file is then copied (and verified) again.
+                if not isinstance(rec, dict) or rec.get("v", this_boot) != this_boot:
+                    continue  # damaged, or unsynced before a reboot: not trusted
+                self.has_volatile |= "v" in rec
+                if isinstance(rec.get("f"), str) and type(rec.get("b")) is int:
+                    self.files[rec["f"]] = rec["b"]
+                elif isinstance(rec.get("u"), str):
+                    self.unpacked.add(rec["u"])
+        self._digest = digest
+        # A fresh header is written (atomically, fsynced) by the first append or by close(), not here:
+        # during a copy that is a finisher thread, so its two fsyncs overlap the copy streams. Until
+        # then an old journal stays as it was; it does not match the digest, so it is ignored.
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND) if valid else -1
+
+    def _open(self) -> int:
+        """The append fd, writing a fresh header first if needed (call with ``_lock`` held)."""
+        if self._fd == -2:
+            raise ValueError(f"{self.path}: journal already closed")
+        if self._fd < 0:
+            header = (json.dumps({"journal": 1, "digest": self._digest}) + "\n").encode()
+            atomic_write_bytes(self.path, header, mode=0o600)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        return self._fd
+
+    def _append(self, rec: dict[str, Any]) -> None:
+        with self._lock:
+            os.write(self._open(), (json.dumps(rec) + "\n").encode())
+
+    def add_file(self, name: str, nbytes: int) -> None:
+        self._append({"f": name, "b": nbytes, **self._mark})
+        self.files[name] = nbytes
+
+    def add_unpacked(self, shard: str) -> None:
+        self._append({"u": shard, **self._mark})
+        self.unpacked.add(shard)
+
+    def close(self) -> None:
+        with self._lock:
+            fd = self._open()
+            self._fd = -2  # closed: a later append fails instead of silently recreating the header
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
+        os.close(fd)

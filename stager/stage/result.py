@@ -1,0 +1,57 @@
+"""What a stage run did (:class:`StageResult`): the ``--json`` object of ``stager stage``."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+# ---- the result -----------------------------------------------------------------------------------
+@dataclass
+class StageResult:
+    ok: bool
+    source: str
+    dest: str
+    mode: str
+    dataset_id: str
+    already_staged: bool
+    files_total: int
+    bytes_total: int
+    files_copied: int = 0
+    bytes_copied: int = 0
+    files_kept: int = 0
+    seconds: float = 0.0
+    gbps: float = 0.0
+    waited_s: float = 0.0
+    lock_takeover: dict[str, Any] | None = None
+    removed_partials: list[str] = field(default_factory=list)
+    ordering: str = ""
+    workers: int = 0
+    block_size: int = 0
+    io: str = ""  # "direct" (O_DIRECT writes), "buffered", or "mixed"
+    durable: bool = True  # False with --no-fsync: data may still be in the page cache
+    unpacked: str | None = None
+    unpacked_files: int = 0
+    partition: dict[str, int] | None = None
+    node_source: str = ""
+    receipt: str = ""
+    dest_fs: str = ""
+    source_fs: str = ""
+    warnings: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def summary(self) -> str:
+        if self.already_staged:
+            return (f"{self.dest}: already staged ({self.files_total} files, {self.bytes_total / 1e9:.2f} GB, "
+                    f"mode {self.mode}); nothing to do")
+        s = (f"staged {self.files_copied} files, {self.bytes_copied / 1e9:.3f} GB in {self.seconds:.2f} s "
+             f"({self.gbps:.2f} GB/s, verified{', ' + self.io + ' I/O' if self.io else ''}"
+             f"{'' if self.durable else ', not fsynced'}) to {self.dest} "
+             f"[mode {self.mode}]")
+        if self.files_kept:
+            s += f"; kept {self.files_kept} verified files from an earlier run"
+        if self.unpacked:
+            s += f"; unpacked {self.unpacked_files} files to {self.unpacked}"
+        return s
