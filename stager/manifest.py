@@ -37,6 +37,7 @@ from stager import __version__
 from stager.checksum import ALGOS, DEFAULT_ALGO
 from stager.errors import ManifestError, ShardMissingError, UnsafeArchiveError
 from stager.fs.atomic import atomic_write_bytes
+from stager.fs.open import is_url, read_bytes
 
 SCHEMA = "stager.manifest/1"
 MANIFEST_NAME = "manifest.json"
@@ -137,6 +138,11 @@ class Manifest:
     def num_bytes(self) -> int:
         """Bytes of all files a copy needs (shards and their companion files)."""
         return sum(s.bytes + sum(a.bytes for a in s.aux) for s in self.shards)
+
+    @property
+    def shard_bytes(self) -> np.ndarray:
+        """int64 (shards,): each shard's bytes with its companion files (what a node holding it stores)."""
+        return np.array([s.bytes + sum(a.bytes for a in s.aux) for s in self.shards], dtype=np.int64)
 
     def files(self) -> Iterator[tuple[str, int, str]]:
         """Every file of the dataset except the manifest: ``(name, bytes, hash)``, shards first."""
@@ -322,12 +328,9 @@ def manifest_path(path: str | os.PathLike[str]) -> str:
 def load_manifest(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> Manifest:
     """Read and validate the manifest of a packed directory (local path or fsspec URL)."""
     mp = manifest_path(path)
-    if "://" in mp:
-        import fsspec
-
+    if is_url(mp):
         try:
-            with fsspec.open(mp, "rb", **(storage_options or {})) as f:
-                data = f.read(MAX_MANIFEST_BYTES + 1)
+            data = read_bytes(mp, storage_options, limit=MAX_MANIFEST_BYTES)
         except FileNotFoundError as exc:
             raise ShardMissingError(f"{mp}: no manifest; run `stager pack SRC OUT` first") from exc
     else:

@@ -17,17 +17,17 @@ copy is ignored, and staged again, once the node has rebooted).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import stat
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from stager.errors import ManifestError
-from stager.fs.atomic import atomic_write_bytes, boot_id
+from stager.fs.access import chgrp_quiet, size_or_missing
+from stager.fs.atomic import atomic_write_bytes
+from stager.fs.kernel import boot_id
 from stager.manifest import Manifest
 
 RECEIPT_NAME = "stager-receipt.json"
@@ -64,26 +64,6 @@ class Receipt:
         atomic_write_bytes(path, (json.dumps(asdict(self), indent=1) + "\n").encode(), mode=mode)
         chgrp_quiet(path, gid)
         return path
-
-
-def source_access(source_file: str | os.PathLike[str]) -> tuple[int, int | None]:
-    """``(mode, gid)`` for a file stage writes about a dataset (receipt, unpacked images): the source
-    file's group and at most its read/write bits, owner read/write always, so a group-only (licensed)
-    dataset never becomes world-readable. URLs and unreadable paths give ``(0o644, None)`` / ``(0o600, None)``."""
-    if "://" in os.fspath(source_file):
-        return 0o644, None
-    try:
-        st = os.stat(source_file)
-    except OSError:
-        return 0o600, None
-    return (stat.S_IMODE(st.st_mode) & 0o644) | 0o600, st.st_gid
-
-
-def chgrp_quiet(path: str | os.PathLike[str], gid: int | None) -> None:
-    """Give ``path`` group ``gid`` when it differs from ours; skipped where we may not (EPERM)."""
-    if gid is not None and gid != os.getegid():
-        with contextlib.suppress(PermissionError):
-            os.chown(path, -1, gid)
 
 
 def load_receipt(dest: str | os.PathLike[str]) -> Receipt | None:
@@ -167,13 +147,8 @@ def find_staged_copy(
                 continue
             if rec is None or rec.manifest_digest != digest or not rec.trusted():
                 continue
-            if all(_size(d / name) == sizes.get(name, -2) for name in rec.shards):
+            if all(size_or_missing(d / name) == sizes.get(name, -2) for name in rec.shards):
                 return d, rec
     return None
 
 
-def _size(p: Path) -> int:
-    try:
-        return p.stat().st_size
-    except OSError:
-        return -1

@@ -150,7 +150,7 @@ def test_partition_each_node_holds_its_share(packed: Path, tmp_path: Path) -> No
     m = load_manifest(packed)
     n = 3
     results = _finish(_launch(tmp_path, str(packed), n, extra=["--partition", "--seed", "7"]))
-    shares = assign_shards_to_nodes(m, n, 7)
+    shares = assign_shards_to_nodes(m.shard_bytes, n, 7)
     for i, (rc, res, err) in enumerate(results):
         assert rc == 0, err
         assert res["mode"] == "partition" and res["exchange_bytes"] == 0
@@ -227,7 +227,7 @@ def test_read_shares_are_disjoint_cover_and_balanced(packed: Path, nodes: int) -
                 assert max(counts) - min(counts) <= 1
             firsts = [osts[sh[0]] for sh in shares if sh]
             assert len(set(firsts)) == len(firsts)
-    assert assign_read_shares(m, nodes, seed=3) == assign_shards_to_nodes(m, nodes, 3)
+    assert assign_read_shares(m, nodes, seed=3) == assign_shards_to_nodes(m.shard_bytes, nodes, 3)
 
 
 def test_chunk_size_respects_memory_budget() -> None:

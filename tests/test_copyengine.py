@@ -16,13 +16,13 @@ from stager.fs.copy import (
     DIRECT_ALIGN,
     O_DIRECT,
     CopyTuning,
-    WriteBehind,
     aligned_buffer,
     copy_hashed,
     copy_hashed_direct,
     open_partial,
-    sync_file_range,
 )
+from stager.fs.kernel import sync_file_range
+from stager.fs.writeback import WriteBehind
 from stager.manifest import MANIFEST_NAME
 from stager.stage import stage
 

@@ -302,7 +302,7 @@ def test_staged_copy_is_used_and_partition_is_respected(
     m = load_manifest(packed["tar"])
     from stager.order.partition import assign_shards_to_nodes
 
-    groups = assign_shards_to_nodes(m, 2, 0)
+    groups = assign_shards_to_nodes(m.shard_bytes, 2, 0)
     node_dirs = [tmp_path / f"node{i}" for i in range(2)]
     for i, nd in enumerate(node_dirs):
         stage(packed["tar"], nd / "data", partition=True, node=i, num_nodes=2, ranks_per_node=2)

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from stager.fs import lustre
-from stager.fs.info import detect_fs, parse_mountinfo, statfs_magic
+from stager.fs.info import detect_fs, parse_mountinfo
+from stager.fs.kernel import statfs_magic
 from stager.stage import stage
 from stager.stage.plan import FileTask, order_for_streams
 from tests.test_stage_support import LFS_BIN, assert_verified_copy, make_dataset, stager

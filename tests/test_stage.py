@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from stager.errors import OutOfSpaceError, StagerTimeoutError, VerificationError
-from stager.fs.lock import NodeLock, boot_id
+from stager.fs.kernel import boot_id
+from stager.fs.lock import NodeLock
 from stager.manifest import load_manifest
 from stager.order.partition import assign_shards_to_nodes
 from stager.receipt import RECEIPT_NAME, find_staged_copy, load_receipt
@@ -237,7 +238,7 @@ def test_permissions_follow_the_source(tmp_path: Path) -> None:
 def test_partition_mode_stages_exactly_the_loaders_share(tmp_path: Path) -> None:
     src = tmp_path / "src"
     m = make_dataset(src, n=7, size=8 << 10)
-    shares = assign_shards_to_nodes(m, 3, seed=4)
+    shares = assign_shards_to_nodes(m.shard_bytes, 3, seed=4)
     for node in range(3):
         dest = tmp_path / f"node{node}"
         if node == 1:  # identity from Slurm's environment instead of flags
@@ -267,7 +268,7 @@ def test_shared_dest_three_nodes_write_each_shard_once(tmp_path: Path) -> None:
         so, se = p.communicate(timeout=120)
         assert p.returncode == 0, se
         outs.append(last_json(so))
-    shares = assign_shards_to_nodes(m, 3, seed=0)
+    shares = assign_shards_to_nodes(m.shard_bytes, 3, seed=0)
     written: list[str] = []
     for node in range(3):
         lines = (dest / f".stager-journal.node{node}.jsonl").read_text().splitlines()[1:]
@@ -436,3 +437,48 @@ def test_durable_rerun_upgrades_a_no_fsync_copy_without_copying(ds, tmp_path: Pa
     _as_if_rebooted(dest)
     assert find_staged_copy(m, [dest]) is not None
     assert stage(src, dest).already_staged
+
+
+class _CredentialFS:
+    """Builds an fsspec file system (a real LocalFileSystem subclass under its own protocol) that,
+    like an object store, refuses every open without the credential it was configured with."""
+
+    @staticmethod
+    def register() -> str:
+        import fsspec
+        from fsspec.implementations.local import LocalFileSystem
+
+        class TokenFS(LocalFileSystem):
+            protocol = "stagertoken"
+
+            def __init__(self, token: str | None = None, **kw: object) -> None:
+                super().__init__(**kw)
+                self.token = token
+
+            def _open(self, path, mode="rb", **kw):  # type: ignore[no-untyped-def]
+                if self.token != "s3cret":
+                    raise PermissionError(f"{path}: no credentials")
+                return super()._open(path, mode, **kw)
+
+        fsspec.register_implementation("stagertoken", TokenFS, clobber=True)
+        return "stagertoken"
+
+
+def test_storage_options_reach_every_shard_open(imagenet_tiny: Path, tmp_path: Path) -> None:
+    """The manifest read and every shard open (copy, and the streamed ``--unpack only``) get the
+    caller's storage_options: a store that needs a credential is staged completely, and without it
+    nothing is staged."""
+    from stager.pack import pack
+
+    src = tmp_path / "src"
+    m = pack(imagenet_tiny, src, "tar", samples_per_shard=16).manifest
+    assert m is not None
+    url = f"{_CredentialFS.register()}://{src}"
+    with pytest.raises(PermissionError):
+        stage(url, tmp_path / "nocred")
+    assert not (tmp_path / "nocred" / RECEIPT_NAME).exists()
+    res = stage(url, tmp_path / "dest", storage_options={"token": "s3cret"})
+    assert res.files_copied == len(m.shards)
+    assert_verified_copy(m, tmp_path / "dest")
+    only = stage(url, tmp_path / "only", storage_options={"token": "s3cret"}, unpack="only")
+    assert only.unpacked_files == m.num_samples

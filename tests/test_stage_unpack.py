@@ -64,7 +64,7 @@ def test_unpack_only_no_fsync_journals_every_shard_as_volatile(packed_tar: Path,
                                                                tmp_path: Path) -> None:
     import json
 
-    from stager.fs.atomic import boot_id
+    from stager.fs.kernel import boot_id
 
     dest = tmp_path / "dest"
     r = stager("stage", str(packed_tar), str(dest), "--unpack", "only", "--no-fsync", "--json")

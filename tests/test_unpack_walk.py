@@ -22,7 +22,7 @@ from stager.errors import CorruptSampleError, StagerError, UnsafeArchiveError, V
 from stager.formats.tar import header_sum, iter_members
 from stager.manifest import Manifest, ShardInfo, load_manifest
 from stager.pack import pack
-from stager.stage.unpack import ChunkReader, Unpacker, WriteBehind, walk_tar
+from stager.stage.unpack import ChunkReader, SyncfsBatcher, Unpacker, walk_tar
 
 
 @pytest.fixture(scope="module")
@@ -266,7 +266,7 @@ def test_group_comes_from_setgid_class_dirs(packed: Path, tmp_path: Path) -> Non
 # ---- write-behind: a shard is journaled only after a syncfs that began after it finished ------------
 def test_write_behind_journals_only_after_a_sync(tmp_path: Path) -> None:
     journaled: list[str] = []
-    wb = WriteBehind(tmp_path, journaled.append, every=100)
+    wb = SyncfsBatcher(tmp_path, journaled.append, every=100)
     wb.shard_done("a")
     assert journaled == []  # no kick yet: nothing is durable, nothing journaled
     wb.wrote(150)  # kicks a background syncfs
@@ -284,7 +284,7 @@ def test_write_behind_surfaces_a_journal_failure(tmp_path: Path) -> None:
     def boom(name: str) -> None:
         raise OSError(f"journal write failed for {name}")
 
-    wb = WriteBehind(tmp_path, boom, every=1)
+    wb = SyncfsBatcher(tmp_path, boom, every=1)
     wb.shard_done("a")
     wb.wrote(10)
     with pytest.raises(OSError, match="journal write failed"):

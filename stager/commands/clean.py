@@ -12,16 +12,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import re
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from stager.cli import add_common, emit
 from stager.errors import DestinationError, StagerError, UnsafeArchiveError
+from stager.fs.atomic import partial_base
 from stager.fs.lock import NodeLock
 from stager.receipt import RECEIPT_NAME, load_receipt
-
-_PARTIAL_RE = re.compile(r"^(?P<base>.+)\.[0-9a-f]{12}\.partial$")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -125,7 +123,7 @@ def clean(dest: str | os.PathLike[str], *, dry_run: bool = False, timeout: float
     lock_name = ".stager-lock" + (f".node{rec.partition['node']}" if rec.mode == "shared" and rec.partition else "")
     stems = _unpacked_stems(d) if rec.unpacked else None  # before manifest.json goes
     with NodeLock(d / lock_name, timeout=timeout):
-        partials = [d / e.name for e in os.scandir(d) if (m := _PARTIAL_RE.match(e.name)) and m.group("base") in base]
+        partials = [d / e.name for e in os.scandir(d) if partial_base(e.name) in base]
         for p in [*targets, *partials, d / RECEIPT_NAME]:
             if not os.path.lexists(p):
                 continue

@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # Start-of-frame markers: C0-CF except DHT (C4), JPG (C8), DAC (CC).
-_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+# Start-of-frame markers (baseline, progressive, lossless, arithmetic): the frame header follows.
+SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 _STANDALONE = frozenset(range(0xD0, 0xD8)) | {0x01}
 _SOS, _EOI = 0xDA, 0xD9
 
@@ -69,7 +70,7 @@ def parse_jpeg_header(data: bytes | bytearray | memoryview) -> JpegHeader:
         seglen = (data[p + 2] << 8) | data[p + 3]
         if seglen < 2 or p + 2 + seglen > n:
             raise HeaderError(f"segment 0x{marker:02x} at byte {p} has length {seglen} past the end ({n} bytes)")
-        if marker in _SOF:
+        if marker in SOF_MARKERS:
             if seglen < 8:
                 raise HeaderError(f"frame header too short ({seglen} bytes)")
             precision = data[p + 4]

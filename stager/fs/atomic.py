@@ -3,57 +3,30 @@
 Every file stager creates is written as ``<name>.<uuid>.partial`` in the destination directory,
 fsynced, renamed with :func:`os.replace` and the directory fsynced. On any exception the partial
 file is removed. A crash (kill -9, node reboot) can leave ``*.partial`` files, never a torn final
-file; :func:`remove_stale_partials` clears them on the next run.
+file; :func:`remove_partials` clears them on the next run.
 
 The one exception is ``stager stage --no-fsync`` (the cp/dcp trade: renamed without fsync, so the
 data may still be in the page cache when the command returns). What it writes is marked with
-:func:`boot_id`; after a reboot such marks no longer match and the files are not trusted again.
+:func:`stager.fs.kernel.boot_id`; after a reboot such marks no longer match and the files are not trusted again.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
-import functools
 import os
-import time
+import re
 import uuid
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
 from stager.errors import OutOfSpaceError
 
 PARTIAL_SUFFIX = ".partial"
+# ``<final name>.<12 hex digits>.partial``: the one spelling of a partial file (see partial_path).
+PARTIAL_RE = re.compile(r"^(?P<base>.+)\.[0-9a-f]{12}\.partial$")
 _SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
-
-
-@functools.lru_cache(maxsize=1)
-def boot_id() -> str:
-    """An identifier of the running boot: Linux's ``/proc/sys/kernel/random/boot_id``; elsewhere the
-    boot time to 10 s (a rounding edge can only make a later run distrust and redo work, never trust
-    more). Unsynced writes from another boot may be lost or torn, so they are never trusted."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return f"boot@{round(time.time() - time.monotonic(), -1):.0f}"
-
-
-def syncfs(path: str | os.PathLike[str]) -> None:
-    """Flush the file system holding ``path`` once (Linux ``syncfs``); fall back to ``os.sync``."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        try:
-            if libc.syncfs(fd) == 0:
-                return
-        finally:
-            os.close(fd)
-    except (OSError, AttributeError):
-        pass
-    os.sync()
 
 
 def partial_path(final: str | os.PathLike[str]) -> Path:
@@ -129,16 +102,31 @@ def atomic_write_bytes(final: str | os.PathLike[str], data: bytes, mode: int | N
         f.write(data)
 
 
-def remove_stale_partials(directory: str | os.PathLike[str]) -> list[Path]:
-    """Delete ``*.partial`` files left by a crashed run in ``directory``; return what was removed."""
-    removed: list[Path] = []
-    d = Path(directory)
-    if not d.is_dir():
+def partial_base(name: str) -> str | None:
+    """The final name a partial file ``<base>.<12 hex>.partial`` stands for, or None if ``name`` is not one."""
+    m = PARTIAL_RE.match(name)
+    return m.group("base") if m else None
+
+
+def remove_partials(directory: str | os.PathLike[str], bases: Collection[str] | None = None) -> list[str]:
+    """Delete the partial files a crashed run left in ``directory``; return the names removed.
+
+    Only regular files named ``<base>.<12 hex>.partial`` (what :func:`partial_path` makes) are
+    removed, and with ``bases`` only those whose ``<base>`` is in it: a shared directory (a BeeOND
+    DEST) may hold another writer's live partials of other files.
+    """
+    removed: list[str] = []
+    try:
+        entries = list(os.scandir(directory))
+    except (FileNotFoundError, NotADirectoryError):
         return removed
-    for p in d.iterdir():
-        if p.name.endswith(PARTIAL_SUFFIX) and p.is_file():
-            _unlink_quiet(p)
-            removed.append(p)
+    for entry in entries:
+        base = partial_base(entry.name)
+        if base is None or (bases is not None and base not in bases):
+            continue
+        if entry.is_file(follow_symlinks=False) or entry.is_symlink():
+            _unlink_quiet(entry.path)
+            removed.append(entry.name)
     return removed
 
 

@@ -33,24 +33,17 @@ Measured effects and the block/stream sweep: docs/bench/stage.md.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import fcntl
-import functools
 import mmap
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from stager.checksum import Hasher
+from stager.fs.writeback import DEFAULT_WINDOW, WriteBehind
 
-# <linux/fs.h>
-SYNC_FILE_RANGE_WAIT_BEFORE = 1
-SYNC_FILE_RANGE_WRITE = 2
-SYNC_FILE_RANGE_WAIT_AFTER = 4
-DEFAULT_WINDOW = 64 << 20  # dirty bytes one stream may hold before it waits for its oldest write-back
 # O_DIRECT alignment of buffer address, length and file offset: 4 KiB covers 512 B and 4 KiB sector devices.
 DIRECT_ALIGN = 4096
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)
@@ -75,65 +68,6 @@ class CopyTuning:
 
 class Readable(Protocol):
     def readinto(self, buf: memoryview, /) -> int | None: ...
-
-
-@functools.lru_cache(maxsize=1)
-def _sync_file_range() -> Any:
-    """libc's ``sync_file_range`` (``int(int fd, off64_t off, off64_t n, unsigned flags)``) or None."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)  # the libc already loaded into this process
-        fn = libc.sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def sync_file_range(fd: int, offset: int, nbytes: int, flags: int) -> bool:
-    """Call ``sync_file_range(2)``; False where it is unavailable or unsupported (nothing done).
-
-    Errors other than "not supported" (EIO, ENOSPC) raise OSError: they would fail the fsync too.
-    """
-    fn = _sync_file_range()
-    if fn is None:
-        return False
-    if fn(fd, offset, nbytes, flags) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EINVAL, errno.ESPIPE, errno.EOPNOTSUPP):
-        return False
-    raise OSError(err, os.strerror(err))
-
-
-class WriteBehind:
-    """Start write-back of each written range at once; keep at most ``window`` bytes in flight.
-
-    ``wrote(offset, n)`` after every write; the caller still fsyncs at the end (this only moves the
-    disk work earlier, it promises nothing about durability). ``window=0`` starts write-back but
-    never waits.
-    """
-
-    def __init__(self, fd: int, window: int = DEFAULT_WINDOW) -> None:
-        self.fd = fd
-        self.window = window
-        self.enabled = _sync_file_range() is not None
-        self._waited_to = 0  # everything before this offset has been written back
-
-    def wrote(self, offset: int, nbytes: int) -> None:
-        if not self.enabled or nbytes <= 0:
-            return
-        if not sync_file_range(self.fd, offset, nbytes, SYNC_FILE_RANGE_WRITE):
-            self.enabled = False
-            return
-        behind = offset + nbytes - self.window
-        if self.window > 0 and behind > self._waited_to:
-            # WAIT_BEFORE|WRITE|WAIT_AFTER on an already-started range: wait for it to reach the disk.
-            sync_file_range(self.fd, self._waited_to, behind - self._waited_to,
-                            SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER)
-            self._waited_to = behind
 
 
 def aligned_buffer(nbytes: int) -> memoryview:
@@ -276,5 +210,5 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         offset += n
 
 
-__all__ = ["DIRECT_ALIGN", "CopyTuning", "WriteBehind", "aligned_buffer", "copy_hashed", "copy_hashed_direct",
-           "fill", "open_partial", "set_direct", "sync_file_range", "write_all"]
+__all__ = ["DIRECT_ALIGN", "CopyTuning", "aligned_buffer", "copy_hashed", "copy_hashed_direct",
+           "fill", "open_partial", "set_direct", "write_all"]

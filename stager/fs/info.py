@@ -12,10 +12,10 @@ fixture's fstype wins over the real statfs magic so that a test can pretend a tm
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import os
 from dataclasses import dataclass
+
+from stager.fs.kernel import statfs_magic
 
 MOUNTINFO_ENV = "STAGER_MOUNTINFO"
 DEFAULT_MOUNTINFO = "/proc/self/mountinfo"
@@ -79,28 +79,6 @@ class FsInfo:
             "source": self.source,
             "magic": None if self.magic is None else f"0x{self.magic:08X}",
         }
-
-
-class _Statfs(ctypes.Structure):
-    # Only f_type is read; the rest of struct statfs is padding large enough for every Linux ABI.
-    _fields_ = [("f_type", ctypes.c_long), ("_rest", ctypes.c_byte * 256)]
-
-
-@functools.lru_cache(maxsize=1)
-def _libc() -> ctypes.CDLL:
-    # The libc already mapped into this process: find_library("c") would run ldconfig (~25 ms per CLI call).
-    return ctypes.CDLL(None, use_errno=True)
-
-
-def statfs_magic(path: str | os.PathLike[str]) -> int | None:
-    """``statfs(path).f_type`` as an unsigned 32-bit number, or None (no such path, not Linux)."""
-    try:
-        buf = _Statfs()
-        if _libc().statfs(os.fsencode(os.fspath(path)), ctypes.byref(buf)) != 0:
-            return None
-    except (OSError, AttributeError):
-        return None
-    return int(buf.f_type) & 0xFFFFFFFF
 
 
 def _unescape(field: str) -> str:

@@ -25,13 +25,13 @@ import json
 import os
 import socket
 import time
-import uuid
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from stager.errors import StagerTimeoutError
-from stager.fs.atomic import boot_id
+from stager.fs.atomic import partial_path
+from stager.fs.kernel import boot_id
 
 
 def pid_alive(pid: int) -> bool:
@@ -80,7 +80,7 @@ class NodeLock:
         return (json.dumps(rec) + "\n").encode()
 
     def _try_create(self) -> bool:
-        tmp = self.path.with_name(f"{self.path.name}.{uuid.uuid4().hex[:12]}.partial")
+        tmp = partial_path(self.path)
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.write(fd, self._record())

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from stager.errors import ShardMissingError, SourceNotFoundError, UsageError, VerificationError
+from stager.fs.open import filesystem
 from stager.loader.index import DatasetIndex, index_from_folder, index_from_manifest
 from stager.manifest import MANIFEST_NAME, dataset_root, load_manifest
 from stager.receipt import Receipt, find_staged_copy
@@ -81,9 +82,7 @@ def _has_manifest(path: str, storage_options: dict[str, Any]) -> bool:
     local = _local_of(path)
     if local is not None:
         return os.path.isfile(os.path.join(local, MANIFEST_NAME))
-    import fsspec
-
-    fs, p = fsspec.core.url_to_fs(path, **storage_options)
+    fs, p = filesystem(path, storage_options)
     return bool(fs.exists(p.rstrip("/") + "/" + MANIFEST_NAME))
 
 
@@ -108,9 +107,7 @@ def resolve(
     if not _has_manifest(p, so):
         if local is not None:
             return Resolved(index_from_folder(local), local, p)
-        import fsspec
-
-        fs, fp = fsspec.core.url_to_fs(p, **so)
+        fs, fp = filesystem(p, so)
         return Resolved(index_from_folder(fp, fs), p.rstrip("/"), p, so)
     m = load_manifest(p if local is None else local, so)
     index = index_from_manifest(m)
@@ -260,9 +257,7 @@ class ShardAccess:
 
     def _filesystem(self) -> Any:
         if self._fs is None:
-            import fsspec
-
-            self._fs, self._fs_root = fsspec.core.url_to_fs(self.res.root, **self.res.storage_options)
+            self._fs, self._fs_root = filesystem(self.res.root, self.res.storage_options)
         return self._fs
 
     def _remote_path(self, shard: int) -> str:

@@ -22,8 +22,8 @@ from stager.loader.batching import pack_raw, stack_images
 from stager.loader.shm import WorkerRing
 from stager.loader.transforms import make_sample_fn
 from stager.order import epoch as planlib
+from stager.order import streams
 
-_TAG_AUGMENT = 3
 # Run size by storage (run_bytes="auto"): on a shared/network file system (Lustre, GPFS, BeeGFS,
 # NFS, fsspec URLs) reads should be whole stripes (1 MiB+); on node-local NVMe/tmpfs (a staged copy)
 # 256 KiB reads already run at full device speed, and shorter runs shuffle better for the same
@@ -159,7 +159,7 @@ class ShardedDataset(IterableDataset):
         part = self.res.partition or {}
         m = self.index.manifest
         assert m is not None
-        groups = assign_shards_to_nodes(m, int(part["num_nodes"]), int(part.get("seed", 0)))
+        groups = assign_shards_to_nodes(m.shard_bytes, int(part["num_nodes"]), int(part.get("seed", 0)))
         totals = [sum(m.shards[s].samples for s in g) for g in groups]
         per = [planlib.samples_per_rank(t, rpn, self.drop_last) for t in totals]
         return min(per) if self.drop_last else max(per)
@@ -302,7 +302,7 @@ class ShardedDataset(IterableDataset):
     def _decode_all(self, payloads: list[Any], ids: np.ndarray, j: int) -> tuple[list[Any], np.ndarray, list[str]]:
         """Apply the sample function; returns ``(items, kept ids, skipped keys)`` (``on_error``)."""
         idx = self.index
-        rng = np.random.default_rng((self.seed, self.epoch, _TAG_AUGMENT, self.world_size, self.rank, j))
+        rng = streams.augment(self.seed, self.epoch, self.world_size, self.rank, j)
         items, kept, skipped = [], [], []
         for payload, gid in zip(payloads, ids.tolist(), strict=True):
             try:

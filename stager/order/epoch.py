@@ -40,12 +40,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from stager.errors import UsageError
+from stager.order import streams
 
 SHUFFLE_MODES = ("runs", "shards", "random", "none")
 
 # Tags that keep the independent random streams of one epoch apart.
-_TAG_RUNS = 1
-_TAG_BUFFER = 2
 
 
 @dataclass(frozen=True)
@@ -143,7 +142,7 @@ def epoch_sequence(starts: np.ndarray, run_len: np.ndarray, cfg: PlanConfig, epo
     n = int(starts[-1]) if len(starts) else 0
     if cfg.mode == "none":
         return np.arange(n, dtype=np.int64)
-    rng = np.random.default_rng((cfg.seed, epoch, _TAG_RUNS))
+    rng = streams.epoch_runs(cfg.seed, epoch)
     if cfg.mode == "random":
         return rng.permutation(n).astype(np.int64)
     if cfg.mode == "shards":
@@ -314,7 +313,7 @@ def plan_rank(
         stream = ids[spos]
         # Slice position p of rank r is epoch position r*per_rank + p; from len(seq) on it wraps.
         is_pad = rank * per_rank + spos >= len(seq)
-        rng = np.random.default_rng((cfg.seed, epoch, _TAG_BUFFER, cfg.world_size, rank, nw, k))
+        rng = streams.shuffle_buffer(cfg.seed, epoch, cfg.world_size, rank, workers=nw, worker=k)
         buf = cfg.buffer_samples if cfg.mode in ("runs", "shards") else 0
         emit = buffer_shuffle(q, buf, rng)
         workers.append(WorkerPlan(k, stream, emit, mine, wsizes, is_pad))

@@ -1,8 +1,8 @@
 """Static assignment of shards to nodes, shared by ``stage --partition``/``--shared`` and the loader.
 
 When a node stages only part of a dataset, the loader on that node must read exactly those shards.
-Both sides call :func:`assign_shards_to_nodes` with the same (manifest, nodes, seed) so they agree
-by construction. The assignment is byte-balanced (longest-processing-time greedy over a seeded
+Both sides call :func:`assign_shards_to_nodes` with the same (shard bytes, nodes, seed) so they
+agree by construction. The assignment is byte-balanced (longest-processing-time greedy over a seeded
 permutation, so equal-size shards are spread differently for different seeds) and does not depend
 on the epoch: data staged once serves every epoch.
 """
@@ -14,21 +14,22 @@ import heapq
 import numpy as np
 
 from stager.errors import UsageError
-from stager.manifest import Manifest
+from stager.order import streams
 
 
-def assign_shards_to_nodes(manifest: Manifest, num_nodes: int, seed: int = 0) -> list[list[int]]:
+def assign_shards_to_nodes(shard_bytes: np.ndarray, num_nodes: int, seed: int = 0) -> list[list[int]]:
     """Return ``num_nodes`` sorted lists of shard indices; every shard appears in exactly one.
 
-    Bytes are balanced greedily (largest shard first onto the least-loaded node; ties broken by a
-    permutation drawn from ``numpy.random.default_rng((seed, num_nodes))``). With fewer shards than
-    nodes some nodes get none; callers that need every node to have data must check that.
+    ``shard_bytes``: int64 (shards,), each shard's bytes with its companion files
+    (:attr:`stager.manifest.Manifest.shard_bytes`). Bytes are balanced greedily (largest shard
+    first onto the least-loaded node; ties broken by the :func:`~stager.order.streams.node_partition`
+    permutation). With fewer shards than nodes some nodes get none; callers that need every node to
+    have data must check that.
     """
     if num_nodes < 1:
         raise UsageError(f"num_nodes must be >= 1, got {num_nodes}")
-    n = len(manifest.shards)
-    sizes = np.array([s.bytes + sum(a.bytes for a in s.aux) for s in manifest.shards], dtype=np.int64)
-    perm = np.random.default_rng((seed, num_nodes)).permutation(n)
+    sizes = np.asarray(shard_bytes, dtype=np.int64)
+    perm = streams.node_partition(seed, num_nodes).permutation(len(sizes))
     # Stable sort of the permuted order by descending size: equal sizes keep the seeded order.
     order = perm[np.argsort(-sizes[perm], kind="stable")]
     heap = [(0, node) for node in range(num_nodes)]
@@ -40,8 +41,8 @@ def assign_shards_to_nodes(manifest: Manifest, num_nodes: int, seed: int = 0) ->
     return [sorted(x) for x in out]
 
 
-def shards_of_node(manifest: Manifest, node: int, num_nodes: int, seed: int = 0) -> list[int]:
+def shards_of_node(shard_bytes: np.ndarray, node: int, num_nodes: int, seed: int = 0) -> list[int]:
     """The shard indices node ``node`` of ``num_nodes`` holds (see :func:`assign_shards_to_nodes`)."""
     if not 0 <= node < num_nodes:
         raise UsageError(f"node {node} out of range for {num_nodes} nodes")
-    return assign_shards_to_nodes(manifest, num_nodes, seed)[node]
+    return assign_shards_to_nodes(shard_bytes, num_nodes, seed)[node]

@@ -3,7 +3,7 @@
 Three steps, each with one job:
 
 1. **Plan** (:func:`plan_shards`, pure): order the source's samples (a seeded permutation from
-   ``numpy.random.default_rng((seed, PLAN_STREAM))`` unless ``keep_order``) and cut them into
+   ``stager.order.streams.pack_order(seed)`` unless ``keep_order``) and cut them into
    shards by ``samples_per_shard`` and/or ``shard_size`` bytes (estimated from source sizes; a shard
    ends when it would exceed either limit). Each shard gets a fingerprint over its samples' keys,
    labels, source sizes and mtimes and the output-affecting options; the plan fingerprint covers
@@ -37,7 +37,7 @@ from typing import Any
 from stager.checksum import ALGOS
 from stager.errors import UsageError
 from stager.formats import get_format
-from stager.fs.atomic import atomic_write_bytes, fsync_dir, remove_stale_partials
+from stager.fs.atomic import atomic_write_bytes, fsync_dir, remove_partials
 from stager.manifest import MANIFEST_NAME, Manifest
 from stager.pack.plan import Plan, format_plan, plan_shards
 from stager.pack.resume import PLAN_SCHEMA, _check_destination, _find_reusable, survey_out
@@ -256,7 +256,7 @@ def pack(
             m = st.manifest  # the identical pack is already complete: leave its shards untouched
             # A run killed between publishing the manifest and removing its state leaves both behind.
             shutil.rmtree(out_p / STATE_DIR, ignore_errors=True)
-            remove_stale_partials(out_p)
+            remove_partials(out_p)
             return PackResult(
                 m,
                 str(out_p),
@@ -287,7 +287,7 @@ def pack(
                 }
             ).encode(),
         )
-        remove_stale_partials(out_p)
+        remove_partials(out_p)
         keep = set()
         for d in reuse.values():
             keep.add(d.info.name)
@@ -329,7 +329,7 @@ def pack(
                 for d in pool.run(jobs, source, progress, state):
                     done[d.info.name] = d
         except BaseException:
-            remove_stale_partials(out_p)
+            remove_partials(out_p)
             raise
         finally:
             source.close()

@@ -1,10 +1,10 @@
 """The pack plan (:func:`plan_shards`, pure): which sample goes to which shard, in which order.
 
-The source's samples are ordered by a seeded permutation (``numpy.random.default_rng((seed,
-PLAN_STREAM))``) unless ``keep_order``, and cut into shards by ``samples_per_shard`` and/or
-``shard_size`` bytes (estimated from source sizes). Each shard gets a fingerprint over its samples'
-keys, labels, source sizes and mtimes and the output-affecting options; the plan fingerprint covers
-them all, so a rerun knows which completed shards it may keep.
+The source's samples are ordered by a seeded permutation (``stager.order.streams.pack_order(seed)``)
+unless ``keep_order``, and cut into shards by ``samples_per_shard`` and/or ``shard_size`` bytes
+(estimated from source sizes). Each shard gets a fingerprint over its samples' keys, labels, source
+sizes and mtimes and the output-affecting options; the plan fingerprint covers them all, so a rerun
+knows which completed shards it may keep.
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from stager.order import streams
 from stager.pack.sources.base import SampleRef
-
-PLAN_STREAM = 0x5EED_9AC4  # second element of the shuffle seed tuple: the "plan" random stream
 
 
 @dataclass(frozen=True)
@@ -64,7 +63,7 @@ def plan_order(n: int, *, seed: int = 0, keep_order: bool = False) -> np.ndarray
     """int64 permutation of ``range(n)``: identity with ``keep_order``, else seeded shuffle."""
     if keep_order:
         return np.arange(n, dtype=np.int64)
-    return np.random.default_rng((seed, PLAN_STREAM)).permutation(n).astype(np.int64)
+    return streams.pack_order(seed).permutation(n).astype(np.int64)
 
 
 def cut_shards(sizes: np.ndarray, *, samples_per_shard: int | None, shard_size: int | None) -> list[tuple[int, int]]:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from stager.errors import DestinationError, ManifestError
+from stager.fs.atomic import partial_base
 from stager.manifest import MANIFEST_NAME, Manifest, ShardInfo, load_manifest
 from stager.pack.plan import Plan
 from stager.pack.shard import STATE_DIR, ShardDone, fsync_and_hash
@@ -66,7 +67,7 @@ def survey_out(out: Path, shard_prefix: str) -> OutState:
             st.owned.add(d.info.name)
             st.owned.update(a.name for a in d.info.aux)
     for n in names:
-        if n in (MANIFEST_NAME, STATE_DIR) or n in st.owned or n.endswith(".partial"):
+        if n in (MANIFEST_NAME, STATE_DIR) or n in st.owned or partial_base(n) is not None:
             continue
         if shard_prefix and n.startswith(shard_prefix) and st.plan is not None:
             continue  # a shard renamed before its done-record was written

@@ -55,7 +55,6 @@ from stager.prefetch.prefetcher import (
     read_reports,
     remove_fetch_partials,
 )
-from stager.stage.collective.plan import shard_sizes
 
 LOCK_NAME = ".stager-follow.lock"
 STATUS_NAME = "follower.json"
@@ -194,7 +193,7 @@ def follow(
     with NodeLock(d / LOCK_NAME, timeout=lock_timeout):
         manifest = prepare_dest(src, d)
         res.removed_partials = remove_fetch_partials(d, manifest)
-        sizes = shard_sizes(manifest)
+        sizes = manifest.shard_bytes
         if len(sizes) and int(sizes.max()) > budget:
             res.warn(f"--budget {budget} B is below the largest shard ({int(sizes.max())} B, with its "
                                 "companion files): such shards are never fetched, and nothing needed after them")

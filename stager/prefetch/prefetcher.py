@@ -33,9 +33,7 @@ its first known position; reported by :meth:`Prefetcher.stats`).
 
 from __future__ import annotations
 
-import contextlib
 import os
-import re
 import threading
 import time
 from collections import OrderedDict
@@ -47,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from stager.errors import UsageError
-from stager.fs.atomic import atomic_write_bytes, fsync_dir
+from stager.fs.atomic import atomic_write_bytes, fsync_dir, partial_path, remove_partials
 from stager.manifest import MANIFEST_NAME, Manifest, dataset_root, load_manifest
 from stager.prefetch.reports import (
     DONE_MARKER,
@@ -83,7 +81,6 @@ __all__ = [
     "report_progress",
 ]
 
-_SHARD_PARTIAL_RE = re.compile(r"(?P<base>.+)\.[0-9a-f]{12}\.partial")
 
 
 @dataclass(frozen=True)
@@ -213,25 +210,14 @@ def _links_to(p: Path, target: Path) -> bool:
 
 
 def _link(target: Path, at: Path) -> None:
-    tmp = at.with_name(f"{at.name}.{os.getpid()}.{threading.get_ident()}.link.partial")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp)
+    tmp = partial_path(at)
     os.symlink(target, tmp)
     os.replace(tmp, at)
 
 
 def remove_fetch_partials(dest: str | os.PathLike[str], manifest: Manifest) -> list[str]:
-    """Delete ``<shard file>.<12 hex>.partial`` files a killed fetcher left in DEST (holder of the lock only)."""
-    names = {f.name for f in files_of_shards(manifest, range(len(manifest.shards)))}
-    removed = []
-    with os.scandir(dest) as it:
-        for entry in it:
-            m = _SHARD_PARTIAL_RE.fullmatch(entry.name)
-            if m and m.group("base") in names and entry.is_file(follow_symlinks=False):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(entry.path)
-                removed.append(entry.name)
-    return removed
+    """Delete the partial copies and links a killed fetcher left in DEST (holder of the lock only)."""
+    return remove_partials(dest, {f.name for f in files_of_shards(manifest, range(len(manifest.shards)))})
 
 
 class _StoppedError(Exception):

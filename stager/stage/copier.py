@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import stat
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,16 +24,11 @@ from typing import Any, NoReturn
 
 from stager.checksum import new_hasher
 from stager.errors import ShardMissingError, StagerError, VerificationError
-from stager.fs.atomic import space_error
-from stager.fs.copy import (
-    DIRECT_ALIGN,
-    CopyTuning,
-    WriteBehind,
-    aligned_buffer,
-    copy_hashed,
-    copy_hashed_direct,
-    open_partial,
-)
+from stager.fs.access import copy_mode
+from stager.fs.atomic import partial_path, space_error
+from stager.fs.copy import DIRECT_ALIGN, CopyTuning, aligned_buffer, copy_hashed, copy_hashed_direct, open_partial
+from stager.fs.open import open_read
+from stager.fs.writeback import WriteBehind
 from stager.progress import Progress
 from stager.stage.journal import Journal
 from stager.stage.plan import FileTask, StagePlan
@@ -135,8 +128,7 @@ class _Copier:
         if "://" in task.src:
             return 0o600, None
         st = os.stat(task.src)
-        # Owner read/write always; group/other only what the source grants (never more).
-        return (stat.S_IMODE(st.st_mode) & 0o644) | 0o600, st.st_gid
+        return copy_mode(st.st_mode), st.st_gid
 
     def _on_block(self, start: float, done: list[int]) -> Any:
         def on_block(n: int) -> None:
@@ -153,7 +145,7 @@ class _Copier:
     def _copy(self, task: FileTask, buf: memoryview) -> None:
         """Copy and verify ``task`` into a partial file, then finish it (inline or on a finisher)."""
         final = self.plan.dest / task.name
-        tmp = self.plan.dest / f"{task.name}.{uuid.uuid4().hex[:12]}.partial"
+        tmp = partial_path(final)
         mode, gid = self._source_meta(task)
         hasher = new_hasher(self.plan.manifest.hash_algo)
         fd, direct = open_partial(tmp, direct=self.tuning.direct and self.block % DIRECT_ALIGN == 0)
@@ -161,7 +153,7 @@ class _Copier:
             with self._lock:
                 self.direct_files += 1
         try:
-            with _open_source(task.src) as f:
+            with open_shard_file(task.src, self.plan.storage_options) as f:
                 on_block = self._on_block(time.perf_counter(), [0])
                 if direct:
                     total = copy_hashed_direct(f, fd, buf, hasher, limit=task.bytes, on_block=on_block)
@@ -249,15 +241,9 @@ class _CancelledError(Exception):
     """Another stream failed; this one stops quietly."""
 
 
-def _open_source(src: str) -> Any:
-    if "://" in src:
-        import fsspec
-
-        return fsspec.open(src, "rb").open()
+def open_shard_file(src: str, storage_options: dict[str, Any] | None = None) -> Any:
+    """Open a file the manifest lists in SRC (path or URL, with the plan's storage options)."""
     try:
-        f = open(src, "rb", buffering=0)  # noqa: SIM115 - returned to a with-statement
+        return open_read(src, storage_options)
     except FileNotFoundError as exc:
         raise ShardMissingError(f"{src}: shard listed in the manifest is missing; restore it or re-pack") from exc
-    with contextlib.suppress(OSError, AttributeError):
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-    return f

@@ -10,17 +10,17 @@ import contextlib
 import datetime as _dt
 import json
 import os
-import re
 import socket
-import stat
 import time
 from pathlib import Path
 
 from stager.errors import DestinationError, StagerError, StagerTimeoutError, VerificationError
-from stager.fs.atomic import atomic_write_bytes, boot_id, partial_path, space_error, syncfs
+from stager.fs.access import URL_FILE_MODE, copy_mode, dir_mode, size_or_missing, source_access
+from stager.fs.atomic import atomic_write_bytes, partial_path, space_error
 from stager.fs.copy import write_all
+from stager.fs.kernel import boot_id, syncfs
 from stager.manifest import MANIFEST_NAME, manifest_path
-from stager.receipt import RECEIPT_NAME, Receipt, load_receipt, source_access
+from stager.receipt import RECEIPT_NAME, Receipt, load_receipt
 from stager.stage.copier import _discard_partial
 from stager.stage.plan import StagePlan
 from stager.stage.result import StageResult
@@ -28,7 +28,6 @@ from stager.stage.result import StageResult
 FREE_BYTES_ENV = "STAGER_TEST_FREE_BYTES"
 
 
-_PARTIAL_RE = re.compile(r"^(?P<base>.+)\.[0-9a-f]{12}\.partial$")
 
 
 def _write_partial(final: Path, data: bytes, mode: int) -> Path:
@@ -48,20 +47,13 @@ def _write_partial(final: Path, data: bytes, mode: int) -> Path:
 def _manifest_mode(plan: StagePlan) -> int:
     """The staged manifest's mode: the source manifest's, masked like the shards' (0o644 for URLs)."""
     if "://" in plan.src_root:
-        return 0o644
+        return URL_FILE_MODE
     with contextlib.suppress(OSError):
-        return (stat.S_IMODE(os.stat(manifest_path(plan.source)).st_mode) & 0o644) | 0o600
-    return 0o644
+        return copy_mode(os.stat(manifest_path(plan.source)).st_mode)
+    return URL_FILE_MODE
 
 
 # ---- helpers ----------------------------------------------------------------------------------------
-def _size(p: Path) -> int:
-    try:
-        return p.stat().st_size
-    except OSError:
-        return -1
-
-
 def _receipt_done(plan: StagePlan) -> Receipt | None:
     """The existing receipt if it already satisfies ``plan`` (cheap: stats only)."""
     try:
@@ -76,21 +68,9 @@ def _receipt_done(plan: StagePlan) -> Receipt | None:
         return None
     if plan.unpack and (rec.unpacked != str(plan.dest / plan.unpack_dir) or not (plan.dest / plan.unpack_dir).is_dir()):
         return None
-    if any(_size(plan.dest / n) != b for n, b in plan.expected_files().items()):
+    if any(size_or_missing(plan.dest / n) != b for n, b in plan.expected_files().items()):
         return None
     return rec
-
-
-def _remove_stale_partials(dest: Path, names: set[str]) -> list[str]:
-    removed = []
-    with contextlib.suppress(FileNotFoundError):
-        for entry in os.scandir(dest):
-            m = _PARTIAL_RE.match(entry.name)
-            if m and m.group("base") in names and entry.is_file(follow_symlinks=False):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(entry.path)
-                removed.append(entry.name)
-    return removed
 
 
 def _free_bytes(dest: Path) -> int:
@@ -113,7 +93,7 @@ def _mkdir_dest(dest: Path, src_root: str) -> None:
     mode = 0o700
     if "://" not in src_root:
         with contextlib.suppress(OSError):
-            mode |= stat.S_IMODE(os.stat(src_root).st_mode) & 0o055
+            mode = dir_mode(os.stat(src_root).st_mode)
     try:
         dest.mkdir(parents=True, exist_ok=True)
         os.chmod(dest, mode)
@@ -163,7 +143,7 @@ def _shared_barrier(plan: StagePlan, result: StageResult, timeout: float | None)
             )
         time.sleep(0.1)
     result.waited_s += time.monotonic() - start
-    bad = [n for n, b in plan.expected_files().items() if _size(dest / n) != b]
+    bad = [n for n, b in plan.expected_files().items() if size_or_missing(dest / n) != b]
     if bad:
         raise VerificationError(f"{dest}: every node reported done but {bad[0]} is missing or has the wrong size; "
                                 "rerun stage on all nodes")

@@ -9,7 +9,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from stager.fs.atomic import atomic_write_bytes, boot_id
+from stager.fs.atomic import atomic_write_bytes
+from stager.fs.kernel import boot_id
 
 
 # ---- journal ----------------------------------------------------------------------------------------

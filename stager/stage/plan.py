@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from stager.errors import ShardMissingError, UsageError
 from stager.fs import lustre
 from stager.fs.info import FsInfo, detect_fs
+from stager.fs.open import read_bytes
 from stager.manifest import Manifest, dataset_root, manifest_path
 from stager.order.partition import assign_shards_to_nodes
 from stager.receipt import STAGING_ROOT_VARS
@@ -58,6 +59,7 @@ class StagePlan:
     unpack: str | None  # None | "also" | "only"
     unpack_dir: str
     explicit_dest: bool
+    storage_options: dict[str, Any] = field(default_factory=dict)  # for every open of SRC
 
     @property
     def suffix(self) -> str:
@@ -159,13 +161,7 @@ def read_source_manifest(src: str, storage_options: dict[str, Any] | None = None
     """Load SRC's manifest and return it with its exact bytes (DEST gets a verbatim copy)."""
     mp = manifest_path(src)
     try:
-        if "://" in mp:
-            import fsspec
-
-            with fsspec.open(mp, "rb", **(storage_options or {})) as f:
-                data = f.read()
-        else:
-            data = Path(mp).read_bytes()
+        data = read_bytes(mp, storage_options)
     except FileNotFoundError as exc:
         raise ShardMissingError(f"{mp}: no manifest; is SRC a `stager pack` output directory?") from exc
     except IsADirectoryError as exc:
@@ -188,6 +184,7 @@ def plan_stage(
     unpack: str | None = None,
     unpack_dir: str = DEFAULT_UNPACK_DIR,
     env: Mapping[str, str] | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> StagePlan:
     """Decide what this node stages where. ``shared`` None means: detect (DEST on BeeGFS)."""
     if unpack not in (None, "also", "only"):
@@ -208,7 +205,7 @@ def plan_stage(
     if mode == "full":
         mine = list(range(len(manifest.shards)))
     else:
-        mine = assign_shards_to_nodes(manifest, n_nodes, seed)[n_idx]
+        mine = assign_shards_to_nodes(manifest.shard_bytes, n_nodes, seed)[n_idx]
     root = dataset_root(src)
     join = (lambda n: root.rstrip("/") + "/" + n) if "://" in root else (lambda n: os.path.join(root, n))
     tasks = []
@@ -217,7 +214,7 @@ def plan_stage(
         tasks.append(FileTask(s.name, s.bytes, s.hash, join(s.name), i))
         tasks += [FileTask(a.name, a.bytes, a.hash, join(a.name), i) for a in s.aux]
     return StagePlan(src, root, dest_path, manifest, manifest_bytes, mode, n_idx, n_nodes, rpn, seed, nsrc, mine,
-                     tasks, unpack, unpack_dir, explicit)
+                     tasks, unpack, unpack_dir, explicit, dict(storage_options or {}))
 
 
 def order_for_streams(tasks: list[FileTask], src_fs: FsInfo | None, block: int = DEFAULT_BLOCK

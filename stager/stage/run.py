@@ -39,13 +39,15 @@ from pathlib import Path
 from typing import Any
 
 from stager.errors import DestinationError, OutOfSpaceError, UsageError
-from stager.fs.atomic import atomic_write_bytes, commit_partial, fsync_dir, syncfs
+from stager.fs.access import chgrp_quiet, size_or_missing, source_access
+from stager.fs.atomic import atomic_write_bytes, commit_partial, fsync_dir, remove_partials
 from stager.fs.copy import CopyTuning
 from stager.fs.info import detect_fs
+from stager.fs.kernel import syncfs
 from stager.fs.lock import NodeLock
 from stager.manifest import MANIFEST_NAME, manifest_path
 from stager.progress import Progress
-from stager.receipt import RECEIPT_NAME, chgrp_quiet, source_access
+from stager.receipt import RECEIPT_NAME
 from stager.stage.copier import _Copier
 from stager.stage.dest import (
     _free_bytes,
@@ -55,9 +57,7 @@ from stager.stage.dest import (
     _mkdir_dest,
     _read_quiet,
     _receipt_done,
-    _remove_stale_partials,
     _shared_barrier,
-    _size,
     _write_partial,
     _write_receipt,
     load_receipt_quiet,
@@ -127,7 +127,7 @@ def stage(
     plan = plan_stage(src, manifest, mbytes, dest, partition=partition, shared=shared, node=node,
                       num_nodes=num_nodes, ranks_per_node=ranks_per_node, seed=seed,
                       unpack=unpack_mode if isinstance(unpack_mode, str) or unpack_mode is None else "also",
-                      unpack_dir=unpack_dir)
+                      unpack_dir=unpack_dir, storage_options=storage_options)
     result = StageResult(
         ok=True, source=plan.source, dest=str(plan.dest), mode=plan.mode, dataset_id=manifest.dataset_id,
         already_staged=False, files_total=len(plan.tasks), bytes_total=sum(t.bytes for t in plan.tasks),
@@ -182,10 +182,11 @@ def _stage_locked(plan: StagePlan, result: StageResult, *, t0: float, workers: i
         # On a shared DEST another node may be writing the manifest or receipt right now: its
         # partial files are not stale, so only a node-private DEST cleans them up.
         names |= {MANIFEST_NAME, RECEIPT_NAME}
-    result.removed_partials = _remove_stale_partials(dest, names)
+    result.removed_partials = remove_partials(dest, names)
     journal = Journal(plan.journal_path, m.digest, volatile=not fsync)
     try:
-        keep = {t.name for t in plan.tasks if journal.files.get(t.name) == t.bytes and _size(dest / t.name) == t.bytes}
+        keep = {t.name for t in plan.tasks
+                if journal.files.get(t.name) == t.bytes and size_or_missing(dest / t.name) == t.bytes}
         todo = [t for t in plan.tasks if t.name not in keep]
         result.files_kept = len(plan.tasks) - len(todo)
         unpack_bytes = 0

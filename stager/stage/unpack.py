@@ -44,9 +44,10 @@ from stager.formats.tar import (  # one tar header parser for pack, verify and u
     split_member_name,
     walk_headers,
 )
-from stager.fs.atomic import space_error, syncfs
+from stager.fs.access import chgrp_quiet, source_access
+from stager.fs.atomic import space_error
+from stager.fs.kernel import syncfs
 from stager.manifest import Manifest, ShardInfo, check_safe_name, manifest_path
-from stager.receipt import chgrp_quiet, source_access
 
 UNLABELED = "_unlabeled"
 
@@ -174,7 +175,7 @@ def walk_tar(r: ChunkReader, file_size: int, where: str, sizes: dict[int, int]
 
 
 
-class WriteBehind:
+class SyncfsBatcher:
     """Makes unpacked files durable in the background, and only then journals their shards.
 
     Writers call :meth:`wrote` with the bytes of each file and :meth:`shard_done` with a finished
@@ -517,7 +518,7 @@ def run_unpack(plan: Any, journal: Any, workers: int, quiet: bool, result: Any, 
     src_of = {t.name: t.src for t in plan.tasks}
     progress = Progress("unpack", total_items=sum(s.samples for s in shards), unit="files", quiet=quiet)
     unpacker = Unpacker(root, m, file_mode=mode, dir_mode=dir_mode, gid=gid)
-    behind = WriteBehind(root, journal.add_unpacked, sync=fsync)
+    behind = SyncfsBatcher(root, journal.add_unpacked, sync=fsync)
     unpacker.on_write = behind.wrote
     streamed = [0]
 
@@ -525,9 +526,9 @@ def run_unpack(plan: Any, journal: Any, workers: int, quiet: bool, result: Any, 
         local = Path(plan.dest) / info.name
         if m.format == "tar":
             if plan.unpack == "only":
-                from stager.stage.copier import _open_source
+                from stager.stage.copier import open_shard_file
 
-                with _open_source(src_of[info.name]) as raw:
+                with open_shard_file(src_of[info.name], plan.storage_options) as raw:
                     unpacker.unpack_tar(raw, info, new_hasher(m.hash_algo), on_progress=progress.update)
                 streamed[0] += info.bytes
             else:

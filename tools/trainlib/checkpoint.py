@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from stager.errors import SourceNotFoundError
-from stager.fs.atomic import atomic_write, remove_stale_partials
+from stager.fs.atomic import atomic_write, remove_partials
 
 CHECKPOINT_VERSION = 1
 LATEST = "checkpoint.pt"
@@ -56,7 +56,7 @@ def save(path: str | os.PathLike[str], payload: dict[str, Any]) -> Path:
     """Atomically write ``payload`` (see module docstring) to ``path``; returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_partials(path.parent)
+    remove_partials(path.parent)
     buf = io.BytesIO()
     torch.save({"version": CHECKPOINT_VERSION, **payload}, buf)
     with atomic_write(path) as f:

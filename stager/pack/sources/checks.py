@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from stager.decode.jpeg_header import SOF_MARKERS
 from stager.errors import SourceError
 from stager.formats.base import Sample
 from stager.pack.sources.base import SampleRef, Source, sniff_ext
@@ -19,7 +20,6 @@ RESAMPLE = 2  # PIL.Image.Resampling.BILINEAR (antialiased when downscaling)
 
 
 # JPEG start-of-frame markers (baseline, progressive, lossless, arithmetic); 0xC4/0xC8/0xCC are not.
-_SOF = frozenset({0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF})
 
 
 def _jpeg_header_problem(data: bytes) -> str | None:
@@ -38,7 +38,7 @@ def _jpeg_header_problem(data: bytes) -> str | None:
         length = (data[i + 2] << 8) | data[i + 3]
         if length < 2:
             return f"bad segment length at byte {i}"
-        if marker in _SOF:
+        if marker in SOF_MARKERS:
             if i + 9 > n or not (data[i + 5] | data[i + 6]) or not (data[i + 7] | data[i + 8]):
                 return "zero image size in the frame header"
             sof = True

@@ -25,6 +25,7 @@ from typing import Any, BinaryIO
 from stager.checksum import Hasher, new_hasher
 from stager.errors import ShardMissingError, VerificationError
 from stager.fs.atomic import commit_partial, partial_path, space_error
+from stager.fs.open import filesystem, is_url
 from stager.stage.collective.plan import FileEntry, StreamLayout
 
 
@@ -38,10 +39,6 @@ class IoCounters:
     received_bytes: int = 0
     written_bytes: int = 0
     files_written: int = 0
-
-
-def is_url(p: str) -> bool:
-    return "://" in p
 
 
 class ShareReader:
@@ -82,9 +79,7 @@ class ShareReader:
             self._from_src = True
             if is_url(self.src):
                 if self._fs is None:
-                    import fsspec
-
-                    self._fs, self._root = fsspec.core.url_to_fs(self.src, **self.storage_options)
+                    self._fs, self._root = filesystem(self.src, self.storage_options)
                 path = str(self._root).rstrip("/") + "/" + entry.name
                 try:
                     f = self._fs.open(path, "rb")

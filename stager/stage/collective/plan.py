@@ -24,6 +24,7 @@ import numpy as np
 
 from stager.errors import UsageError
 from stager.manifest import Manifest
+from stager.order import streams
 from stager.order.partition import assign_shards_to_nodes
 
 
@@ -47,11 +48,6 @@ def files_of_shards(manifest: Manifest, shards: Sequence[int]) -> list[FileEntry
     return out
 
 
-def shard_sizes(manifest: Manifest) -> np.ndarray:
-    """Bytes per shard including companion files (int64, shape (shards,))."""
-    return np.array([s.bytes + sum(a.bytes for a in s.aux) for s in manifest.shards], dtype=np.int64)
-
-
 def assign_read_shares(
     manifest: Manifest, num_nodes: int, seed: int = 0, osts: Sequence[int] | None = None
 ) -> list[list[int]]:
@@ -67,11 +63,11 @@ def assign_read_shares(
     if num_nodes < 1:
         raise UsageError(f"num_nodes must be >= 1, got {num_nodes}")
     if osts is None or len(set(osts)) <= 1:
-        return assign_shards_to_nodes(manifest, num_nodes, seed)
+        return assign_shards_to_nodes(manifest.shard_bytes, num_nodes, seed)
     if len(osts) != len(manifest.shards):
         raise UsageError(f"got {len(osts)} OST indices for {len(manifest.shards)} shards")
-    sizes = shard_sizes(manifest)
-    perm = np.random.default_rng((seed, num_nodes, 1)).permutation(len(sizes))
+    sizes = manifest.shard_bytes
+    perm = streams.read_shares(seed, num_nodes).permutation(len(sizes))
     rank_of = np.empty(len(sizes), dtype=np.int64)
     rank_of[perm] = np.arange(len(sizes))
     by_ost: dict[int, list[int]] = defaultdict(list)

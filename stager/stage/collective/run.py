@@ -38,7 +38,6 @@ import os
 import queue
 import signal
 import socket
-import stat
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -48,15 +47,16 @@ from typing import Any
 import numpy as np
 
 from stager.errors import DestinationError, OutOfSpaceError, StagerError, UsageError
-from stager.fs.atomic import atomic_write_bytes, fsync_dir
+from stager.fs.access import chgrp_quiet, size_or_missing, source_access
+from stager.fs.atomic import atomic_write_bytes, fsync_dir, remove_partials
 from stager.fs.lock import NodeLock
-from stager.manifest import MANIFEST_NAME, Manifest
+from stager.manifest import MANIFEST_NAME, Manifest, manifest_path
 from stager.progress import Progress
 from stager.receipt import RECEIPT_NAME, Receipt
 from stager.stage.collective.group import Group, RendezvousError, resolve_endpoint
 from stager.stage.collective.io import IoCounters, ShareReader, StreamSink
 from stager.stage.collective.plan import FileEntry, assign_read_shares, chunk_size_for, plan_streams
-from stager.stage.dest import _free_bytes, _receipt_done, _remove_stale_partials, load_receipt_quiet
+from stager.stage.dest import _free_bytes, _receipt_done, load_receipt_quiet
 from stager.stage.dest import _mkdir_dest as mkdir_dest
 from stager.stage.journal import Journal
 from stager.stage.plan import StagePlan, plan_stage, read_source_manifest, resolve_node
@@ -141,7 +141,7 @@ def receipt_satisfies(plan: StagePlan) -> bool:
 def remove_stale_partials(plan: StagePlan) -> list[str]:
     """Delete ``<file>.<uuid>.partial`` leftovers of this plan's files in DEST."""
     names = {t.name for t in plan.tasks} | {MANIFEST_NAME, RECEIPT_NAME, plan.journal_path.name}
-    return _remove_stale_partials(plan.dest, names)
+    return remove_partials(plan.dest, names)
 
 
 def free_bytes(dest: Path) -> int:
@@ -187,7 +187,7 @@ def stage_collective(
     manifest, mbytes = read_source_manifest(src, storage_options)
     n_idx, n_nodes, rpn, _ = resolve_node(node, num_nodes, ranks_per_node)
     plan = plan_stage(src, manifest, mbytes, dest, partition=partition, shared=False, node=n_idx,
-                             num_nodes=n_nodes, ranks_per_node=rpn, seed=seed)
+                             num_nodes=n_nodes, ranks_per_node=rpn, seed=seed, storage_options=storage_options)
     res = CollectiveResult(
         ok=True, source=plan.source, dest=str(plan.dest), mode=plan.mode, node=n_idx, num_nodes=n_nodes,
         dataset_id=manifest.dataset_id, dataset_bytes=manifest.num_bytes, backend=backend,
@@ -280,16 +280,6 @@ def _totals(per_node: list[Any]) -> dict[str, Any]:
     }
 
 
-def _file_mode(plan: StagePlan) -> int:
-    """Staged files get owner rw plus the read bits SRC grants (as the plain stage does)."""
-    if "://" in plan.src_root:
-        return 0o600
-    try:
-        return (stat.S_IMODE(os.stat(plan.src_root).st_mode) & 0o044) | 0o600
-    except OSError:
-        return 0o600
-
-
 def _run_full(plan: StagePlan, group: Group, res: CollectiveResult, *, chunk_bytes: int,
               memory_bytes: int, quiet: bool) -> None:
     import torch.distributed as dist
@@ -310,7 +300,8 @@ def _run_full(plan: StagePlan, group: Group, res: CollectiveResult, *, chunk_byt
     journal = Journal(plan.journal_path, m.digest)
     try:
         all_files = [FileEntry(t.name, t.bytes, t.hash, t.shard) for t in plan.tasks]
-        have = {f.name for f in all_files if journal.files.get(f.name) == f.bytes and _size(dest / f.name) == f.bytes}
+        have = {f.name for f in all_files
+                if journal.files.get(f.name) == f.bytes and size_or_missing(dest / f.name) == f.bytes}
         res.files_kept = len(have)
         need = sum(f.bytes for f in all_files if f.name not in have) + len(plan.manifest_bytes)
         free = free_bytes(dest)
@@ -337,10 +328,11 @@ def _run_full(plan: StagePlan, group: Group, res: CollectiveResult, *, chunk_byt
         steps = max(lay.steps(chunk) for lay in layouts)
         res.steps, res.chunk_bytes = steps, chunk
         counters = IoCounters()
-        mode = _file_mode(plan)
+        mode, gid = source_access(manifest_path(plan.source))  # the plain stage's rule
 
         def verified(entry: FileEntry) -> None:
             os.chmod(dest / entry.name, mode)
+            chgrp_quiet(dest / entry.name, gid)
             journal.add_file(entry.name, entry.bytes)
 
         reader = ShareReader(plan.src_root, dest, layouts[group.node], counters=counters, local_have=set(have))
@@ -527,13 +519,6 @@ def _shard_osts(plan: StagePlan) -> list[int] | None:
         return list(ex.map(index, [s.name for s in plan.manifest.shards]))
 
 
-def _size(p: Path) -> int:
-    try:
-        return p.stat().st_size
-    except OSError:
-        return -1
-
-
 def _read_quiet(p: Path) -> bytes | None:
     try:
         return p.read_bytes()
@@ -561,7 +546,7 @@ def _write_receipt(plan: StagePlan, res: CollectiveResult) -> None:
                "files_kept": res.files_kept, "chunk_bytes": res.chunk_bytes, "steps": res.steps,
                "created_dest": not plan.explicit_dest},
     )
-    rec.write(plan.dest, mode=0o644)
+    rec.write(plan.dest, *source_access(manifest_path(plan.source)))  # as the plain stage's receipt
 
 
 __all__ = ["CollectiveResult", "free_bytes", "receipt_satisfies", "remove_stale_partials", "stage_collective"]

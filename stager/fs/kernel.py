@@ -1,0 +1,102 @@
+"""What the kernel offers beyond :mod:`os`, in one place: ``sync_file_range``, ``syncfs``, ``statfs``
+(through the libc already mapped into this process) and the boot id.
+
+Each call degrades to "not available" (None/False, or ``os.sync``) off Linux or where the file system
+refuses it; callers treat them as hints or fast paths, never as their only route to correctness.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import functools
+import os
+import sys
+import time
+
+# <linux/fs.h>
+SYNC_FILE_RANGE_WAIT_BEFORE = 1
+SYNC_FILE_RANGE_WRITE = 2
+SYNC_FILE_RANGE_WAIT_AFTER = 4
+
+
+@functools.lru_cache(maxsize=1)
+def libc() -> ctypes.CDLL:
+    """The libc already mapped into this process (``find_library("c")`` would run ldconfig: ~25 ms)."""
+    return ctypes.CDLL(None, use_errno=True)
+
+
+@functools.lru_cache(maxsize=1)
+def _sync_file_range_fn() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """libc's ``sync_file_range`` (``int(int fd, off64_t off, off64_t n, unsigned flags)``) or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = libc().sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def has_sync_file_range() -> bool:
+    return _sync_file_range_fn() is not None
+
+
+def sync_file_range(fd: int, offset: int, nbytes: int, flags: int) -> bool:
+    """Call ``sync_file_range(2)``; False where it is unavailable or unsupported (nothing done).
+
+    Errors other than "not supported" (EIO, ENOSPC) raise OSError: they would fail the fsync too.
+    """
+    fn = _sync_file_range_fn()
+    if fn is None:
+        return False
+    if fn(fd, offset, nbytes, flags) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ESPIPE, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err))
+
+
+def syncfs(path: str | os.PathLike[str]) -> None:
+    """Flush the file system holding ``path`` once (Linux ``syncfs``); fall back to ``os.sync``."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            if libc().syncfs(fd) == 0:
+                return
+        finally:
+            os.close(fd)
+    except (OSError, AttributeError):
+        pass
+    os.sync()
+
+
+class _Statfs(ctypes.Structure):
+    # Only f_type is read; the rest of struct statfs is padding large enough for every Linux ABI.
+    _fields_ = [("f_type", ctypes.c_long), ("_rest", ctypes.c_byte * 256)]
+
+
+def statfs_magic(path: str | os.PathLike[str]) -> int | None:
+    """``statfs(path).f_type`` as an unsigned 32-bit number, or None (no such path, not Linux)."""
+    try:
+        buf = _Statfs()
+        if libc().statfs(os.fsencode(os.fspath(path)), ctypes.byref(buf)) != 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+    return int(buf.f_type) & 0xFFFFFFFF
+
+
+@functools.lru_cache(maxsize=1)
+def boot_id() -> str:
+    """An identifier of the running boot: Linux's ``/proc/sys/kernel/random/boot_id``; elsewhere the
+    boot time to 10 s (a rounding edge can only make a later run distrust and redo work, never trust
+    more). Unsynced writes from another boot may be lost or torn, so they are never trusted."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return f"boot@{round(time.time() - time.monotonic(), -1):.0f}"
