@@ -1,0 +1,132 @@
+"""The architecture of docs/architecture.md, checked: which package may import which, and no cycles.
+
+stager's units (top-level modules and packages) sit in layers; a unit may import units of lower
+layers only, plus the few same-layer edges listed in ``SAME_LAYER``. Function-level (lazy) imports
+count too: deferring an import does not make a layering violation acceptable. Module-level imports
+must form no cycle (a cycle means the shared layer is missing, STYLE.md). The tree itself is
+checked to stay small at the top: at most 12 modules directly in ``stager/``.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "stager"
+
+# Lowest first (docs/architecture.md, "Layers").
+LAYERS: list[set[str]] = [
+    {"stager", "errors"},  # the version and the exception family
+    {"checksum", "progress", "world", "order", "decode"},  # pure helpers: no file-system policy
+    {"fs"},  # OS mechanics, no dataset concepts
+    {"manifest", "receipt", "formats"},  # the on-disk contracts
+    {"pack", "stage", "loader", "verify", "summary", "advice"},  # the stages of the data flow, siblings
+    {"prefetch"},  # beside training: the loader's schedule + stage's verified streaming copy
+    {"commands", "cli", "__main__"},  # the command line
+]
+SAME_LAYER = {("receipt", "manifest"), ("formats", "manifest"), ("commands", "cli"), ("__main__", "cli")}
+LAYER_OF = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def unit_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "stager"
+
+
+def imports(path: Path, *, module_level_only: bool) -> set[str]:
+    """The stager modules ``path`` imports (``from stager.x import y`` also counts ``stager.x.y``
+    when that is a module). ``from pkg import submodule`` inside ``pkg`` itself counts only the
+    submodule: the package's ``__init__`` is already being imported (the relative-import idiom)."""
+    me = module_name(path)
+    tree = ast.parse(path.read_text())
+    nodes: list[ast.AST]
+    if module_level_only:
+        nodes = []
+        for n in tree.body:
+            if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test):
+                continue  # type-only imports never run
+            nodes.append(n)
+        nodes = [x for n in nodes for x in ([n] if isinstance(n, (ast.Import, ast.ImportFrom)) else
+                                             [y for y in ast.walk(n) if isinstance(y, (ast.Import, ast.ImportFrom))
+                                              and isinstance(n, (ast.If, ast.Try))])]
+    else:
+        nodes = list(ast.walk(tree))
+    out: set[str] = set()
+    for n in nodes:
+        if isinstance(n, ast.Import):
+            out.update(a.name for a in n.names if a.name.split(".")[0] == "stager")
+        elif isinstance(n, ast.ImportFrom) and n.module and n.level == 0 and n.module.split(".")[0] == "stager":
+            subs = {f"{n.module}.{a.name}" for a in n.names}
+            subs = {s for s in subs if (PKG.parent / (s.replace(".", "/") + ".py")).exists()
+                    or (PKG.parent / s.replace(".", "/") / "__init__.py").exists()}
+            out.update(subs)
+            if not (subs and len(subs) == len(n.names) and me.startswith(n.module + ".")):
+                out.add(n.module)
+        elif isinstance(n, ast.ImportFrom) and n.level > 0:
+            raise AssertionError(f"{path}: relative import; stager uses absolute imports")
+    return out
+
+
+SOURCES = sorted(PKG.rglob("*.py"))
+
+
+def test_every_unit_has_a_layer() -> None:
+    units = {unit_of(module_name(p)) for p in SOURCES}
+    assert units <= set(LAYER_OF), f"units without a layer (add them to LAYERS): {sorted(units - set(LAYER_OF))}"
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_imports_respect_the_layers(path: Path) -> None:
+    me = unit_of(module_name(path))
+    bad = []
+    for mod in sorted(imports(path, module_level_only=False)):
+        other = unit_of(mod)
+        if other == me:
+            continue
+        if LAYER_OF[other] < LAYER_OF[me] or (me, other) in SAME_LAYER:
+            continue
+        bad.append(f"{mod} (layer {LAYER_OF[other]} {other!r} from layer {LAYER_OF[me]} {me!r})")
+    assert not bad, f"{path.relative_to(ROOT)} imports upward or sideways: {bad}"
+
+
+def test_module_level_imports_have_no_cycle() -> None:
+    graph: dict[str, set[str]] = defaultdict(set)
+    names = {module_name(p): p for p in SOURCES}
+    for mod, path in names.items():
+        graph[mod] = {m for m in imports(path, module_level_only=True) if m in names and m != mod}
+    # A package's __init__ importing its own submodules is how packages re-export: not a cycle by
+    # itself, so edges from a package to its own children are kept but parent edges are implicit.
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                cycle = [*stack[stack.index(d):], d]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def test_the_top_of_the_tree_stays_small() -> None:
+    top = sorted(p.name for p in PKG.glob("*.py"))
+    assert len(top) <= 12, f"{len(top)} modules directly in stager/: {top}; give families a package"
