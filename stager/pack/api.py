@@ -37,11 +37,12 @@ from typing import Any
 from stager.checksum import ALGOS
 from stager.errors import UsageError
 from stager.formats import get_format
+from stager.fs import lustre
 from stager.fs.atomic import atomic_write_bytes, fsync_dir, remove_partials
 from stager.manifest import MANIFEST_NAME, Manifest
-from stager.pack.plan import Plan, format_plan, plan_shards
-from stager.pack.resume import PLAN_SCHEMA, _check_destination, _find_reusable, survey_out
-from stager.pack.shard import STATE_DIR, ShardDone, ShardJob, _unlink, write_shard
+from stager.pack.plan import PackPlan, format_plan, plan_shards
+from stager.pack.resume import PLAN_SCHEMA, check_destination, find_reusable, survey_out
+from stager.pack.shard import STATE_DIR, ShardDone, ShardJob, write_shard
 from stager.pack.sources.checks import probe_hw
 from stager.pack.sources.select import open_source
 from stager.progress import Progress
@@ -62,7 +63,7 @@ class PackResult:
     shards: int = 0
     reused: int = 0
     dry_run: bool = False
-    plan: Plan | None = None
+    plan: PackPlan | None = None
     payload_bytes: int = 0
 
     def to_json(self) -> dict[str, Any]:
@@ -120,11 +121,7 @@ def _check_args(
         raise UsageError(f"unknown hash {hash_algo!r}; expected one of {', '.join(ALGOS)}")
 
 
-def _prepare_dir(out: Path, plan: Plan, stripe_count: int | None, stripe_size: int | None) -> None:
-    try:
-        from stager.fs import lustre
-    except ImportError:  # stager.lustre lands separately; until then striping is skipped
-        return
+def _prepare_dir(out: Path, plan: PackPlan, stripe_count: int | None, stripe_size: int | None) -> None:
     lustre.prepare_pack_dir(
         out,
         total_bytes=plan.est_bytes,
@@ -234,8 +231,8 @@ def pack(
             )
 
         st = survey_out(out_p, re.match(r"\D*", fmt.shard_name(0)).group())  # type: ignore[union-attr]
-        _check_destination(out_p, st, source, plan, overwrite)
-        reuse = _find_reusable(out_p, st, plan, hash_algo)
+        check_destination(out_p, st, source, plan, overwrite)
+        reuse = find_reusable(out_p, st, plan, hash_algo)
         manifest_opts = {
             "seed": seed,
             "keep_order": keep_order,
@@ -271,7 +268,7 @@ def pack(
 
         # From here on OUT changes: the old manifest goes first so it never describes replaced shards.
         out_p.mkdir(parents=True, exist_ok=True)
-        _unlink(out_p / MANIFEST_NAME)
+        (out_p / MANIFEST_NAME).unlink(missing_ok=True)
         state = out_p / STATE_DIR
         state.mkdir(exist_ok=True)
         names = [s.name for s in plan.shards]
@@ -293,10 +290,10 @@ def pack(
             keep.add(d.info.name)
             keep.update(a.name for a in d.info.aux)
         for n in sorted(st.owned - keep):
-            _unlink(out_p / n)
+            (out_p / n).unlink(missing_ok=True)
         for p in state.glob("*.json"):
             if p.name != "plan.json" and p.name[: -len(".json")] not in reuse:
-                _unlink(p)
+                p.unlink(missing_ok=True)
         for d in reuse.values():  # re-record shards reused from a complete manifest
             atomic_write_bytes(state / f"{d.info.name}.json", json.dumps(d.to_json()).encode())
         _prepare_dir(out_p, plan, stripe_count, stripe_size)
@@ -369,7 +366,7 @@ def pack(
 
 
 def _check_free_space(
-    *, out: Path, plan: Plan, reuse: dict[str, ShardDone], target_kind: str, resize: Any, quality: Any
+    *, out: Path, plan: PackPlan, reuse: dict[str, ShardDone], target_kind: str, resize: Any, quality: Any
 ) -> None:
     # Only when sizes are known in advance (files pass through unchanged); re-encoding changes them.
     if target_kind != "encoded" or resize or quality:

@@ -32,7 +32,7 @@ class PlannedShard:
 
 
 @dataclass
-class Plan:
+class PackPlan:
     """The shards to write: a pure function of the source listing and the options."""
 
     format: str
@@ -103,7 +103,7 @@ def plan_shards(
     shard_size: int | None,
     seed: int,
     keep_order: bool,
-) -> Plan:
+) -> PackPlan:
     """Order and cut ``refs`` into shards named ``shard_name(i)``; see the module docstring.
 
     ``options`` are the output-affecting options (format, resize, quality, hash, ...); they enter
@@ -128,10 +128,10 @@ def plan_shards(
             h.update(col[a:b].tobytes())
         shards.append(PlannedShard(idx, name, tuple(ordered[a:b]), int(sizes[a:b].sum()), h.hexdigest()))
     fp = _digest({"base": base, "shards": [s.fingerprint for s in shards]})
-    return Plan(fmt_name, shards, fp, options)
+    return PackPlan(fmt_name, shards, fp, options)
 
 
-def format_plan(plan: Plan, out: str, limit: int = 20) -> str:
+def format_plan(plan: PackPlan, out: str, limit: int = 20) -> str:
     """Human-readable plan for ``--dry-run``."""
     buf = io.StringIO()
     buf.write(

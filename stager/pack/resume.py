@@ -16,7 +16,7 @@ from typing import Any
 from stager.errors import DestinationError, ManifestError
 from stager.fs.atomic import partial_base
 from stager.manifest import MANIFEST_NAME, Manifest, ShardInfo, load_manifest
-from stager.pack.plan import Plan
+from stager.pack.plan import PackPlan
 from stager.pack.shard import STATE_DIR, ShardDone, fsync_and_hash
 from stager.pack.sources.base import Source
 
@@ -90,7 +90,7 @@ def _reusable(out: Path, info: ShardInfo, algo: str) -> bool:
     )
 
 
-def _check_destination(out: Path, st: OutState, source: Source, plan: Plan, overwrite: bool) -> None:
+def check_destination(out: Path, st: OutState, source: Source, plan: PackPlan, overwrite: bool) -> None:
     if overwrite:
         return
     desc = source.describe()
@@ -119,7 +119,7 @@ def _check_destination(out: Path, st: OutState, source: Source, plan: Plan, over
         )
 
 
-def _find_reusable(out: Path, st: OutState, plan: Plan, algo: str) -> dict[str, ShardDone]:
+def find_reusable(out: Path, st: OutState, plan: PackPlan, algo: str) -> dict[str, ShardDone]:
     """Completed shards of a previous run that match this plan (name, fingerprint, size, hash)."""
     cands: dict[str, ShardDone] = {}
     if st.manifest is not None and st.manifest.hash_algo == algo:

@@ -113,11 +113,6 @@ def fsync_and_hash(path: str | os.PathLike[str], algo: str) -> tuple[int, str]:
     return total, h.hexdigest()
 
 
-def _unlink(p: str | os.PathLike[str]) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(p)
-
-
 def write_shard(job: ShardJob, source: Source, progress: Progress | None = None) -> ShardDone:
     """Write ``job.shard`` from ``source`` into ``job.out`` atomically; return its ShardInfo.
 
@@ -168,9 +163,9 @@ def write_shard(job: ShardJob, source: Source, progress: Progress | None = None)
         if writer is not None:
             with contextlib.suppress(Exception):
                 writer.abort()
-        _unlink(tmp)
+        tmp.unlink(missing_ok=True)
         for _, ctmp in companions:
-            _unlink(ctmp)
+            Path(ctmp).unlink(missing_ok=True)
         if isinstance(exc, OSError) and not isinstance(exc, StagerError):
             err = space_error(exc, final)
             if err is not None:
@@ -232,13 +227,13 @@ def write_hint(final: Path, data: bytes) -> None:
             f.write(data)
         os.replace(tmp, final)
     except OSError as exc:
-        _unlink(tmp)
+        tmp.unlink(missing_ok=True)
         err = space_error(exc, final)  # a full disk is exit 4 with one line, not a traceback
         if err is not None:
             raise err from exc
         raise
     except BaseException:
-        _unlink(tmp)
+        tmp.unlink(missing_ok=True)
         raise
 
 

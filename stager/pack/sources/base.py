@@ -112,6 +112,12 @@ def sniff_ext(data: bytes) -> str | None:
     return None
 
 
+def file_ext(path: str) -> str:
+    """The lower-case extension of ``path`` without its dot (``bin`` when it has none): the image type
+    of a file whose bytes :func:`sniff_ext` does not recognise."""
+    return Path(path).suffix.lower().lstrip(".") or "bin"
+
+
 def read_file(path: str, size: int = -1) -> bytes:
     """The bytes of the file at ``path``; ``size`` (the listed size) lets one ``read`` get them all.
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from stager.errors import SourceError
 from stager.formats.base import Sample
-from stager.pack.sources.base import IMAGE_EXTENSIONS, SampleRef, Source, read_file, sniff_ext, unique_keys
+from stager.pack.sources.base import IMAGE_EXTENSIONS, SampleRef, Source, file_ext, read_file, sniff_ext, unique_keys
 
 
 class ImageFolderSource(Source):
@@ -54,7 +54,7 @@ class ImageFolderSource(Source):
 
     def load(self, ref: SampleRef) -> Sample:
         data = read_file(ref.locator, ref.size)
-        return Sample(ref.key, ref.label, data, sniff_ext(data) or _suffix(ref.locator), {"source": self.rel_of(ref)})
+        return Sample(ref.key, ref.label, data, sniff_ext(data) or file_ext(ref.locator), {"source": self.rel_of(ref)})
 
     def load_many(self, refs: Sequence[SampleRef]) -> list[Sample | BaseException]:
         out: list[Sample | BaseException] = []
@@ -66,15 +66,11 @@ class ImageFolderSource(Source):
             except OSError as exc:
                 out.append(exc)
                 continue
-            out.append(Sample(r.key, r.label, data, sniff_ext(data) or _suffix(loc), {"source": loc[cut:]}))
+            out.append(Sample(r.key, r.label, data, sniff_ext(data) or file_ext(loc), {"source": loc[cut:]}))
         return out
 
     def rel_of(self, ref: SampleRef) -> str:
         return ref.locator[self._cut :]
-
-
-def _suffix(path: str) -> str:
-    return Path(path).suffix.lower().lstrip(".") or "bin"
 
 
 def list_class_folder(job: tuple[str, str, int]) -> tuple[list[str], list[str], list[int], list[int]]:

@@ -11,8 +11,7 @@ from typing import Any
 
 from stager.errors import SourceError, SourceNotFoundError
 from stager.formats.base import Sample
-from stager.pack.sources.base import SampleRef, Source, key_for, read_file, sniff_ext, unique_keys
-from stager.pack.sources.imagefolder import _suffix
+from stager.pack.sources.base import SampleRef, Source, file_ext, key_for, read_file, sniff_ext, unique_keys
 
 
 class ListSource(Source):
@@ -57,7 +56,7 @@ class ListSource(Source):
 
     def load(self, ref: SampleRef) -> Sample:
         data = read_file(ref.locator, ref.size)
-        return Sample(ref.key, ref.label, data, sniff_ext(data) or _suffix(ref.locator), {"source": self.rel_of(ref)})
+        return Sample(ref.key, ref.label, data, sniff_ext(data) or file_ext(ref.locator), {"source": self.rel_of(ref)})
 
     def rel_of(self, ref: SampleRef) -> str:
         return self._rel.get(ref.locator, ref.locator)
