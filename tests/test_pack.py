@@ -8,6 +8,8 @@ decoded pixels.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import io
 import itertools
 import json
@@ -26,6 +28,7 @@ from stager.errors import DestinationError, SourceError, SourceNotFoundError, Us
 from stager.formats import FORMAT_NAMES, get_format
 from stager.manifest import load_manifest
 from stager.pack.api import pack
+from stager.pack.options import PackOptions
 from stager.pack.plan import cut_shards, plan_order
 from stager.verify import verify
 
@@ -302,3 +305,36 @@ def test_usage_and_destination_errors(imagenet_tiny: Path, cifar_tiny: Path, tmp
     r = pack(imagenet_tiny, out, "record", samples_per_shard=7)
     assert not [p for p in os.listdir(out) if p.endswith(".tar")]
     assert r.shards == 4 and verify(out).ok
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ({"samples_per_shard": 0}, "samples_per_shard must be >= 1"),
+        ({"shard_size": 0}, "shard_size must be >= 1 byte"),
+        ({"workers": 0}, "workers must be >= 1"),
+        ({"resize": (0, 4)}, r"resize must be \(H, W\)"),
+        ({"resize": (4, 4, 3)}, r"resize must be \(H, W\)"),
+        ({"quality": 101}, r"quality must be in 1\.\.100"),
+        ({"on_error": "ignore"}, "on_error must be one of raise, skip"),
+        ({"hash_algo": "md5"}, "unknown hash 'md5'"),
+    ],
+)
+def test_bad_options_are_usage_errors_before_anything_is_read(
+    tmp_path: Path, bad: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(UsageError, match=message):
+        PackOptions(**bad)
+    with pytest.raises(UsageError, match=message):  # the source does not exist: options are checked first
+        pack(tmp_path / "missing", tmp_path / "o", "tar", **bad)
+    assert not (tmp_path / "o").exists()
+
+
+def test_pack_options_mirror_the_public_signature() -> None:
+    """``pack(src, out, format, **keywords)`` keeps its keywords and defaults; each is a PackOptions field."""
+    params = inspect.signature(pack).parameters
+    fields = {f.name: f.default for f in dataclasses.fields(PackOptions)}
+    assert list(params)[:3] == ["src", "out", "format"] and params["format"].default == fields["format"]
+    keywords = {n: p.default for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    assert keywords == {n: d for n, d in fields.items() if n != "format"}
+    assert PackOptions(resize=[32.0, 24]).resize == (32, 24)  # type: ignore[arg-type]

@@ -34,20 +34,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stager.checksum import ALGOS
 from stager.errors import UsageError
 from stager.formats import get_format
 from stager.fs import lustre
 from stager.fs.atomic import atomic_write_bytes, fsync_dir, remove_partials
 from stager.manifest import MANIFEST_NAME, Manifest
+from stager.pack.options import PackOptions
 from stager.pack.plan import PackPlan, format_plan, plan_shards
 from stager.pack.resume import PLAN_SCHEMA, check_destination, find_reusable, survey_out
 from stager.pack.shard import STATE_DIR, ShardDone, ShardJob, write_shard
 from stager.pack.sources.checks import probe_hw
 from stager.pack.sources.select import open_source
 from stager.progress import Progress
-
-ON_ERROR = ("raise", "skip")
 
 
 @dataclass
@@ -94,33 +92,6 @@ class PackResult:
         return d
 
 
-def _check_args(
-    *,
-    format: str,
-    samples_per_shard: int | None,
-    shard_size: int | None,
-    workers: int,
-    resize: Any,
-    quality: Any,
-    on_error: str,
-    hash_algo: str,
-) -> None:
-    if samples_per_shard is not None and samples_per_shard < 1:
-        raise UsageError(f"samples_per_shard must be >= 1, got {samples_per_shard}")
-    if shard_size is not None and shard_size < 1:
-        raise UsageError(f"shard_size must be >= 1 byte, got {shard_size}")
-    if workers < 1:
-        raise UsageError(f"workers must be >= 1, got {workers}")
-    if resize is not None and (len(resize) != 2 or min(resize) < 1):
-        raise UsageError(f"resize must be (H, W) positive integers, got {resize!r}")
-    if quality is not None and not 1 <= quality <= 100:
-        raise UsageError(f"quality must be in 1..100, got {quality}")
-    if on_error not in ON_ERROR:
-        raise UsageError(f"on_error must be one of {', '.join(ON_ERROR)}, got {on_error!r}")
-    if hash_algo not in ALGOS:
-        raise UsageError(f"unknown hash {hash_algo!r}; expected one of {', '.join(ALGOS)}")
-
-
 def _prepare_dir(out: Path, plan: PackPlan, stripe_count: int | None, stripe_size: int | None) -> None:
     lustre.prepare_pack_dir(
         out,
@@ -160,27 +131,35 @@ def pack(
     :class:`DestinationError` (OUT holds something else and ``overwrite`` is false),
     :class:`OutOfSpaceError` (disk full; completed shards are kept for a rerun).
     """
+    opts = PackOptions(
+        format=format,
+        samples_per_shard=samples_per_shard,
+        shard_size=shard_size,
+        workers=workers,
+        seed=seed,
+        keep_order=keep_order,
+        resize=resize,
+        quality=quality,
+        on_error=on_error,
+        overwrite=overwrite,
+        dry_run=dry_run,
+        quiet=quiet,
+        hash_algo=hash_algo,
+        stripe_count=stripe_count,
+        stripe_size=stripe_size,
+        split=split,
+    )
     pool = None
-    if workers > 1:
+    if opts.workers > 1:
         from stager.pack.workers import PackPool
 
-        pool = PackPool(workers)  # started on first use; reused from listing to writing
+        pool = PackPool(opts.workers)  # started on first use; reused from listing to writing
     try:
         t0 = time.perf_counter()
-        _check_args(
-            format=format,
-            samples_per_shard=samples_per_shard,
-            shard_size=shard_size,
-            workers=workers,
-            resize=resize,
-            quality=quality,
-            on_error=on_error,
-            hash_algo=hash_algo,
-        )
-        fmt = get_format(format)
+        fmt = get_format(opts.format)
         # With workers, an ImageFolder lists its class folders on the pool (the only source that starts it
         # this early); other sources leave it to start at writing time and so be inherited by fork.
-        source = open_source(src, split=split, map_fn=pool.map if pool is not None else None)
+        source = open_source(src, split=opts.split, map_fn=pool.map if pool is not None else None)
         out_p = Path(os.path.abspath(os.fspath(out)))
         if source.kind == "pack" and out_p == source.root:
             raise UsageError(f"{out_p}: output is the source pack itself; choose another directory")
@@ -189,7 +168,7 @@ def pack(
         keys_checked = check_keys is not None
         if check_keys is not None:
             check_keys([r.key for r in source.refs], f"{source.root}: ")
-        resize_t = (int(resize[0]), int(resize[1])) if resize else None
+        resize_t = opts.resize
         target_kind = fmt.sample_kind
         image_shape: tuple[int, int, int] | None = None
         if target_kind == "decoded":
@@ -198,26 +177,26 @@ def pack(
             elif source.image_shape is not None:
                 image_shape = source.image_shape
             else:
-                h, w = probe_hw(source, source.refs, skip_bad=on_error == "skip")
+                h, w = probe_hw(source, source.refs, skip_bad=opts.on_error == "skip")
                 image_shape = (h, w, 3)
         options = {
             "resize": list(resize_t) if resize_t else None,
-            "quality": quality,
-            "hash_algo": hash_algo,
+            "quality": opts.quality,
+            "hash_algo": opts.hash_algo,
             "image_shape": list(image_shape) if image_shape else None,
         }
         plan = plan_shards(
             source.refs,
-            format,
+            opts.format,
             fmt.shard_name,
             classes=source.classes,
             options=options,
-            samples_per_shard=samples_per_shard,
-            shard_size=shard_size,
-            seed=seed,
-            keep_order=keep_order,
+            samples_per_shard=opts.samples_per_shard,
+            shard_size=opts.shard_size,
+            seed=opts.seed,
+            keep_order=opts.keep_order,
         )
-        if dry_run:
+        if opts.dry_run:
             return PackResult(
                 None,
                 str(out_p),
@@ -231,16 +210,16 @@ def pack(
             )
 
         st = survey_out(out_p, re.match(r"\D*", fmt.shard_name(0)).group())  # type: ignore[union-attr]
-        check_destination(out_p, st, source, plan, overwrite)
-        reuse = find_reusable(out_p, st, plan, hash_algo)
+        check_destination(out_p, st, source, plan, opts.overwrite)
+        reuse = find_reusable(out_p, st, plan, opts.hash_algo)
         manifest_opts = {
-            "seed": seed,
-            "keep_order": keep_order,
-            "samples_per_shard": samples_per_shard,
-            "shard_size": shard_size,
+            "seed": opts.seed,
+            "keep_order": opts.keep_order,
+            "samples_per_shard": opts.samples_per_shard,
+            "shard_size": opts.shard_size,
             "resize": options["resize"],
-            "quality": quality,
-            "on_error": on_error,
+            "quality": opts.quality,
+            "on_error": opts.on_error,
             "plan": plan.fingerprint,
             # Per-shard fingerprints let a rerun after a source change keep the shards it did not touch.
             "shard_plans": [sh.fingerprint for sh in plan.shards],
@@ -279,7 +258,7 @@ def pack(
                     "schema": PLAN_SCHEMA,
                     "plan": plan.fingerprint,
                     "source": source.describe(),
-                    "format": format,
+                    "format": opts.format,
                     "names": names,
                 }
             ).encode(),
@@ -296,27 +275,23 @@ def pack(
                 p.unlink(missing_ok=True)
         for d in reuse.values():  # re-record shards reused from a complete manifest
             atomic_write_bytes(state / f"{d.info.name}.json", json.dumps(d.to_json()).encode())
-        _prepare_dir(out_p, plan, stripe_count, stripe_size)
-        _check_free_space(out=out_p, plan=plan, reuse=reuse, target_kind=target_kind, resize=resize_t, quality=quality)
+        _prepare_dir(out_p, plan, opts.stripe_count, opts.stripe_size)
+        _check_free_space(out=out_p, plan=plan, reuse=reuse, passes_through=opts.passes_through(target_kind))
 
         todo = [s for s in plan.shards if s.name not in reuse]
         jobs = [
             ShardJob(
                 str(out_p),
-                format,
                 s,
+                opts,
                 tuple(source.classes),
                 target_kind,
                 image_shape,
-                resize_t,
-                quality,
-                on_error,
-                hash_algo,
                 keys_checked,
             )
             for s in todo
         ]
-        progress = Progress(f"pack {format}", total_items=sum(len(s.refs) for s in todo), quiet=quiet)
+        progress = Progress(f"pack {opts.format}", total_items=sum(len(s.refs) for s in todo), quiet=opts.quiet)
         done: dict[str, ShardDone] = dict(reuse)
         try:
             if pool is None or not jobs or (len(jobs) == 1 and not hasattr(fmt, "open_fragment")):
@@ -335,12 +310,12 @@ def pack(
         results = [done[n] for n in names]
         skipped = [s for d in results for s in d.skipped]
         m = Manifest(
-            format=format,
+            format=opts.format,
             classes=list(source.classes),
             shards=[d.info for d in results],
             source=source.describe(),
             options=manifest_opts,
-            hash_algo=hash_algo,
+            hash_algo=opts.hash_algo,
             sample_kind=target_kind,
             image_shape=image_shape,
             skipped=skipped,
@@ -365,11 +340,9 @@ def pack(
             pool.close()
 
 
-def _check_free_space(
-    *, out: Path, plan: PackPlan, reuse: dict[str, ShardDone], target_kind: str, resize: Any, quality: Any
-) -> None:
+def _check_free_space(*, out: Path, plan: PackPlan, reuse: dict[str, ShardDone], passes_through: bool) -> None:
     # Only when sizes are known in advance (files pass through unchanged); re-encoding changes them.
-    if target_kind != "encoded" or resize or quality:
+    if not passes_through:
         return
     need = sum(s.est_bytes for s in plan.shards if s.name not in reuse)
     free = shutil.disk_usage(out).free

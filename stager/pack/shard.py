@@ -25,6 +25,7 @@ from stager.formats import get_format
 from stager.formats.base import Sample
 from stager.fs.atomic import partial_path, space_error
 from stager.manifest import AuxFile, ShardInfo
+from stager.pack.options import PackOptions
 from stager.pack.plan import PlannedShard
 from stager.pack.sources.base import SampleRef, Source
 from stager.pack.sources.checks import check_encoded, prepare_sample
@@ -41,15 +42,11 @@ class ShardJob:
     """Everything one process needs to write one planned shard (picklable)."""
 
     out: str
-    format: str
     shard: PlannedShard
+    options: PackOptions  # the writer reads format, resize, quality, on_error and hash_algo
     classes: tuple[str, ...]
-    target_kind: str
-    image_shape: tuple[int, int, int] | None
-    resize: tuple[int, int] | None
-    quality: int | None
-    on_error: str
-    hash_algo: str
+    target_kind: str  # "encoded" | "decoded": what the format stores
+    image_shape: tuple[int, int, int] | None  # the fixed (H, W, 3) of a decoded format
     keys_checked: bool = False  # the plan's keys passed the format's check_keys (writers skip it)
 
 
@@ -123,7 +120,8 @@ def write_shard(job: ShardJob, source: Source, progress: Progress | None = None)
     Formats that hash while writing (``Format.hashes_while_writing``, tar) are handed the hasher, so
     the shard is not read back: it is only fsynced before the rename.
     """
-    fmt = get_format(job.format)
+    opts = job.options
+    fmt = get_format(opts.format)
     out = Path(job.out)
     sh = job.shard
     final = out / sh.name
@@ -131,7 +129,7 @@ def write_shard(job: ShardJob, source: Source, progress: Progress | None = None)
     rows = SampleRows()
     companions: list[tuple[str, str]] = []
     writer = None
-    hasher = new_hasher(job.hash_algo) if getattr(fmt, "hashes_while_writing", False) else None
+    hasher = new_hasher(opts.hash_algo) if getattr(fmt, "hashes_while_writing", False) else None
     try:
         writer = fmt.open_writer(
             str(tmp),
@@ -146,13 +144,13 @@ def write_shard(job: ShardJob, source: Source, progress: Progress | None = None)
         writer = None
         aux = []
         for cname, ctmp in companions:
-            cbytes, chash = fsync_and_hash(ctmp, job.hash_algo)
+            cbytes, chash = fsync_and_hash(ctmp, opts.hash_algo)
             aux.append(AuxFile(cname, cbytes, chash))
         if hasher is not None:
             nbytes_total = fsync_file(tmp)
             digest = hasher.hexdigest()
         else:
-            nbytes_total, digest = fsync_and_hash(tmp, job.hash_algo)
+            nbytes_total, digest = fsync_and_hash(tmp, opts.hash_algo)
         # Companions first: a shard under its final name always has its companions beside it. The
         # data are fsynced; the renames become durable with the directory fsync that publishes the
         # manifest (a crash before it loses at most renames, and a rerun rewrites those shards).
@@ -248,14 +246,15 @@ def write_samples(
 ) -> None:
     """Load, check/re-encode and write ``refs`` in order with ``writer``, appending to ``rows``.
 
-    Per-sample source failures raise :class:`SourceError` (``job.on_error == "raise"``) or are
-    recorded in ``rows.skipped``.
+    Per-sample source failures raise :class:`SourceError` (``on_error="raise"``) or are recorded in
+    ``rows.skipped``.
     """
+    opts = job.options
     sh_name = job.shard.name
     keys, labels, offsets, sizes = rows.keys, rows.labels, rows.offsets, rows.sizes
     # Encoded files that pass through unchanged need only the cheap structure check: done inline, with
     # the error message (naming the file) built only when the check fails.
-    passthrough = job.target_kind == "encoded" and not job.resize and not job.quality
+    passthrough = opts.passes_through(job.target_kind)
     write = writer.write
     for a in range(0, len(refs), LOAD_BATCH):
         batch = refs[a : a + LOAD_BATCH]
@@ -279,12 +278,12 @@ def write_samples(
                         res,
                         target_kind=job.target_kind,
                         where=source.path_of(ref),
-                        resize=job.resize,
-                        quality=job.quality,
+                        resize=opts.resize,
+                        quality=opts.quality,
                         image_shape=job.image_shape,
                     )
             except SourceError as exc:
-                if job.on_error != "skip":
+                if opts.on_error != "skip":
                     raise
                 rows.skipped.append({"key": ref.key, "path": source.path_of(ref), "error": str(exc), "shard": sh_name})
                 continue

@@ -113,7 +113,7 @@ class PackPool:
         inherited = self._ex is None  # started now, with the loaded source
         ex = self._executor(source)
         plan_file = _publish_plan(state_dir, jobs, None if inherited else source)
-        if fragmentable(jobs[0].format):
+        if fragmentable(jobs[0].options.format):
             return _run_segments(ex, self.workers, jobs, plan_file, progress=progress, state_dir=state_dir)
         return _run_shards(ex, jobs, plan_file, progress)
 
@@ -256,7 +256,7 @@ def _run_segment(task: tuple[str, str, int, int, int, int, str]) -> tuple[int, i
     plan = _plan(plan_file)
     job, refs = _job(plan, ji, a, b)
     slots = _slots(slots_file).a
-    fmt: Any = get_format(job.format)
+    fmt: Any = get_format(job.options.format)
     rows = SampleRows()
     published = False
     try:
@@ -357,7 +357,7 @@ def _finish_shard(plan_file: str, ji: int, tmp: str, end: int, parts: list[tuple
     """In a worker: end marker, hash + fsync, rename and done-record of a shard whose segments are
     all written (``end`` is where the last one stopped)."""
     job: ShardJob = _plan(plan_file)["jobs"][ji]
-    fmt: Any = get_format(job.format)
+    fmt: Any = get_format(job.options.format)
     final = Path(job.out) / job.shard.name
     try:
         fd = os.open(tmp, os.O_WRONLY)
@@ -365,7 +365,7 @@ def _finish_shard(plan_file: str, ji: int, tmp: str, end: int, parts: list[tuple
             os.pwrite(fd, fmt.END_MARKER, end)
         finally:
             os.close(fd)
-        nbytes, digest = fsync_and_hash(tmp, job.hash_algo)
+        nbytes, digest = fsync_and_hash(tmp, job.options.hash_algo)
         os.replace(tmp, final)  # durable with the manifest's directory fsync, as in write_shard
     except OSError as exc:
         err = space_error(exc, final)
