@@ -1,51 +1,54 @@
 """``stager pack``: turn a source (ImageFolder, CIFAR batches, list file, another pack) into shards.
 
-Three steps, each with one job:
+:func:`pack` runs six phases, each a method of :class:`PackRun` whose docstring states its
+contract:
 
-1. **Plan** (:func:`plan_shards`, pure): order the source's samples (a seeded permutation from
-   ``stager.order.streams.pack_order(seed)`` unless ``keep_order``) and cut them into
-   shards by ``samples_per_shard`` and/or ``shard_size`` bytes (estimated from source sizes; a shard
-   ends when it would exceed either limit). Each shard gets a fingerprint over its samples' keys,
-   labels, source sizes and mtimes and the output-affecting options; the plan fingerprint covers
-   them all.
-2. **Write** (:func:`write_shard`, or :mod:`stager.pack_workers` with ``workers > 1``: tar shards
-   in parallel segments, other formats one process per shard): each shard is written as
-   ``<name>.<uuid>.partial``, hashed, fsynced, then renamed with its companion files; a done-record
-   ``.stager-pack/<name>.json`` (its ShardInfo and fingerprint; a hint, not fsynced) is written
-   atomically after the rename. Because a shard's bytes depend only on its planned samples, the
-   output is byte-identical whatever ``workers`` is.
-3. **Publish**: ``manifest.json`` is written last, atomically (its directory fsync also makes the
+1. **check**: the options (:class:`~stager.pack.options.PackOptions`, checked when built) and the
+   format name; nothing is read or written.
+2. **list**: open and list the source (:mod:`stager.pack.sources`) and settle what its samples
+   become (image files, or decoded arrays of one shape); keys are checked once for the whole pack.
+3. **plan** (pure, :mod:`stager.pack.plan`): which sample goes to which shard, in which order, with
+   fingerprints. A dry run stops here.
+4. **resume** (:mod:`stager.pack.resume`): what a previous run left in OUT; refuse someone else's
+   files, keep the shards this plan can reuse, remove the rest.
+5. **write** (:mod:`stager.pack.shard`, or :mod:`stager.pack.workers` with ``workers > 1``): every
+   other planned shard, each renamed into place complete and followed by its done-record.
+6. **publish**: ``manifest.json`` written last, atomically (its directory fsync also makes the
    shard renames durable), and the state directory removed.
 
-Resume: a rerun with the same plan (after kill -9, a full disk, ...) keeps every shard whose
-done-record fingerprint matches the plan and whose size and hash still match, and rewrites the
-rest; stale ``*.partial`` files are removed. A completed pack rerun with the same plan is left
-untouched (its shards are re-hashed).
+The output is a pure function of the source listing and the output-affecting options: the same
+bytes whatever ``workers`` is and however often the pack was interrupted and resumed.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
 import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from stager.errors import UsageError
+from stager.errors import OutOfSpaceError, UsageError
 from stager.formats import get_format
 from stager.fs import lustre
-from stager.fs.atomic import atomic_write_bytes, fsync_dir, remove_partials
+from stager.fs.atomic import fsync_dir, remove_partials
 from stager.manifest import MANIFEST_NAME, Manifest
 from stager.pack.options import PackOptions
-from stager.pack.plan import PackPlan, format_plan, plan_shards
-from stager.pack.resume import PLAN_SCHEMA, check_destination, find_reusable, survey_out
+from stager.pack.plan import PackPlan, PlannedShard, format_plan, plan_shards
+from stager.pack.resume import Kept, check_destination, clear_out, find_reusable, holds_complete_pack, survey_out
 from stager.pack.shard import STATE_DIR, ShardDone, ShardJob, write_shard
 from stager.pack.sources.checks import probe_hw
 from stager.pack.sources.select import open_source
 from stager.progress import Progress
+
+if TYPE_CHECKING:
+    from stager.formats.base import Format
+    from stager.pack.sources.base import Source
+    from stager.pack.workers import PackPool
 
 
 @dataclass
@@ -92,17 +95,6 @@ class PackResult:
         return d
 
 
-def _prepare_dir(out: Path, plan: PackPlan, stripe_count: int | None, stripe_size: int | None) -> None:
-    lustre.prepare_pack_dir(
-        out,
-        total_bytes=plan.est_bytes,
-        num_shards=len(plan.shards),
-        stripe_count=stripe_count,
-        stripe_size=stripe_size,
-        quiet=True,
-    )
-
-
 def pack(
     src: str | os.PathLike[str],
     out: str | os.PathLike[str],
@@ -126,12 +118,14 @@ def pack(
 ) -> PackResult:
     """Pack ``src`` into ``format`` shards under ``out`` (see the module docstring and docs/pack.md).
 
-    Returns a :class:`PackResult`. Raises :class:`UsageError` (bad options, unknown format),
+    The keywords are those of :class:`~stager.pack.options.PackOptions`. Returns a
+    :class:`PackResult`. Raises :class:`UsageError` (bad options, unknown format),
     :class:`SourceNotFoundError`/:class:`SourceError` (missing, empty or damaged source),
     :class:`DestinationError` (OUT holds something else and ``overwrite`` is false),
     :class:`OutOfSpaceError` (disk full; completed shards are kept for a rerun).
     """
-    opts = PackOptions(
+    started = time.perf_counter()
+    options = PackOptions(
         format=format,
         samples_per_shard=samples_per_shard,
         shard_size=shard_size,
@@ -149,206 +143,286 @@ def pack(
         stripe_size=stripe_size,
         split=split,
     )
-    pool = None
-    if opts.workers > 1:
-        from stager.pack.workers import PackPool
+    with _worker_pool(options.workers) as pool:
+        run = PackRun(out, options, pool, started)
+        listing = run.list_source(src, run.check())
+        plan = run.plan(listing)
+        if options.dry_run:
+            return run.planned(plan)
+        kept = run.resume(listing, plan)
+        if kept.complete:
+            return run.publish_complete(plan, kept)
+        done = run.write(listing, plan, kept)
+        return run.publish(listing, plan, kept, done)
 
-        pool = PackPool(opts.workers)  # started on first use; reused from listing to writing
-    try:
-        t0 = time.perf_counter()
-        fmt = get_format(opts.format)
+
+@contextmanager
+def _worker_pool(workers: int) -> Iterator[PackPool | None]:
+    """The pool of ``workers`` processes (None for one): started on first use, reused from listing
+    to writing, closed on the way out."""
+    if workers == 1:
+        yield None
+        return
+    # Imported only here: multiprocessing and concurrent.futures cost ~13 ms that one process never needs.
+    from stager.pack.workers import PackPool
+
+    with PackPool(workers) as pool:
+        yield pool
+
+
+@dataclass(frozen=True)
+class Listing:
+    """What the list phase settled: the opened source and what its samples become in the shards."""
+
+    source: Source  # open until the write phase ends (it closes it)
+    fmt: Format
+    target_kind: str  # the format's sample kind: "encoded" (image files) or "decoded" (arrays)
+    image_shape: tuple[int, int, int] | None  # the one (H, W, 3) a decoded format stores, else None
+    keys_checked: bool  # every key passed the format's check_keys: writers skip the per-key check
+
+
+class PackRun:
+    """One call of :func:`pack`: its phases, sharing OUT (absolute), the options and the worker pool.
+
+    Each phase is a method that takes what earlier phases returned; none keeps state on ``self``.
+    """
+
+    def __init__(
+        self, out: str | os.PathLike[str], options: PackOptions, pool: PackPool | None, started: float
+    ) -> None:
+        self.out = Path(os.path.abspath(os.fspath(out)))
+        self.options = options
+        self.pool = pool
+        self.started = started
+
+    def check(self) -> Format:
+        """Check: the format the options name (:class:`UsageError` if there is none).
+
+        The options themselves were checked when :class:`PackOptions` was built. Reads and writes
+        nothing.
+        """
+        return get_format(self.options.format)
+
+    def list_source(self, src: str | os.PathLike[str], fmt: Format) -> Listing:
+        """List: open and list ``src`` and settle what its samples become in ``fmt`` shards.
+
+        Raises :class:`SourceNotFoundError`/:class:`SourceError` (missing, empty or unreadable
+        source; for a decoded format without ``resize``, images of different sizes) and
+        :class:`UsageError` (OUT is the source pack; keys the format cannot store). Writes nothing.
+        """
+        pool = self.pool
         # With workers, an ImageFolder lists its class folders on the pool (the only source that starts it
         # this early); other sources leave it to start at writing time and so be inherited by fork.
-        source = open_source(src, split=opts.split, map_fn=pool.map if pool is not None else None)
-        out_p = Path(os.path.abspath(os.fspath(out)))
-        if source.kind == "pack" and out_p == source.root:
-            raise UsageError(f"{out_p}: output is the source pack itself; choose another directory")
+        source = open_source(src, split=self.options.split, map_fn=pool.map if pool is not None else None)
+        if source.kind == "pack" and self.out == source.root:
+            raise UsageError(f"{self.out}: output is the source pack itself; choose another directory")
         # Keys are checked once for the whole plan (one pass), so writers need not check each one.
         check_keys = getattr(fmt, "check_keys", None)
-        keys_checked = check_keys is not None
         if check_keys is not None:
             check_keys([r.key for r in source.refs], f"{source.root}: ")
-        resize_t = opts.resize
-        target_kind = fmt.sample_kind
-        image_shape: tuple[int, int, int] | None = None
-        if target_kind == "decoded":
-            if resize_t:
-                image_shape = (resize_t[0], resize_t[1], 3)
-            elif source.image_shape is not None:
-                image_shape = source.image_shape
-            else:
-                h, w = probe_hw(source, source.refs, skip_bad=opts.on_error == "skip")
-                image_shape = (h, w, 3)
-        options = {
-            "resize": list(resize_t) if resize_t else None,
-            "quality": opts.quality,
-            "hash_algo": opts.hash_algo,
-            "image_shape": list(image_shape) if image_shape else None,
-        }
-        plan = plan_shards(
-            source.refs,
-            opts.format,
-            fmt.shard_name,
-            classes=source.classes,
-            options=options,
-            samples_per_shard=opts.samples_per_shard,
-            shard_size=opts.shard_size,
-            seed=opts.seed,
-            keep_order=opts.keep_order,
-        )
-        if opts.dry_run:
-            return PackResult(
-                None,
-                str(out_p),
-                time.perf_counter() - t0,
-                plan.samples,
-                plan.est_bytes,
-                [],
-                len(plan.shards),
-                dry_run=True,
-                plan=plan,
-            )
+        image_shape = self._image_shape(source) if fmt.sample_kind == "decoded" else None
+        return Listing(source, fmt, fmt.sample_kind, image_shape, keys_checked=check_keys is not None)
 
-        st = survey_out(out_p, re.match(r"\D*", fmt.shard_name(0)).group())  # type: ignore[union-attr]
-        check_destination(out_p, st, source, plan, opts.overwrite)
-        reuse = find_reusable(out_p, st, plan, opts.hash_algo)
-        manifest_opts = {
+    def _image_shape(self, source: Source) -> tuple[int, int, int]:
+        """The one (H, W, 3) a decoded format stores: ``resize``, else the source's own fixed shape,
+        else the common size in the images' headers (:func:`probe_hw`: SourceError if they differ)."""
+        if self.options.resize:
+            return (self.options.resize[0], self.options.resize[1], 3)
+        if source.image_shape is not None:
+            return source.image_shape
+        h, w = probe_hw(source, source.refs, skip_bad=self.options.on_error == "skip")
+        return (h, w, 3)
+
+    def plan(self, listing: Listing) -> PackPlan:
+        """Plan (pure): order and cut the listed samples into shards (:func:`plan_shards`)."""
+        source = listing.source
+        return plan_shards(
+            source.refs,
+            self.options,
+            listing.fmt.shard_name,
+            classes=source.classes,
+            image_shape=listing.image_shape,
+        )
+
+    def planned(self, plan: PackPlan) -> PackResult:
+        """The result of a dry run: the plan and its estimated size; nothing was written."""
+        return PackResult(
+            None,
+            str(self.out),
+            self.elapsed(),
+            plan.samples,
+            plan.est_bytes,
+            [],
+            len(plan.shards),
+            dry_run=True,
+            plan=plan,
+        )
+
+    def resume(self, listing: Listing, plan: PackPlan) -> Kept:
+        """Resume: what OUT holds from a previous run, and what of it this plan keeps.
+
+        Raises :class:`DestinationError` when OUT holds files no pack wrote, a damaged manifest or
+        another source's pack (unless ``overwrite``). Every reusable shard is re-hashed. When OUT
+        already holds this very pack, complete, nothing is changed (``Kept.complete``). Otherwise,
+        on return OUT holds no manifest, no partial file and no file of a previous pack except the
+        kept shards, and ``.stager-pack/`` holds this plan and the kept shards' done-records.
+        """
+        shard_prefix = re.split(r"\d", listing.fmt.shard_name(0), maxsplit=1)[0]
+        found = survey_out(self.out, shard_prefix)
+        check_destination(self.out, found, listing.source, plan, self.options.overwrite)
+        reusable = find_reusable(self.out, found, plan, self.options.hash_algo)
+        complete = holds_complete_pack(found, plan, reusable)
+        if not complete:
+            # From here on OUT changes: the old manifest goes first so it never describes replaced shards.
+            clear_out(self.out, found, reusable, plan, listing.source)
+        return Kept(found, reusable, complete)
+
+    def write(self, listing: Listing, plan: PackPlan, kept: Kept) -> dict[str, ShardDone]:
+        """Write: every planned shard not kept; return every shard's :class:`ShardDone` by name.
+
+        OUT first gets its Lustre layout (when it is on Lustre) and, where shard sizes are known in
+        advance, a free-space check (:class:`OutOfSpaceError`). Each shard is renamed into place
+        complete, then gets its done-record, so a failure at any point leaves completed shards for a
+        rerun; the partial files are removed on the way out. The source is closed.
+        """
+        opts = self.options
+        source = listing.source
+        todo = [s for s in plan.shards if s.name not in kept.shards]
+        _stripe(self.out, plan, opts)
+        _check_free_space(self.out, todo, passes_through=opts.passes_through(listing.target_kind))
+        jobs = [
+            ShardJob(
+                str(self.out),
+                s,
+                opts,
+                tuple(source.classes),
+                listing.target_kind,
+                listing.image_shape,
+                listing.keys_checked,
+            )
+            for s in todo
+        ]
+        progress = Progress(f"pack {opts.format}", total_items=sum(len(s.refs) for s in todo), quiet=opts.quiet)
+        done: dict[str, ShardDone] = dict(kept.shards)
+        try:
+            for d in self._write_jobs(jobs, listing, progress):
+                done[d.info.name] = d
+        except BaseException:
+            remove_partials(self.out)
+            raise
+        finally:
+            source.close()
+        progress.close()
+        return done
+
+    def _write_jobs(self, jobs: list[ShardJob], listing: Listing, progress: Progress) -> Iterable[ShardDone]:
+        """Write ``jobs`` here, one after the other, or on the pool (not worth it for one whole shard)."""
+        pool = self.pool
+        if pool is None or not jobs or (len(jobs) == 1 and not hasattr(listing.fmt, "open_fragment")):
+            return (write_shard(job, listing.source, progress) for job in jobs)
+        return pool.run(jobs, listing.source, progress, self.out / STATE_DIR)
+
+    def publish(self, listing: Listing, plan: PackPlan, kept: Kept, done: dict[str, ShardDone]) -> PackResult:
+        """Publish: ``manifest.json`` (atomic, last) lists the shards in plan order; then the state
+        directory is removed and OUT fsynced, which also makes the shards' renames durable.
+
+        OUT is a complete pack from the manifest's rename on.
+        """
+        opts = self.options
+        source = listing.source
+        shards = [done[s.name] for s in plan.shards]
+        skipped = [s for d in shards for s in d.skipped]
+        m = Manifest(
+            format=opts.format,
+            classes=list(source.classes),
+            shards=[d.info for d in shards],
+            source=source.describe(),
+            options=self._manifest_options(plan),
+            hash_algo=opts.hash_algo,
+            sample_kind=listing.target_kind,
+            image_shape=listing.image_shape,
+            skipped=skipped,
+        )
+        m.write(self.out)
+        shutil.rmtree(self.out / STATE_DIR, ignore_errors=True)
+        fsync_dir(self.out)
+        return PackResult(
+            m,
+            str(self.out),
+            self.elapsed(),
+            m.num_samples,
+            m.num_bytes,
+            skipped,
+            len(m.shards),
+            reused=len(kept.shards),
+            plan=plan,
+            payload_bytes=sum(d.payload_bytes for d in shards),
+        )
+
+    def _manifest_options(self, plan: PackPlan) -> dict[str, Any]:
+        """The manifest's ``options``: how the pack was made, and the fingerprints a rerun compares."""
+        opts = self.options
+        return {
             "seed": opts.seed,
             "keep_order": opts.keep_order,
             "samples_per_shard": opts.samples_per_shard,
             "shard_size": opts.shard_size,
-            "resize": options["resize"],
+            "resize": plan.options["resize"],
             "quality": opts.quality,
             "on_error": opts.on_error,
             "plan": plan.fingerprint,
             # Per-shard fingerprints let a rerun after a source change keep the shards it did not touch.
             "shard_plans": [sh.fingerprint for sh in plan.shards],
         }
-        if (
-            st.manifest is not None
-            and st.manifest.options.get("plan") == plan.fingerprint
-            and len(reuse) == len(plan.shards)
-        ):
-            m = st.manifest  # the identical pack is already complete: leave its shards untouched
-            # A run killed between publishing the manifest and removing its state leaves both behind.
-            shutil.rmtree(out_p / STATE_DIR, ignore_errors=True)
-            remove_partials(out_p)
-            return PackResult(
-                m,
-                str(out_p),
-                time.perf_counter() - t0,
-                m.num_samples,
-                m.num_bytes,
-                [],
-                len(m.shards),
-                reused=len(m.shards),
-                plan=plan,
-            )
 
-        # From here on OUT changes: the old manifest goes first so it never describes replaced shards.
-        out_p.mkdir(parents=True, exist_ok=True)
-        (out_p / MANIFEST_NAME).unlink(missing_ok=True)
-        state = out_p / STATE_DIR
-        state.mkdir(exist_ok=True)
-        names = [s.name for s in plan.shards]
-        atomic_write_bytes(
-            state / "plan.json",
-            json.dumps(
-                {
-                    "schema": PLAN_SCHEMA,
-                    "plan": plan.fingerprint,
-                    "source": source.describe(),
-                    "format": opts.format,
-                    "names": names,
-                }
-            ).encode(),
-        )
-        remove_partials(out_p)
-        keep = set()
-        for d in reuse.values():
-            keep.add(d.info.name)
-            keep.update(a.name for a in d.info.aux)
-        for n in sorted(st.owned - keep):
-            (out_p / n).unlink(missing_ok=True)
-        for p in state.glob("*.json"):
-            if p.name != "plan.json" and p.name[: -len(".json")] not in reuse:
-                p.unlink(missing_ok=True)
-        for d in reuse.values():  # re-record shards reused from a complete manifest
-            atomic_write_bytes(state / f"{d.info.name}.json", json.dumps(d.to_json()).encode())
-        _prepare_dir(out_p, plan, opts.stripe_count, opts.stripe_size)
-        _check_free_space(out=out_p, plan=plan, reuse=reuse, passes_through=opts.passes_through(target_kind))
+    def publish_complete(self, plan: PackPlan, kept: Kept) -> PackResult:
+        """Publish when OUT already held this very pack: its manifest and shards stay untouched.
 
-        todo = [s for s in plan.shards if s.name not in reuse]
-        jobs = [
-            ShardJob(
-                str(out_p),
-                s,
-                opts,
-                tuple(source.classes),
-                target_kind,
-                image_shape,
-                keys_checked,
-            )
-            for s in todo
-        ]
-        progress = Progress(f"pack {opts.format}", total_items=sum(len(s.refs) for s in todo), quiet=opts.quiet)
-        done: dict[str, ShardDone] = dict(reuse)
-        try:
-            if pool is None or not jobs or (len(jobs) == 1 and not hasattr(fmt, "open_fragment")):
-                for job in jobs:
-                    done[job.shard.name] = write_shard(job, source, progress)
-            else:
-                for d in pool.run(jobs, source, progress, state):
-                    done[d.info.name] = d
-        except BaseException:
-            remove_partials(out_p)
-            raise
-        finally:
-            source.close()
-        progress.close()
-
-        results = [done[n] for n in names]
-        skipped = [s for d in results for s in d.skipped]
-        m = Manifest(
-            format=opts.format,
-            classes=list(source.classes),
-            shards=[d.info for d in results],
-            source=source.describe(),
-            options=manifest_opts,
-            hash_algo=opts.hash_algo,
-            sample_kind=target_kind,
-            image_shape=image_shape,
-            skipped=skipped,
-        )
-        m.write(out_p)
-        shutil.rmtree(state, ignore_errors=True)
-        fsync_dir(out_p)
+        A run killed between publishing the manifest and its cleanup leaves the state directory
+        and maybe partial files behind: they are removed.
+        """
+        m = kept.found.manifest
+        assert m is not None, "a complete pack has a manifest"
+        shutil.rmtree(self.out / STATE_DIR, ignore_errors=True)
+        remove_partials(self.out)
         return PackResult(
             m,
-            str(out_p),
-            time.perf_counter() - t0,
+            str(self.out),
+            self.elapsed(),
             m.num_samples,
             m.num_bytes,
-            skipped,
+            [],
             len(m.shards),
-            reused=len(reuse),
+            reused=len(m.shards),
             plan=plan,
-            payload_bytes=sum(d.payload_bytes for d in results),
         )
-    finally:
-        if pool is not None:
-            pool.close()
+
+    def elapsed(self) -> float:
+        """Seconds since :func:`pack` was called."""
+        return time.perf_counter() - self.started
 
 
-def _check_free_space(*, out: Path, plan: PackPlan, reuse: dict[str, ShardDone], passes_through: bool) -> None:
+def _stripe(out: Path, plan: PackPlan, options: PackOptions) -> None:
+    """Give OUT the recommended Lustre layout for the plan's shards (``stripe_*`` override it) before
+    any is created; does nothing elsewhere (:func:`stager.fs.lustre.prepare_pack_dir`)."""
+    lustre.prepare_pack_dir(
+        out,
+        total_bytes=plan.est_bytes,
+        num_shards=len(plan.shards),
+        stripe_count=options.stripe_count,
+        stripe_size=options.stripe_size,
+        quiet=True,
+    )
+
+
+def _check_free_space(out: Path, todo: list[PlannedShard], *, passes_through: bool) -> None:
+    """:class:`OutOfSpaceError` when the shards still to write cannot fit in OUT's free space."""
     # Only when sizes are known in advance (files pass through unchanged); re-encoding changes them.
     if not passes_through:
         return
-    need = sum(s.est_bytes for s in plan.shards if s.name not in reuse)
+    need = sum(s.est_bytes for s in todo)
     free = shutil.disk_usage(out).free
     if need > free:
-        from stager.errors import OutOfSpaceError
-
         raise OutOfSpaceError(
             f"{out}: needs about {need / 1e9:.2f} GB but only {free / 1e9:.2f} GB is free; "
             "free space or choose another destination"
@@ -356,6 +430,7 @@ def _check_free_space(*, out: Path, plan: PackPlan, reuse: dict[str, ShardDone],
 
 
 def format_result(r: PackResult) -> str:
+    """The CLI's line for ``r`` (the plan's table for a dry run)."""
     if r.dry_run and r.plan is not None:
         return format_plan(r.plan, r.out)
     js = r.to_json()

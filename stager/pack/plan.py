@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +19,7 @@ import numpy as np
 import xxhash
 
 from stager.order import streams
+from stager.pack.options import PackOptions
 from stager.pack.sources.base import SampleRef
 
 
@@ -92,24 +93,36 @@ def _digest(obj: Any) -> str:
     return xxhash.xxh3_128_hexdigest(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode())
 
 
+def fingerprinted_options(options: PackOptions, image_shape: tuple[int, int, int] | None) -> dict[str, Any]:
+    """The options besides the format that change a shard's bytes (``PackPlan.options``).
+
+    They enter every shard fingerprint, so changing any of them invalidates all completed shards.
+    """
+    return {
+        "resize": list(options.resize) if options.resize else None,
+        "quality": options.quality,
+        "hash_algo": options.hash_algo,
+        "image_shape": list(image_shape) if image_shape else None,
+    }
+
+
 def plan_shards(
     refs: Sequence[SampleRef],
-    fmt_name: str,
-    shard_name: Any,
+    options: PackOptions,
+    shard_name: Callable[[int], str],
     *,
     classes: Sequence[str],
-    options: dict[str, Any],
-    samples_per_shard: int | None,
-    shard_size: int | None,
-    seed: int,
-    keep_order: bool,
+    image_shape: tuple[int, int, int] | None,
 ) -> PackPlan:
     """Order and cut ``refs`` into shards named ``shard_name(i)``; see the module docstring.
 
-    ``options`` are the output-affecting options (format, resize, quality, hash, ...); they enter
-    every shard fingerprint, so changing any of them invalidates all completed shards.
+    ``options`` give the order (``seed``, ``keep_order``), the cut (``samples_per_shard``,
+    ``shard_size``) and, with ``classes`` and the decoded ``image_shape``, what the fingerprints
+    cover besides the samples (:func:`fingerprinted_options`).
     """
-    order = plan_order(len(refs), seed=seed, keep_order=keep_order)
+    fmt_name = options.format
+    fp_options = fingerprinted_options(options, image_shape)
+    order = plan_order(len(refs), seed=options.seed, keep_order=options.keep_order)
     ordered = [refs[i] for i in order.tolist()]
     # Columns of the ordered refs, transposed at C speed (SampleRef is a tuple); the fingerprints
     # hash them per shard as whole columns rather than one formatted line per sample.
@@ -117,9 +130,10 @@ def plan_shards(
     sizes = np.asarray(sizes_t, dtype=np.int64)
     labels_a = np.asarray(labels, dtype=np.int64)
     mtimes_a = np.asarray(mtimes, dtype=np.int64)
-    base = _digest({"format": fmt_name, "classes": list(classes), "options": options})
+    base = _digest({"format": fmt_name, "classes": list(classes), "options": fp_options})
     shards = []
-    for idx, (a, b) in enumerate(cut_shards(sizes, samples_per_shard=samples_per_shard, shard_size=shard_size)):
+    cuts = cut_shards(sizes, samples_per_shard=options.samples_per_shard, shard_size=options.shard_size)
+    for idx, (a, b) in enumerate(cuts):
         name = shard_name(idx)
         h = xxhash.xxh3_128()
         h.update(f"{base}\0{idx}\0{name}\0{b - a}\0".encode())
@@ -128,7 +142,7 @@ def plan_shards(
             h.update(col[a:b].tobytes())
         shards.append(PlannedShard(idx, name, tuple(ordered[a:b]), int(sizes[a:b].sum()), h.hexdigest()))
     fp = _digest({"base": base, "shards": [s.fingerprint for s in shards]})
-    return PackPlan(fmt_name, shards, fp, options)
+    return PackPlan(fmt_name, shards, fp, fp_options)
 
 
 def format_plan(plan: PackPlan, out: str, limit: int = 20) -> str:

@@ -1,8 +1,14 @@
-"""What a previous run left in OUT, and which of its shards this run may keep.
+"""What a previous run left in OUT, which of its shards this run may keep, and clearing the rest.
 
-A rerun with the same plan (after kill -9, a full disk, ...) keeps every shard whose done-record
-fingerprint matches the plan and whose size and hash still match; files that no pack wrote make
-OUT someone else's (refused without ``--overwrite``).
+A pack's state while it runs is ``OUT/.stager-pack/``: ``plan.json`` (schema :data:`PLAN_SCHEMA`:
+the plan fingerprint, the source, the format and the planned shard names) and one done-record per
+written shard (:func:`stager.pack.shard.record_done`). A rerun with the same plan (after kill -9, a
+full disk, ...) keeps every shard whose done-record or previous manifest entry has this plan's
+fingerprint and whose size and hash still match (:func:`find_reusable`: the files are re-hashed),
+and rewrites the rest; stale ``*.partial`` files are removed. A completed pack rerun with the same
+plan is left untouched. Files that no pack wrote make OUT someone else's, as does another source's
+pack (:func:`check_destination`: refused without ``--overwrite``, and even then only files a pack
+wrote are removed).
 """
 
 from __future__ import annotations
@@ -11,16 +17,19 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stager.errors import DestinationError, ManifestError
-from stager.fs.atomic import partial_base
+from stager.fs.atomic import atomic_write_bytes, partial_base, remove_partials
 from stager.manifest import MANIFEST_NAME, Manifest, ShardInfo, load_manifest
-from stager.pack.plan import PackPlan
-from stager.pack.shard import STATE_DIR, ShardDone, fsync_and_hash
-from stager.pack.sources.base import Source
+from stager.pack.shard import STATE_DIR, ShardDone, done_record_path, fsync_and_hash
+
+if TYPE_CHECKING:
+    from stager.pack.plan import PackPlan
+    from stager.pack.sources.base import Source
 
 PLAN_SCHEMA = "stager.pack-plan/1"
+PLAN_FILE = "plan.json"  # in STATE_DIR
 
 
 @dataclass
@@ -28,7 +37,7 @@ class OutState:
     """What a previous run left in OUT: its manifest, its plan file and its completed shards."""
 
     manifest: Manifest | None = None
-    plan: dict[str, Any] | None = None
+    plan: dict[str, Any] | None = None  # the previous run's plan.json
     done: dict[str, ShardDone] = field(default_factory=dict)
     owned: set[str] = field(default_factory=set)  # files a previous pack wrote
     foreign: list[str] = field(default_factory=list)
@@ -37,42 +46,42 @@ class OutState:
 
 def survey_out(out: Path, shard_prefix: str) -> OutState:
     """Classify OUT's entries into a previous pack's files and anything else (``foreign``)."""
-    st = OutState()
+    found = OutState()
     if not out.exists():
-        return st
+        return found
     if not out.is_dir():
         raise DestinationError(f"{out}: exists and is not a directory; choose a directory for the pack")
     names = sorted(os.listdir(out))
     if MANIFEST_NAME in names:
         try:
-            st.manifest = load_manifest(out)
-            st.owned.update(n for n, _, _ in st.manifest.files())
+            found.manifest = load_manifest(out)
+            found.owned.update(n for n, _, _ in found.manifest.files())
         except ManifestError as exc:
-            st.damaged_manifest = str(exc)
+            found.damaged_manifest = str(exc)
     state = out / STATE_DIR
     if state.is_dir():
         try:
-            st.plan = json.loads((state / "plan.json").read_text())
-            st.owned.update(st.plan.get("names", []))
+            found.plan = json.loads((state / PLAN_FILE).read_text())
+            found.owned.update(found.plan.get("names", []))
         except (OSError, ValueError):
-            st.plan = None
+            found.plan = None
         for p in state.glob("*.json"):
-            if p.name == "plan.json":
+            if p.name == PLAN_FILE:
                 continue
             try:
                 d = ShardDone.from_json(json.loads(p.read_text()))
             except (OSError, ValueError, KeyError, TypeError):
                 continue
-            st.done[d.info.name] = d
-            st.owned.add(d.info.name)
-            st.owned.update(a.name for a in d.info.aux)
+            found.done[d.info.name] = d
+            found.owned.add(d.info.name)
+            found.owned.update(a.name for a in d.info.aux)
     for n in names:
-        if n in (MANIFEST_NAME, STATE_DIR) or n in st.owned or partial_base(n) is not None:
+        if n in (MANIFEST_NAME, STATE_DIR) or n in found.owned or partial_base(n) is not None:
             continue
-        if shard_prefix and n.startswith(shard_prefix) and st.plan is not None:
+        if shard_prefix and n.startswith(shard_prefix) and found.plan is not None:
             continue  # a shard renamed before its done-record was written
-        st.foreign.append(n)
-    return st
+        found.foreign.append(n)
+    return found
 
 
 def _file_matches(path: Path, nbytes: int, digest: str, algo: str) -> bool:
@@ -90,28 +99,30 @@ def _reusable(out: Path, info: ShardInfo, algo: str) -> bool:
     )
 
 
-def check_destination(out: Path, st: OutState, source: Source, plan: PackPlan, overwrite: bool) -> None:
+def check_destination(out: Path, found: OutState, source: Source, plan: PackPlan, overwrite: bool) -> None:
+    """Refuse (:class:`DestinationError`) an OUT that holds files no pack wrote, a damaged manifest, or
+    another source's pack with another plan; ``overwrite`` accepts all three."""
     if overwrite:
         return
     desc = source.describe()
-    if st.foreign:
-        shown = ", ".join(st.foreign[:3]) + (f" and {len(st.foreign) - 3} more" if len(st.foreign) > 3 else "")
+    if found.foreign:
+        shown = ", ".join(found.foreign[:3]) + (f" and {len(found.foreign) - 3} more" if len(found.foreign) > 3 else "")
         raise DestinationError(
             f"{out}: holds files that are not part of a stager pack ({shown}); choose an empty directory "
             "or pass --overwrite (only files a previous pack wrote are removed)"
         )
-    if st.damaged_manifest:
+    if found.damaged_manifest:
         raise DestinationError(
-            f"{out}: holds a damaged manifest ({st.damaged_manifest}); pass --overwrite to replace it"
+            f"{out}: holds a damaged manifest ({found.damaged_manifest}); pass --overwrite to replace it"
         )
     prev = None
     same_plan = False
-    if st.manifest is not None:
-        prev = st.manifest.source
-        same_plan = st.manifest.options.get("plan") == plan.fingerprint
-    elif st.plan is not None:
-        prev = st.plan.get("source") or {}
-        same_plan = st.plan.get("plan") == plan.fingerprint
+    if found.manifest is not None:
+        prev = found.manifest.source
+        same_plan = found.manifest.options.get("plan") == plan.fingerprint
+    elif found.plan is not None:
+        prev = found.plan.get("source") or {}
+        same_plan = found.plan.get("plan") == plan.fingerprint
     if prev is not None and not same_plan and (prev.get("kind"), prev.get("path")) != (desc["kind"], desc["path"]):
         raise DestinationError(
             f"{out}: holds a pack of another source ({prev.get('kind')} {prev.get('path')}); "
@@ -119,19 +130,77 @@ def check_destination(out: Path, st: OutState, source: Source, plan: PackPlan, o
         )
 
 
-def find_reusable(out: Path, st: OutState, plan: PackPlan, algo: str) -> dict[str, ShardDone]:
+def find_reusable(out: Path, found: OutState, plan: PackPlan, algo: str) -> dict[str, ShardDone]:
     """Completed shards of a previous run that match this plan (name, fingerprint, size, hash)."""
     cands: dict[str, ShardDone] = {}
-    if st.manifest is not None and st.manifest.hash_algo == algo:
+    if found.manifest is not None and found.manifest.hash_algo == algo:
         by_shard: dict[str, list[dict[str, str]]] = {}
-        for s in st.manifest.skipped:
+        for s in found.manifest.skipped:
             by_shard.setdefault(s.get("shard", ""), []).append(s)
-        old = st.manifest.options.get("shard_plans") or []
-        for p, info, fp in zip(plan.shards, st.manifest.shards, old, strict=False):
+        old = found.manifest.options.get("shard_plans") or []
+        for p, info, fp in zip(plan.shards, found.manifest.shards, old, strict=False):
             if p.name == info.name and p.fingerprint == fp:
                 cands[p.name] = ShardDone(info, by_shard.get(info.name, []), 0, p.fingerprint)
     for p in plan.shards:  # done-records of an interrupted run (hash_algo is part of the fingerprint)
-        d = st.done.get(p.name)
+        d = found.done.get(p.name)
         if d is not None and d.fingerprint == p.fingerprint:
             cands.setdefault(p.name, d)
     return {n: d for n, d in cands.items() if _reusable(out, d.info, algo)}
+
+
+@dataclass(frozen=True)
+class Kept:
+    """What this run keeps of OUT's previous contents (the resume phase's answer)."""
+
+    found: OutState
+    shards: dict[str, ShardDone]  # by name: this plan's shards that need not be written again
+    complete: bool  # OUT already holds this very pack, manifest included: nothing to do
+
+
+def holds_complete_pack(found: OutState, plan: PackPlan, reusable: dict[str, ShardDone]) -> bool:
+    """Whether OUT's manifest is this plan's and every planned shard is still intact."""
+    return (
+        found.manifest is not None
+        and found.manifest.options.get("plan") == plan.fingerprint
+        and len(reusable) == len(plan.shards)
+    )
+
+
+def clear_out(out: Path, found: OutState, keep: dict[str, ShardDone], plan: PackPlan, source: Source) -> None:
+    """Make OUT hold only what this run keeps, before it writes a shard.
+
+    Steps in this order, so that a kill anywhere leaves what a rerun understands: the old manifest
+    goes first (it must never describe replaced shards); ``plan.json`` records this plan (from then
+    on shard-like names are this plan's, see :func:`survey_out`); partial files, a previous pack's
+    files not in ``keep`` and stale done-records are removed; the kept shards' done-records are
+    (re)written, so that a kill during writing still keeps them.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MANIFEST_NAME).unlink(missing_ok=True)
+    state = out / STATE_DIR
+    state.mkdir(exist_ok=True)
+    names = [s.name for s in plan.shards]
+    atomic_write_bytes(
+        state / PLAN_FILE,
+        json.dumps(
+            {
+                "schema": PLAN_SCHEMA,
+                "plan": plan.fingerprint,
+                "source": source.describe(),
+                "format": plan.format,
+                "names": names,
+            }
+        ).encode(),
+    )
+    remove_partials(out)
+    kept_files = set()
+    for d in keep.values():
+        kept_files.add(d.info.name)
+        kept_files.update(a.name for a in d.info.aux)
+    for n in sorted(found.owned - kept_files):
+        (out / n).unlink(missing_ok=True)
+    for p in state.glob("*.json"):
+        if p.name != PLAN_FILE and p.name[: -len(".json")] not in keep:
+            p.unlink(missing_ok=True)
+    for d in keep.values():  # re-record shards reused from a complete manifest
+        atomic_write_bytes(done_record_path(out, d.info.name), json.dumps(d.to_json()).encode())

@@ -2,8 +2,12 @@
 
 The layer both the pack driver (:mod:`stager.pack.api`) and the pack workers
 (:mod:`stager.pack.workers`) build on. :func:`write_shard` writes ``<name>.<uuid>.partial`` with
-one format writer, hashes it (while writing for tar), fsyncs it and renames it with its companion
-files; :func:`record_done` then leaves ``.stager-pack/<name>.json`` for a resumed run.
+one format writer, hashes it (while writing for formats that can, else by reading it back), fsyncs
+it and renames it together with its companion files, companions first; :func:`record_done` then
+publishes the done-record ``.stager-pack/<name>.json`` (its ShardInfo, skipped samples and plan
+fingerprint; atomic but not fsynced: a hint a rerun verifies). Nothing is ever left under a final
+name unfinished. A shard's bytes depend only on its planned samples and the options, so the output
+does not depend on which process writes it or on how the workers cut it into segments.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from stager.pack.sources.base import SampleRef, Source
 from stager.pack.sources.checks import check_encoded, prepare_sample
 from stager.progress import Progress
 
-STATE_DIR = ".stager-pack"
+STATE_DIR = ".stager-pack"  # in OUT while a pack runs: plan.json and one done-record per written shard
 
 
 LOAD_BATCH = 64  # samples materialised per source call (lets pack sources coalesce reads)
@@ -208,8 +212,13 @@ def record_done(
         aux,
     )
     done = ShardDone(info, rows.skipped, rows.payload, sh.fingerprint)
-    write_hint(out / STATE_DIR / f"{sh.name}.json", json.dumps(done.to_json()).encode())
+    write_hint(done_record_path(out, sh.name), json.dumps(done.to_json()).encode())
     return done
+
+
+def done_record_path(out: Path, shard_name: str) -> Path:
+    """Where a written shard's done-record lives: ``OUT/.stager-pack/<shard name>.json``."""
+    return out / STATE_DIR / f"{shard_name}.json"
 
 
 def write_hint(final: Path, data: bytes) -> None:
