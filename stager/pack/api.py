@@ -38,15 +38,16 @@ from stager.fs import lustre
 from stager.fs.atomic import fsync_dir, remove_partials
 from stager.manifest import MANIFEST_NAME, Manifest
 from stager.pack.options import PackOptions
-from stager.pack.plan import PackPlan, PlannedShard, format_plan, plan_shards
+from stager.pack.plan import PackPlan, format_plan, plan_shards
 from stager.pack.resume import Kept, check_destination, clear_out, find_reusable, holds_complete_pack, survey_out
-from stager.pack.shard import STATE_DIR, ShardDone, ShardJob, write_shard
+from stager.pack.shard import STATE_DIR, ShardDone, ShardJob, fragmentable, write_shard
 from stager.pack.sources.checks import probe_hw
 from stager.pack.sources.select import open_source
 from stager.progress import Progress
 
 if TYPE_CHECKING:
     from stager.formats.base import Format
+    from stager.pack.plan import PlannedShard
     from stager.pack.sources.base import Source
     from stager.pack.workers import PackPool
 
@@ -318,7 +319,7 @@ class PackRun:
     def _write_jobs(self, jobs: list[ShardJob], listing: Listing, progress: Progress) -> Iterable[ShardDone]:
         """Write ``jobs`` here, one after the other, or on the pool (not worth it for one whole shard)."""
         pool = self.pool
-        if pool is None or not jobs or (len(jobs) == 1 and not hasattr(listing.fmt, "open_fragment")):
+        if pool is None or not jobs or (len(jobs) == 1 and not fragmentable(listing.fmt)):
             return (write_shard(job, listing.source, progress) for job in jobs)
         return pool.run(jobs, listing.source, progress, self.out / STATE_DIR)
 

@@ -13,14 +13,16 @@ import io
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import xxhash
 
 from stager.order import streams
-from stager.pack.options import PackOptions
-from stager.pack.sources.base import SampleRef
+
+if TYPE_CHECKING:
+    from stager.pack.options import PackOptions
+    from stager.pack.sources.base import SampleRef
 
 
 @dataclass(frozen=True)

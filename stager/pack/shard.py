@@ -19,7 +19,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 
 import numpy as np
 
@@ -29,16 +29,46 @@ from stager.formats import get_format
 from stager.formats.base import Sample
 from stager.fs.atomic import partial_path, space_error
 from stager.manifest import AuxFile, ShardInfo
-from stager.pack.options import PackOptions
-from stager.pack.plan import PlannedShard
-from stager.pack.sources.base import SampleRef, Source
 from stager.pack.sources.checks import check_encoded, prepare_sample
-from stager.progress import Progress
+
+if TYPE_CHECKING:
+    from stager.formats.base import Extent, Format
+    from stager.pack.options import PackOptions
+    from stager.pack.plan import PlannedShard
+    from stager.pack.sources.base import SampleRef, Source
+    from stager.progress import Progress
 
 STATE_DIR = ".stager-pack"  # in OUT while a pack runs: plan.json and one done-record per written shard
 
 
 LOAD_BATCH = 64  # samples materialised per source call (lets pack sources coalesce reads)
+
+
+class SampleSink(Protocol):
+    """Where :func:`write_samples` puts samples: a format's shard writer or a fragment writer."""
+
+    def write(self, sample: Sample) -> Extent: ...
+
+
+class FragmentWriter(SampleSink, Protocol):
+    def take(self) -> bytearray:
+        """The fragment's bytes; the writer is finished afterwards."""
+        ...
+
+
+class FragmentFormat(Protocol):
+    """A format whose shards the workers write in parallel segments (tar): a shard is the
+    concatenation of its segments' fragments, each built in memory without knowing its offset,
+    followed by ``END_MARKER``."""
+
+    END_MARKER: bytes
+
+    def open_fragment(self, *, shard_name: str, classes: Sequence[str], **options: Any) -> FragmentWriter: ...
+
+
+def fragmentable(fmt: Format) -> TypeGuard[FragmentFormat]:
+    """Whether ``fmt`` shards can be written in parallel segments."""
+    return hasattr(fmt, "open_fragment")
 
 
 @dataclass(frozen=True)
@@ -245,7 +275,7 @@ def write_hint(final: Path, data: bytes) -> None:
 
 
 def write_samples(
-    writer: Any,
+    writer: SampleSink,
     refs: Sequence[SampleRef],
     source: Source,
     job: ShardJob,

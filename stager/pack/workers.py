@@ -34,10 +34,12 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field
 from itertools import repeat
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
 
@@ -46,9 +48,27 @@ from stager.formats import get_format
 from stager.fs.atomic import partial_path, space_error
 from stager.fs.writeback import start_writeback
 from stager.pack.plan import cut_shards
-from stager.pack.shard import SampleRows, ShardDone, ShardJob, fsync_and_hash, record_done, write_samples, write_shard
-from stager.pack.sources.base import SampleRef, Source
-from stager.progress import Progress
+from stager.pack.shard import (
+    SampleRows,
+    ShardDone,
+    ShardJob,
+    fragmentable,
+    fsync_and_hash,
+    record_done,
+    write_samples,
+    write_shard,
+)
+from stager.pack.sources.base import SampleRef
+
+if TYPE_CHECKING:
+    from multiprocessing.context import BaseContext
+
+    from stager.pack.shard import FragmentFormat
+    from stager.pack.sources.base import Source
+    from stager.progress import Progress
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 SEG_SAMPLES = 512  # at most this many samples per segment ...
 SEG_BYTES = 4 << 20  # ... and about this many source bytes (a few ms of work: small vs. task overhead)
@@ -60,18 +80,73 @@ class SegmentAbortedError(Exception):
     """A segment stopped because an earlier one failed (never the error reported to the user)."""
 
 
-# Worker-process state: ``source`` when the pool was started after the source was opened (fork
-# inherits it, spawn pickles it once per worker); plans and offset arrays published later arrive
-# through files named in each task (loaded once per worker, then cached by path).
-_STATE: dict[str, Any] = {}
+@dataclass
+class JobsFile:
+    """The jobs as the workers see them, pickled once into ``.stager-pack/workers-<id>.pkl``.
+
+    ``jobs`` have no samples (``shard.refs == ()``); ``cols[i]`` holds job ``i``'s samples as the
+    five SampleRef columns (~18x cheaper to pickle than SampleRef tuples). ``source`` (without its
+    listing) is there for workers started before the source existed, else None.
+    """
+
+    jobs: list[ShardJob]
+    cols: list[tuple[Sequence[Any], ...]]
+    source: Source | None
+
+    def job(self, ji: int, a: int = 0, b: int | None = None) -> tuple[ShardJob, tuple[SampleRef, ...]]:
+        """Job ``ji`` and the SampleRefs of its samples ``[a, b)``, rebuilt from the columns."""
+        sl = slice(a, b)
+        refs = tuple(map(tuple.__new__, repeat(SampleRef), zip(*(c[sl] for c in self.cols[ji]), strict=True)))
+        return self.jobs[ji], refs
+
+    def whole_job(self, ji: int) -> ShardJob:
+        """Job ``ji`` with all its samples."""
+        job, refs = self.job(ji)
+        return dataclasses.replace(job, shard=dataclasses.replace(job.shard, refs=refs))
+
+
+@dataclass
+class _WorkerState:
+    """What a worker process keeps between tasks.
+
+    ``source`` when the pool was started after the source was opened (fork inherits it, spawn
+    pickles it once per worker); jobs files and offset slots published later arrive as paths named
+    in each task, loaded once per worker and then cached by path.
+    """
+
+    source: Source | None = None
+    jobs_files: dict[str, JobsFile] = field(default_factory=dict)
+    slots: dict[str, Slots] = field(default_factory=dict)
+
+    def jobs_file(self, path: str) -> JobsFile:
+        got = self.jobs_files.get(path)
+        if got is None:
+            with open(path, "rb") as f:
+                got = self.jobs_files[path] = pickle.load(f)
+        return got
+
+    def source_for(self, jobs_file: JobsFile) -> Source:
+        src = self.source or jobs_file.source
+        assert src is not None, "a worker started before the source has it in the jobs file"
+        return src
+
+    def slots_at(self, path: str) -> Slots:
+        got = self.slots.get(path)
+        if got is None:
+            got = self.slots[path] = Slots(path)
+        return got
+
+
+_WORKER = _WorkerState()  # in each worker process (unused in the parent)
 
 
 def _init_worker(source: Source | None = None) -> None:
-    _STATE.clear()
-    _STATE["source"] = source
+    _WORKER.source = source
+    _WORKER.jobs_files.clear()
+    _WORKER.slots.clear()
 
 
-def _mp_context() -> Any:
+def _mp_context() -> BaseContext:
     # fork is cheapest (no re-import, the source is inherited) but unsafe once threads exist
     # (zarr/h5py may start some); fall back to spawn then.
     if "fork" in mp.get_all_start_methods() and threading.active_count() == 1:
@@ -100,7 +175,7 @@ class PackPool:
             )
         return self._ex
 
-    def map(self, fn: Any, items: list[Any]) -> list[Any]:
+    def map(self, fn: Callable[[T], R], items: list[T]) -> list[R]:
         """``list(map(fn, items))`` on the workers (in order)."""
         if len(items) < 2:
             return list(map(fn, items))
@@ -112,10 +187,10 @@ class PackPool:
         """Write ``jobs`` (segments where the format allows, else whole shards); see the module doc."""
         inherited = self._ex is None  # started now, with the loaded source
         ex = self._executor(source)
-        plan_file = _publish_plan(state_dir, jobs, None if inherited else source)
-        if fragmentable(jobs[0].options.format):
-            return _run_segments(ex, self.workers, jobs, plan_file, progress=progress, state_dir=state_dir)
-        return _run_shards(ex, jobs, plan_file, progress)
+        jobs_file = _publish_jobs(state_dir, jobs, None if inherited else source)
+        if fragmentable(get_format(jobs[0].options.format)):
+            return _run_segments(ex, self.workers, jobs, jobs_file, progress=progress, state_dir=state_dir)
+        return _run_shards(ex, jobs, jobs_file, progress)
 
     def close(self) -> None:
         if self._ex is not None:
@@ -129,19 +204,14 @@ class PackPool:
         self.close()
 
 
-def fragmentable(format_name: str) -> bool:
-    """Whether ``format_name`` shards can be written in parallel segments."""
-    return hasattr(get_format(format_name), "open_fragment")
+# ---- the jobs, as the workers see them -------------------------------------------------------------
 
 
-# ---- the plan, as the workers see it ---------------------------------------------------------------
-
-
-def _publish_plan(state_dir: Path, jobs: list[ShardJob], source: Source | None) -> str:
-    """Pickle the jobs (their samples as columns: ~18x cheaper to pickle than SampleRef tuples) and,
-    for workers that did not inherit it, the source without its listing; return the file's path."""
+def _publish_jobs(state_dir: Path, jobs: list[ShardJob], source: Source | None) -> str:
+    """Write the :class:`JobsFile` of ``jobs`` (with ``source``, for workers that did not inherit
+    it); return its path."""
     light = []
-    cols = []
+    cols: list[tuple[Sequence[Any], ...]] = []
     for j in jobs:
         refs = j.shard.refs
         cols.append(tuple(list(c) for c in zip(*refs, strict=True)) if refs else ((),) * 5)
@@ -151,44 +221,20 @@ def _publish_plan(state_dir: Path, jobs: list[ShardJob], source: Source | None) 
         src = copy.copy(source)
         src.refs = []
     path = state_dir / f"workers-{uuid.uuid4().hex[:12]}.pkl"
-    path.write_bytes(pickle.dumps({"jobs": light, "cols": cols, "source": src}, protocol=pickle.HIGHEST_PROTOCOL))
+    path.write_bytes(pickle.dumps(JobsFile(light, cols, src), protocol=pickle.HIGHEST_PROTOCOL))
     return str(path)
 
 
-def _plan(plan_file: str) -> dict[str, Any]:
-    got = _STATE.get(plan_file)
-    if got is None:
-        with open(plan_file, "rb") as f:
-            got = pickle.load(f)
-        _STATE[plan_file] = got
-    return got
+def _run_job(jobs_file: str, ji: int) -> ShardDone:
+    """In a worker: write job ``ji`` of ``jobs_file`` as one whole shard."""
+    jf = _WORKER.jobs_file(jobs_file)
+    return write_shard(jf.whole_job(ji), _WORKER.source_for(jf))
 
 
-def _source(plan: dict[str, Any]) -> Source:
-    src = _STATE.get("source") or plan["source"]
-    assert src is not None, "a worker started before the source has it in the plan file"
-    return src
-
-
-def _job(plan: dict[str, Any], ji: int, a: int = 0, b: int | None = None) -> tuple[ShardJob, tuple[SampleRef, ...]]:
-    """Job ``ji`` and the SampleRefs of its samples ``[a, b)``, rebuilt from the columns."""
-    job: ShardJob = plan["jobs"][ji]
-    cols = plan["cols"][ji]
-    sl = slice(a, b)
-    refs = tuple(map(tuple.__new__, repeat(SampleRef), zip(*(c[sl] for c in cols), strict=True)))
-    return job, refs
-
-
-def _run_job(plan_file: str, ji: int) -> ShardDone:
-    plan = _plan(plan_file)
-    job, refs = _job(plan, ji)
-    return write_shard(dataclasses.replace(job, shard=dataclasses.replace(job.shard, refs=refs)), _source(plan))
-
-
-def _run_shards(ex: ProcessPoolExecutor, jobs: list[ShardJob], plan_file: str, progress: Progress) -> list[ShardDone]:
+def _run_shards(ex: ProcessPoolExecutor, jobs: list[ShardJob], jobs_file: str, progress: Progress) -> list[ShardDone]:
     out: list[ShardDone] = []
     try:
-        pending: set[Future[ShardDone]] = {ex.submit(_run_job, plan_file, ji) for ji in range(len(jobs))}
+        pending: set[Future[ShardDone]] = {ex.submit(_run_job, jobs_file, ji) for ji in range(len(jobs))}
         while pending:
             finished, pending = wait(pending, return_when=FIRST_EXCEPTION)
             for f in finished:
@@ -233,14 +279,7 @@ class Slots:
         self._mm.close()
 
 
-def _slots(path: str) -> Slots:
-    got = _STATE.get(path)
-    if got is None:
-        got = _STATE[path] = Slots(path)
-    return got
-
-
-def _wait_slot(slots: Any, i: int) -> int:
+def _wait_slot(slots: memoryview, i: int) -> int:
     delay = 1e-5
     while (v := int(slots[i])) == _UNKNOWN:
         time.sleep(delay)
@@ -252,16 +291,16 @@ def _wait_slot(slots: Any, i: int) -> int:
 
 def _run_segment(task: tuple[str, str, int, int, int, int, str]) -> tuple[int, int, SampleRows]:
     """Build one segment, publish its end offset, pwrite it; return (job index, start, rows)."""
-    plan_file, slots_file, ji, a, b, slot, path = task
-    plan = _plan(plan_file)
-    job, refs = _job(plan, ji, a, b)
-    slots = _slots(slots_file).a
-    fmt: Any = get_format(job.options.format)
+    jobs_file, slots_file, ji, a, b, slot, path = task
+    jf = _WORKER.jobs_file(jobs_file)
+    job, refs = jf.job(ji, a, b)
+    slots = _WORKER.slots_at(slots_file).a
+    fmt = cast("FragmentFormat", get_format(job.options.format))  # segments exist for these only
     rows = SampleRows()
     published = False
     try:
         w = fmt.open_fragment(shard_name=job.shard.name, classes=list(job.classes), keys_checked=job.keys_checked)
-        write_samples(w, refs, _source(plan), job, rows, progress=None)
+        write_samples(w, refs, _WORKER.source_for(jf), job, rows, progress=None)
         buf = w.take()
         start = _wait_slot(slots, slot)
         slots[slot + 1] = start + len(buf)
@@ -287,7 +326,7 @@ def _run_segment(task: tuple[str, str, int, int, int, int, str]) -> tuple[int, i
 
 
 def _run_segments(
-    ex: ProcessPoolExecutor, workers: int, jobs: list[ShardJob], plan_file: str, *, progress: Progress, state_dir: Path
+    ex: ProcessPoolExecutor, workers: int, jobs: list[ShardJob], jobs_file: str, *, progress: Progress, state_dir: Path
 ) -> list[ShardDone]:
     segs = [plan_segments(j) for j in jobs]
     bases = np.cumsum([0] + [len(s) + 1 for s in segs]).tolist()  # slot of each shard's first segment
@@ -300,7 +339,7 @@ def _run_segments(
             pass
         tmps.append(tmp)
         slots.a[bases[ji]] = 0
-        queue.extend((plan_file, slots.path, ji, a, b, bases[ji] + k, str(tmp)) for k, (a, b) in enumerate(runs))
+        queue.extend((jobs_file, slots.path, ji, a, b, bases[ji] + k, str(tmp)) for k, (a, b) in enumerate(runs))
     parts: list[list[tuple[int, SampleRows]]] = [[] for _ in jobs]
     out: list[ShardDone] = []
     # Segments are submitted a few at a time, in plan order, so that a shard's finishing task (end
@@ -331,7 +370,7 @@ def _run_segments(
                 progress.update(len(r.keys), r.payload)
                 if len(parts[ji]) == len(segs[ji]):
                     end = int(slots.a[bases[ji + 1] - 1])
-                    g = ex.submit(_finish_shard, plan_file, ji, str(tmps[ji]), end, parts[ji])
+                    g = ex.submit(_finish_shard, jobs_file, ji, str(tmps[ji]), end, parts[ji])
                     pending[g] = False
                     every.append(g)
             refill()
@@ -353,11 +392,11 @@ def _run_segments(
     return out
 
 
-def _finish_shard(plan_file: str, ji: int, tmp: str, end: int, parts: list[tuple[int, SampleRows]]) -> ShardDone:
+def _finish_shard(jobs_file: str, ji: int, tmp: str, end: int, parts: list[tuple[int, SampleRows]]) -> ShardDone:
     """In a worker: end marker, hash + fsync, rename and done-record of a shard whose segments are
     all written (``end`` is where the last one stopped)."""
-    job: ShardJob = _plan(plan_file)["jobs"][ji]
-    fmt: Any = get_format(job.options.format)
+    job = _WORKER.jobs_file(jobs_file).jobs[ji]
+    fmt = cast("FragmentFormat", get_format(job.options.format))
     final = Path(job.out) / job.shard.name
     try:
         fd = os.open(tmp, os.O_WRONLY)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from stager.errors import SourceError
 from stager.formats.base import Sample
+
+# ``map``-like: ``fn`` applied to each item, results in order (builtin ``map`` or ``PackPool.map``).
+MapFn = Callable[[Callable[[Any], Any], list[Any]], Iterable[Any]]
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp", ".gif"})
 

@@ -6,11 +6,19 @@ import os
 from collections.abc import Sequence
 from itertools import repeat
 from pathlib import Path
-from typing import Any
 
 from stager.errors import SourceError
 from stager.formats.base import Sample
-from stager.pack.sources.base import IMAGE_EXTENSIONS, SampleRef, Source, file_ext, read_file, sniff_ext, unique_keys
+from stager.pack.sources.base import (
+    IMAGE_EXTENSIONS,
+    MapFn,
+    SampleRef,
+    Source,
+    file_ext,
+    read_file,
+    sniff_ext,
+    unique_keys,
+)
 
 
 class ImageFolderSource(Source):
@@ -18,7 +26,7 @@ class ImageFolderSource(Source):
 
     kind = "imagefolder"
 
-    def __init__(self, root: Path, *, map_fn: Any = None) -> None:
+    def __init__(self, root: Path, *, map_fn: MapFn | None = None) -> None:
         """List ``root``; ``map_fn`` (``map``-like, e.g. a process pool's) lists the class folders.
 
         Listing costs a ``stat`` per file (size and mtime for the plan); ``stager pack --workers N``

@@ -9,7 +9,9 @@ from typing import Any
 import numpy as np
 
 from stager.errors import SourceError
-from stager.formats.base import Sample
+from stager.formats import get_format
+from stager.formats.base import Sample, ShardReader
+from stager.manifest import load_manifest
 from stager.pack.sources.base import SampleRef, Source, sniff_ext
 
 
@@ -20,14 +22,12 @@ class PackSource(Source):
 
     def __init__(self, root: Path) -> None:
         super().__init__(root)
-        from stager.manifest import load_manifest
-
         self.manifest = load_manifest(root)
         m = self.manifest
         self.classes = list(m.classes)
         self.sample_kind = m.sample_kind
         self.image_shape = m.image_shape
-        self._readers: dict[int, Any] = {}
+        self._readers: dict[int, ShardReader] = {}
         refs = []
         for si, s in enumerate(m.shards):
             for pos, (k, lab, size) in enumerate(zip(s.keys, s.labels.tolist(), s.sizes.tolist(), strict=True)):
@@ -39,11 +39,9 @@ class PackSource(Source):
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "format": self.manifest.format, "dataset_id": self.manifest.dataset_id}
 
-    def _reader(self, si: int) -> Any:
+    def _reader(self, si: int) -> ShardReader:
         r = self._readers.get(si)
         if r is None:
-            from stager.formats import get_format
-
             info = self.manifest.shards[si]
             fmt = get_format(self.manifest.format)
             r = self._readers[si] = fmt.open_reader(str(self.root / info.name), info, self.manifest)

@@ -1,19 +1,19 @@
 """Which kind of source a path is: :func:`open_source`."""
+
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 from stager.errors import SourceError, SourceNotFoundError, UsageError
-from stager.pack.sources.base import Source
+from stager.pack.sources.base import MapFn, Source
 from stager.pack.sources.cifar import CIFAR_SPLITS, CifarSource
 from stager.pack.sources.imagefolder import ImageFolderSource
 from stager.pack.sources.listfile import ListSource
 from stager.pack.sources.packed import PackSource
 
 
-def open_source(src: str | os.PathLike[str], *, split: str | None = None, map_fn: Any = None) -> Source:
+def open_source(src: str | os.PathLike[str], *, split: str | None = None, map_fn: MapFn | None = None) -> Source:
     """Recognise and list the source at ``src`` (see the module docstring for the kinds).
 
     ``map_fn`` (``map``-like) is used to list an ImageFolder's class folders (in parallel when it is
