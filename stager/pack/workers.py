@@ -39,7 +39,7 @@ from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, Future, Process
 from dataclasses import dataclass, field
 from itertools import repeat
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, cast
 
 import numpy as np
 
@@ -272,10 +272,10 @@ class Slots:
             self._mm = mmap.mmap(fd, 0)
         finally:
             os.close(fd)
-        self.a = memoryview(self._mm).cast("q")  # aligned 8-byte stores: atomic on every platform we run
+        self.offsets = memoryview(self._mm).cast("q")  # aligned 8-byte stores: atomic on every platform we run
 
     def close(self) -> None:
-        self.a.release()
+        self.offsets.release()
         self._mm.close()
 
 
@@ -289,12 +289,25 @@ def _wait_slot(slots: memoryview, i: int) -> int:
     return v
 
 
-def _run_segment(task: tuple[str, str, int, int, int, int, str]) -> tuple[int, int, SampleRows]:
-    """Build one segment, publish its end offset, pwrite it; return (job index, start, rows)."""
+class SegmentTask(NamedTuple):
+    """One segment to write: samples ``[start, stop)`` of job ``job``, whose own start offset is
+    published in slot ``slot`` (it publishes its end in ``slot + 1``), into the file at ``path``."""
+
+    jobs_file: str
+    slots_file: str
+    job: int
+    start: int
+    stop: int
+    slot: int
+    path: str
+
+
+def _run_segment(task: SegmentTask) -> SegmentDone:
+    """In a worker: build one segment, publish its end offset, pwrite it."""
     jobs_file, slots_file, ji, a, b, slot, path = task
     jf = _WORKER.jobs_file(jobs_file)
     job, refs = jf.job(ji, a, b)
-    slots = _WORKER.slots_at(slots_file).a
+    slots = _WORKER.slots_at(slots_file).offsets
     fmt = cast("FragmentFormat", get_format(job.options.format))  # segments exist for these only
     rows = SampleRows()
     published = False
@@ -322,74 +335,119 @@ def _run_segment(task: tuple[str, str, int, int, int, int, str]) -> tuple[int, i
             if err is not None:
                 raise err from exc
         raise
-    return ji, start, rows
+    return SegmentDone(ji, start, rows)
+
+
+class SegmentDone(NamedTuple):
+    """A written segment, as a worker reports it: its rows, with offsets relative to ``start``."""
+
+    job: int  # index of its job
+    start: int  # offset of its first byte in the shard
+    rows: SampleRows
 
 
 def _run_segments(
     ex: ProcessPoolExecutor, workers: int, jobs: list[ShardJob], jobs_file: str, *, progress: Progress, state_dir: Path
 ) -> list[ShardDone]:
-    segs = [plan_segments(j) for j in jobs]
-    bases = np.cumsum([0] + [len(s) + 1 for s in segs]).tolist()  # slot of each shard's first segment
-    slots = Slots(str(state_dir / f"slots-{uuid.uuid4().hex[:12]}.bin"), int(bases[-1]))
-    tmps: list[Path] = []
-    queue: deque[tuple[str, str, int, int, int, int, str]] = deque()
-    for ji, (job, runs) in enumerate(zip(jobs, segs, strict=True)):
-        tmp = partial_path(Path(job.out) / job.shard.name)
-        with open(tmp, "wb"):
-            pass
-        tmps.append(tmp)
-        slots.a[bases[ji]] = 0
-        queue.extend((jobs_file, slots.path, ji, a, b, bases[ji] + k, str(tmp)) for k, (a, b) in enumerate(runs))
-    parts: list[list[tuple[int, SampleRows]]] = [[] for _ in jobs]
-    out: list[ShardDone] = []
-    # Segments are submitted a few at a time, in plan order, so that a shard's finishing task (end
-    # marker, hash, fsync, rename, done-record: run by a worker, not here) starts soon after its last
-    # segment instead of after every queued segment.
-    in_flight = 2 * workers
-    pending: dict[Future[Any], bool] = {}  # future -> is a segment
-    every: list[Future[Any]] = []
-
-    def refill() -> None:
-        while queue and sum(pending.values()) < in_flight:
-            f = ex.submit(_run_segment, queue.popleft())
-            pending[f] = True
-            every.append(f)
-
+    """Write ``jobs`` in segments on ``ex``; return their :class:`ShardDone` (in completion order)."""
+    run = _SegmentRun(ex, jobs, jobs_file, state_dir, in_flight=2 * workers)
     try:
-        refill()
-        while pending:
-            finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+        return run.run(progress)
+    except BaseException as exc:
+        run.abort(exc)
+        raise
+    finally:
+        run.slots.close()
+
+
+class _SegmentRun:
+    """The parent's side of one segment-parallel write: the offset slots, the segment queue and
+    the tasks in flight.
+
+    Slot layout: job ``i`` owns slots ``bases[i] .. bases[i + 1] - 1``, one more than its segments;
+    its first slot holds 0 and segment ``k`` publishes its end into slot ``bases[i] + k + 1``, so
+    the last slot ends up holding where the end-of-archive marker goes.
+    """
+
+    def __init__(
+        self, ex: ProcessPoolExecutor, jobs: list[ShardJob], jobs_file: str, state_dir: Path, *, in_flight: int
+    ) -> None:
+        self.ex = ex
+        self.jobs_file = jobs_file
+        self.in_flight = in_flight
+        self.segs = [plan_segments(j) for j in jobs]
+        self.bases = np.cumsum([0] + [len(s) + 1 for s in self.segs]).tolist()  # each job's first slot
+        self.slots = Slots(str(state_dir / f"slots-{uuid.uuid4().hex[:12]}.bin"), int(self.bases[-1]))
+        self.tmps: list[Path] = []
+        self.queue: deque[SegmentTask] = deque()
+        for ji, (job, runs) in enumerate(zip(jobs, self.segs, strict=True)):
+            tmp = partial_path(Path(job.out) / job.shard.name)
+            with open(tmp, "wb"):
+                pass
+            self.tmps.append(tmp)
+            first = self.bases[ji]
+            self.slots.offsets[first] = 0
+            self.queue.extend(
+                SegmentTask(jobs_file, self.slots.path, ji, a, b, first + k, str(tmp)) for k, (a, b) in enumerate(runs)
+            )
+        self.parts: list[list[tuple[int, SampleRows]]] = [[] for _ in jobs]
+        self.segments: set[Future[SegmentDone]] = set()
+        self.finishing: set[Future[ShardDone]] = set()
+        self.submitted: list[Future[SegmentDone] | Future[ShardDone]] = []  # in order, to report errors
+
+    def run(self, progress: Progress) -> list[ShardDone]:
+        out: list[ShardDone] = []
+        self._refill()
+        while self.segments or self.finishing:
+            finished, _ = wait(self._pending(), return_when=FIRST_COMPLETED)
+            self.segments -= finished
+            self.finishing -= finished
             for f in finished:
-                is_segment = pending.pop(f)
                 res = f.result()  # re-raises the worker's exception
-                if not is_segment:
+                if isinstance(res, ShardDone):
                     out.append(res)
                     continue
-                ji, start, r = res
-                parts[ji].append((start, r))
-                progress.update(len(r.keys), r.payload)
-                if len(parts[ji]) == len(segs[ji]):
-                    end = int(slots.a[bases[ji + 1] - 1])
-                    g = ex.submit(_finish_shard, jobs_file, ji, str(tmps[ji]), end, parts[ji])
-                    pending[g] = False
-                    every.append(g)
-            refill()
-    except BaseException as exc:
-        for i in range(len(slots.a)):  # release every waiting segment
-            if slots.a[i] == _UNKNOWN:
-                slots.a[i] = _POISON
+                self.parts[res.job].append((res.start, res.rows))
+                progress.update(len(res.rows.keys), res.rows.payload)
+                if len(self.parts[res.job]) == len(self.segs[res.job]):
+                    self._finish(res.job)
+            self._refill()
+        return out
+
+    def _pending(self) -> set[Future[Any]]:
+        return {*self.segments, *self.finishing}
+
+    def _refill(self) -> None:
+        # Segments are submitted a few at a time, in plan order, so that a shard's finishing task (end
+        # marker, hash, fsync, rename, done-record: run by a worker, not here) starts soon after its
+        # last segment instead of after every queued segment.
+        while self.queue and len(self.segments) < self.in_flight:
+            f = self.ex.submit(_run_segment, self.queue.popleft())
+            self.segments.add(f)
+            self.submitted.append(f)
+
+    def _finish(self, ji: int) -> None:
+        end = int(self.slots.offsets[self.bases[ji + 1] - 1])
+        g = self.ex.submit(_finish_shard, self.jobs_file, ji, str(self.tmps[ji]), end, self.parts[ji])
+        self.finishing.add(g)
+        self.submitted.append(g)
+
+    def abort(self, exc: BaseException) -> None:
+        """Stop after ``exc``: release every waiting segment, drain the pool, and raise instead the
+        first real failure (in plan order) when ``exc`` only says an earlier segment failed."""
+        offsets = self.slots.offsets
+        for i in range(len(offsets)):
+            if offsets[i] == _UNKNOWN:
+                offsets[i] = _POISON
+        pending = self._pending()
         for f in pending:
             f.cancel()
         wait(pending)
-        if isinstance(exc, SegmentAbortedError):  # report the failure that caused it, in plan order
-            for f in every:
+        if isinstance(exc, SegmentAbortedError):
+            for f in self.submitted:
                 e = f.exception() if f.done() and not f.cancelled() else None
                 if e is not None and not isinstance(e, SegmentAbortedError):
                     raise e from None
-        raise
-    finally:
-        slots.close()
-    return out
 
 
 def _finish_shard(jobs_file: str, ji: int, tmp: str, end: int, parts: list[tuple[int, SampleRows]]) -> ShardDone:
