@@ -2,9 +2,15 @@
 
 The source's samples are ordered by a seeded permutation (``stager.order.streams.pack_order(seed)``)
 unless ``keep_order``, and cut into shards by ``samples_per_shard`` and/or ``shard_size`` bytes
-(estimated from source sizes). Each shard gets a fingerprint over its samples' keys, labels, source
-sizes and mtimes and the output-affecting options; the plan fingerprint covers them all, so a rerun
-knows which completed shards it may keep.
+(estimated from source sizes; a shard ends before the sample that would exceed either limit, and
+holds at least one). Each shard gets a fingerprint over its index, name, samples' keys, labels,
+source sizes and mtimes, the format, the classes and the output-affecting options
+(:func:`fingerprinted_options`); the plan fingerprint covers them all, so a rerun knows which
+completed shards it may keep.
+
+Shapes: ``PackPlan.shards`` in shard order (``index`` 0..n-1), each ``PlannedShard.refs`` in write
+order; every listed sample is in exactly one shard; ``est_bytes`` sums source sizes (the exact
+payload when files pass through unchanged).
 """
 
 from __future__ import annotations

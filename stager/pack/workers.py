@@ -13,7 +13,11 @@ Two granularities:
   all segments of a shard are in, a worker writes the end-of-archive marker, hashes and fsyncs the
   file, renames it and writes its done-record, exactly as for a single-process shard. The parent
   only lists (through the pool), plans, schedules and writes the manifest.
-* **Shards** (other formats): one process writes one whole shard (:func:`stager.pack.write_shard`).
+* **Shards** (other formats): one process writes one whole shard (:func:`stager.pack.shard.write_shard`).
+
+The jobs reach the workers through one pickle file (:class:`JobsFile`, samples as columns) and the
+offsets through a shared memory-mapped file (:class:`Slots`), both in ``.stager-pack/``, so that a
+pool started before the plan existed (to list an ImageFolder) serves the writing as well.
 
 Segmentation depends on ``workers`` only through scheduling: a shard's bytes are the concatenation
 of its samples' members whatever the cut, so the output does not depend on ``workers``.

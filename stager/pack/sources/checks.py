@@ -19,9 +19,6 @@ _PNG_END = b"\x00\x00\x00\x00IEND\xaeB`\x82"
 RESAMPLE = 2  # PIL.Image.Resampling.BILINEAR (antialiased when downscaling)
 
 
-# JPEG start-of-frame markers (baseline, progressive, lossless, arithmetic); 0xC4/0xC8/0xCC are not.
-
-
 def _jpeg_header_problem(data: bytes) -> str | None:
     """Walk the JPEG marker segments from SOI to SOS; describe the first inconsistency, else None."""
     i, n, sof = 2, len(data), False

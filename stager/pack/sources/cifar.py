@@ -1,4 +1,9 @@
-"""CIFAR-10 python batches, read with a restricted unpickler (no code from the files runs)."""
+"""CIFAR-10 python batches, read with a restricted unpickler (no code from the files runs).
+
+Samples are (32, 32, 3) uint8 arrays in batch order, keyed ``<batch file>/<row:05d>``; a locator
+is ``<batch file>#<row>``. The batches are read when the source is opened and kept (a pickled copy
+drops them and reloads each on first use).
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,9 @@
-"""``root/<class>/**/<image>`` trees (torchvision's ImageFolder rule), listed in parallel per class."""
+"""``root/<class>/**/<image>`` trees (torchvision's ImageFolder rule), listed in parallel per class.
+
+Samples are in relative-path order; a locator is the file's absolute path and a sample's
+``source`` meta its path relative to the root. Listing stats every file (size and mtime enter
+the plan); no image is opened.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,9 @@
-"""A ``.csv`` (``path,label``) or ``.jsonl`` (``{"path", "label"}``) list of image files."""
+"""A ``.csv`` (``path,label``) or ``.jsonl`` (``{"path", "label"}``) list of image files.
+
+Labels are all integers (classes ``"0".."max"``) or all class names (sorted); relative paths
+resolve against the list file's directory; samples are in relative-path order, a locator is the
+file's absolute path. Every listed file must exist when the list is read.
+"""
 
 from __future__ import annotations
 

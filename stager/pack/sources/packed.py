@@ -1,4 +1,9 @@
-"""An existing stager pack as a source (any format converts to any other)."""
+"""An existing stager pack as a source (any format converts to any other).
+
+Samples are sorted by key (unique within a pack), whatever order the pack stored them in; a
+locator is ``<shard index>#<position in shard>``, and loads are grouped per shard so that each
+format reader fetches its payloads in one call.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,9 @@
-"""Which kind of source a path is: :func:`open_source`."""
+"""Which kind of source a path is: :func:`open_source`.
+
+Rules, in order: a ``.csv``/``.jsonl``/``.ndjson`` file is a list; ``manifest.json`` or a directory
+holding one is a pack; a directory with CIFAR batch files is CIFAR; any other directory is an
+ImageFolder. A source that lists nothing is an error.
+"""
 
 from __future__ import annotations
 
