@@ -220,3 +220,13 @@ def test_rerun_of_a_complete_pack_clears_state_left_by_a_late_kill(imagenet_tiny
     assert not (out / STATE_DIR).exists()
     assert not list(out.glob("*.partial"))
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+
+
+def test_registering_pack_names_every_format_without_importing_numpy() -> None:
+    """``stager pack``'s spelled-out format list is stager.formats' (which imports numpy)."""
+    from stager.commands.pack import FORMATS
+
+    assert FORMATS == FORMAT_NAMES
+    code = "import sys, stager.commands.pack; print('numpy' in sys.modules)"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert p.stdout.strip() == "False", "importing stager.commands.pack loaded numpy"
