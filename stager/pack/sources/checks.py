@@ -1,5 +1,9 @@
 """Sample checks and preparation before writing: encoded files are checked (JPEG/PNG structure,
-decodable size), decoded or re-encoded as the format and ``--resize``/``--quality`` need."""
+decodable size), decoded or re-encoded as the format and ``--resize``/``--quality`` need.
+
+PIL is imported inside the functions that use it (deliberately): a pack whose JPEG/PNG files pass
+through unchanged never loads it.
+"""
 
 from __future__ import annotations
 
