@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stager.order import epoch as planlib
+from stager.order.reads import segment_bounds
 
 
 def _starts(counts: list[int]) -> np.ndarray:
@@ -121,11 +122,11 @@ def test_runs_mode_reads_runs_not_samples() -> None:
     cfg = planlib.PlanConfig(batch_size=16, world_size=2, num_workers=2, mode="runs", buffer_samples=64)
     for p in _all_rank_batches(starts, run_len, cfg, 0):
         for w in p.workers:
-            segs = planlib.segments(w.stream, starts)
+            lo, hi, _shard = segment_bounds(w.stream, starts)
             # ~one read per run of 10 (each shard has one extra, jittered run; plus the cuts at
             # rank/worker boundaries), not one read per sample.
-            assert len(segs) <= len(w.stream) / 10 * 1.1 + 3
-            assert sum(b - a for a, b, _ in segs) == len(w.stream)
+            assert len(lo) <= len(w.stream) / 10 * 1.1 + 3
+            assert int((hi - lo).sum()) == len(w.stream)
 
 
 def test_worker_streams_produce_round_robin_batches() -> None:
@@ -150,3 +151,97 @@ def test_shuffle_quality_metric_separates_orders() -> None:
     assert res["stager-runs (default, Lustre/URL)"]["tv"] < threshold
     assert res["stager-none (shard order)"]["tv"] > 0.5 > threshold
     assert res["webdataset"]["tv"] > threshold
+
+
+def _reference_reads(wp, starts, sizes, start_batch, cap):  # type: ignore[no-untyped-def]
+    """The worker loop written out: read segments in stream order until each batch's positions are loaded."""
+    from collections import OrderedDict
+
+    lo, hi, shard = segment_bounds(wp.stream, starts)
+    b0 = int(np.searchsorted(wp.batches, start_batch))
+    skip = int(wp.sizes[:b0].sum())
+    needed = np.zeros(len(wp.stream), dtype=bool)
+    needed[wp.emit[skip:]] = True
+    held: OrderedDict[int, None] = OrderedDict()
+    out, seg, loaded = [], 0, 0
+    for b in range(b0, len(wp.batches)):
+        pos = wp.batch_positions(b)
+        while loaded < int(pos.max()) + 1:
+            a, z, s = int(lo[seg]), int(hi[seg]), int(shard[seg])
+            seg += 1
+            loaded = z
+            want = np.flatnonzero(needed[a:z]) + a
+            if not len(want):
+                continue
+            opens = s not in held
+            held[s] = None
+            held.move_to_end(s)
+            if len(held) > cap:
+                held.popitem(last=False)
+            out.append((a, z, s, b, int(sizes[wp.stream[want]].sum()), opens))
+    return out
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    counts=st.lists(st.integers(0, 30), min_size=1, max_size=10),
+    world=st.integers(1, 3),
+    workers=st.integers(0, 3),
+    batch=st.integers(1, 7),
+    mode=st.sampled_from(planlib.SHUFFLE_MODES),
+    buffer=st.integers(0, 20),
+    seed=st.integers(0, 2**31),
+    start=st.integers(0, 12),
+    cap=st.integers(1, 4),
+)
+def test_read_schedule_is_the_worker_loop(  # noqa: PLR0917 (hypothesis passes strategies by keyword)
+    counts, world, workers, batch, mode, buffer, seed, start, cap
+):  # type: ignore[no-untyped-def]
+    """The vectorised schedule equals the worker loop written out; every needed sample is read once,
+    before the batch that emits it, and its read is held (``last_step``) until then."""
+    from stager.order.reads import read_schedule
+
+    starts = _starts(counts)
+    sizes = (np.arange(int(starts[-1])) % 7 + 1).astype(np.int64)
+    run_len = planlib.run_lengths(np.array(counts), np.array(counts) * 100, 300, 2)
+    cfg = planlib.PlanConfig(batch, world, workers, seed, mode, False, buffer)
+    for rank in range(world):
+        rp = planlib.plan_rank(starts, run_len, cfg, rank, epoch=1)
+        sched = read_schedule(rp, starts, sizes, start_batch=start)
+        for wp, wr in zip(rp.workers, sched.workers, strict=True):
+            got = list(zip(wr.lo.tolist(), wr.hi.tolist(), wr.shard.tolist(), wr.load_step.tolist(),
+                           wr.nbytes.tolist(), wr.opens(cap).tolist(), strict=True))
+            assert got == _reference_reads(wp, starts, sizes, start, cap)
+            assert (wr.batch == wp.batches[wr.load_step]).all()
+            read_of = np.full(len(wp.stream), -1)
+            for i, (a, z) in enumerate(zip(wr.lo.tolist(), wr.hi.tolist(), strict=True)):
+                read_of[a:z] = i
+            last = np.full(len(wr), -1)
+            for b in range(wr.first_step, len(wp.batches)):
+                pos = wp.batch_positions(b)
+                assert wr.needed[pos].all() and (read_of[pos] >= 0).all()
+                assert (wr.load_step[read_of[pos]] <= b).all()
+                np.maximum.at(last, read_of[pos], b)
+            assert (last == wr.last_step).all()
+            emitted = [b for b in range(wr.first_step, len(wp.batches)) for _ in wp.batch_positions(b)]
+            assert len(emitted) == int(wr.needed.sum())
+        flat = sched.shard.tolist()
+        assert flat == [s for w in sched.workers for s in w.shard.tolist()]
+
+
+def test_order_is_pure_numpy() -> None:
+    """stager/order/ imports only numpy, stager.errors and itself (no torch, manifest or loader), so
+    the loader, stage --partition and the prefetcher can all import its one copy."""
+    import ast
+    from pathlib import Path
+
+    import stager.order
+
+    allowed = ("numpy", "stager.errors", "stager.order", "__future__", "collections", "dataclasses", "heapq")
+    for path in Path(stager.order.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            for name in names:
+                assert name.startswith(allowed), f"{path.name} imports {name}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -75,10 +76,12 @@ def _payload(packed: Path, gid: int) -> bytes:
 
 
 def test_schedule_matches_what_the_loader_reads(packed: Path, tmp_path: Path) -> None:
-    """Every shard holding a sample of batch j is read at or before batch j in the prefetch schedule."""
+    """Through the real Loader: every shard holding a sample of batch j is read at or before batch j
+    in the prefetch schedule, and the reads' bytes are the rank's samples' bytes."""
     dest = tmp_path / "dest"
     m = prepare_dest(packed, dest)
     starts = m.sample_starts()
+    sizes = np.concatenate([s.sizes for s in m.shards])
     for rank in (0, 1):
         kw = dict(LOADER_KW)
         ds = ShardedDataset(str(dest), rank=rank, staged=False, **kw)
@@ -95,15 +98,72 @@ def test_schedule_matches_what_the_loader_reads(packed: Path, tmp_path: Path) ->
                 shards = set((np.searchsorted(starts, batch["index"].numpy(), side="right") - 1).tolist())
                 assert shards <= read_by[j]
                 seen += batch["index"].tolist()
-            # Reads cover the rank's samples once: payload bytes add up to the rank's samples.
-            sizes = np.concatenate([s.sizes for s in m.shards])
             assert sum(r.bytes for r in reads) == int(sizes[seen].sum())
-            # A worker opens a shard at its first read of the epoch, and holds at most 2 files here.
+            # A worker opens a shard at its first read of the epoch; fewer held files, more opens.
             first: set[tuple[int, int]] = set()
             for r in rank_reads(ds, epoch, open_files=2):
                 assert r.opens or (r.worker, r.shard) in first
                 first.add((r.worker, r.shard))
             assert sum(r.opens for r in rank_reads(ds, epoch, open_files=2)) >= sum(r.opens for r in reads)
+
+
+@pytest.mark.parametrize("use_mmap", [True, False])
+def test_loader_workers_open_the_files_the_schedule_says(
+    imagenet_tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, use_mmap: bool
+) -> None:
+    """Each worker's actual shard opens (os.open under ShardAccess), batch by batch, are the read
+    schedule's opens: mapped and pread paths, runs and per-sample reads, 64 and 2 held files, from
+    the epoch's start and resumed mid-epoch. So the prefetcher's 'only opens need a local copy' is
+    what the loader does."""
+    import types
+
+    import stager.loader.access as access_mod
+    import stager.loader.dataset as dataset_mod
+
+    src = tmp_path / "src"
+    pack(imagenet_tiny, src, samples_per_shard=4)  # longer worker streams over fewer, larger shards
+    dest = tmp_path / "dest"
+    m = prepare_dest(src, dest)
+    names = {s.name: i for i, s in enumerate(m.shards)}
+    opened: list[int] = []
+    real_open = os.open
+
+    def recording_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        p = os.fspath(path)
+        if os.path.dirname(p) == str(dest) and os.path.basename(p) in names:
+            opened.append(names[os.path.basename(p)])
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", recording_open)
+    workers = 2
+    kw = {**LOADER_KW, "num_workers": workers, "use_mmap": use_mmap, "staged": False}
+    checked_reopen = False
+    for open_files, shuffle, world in itertools.product((64, 2), (True, "random"), (1, 2)):
+        monkeypatch.setattr(access_mod, "MAX_OPEN_FILES", open_files)
+        for rank in range(world):
+            ds = ShardedDataset(str(dest), **{**kw, "rank": rank, "world_size": world, "shuffle": shuffle})
+            for epoch, start in ((0, 0), (3, 0), (3, 3)):
+                ds.set_epoch(epoch)
+                ds.start_batch = start
+                sched = ds.read_schedule(epoch, start_batch=start)
+                for phys in range(workers):
+                    info = types.SimpleNamespace(id=phys, num_workers=workers)
+                    monkeypatch.setattr(dataset_mod, "get_worker_info", lambda info=info: info)
+                    wr = sched.workers[(phys + start) % workers]
+                    opens = wr.opens(open_files)
+                    expect = [(b, s) for b, s, o in zip(wr.batch.tolist(), wr.shard.tolist(), opens.tolist(),
+                                                        strict=True) if o]
+                    checked_reopen |= len(expect) > len(set(s for _, s in expect))
+                    got: list[tuple[int, int]] = []
+                    opened.clear()
+                    for batch in ds:
+                        got += [(batch["_w"]["batch"], s) for s in opened]
+                        opened.clear()
+                        data, offs = batch["data"].numpy(), batch["offsets"]
+                        for k, gid in enumerate(batch["index"].tolist()):
+                            assert bytes(data[offs[k]:offs[k + 1]]) == _payload(src, gid)
+                    assert got == expect
+    assert checked_reopen  # the 2-file limit made some worker open a shard again
 
 
 def test_dest_is_a_packed_dir_of_symlinks_and_progress_files(packed: Path, tmp_path: Path) -> None:

@@ -15,9 +15,9 @@ import logging
 import mmap
 import os
 import tempfile
-from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -25,12 +25,12 @@ from stager.errors import ShardMissingError, SourceNotFoundError, UsageError, Ve
 from stager.fs.open import filesystem
 from stager.loader.index import DatasetIndex, index_from_folder, index_from_manifest
 from stager.manifest import MANIFEST_NAME, dataset_root, load_manifest
+from stager.order.reads import MAX_OPEN_FILES, HeldFiles
 from stager.receipt import Receipt, find_staged_copy
 
 log = logging.getLogger("stager.loader")
 
 _LOGGED: set[str] = set()  # "staged copy used" is logged once per process and dataset
-MAX_OPEN_FILES = 64
 # Payloads separated by less than this many bytes (tar headers, record framing) share one read.
 MAX_GAP = 64 << 10
 # ...but one read stays below this size (a long sequential stretch, e.g. shuffle=False, is read in
@@ -166,6 +166,13 @@ def check_shards(res: Resolved, shards: np.ndarray) -> None:
             )
 
 
+class _Mapped(NamedTuple):
+    """A mapped shard file: the mapping (None for an empty file) and a read-only view of all of it."""
+
+    mm: mmap.mmap | None
+    view: memoryview
+
+
 class ShardAccess:
     """Reads payloads of runs of samples; one per process (created lazily in each worker).
 
@@ -174,11 +181,15 @@ class ShardAccess:
     ``positions`` (in-shard positions, ascending within a run).
 
     ``mapped`` (local shard files of an encoded format, ``use_mmap``): :meth:`mapping` returns the
-    whole shard as a read-only ``memoryview`` of one ``mmap``, and payloads are slices of it. Up
-    to :data:`MAX_OPEN_FILES` mappings are cached; one dropped from the cache is unmapped when the
-    last slice of it dies (slices handed to the user stay valid). The shard's size is checked
-    against the manifest's extents when it is mapped; a file truncated *in place* after that would
-    fault (SIGBUS) on access, which is why stager only ever replaces files by rename.
+    whole shard as a read-only ``memoryview`` of one ``mmap``, and payloads are slices of it. The
+    shard's size is checked against the manifest's extents when it is mapped; a file truncated *in
+    place* after that would fault (SIGBUS) on access, which is why stager only ever replaces files
+    by rename.
+
+    File handles (descriptors, mappings, zarr readers) follow the schedule's open-file rule
+    (:class:`stager.order.reads.HeldFiles`): the :data:`MAX_OPEN_FILES` most recently read shards
+    stay open, the least recently read one is closed first. A mapping dropped from the set is
+    unmapped when the last slice of it dies (slices handed to the user stay valid).
     """
 
     def __init__(self, res: Resolved, *, use_mmap: bool = True) -> None:
@@ -188,44 +199,42 @@ class ShardAccess:
         self.mapped = bool(
             use_mmap and self._local is not None and res.index.kind == "encoded" and res.index.format != "folder"
         )
-        self._maps: OrderedDict[int, tuple[mmap.mmap, memoryview]] = OrderedDict()
-        self._fds: OrderedDict[int, int] = OrderedDict()
-        self._zarr: OrderedDict[int, Any] = OrderedDict()
+        self._held = HeldFiles(MAX_OPEN_FILES)
+        self._handles: dict[int, Any] = {}  # shard -> fd | _Mapped | zarr reader, for the shards held
         self._tmp: dict[int, str] = {}
         self._fs: Any = None
         self._pid = os.getpid()
 
     # ---- handles ------------------------------------------------------------------------------
-    def _fd(self, shard: int) -> int:
-        fd = self._fds.get(shard)
-        if fd is not None:
-            self._fds.move_to_end(shard)
-            return fd
+    def _handle(self, shard: int, open_handle: Callable[[int], Any]) -> Any:
+        """``shard``'s open handle, opened by ``open_handle`` unless held (records the read in the set)."""
+        got = self._handles.get(shard)
+        if got is not None:
+            self._held.read(shard)
+            return got
+        handle = open_handle(shard)  # may raise: then nothing is held
+        _opens, closed = self._held.read(shard)
+        self._handles[shard] = handle
+        if closed is not None:
+            _close_handle(self._handles.pop(closed))
+        return handle
+
+    def _path(self, shard: int) -> str:
         assert self._local is not None
-        path = os.path.join(self._local, self.index.shard_names[shard])
+        return os.path.join(self._local, self.index.shard_names[shard])
+
+    def _open_fd(self, shard: int) -> int:
+        path = self._path(shard)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            return os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             raise ShardMissingError(f"{path}: shard missing; re-stage the dataset or re-run `stager pack`") from None
-        self._fds[shard] = fd
-        if len(self._fds) > MAX_OPEN_FILES:
-            os.close(self._fds.popitem(last=False)[1])
-        return fd
 
-    def mapping(self, shard: int) -> memoryview:
-        """The whole shard file as a read-only ``memoryview`` (mapped once per process)."""
-        got = self._maps.get(shard)
-        if got is not None:
-            self._maps.move_to_end(shard)
-            return got[1]
-        assert self._local is not None
-        path = os.path.join(self._local, self.index.shard_names[shard])
+    def _map(self, shard: int) -> _Mapped:
+        path = self._path(shard)
         a, b = int(self.index.starts[shard]), int(self.index.starts[shard + 1])
         need = int((self.index.offsets[a:b] + self.index.sizes[a:b]).max()) if b > a else 0
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise ShardMissingError(f"{path}: shard missing; re-stage the dataset or re-run `stager pack`") from None
+        fd = self._open_fd(shard)
         try:
             size = os.fstat(fd).st_size
             if size < need:
@@ -236,11 +245,11 @@ class ShardAccess:
             mm = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
         finally:
             os.close(fd)
-        view = memoryview(mm) if mm is not None else memoryview(b"")
-        self._maps[shard] = (mm, view)  # type: ignore[assignment]
-        if len(self._maps) > MAX_OPEN_FILES:
-            self._maps.popitem(last=False)  # unmapped once no slice of it is alive
-        return view
+        return _Mapped(mm, memoryview(mm) if mm is not None else memoryview(b""))
+
+    def mapping(self, shard: int) -> memoryview:
+        """The whole shard file as a read-only ``memoryview`` (mapped once while held)."""
+        return self._handle(shard, self._map).view
 
     def advise(self, shard: int, start: int, end: int) -> None:
         """Ask the kernel to read ``[start, end)`` of a mapped shard ahead (``MADV_WILLNEED``).
@@ -248,7 +257,8 @@ class ShardAccess:
         Issued in stream order, one call per run, so a cold shard is read in runs, ahead of the
         page faults of the samples' consumers, like the ``pread`` path reads it.
         """
-        mm = self._maps[shard][0] if shard in self._maps else None
+        got = self._handles.get(shard)
+        mm = got.mm if isinstance(got, _Mapped) else None
         if mm is None or end <= start:
             return
         lo = start - start % mmap.PAGESIZE
@@ -265,24 +275,20 @@ class ShardAccess:
         return str(self._fs_root).rstrip("/") + "/" + self.index.shard_names[shard]
 
     def _zarr_reader(self, shard: int) -> Any:
-        r = self._zarr.get(shard)
-        if r is not None:
-            return r
+        return self._handle(shard, self._open_zarr)
+
+    def _open_zarr(self, shard: int) -> Any:
         from stager.formats import get_format
 
         if self._local is not None:
-            path = os.path.join(self._local, self.index.shard_names[shard])
+            path = self._path(shard)
         else:
             # zarr's ZipStore needs a local file: remote zarr shards are fetched whole, once per
             # process, into a temporary file (documented in docs/loader.md).
             path = self._tmp.get(shard) or self._fetch_whole(shard)
         m = self.index.manifest
         assert m is not None
-        r = get_format("zarr").open_reader(path, m.shards[shard], m)
-        self._zarr[shard] = r
-        if len(self._zarr) > MAX_OPEN_FILES:
-            self._zarr.popitem(last=False)[1].close()
-        return r
+        return get_format("zarr").open_reader(path, m.shards[shard], m)
 
     def _fetch_whole(self, shard: int) -> str:
         fs = self._filesystem()
@@ -322,15 +328,14 @@ class ShardAccess:
 
     def check_pid(self) -> None:
         if self._pid != os.getpid():  # forked: inherited descriptors are not ours to use
-            self._fds.clear()
-            self._maps.clear()
-            self._zarr.clear()
+            self._handles.clear()
+            self._held.clear()
             self._fs = None
             self._pid = os.getpid()
 
     def _read_span(self, shard: int, start: int, end: int) -> bytes:
         if self._local is not None:
-            buf = os.pread(self._fd(shard), end - start, start)
+            buf = os.pread(self._handle(shard, self._open_fd), end - start, start)
         else:
             buf = self._filesystem().cat_file(self._remote_path(shard), start=start, end=end)
         if len(buf) != end - start:
@@ -343,17 +348,22 @@ class ShardAccess:
 
     def close(self) -> None:
         if self._pid == os.getpid():
-            for fd in self._fds.values():
-                os.close(fd)
-            for r in self._zarr.values():
-                r.close()
+            for h in self._handles.values():
+                _close_handle(h)  # a mapping is unmapped when the last payload slice handed out dies
         for tmp in self._tmp.values():
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-        self._fds.clear()
-        self._maps.clear()  # unmapped when the last payload slice handed out dies
-        self._zarr.clear()
+        self._handles.clear()
+        self._held.clear()
         self._tmp.clear()
+
+
+def _close_handle(handle: Any) -> None:
+    """Close a held shard handle: a descriptor, a zarr reader; a mapping goes with its last view."""
+    if isinstance(handle, int):
+        os.close(handle)
+    elif not isinstance(handle, _Mapped):
+        handle.close()
 
 
 def validate_partition(res: Resolved, rank: int, world_size: int) -> tuple[int, int, int]:

@@ -1,16 +1,18 @@
 """``ShardedDataset``: a torch IterableDataset that yields whole batches of one rank's epoch plan.
 
 Each DataLoader worker ``k`` of ``W`` produces the rank's batches ``k, k + W, ...`` (torch's
-in-order round robin then hands them out as batches ``0, 1, 2, ...``), reading its stream of runs
-front to back with one read per run and emitting samples through its shuffle buffer (see
-:mod:`stager.loader.plan`). Use it with ``DataLoader(ds, batch_size=None, num_workers=W)``, or let
-:func:`stager.loader.make_loader` do that.
+in-order round robin then hands them out as batches ``0, 1, 2, ...``): its
+:class:`~stager.order.epoch.WorkerPlan` says which samples in which order, its
+:class:`~stager.order.reads.WorkerReads` which shard segments it reads while loading which batch
+(one read each, front to back), and a :mod:`stager.loader.fetch` fetcher makes those reads and
+hands out the payloads the shuffle buffer emits. Use it with ``DataLoader(ds, batch_size=None,
+num_workers=W)``, or let :func:`stager.loader.make_loader` do that.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -19,10 +21,12 @@ from torch.utils.data import IterableDataset, get_worker_info
 from stager.errors import CorruptSampleError, UsageError
 from stager.loader.access import Resolved, ShardAccess, check_shards, resolve, validate_partition
 from stager.loader.batching import pack_raw, stack_images
+from stager.loader.fetch import Fetcher, MappedFetcher, PreadFetcher
 from stager.loader.shm import WorkerRing
 from stager.loader.transforms import make_sample_fn
 from stager.order import epoch as planlib
 from stager.order import streams
+from stager.order.reads import ReadSchedule, WorkerReads, read_schedule, worker_reads
 
 # Run size by storage (run_bytes="auto"): on a shared/network file system (Lustre, GPFS, BeeGFS,
 # NFS, fsspec URLs) reads should be whole stripes (1 MiB+); on node-local NVMe/tmpfs (a staged copy)
@@ -202,6 +206,10 @@ class ShardedDataset(IterableDataset):
         seq = self.seq_override if (self.seq_override is not None and e == self.epoch) else self.epoch_sequence(e)
         return planlib.plan_rank(self.index.starts, self.run_len, self.config(), self._plan_rank, epoch=e, seq=seq)
 
+    def read_schedule(self, epoch: int | None = None, *, start_batch: int = 0) -> ReadSchedule:
+        """The shard reads of :meth:`plan` ``(epoch)`` from ``start_batch`` on (:mod:`stager.order.reads`)."""
+        return read_schedule(self.plan(epoch), self.index.starts, self.index.sizes, start_batch=start_batch)
+
     def batch_sizes(self) -> np.ndarray:
         """This rank's batch sizes for the current epoch (cheap: no shuffling)."""
         if self.seq_override is not None:
@@ -247,11 +255,9 @@ class ShardedDataset(IterableDataset):
             access.close()
 
     def _worker_batches(self, wp: planlib.WorkerPlan, access: ShardAccess) -> Iterator[dict[str, Any]]:
+        """Worker ``wp``'s batches from ``start_batch`` on: read as scheduled, decode, assemble."""
         idx = self.index
-        b0 = int(np.searchsorted(wp.batches, self.start_batch))
-        skip = int(wp.sizes[:b0].sum())
-        needed = np.zeros(len(wp.stream), dtype=bool)
-        needed[wp.emit[skip:]] = True
+        reads = worker_reads(wp, idx.starts, idx.sizes, start_batch=self.start_batch)
         in_worker = get_worker_info() is not None
         ring = None
         if in_worker and self._ipc_token is not None:
@@ -262,12 +268,12 @@ class ShardedDataset(IterableDataset):
             _single_threaded_cv2()
         keys = self._keys_array()
         access.check_pid()
-        fetch = self._mapped_fetcher(wp, access, needed) if access.mapped else self._read_fetcher(wp, access, needed)
+        fetcher = self._fetcher(reads, wp, access)
         cum = np.concatenate([[0], np.cumsum(wp.sizes)]).astype(np.int64)
-        for b in range(b0, len(wp.batches)):
+        for b in range(reads.first_step, len(wp.batches)):
             pos = wp.emit[cum[b] : cum[b + 1]]
             t = time.perf_counter()
-            payloads, nbytes = fetch(pos)
+            payloads, nbytes = fetcher.batch(b, pos)
             io_s = time.perf_counter() - t
             j = int(wp.batches[b])
             ids = wp.stream[pos]
@@ -299,6 +305,14 @@ class ShardedDataset(IterableDataset):
             batch["_w"] = {"bytes": nbytes, "io_s": io_s, "decode_s": dec_s, "skipped": skipped, "batch": j}
             yield batch
 
+    def _fetcher(self, reads: WorkerReads, wp: planlib.WorkerPlan, access: ShardAccess) -> Fetcher:
+        if access.mapped:
+            return MappedFetcher(reads, wp, access)
+        # A payload is a view of its run's read buffer; a sample waiting in the shuffle buffer would
+        # pin that whole run. Copying out keeps the bound at K samples (not K runs) per worker.
+        owned = self.config().buffer_samples > 1 and self.mode in ("runs", "shards")
+        return PreadFetcher(reads, wp, access, on_error=self.on_error, owned=owned)
+
     def _decode_all(self, payloads: list[Any], ids: np.ndarray, j: int) -> tuple[list[Any], np.ndarray, list[str]]:
         """Apply the sample function; returns ``(items, kept ids, skipped keys)`` (``on_error``)."""
         idx = self.index
@@ -329,105 +343,6 @@ class ShardedDataset(IterableDataset):
             self._keys[:] = self.index.keys
         return self._keys
 
-    def _mapped_fetcher(
-        self, wp: planlib.WorkerPlan, access: ShardAccess, needed: np.ndarray
-    ) -> Callable[[np.ndarray], tuple[list[Any], int]]:
-        """Payloads of a batch as slices of the mapped shards (no copy, nothing buffered).
-
-        Runs are still "read" in stream order: when a batch needs stream positions up to ``hi``,
-        every run before ``hi`` not yet reached is advised to the kernel (``MADV_WILLNEED``), so a
-        cold shard is read ahead in runs, and the shuffle buffer holds positions, not bytes.
-        """
-        idx = self.index
-        stream = wp.stream
-        shard_of = idx.shard_of(stream) if len(stream) else np.zeros(0, np.int64)
-        offs = idx.offsets[stream]
-        ends = offs + idx.sizes[stream]
-        segs = planlib.segments(stream, idx.starts)
-        # Each run's needed byte span, computed at once: [min offset, max end) of its needed samples.
-        big = np.iinfo(np.int64).max
-        lo_arr = np.where(needed, offs, big)
-        hi_arr = np.where(needed, ends, 0)
-        seg_lo = np.array([s[0] for s in segs], dtype=np.int64)
-        span_lo = np.minimum.reduceat(lo_arr, seg_lo).tolist() if len(segs) else []
-        span_hi = np.maximum.reduceat(hi_arr, seg_lo).tolist() if len(segs) else []
-        state = {"seg": 0, "loaded": 0}
-
-        def fetch(pos: np.ndarray) -> tuple[list[Any], int]:
-            hi = int(pos.max()) + 1 if len(pos) else 0
-            si = state["seg"]
-            while state["loaded"] < hi:
-                _lo, hi_s, shard = segs[si]
-                if span_hi[si] > 0:
-                    access.mapping(shard)
-                    access.advise(shard, span_lo[si], span_hi[si])
-                state["loaded"] = hi_s
-                si += 1
-            state["seg"] = si
-            sh = shard_of[pos]
-            o, e = offs[pos], ends[pos]
-            first = int(sh[0]) if len(sh) else 0
-            if len(sh) and (sh == first).all():
-                m = access.mapping(first)
-                out = [m[a:z] for a, z in zip(o.tolist(), e.tolist(), strict=True)]
-            else:
-                maps = {s: access.mapping(s) for s in set(sh.tolist())}
-                out = [maps[s][a:z] for s, a, z in zip(sh.tolist(), o.tolist(), e.tolist(), strict=True)]
-            return out, int((e - o).sum())
-
-        return fetch
-
-    def _read_fetcher(
-        self, wp: planlib.WorkerPlan, access: ShardAccess, needed: np.ndarray
-    ) -> Callable[[np.ndarray], tuple[list[Any], int]]:
-        """Payloads of a batch from reads of whole runs in stream order, held until emitted."""
-        idx = self.index
-        segs = planlib.segments(wp.stream, idx.starts)
-        cache: dict[int, Any] = {}
-        # A payload is a view of its run's read buffer; a sample waiting in the shuffle buffer would
-        # pin that whole run. Copying out keeps the bound at K samples (not K runs) per worker.
-        own_copies = self.config().buffer_samples > 1 and self.mode in ("runs", "shards")
-        state = {"seg": 0, "loaded": 0}
-
-        def fetch(pos: np.ndarray) -> tuple[list[Any], int]:
-            nbytes = 0
-            hi = int(pos.max()) + 1 if len(pos) else 0
-            while state["loaded"] < hi:
-                lo_s, hi_s, shard = segs[state["seg"]]
-                state["seg"] += 1
-                want = np.flatnonzero(needed[lo_s:hi_s]) + lo_s
-                if len(want):
-                    payloads, nb = self._read(access, shard, wp.stream[want] - idx.starts[shard])
-                    if own_copies:
-                        payloads = [_own(x) for x in payloads]
-                    nbytes += nb
-                    cache.update(zip(want.tolist(), payloads, strict=True))
-                state["loaded"] = hi_s
-            return [cache.pop(p) for p in pos.tolist()], nbytes
-
-        return fetch
-
-    def _read(self, access: ShardAccess, shard: int, positions: np.ndarray) -> tuple[list[Any], int]:
-        """Read a run; on a damaged run, isolate the bad samples (None payloads) or name the key."""
-        try:
-            return access.read(shard, positions)
-        except CorruptSampleError:
-            if len(positions) == 1 and self.on_error == "raise":
-                key = self.index.keys[int(self.index.starts[shard] + positions[0])]
-                raise CorruptSampleError(
-                    f"{self.res.shard_path(shard)}: sample {key!r} is damaged; run `stager verify --deep` "
-                    "or pass on_error='skip'"
-                ) from None
-            if len(positions) == 1:
-                return [None], 0
-        out: list[Any] = []
-        total = 0
-        for p in positions.tolist():
-            got, nb = self._read(access, shard, np.array([p], dtype=np.int64))
-            out += got
-            total += nb
-        return out, total
-
 
 def _single_threaded_cv2() -> None:
     """One OpenCV thread per worker (torch does the same for itself): W workers already fill W cores."""
@@ -437,11 +352,3 @@ def _single_threaded_cv2() -> None:
     if cv2 is not None:
         cv2.setNumThreads(1)
 
-
-def _own(x: Any) -> Any:
-    """A payload that owns its memory (bytes for views, a copy for array views)."""
-    if isinstance(x, memoryview):
-        return x.tobytes()
-    if isinstance(x, np.ndarray) and x.base is not None:
-        return x.copy()
-    return x

@@ -34,7 +34,6 @@ Seeds: every random draw uses ``numpy.random.default_rng((seed, epoch, ...))`` (
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,8 +42,6 @@ from stager.errors import UsageError
 from stager.order import streams
 
 SHUFFLE_MODES = ("runs", "shards", "random", "none")
-
-# Tags that keep the independent random streams of one epoch apart.
 
 
 @dataclass(frozen=True)
@@ -318,18 +315,3 @@ def plan_rank(
         emit = buffer_shuffle(q, buf, rng)
         workers.append(WorkerPlan(k, stream, emit, mine, wsizes, is_pad))
     return RankPlan(rank, epoch, ids, sizes, padded, dropped, tuple(workers))
-
-
-def segments(stream: np.ndarray, starts: np.ndarray) -> list[tuple[int, int, int]]:
-    """Cut a stream into maximal reads: ``[(stream_lo, stream_hi, shard), ...]``.
-
-    A read is a maximal stretch of the stream whose ids are consecutive and inside one shard, so
-    a worker issues one ``pread`` per segment. Segments are in stream order.
-    """
-    n = len(stream)
-    if n == 0:
-        return []
-    shard = np.searchsorted(starts, stream, side="right") - 1
-    brk = np.flatnonzero((np.diff(stream) != 1) | (np.diff(shard) != 0)) + 1
-    bounds = np.concatenate([[0], brk, [n]])
-    return [(int(a), int(b), int(shard[a])) for a, b in itertools.pairwise(bounds.tolist())]

@@ -13,14 +13,19 @@ symlink with the local copy atomically (``<name>.<uuid>.partial`` -> hash check 
 evicting replaces the file with the symlink again. File descriptors the loader already holds stay
 valid either way (same bytes). Point the loader at DEST with ``staged=False``.
 
-The schedule comes from the loader itself: one :class:`stager.loader.ShardedDataset` per rank of
-this node, built with the same arguments the training script passes to ``make_loader``, and its
-``plan(epoch)`` - so the order is identical by construction. A worker reads a segment (a run of
-consecutive samples in one shard) when its batch first needs it, so the read of segment ``k`` of
-worker ``w`` happens at the rank's batch ``batches[b]`` for the first worker batch ``b`` that
-reaches it. A worker keeps its most recently read shard files open for the epoch (the loader's LRU
-of ``MAX_OPEN_FILES``), and reads a held file whatever DEST holds meanwhile; so only the reads that
+The schedule is the loader's own: one :class:`stager.loader.ShardedDataset` per rank of this node,
+built with the arguments the training script passes to ``make_loader``, and its
+``read_schedule(epoch)``: the one :func:`stager.order.reads.read_schedule` the loader's workers
+also follow, so the reads are identical by construction. A worker reads a segment (a run of
+consecutive samples in one shard) while loading the first of its batches that reaches it, and
+keeps its most recently read shard files open for the epoch (:class:`stager.order.reads.HeldFiles`,
+``MAX_OPEN_FILES``), reading a held file whatever DEST holds meanwhile; so only the reads that
 *open* a file need it local (:attr:`Read.opens`), and the next use of a shard is its next open.
+
+Shapes: :class:`EpochReads` holds the node's reads of one epoch as parallel arrays of shape
+(reads,), rank after rank (index into :attr:`Prefetcher.ranks`), each rank's in schedule order;
+:meth:`Prefetcher.next_uses` returns int64 (shards,) global batch numbers (``epoch *
+batches_per_epoch + batch``), :data:`NEVER` for none.
 
 Progress: in one process the training loop calls :meth:`Prefetcher.advance` with (epoch, batches
 done). Beside training, ``stager stage --follow`` (:mod:`stager.follow`) runs the prefetcher in its
@@ -36,17 +41,17 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from stager.errors import UsageError
 from stager.fs.atomic import atomic_write_bytes, fsync_dir, partial_path, remove_partials
 from stager.manifest import MANIFEST_NAME, Manifest, dataset_root, load_manifest
+from stager.order.reads import MAX_OPEN_FILES, ReadSchedule
 from stager.prefetch.reports import (
     DONE_MARKER,
     PROGRESS_DIR,
@@ -60,6 +65,9 @@ from stager.prefetch.reports import (
 )
 from stager.stage.collective.io import IoCounters, ShareReader, StreamSink, copy_share
 from stager.stage.collective.plan import StreamLayout, files_of_shards
+
+if TYPE_CHECKING:
+    from stager.loader import ShardedDataset
 
 __all__ = [
     "DONE_MARKER",
@@ -82,7 +90,6 @@ __all__ = [
 ]
 
 
-
 @dataclass(frozen=True)
 class Read:
     """One shard read of this node at (epoch, rank-level batch): ``bytes`` of payload from ``shard``.
@@ -100,40 +107,26 @@ class Read:
     opens: bool = True
 
 
-def rank_reads(ds: Any, epoch: int, open_files: int | None = None) -> list[Read]:
-    """The shard reads of one rank's epoch, from the loader's own plan (``ds``: a ShardedDataset).
+def rank_reads(ds: ShardedDataset, epoch: int, open_files: int | None = None) -> list[Read]:
+    """The shard reads of one rank's epoch as :class:`Read` records, from the loader's own schedule.
 
-    Mirrors ``ShardedDataset._worker_batches``: worker batch ``b`` reads segments until the stream
-    position ``max(batch positions) + 1`` is loaded. Each worker keeps the ``open_files`` (default
-    the loader's ``MAX_OPEN_FILES``) most recently read shards open (an LRU, new each epoch), which
-    decides :attr:`Read.opens`.
+    ``ds.read_schedule(epoch)`` (:func:`stager.order.reads.read_schedule`, what the loader's workers
+    do); ``opens`` under a set of ``open_files`` held files per worker (default the loader's
+    ``MAX_OPEN_FILES``).
     """
-    from stager.loader.access import MAX_OPEN_FILES
-    from stager.order import epoch as planlib
-
-    cap = MAX_OPEN_FILES if open_files is None else open_files
-    rp = ds.plan(epoch)
-    idx = ds.index
-    out: list[Read] = []
-    for w, wp in enumerate(rp.workers):
-        segs = planlib.segments(wp.stream, idx.starts)
-        held: OrderedDict[int, None] = OrderedDict()
-        seg_i, loaded = 0, 0
-        for b in range(len(wp.batches)):
-            pos = wp.batch_positions(b)
-            hi = int(pos.max()) + 1 if len(pos) else 0
-            while loaded < hi:
-                lo_s, hi_s, shard = segs[seg_i]
-                seg_i += 1
-                ids = wp.stream[lo_s:hi_s]
-                opens = shard not in held
-                held[shard] = None
-                held.move_to_end(shard)
-                if len(held) > cap:
-                    held.popitem(last=False)
-                out.append(Read(int(wp.batches[b]), shard, int(idx.sizes[ids].sum()), w, opens))
-                loaded = hi_s
-    return out
+    sched = ds.read_schedule(epoch)
+    opens = sched.opens(MAX_OPEN_FILES if open_files is None else open_files)
+    return [
+        Read(b, s, n, w, o)
+        for b, s, n, w, o in zip(
+            sched.batch.tolist(),
+            sched.shard.tolist(),
+            sched.nbytes.tolist(),
+            sched.worker.tolist(),
+            opens.tolist(),
+            strict=True,
+        )
+    ]
 
 
 @dataclass
@@ -259,27 +252,42 @@ class EpochReads:
     rank_start: np.ndarray  # reads of rank i are [rank_start[i], rank_start[i + 1])
 
     @classmethod
-    def of(cls, per_rank: Sequence[Sequence[Read]]) -> EpochReads:
-        rank = np.concatenate([np.full(len(r), i, dtype=np.int64) for i, r in enumerate(per_rank)])
-        flat = [x for r in per_rank for x in r]
-        opener = np.empty(len(flat), dtype=np.int64)
-        last: dict[tuple[int, int, int], int] = {}
-        for k, (i, x) in enumerate(zip(rank.tolist(), flat, strict=True)):
-            key = (i, x.worker, x.shard)
-            if x.opens or key not in last:
-                last[key] = k
-            opener[k] = last[key]
+    def of(cls, schedules: Sequence[ReadSchedule], open_files: int = MAX_OPEN_FILES) -> EpochReads:
+        """The node's reads from each rank's :class:`~stager.order.reads.ReadSchedule` (rank order)."""
+        counts = [len(s.shard) for s in schedules]
+        rank = np.repeat(np.arange(len(schedules), dtype=np.int64), counts)
+        worker = _cat([s.worker for s in schedules], np.int64)
+        shard = _cat([s.shard for s in schedules], np.int64)
+        opens = _cat([s.opens(open_files) for s in schedules], bool)
         return cls(
             rank=rank,
-            batch=np.array([x.batch for x in flat], dtype=np.int64),
-            shard=np.array([x.shard for x in flat], dtype=np.int64),
-            nbytes=np.array([x.bytes for x in flat], dtype=np.int64),
-            opens=np.array([x.opens for x in flat], dtype=bool),
-            opener=opener,
-            open_hit=np.zeros(len(flat), dtype=bool),
-            open_known=np.zeros(len(flat), dtype=bool),
-            rank_start=np.concatenate([[0], np.cumsum([len(r) for r in per_rank])]).astype(np.int64),
+            batch=_cat([s.batch for s in schedules], np.int64),
+            shard=shard,
+            nbytes=_cat([s.nbytes for s in schedules], np.int64),
+            opens=opens,
+            opener=_openers(rank, worker, shard, opens),
+            open_hit=np.zeros(len(shard), dtype=bool),
+            open_known=np.zeros(len(shard), dtype=bool),
+            rank_start=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
         )
+
+
+def _cat(arrays: list[np.ndarray], dtype: type) -> np.ndarray:
+    return np.concatenate(arrays).astype(dtype) if arrays else np.zeros(0, dtype)
+
+
+def _openers(rank: np.ndarray, worker: np.ndarray, shard: np.ndarray, opens: np.ndarray) -> np.ndarray:
+    """Per read, the index of the read whose open it uses: the last open of the same (rank, worker,
+    shard) at or before it (a worker's first read of a shard in an epoch always opens)."""
+    n = len(shard)
+    order = np.lexsort((np.arange(n), shard, worker, rank))
+    sorted_keys = np.stack([rank[order], worker[order], shard[order]])
+    first_of_key = np.ones(n, dtype=bool)
+    first_of_key[1:] = (sorted_keys[:, 1:] != sorted_keys[:, :-1]).any(axis=0)
+    marks = np.where(opens[order] | first_of_key, np.arange(n), 0)
+    opener = np.empty(n, dtype=np.int64)
+    opener[order] = order[np.maximum.accumulate(marks)] if n else order
+    return opener
 
 
 NEVER = np.iinfo(np.int64).max
@@ -390,7 +398,7 @@ class Prefetcher:
         with self._plan_lock:
             got = self._reads.get(epoch)
             if got is None:
-                got = EpochReads.of([rank_reads(ds, epoch) for ds in self._datasets])
+                got = EpochReads.of([ds.read_schedule(epoch) for ds in self._datasets])
                 self._reads[epoch] = got
                 lo = min(e for e, _ in self._pos) if self._pos else epoch
                 for old in [e for e in self._reads if e < lo]:
