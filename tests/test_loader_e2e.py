@@ -331,3 +331,31 @@ def test_spawned_workers(packed: dict[str, Path]) -> None:
     a, b = list(ld), list(ref)
     assert [x["index"].tolist() for x in a] == [x["index"].tolist() for x in b]
     assert all(torch.equal(x["image"], y["image"]) for x, y in zip(a, b, strict=True)), "augmentation is seeded"
+
+
+def test_options_validated_once_and_make_loader_signature(packed: dict[str, Path]) -> None:
+    """make_loader(path, **kw) is Loader(ShardedDataset(path, LoaderOptions(**kw))): the documented
+    keyword signature (docs/loader.md) is LoaderOptions' fields; bad settings fail on construction;
+    the ``ShardedDataset(path, batch_size, **settings)`` shorthand gives the same dataset."""
+    import dataclasses
+    import inspect
+
+    from stager.loader import LoaderOptions, ShardedDataset
+
+    params = inspect.signature(make_loader).parameters
+    fields = {f.name: f.default for f in dataclasses.fields(LoaderOptions)}
+    assert list(params)[1:] == list(fields)
+    assert all(params[n].default == d for n, d in fields.items() if d is not dataclasses.MISSING)
+    bad_settings = {"batch_size": 0, "on_error": "x", "shuffle": "rows", "run_bytes": 0, "num_workers": -1}
+    for name, value in bad_settings.items():
+        with pytest.raises(UsageError, match=name):
+            LoaderOptions(**{"batch_size": 2, name: value})
+    with pytest.raises(UsageError, match="unknown loader arguments: colour"):
+        LoaderOptions.from_kwargs({"batch_size": 2, "colour": 1})
+    a = ShardedDataset(packed["tar"], LoaderOptions(batch_size=8, world_size=2, rank=1, seed=4, staged=False))
+    b = ShardedDataset(packed["tar"], 8, world_size=2, rank=1, seed=4, staged=False)
+    assert a.options == b.options and [x.tolist() for x in a.plan().batch_ids()] == [
+        x.tolist() for x in b.plan().batch_ids()
+    ]
+    with pytest.raises(TypeError):
+        ShardedDataset(packed["tar"], LoaderOptions(batch_size=8), seed=3)

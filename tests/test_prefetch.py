@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from stager.loader import ShardedDataset, make_loader
+from stager.loader import LoaderOptions, ShardedDataset, make_loader
 from stager.manifest import load_manifest
 from stager.pack import pack
 from stager.prefetch.prefetcher import Prefetcher, prepare_dest, rank_reads, read_progress, report_progress
@@ -84,7 +84,7 @@ def test_schedule_matches_what_the_loader_reads(packed: Path, tmp_path: Path) ->
     sizes = np.concatenate([s.sizes for s in m.shards])
     for rank in (0, 1):
         kw = dict(LOADER_KW)
-        ds = ShardedDataset(str(dest), rank=rank, staged=False, **kw)
+        ds = ShardedDataset(str(dest), LoaderOptions(**kw, rank=rank, staged=False))
         loader = make_loader(str(dest), rank=rank, staged=False, **kw)
         for epoch in (0, 3):
             loader.set_epoch(epoch)
@@ -141,7 +141,7 @@ def test_loader_workers_open_the_files_the_schedule_says(
     for open_files, shuffle, world in itertools.product((64, 2), (True, "random"), (1, 2)):
         monkeypatch.setattr(access_mod, "MAX_OPEN_FILES", open_files)
         for rank in range(world):
-            ds = ShardedDataset(str(dest), **{**kw, "rank": rank, "world_size": world, "shuffle": shuffle})
+            ds = ShardedDataset(str(dest), LoaderOptions.from_kwargs(kw, rank=rank, world_size=world, shuffle=shuffle))
             for epoch, start in ((0, 0), (3, 0), (3, 3)):
                 ds.set_epoch(epoch)
                 ds.start_batch = start

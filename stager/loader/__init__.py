@@ -2,10 +2,15 @@
 
 ``make_loader(path, batch_size, ...)`` reads a packed directory (local path or fsspec URL; any of
 the four formats), its staged node-local copy when ``stager stage`` made one, or a plain ImageFolder
-tree. Modules: :mod:`.plan` (the epoch plan, pure functions), :mod:`.index` / :mod:`.source` (what
-to read and from where), :mod:`.dataset` (``ShardedDataset``), :mod:`.batching` (shared-memory
-batches), :mod:`.transforms`, :mod:`.state`, :mod:`.stats`, :mod:`.loader` (``Loader``), :mod:`.persistent`
-(DataLoader workers kept across epochs).
+tree. It is ``Loader(ShardedDataset(path, LoaderOptions(batch_size, ...)))``.
+
+Modules: :mod:`.options` (``LoaderOptions``: every setting, validated once), :mod:`.index` /
+:mod:`.access` (what to read and from where; shard files held by the schedule's open-file rule),
+:mod:`.dataset` (``ShardedDataset``: one rank's batches, built by each worker from its plan),
+:mod:`.fetch` (a worker's reads, as the read schedule says, and its payloads), :mod:`.batching` /
+:mod:`.shm` (batches in shared memory), :mod:`.transforms`, :mod:`.state` (``LoaderState``),
+:mod:`.stats`, :mod:`.loader` (``Loader``), :mod:`.persistent` (DataLoader workers kept across
+epochs). The order itself (epoch plan, read schedule) is :mod:`stager.order`'s, pure numpy.
 """
 
 from __future__ import annotations
@@ -15,9 +20,10 @@ from typing import Any
 
 from stager.loader.dataset import ShardedDataset
 from stager.loader.loader import Loader
+from stager.loader.options import LoaderOptions
 from stager.loader.state import LoaderState
 
-__all__ = ["Loader", "LoaderState", "ShardedDataset", "make_loader"]
+__all__ = ["Loader", "LoaderOptions", "LoaderState", "ShardedDataset", "make_loader"]
 
 
 def make_loader(
@@ -63,11 +69,8 @@ def make_loader(
     (default: True when ``num_workers > 0``): start the worker processes once and reuse them every
     epoch (same batches; :meth:`Loader.close` stops them).
     """
-    if num_workers < 0:
-        raise ValueError(f"num_workers must be >= 0, got {num_workers}")
-    ds = ShardedDataset(
-        path,
-        batch_size,
+    options = LoaderOptions(
+        batch_size=batch_size,
         rank=rank,
         world_size=world_size,
         num_workers=num_workers,
@@ -78,6 +81,8 @@ def make_loader(
         image_size=image_size,
         drop_last=drop_last,
         on_error=on_error,
+        pin_memory=pin_memory,
+        prefetch_factor=prefetch_factor,
         storage_options=storage_options,
         staged=staged,
         staging_roots=staging_roots,
@@ -85,14 +90,9 @@ def make_loader(
         min_run=min_run,
         shuffle_buffer=shuffle_buffer,
         shuffle_buffer_bytes=shuffle_buffer_bytes,
-        use_mmap=use_mmap,
-    )
-    return Loader(
-        ds,
-        num_workers=num_workers,
-        pin_memory=pin_memory,
-        prefetch_factor=prefetch_factor,
         multiprocessing_context=multiprocessing_context,
         timeout=timeout,
+        use_mmap=use_mmap,
         persistent_workers=persistent_workers,
     )
+    return Loader(ShardedDataset(path, options))

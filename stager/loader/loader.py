@@ -1,9 +1,16 @@
 """``Loader``: the object :func:`make_loader` returns (epochs, length, resume state, stats).
 
 It wraps a :class:`ShardedDataset` in a torch DataLoader (``batch_size=None``: batches are built in
-the workers) or iterates it in-process when ``num_workers=0``, counts the batches it hands out
-(that count is the resume position), turns raw batches' shared buffers into per-sample
-``memoryview`` slices, and aggregates the workers' timing figures.
+the workers; persistent workers by default, :mod:`stager.loader.persistent`) or iterates it
+in-process when ``num_workers=0``, counts the batches it hands out (that count is the resume
+position, :class:`~stager.loader.state.LoaderState`), turns raw batches' shared buffers into
+per-sample ``memoryview`` slices, and aggregates the workers' timing figures. It moves the dataset
+only through the dataset's public surface (``set_epoch``, ``resume``, ``start_batch``,
+``shm_token``, ``group``, ``samples_in_epoch``).
+
+An epoch, in phases (:meth:`Loader.__iter__`): begin (next epoch or the resume position), open
+the batch source (:class:`EpochBatches`: in-process, fresh workers, or the persistent pool),
+receive each batch (check the round robin, count, finish), end (release workers and memory).
 """
 
 from __future__ import annotations
@@ -11,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -21,16 +28,40 @@ from stager.errors import UsageError
 from stager.loader import shm
 from stager.loader.batching import finish_batch
 from stager.loader.dataset import ShardedDataset
+from stager.loader.options import LoaderOptions
 from stager.loader.persistent import WorkerPool
 from stager.loader.state import LoaderState
 from stager.loader.stats import LoaderStats
-from stager.order import epoch as planlib
+from stager.order.epoch import PlanConfig, unconsumed
 
 log = logging.getLogger("stager.loader")
 
 
+class EpochBatches:
+    """One epoch's batch source: ``next_batch()`` (raises StopIteration at the end) and ``end(clean)``.
+
+    ``clean``: the consumer stopped between batches (a break, or the epoch's end); otherwise a worker
+    error or a broken contract interrupted it.
+    """
+
+    def __init__(self, next_batch: Callable[[], dict[str, Any]], end: Callable[[bool], None]) -> None:
+        self.next_batch = next_batch
+        self.end = end
+
+
+def _next_of(it: Any) -> Callable[[], dict[str, Any]]:
+    # torch's iterator __next__ wraps each batch in a profiler record_function (a TorchBind op
+    # call on enter and exit: ~20% of the main process' time per small raw batch here); its
+    # _next_data is the batch itself (pin-memory thread, worker errors, timeouts included).
+    return getattr(it, "_next_data", None) or it.__next__
+
+
 class Loader:
     """Iterable of batch dicts for one rank (see :class:`ShardedDataset` for the batch layout).
+
+    ``Loader(dataset)`` takes its worker-process settings (``num_workers``, ``pin_memory``,
+    ``prefetch_factor``, ``multiprocessing_context``, ``timeout``, ``persistent_workers``) from
+    ``dataset.options``; ``num_workers=None`` there means in-process.
 
     ``len(loader)`` is the number of batches per rank in the current epoch, equal on every rank.
     After a complete pass the next ``iter()`` moves to the next epoch unless ``set_epoch`` is
@@ -42,31 +73,24 @@ class Loader:
     :meth:`close`, when the Loader is collected, or at interpreter exit.
     """
 
-    def __init__(
-        self,
-        dataset: ShardedDataset,
-        *,
-        num_workers: int = 0,
-        pin_memory: bool = False,
-        prefetch_factor: int | None = None,
-        multiprocessing_context: Any = None,
-        timeout: float = 0,
-        persistent_workers: bool | None = None,
-    ) -> None:
+    def __init__(self, dataset: ShardedDataset) -> None:
+        opts: LoaderOptions = dataset.options
         self.dataset = dataset
-        self.num_workers = num_workers
-        self.persistent_workers = num_workers > 0 and (persistent_workers is None or bool(persistent_workers))
+        self.num_workers = int(opts.num_workers or 0)
+        self.persistent_workers = self.num_workers > 0 and (
+            opts.persistent_workers is None or bool(opts.persistent_workers)
+        )
         self._pool: WorkerPool | None = None
         self._pool_finalizer: weakref.finalize[Any, Any] | None = None
-        self.pin_memory = pin_memory
-        self.prefetch_factor = prefetch_factor
-        self.multiprocessing_context = multiprocessing_context
-        self.timeout = timeout
+        self.pin_memory = opts.pin_memory
+        self.prefetch_factor = opts.prefetch_factor
+        self.multiprocessing_context = opts.multiprocessing_context
+        self.timeout = opts.timeout
         self._done = 0
         self._resume_pending = False
         self._completed = False
         self._parent: dict[str, Any] | None = None
-        res = dataset.res
+        res = dataset.resolved
         self._stats = LoaderStats(
             rank=dataset.rank,
             world_size=dataset.world_size,
@@ -78,18 +102,18 @@ class Loader:
         self._log_plan()
 
     def _log_plan(self) -> None:
-        sizes = self.dataset.batch_sizes()
-        per = int(sizes.sum())
-        total = self._total_in_plan()
-        if self.dataset._local_mask is not None:
+        ds = self.dataset
+        per = int(ds.batch_sizes().sum())
+        total = ds.samples_in_epoch()
+        if ds.group.node_partitioned:
             log.info(
                 "stager.loader: node-partitioned staged copy: rank %d reads only this node's %d samples "
                 "(node-local shuffle), %d per rank on every node",
-                self.dataset.rank,
+                ds.rank,
                 total,
                 per,
             )
-        world = self.dataset._plan_world
+        world = ds.group.world_size
         padded = max(0, world * per - total)
         dropped = max(0, total - world * per)
         if padded:
@@ -116,60 +140,15 @@ class Loader:
 
     # ---- iteration ----------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        if self._completed and not self._resume_pending:
-            self.set_epoch(self.dataset.epoch + 1)
-        if not self._resume_pending:
-            self._done = 0
-        self._resume_pending = False
-        self._completed = False
-        ds = self.dataset
-        ds.start_batch = self._done
-        total = len(ds)
-        if self._done >= total:
-            self._completed = True
+        if not self._begin_epoch():
             return
-        plan_sizes = ds.batch_sizes()
-        rank_ids_padded = self._padded_positions()
-        it: Any
-        pool: WorkerPool | None = None
-        if self.num_workers == 0:
-            it = iter(ds)
-        elif self.persistent_workers:
-            pool = self._worker_pool()
-            it = pool.epoch_iter(ds)
-        else:
-            from torch.utils.data import DataLoader
-
-            dl = DataLoader(ds, batch_size=None, num_workers=self.num_workers, **self._dl_kwargs())
-            if shm.available():
-                ds._ipc_token = shm.new_token()
-            it = iter(dl)
-        # torch's iterator __next__ wraps each batch in a profiler record_function (a TorchBind op
-        # call on enter and exit: ~20% of the main process' time per small raw batch here); its
-        # _next_data is the batch itself (pin-memory thread, worker errors, timeouts included).
-        step = getattr(it, "_next_data", None) or it.__next__
+        padding = self._padded_positions()
+        batches = self._open_epoch()
         st = self._stats
         st.start()
         clean_end = False
         try:
-            while True:
-                t = time.perf_counter()
-                try:
-                    batch = step()
-                except StopIteration:
-                    break
-                st.wait_seconds += time.perf_counter() - t
-                w = batch.pop("_w")
-                if int(w["batch"]) != self._done:  # the round-robin contract, checked on every batch
-                    raise RuntimeError(f"stager.loader: expected batch {self._done}, worker sent {w['batch']}")
-                st.add_worker(w)
-                st.batches += 1
-                st.samples += len(batch["key"])
-                st.padded += int(rank_ids_padded[self._done])
-                finish_batch(batch)
-                self._done += 1
-                if self._done == len(plan_sizes):
-                    self._completed = True
+            while (batch := self._receive(batches, padding)) is not None:
                 st.stop()
                 clean_end = True  # a consumer leaving here (break, GeneratorExit) leaves a sane pool
                 yield batch
@@ -178,15 +157,73 @@ class Loader:
             clean_end = True
         finally:
             st.stop()
-            if pool is not None:
-                if not clean_end:  # a worker error or a broken contract: start afresh next epoch
+            batches.end(clean_end)
+
+    def _begin_epoch(self) -> bool:
+        """Move to the pass to make (the next epoch after a finished one, else the position); False: none left."""
+        if self._completed and not self._resume_pending:
+            self.set_epoch(self.dataset.epoch + 1)
+        if not self._resume_pending:
+            self._done = 0
+        self._resume_pending = False
+        self._completed = False
+        self.dataset.start_batch = self._done
+        if self._done >= len(self.dataset):
+            self._completed = True
+            return False
+        return True
+
+    def _open_epoch(self) -> EpochBatches:
+        """The epoch's batch source: in this process, from the persistent pool, or from fresh workers."""
+        ds = self.dataset
+        if self.num_workers == 0:
+            return EpochBatches(iter(ds).__next__, lambda clean: None)
+        if self.persistent_workers:
+            pool = self._worker_pool()
+
+            def end_persistent(clean: bool) -> None:
+                if not clean:  # a worker error or a broken contract: start afresh next epoch
                     self.close()
-            else:
-                if hasattr(it, "_shutdown_workers"):
-                    it._shutdown_workers()
-                if ds._ipc_token is not None:
-                    shm.cleanup(ds._ipc_token)
-                    ds._ipc_token = None
+
+            return EpochBatches(_next_of(pool.epoch_iter(ds)), end_persistent)
+        from torch.utils.data import DataLoader
+
+        dl = DataLoader(ds, batch_size=None, num_workers=self.num_workers, **self._dl_kwargs())
+        if shm.available():
+            ds.shm_token = shm.new_token()
+        it = iter(dl)
+
+        def end_fresh(clean: bool) -> None:
+            shutdown = getattr(it, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
+            if ds.shm_token is not None:
+                shm.cleanup(ds.shm_token)
+                ds.shm_token = None
+
+        return EpochBatches(_next_of(it), end_fresh)
+
+    def _receive(self, batches: EpochBatches, padding: np.ndarray) -> dict[str, Any] | None:
+        """The next batch, checked and counted (None at the epoch's end)."""
+        st = self._stats
+        t = time.perf_counter()
+        try:
+            batch = batches.next_batch()
+        except StopIteration:
+            return None
+        st.wait_seconds += time.perf_counter() - t
+        w = batch.pop("_w")
+        if int(w["batch"]) != self._done:  # the round-robin contract, checked on every batch
+            raise RuntimeError(f"stager.loader: expected batch {self._done}, worker sent {w['batch']}")
+        st.add_worker(w)
+        st.batches += 1
+        st.samples += len(batch["key"])
+        st.padded += int(padding[self._done])
+        finish_batch(batch)
+        self._done += 1
+        if self._done == len(padding):
+            self._completed = True
+        return batch
 
     def _dl_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {
@@ -217,31 +254,28 @@ class Loader:
     def _padded_positions(self) -> np.ndarray:
         """Per batch of this rank: how many of its samples are padding repeats (int64, (batches,))."""
         ds = self.dataset
-        if self._total_in_plan() >= ds._plan_world * int(ds.batch_sizes().sum()):
+        if self._dropped_or_padded() >= 0:
             return np.zeros(len(ds), dtype=np.int64)  # nothing padded: skip planning here
         return ds.plan().batch_padding()
+
+    def _dropped_or_padded(self) -> int:
+        """Samples of the epoch no rank sees (> 0: dropped) or, negative, the repeats that pad it."""
+        ds = self.dataset
+        return ds.samples_in_epoch() - ds.group.world_size * int(ds.batch_sizes().sum())
 
     # ---- observability ------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Per-rank figures: samples/s, bytes/s, I/O vs decode seconds, padded, skipped, staged or source."""
         d = self._stats.to_dict()
-        d["dropped"] = max(0, self._total_in_plan() - self.dataset._plan_world * int(self.dataset.batch_sizes().sum()))
+        d["dropped"] = max(0, self._dropped_or_padded())
         return d
-
-    def _total_in_plan(self) -> int:
-        ds = self.dataset
-        if ds.seq_override is not None:
-            return len(ds.seq_override)
-        if ds._local_mask is not None:
-            return int(ds._local_mask.sum())
-        return ds.index.num_samples
 
     # ---- resume ----------------------------------------------------------------------------------------
     def _plan_key(self) -> str:
         ds = self.dataset
         h = xxhash.xxh3_64()
         h.update(np.ascontiguousarray(ds.run_len).tobytes())
-        h.update(f"{ds._per_rank}".encode())
+        h.update(f"{ds.group.samples_per_rank}".encode())
         return h.hexdigest()
 
     def state_dict(self) -> dict[str, Any]:
@@ -275,6 +309,41 @@ class Loader:
         world. Other changes are refused.
         """
         st = LoaderState.from_dict(state)
+        self._check_same_order(st)
+        ds = self.dataset
+        same = (
+            st.world_size == ds.world_size
+            and st.num_workers == self.num_workers
+            and st.batch_size == ds.batch_size
+            and st.buffer_samples == ds.buffer_samples(max(1, self.num_workers))
+        )
+        if same:
+            ds.resume(st.epoch, self._remaining(st.parent) if st.parent is not None else None)
+            if st.batches_done > len(ds):
+                raise UsageError(f"loader state is at batch {st.batches_done} of an epoch of {len(ds)} batches")
+            self._resume_at(st.batches_done, st.parent)
+            return
+        if st.batch_size * st.world_size != ds.batch_size * ds.world_size:
+            raise UsageError(
+                f"cannot resume: the state's global batch is {st.batch_size}x{st.world_size}, this loader's is "
+                f"{ds.batch_size}x{ds.world_size}; keep batch_size*world_size constant for an elastic resume"
+            )
+        if ds.group.node_partitioned:
+            raise UsageError(
+                "cannot resume elastically over a node-partitioned staged copy; re-stage for the new world size"
+            )
+        remaining = self._remaining(st.to_dict())
+        ds.resume(st.epoch, remaining)
+        self._resume_at(0, st.to_dict())
+        log.info(
+            "stager.loader: elastic resume of epoch %d: %d samples left, re-planned over world size %d",
+            st.epoch,
+            len(remaining),
+            ds.world_size,
+        )
+
+    def _check_same_order(self, st: LoaderState) -> None:
+        """Refuse a state of another dataset, seed, shuffle mode, drop_last or run layout (naming each)."""
         ds = self.dataset
         mismatch = [
             f"{name}: state {a!r}, loader {b!r}"
@@ -289,50 +358,19 @@ class Loader:
         ]
         if mismatch:
             raise UsageError("loader state does not match this loader (" + "; ".join(mismatch) + ")")
-        same = (
-            st.world_size == ds.world_size
-            and st.num_workers == self.num_workers
-            and st.batch_size == ds.batch_size
-            and st.buffer_samples == ds.buffer_samples(max(1, self.num_workers))
-        )
-        if same:
-            ds.set_epoch(st.epoch)
-            ds.seq_override = self._remaining(st.parent) if st.parent is not None else None
-            if st.batches_done > len(ds):
-                raise UsageError(f"loader state is at batch {st.batches_done} of an epoch of {len(ds)} batches")
-            self._parent = st.parent
-            self._done = st.batches_done
-            self._resume_pending = True
-            self._completed = False
-            return
-        if st.batch_size * st.world_size != ds.batch_size * ds.world_size:
-            raise UsageError(
-                f"cannot resume: the state's global batch is {st.batch_size}x{st.world_size}, this loader's is "
-                f"{ds.batch_size}x{ds.world_size}; keep batch_size*world_size constant for an elastic resume"
-            )
-        if ds._local_mask is not None:
-            raise UsageError(
-                "cannot resume elastically over a node-partitioned staged copy; re-stage for the new world size"
-            )
-        ds.set_epoch(st.epoch)
-        ds.seq_override = self._remaining(st.to_dict())
-        self._parent = st.to_dict()
-        self._done = 0
+
+    def _resume_at(self, batches_done: int, parent: dict[str, Any] | None) -> None:
+        self._parent = parent
+        self._done = batches_done
         self._resume_pending = True
         self._completed = False
-        log.info(
-            "stager.loader: elastic resume of epoch %d: %d samples left, re-planned over world size %d",
-            st.epoch,
-            len(ds.seq_override),
-            ds.world_size,
-        )
 
     def _remaining(self, state: dict[str, Any]) -> np.ndarray:
         """The epoch sequence minus what every rank of ``state``'s world consumed (old order kept)."""
         st = LoaderState.from_dict(state)
         ds = self.dataset
         seq = self._remaining(st.parent) if st.parent is not None else ds.epoch_sequence(st.epoch)
-        cfg = planlib.PlanConfig(
+        cfg = PlanConfig(
             batch_size=st.batch_size,
             world_size=st.world_size,
             num_workers=st.num_workers,
@@ -341,12 +379,7 @@ class Loader:
             drop_last=st.drop_last,
             buffer_samples=st.buffer_samples,
         )
-        consumed = np.zeros(ds.index.num_samples, dtype=bool)
-        for r in range(st.world_size):
-            rp = planlib.plan_rank(ds.index.starts, ds.run_len, cfg, r, epoch=st.epoch, seq=seq)
-            for ids in rp.batch_ids()[: st.batches_done]:
-                consumed[ids] = True
-        return seq[~consumed[seq]]
+        return unconsumed(seq, ds.index.starts, ds.run_len, cfg, epoch=st.epoch, batches_done=st.batches_done)
 
 
 def _identity(batch: Any) -> Any:

@@ -8,11 +8,13 @@ reach them by themselves. Here each epoch's parameters (epoch, resume position, 
 sequence, shared-memory ring token) travel as one message per worker:
 
 * main process, before each epoch (:meth:`WorkerPool.epoch_iter`): bump a shared generation counter,
-  put ``{gen, epoch, start_batch, seq_override, token}`` on every worker's queue, then ``iter()``
-  the DataLoader (torch sends its resume marker to each worker after that);
+  put an :class:`EpochMessage` (generation, the dataset's
+  :class:`~stager.loader.dataset.EpochPosition`, the ring token) on every worker's queue, then
+  ``iter()`` the DataLoader (torch sends its resume marker to each worker after that);
 * worker, at the start of its epoch (:meth:`EpochFeed.__iter__`): read the generation and take
   messages off its queue until it holds the one of that generation (a late run of an abandoned
-  epoch may already have taken it: then it is reused), set them on its dataset copy, iterate it.
+  epoch may already have taken it: then it is reused), move its dataset copy there
+  (``seek``, ``shm_token``), iterate it.
 
 The order is therefore exactly the non-persistent one (same plan, same worker round robin: torch
 restarts its cycle at worker 0 each epoch). The shared-memory token lives as long as the pool, so
@@ -27,12 +29,13 @@ import multiprocessing
 import os
 import queue
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from stager.loader import shm
-from stager.loader.dataset import ShardedDataset
+from stager.loader.dataset import EpochPosition, ShardedDataset
 
 # How long a worker waits for its epoch message between checks that the main process still lives.
 _POLL_S = 1.0
@@ -46,6 +49,15 @@ def _context(mp_context: Any) -> Any:
     return mp_context
 
 
+@dataclass(frozen=True)
+class EpochMessage:
+    """One epoch's parameters for every persistent worker: generation ``gen``, where to read, the ring token."""
+
+    gen: int
+    position: EpochPosition
+    token: str | None
+
+
 class EpochFeed(IterableDataset):
     """What the persistent workers iterate: the dataset, re-parameterised by each epoch's message."""
 
@@ -54,12 +66,12 @@ class EpochFeed(IterableDataset):
         self.queues = queues
         self.gen = gen
         self.parent_pid = os.getpid()
-        self._msg: dict[str, Any] | None = None
+        self._msg: EpochMessage | None = None
 
-    def _message(self, worker: int) -> dict[str, Any]:
+    def _message(self, worker: int) -> EpochMessage:
         target = int(self.gen.value)
         q = self.queues[worker]
-        while self._msg is None or self._msg["gen"] < target:
+        while self._msg is None or self._msg.gen < target:
             try:
                 self._msg = q.get(timeout=_POLL_S)
             except queue.Empty:
@@ -72,10 +84,9 @@ class EpochFeed(IterableDataset):
         if info is None:
             raise RuntimeError("EpochFeed runs only inside persistent DataLoader workers")
         m = self._message(info.id)
-        ds = self.ds
-        ds.epoch, ds.start_batch = m["epoch"], m["start_batch"]
-        ds.seq_override, ds._ipc_token = m["seq_override"], m["token"]
-        yield from ds
+        self.ds.seek(m.position)
+        self.ds.shm_token = m.token
+        yield from self.ds
 
 
 class WorkerPool:
@@ -97,13 +108,7 @@ class WorkerPool:
         assert self.dl is not None, "closed pool"
         g = int(self.gen.value) + 1
         self.gen.value = g
-        msg = {
-            "gen": g,
-            "epoch": ds.epoch,
-            "start_batch": ds.start_batch,
-            "seq_override": ds.seq_override,
-            "token": self.token,
-        }
+        msg = EpochMessage(g, ds.position, self.token)
         for q in self.queues:
             q.put(msg)
         return iter(self.dl)

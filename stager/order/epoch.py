@@ -315,3 +315,20 @@ def plan_rank(
         emit = buffer_shuffle(q, buf, rng)
         workers.append(WorkerPlan(k, stream, emit, mine, wsizes, is_pad))
     return RankPlan(rank, epoch, ids, sizes, padded, dropped, tuple(workers))
+
+
+def unconsumed(
+    seq: np.ndarray, starts: np.ndarray, run_len: np.ndarray, cfg: PlanConfig, *, epoch: int, batches_done: int
+) -> np.ndarray:
+    """``seq`` (an epoch's order) minus what every rank of ``cfg``'s world consumed in its first
+    ``batches_done`` batches, in ``seq``'s order (int64): what an elastic resume re-plans.
+
+    Under DDP every rank consumes its batches in lockstep, so one count holds for all ranks.
+    """
+    n = int(starts[-1]) if len(starts) else 0
+    consumed = np.zeros(n, dtype=bool)
+    for r in range(cfg.world_size):
+        rp = plan_rank(starts, run_len, cfg, r, epoch=epoch, seq=seq)
+        for ids in rp.batch_ids()[:batches_done]:
+            consumed[ids] = True
+    return seq[~consumed[seq]]

@@ -15,6 +15,7 @@ import numpy as np
 
 from stager.errors import UsageError
 from stager.order import streams
+from stager.order.epoch import samples_per_rank
 
 
 def assign_shards_to_nodes(shard_bytes: np.ndarray, num_nodes: int, seed: int = 0) -> list[list[int]]:
@@ -46,3 +47,25 @@ def shards_of_node(shard_bytes: np.ndarray, node: int, num_nodes: int, seed: int
     if not 0 <= node < num_nodes:
         raise UsageError(f"node {node} out of range for {num_nodes} nodes")
     return assign_shards_to_nodes(shard_bytes, num_nodes, seed)[node]
+
+
+def partition_samples_per_rank(
+    shard_bytes: np.ndarray,
+    shard_samples: np.ndarray,
+    *,
+    num_nodes: int,
+    seed: int,
+    ranks_per_node: int,
+    drop_last: bool,
+) -> int:
+    """Samples per rank when every node's ranks read only the node's shards (``stage --partition``).
+
+    The count must be the same on every node so that every rank gets the same number of batches:
+    the largest node's ``ceil(samples / ranks_per_node)`` when padding, the smallest node's
+    ``floor(...)`` with ``drop_last``. ``shard_samples``: int64 (shards,). Every node derives it
+    alike from the manifest (no communication).
+    """
+    counts = np.asarray(shard_samples, dtype=np.int64)
+    groups = assign_shards_to_nodes(shard_bytes, num_nodes, seed)
+    per = [samples_per_rank(int(counts[g].sum()) if g else 0, ranks_per_node, drop_last) for g in groups]
+    return min(per) if drop_last else max(per)

@@ -14,13 +14,14 @@ evicting replaces the file with the symlink again. File descriptors the loader a
 valid either way (same bytes). Point the loader at DEST with ``staged=False``.
 
 The schedule is the loader's own: one :class:`stager.loader.ShardedDataset` per rank of this node,
-built with the arguments the training script passes to ``make_loader``, and its
-``read_schedule(epoch)``: the one :func:`stager.order.reads.read_schedule` the loader's workers
-also follow, so the reads are identical by construction. A worker reads a segment (a run of
-consecutive samples in one shard) while loading the first of its batches that reaches it, and
-keeps its most recently read shard files open for the epoch (:class:`stager.order.reads.HeldFiles`,
-``MAX_OPEN_FILES``), reading a held file whatever DEST holds meanwhile; so only the reads that
-*open* a file need it local (:attr:`Read.opens`), and the next use of a shard is its next open.
+built with the arguments the training script passes to ``make_loader``
+(:meth:`~stager.loader.LoaderOptions.from_kwargs`), and its ``read_schedule(epoch)``: the one
+:func:`stager.order.reads.read_schedule` the loader's workers also follow, so the reads are
+identical by construction. A worker reads a segment (a run of consecutive samples in one shard)
+while loading the first of its batches that reaches it, and keeps its most recently read shard
+files open for the epoch (:class:`stager.order.reads.HeldFiles`, ``MAX_OPEN_FILES``), reading a
+held file whatever DEST holds meanwhile; so only the reads that *open* a file need it local
+(:attr:`Read.opens`), and the next use of a shard is its next open.
 
 Shapes: :class:`EpochReads` holds the node's reads of one epoch as parallel arrays of shape
 (reads,), rank after rank (index into :attr:`Prefetcher.ranks`), each rank's in schedule order;
@@ -28,12 +29,12 @@ Shapes: :class:`EpochReads` holds the node's reads of one epoch as parallel arra
 batches_per_epoch + batch``), :data:`NEVER` for none.
 
 Progress: in one process the training loop calls :meth:`Prefetcher.advance` with (epoch, batches
-done). Beside training, ``stager stage --follow`` (:mod:`stager.follow`) runs the prefetcher in its
-own process and learns the progress from files the ranks write with :class:`ProgressReporter`
-(``DEST/.stager-progress/rank<r>.json``: position, pid, and the loader's plan arguments, so the
-follower plans exactly what the ranks read). Each rank has its own position. The hit rate counts
-the payload bytes of reads whose open found the shard local when the batch began (per rank, from
-its first known position; reported by :meth:`Prefetcher.stats`).
+done). Beside training, ``stager stage --follow`` (:mod:`stager.prefetch.follow`) runs the
+prefetcher in its own process and learns the progress from files the ranks write with
+:class:`ProgressReporter` (``DEST/.stager-progress/rank<r>.json``: position, pid, and the loader's
+plan arguments, so the follower plans exactly what the ranks read). Each rank has its own
+position. The hit rate counts the payload bytes of reads whose open found the shard local when
+the batch began (per rank, from its first known position; reported by :meth:`Prefetcher.stats`).
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ from stager.stage.collective.plan import StreamLayout, files_of_shards
 
 if TYPE_CHECKING:
     from stager.loader import ShardedDataset
+    from stager.loader.access import Resolved
 
 __all__ = [
     "DONE_MARKER",
@@ -353,17 +355,20 @@ class Prefetcher:
         self._snap = [self._local.copy() for _ in self.ranks]
 
     # ---- schedule -------------------------------------------------------------------------------
-    def _make_datasets(self, ranks: Sequence[int], loader_kwargs: dict[str, Any]) -> list[Any]:
-        from stager.loader import ShardedDataset
+    def _make_datasets(
+        self, ranks: Sequence[int], loader_kwargs: dict[str, Any], resolved: Resolved | None = None
+    ) -> list[ShardedDataset]:
+        """One dataset per rank, reading DEST as the ranks do (``staged=False``), over one shared index."""
+        from stager.loader import LoaderOptions, ShardedDataset
 
         if not ranks:
             raise UsageError("prefetch needs at least one rank of this node to plan for")
-        kw = dict(loader_kwargs)
-        kw.pop("staged", None)
-        first = ShardedDataset(str(self.dest), rank=ranks[0], staged=False, **kw)
-        # One index for all ranks of the node (it is the manifest's columns: large for big datasets).
-        return [first] + [ShardedDataset(str(self.dest), rank=r, staged=False, resolved=first.res, **kw)
-                          for r in ranks[1:]]
+        out: list[ShardedDataset] = []
+        for r in ranks:
+            # One index for all ranks of the node (it is the manifest's columns: large for big datasets).
+            opts = LoaderOptions.from_kwargs(loader_kwargs, rank=r, staged=False)
+            out.append(ShardedDataset(str(self.dest), opts, resolved=resolved or (out[0].resolved if out else None)))
+        return out
 
     def config(self) -> dict[str, Any]:
         """The plan arguments this prefetcher schedules for (:func:`loader_config` of its datasets)."""
