@@ -1,5 +1,10 @@
-"""Clairvoyant prefetch beside training (docs/scaling.md): the prefetcher, the ranks' progress
-reports and the ``stage --follow`` process."""
+"""Clairvoyant prefetch beside training (docs/scaling.md).
+
+Modules: :mod:`.prefetcher` (``Prefetcher``: Belady's MIN over the loader's own read schedule,
+:mod:`stager.order.reads`, within a byte budget; ``prepare_dest``, ``rank_reads``), :mod:`.reports`
+(the progress files ranks write: ``ProgressReporter``, ``loader_config``), :mod:`.follow` (the
+``stager stage --follow`` process: ``follow`` runs a ``Follower``).
+"""
 
 from stager.prefetch.prefetcher import (
     DONE_MARKER,

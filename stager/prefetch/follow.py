@@ -21,6 +21,12 @@ What is planned, and for whom:
 While running it writes ``DEST/.stager-progress/follower.json`` (ranks observed, slowest position,
 figures so far) when the set of observed ranks changes and every second, for monitoring.
 
+:func:`follow` runs a :class:`Follower`: lock DEST, prepare it, then poll until a stop reason, each
+poll in phases: *observe* (read the reports: an :class:`Observation`), *plan* (start the
+prefetcher, or re-plan it when the ranks or their loader arguments changed), *advance* (each
+reporting rank's loading position), *decide* (:meth:`Follower.stop_reason`), *status* (the
+monitoring file).
+
 Stops (reason in the result) when every planned rank has finished (``finished``), the done marker
 ``DEST/.stager-progress/done`` exists (``done``), every reporting rank's process is gone without
 finishing (``ranks-gone``, a crashed run), the watched pid is gone (``pid-gone``), this process's
@@ -171,7 +177,7 @@ def follow(
 ) -> FollowResult:
     """Run the follower until training ends or ``stop`` is set (see the module docstring).
 
-    ``loader_kwargs``: the training loader's plan arguments (as for ``ShardedDataset``: batch_size,
+    ``loader_kwargs``: the training loader's plan arguments (as for ``make_loader``: batch_size,
     world_size, num_workers, seed, shuffle, drop_last, run_bytes, min_run, shuffle_buffer), or None
     to learn them from the first report. ``ranks``: the global ranks on this node, or None to
     learn them. One follower per DEST: a second one fails after ``lock_timeout`` seconds.
@@ -181,92 +187,189 @@ def follow(
         raise UsageError(f"--budget must be > 0 bytes, got {budget}")
     if epochs is not None and epochs < 1:
         raise UsageError(f"--epochs must be >= 1, got {epochs}")
-    t0 = time.monotonic()
-    d = Path(dest)
-    d.mkdir(parents=True, exist_ok=True)
-    stop = stop or threading.Event()
-    parent = os.getppid()
-    host = socket.gethostname()
-    res = FollowResult(src=os.fspath(src), dest=str(d), budget=budget, loader_kwargs=loader_kwargs,
-                       on_warning=on_warning)
-    fixed_ranks = sorted(set(ranks)) if ranks else None
-    with NodeLock(d / LOCK_NAME, timeout=lock_timeout):
-        manifest = prepare_dest(src, d)
-        res.removed_partials = remove_fetch_partials(d, manifest)
+    follower = Follower(src, dest, budget=budget, loader_kwargs=loader_kwargs, ranks=ranks, watch_pid=watch_pid,
+                        epochs=epochs, poll=poll, chunk_bytes=chunk_bytes, lookahead_epochs=lookahead_epochs,
+                        stop=stop, on_warning=on_warning)
+    return follower.run(lock_timeout)
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One poll of the ranks' progress files.
+
+    ``reports``: rank -> its last record; ``dead``: pids of this host's reporting ranks that were gone
+    before the read (so their final report is in it); ``plan_ranks``: the ranks to plan for;
+    ``config``: the loader arguments to plan with (the first report's, else the command line's, else
+    None); ``reported``: ``config`` comes from a report.
+    """
+
+    reports: dict[int, dict[str, Any]]
+    dead: set[int]
+    plan_ranks: list[int]
+    config: dict[str, Any] | None
+    reported: bool
+
+
+class Follower:
+    """One ``stage --follow`` process's state between polls (see the module docstring)."""
+
+    def __init__(
+        self,
+        src: str | os.PathLike[str],
+        dest: str | os.PathLike[str],
+        *,
+        budget: int,
+        loader_kwargs: dict[str, Any] | None,
+        ranks: Sequence[int] | None,
+        watch_pid: int | None,
+        epochs: int | None,
+        poll: float,
+        chunk_bytes: int,
+        lookahead_epochs: int,
+        stop: threading.Event | None,
+        on_warning: Callable[[str], None] | None,
+    ) -> None:
+        self.src, self.dest = src, Path(dest)
+        self.dest.mkdir(parents=True, exist_ok=True)
+        self.budget, self.loader_kwargs = budget, loader_kwargs
+        self.fixed_ranks = sorted(set(ranks)) if ranks else None
+        self.watch_pid, self.epochs, self.poll = watch_pid, epochs, poll
+        self.chunk_bytes, self.lookahead_epochs = chunk_bytes, lookahead_epochs
+        self.stop = stop or threading.Event()
+        self.parent = os.getppid()
+        self.host = socket.gethostname()
+        self.result = FollowResult(src=os.fspath(src), dest=str(self.dest), budget=budget, loader_kwargs=loader_kwargs,
+                                on_warning=on_warning)
+        self.pf: Prefetcher | None = None
+        self._warned_configs: set[str] = set()
+        self._known_pids: set[int] = set()
+        self._seen: set[int] = set()  # ranks that reported: looked up by name from then on
+        self._observed: set[int] = set()  # ranks whose position the prefetcher has (counted from there)
+        self._status_written: tuple[set[int], float] = (set(), 0.0)  # observed ranks and time of the last
+
+    def run(self, lock_timeout: float | None) -> FollowResult:
+        """Lock DEST, prepare it, poll until a stop reason; the result (prefetch figures included)."""
+        t0 = time.monotonic()
+        with NodeLock(self.dest / LOCK_NAME, timeout=lock_timeout):
+            self._prepare()
+            try:
+                while not self._poll_once():
+                    self.stop.wait(self.poll)
+            finally:
+                self._close()
+        self.result.stats.budget = self.budget
+        self.result.seconds = time.monotonic() - t0
+        return self.result
+
+    def _prepare(self) -> None:
+        """DEST as a prefetch directory, a killed follower's partials removed, stale reports forgotten."""
+        manifest = prepare_dest(self.src, self.dest)
+        self.result.removed_partials = remove_fetch_partials(self.dest, manifest)
         sizes = manifest.shard_bytes
-        if len(sizes) and int(sizes.max()) > budget:
-            res.warn(f"--budget {budget} B is below the largest shard ({int(sizes.max())} B, with its "
-                                "companion files): such shards are never fetched, and nothing needed after them")
-        _clear_stale(d)
-        pf: Prefetcher | None = None
-        seen_configs: set[str] = set()
-        known_pids: set[int] = set()
-        seen: set[int] = set()  # ranks that reported: looked up by name from then on
-        observed: set[int] = set()  # ranks whose position the prefetcher has (counted from there)
-        last_status: tuple[set[int], float] = (set(), 0.0)
-        try:
-            while True:
-                # Liveness before reading: a rank that finishes writes its last report, then exits,
-                # so a pid dead before this read has its final report in this read.
-                dead = {pid for pid in known_pids if not pid_alive(pid)}
-                reports = read_reports(d, set(fixed_ranks or ()) | set(seen))
-                seen.update(reports)
-                known_pids = {int(rec.get("pid", 0)) for rec in reports.values() if rec.get("host") == host}
-                plan_ranks = fixed_ranks or sorted(reports)
-                cfg = loader_kwargs
-                reported = [reports[r]["config"] for r in sorted(reports) if reports[r].get("config")]
-                if reported:
-                    cfg = reported[0]
-                    for other in reported[1:]:
-                        if other != cfg and repr(other) not in seen_configs:
-                            seen_configs.add(repr(other))
-                            res.warn(f"ranks report different loader arguments: {other} vs {cfg}")
-                if plan_ranks and cfg is not None:
-                    if pf is None:
-                        pf = Prefetcher(src, d, budget=budget, ranks=plan_ranks, loader_kwargs=cfg,
-                                        lookahead_epochs=lookahead_epochs, chunk_bytes=chunk_bytes,
-                                        baseline=False).start()
-                        if reported and loader_kwargs is not None and pf.config() != _resolved(pf, loader_kwargs):
-                            res.warn(f"the ranks' loader arguments {cfg} differ from the command "
-                                                f"line's {loader_kwargs}; following the ranks")
-                    elif plan_ranks != pf.ranks or (reported and cfg != pf.config()):
-                        if reported and cfg != pf.config():
-                            res.warn(f"the ranks' loader arguments {cfg} differ from the planned "
-                                                f"{pf.config()}; re-planned")
-                        pf.replan(plan_ranks, cfg)
-                        res.replans += 1
-                    res.ranks, res.loader_kwargs = list(pf.ranks), dict(cfg)
-                    for r in plan_ranks:
-                        if r in reports:
-                            pf.advance(*_loaded(reports[r], pf.batches_per_epoch, cfg), rank=r,
-                                       start=_start(reports[r]))
-                            if int(reports[r]["done"]) == 0 and not reports[r].get("finished"):
-                                pf.refresh(r)  # not stepping yet: what is fetched meanwhile counts
-                            observed.add(r)
-                    if all(r in reports for r in plan_ranks):
-                        res.position = pf.position
-                    if pf.error is not None:
-                        raise pf.error
-                res.reason = _stop_reason(d, reports=reports, plan_ranks=plan_ranks, position=res.position,
-                                          pf=pf, stop=stop, host=host, dead=dead, watch_pid=watch_pid, parent=parent,
-                                          epochs=epochs)
-                if res.reason:
-                    break
-                if observed != last_status[0] or time.monotonic() - last_status[1] >= STATUS_INTERVAL:
-                    _write_status(d, res, pf, sorted(observed))
-                    last_status = (set(observed), time.monotonic())
-                stop.wait(poll)
-        finally:
-            if pf is not None:
-                with contextlib.suppress(Exception):
-                    pf.close()  # re-raises a thread error that the loop above already raised
-                res.stats = pf.stats()
-    res.stats.budget = budget
-    res.seconds = time.monotonic() - t0
-    return res
+        if len(sizes) and int(sizes.max()) > self.budget:
+            self.result.warn(f"--budget {self.budget} B is below the largest shard ({int(sizes.max())} B, with its "
+                          "companion files): such shards are never fetched, and nothing needed after them")
+        _clear_stale(self.dest)
+
+    def _poll_once(self) -> bool:
+        """Observe, plan, advance, decide, report status; True when the follower stops."""
+        obs = self.observe()
+        if obs.plan_ranks and obs.config is not None:
+            pf = self._plan(obs.plan_ranks, obs.config, obs.reported)
+            self._advance(pf, obs, obs.config)
+        self.result.reason = self.stop_reason(obs)
+        if self.result.reason:
+            return True
+        observed, at = self._status_written
+        if self._observed != observed or time.monotonic() - at >= STATUS_INTERVAL:
+            _write_status(self.dest, self.result, self.pf, sorted(self._observed))
+            self._status_written = (set(self._observed), time.monotonic())
+        return False
+
+    def observe(self) -> Observation:
+        """Read the reports; whom to plan for and with which loader arguments (warns on disagreement)."""
+        # Liveness before reading: a rank that finishes writes its last report, then exits, so a
+        # pid dead before this read has its final report in this read.
+        dead = {pid for pid in self._known_pids if not pid_alive(pid)}
+        reports = read_reports(self.dest, set(self.fixed_ranks or ()) | self._seen)
+        self._seen.update(reports)
+        self._known_pids = {int(rec.get("pid", 0)) for rec in reports.values() if rec.get("host") == self.host}
+        cfg = self.loader_kwargs
+        reported = [reports[r]["config"] for r in sorted(reports) if reports[r].get("config")]
+        if reported:
+            cfg = reported[0]
+            for other in reported[1:]:
+                if other != cfg and repr(other) not in self._warned_configs:
+                    self._warned_configs.add(repr(other))
+                    self.result.warn(f"ranks report different loader arguments: {other} vs {cfg}")
+        return Observation(reports, dead, self.fixed_ranks or sorted(reports), cfg, bool(reported))
+
+    def _plan(self, plan_ranks: list[int], cfg: dict[str, Any], reported: bool) -> Prefetcher:
+        """The prefetcher for ``plan_ranks`` and ``cfg``: started at the first call, re-planned on a change."""
+        pf = self.pf
+        if pf is None:
+            pf = self.pf = Prefetcher(self.src, self.dest, budget=self.budget, ranks=plan_ranks, loader_kwargs=cfg,
+                                      lookahead_epochs=self.lookahead_epochs, chunk_bytes=self.chunk_bytes,
+                                      baseline=False).start()
+            if reported and self.loader_kwargs is not None and pf.config() != pf.config_for(self.loader_kwargs):
+                self.result.warn(f"the ranks' loader arguments {cfg} differ from the command line's "
+                              f"{self.loader_kwargs}; following the ranks")
+        elif plan_ranks != pf.ranks or (reported and cfg != pf.config()):
+            if reported and cfg != pf.config():
+                self.result.warn(f"the ranks' loader arguments {cfg} differ from the planned {pf.config()}; re-planned")
+            pf.replan(plan_ranks, cfg)
+            self.result.replans += 1
+        self.result.ranks, self.result.loader_kwargs = list(pf.ranks), dict(cfg)
+        return pf
+
+    def _advance(self, pf: Prefetcher, obs: Observation, cfg: dict[str, Any]) -> None:
+        """Move every reporting rank to its loading position; the slowest once all have reported."""
+        for r in obs.plan_ranks:
+            rec = obs.reports.get(r)
+            if rec is None:
+                continue
+            pf.advance(*_loading_position(rec, pf.batches_per_epoch, cfg), rank=r, start=_start_position(rec))
+            if int(rec["done"]) == 0 and not rec.get("finished"):
+                pf.refresh(r)  # not stepping yet: what is fetched meanwhile counts
+            self._observed.add(r)
+        if all(r in obs.reports for r in obs.plan_ranks):
+            self.result.position = pf.position
+        if pf.error is not None:
+            raise pf.error
+
+    def stop_reason(self, obs: Observation) -> str:
+        """Why to stop now (see the module docstring), or "" to go on."""
+        if self.stop.is_set():
+            return "signal"
+        if (self.dest / PROGRESS_DIR / DONE_MARKER).exists():
+            return "done"
+        mine = [obs.reports[r] for r in obs.plan_ranks if r in obs.reports]
+        if obs.plan_ranks and len(mine) == len(obs.plan_ranks) and all(rec.get("finished") for rec in mine):
+            return "finished"
+        if obs.reports and all(
+            rec.get("finished") or (rec.get("host") == self.host and int(rec.get("pid", 0)) in obs.dead)
+            for rec in obs.reports.values()
+        ):
+            return "ranks-gone"
+        if self.watch_pid is not None and not pid_alive(self.watch_pid):
+            return "pid-gone"
+        if os.getppid() != self.parent:
+            return "parent-gone"
+        position, pf = self.result.position, self.pf
+        if self.epochs is not None and position is not None and pf is not None:
+            e, b = position
+            if e >= self.epochs or (e == self.epochs - 1 and b >= pf.batches_per_epoch):
+                return "epochs"
+        return ""
+
+    def _close(self) -> None:
+        if self.pf is not None:
+            with contextlib.suppress(Exception):
+                self.pf.close()  # re-raises a thread error that the loop already raised
+            self.result.stats = self.pf.stats()
 
 
-def _loaded(rec: dict[str, Any], batches_per_epoch: int, cfg: dict[str, Any]) -> tuple[int, int]:
+def _loading_position(rec: dict[str, Any], batches_per_epoch: int, cfg: dict[str, Any]) -> tuple[int, int]:
     """Where a rank's workers are loading: ``done`` plus their read-ahead, within the epoch.
 
     The schedule starts there (the batches in flight opened their files already) and a batch's
@@ -282,7 +385,7 @@ def _loaded(rec: dict[str, Any], batches_per_epoch: int, cfg: dict[str, Any]) ->
     return int(rec["epoch"]), min(done + int(ahead), batches_per_epoch)
 
 
-def _start(rec: dict[str, Any]) -> tuple[int, int] | None:
+def _start_position(rec: dict[str, Any]) -> tuple[int, int] | None:
     """Where the rank began reading in this run (None from a reporter that does not say)."""
     st = rec.get("start")
     if not isinstance(st, (list, tuple)) or len(st) != 2:
@@ -298,47 +401,3 @@ def _write_status(dest: Path, res: FollowResult, pf: Prefetcher | None, observed
     tmp = d / f".{STATUS_NAME}.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(rec) + "\n")
     os.replace(tmp, d / STATUS_NAME)
-
-
-def _resolved(pf: Prefetcher, loader_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``loader_kwargs`` with "auto" settings resolved as the loader resolves them on DEST."""
-    from stager.loader import ShardedDataset
-    from stager.prefetch.prefetcher import loader_config
-
-    kw = {k: v for k, v in loader_kwargs.items() if k != "staged"}
-    return loader_config(ShardedDataset(str(pf.dest), rank=pf.ranks[0], staged=False, **kw))
-
-
-def _stop_reason(
-    dest: Path,
-    *,
-    reports: dict[int, dict[str, Any]],
-    plan_ranks: list[int],
-    position: tuple[int, int] | None,
-    pf: Prefetcher | None,
-    stop: threading.Event,
-    host: str,
-    dead: set[int],
-    watch_pid: int | None,
-    parent: int,
-    epochs: int | None,
-) -> str:
-    if stop.is_set():
-        return "signal"
-    if (dest / PROGRESS_DIR / DONE_MARKER).exists():
-        return "done"
-    mine = [reports[r] for r in plan_ranks if r in reports]
-    if plan_ranks and len(mine) == len(plan_ranks) and all(rec.get("finished") for rec in mine):
-        return "finished"
-    if reports and all(rec.get("finished") or (rec.get("host") == host and int(rec.get("pid", 0)) in dead)
-                       for rec in reports.values()):
-        return "ranks-gone"
-    if watch_pid is not None and not pid_alive(watch_pid):
-        return "pid-gone"
-    if os.getppid() != parent:
-        return "parent-gone"
-    if epochs is not None and position is not None and pf is not None:
-        e, b = position
-        if e >= epochs or (e == epochs - 1 and b >= pf.batches_per_epoch):
-            return "epochs"
-    return ""

@@ -338,13 +338,14 @@ class Prefetcher:
         self.poll = poll
         self.chunk_bytes = chunk_bytes
         m = self.manifest
-        self._size = np.array([s.bytes + sum(a.bytes for a in s.aux) for s in m.shards], dtype=np.int64)
+        self._size = m.shard_bytes
         self._local = np.array([self._is_local(i) for i in range(len(m.shards))], dtype=bool)
         self._stats = PrefetchStats(budget=budget)
         self._reads: dict[int, EpochReads] = {}
         # Per rank (index into self.ranks): position (epoch, batches done) that the schedule starts
-        # from, whether hits are counted from it yet, and the local shards when its batch began.
-        self._pos = [(0, 0)] * len(self.ranks)
+        # from, whether hits are counted from it yet, and which shards were local when the batch at
+        # that position began loading (its opens are judged by it).
+        self._positions = [(0, 0)] * len(self.ranks)
         self._counted = [baseline] * len(self.ranks)
         self._cv = threading.Condition()
         self._stop = threading.Event()
@@ -352,7 +353,7 @@ class Prefetcher:
         self._error: BaseException | None = None
         self._stats.peak_local_bytes = int(self._size[self._local].sum())
         self._plan_lock = threading.Lock()
-        self._snap = [self._local.copy() for _ in self.ranks]
+        self._local_at_load = [self._local.copy() for _ in self.ranks]
 
     # ---- schedule -------------------------------------------------------------------------------
     def _make_datasets(
@@ -374,6 +375,10 @@ class Prefetcher:
         """The plan arguments this prefetcher schedules for (:func:`loader_config` of its datasets)."""
         return loader_config(self._datasets[0])
 
+    def config_for(self, loader_kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The plan arguments ``loader_kwargs`` come to on DEST ("auto" settings resolved as the loader does)."""
+        return loader_config(self._make_datasets(self.ranks[:1], loader_kwargs, self._datasets[0].resolved)[0])
+
     def replan(self, ranks: Sequence[int], loader_kwargs: dict[str, Any]) -> None:
         """Schedule for other ranks or loader arguments from now on (stops and restarts the thread).
 
@@ -387,10 +392,10 @@ class Prefetcher:
             self._halt()
         with self._cv, self._plan_lock:  # the order advance() and ready() take them in
             old = {r: i for i, r in enumerate(self.ranks)}
-            slowest = min(self._pos) if self._pos else (0, 0)
-            self._pos = [self._pos[old[r]] if r in old else slowest for r in ranks]
+            slowest = min(self._positions) if self._positions else (0, 0)
+            self._positions = [self._positions[old[r]] if r in old else slowest for r in ranks]
             self._counted = [self._counted[old[r]] if r in old else False for r in ranks]
-            self._snap = [self._snap[old[r]] if r in old else self._local.copy() for r in ranks]
+            self._local_at_load = [self._local_at_load[old[r]] if r in old else self._local.copy() for r in ranks]
             self.ranks = list(ranks)
             self.loader_kwargs = dict(loader_kwargs)
             self._datasets = datasets
@@ -405,7 +410,7 @@ class Prefetcher:
             if got is None:
                 got = EpochReads.of([ds.read_schedule(epoch) for ds in self._datasets])
                 self._reads[epoch] = got
-                lo = min(e for e, _ in self._pos) if self._pos else epoch
+                lo = min(e for e, _ in self._positions) if self._positions else epoch
                 for old in [e for e in self._reads if e < lo]:
                     del self._reads[old]
             return got
@@ -415,7 +420,7 @@ class Prefetcher:
 
         ``positions``: per rank (epoch, batches done); default: the ranks' current positions.
         """
-        pos = list(self._pos) if positions is None else list(positions)
+        pos = list(self._positions) if positions is None else list(positions)
         bpe = self.batches_per_epoch
         nxt = np.full(len(self.manifest.shards), NEVER, dtype=np.int64)
         start = np.array([e * bpe + d for e, d in pos], dtype=np.int64)
@@ -481,7 +486,7 @@ class Prefetcher:
         try:
             while not self._stop.is_set():
                 with self._cv:
-                    pos = list(self._pos)
+                    pos = list(self._positions)
                 nxt = self.next_uses(pos)
                 keep = self._wanted(nxt)
                 for i in np.flatnonzero(self._local & ~keep).tolist():
@@ -491,7 +496,7 @@ class Prefetcher:
                     self._fetch(todo[0])  # one at a time, then re-plan: progress may have moved
                     continue
                 with self._cv:
-                    if self._pos == pos and not self._stop.is_set():
+                    if self._positions == pos and not self._stop.is_set():
                         self._cv.wait(self.poll)
         except _StoppedError:
             pass
@@ -545,26 +550,26 @@ class Prefetcher:
         planning for the rank (nothing was fetched for the rank before), so every read of the run
         is accounted however late the follower started.
         """
-        new = self._normal(epoch, batches_done)
+        new = self._normalized(epoch, batches_done)
         with self._cv:
             idx = range(len(self.ranks)) if rank is None else [self.ranks.index(rank)]
             moved = False
             for i in idx:
                 if not self._counted[i]:
                     self._counted[i] = True
-                    if start is not None and self._normal(*start) < new:
-                        self._account(i, self._normal(*start), new)
-                elif new <= self._pos[i]:
+                    if start is not None and self._normalized(*start) < new:
+                        self._account(i, self._normalized(*start), new)
+                elif new <= self._positions[i]:
                     continue
                 else:
-                    self._account(i, self._pos[i], new)
-                self._pos[i] = new
-                self._snap[i] = self._local.copy()
+                    self._account(i, self._positions[i], new)
+                self._positions[i] = new
+                self._local_at_load[i] = self._local.copy()
                 moved = True
             if moved:
                 self._cv.notify_all()
 
-    def _normal(self, epoch: int, batches_done: int) -> tuple[int, int]:
+    def _normalized(self, epoch: int, batches_done: int) -> tuple[int, int]:
         """The end of an epoch is the start of the next: ``(e, batches)`` -> ``(e + 1, 0)``."""
         if batches_done >= self.batches_per_epoch:
             return epoch + 1, 0
@@ -575,10 +580,10 @@ class Prefetcher:
         with self._cv:
             i = self.ranks.index(rank)
             if self._counted[i]:
-                self._snap[i] = self._local.copy()
+                self._local_at_load[i] = self._local.copy()
 
     def _account(self, i: int, frm: tuple[int, int], to: tuple[int, int]) -> None:
-        snap = self._snap[i]
+        local_at_load = self._local_at_load[i]
         st = self._stats
         for e in range(frm[0], to[0] + 1):
             lo = frm[1] if e == frm[0] else 0
@@ -592,7 +597,7 @@ class Prefetcher:
             # file gets that file (an open the follower did not see: judged like an open now).
             ko = k[er.opens[k] | ~er.open_known[er.opener[k]]]
             ko = np.union1d(ko, er.opener[ko])
-            er.open_hit[ko] = snap[er.shard[ko]]
+            er.open_hit[ko] = local_at_load[er.shard[ko]]
             er.open_known[ko] = True
             hit = er.open_hit[er.opener[k]]
             nb = er.nbytes[k]
@@ -615,9 +620,9 @@ class Prefetcher:
         with self._cv:
             ok = bool(self._local[er.shard[(er.batch == batch) & er.opens]].all())
             if ok:
-                for i, p in enumerate(self._pos):
+                for i, p in enumerate(self._positions):
                     if p == (epoch, batch):
-                        self._snap[i] = self._local.copy()
+                        self._local_at_load[i] = self._local.copy()
             return ok
 
     def wait_ready(self, epoch: int, batch: int, timeout: float) -> bool:
@@ -635,7 +640,7 @@ class Prefetcher:
     def position(self) -> tuple[int, int]:
         """(epoch, batches done) of the slowest rank of the node."""
         with self._cv:
-            return min(self._pos)
+            return min(self._positions)
 
     def local_bytes(self) -> int:
         with self._cv:

@@ -3,8 +3,12 @@
 Each rank writes ``DEST/.stager-progress/rank<r>.json`` (atomically: tmp + rename) with its
 position (epoch, batches done), pid and host, the loader's plan arguments (:func:`loader_config`,
 enough to rebuild its exact read order) and its read-ahead (:func:`loader_read_ahead`). The
-follower (:mod:`stager.follow`) polls them; ``DEST/.stager-progress/done`` tells it to stop.
+follower (:mod:`stager.prefetch.follow`) polls them; ``DEST/.stager-progress/done`` tells it to stop.
 Training code uses :class:`ProgressReporter`; the functions are the protocol underneath.
+
+A report is one JSON object: ``{"rank", "epoch", "done", "pid", "host", "finished", "failed",
+"config", "read_ahead", "start", "time"}`` (:func:`report_progress`); ``config`` is the dict of
+:func:`loader_config` (the keys of :class:`stager.loader.LoaderOptions` that decide the read order).
 """
 
 from __future__ import annotations
@@ -17,7 +21,10 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from stager.loader import Loader, ShardedDataset
 
 PROGRESS_DIR = ".stager-progress"
 DONE_MARKER = "done"
@@ -109,17 +116,20 @@ def mark_done(dest: str | os.PathLike[str]) -> None:
     (d / DONE_MARKER).touch()
 
 
-def loader_config(loader: Any) -> dict[str, Any]:
+def loader_config(loader: Loader | ShardedDataset) -> dict[str, Any]:
     """The plan arguments of a :func:`~stager.loader.make_loader` Loader (or a ShardedDataset).
 
-    Passed (with ``rank``) to ``ShardedDataset`` they reproduce the rank's read order exactly:
-    batch size, world size, worker streams, seed, shuffle mode, drop_last, run size and the
-    per-worker shuffle buffer (resolved to samples, so ``"auto"`` settings cannot drift).
+    Passed (with ``rank``) to ``ShardedDataset`` (:meth:`~stager.loader.LoaderOptions.from_kwargs`)
+    they reproduce the rank's read order exactly: batch size, world size, worker streams, seed,
+    shuffle mode, drop_last, run size and the per-worker shuffle buffer (resolved to samples, so
+    ``"auto"`` settings cannot drift).
     """
-    ds = getattr(loader, "dataset", loader)
-    nw = getattr(loader, "num_workers", None)
-    nw = ds.num_workers if nw is None else nw
-    nw = int(nw or 0)
+    from stager.loader import Loader  # already imported: the caller holds one of its objects
+
+    if isinstance(loader, Loader):
+        ds, nw = loader.dataset, loader.num_workers
+    else:
+        ds, nw = loader, int(loader.num_workers or 0)
     return {
         "batch_size": int(ds.batch_size),
         "world_size": int(ds.world_size),
@@ -133,17 +143,16 @@ def loader_config(loader: Any) -> dict[str, Any]:
     }
 
 
-def loader_read_ahead(loader: Any) -> int:
+def loader_read_ahead(loader: Loader) -> int:
     """Batches a Loader's DataLoader workers have in flight beyond the one being consumed.
 
     ``num_workers x prefetch_factor`` (torch's default factor is 2); 0 in-process. When a rank has
     finished ``d`` batches, its workers have loaded (or are loading) batches up to ``d + this``.
     """
-    nw = int(getattr(loader, "num_workers", 0) or 0)
-    if nw == 0:
+    if loader.num_workers == 0:
         return 0
-    pf = getattr(loader, "prefetch_factor", None)
-    return nw * int(pf if pf is not None else 2)
+    pf = loader.prefetch_factor
+    return loader.num_workers * int(pf if pf is not None else 2)
 
 
 class ProgressReporter:
@@ -161,7 +170,7 @@ class ProgressReporter:
     def __init__(
         self,
         dest: str | os.PathLike[str],
-        loader: Any = None,
+        loader: Loader | None = None,
         *,
         rank: int | None = None,
         min_interval: float = 0.02,
@@ -176,11 +185,11 @@ class ProgressReporter:
 
                 rank = World.detect().rank
             else:
-                rank = int(getattr(loader, "dataset", loader).rank)
+                rank = loader.dataset.rank
         self.rank = rank
         self.min_interval = min_interval
         self._pos = (0, 0)
-        if loader is not None and hasattr(loader, "state_dict"):
+        if loader is not None:
             st = loader.state_dict()  # a resumed loader starts mid-epoch
             self._pos = (int(st["epoch"]), int(st["batches_done"]))
         # Where this run began reading: a follower accounts every read from here, also the ones
@@ -201,14 +210,14 @@ class ProgressReporter:
         if new_epoch or time.monotonic() - self._last >= self.min_interval:
             self._write()
 
-    def iterate(self, loader: Any) -> Iterator[Any]:
+    def iterate(self, loader: Loader) -> Iterator[dict[str, Any]]:
         """``for batch in progress.iterate(loader)``: one epoch of ``loader``, reported as it goes.
 
         A batch counts as done when the next one is asked for (the training step on it is over)
         and at the end of the epoch; the epoch and a resumed loader's start come from
         ``loader.state_dict()``.
         """
-        st = loader.state_dict() if hasattr(loader, "state_dict") else {"epoch": self._pos[0], "batches_done": 0}
+        st = loader.state_dict()
         epoch, done = int(st["epoch"]), int(st["batches_done"])
         if done >= len(loader):  # a finished epoch: iterating it starts the next one
             epoch, done = epoch + 1, 0
