@@ -289,6 +289,22 @@ def test_shared_mode_times_out_when_a_peer_never_comes(ds, tmp_path: Path) -> No
     assert r.returncode == 5 and "nodes [1]" in r.stderr
 
 
+@pytest.mark.parametrize("flag", ["--unpack", "--shared", "--no-fsync", "--direct"])
+def test_collective_usage_errors_are_usage_errors(ds, tmp_path: Path, flag: str) -> None:
+    """`--collective` with a flag it cannot honour: exit 2, one error line, and under --json the CLI's
+    error object (as for --follow), not free text with an empty stdout."""
+    src, _ = ds
+    dest = tmp_path / "d"
+    r = stager("stage", str(src), str(dest), "--collective", flag, "--json")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [x for x in r.stderr.strip().splitlines()
+                                             if x.startswith("stager stage: error:")]
+    assert len(r.stderr.strip().splitlines()) == 1 and "cannot be combined" in r.stderr
+    out = last_json(r.stdout)
+    assert out["ok"] is False and out["type"] == "UsageError" and f"combined with {flag}" in out["error"]
+    assert not dest.exists()
+
+
 def test_resolve_node_precedence() -> None:
     assert resolve_node(2, 4, 8, env={"SLURM_NODEID": "1", "SLURM_NNODES": "3"}) == (2, 4, 8, "flags")
     assert resolve_node(None, None, None, env={"SLURM_NODEID": "1", "SLURM_NNODES": "3",

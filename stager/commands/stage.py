@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from stager.cli import add_common, emit
+from stager.errors import UsageError
 from stager.fs.copy import CopyTuning
 from stager.stage.plan import DEFAULT_UNPACK_DIR
 from stager.stage.run import stage
@@ -92,10 +93,11 @@ def run(args: argparse.Namespace) -> int:
 def _run_collective(args: argparse.Namespace) -> int:
     from stager.stage.collective.run import stage_collective
 
-    if args.unpack or args.shared or not args.fsync or args.direct:
-        print("stager stage: error: --collective cannot be combined with --unpack, --shared, --no-fsync or --direct",
-              file=sys.stderr)
-        return 2
+    given = [flag for flag, on in (("--unpack", args.unpack), ("--shared", args.shared),
+                                   ("--no-fsync", not args.fsync), ("--direct", args.direct)) if on]
+    if given:
+        raise UsageError(f"--collective cannot be combined with {', '.join(given)} (it stages every shard "
+                         "durably into a node-local DEST)")
     res = stage_collective(
         args.src,
         args.dest,
@@ -170,7 +172,6 @@ def _run_follow(args: argparse.Namespace) -> int:
     import os
     import threading
 
-    from stager.errors import UsageError
     from stager.prefetch.follow import follow, stop_on_signals
 
     if args.dest is None:
