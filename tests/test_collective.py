@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -25,10 +26,12 @@ from stager.manifest import load_manifest
 from stager.order.partition import assign_shards_to_nodes
 from stager.pack import pack
 from stager.receipt import load_receipt
+from stager.stage import stage
 from stager.stage.collective.group import resolve_endpoint
 from stager.stage.collective.io import IoCounters, ShareReader, StreamSink, copy_share
 from stager.stage.collective.plan import FileEntry, StreamLayout, assign_read_shares, chunk_size_for, plan_streams
 from stager.verify import verify
+from tests.test_stage_support import make_dataset
 
 LAUNCHER = r'''
 import os, sys
@@ -205,6 +208,26 @@ def test_fallback_direct_when_no_peers_show_up(packed: Path, tmp_path: Path) -> 
     assert rc0 == 5, err0
     assert "did not form" in err0
     assert not (tmp_path / "none" / "dest0" / "stager-receipt.json").exists()
+
+
+def test_collective_copies_take_the_sources_access_like_a_plain_stage(tmp_path: Path) -> None:
+    """A group-only (0640) dataset stays group-only on every node: shards, manifest and receipt get the
+    source's mode, exactly as a plain stage gives them (the collective receipt and copies were 0644)."""
+    src = tmp_path / "src"
+    m = make_dataset(src, n=6, size=16 << 10, mode=0o640)
+    os.chmod(src / "manifest.json", 0o640)
+    plain = tmp_path / "plain"
+    stage(src, plain)
+    names = [*(s.name for s in m.shards), "manifest.json", "stager-receipt.json"]
+    modes = {n: stat.S_IMODE(os.stat(plain / n).st_mode) for n in names}
+    assert set(modes.values()) == {0o640}
+    for rc, res, err in _finish(_launch(tmp_path, str(src), 2)):
+        assert rc == 0, err
+        assert res["collective"] and res["fallback"] is None
+    for i in range(2):
+        dest = tmp_path / f"dest{i}"
+        assert {n: stat.S_IMODE(os.stat(dest / n).st_mode) for n in names} == modes, i
+        assert {os.stat(dest / n).st_gid for n in names} == {os.stat(src / "manifest.json").st_gid}
 
 
 # ---- pure pieces ------------------------------------------------------------------------------------
