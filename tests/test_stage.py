@@ -146,6 +146,19 @@ def test_kill_9_mid_copy_then_rerun_at_random_points(tmp_path: Path) -> None:
     assert kept_any >= 1, "no rerun kept verified shards from the killed run"
 
 
+def test_missing_source_shard_is_one_line_exit_3(tmp_path: Path) -> None:
+    """A shard the manifest lists but SRC lacks: ShardMissingError naming it (exit 3), not a traceback."""
+    src = tmp_path / "src"
+    m = make_dataset(src, n=3, size=4096)
+    gone = m.shards[1].name
+    (src / gone).unlink()
+    dest = tmp_path / "d"
+    r = stager("stage", str(src), str(dest), "-q")
+    assert r.returncode == 3, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and gone in r.stderr and "missing" in r.stderr, r.stderr
+    assert not (dest / RECEIPT_NAME).exists() and not list(dest.glob("*.partial"))
+
+
 def test_four_concurrent_stagers_copy_once(ds, tmp_path: Path) -> None:
     src, m = ds
     dest = tmp_path / "dest"

@@ -123,11 +123,12 @@ class _Copier:
                 self._fail(exc)
                 return
 
-    def _source_meta(self, task: FileTask) -> tuple[int, int | None]:
-        """(mode for the copy, gid to give it or None) from the source file."""
+    @staticmethod
+    def _source_meta(task: FileTask, f: Any) -> tuple[int, int | None]:
+        """(mode for the copy, gid to give it or None) from the open source file ``f``."""
         if "://" in task.src:
             return 0o600, None
-        st = os.stat(task.src)
+        st = os.fstat(f.fileno())
         return copy_mode(st.st_mode), st.st_gid
 
     def _on_block(self, start: float, done: list[int]) -> Any:
@@ -146,7 +147,6 @@ class _Copier:
         """Copy and verify ``task`` into a partial file, then finish it (inline or on a finisher)."""
         final = self.plan.dest / task.name
         tmp = partial_path(final)
-        mode, gid = self._source_meta(task)
         hasher = new_hasher(self.plan.manifest.hash_algo)
         fd, direct = open_partial(tmp, direct=self.tuning.direct and self.block % DIRECT_ALIGN == 0)
         if direct:
@@ -154,6 +154,7 @@ class _Copier:
                 self.direct_files += 1
         try:
             with open_shard_file(task.src, self.plan.storage_options) as f:
+                mode, gid = self._source_meta(task, f)  # of the file opened: no stat of a missing one
                 on_block = self._on_block(time.perf_counter(), [0])
                 if direct:
                     total = copy_hashed_direct(f, fd, buf, hasher, limit=task.bytes, on_block=on_block)
