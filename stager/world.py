@@ -1,9 +1,14 @@
 """Who am I in the job? Rank, world size, node and worker, detected in one place.
 
-Precedence: explicit arguments, then an initialised ``torch.distributed`` group, then the launcher's
-environment (torchrun: RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE/GROUP_RANK; Slurm:
+:class:`World` (a training rank's place): explicit arguments, then an initialised
+``torch.distributed`` group, then the launcher's environment (torchrun:
+RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE/GROUP_RANK; Slurm:
 SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID/SLURM_NODEID/SLURM_NNODES/SLURM_NTASKS_PER_NODE), else a
 single process.
+
+:func:`resolve_node` (a node's place, for ``stager stage``, which runs once per node rather than
+once per rank): the ``--node/--num-nodes`` flags, then Slurm's node variables, then the torchrun
+topology of :class:`World`.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from stager.errors import UsageError
 
@@ -163,3 +169,54 @@ def expand_hostlist(expr: str) -> list[str]:
             else:
                 hosts.append(prefix + r + suffix)
     return hosts
+
+
+class NodeIdentity(NamedTuple):
+    """This node's place in the job: ``node`` of ``num_nodes``, ``ranks_per_node`` training ranks on it,
+    and ``origin``, where that came from (``"flags"``, ``"slurm"``, or :attr:`World.source`).
+
+    A tuple, so ``node, num_nodes, ranks_per_node, origin = resolve_node(...)`` keeps working.
+    """
+
+    node: int
+    num_nodes: int
+    ranks_per_node: int
+    origin: str
+
+
+def resolve_node(
+    node: int | None = None,
+    num_nodes: int | None = None,
+    ranks_per_node: int | None = None,
+    env: Mapping[str, str] | None = None,
+) -> NodeIdentity:
+    """Node identity: the flags (``node`` and ``num_nodes`` together), else Slurm (``SLURM_NODEID`` of
+    ``SLURM_NNODES``), else torchrun (:meth:`World.detect`). ``ranks_per_node``, when not given, comes
+    from ``SLURM_NTASKS_PER_NODE``/``SLURM_TASKS_PER_NODE`` (this node's entry), else ``LOCAL_WORLD_SIZE``,
+    else 1. Raises :class:`UsageError` for half-given flags, an index out of range, or non-integer
+    variables.
+    """
+    env = dict(os.environ if env is None else env)  # a copy: World.detect then skips importing torch
+
+    def ranks_on(n: int) -> int:
+        if ranks_per_node is not None:
+            return ranks_per_node
+        tpn = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+        if tpn:
+            counts = parse_tasks_per_node(tpn)
+            return counts[n] if n < len(counts) else counts[-1]
+        return _int(env, "LOCAL_WORLD_SIZE") or 1
+
+    if node is not None or num_nodes is not None:
+        if node is None or num_nodes is None:
+            raise UsageError("--node and --num-nodes must be given together")
+        if not 0 <= node < num_nodes:
+            raise UsageError(f"--node {node} out of range for --num-nodes {num_nodes}")
+        return NodeIdentity(node, num_nodes, ranks_on(node), "flags")
+    s_node, s_nodes = _int(env, "SLURM_NODEID"), _int(env, "SLURM_NNODES") or _int(env, "SLURM_JOB_NUM_NODES")
+    if s_node is not None and s_nodes is not None:
+        if not 0 <= s_node < s_nodes:
+            raise UsageError(f"SLURM_NODEID={s_node} out of range for {s_nodes} nodes")
+        return NodeIdentity(s_node, s_nodes, ranks_on(s_node), "slurm")
+    w = World.detect(env=env)
+    return NodeIdentity(w.node, w.num_nodes, ranks_per_node or w.local_world_size, w.source)

@@ -18,7 +18,7 @@ from stager.fs.open import read_bytes
 from stager.manifest import Manifest, dataset_root, manifest_path
 from stager.order.partition import assign_shards_to_nodes
 from stager.receipt import STAGING_ROOT_VARS
-from stager.world import World, parse_tasks_per_node
+from stager.world import resolve_node
 
 DEFAULT_BLOCK = 8 << 20
 
@@ -107,44 +107,6 @@ class StagePlan:
             for a in s.aux:
                 out[a.name] = a.bytes
         return out
-
-
-def resolve_node(
-    node: int | None, num_nodes: int | None, ranks_per_node: int | None, env: Mapping[str, str] | None = None
-) -> tuple[int, int, int, str]:
-    """Node identity ``(node, num_nodes, ranks_per_node, source)``: flags, else Slurm, else torchrun."""
-    env = dict(os.environ if env is None else env)  # a copy: World.detect then skips importing torch
-
-    def _int(name: str) -> int | None:
-        v = env.get(name)
-        try:
-            return int(v) if v not in (None, "") else None
-        except ValueError as exc:
-            raise UsageError(f"environment variable {name}={v!r} is not an integer") from exc
-
-    def _rpn(n: int) -> int:
-        if ranks_per_node is not None:
-            return ranks_per_node
-        tpn = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
-        if tpn:
-            counts = parse_tasks_per_node(tpn)
-            return counts[n] if n < len(counts) else counts[-1]
-        lws = _int("LOCAL_WORLD_SIZE")
-        return lws or 1
-
-    if node is not None or num_nodes is not None:
-        if node is None or num_nodes is None:
-            raise UsageError("--node and --num-nodes must be given together")
-        if not 0 <= node < num_nodes:
-            raise UsageError(f"--node {node} out of range for --num-nodes {num_nodes}")
-        return node, num_nodes, _rpn(node), "flags"
-    s_node, s_nodes = _int("SLURM_NODEID"), _int("SLURM_NNODES") or _int("SLURM_JOB_NUM_NODES")
-    if s_node is not None and s_nodes is not None:
-        if not 0 <= s_node < s_nodes:
-            raise UsageError(f"SLURM_NODEID={s_node} out of range for {s_nodes} nodes")
-        return s_node, s_nodes, _rpn(s_node), "slurm"
-    w = World.detect(env=env)
-    return w.node, w.num_nodes, ranks_per_node or w.local_world_size, w.source
 
 
 def default_dest_root(env: Mapping[str, str] | None = None) -> Path:
