@@ -29,7 +29,7 @@ from stager.receipt import load_receipt
 from stager.stage import stage
 from stager.stage.collective.group import resolve_endpoint
 from stager.stage.collective.io import IoCounters, ShareReader, StreamSink, copy_share
-from stager.stage.collective.plan import FileEntry, StreamLayout, assign_read_shares, chunk_size_for, plan_streams
+from stager.stage.collective.plan import FileEntry, StreamLayout, assign_read_shares, chunk_size_for, stream_layouts
 from stager.verify import verify
 from tests.test_stage_support import make_dataset
 
@@ -309,11 +309,11 @@ def test_sink_refuses_corrupt_bytes_and_leaves_no_partial(tmp_path: Path) -> Non
     assert list(tmp_path.iterdir()) == []
 
 
-def test_plan_streams_skips_files_everyone_has(packed: Path) -> None:
+def test_stream_layouts_skips_files_everyone_has(packed: Path) -> None:
     m = load_manifest(packed)
     shares = assign_read_shares(m, 3)
     skip = {m.shards[0].name, m.shards[5].name}
-    lays = plan_streams(m, shares, skip)
+    lays = stream_layouts(m, shares, skip)
     names = [f.name for lay in lays for f in lay.files]
     assert sorted(names) == sorted(s.name for s in m.shards if s.name not in skip)
     assert sum(lay.length for lay in lays) == m.num_bytes - sum(m.shards[i].bytes for i in (0, 5))

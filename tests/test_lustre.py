@@ -234,7 +234,7 @@ def test_stage_from_lustre_interleaves_osts(tmp_path: Path, fake_lustre: dict[st
     tasks = [FileTask(s.name, s.bytes, s.hash, str(src / s.name), i) for i, s in enumerate(m.shards)]
     ordered, how, block = order_for_streams(tasks, detect_fs(src))
     assert how == "ost-round-robin" and block % (1 << 20) == 0
-    osts = [lustre.stripe_index(t.src) for t in ordered]
+    osts = [lustre.stripe_index(t.src_path) for t in ordered]
     # Any window of as many streams as there are distinct OSTs starts with all-different OSTs.
     k = len(set(osts))
     assert len(set(osts[:k])) == k

@@ -22,8 +22,8 @@ from stager.fs.lock import NodeLock
 from stager.manifest import load_manifest
 from stager.order.partition import assign_shards_to_nodes
 from stager.receipt import RECEIPT_NAME, find_staged_copy, load_receipt
-from stager.stage import stage
-from stager.stage.plan import plan_stage, read_source_manifest, resolve_node
+from stager.stage import NodeOptions, StageOptions, plan_stage, resolve_node, stage
+from stager.stage.plan import read_src_manifest
 from tests.test_stage_support import assert_verified_copy, last_json, make_dataset, spawn, stager
 
 
@@ -333,8 +333,8 @@ def test_plan_detects_beegfs_dest_as_shared(ds, tmp_path: Path, monkeypatch: pyt
     mi.write_text(f"40 1 0:50 / {tmp_path}/beeond rw,relatime - beegfs beegfs_nodev rw,cfgFile=/etc/b.conf\n"
                   "1 0 8:1 / / rw - ext4 /dev/sda1 rw\n")
     monkeypatch.setenv("STAGER_MOUNTINFO", str(mi))
-    m, raw = read_source_manifest(str(src))
-    plan = plan_stage(str(src), m, raw, tmp_path / "beeond" / "x", node=0, num_nodes=2)
+    m, raw = read_src_manifest(str(src))
+    plan = plan_stage(str(src), m, raw, tmp_path / "beeond" / "x", StageOptions(node=NodeOptions(0, 2)))
     assert plan.mode == "shared"
     assert plan_stage(str(src), m, raw, tmp_path / "local").mode == "full"
 

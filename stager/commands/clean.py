@@ -20,6 +20,7 @@ from stager.errors import DestinationError, StagerError, UnsafeArchiveError
 from stager.fs.atomic import partial_base
 from stager.fs.lock import NodeLock
 from stager.receipt import RECEIPT_NAME, load_receipt
+from stager.stage.names import lock_name
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -120,9 +121,9 @@ def clean(dest: str | os.PathLike[str], *, dry_run: bool = False, timeout: float
     base = {p.name for p in targets}
     removed: list[str] = []
     freed = 0
-    lock_name = ".stager-lock" + (f".node{rec.partition['node']}" if rec.mode == "shared" and rec.partition else "")
+    shared_node = rec.partition["node"] if rec.mode == "shared" and rec.partition else None
     stems = _unpacked_stems(d) if rec.unpacked else None  # before manifest.json goes
-    with NodeLock(d / lock_name, timeout=timeout):
+    with NodeLock(d / lock_name(shared_node), timeout=timeout):
         partials = [d / e.name for e in os.scandir(d) if partial_base(e.name) in base]
         for p in [*targets, *partials, d / RECEIPT_NAME]:
             if not os.path.lexists(p):

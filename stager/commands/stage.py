@@ -1,4 +1,10 @@
-"""``stager stage SRC [DEST]``: copy a packed dataset to node-local storage (see stager/stage.py)."""
+"""``stager stage SRC [DEST]``: copy a packed dataset to node-local storage.
+
+Three ways, one parser: a plain stage (:func:`stager.stage.run_stage`), ``--collective``
+(:func:`stager.stage.collective.run_collective`) and ``--follow`` (:func:`stager.prefetch.follow.follow`).
+Flags are turned into one :class:`~stager.stage.StageOptions` (``_stage_options``); a flag a mode
+cannot honour is a :class:`~stager.errors.UsageError` (exit 2, and the error object under ``--json``).
+"""
 
 from __future__ import annotations
 
@@ -8,8 +14,8 @@ import sys
 from stager.cli import add_common, emit
 from stager.errors import UsageError
 from stager.fs.copy import CopyTuning
-from stager.stage.plan import DEFAULT_UNPACK_DIR
-from stager.stage.run import stage
+from stager.stage import DEFAULT_UNPACK_DIR, NodeOptions, StageOptions, run_stage
+from stager.stage.options import FALLBACKS
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -48,11 +54,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "training; the staged copy is then read from disk on first use)")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds to wait for another stager on this node or for peer nodes (default: no limit)")
-    # Collective staging (stager/collective.py): one process per node, each byte read from SRC once.
+    # Collective staging (stager/stage/collective/): one process per node, each byte read from SRC once.
     p.add_argument("--collective", action="store_true",
                    help="one process per node (srun --ntasks-per-node=1 / torchrun --nnodes): nodes read disjoint "
                    "shares of SRC and exchange them over the network (gloo), so SRC serves the data once")
-    p.add_argument("--fallback", choices=["direct", "none"], default="direct",
+    p.add_argument("--fallback", choices=FALLBACKS, default="direct",
                    help="--collective: what to do when the group cannot form within --timeout (default: direct)")
     p.add_argument("--chunk-size", type=int, default=8 << 20, metavar="BYTES",
                    help="--collective: bytes per node per exchange step; --follow: bytes per read of a fetch "
@@ -67,50 +73,42 @@ def run(args: argparse.Namespace) -> int:
         return _run_follow(args)
     if args.collective:
         return _run_collective(args)
-    res = stage(
-        args.src,
-        args.dest,
-        workers=args.workers,
-        unpack=args.unpack or False,
-        unpack_dir=args.unpack_dir,
-        partition=args.partition,
-        shared=args.shared,
-        node=args.node,
-        num_nodes=args.num_nodes,
-        ranks_per_node=args.ranks_per_node,
-        seed=args.seed,
-        timeout=args.timeout,
-        quiet=args.quiet or args.json,
-        fsync=args.fsync,
-        tuning=CopyTuning(direct=True) if args.direct else None,
-    )
+    res = run_stage(args.src, args.dest, _stage_options(args))
     for w in res.warnings:
         print(f"stager stage: warning: {w}", file=sys.stderr)
     emit(args, res.to_json(), res.summary())
     return 0
 
 
+def _stage_options(args: argparse.Namespace) -> StageOptions:
+    """The plain stage's options from the command line."""
+    return StageOptions(
+        workers=args.workers,
+        unpack=args.unpack,
+        unpack_dir=args.unpack_dir,
+        partition=args.partition,
+        shared=args.shared,
+        node=NodeOptions(args.node, args.num_nodes, args.ranks_per_node),
+        seed=args.seed,
+        timeout=args.timeout,
+        quiet=args.quiet or args.json,
+        fsync=args.fsync,
+        tuning=CopyTuning(direct=True) if args.direct else None,
+    )
+
+
 def _run_collective(args: argparse.Namespace) -> int:
-    from stager.stage.collective.run import stage_collective
+    from stager.stage.collective import CollectiveOptions, run_collective
 
     given = [flag for flag, on in (("--unpack", args.unpack), ("--shared", args.shared),
                                    ("--no-fsync", not args.fsync), ("--direct", args.direct)) if on]
     if given:
         raise UsageError(f"--collective cannot be combined with {', '.join(given)} (it stages every shard "
                          "durably into a node-local DEST)")
-    res = stage_collective(
-        args.src,
-        args.dest,
-        partition=args.partition,
-        node=args.node,
-        num_nodes=args.num_nodes,
-        ranks_per_node=args.ranks_per_node,
-        seed=args.seed,
-        timeout=args.timeout if args.timeout is not None else 300.0,
-        fallback=args.fallback,
-        chunk_bytes=args.chunk_size,
-        quiet=args.quiet or args.json,
-    )
+    common = StageOptions(partition=args.partition, node=NodeOptions(args.node, args.num_nodes, args.ranks_per_node),
+                          seed=args.seed, timeout=args.timeout, quiet=args.quiet or args.json)
+    res = run_collective(args.src, args.dest, CollectiveOptions(stage=common, fallback=args.fallback,
+                                                                chunk_bytes=args.chunk_size))
     for w in res.warnings:
         print(f"stager stage: warning: {w}", file=sys.stderr)
     emit(args, res.to_json(), res.summary())

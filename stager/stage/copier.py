@@ -1,10 +1,16 @@
 """The copy streams of one stage run: verified copies of the plan's files into DEST.
 
-``workers`` threads each take the next file, copy it with the copy engine (:mod:`stager.fs.copy`:
-hash while copying, write-behind or O_DIRECT) into ``<name>.<uuid>.partial`` and compare size and
-hash with the manifest at EOF; finisher threads then fchmod, fchown, fsync, rename and journal the
-verified copy while the stream goes on. The first error cancels the other streams and is re-raised;
-a failed copy never leaves its partial file behind.
+:class:`Copier` runs ``workers`` threads; each takes the next file, copies it with the copy engine
+(:mod:`stager.fs.copy`: hash while copying, write-behind or O_DIRECT) into ``<name>.<uuid>.partial``
+and compares size and hash with the manifest at EOF (no second read). Finisher threads then give the
+verified copy the source file's access (:func:`~stager.fs.access.copy_mode` and group), fsync it
+(unless ``--no-fsync``), rename it and journal it while the stream goes on with its next file.
+
+Contract: a file is journaled only after its rename, so the journal never lists a file that is not
+in DEST with the manifest's size and hash; a failed or cancelled copy never leaves its partial file
+behind (:func:`discard_partial`); the first error cancels the other streams and is re-raised from
+:meth:`Copier.run` (disk-full errors as one-line :class:`~stager.errors.OutOfSpaceError`). Every
+open of SRC goes through :func:`open_src_file`, with the plan's storage options.
 
 ``$STAGER_TEST_THROTTLE_BPS`` (test-only) limits each stream to that many bytes/s so that tests can
 kill a run mid-copy.
@@ -27,7 +33,7 @@ from stager.errors import ShardMissingError, StagerError, VerificationError
 from stager.fs.access import copy_mode
 from stager.fs.atomic import partial_path, space_error
 from stager.fs.copy import DIRECT_ALIGN, CopyTuning, aligned_buffer, copy_hashed, copy_hashed_direct, open_partial
-from stager.fs.open import open_read
+from stager.fs.open import is_url, open_read
 from stager.fs.writeback import WriteBehind
 from stager.progress import Progress
 from stager.stage.journal import Journal
@@ -36,7 +42,6 @@ from stager.stage.plan import FileTask, StagePlan
 THROTTLE_ENV = "STAGER_TEST_THROTTLE_BPS"
 
 
-# ---- copying ----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class _Verified:
     """A copy whose size and hash matched, still open as ``fd`` under its partial name ``tmp``."""
@@ -49,10 +54,10 @@ class _Verified:
     gid: int | None
 
 
-class _Copier:
+class Copier:
     """Runs the copy streams; the first error cancels the others and is re-raised.
 
-    ``workers`` threads each take the next file and copy it with :func:`~stager.copyengine.copy_hashed`
+    ``workers`` threads each take the next file and copy it with :func:`~stager.fs.copy.copy_hashed`
     (one reused buffer per stream, write-back started per block). A verified copy is then handed to
     one of ``tuning.sync_threads`` finisher threads (fchmod, fchown, fsync, rename, journal), so a
     stream goes on with its next file while the disk absorbs the last one; 0 finishes inline.
@@ -124,21 +129,28 @@ class _Copier:
                 return
 
     @staticmethod
-    def _source_meta(task: FileTask, f: Any) -> tuple[int, int | None]:
-        """(mode for the copy, gid to give it or None) from the open source file ``f``."""
-        if "://" in task.src:
+    def _copy_access(task: FileTask, src: Any) -> tuple[int, int | None]:
+        """``(mode, gid or None)`` for the copy of ``task`` from its open source file ``src``: the
+        source's, by the one copy-mode rule (an object-store file has no owner or mode: 0600)."""
+        if is_url(task.src_path):
             return 0o600, None
-        st = os.fstat(f.fileno())
+        st = os.fstat(src.fileno())  # of the file opened: a missing one already failed, naming it
         return copy_mode(st.st_mode), st.st_gid
 
-    def _on_block(self, start: float, done: list[int]) -> Any:
+    def _on_block(self) -> Callable[[int], None]:
+        """The copy engine's per-block callback for one file: stops the copy once another stream
+        failed, counts progress, and throttles to ``$STAGER_TEST_THROTTLE_BPS`` (tests)."""
+        start = time.perf_counter()
+        copied = 0
+
         def on_block(n: int) -> None:
+            nonlocal copied
             if self.cancel.is_set():
                 raise _CancelledError()
             self.progress.update(0, n)
             if self._throttle > 0:
-                done[0] += n
-                lag = done[0] / self._throttle - (time.perf_counter() - start)
+                copied += n
+                lag = copied / self._throttle - (time.perf_counter() - start)
                 if lag > 0:
                     time.sleep(lag)
         return on_block
@@ -153,9 +165,9 @@ class _Copier:
             with self._lock:
                 self.direct_files += 1
         try:
-            with open_shard_file(task.src, self.plan.storage_options) as f:
-                mode, gid = self._source_meta(task, f)  # of the file opened: no stat of a missing one
-                on_block = self._on_block(time.perf_counter(), [0])
+            with open_src_file(task.src_path, self.plan.storage_options) as f:
+                mode, gid = self._copy_access(task, f)
+                on_block = self._on_block()
                 if direct:
                     total = copy_hashed_direct(f, fd, buf, hasher, limit=task.bytes, on_block=on_block)
                 else:
@@ -164,18 +176,18 @@ class _Copier:
                     total = copy_hashed(f, fd, buf, hasher, limit=task.bytes, write_behind=wb, on_block=on_block)
             if total > task.bytes:
                 raise VerificationError(
-                    f"{task.name}: source {task.src} is larger than the manifest's {task.bytes} bytes; "
+                    f"{task.name}: source {task.src_path} is larger than the manifest's {task.bytes} bytes; "
                     "the source changed after packing: re-pack or restore it (no copy kept)"
                 )
             got = hasher.hexdigest()
             if total != task.bytes or got != task.hash:
                 raise VerificationError(
-                    f"{task.name}: verification failed copying {task.src} (expected {task.bytes} bytes "
+                    f"{task.name}: verification failed copying {task.src_path} (expected {task.bytes} bytes "
                     f"{self.plan.manifest.hash_algo} {task.hash}, got {total} bytes {got}); the source shard is "
                     "damaged: restore it or re-pack (no copy kept)"
                 )
         except BaseException as exc:
-            _discard_partial(fd, tmp, final, exc)
+            discard_partial(fd, tmp, final, exc)
         done = _Verified(task, fd, tmp, final, mode, gid)
         if self._finishers is None:
             self._finish(done)
@@ -185,7 +197,7 @@ class _Copier:
             self._finishers.submit(self._finish_async, done)
         except BaseException as exc:
             self._pending.release()
-            _discard_partial(fd, tmp, final, exc)
+            discard_partial(fd, tmp, final, exc)
 
     def _finish_async(self, done: _Verified) -> None:
         try:
@@ -216,7 +228,7 @@ class _Copier:
             fd = -1
             os.replace(tmp, final)
         except BaseException as exc:
-            _discard_partial(fd, tmp, final, exc)
+            discard_partial(fd, tmp, final, exc)
         self.journal.add_file(task.name, task.bytes)
         with self._lock:
             self.copied += 1
@@ -224,7 +236,7 @@ class _Copier:
         self.progress.update(1, 0)
 
 
-def _discard_partial(fd: int, tmp: Path, final: Path, exc: BaseException) -> NoReturn:
+def discard_partial(fd: int, tmp: Path, final: Path, exc: BaseException) -> NoReturn:
     """Close ``fd`` (if open), remove ``tmp`` and re-raise ``exc`` (disk-full errors made one-line)."""
     if fd >= 0:
         with contextlib.suppress(OSError):
@@ -242,9 +254,10 @@ class _CancelledError(Exception):
     """Another stream failed; this one stops quietly."""
 
 
-def open_shard_file(src: str, storage_options: dict[str, Any] | None = None) -> Any:
-    """Open a file the manifest lists in SRC (path or URL, with the plan's storage options)."""
+def open_src_file(src_path: str, storage_options: dict[str, Any] | None = None) -> Any:
+    """Open a file the manifest lists in SRC (path or URL, with the plan's storage options) for
+    streaming reads; a missing one is a :class:`~stager.errors.ShardMissingError` naming it."""
     try:
-        return open_read(src, storage_options)
+        return open_read(src_path, storage_options)
     except FileNotFoundError as exc:
-        raise ShardMissingError(f"{src}: shard listed in the manifest is missing; restore it or re-pack") from exc
+        raise ShardMissingError(f"{src_path}: shard listed in the manifest is missing; restore it or re-pack") from exc

@@ -1,5 +1,17 @@
-"""DEST's bookkeeping around the copy: the done check, stale partials, free space, the staged
-manifest, the shared-mode barrier and the receipt.
+"""DEST's bookkeeping around the copy, shared by the plain and the collective stage.
+
+In the order a run meets them: :func:`receipt_done` (the fast path: a receipt that covers the plan,
+checked by sizes only), :func:`make_dest_dir`, :func:`claim_dest` (refuse another dataset's DEST,
+drop a receipt that no longer describes it, remove stale partial files), :func:`kept_files` (what the
+journal lists and DEST still holds), :func:`check_free_space`, :class:`StagedManifest` (the verbatim
+``manifest.json``, published only once every shard is in place), :func:`shared_barrier` (shared
+mode: wait for every node's done marker), and :func:`write_receipt`, always last; or
+:func:`make_durable` for a ``--no-fsync`` copy asked for again durably.
+
+Contract: everything stage writes about SRC gets SRC's manifest's access
+(:attr:`~stager.stage.plan.StagePlan.src_access`); nothing appears under its final name before it
+is complete (:mod:`stager.fs.atomic`); the receipt's ``files`` name every path stage created, which
+is what ``stager clean`` removes.
 
 ``$STAGER_TEST_FREE_BYTES`` (test-only) overrides the free-space figure.
 """
@@ -13,53 +25,30 @@ import os
 import socket
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from stager.errors import DestinationError, StagerError, StagerTimeoutError, VerificationError
-from stager.fs.access import URL_FILE_MODE, copy_mode, dir_mode, size_or_missing, source_access
-from stager.fs.atomic import atomic_write_bytes, partial_path, space_error
+from stager.errors import DestinationError, OutOfSpaceError, StagerError, StagerTimeoutError, VerificationError
+from stager.fs.access import chgrp_quiet, dir_mode, size_or_missing
+from stager.fs.atomic import atomic_write_bytes, partial_path, remove_partials, space_error
 from stager.fs.copy import write_all
 from stager.fs.kernel import boot_id, syncfs
-from stager.manifest import MANIFEST_NAME, manifest_path
+from stager.fs.open import is_url
+from stager.manifest import MANIFEST_NAME
 from stager.receipt import RECEIPT_NAME, Receipt, load_receipt
-from stager.stage.copier import _discard_partial
+from stager.stage.copier import discard_partial
+from stager.stage.names import journal_name
 from stager.stage.plan import StagePlan
-from stager.stage.result import StageResult
+
+if TYPE_CHECKING:
+    from stager.stage.journal import Journal
 
 FREE_BYTES_ENV = "STAGER_TEST_FREE_BYTES"
 
 
-
-
-def _write_partial(final: Path, data: bytes, mode: int) -> Path:
-    """Write ``data`` to a fsynced ``<final>.<uuid>.partial`` with ``mode``; return its path (not renamed)."""
-    tmp = partial_path(final)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
-    try:
-        write_all(fd, memoryview(data))
-        os.fchmod(fd, mode)
-        os.fsync(fd)
-    except BaseException as exc:
-        _discard_partial(fd, tmp, final, exc)
-    os.close(fd)
-    return tmp
-
-
-def _manifest_mode(plan: StagePlan) -> int:
-    """The staged manifest's mode: the source manifest's, masked like the shards' (0o644 for URLs)."""
-    if "://" in plan.src_root:
-        return URL_FILE_MODE
-    with contextlib.suppress(OSError):
-        return copy_mode(os.stat(manifest_path(plan.source)).st_mode)
-    return URL_FILE_MODE
-
-
-# ---- helpers ----------------------------------------------------------------------------------------
-def _receipt_done(plan: StagePlan) -> Receipt | None:
-    """The existing receipt if it already satisfies ``plan`` (cheap: stats only)."""
-    try:
-        rec = load_receipt(plan.dest)
-    except StagerError:
-        return None
+# ---- before the copy ------------------------------------------------------------------------------
+def receipt_done(plan: StagePlan) -> Receipt | None:
+    """The existing receipt if it already satisfies ``plan`` (cheap: stats only), else None."""
+    rec = load_receipt_quiet(plan.dest)
     if rec is None or rec.manifest_digest != plan.receipt_digest or rec.mode != plan.mode or not rec.trusted():
         return None
     if plan.mode == "partition" and rec.partition != plan.partition_info:
@@ -73,27 +62,17 @@ def _receipt_done(plan: StagePlan) -> Receipt | None:
     return rec
 
 
-def _free_bytes(dest: Path) -> int:
-    override = os.environ.get(FREE_BYTES_ENV)
-    if override:
-        return int(override)
-    st = os.statvfs(dest)
-    return st.f_bavail * st.f_frsize
-
-
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
-
-
-def _mkdir_dest(dest: Path, src_root: str) -> None:
+def make_dest_dir(plan: StagePlan) -> None:
+    """Create DEST (with SRC's directory access, 0700 for a URL) unless it is a directory already."""
+    dest = plan.dest
     if dest.is_dir():
         return
     if dest.exists():
         raise DestinationError(f"{dest}: exists and is not a directory; choose another DEST")
     mode = 0o700
-    if "://" not in src_root:
+    if not is_url(plan.src_dir):
         with contextlib.suppress(OSError):
-            mode = dir_mode(os.stat(src_root).st_mode)
+            mode = dir_mode(os.stat(plan.src_dir).st_mode)
     try:
         dest.mkdir(parents=True, exist_ok=True)
         os.chmod(dest, mode)
@@ -104,22 +83,124 @@ def _mkdir_dest(dest: Path, src_root: str) -> None:
         raise DestinationError(f"{dest}: cannot create the destination ({exc.strerror}); choose another DEST") from exc
 
 
-def load_receipt_quiet(dest: Path) -> Receipt | None:
+def claim_dest(plan: StagePlan, *, keep_receipt: bool) -> list[str]:
+    """Make DEST this plan's (call with the node lock held); return the stale partial files removed.
+
+    Refuses a DEST that holds another dataset. Unless ``keep_receipt``, removes the receipt: it no
+    longer describes DEST once the run starts changing it. Removes ``<file>.<uuid>.partial``
+    leftovers of this plan's files and journal; on a shared DEST not those of the manifest and the
+    receipt, which another node may be writing right now.
+    """
+    dest, m = plan.dest, plan.manifest
+    existing = load_receipt_quiet(dest)
+    if existing is not None and existing.dataset_id != m.dataset_id and not existing.manifest_digest.endswith(
+        m.digest
+    ):
+        raise DestinationError(
+            f"{dest}: already holds another staged dataset ({existing.source}, id {existing.dataset_id}); "
+            f"run `stager clean {dest}` first or choose another DEST"
+        )
+    if existing is not None and not keep_receipt:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(dest / RECEIPT_NAME)
+    names = {t.name for t in plan.tasks} | {plan.journal_path.name}
+    if plan.mode != "shared":
+        names |= {MANIFEST_NAME, RECEIPT_NAME}
+    return remove_partials(dest, names)
+
+
+def kept_files(plan: StagePlan, journal: Journal) -> set[str]:
+    """The plan's files a resumed run keeps: journaled as verified, and still of the manifest's size."""
+    return {t.name for t in plan.tasks
+            if journal.files.get(t.name) == t.bytes and size_or_missing(plan.dest / t.name) == t.bytes}
+
+
+def free_bytes(dest: Path) -> int:
+    """Bytes free for us (``f_bavail``) on DEST's file system."""
+    override = os.environ.get(FREE_BYTES_ENV)
+    if override:
+        return int(override)
+    st = os.statvfs(dest)
+    return st.f_bavail * st.f_frsize
+
+
+def format_size(n: int) -> str:
+    """``n`` bytes for a message: GB with 2 decimals from 0.1 GB, else MB with 1."""
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def check_free_space(dest: Path, need: int) -> None:
+    """Raise :class:`OutOfSpaceError` (exit 4, needed vs free) before anything is copied."""
+    free = free_bytes(dest)
+    if need > free:
+        raise OutOfSpaceError(
+            f"{dest}: staging needs {format_size(need)} but only {format_size(free)} is free; free space, stage a "
+            "--partition share, or choose another DEST"
+        )
+
+
+# ---- the staged manifest --------------------------------------------------------------------------
+class StagedManifest:
+    """DEST's verbatim copy of SRC's ``manifest.json``: it is what makes DEST a packed directory for
+    the loader, so it is published only once every shard is in place, and a failed run never leaves
+    a manifest that promises missing shards.
+
+    :meth:`prepare` writes and fsyncs ``manifest.json.<uuid>.partial`` with SRC's access (nothing
+    when DEST already holds these exact bytes), :meth:`publish` renames it into place, :meth:`discard`
+    removes an unpublished one. The directory fsync that makes the rename durable is the caller's
+    (one for every rename of the run).
+    """
+
+    def __init__(self, plan: StagePlan) -> None:
+        self.plan = plan
+        self.path = plan.dest / MANIFEST_NAME
+        self._partial: Path | None = None
+
+    def prepare(self) -> None:
+        if self._partial is None and read_quiet(self.path) != self.plan.manifest_bytes:
+            mode, gid = self.plan.src_access
+            partial = write_partial(self.path, self.plan.manifest_bytes, mode)
+            chgrp_quiet(partial, gid)
+            self._partial = partial
+
+    def publish(self) -> bool:
+        """Rename the prepared copy into place; True if there was one (DEST then needs a directory fsync)."""
+        partial, self._partial = self._partial, None
+        if partial is None:
+            return False
+        try:
+            os.replace(partial, self.path)
+        except FileNotFoundError:
+            # Shared DEST: another node starting up removed it as a stale partial.
+            if read_quiet(self.path) != self.plan.manifest_bytes:
+                atomic_write_bytes(self.path, self.plan.manifest_bytes, mode=self.plan.src_access[0])
+        return True
+
+    def discard(self) -> None:
+        if self._partial is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._partial)
+            self._partial = None
+
+
+def write_partial(final: Path, data: bytes, mode: int) -> Path:
+    """Write ``data`` to a fsynced ``<final>.<uuid>.partial`` with ``mode``; return its path (not renamed)."""
+    tmp = partial_path(final)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
     try:
-        return load_receipt(dest)
-    except StagerError:
-        return None
+        write_all(fd, memoryview(data))
+        os.fchmod(fd, mode)
+        os.fsync(fd)
+    except BaseException as exc:
+        discard_partial(fd, tmp, final, exc)
+    os.close(fd)
+    return tmp
 
 
-def _read_quiet(p: Path) -> bytes | None:
-    try:
-        return p.read_bytes()
-    except OSError:
-        return None
-
-
-def _shared_barrier(plan: StagePlan, result: StageResult, timeout: float | None) -> None:
-    """Write this node's done marker, then wait until every node's marker names this manifest."""
+# ---- after the copy -------------------------------------------------------------------------------
+def shared_barrier(plan: StagePlan, timeout: float | None) -> float:
+    """Write this node's done marker, wait until every node's marker names this manifest, then check
+    that DEST holds every file; return the seconds waited."""
     dest = plan.dest
     marker = {"digest": plan.manifest.digest, "node": plan.node, "num_nodes": plan.num_nodes,
               "host": socket.gethostname(), "files": [t.name for t in plan.tasks]}
@@ -142,60 +223,74 @@ def _shared_barrier(plan: StagePlan, result: StageResult, timeout: float | None)
                 "check their logs and rerun (finished shards are kept)"
             )
         time.sleep(0.1)
-    result.waited_s += time.monotonic() - start
+    waited = time.monotonic() - start
     bad = [n for n, b in plan.expected_files().items() if size_or_missing(dest / n) != b]
     if bad:
         raise VerificationError(f"{dest}: every node reported done but {bad[0]} is missing or has the wrong size; "
                                 "rerun stage on all nodes")
+    return waited
 
 
-def _make_durable(plan: StagePlan, rec: Receipt) -> None:
+def make_durable(plan: StagePlan, rec: Receipt) -> None:
     """Flush a ``--no-fsync`` copy of this boot to disk (one ``syncfs``), then mark its receipt durable."""
     syncfs(plan.dest)
     rec.durable, rec.boot_id = True, ""
-    rec.write(plan.dest, *source_access(manifest_path(plan.source)))
+    rec.write(plan.dest, *plan.src_access)
 
 
-def _write_receipt(plan: StagePlan, result: StageResult) -> None:
-    dest = plan.dest
+def receipt_files(plan: StagePlan) -> list[str]:
+    """Every path the finished run created in DEST, relative to it: the receipt's ``files``."""
     files = sorted(plan.expected_files())
     files += [MANIFEST_NAME]
     if plan.mode == "shared":
-        files += [f".stager-journal.node{n}.jsonl" for n in range(plan.num_nodes)]
+        files += [journal_name(n) for n in range(plan.num_nodes)]
         files += [plan.marker_name(n) for n in range(plan.num_nodes)]
     else:
         files += [plan.journal_path.name]
     if plan.unpack:
         files.append(plan.unpack_dir)
     files.append(RECEIPT_NAME)
-    stats = {
-        "files_copied": result.files_copied,
-        "bytes_copied": result.bytes_copied,
-        "files_kept": result.files_kept,
-        "workers": result.workers,
-        "block_size": result.block_size,
-        "ordering": result.ordering,
-        "source_fs": result.source_fs,
-        "dest_fs": result.dest_fs,
-        "unpacked_files": result.unpacked_files,
-        "seconds": round(result.seconds, 3),
-        "created_dest": not plan.explicit_dest,
-    }
+    return files
+
+
+def write_receipt(plan: StagePlan, *, verified: str, stats: dict[str, Any], durable: bool = True) -> None:
+    """Write DEST's receipt for ``plan`` (the run's last write), with SRC's access.
+
+    ``verified`` says how (``"<algo> while copying"``); ``stats`` are the run's figures; a
+    non-``durable`` receipt carries this boot's id and is not trusted after a reboot.
+    """
+    dest = plan.dest
     rec = Receipt(
         dataset_id=plan.manifest.dataset_id,
         manifest_digest=plan.receipt_digest,
-        source=plan.source,
+        source=plan.src,
         dest=str(dest),
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         host=socket.gethostname(),
-        verified=f"{plan.manifest.hash_algo} while copying",
+        verified=verified,
         mode=plan.mode,
         partition=plan.partition_info,
         shards=plan.receipt_shards(),
         unpacked=str(dest / plan.unpack_dir) if plan.unpack else None,
-        files=files,
+        files=receipt_files(plan),
         stats=stats,
-        durable=result.durable,
-        boot_id="" if result.durable else boot_id(),
+        durable=durable,
+        boot_id="" if durable else boot_id(),
     )
-    rec.write(dest, *source_access(manifest_path(plan.source)))
+    rec.write(dest, *plan.src_access)
+
+
+# ---- quiet reads ----------------------------------------------------------------------------------
+def load_receipt_quiet(dest: Path) -> Receipt | None:
+    """DEST's receipt, or None when there is none or it is damaged (a rerun then replaces it)."""
+    try:
+        return load_receipt(dest)
+    except StagerError:
+        return None
+
+
+def read_quiet(p: Path) -> bytes | None:
+    try:
+        return p.read_bytes()
+    except OSError:
+        return None

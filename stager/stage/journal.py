@@ -1,4 +1,13 @@
-"""The staging journal: an append-only record of the files verified in DEST, for resume."""
+"""The staging journal: an append-only record of what is verified in DEST, so a rerun resumes.
+
+One file per DEST (``.stager-journal.jsonl``; per node on a shared DEST, :mod:`stager.stage.names`).
+Contract: a line is appended only once its file is final in DEST (renamed after verification, and
+fsynced unless ``--no-fsync``) or its shard's unpacked files are on disk, so a reader may trust
+every line it can parse; the journal of another dataset (another manifest digest) is ignored and
+replaced; lines of a ``--no-fsync`` run are trusted only in the boot that wrote them. A resumed run
+keeps a journaled file only if DEST still holds it with the manifest's size
+(:func:`stager.stage.dest.kept_files`).
+"""
 
 from __future__ import annotations
 
@@ -13,7 +22,6 @@ from stager.fs.atomic import atomic_write_bytes
 from stager.fs.kernel import boot_id
 
 
-# ---- journal ----------------------------------------------------------------------------------------
 class Journal:
     """Append-only record of verified files (and unpacked shards) of one dataset in DEST.
 

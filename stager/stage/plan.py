@@ -1,80 +1,113 @@
-"""What this node stages where (:func:`plan_stage`, pure): the files (all; this node's
-:func:`~stager.order.partition.assign_shards_to_nodes` share with ``--partition``; its share of a
-shared BeeOND namespace in ``shared`` mode), DEST, the mode, and the order the copy streams take.
+"""What this node stages where: :func:`plan_stage` and the :class:`StagePlan` it returns.
+
+The plan is decided before anything is written and does not change during a run: which shards this
+node holds (all; its :func:`~stager.order.partition.assign_shards_to_nodes` share with
+``--partition``; its share of a shared BeeOND DEST in ``shared`` mode, where the other nodes write
+the rest), the files that makes (:class:`FileTask`: each shard and its companion files), DEST (given,
+or ``stager-<dataset id>`` under the first staging root set), the mode, and the names of the
+bookkeeping files. Its only I/O: SRC's manifest is read by :func:`read_src_manifest` beforehand,
+``shared=None`` asks whether DEST is on BeeGFS, and node identity may come from the environment.
+:func:`order_for_streams` then orders the files still to copy for the parallel copy streams.
+
+Names: SRC is what the user named (a packed directory or its ``manifest.json``, a path or an fsspec
+URL): :attr:`StagePlan.src`. The directory holding the shards is :attr:`StagePlan.src_dir`; a file's
+place in it is :attr:`FileTask.src_path`.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from stager.errors import ShardMissingError, UsageError
+from stager.errors import ShardMissingError, SourceNotFoundError, UsageError
 from stager.fs import lustre
+from stager.fs.access import source_access
 from stager.fs.info import FsInfo, detect_fs
-from stager.fs.open import read_bytes
+from stager.fs.open import is_url, join, read_bytes
 from stager.manifest import Manifest, dataset_root, manifest_path
 from stager.order.partition import assign_shards_to_nodes
 from stager.receipt import STAGING_ROOT_VARS
-from stager.world import resolve_node
+from stager.stage.names import journal_name, lock_name, marker_name
+from stager.stage.options import StageOptions
 
-DEFAULT_BLOCK = 8 << 20
-
-
-DEFAULT_UNPACK_DIR = "unpacked"
-
-
-UNPACK_ONLY_PREFIX = "unpack-only:"
+DEFAULT_BLOCK = 8 << 20  # bytes per read of a copy stream (off Lustre)
+UNPACK_ONLY_PREFIX = "unpack-only:"  # receipt digest of an --unpack only DEST: never taken for a shard copy
 
 
-# ---- the plan -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class FileTask:
-    """One file to stage: manifest ``name``, expected ``bytes`` and ``hash``, source path or URL."""
+    """One file to stage: its manifest ``name`` (also its name in DEST), expected ``bytes`` and
+    ``hash``, ``src_path`` (where it is in SRC: a path or URL), and the index of the ``shard`` it
+    belongs to (a companion file carries its shard's index)."""
 
     name: str
     bytes: int
     hash: str
-    src: str
+    src_path: str
     shard: int
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class StagePlan:
-    source: str
-    src_root: str
+    """What one node stages where (see the module docstring); built by :func:`plan_stage`.
+
+    ``mode``: ``"full"`` (every shard), ``"partition"`` (this node's share only) or ``"shared"``
+    (this node writes its share into a DEST every node sees, then waits for the others).
+    ``node``/``num_nodes``/``ranks_per_node``/``node_origin``: this node's identity (0 of 1, origin
+    ``"default"``, in full mode, where it does not matter). ``shard_indices``: the manifest's shards
+    this node writes, ``tasks`` their files. ``unpack``: None, ``"also"`` or ``"only"``.
+    ``explicit_dest``: DEST was given (else stage created it, and ``clean`` may remove it).
+    """
+
+    src: str
+    src_dir: str
     dest: Path
     manifest: Manifest
     manifest_bytes: bytes
-    mode: str  # "full" | "partition" | "shared"
+    mode: str
     node: int
     num_nodes: int
     ranks_per_node: int
+    node_origin: str
     seed: int
-    node_source: str
-    mine: list[int]  # shard indices this node copies
+    shard_indices: list[int]
     tasks: list[FileTask]
-    unpack: str | None  # None | "also" | "only"
+    unpack: str | None
     unpack_dir: str
     explicit_dest: bool
     storage_options: dict[str, Any] = field(default_factory=dict)  # for every open of SRC
 
     @property
-    def suffix(self) -> str:
-        return f".node{self.node}" if self.mode == "shared" else ""
+    def src_manifest(self) -> str:
+        """Path or URL of SRC's ``manifest.json``."""
+        return manifest_path(self.src)
+
+    @cached_property
+    def src_access(self) -> tuple[int, int | None]:
+        """``(mode, gid)`` for what stage writes about SRC (staged manifest, receipt, unpacked files,
+        collective copies): the source manifest's, by :func:`~stager.fs.access.source_access` (stat'ed once)."""
+        return source_access(self.src_manifest)
+
+    @property
+    def shared_node(self) -> int | None:
+        """This node's index where its bookkeeping files are per node (shared mode), else None."""
+        return self.node if self.mode == "shared" else None
 
     @property
     def lock_path(self) -> Path:
-        return self.dest / f".stager-lock{self.suffix}"
+        return self.dest / lock_name(self.shared_node)
 
     @property
     def journal_path(self) -> Path:
-        return self.dest / f".stager-journal{self.suffix}.jsonl"
+        return self.dest / journal_name(self.shared_node)
 
     def marker_name(self, node: int) -> str:
-        return f".stager-done.node{node}-of-{self.num_nodes}.json"
+        return marker_name(node, self.num_nodes)
 
     @property
     def receipt_digest(self) -> str:
@@ -88,20 +121,22 @@ class StagePlan:
         return {"num_nodes": self.num_nodes, "node": self.node, "seed": self.seed,
                 "ranks_per_node": self.ranks_per_node}
 
+    def _dest_shards(self) -> range | list[int]:
+        """The shards the finished DEST holds: all of them on a shared DEST, else this node's."""
+        return range(len(self.manifest.shards)) if self.mode == "shared" else self.shard_indices
+
     def receipt_shards(self) -> list[str]:
         """Shards the receipt promises are in DEST."""
         if self.unpack == "only":
             return []
-        idx = range(len(self.manifest.shards)) if self.mode == "shared" else self.mine
-        return [self.manifest.shards[i].name for i in idx]
+        return [self.manifest.shards[i].name for i in self._dest_shards()]
 
     def expected_files(self) -> dict[str, int]:
         """Every data file the finished DEST holds (name -> bytes), for the fast-path check."""
         if self.unpack == "only":
             return {}
-        idx = range(len(self.manifest.shards)) if self.mode == "shared" else self.mine
         out = {}
-        for i in idx:
+        for i in self._dest_shards():
             s = self.manifest.shards[i]
             out[s.name] = s.bytes
             for a in s.aux:
@@ -119,8 +154,12 @@ def default_dest_root(env: Mapping[str, str] | None = None) -> Path:
     )
 
 
-def read_source_manifest(src: str, storage_options: dict[str, Any] | None = None) -> tuple[Manifest, bytes]:
+def read_src_manifest(src: str | os.PathLike[str], storage_options: dict[str, Any] | None = None
+                      ) -> tuple[Manifest, bytes]:
     """Load SRC's manifest and return it with its exact bytes (DEST gets a verbatim copy)."""
+    src = os.fspath(src)
+    if not is_url(src) and not os.path.exists(src):
+        raise SourceNotFoundError(f"{src}: no such packed dataset; give the `stager pack` output directory")
     mp = manifest_path(src)
     try:
         data = read_bytes(mp, storage_options)
@@ -132,51 +171,41 @@ def read_source_manifest(src: str, storage_options: dict[str, Any] | None = None
 
 
 def plan_stage(
-    src: str,
+    src: str | os.PathLike[str],
     manifest: Manifest,
     manifest_bytes: bytes,
     dest: str | os.PathLike[str] | None,
+    options: StageOptions | None = None,
     *,
-    partition: bool = False,
-    shared: bool | None = None,
-    node: int | None = None,
-    num_nodes: int | None = None,
-    ranks_per_node: int | None = None,
-    seed: int = 0,
-    unpack: str | None = None,
-    unpack_dir: str = DEFAULT_UNPACK_DIR,
     env: Mapping[str, str] | None = None,
-    storage_options: dict[str, Any] | None = None,
 ) -> StagePlan:
-    """Decide what this node stages where. ``shared`` None means: detect (DEST on BeeGFS)."""
-    if unpack not in (None, "also", "only"):
-        raise UsageError(f"--unpack must be 'also' or 'only', got {unpack!r}")
-    if unpack_dir in ("", ".", "..") or "/" in unpack_dir:
-        raise UsageError(f"--unpack-dir must be a plain directory name, got {unpack_dir!r}")
-    explicit = dest is not None
+    """Decide what this node stages where. ``options.shared`` None means: detect (DEST on BeeGFS)."""
+    options = options or StageOptions()
+    src = os.fspath(src)
     dest_path = Path(dest) if dest is not None else default_dest_root(env) / f"stager-{manifest.dataset_id}"
     dest_path = Path(os.path.abspath(dest_path))
-    if "://" not in src:
+    if not is_url(src):
         src = os.path.abspath(src)
-    if shared is None:
-        shared = detect_fs(dest_path).is_beegfs
-    mode = "shared" if shared else ("partition" if partition else "full")
-    n_idx, n_nodes, rpn, nsrc = 0, 1, ranks_per_node or 1, "default"
-    if mode != "full":
-        n_idx, n_nodes, rpn, nsrc = resolve_node(node, num_nodes, ranks_per_node, env)
+    shared = detect_fs(dest_path).is_beegfs if options.shared is None else options.shared
+    mode = "shared" if shared else ("partition" if options.partition else "full")
     if mode == "full":
-        mine = list(range(len(manifest.shards)))
+        node, num_nodes, ranks_per_node, origin = 0, 1, options.node.ranks_per_node or 1, "default"
+        shard_indices = list(range(len(manifest.shards)))
     else:
-        mine = assign_shards_to_nodes(manifest.shard_bytes, n_nodes, seed)[n_idx]
-    root = dataset_root(src)
-    join = (lambda n: root.rstrip("/") + "/" + n) if "://" in root else (lambda n: os.path.join(root, n))
+        node, num_nodes, ranks_per_node, origin = options.node.resolve(env)
+        shard_indices = assign_shards_to_nodes(manifest.shard_bytes, num_nodes, options.seed)[node]
+    src_dir = dataset_root(src)
     tasks = []
-    for i in mine:
+    for i in shard_indices:
         s = manifest.shards[i]
-        tasks.append(FileTask(s.name, s.bytes, s.hash, join(s.name), i))
-        tasks += [FileTask(a.name, a.bytes, a.hash, join(a.name), i) for a in s.aux]
-    return StagePlan(src, root, dest_path, manifest, manifest_bytes, mode, n_idx, n_nodes, rpn, seed, nsrc, mine,
-                     tasks, unpack, unpack_dir, explicit, dict(storage_options or {}))
+        tasks.append(FileTask(s.name, s.bytes, s.hash, join(src_dir, s.name), i))
+        tasks += [FileTask(a.name, a.bytes, a.hash, join(src_dir, a.name), i) for a in s.aux]
+    return StagePlan(
+        src=src, src_dir=src_dir, dest=dest_path, manifest=manifest, manifest_bytes=manifest_bytes, mode=mode,
+        node=node, num_nodes=num_nodes, ranks_per_node=ranks_per_node, node_origin=origin, seed=options.seed,
+        shard_indices=shard_indices, tasks=tasks, unpack=options.unpack, unpack_dir=options.unpack_dir,
+        explicit_dest=dest is not None, storage_options=dict(options.storage_options),
+    )
 
 
 def order_for_streams(tasks: list[FileTask], src_fs: FsInfo | None, block: int = DEFAULT_BLOCK
@@ -188,11 +217,9 @@ def order_for_streams(tasks: list[FileTask], src_fs: FsInfo | None, block: int =
     size. Elsewhere: largest first, so the streams finish together.
     """
     if src_fs is not None and src_fs.is_lustre and lustre.lfs_path() and tasks:
-        from concurrent.futures import ThreadPoolExecutor
-
         def index(t: FileTask) -> int:
             try:
-                return lustre.stripe_index(t.src)
+                return lustre.stripe_index(t.src_path)
             except lustre.LfsError:
                 return -1
 
@@ -206,7 +233,7 @@ def order_for_streams(tasks: list[FileTask], src_fs: FsInfo | None, block: int =
         for k in range(max(len(g) for g in groups.values())):
             ordered += [groups[o][k] for o in keys if k < len(groups[o])]
         try:
-            ssize = lustre.stripe_size(tasks[0].src)
+            ssize = lustre.stripe_size(tasks[0].src_path)
         except lustre.LfsError:
             ssize = 0
         return ordered, "ost-round-robin", ssize * max(1, block // ssize) if ssize > 0 else block

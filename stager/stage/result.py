@@ -1,4 +1,7 @@
-"""What a stage run did (:class:`StageResult`): the ``--json`` object of ``stager stage``."""
+"""What a stage run did: :class:`StageResult`, returned by :func:`stager.stage.stage` and printed by
+``stager stage --json`` (:meth:`StageResult.to_json`; job scripts read its field names, so they are
+stable) or as one line (:meth:`StageResult.summary`).
+"""
 
 from __future__ import annotations
 
@@ -6,9 +9,19 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
-# ---- the result -----------------------------------------------------------------------------------
 @dataclass
 class StageResult:
+    """One node's stage run. ``source``: SRC as staged (absolute); ``files_total``/``bytes_total``:
+    the files this node is responsible for; ``files_copied``/``bytes_copied``: what this run copied
+    (``--unpack only`` of tar shards: bytes streamed from SRC); ``files_kept``: verified files of an
+    earlier run kept; ``already_staged``: a receipt already covered the plan (nothing read);
+    ``waited_s``: for the node lock and, in shared mode, the other nodes; ``lock_takeover``: the dead
+    holder whose lock was taken over; ``ordering``/``workers``/``block_size``/``io``: how the copy
+    streams ran; ``durable``: False after ``--no-fsync``; ``node_source``: where node identity came
+    from (``"flags"``, ``"slurm"``, ``"torchrun"``, ``"default"``...); ``source_fs``/``dest_fs``: file
+    system types; ``warnings``: printed by the CLI on stderr.
+    """
+
     ok: bool
     source: str
     dest: str

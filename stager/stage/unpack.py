@@ -1,11 +1,18 @@
 """``stage --unpack``: write shards' samples as an ImageFolder tree, safely and fast.
 
+:func:`run_unpack` is the stage phase: it unpacks this node's shards of a
+:class:`~stager.stage.plan.StagePlan` with a thread pool, journals each shard once its files are on
+disk and returns :class:`UnpackCounts`. Below it, :class:`Unpacker` writes one shard's samples,
+:func:`walk_tar` and :class:`ChunkReader` stream a tar shard, and :class:`SyncfsBatcher` makes the
+files durable in the background. ``stager clean`` uses :func:`class_dir_name` and
+:func:`unpacked_stem` to find what was written.
+
 Layout: ``ROOT/<class>/<stem>.<ext>`` where ``<class>`` is ``manifest.classes[label]``
 (``_unlabeled`` for label -1) and ``<stem>`` is the key without a leading ``<class>/``, its other
 ``/`` turned into ``_`` (:func:`unpacked_stem`): an ImageFolder pack unpacks to its original file
 names, a CIFAR pack's ``data_batch_1/00006`` to ``data_batch_1_00006``. Tar shards are streamed
-through one reused buffer (:class:`ChunkReader`) and walked header by header (:func:`walk_tar`, the same checks as
-:func:`stager.formats.tar.iter_members`: checksum, size against the shard, type: links, devices and
+through one reused buffer (:class:`ChunkReader`) and walked header by header (:func:`walk_tar`, the
+same checks as :func:`stager.formats.tar.iter_members`: checksum, size against the shard, type: links, devices and
 FIFOs are refused, as are absolute and ``..`` names); each image member is matched to its manifest
 entry by data offset and must have exactly the manifest's size, checked before its data is read.
 Other formats go through their readers' ``iter_samples``.
@@ -34,9 +41,12 @@ import os
 import stat
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from stager.checksum import Hasher, new_hasher
 from stager.errors import CorruptSampleError, UnsafeArchiveError, VerificationError
 from stager.formats.tar import (  # one tar header parser for pack, verify and unpack
     BLOCK,
@@ -44,12 +54,24 @@ from stager.formats.tar import (  # one tar header parser for pack, verify and u
     split_member_name,
     walk_headers,
 )
-from stager.fs.access import chgrp_quiet, source_access
+from stager.fs.access import chgrp_quiet
 from stager.fs.atomic import space_error
 from stager.fs.kernel import syncfs
-from stager.manifest import Manifest, ShardInfo, check_safe_name, manifest_path
+from stager.manifest import Manifest, ShardInfo, check_safe_name
+from stager.progress import Progress
+from stager.stage.copier import open_src_file
+
+if TYPE_CHECKING:
+    from stager.formats.base import Sample
+    from stager.stage.journal import Journal
+    from stager.stage.plan import StagePlan
 
 UNLABELED = "_unlabeled"
+WRITE_BEHIND_BYTES = 32 << 20
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC
 
 
 def class_dir_name(classes: list[str], label: int) -> str:
@@ -68,11 +90,6 @@ def unpacked_stem(key: str, class_name: str) -> str:
     if key.startswith(prefix):
         key = key[len(prefix) :]
     return key.replace("/", "_")
-WRITE_BEHIND_BYTES = 32 << 20
-_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
-_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC
 
 
 class ChunkReader:
@@ -84,7 +101,7 @@ class ChunkReader:
     consumed. The buffer grows only for a request larger than it.
     """
 
-    def __init__(self, raw: Any, hasher: Any | None = None, size: int = 1 << 20) -> None:
+    def __init__(self, raw: Any, hasher: Hasher | None = None, size: int = 1 << 20) -> None:
         self._raw = raw
         self._readinto = getattr(raw, "readinto", None)
         self._h = hasher
@@ -171,8 +188,6 @@ def walk_tar(r: ChunkReader, file_size: int, where: str, sizes: dict[int, int]
             if len(data) < size:
                 raise CorruptSampleError(f"{where}: truncated member {name!r} at byte {start - BLOCK}")
             yield name, start, data[:size]
-
-
 
 
 class SyncfsBatcher:
@@ -396,7 +411,7 @@ class Unpacker:
             self.bytes += nbytes
 
     # ---- formats ---------------------------------------------------------------------------------
-    def unpack_tar(self, stream: Any, info: ShardInfo, hasher: Any | None = None,
+    def unpack_tar(self, stream: Any, info: ShardInfo, hasher: Hasher | None = None,
                    on_progress: Callable[[int, int], None] | None = None) -> int:
         """Stream one tar shard from ``stream`` (a binary file, ideally unbuffered: it is read in
         1 MiB ``readinto`` calls) and write its image members; return files written.
@@ -461,7 +476,7 @@ class Unpacker:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(base, dir_fd=dfd)
 
-    def unpack_samples(self, samples: Iterable[Any], info: ShardInfo) -> int:
+    def unpack_samples(self, samples: Iterable[Sample], info: ShardInfo) -> int:
         """Write samples from a format reader's ``iter_samples()`` (encoded bytes or decoded arrays)."""
         import numpy as np
 
@@ -492,61 +507,43 @@ def _png(arr: Any) -> bytes:
     return buf.getvalue()
 
 
-def run_unpack(plan: Any, journal: Any, workers: int, quiet: bool, result: Any, *, fsync: bool = True) -> int:
-    """Unpack this node's shards of ``plan`` (a :class:`stager.stage.StagePlan`) into
-    ``DEST/<plan.unpack_dir>``; shards the journal lists as unpacked are skipped. Returns files written.
+@dataclass(frozen=True)
+class UnpackCounts:
+    """What :func:`run_unpack` did: ``files`` written, and ``streamed_bytes`` read from SRC for them
+    (``--unpack only`` streams tar shards from SRC instead of copying them first; 0 otherwise)."""
 
-    Tar shards are read from DEST, or streamed (and hashed) from the source with ``--unpack only``;
-    other formats are read through their readers from the verified copy in DEST. On return every
-    file written is durable (``syncfs``) and its shard is journaled; with ``fsync=False``
+    files: int
+    streamed_bytes: int
+
+
+def run_unpack(plan: StagePlan, journal: Journal, *, workers: int, quiet: bool, fsync: bool = True) -> UnpackCounts:
+    """Unpack this node's shards of ``plan`` into ``DEST/<plan.unpack_dir>`` with ``workers`` threads;
+    shards the journal lists as unpacked are skipped (unless the tree is gone).
+
+    Tar shards are read from DEST, or streamed (and hashed) from SRC with ``--unpack only``; other
+    formats are read through their readers from the verified copy in DEST. Files get SRC's access
+    (:attr:`~stager.stage.plan.StagePlan.src_access`), directories the matching ``x`` bits. On return
+    every file written is durable (``syncfs``) and its shard is journaled; with ``fsync=False``
     (``--no-fsync``) nothing is synced and shards are journaled as they finish (the journal is then
-    volatile: ignored after a reboot).
+    volatile: ignored after a reboot). On failure the shards finished so far are still made durable
+    and journaled, so a rerun skips them.
     """
-    from concurrent.futures import ThreadPoolExecutor
-
-    from stager.checksum import new_hasher
-    from stager.progress import Progress
-
-    m: Manifest = plan.manifest
-    root = Path(plan.dest) / plan.unpack_dir
+    m = plan.manifest
+    root = plan.dest / plan.unpack_dir
     fresh = not root.is_dir()
     # The source's group and at most its permissions (a licensed dataset stays group-only); dirs get x
     # wherever files get r.
-    mode, gid = source_access(manifest_path(plan.source))
+    mode, gid = plan.src_access
     dir_mode = mode | 0o100 | (0o010 if mode & 0o040 else 0) | (0o001 if mode & 0o004 else 0)
-    shards = [m.shards[i] for i in plan.mine if fresh or m.shards[i].name not in journal.unpacked]
-    src_of = {t.name: t.src for t in plan.tasks}
+    shards = [m.shards[i] for i in plan.shard_indices if fresh or m.shards[i].name not in journal.unpacked]
     progress = Progress("unpack", total_items=sum(s.samples for s in shards), unit="files", quiet=quiet)
     unpacker = Unpacker(root, m, file_mode=mode, dir_mode=dir_mode, gid=gid)
-    behind = SyncfsBatcher(root, journal.add_unpacked, sync=fsync)
-    unpacker.on_write = behind.wrote
-    streamed = [0]
-
-    def one(info: ShardInfo) -> None:
-        local = Path(plan.dest) / info.name
-        if m.format == "tar":
-            if plan.unpack == "only":
-                from stager.stage.copier import open_shard_file
-
-                with open_shard_file(src_of[info.name], plan.storage_options) as raw:
-                    unpacker.unpack_tar(raw, info, new_hasher(m.hash_algo), on_progress=progress.update)
-                streamed[0] += info.bytes
-            else:
-                with open(local, "rb", buffering=0) as f:
-                    unpacker.unpack_tar(f, info, None, on_progress=progress.update)
-        else:
-            from stager.formats import get_format
-
-            reader = get_format(m.format).open_reader(str(local), info, m)
-            try:
-                progress.update(unpacker.unpack_samples(reader.iter_samples(), info))
-            finally:
-                reader.close()
-        behind.shard_done(info.name)
-
+    batcher = SyncfsBatcher(root, journal.add_unpacked, sync=fsync)
+    unpacker.on_write = batcher.wrote
+    job = _ShardUnpacking(plan, unpacker, batcher, progress)
     try:
         with ThreadPoolExecutor(max(1, min(workers, len(shards) or 1))) as ex:
-            futures = [ex.submit(one, s) for s in shards]
+            futures = [ex.submit(job.unpack_shard, s) for s in shards]
             try:
                 for fut in futures:
                     fut.result()
@@ -557,12 +554,54 @@ def run_unpack(plan: Any, journal: Any, workers: int, quiet: bool, result: Any, 
     except BaseException:
         # Shards finished before the failure are made durable and journaled, so a rerun skips them.
         with contextlib.suppress(Exception):
-            behind.finish()
+            batcher.finish()
         raise
     finally:
         progress.close()
         unpacker.close()
-    behind.finish()
-    if plan.unpack == "only" and m.format == "tar":
-        result.bytes_copied += streamed[0]
-    return unpacker.files
+    batcher.finish()
+    return UnpackCounts(files=unpacker.files, streamed_bytes=job.streamed_bytes)
+
+
+class _ShardUnpacking:
+    """One :func:`run_unpack` call's per-shard work, run by its threads: :meth:`unpack_shard`."""
+
+    def __init__(self, plan: StagePlan, unpacker: Unpacker, batcher: SyncfsBatcher, progress: Progress) -> None:
+        self.plan = plan
+        self.unpacker = unpacker
+        self.batcher = batcher
+        self.progress = progress
+        self.src_path_of = {t.name: t.src_path for t in plan.tasks}
+        self.streamed_bytes = 0
+        self._lock = threading.Lock()
+
+    def unpack_shard(self, info: ShardInfo) -> None:
+        """Unpack one shard, then hand it to the batcher (journaled once its files are on disk)."""
+        m = self.plan.manifest
+        if m.format != "tar":
+            self._unpack_with_reader(info)
+        elif self.plan.unpack == "only":
+            self._unpack_tar_from_src(info)
+        else:
+            with open(self.plan.dest / info.name, "rb", buffering=0) as f:
+                self.unpacker.unpack_tar(f, info, None, on_progress=self.progress.update)
+        self.batcher.shard_done(info.name)
+
+    def _unpack_tar_from_src(self, info: ShardInfo) -> None:
+        """``--unpack only``: stream the tar shard from SRC, hashing it (no copy in DEST to trust)."""
+        with open_src_file(self.src_path_of[info.name], self.plan.storage_options) as raw:
+            self.unpacker.unpack_tar(raw, info, new_hasher(self.plan.manifest.hash_algo),
+                                     on_progress=self.progress.update)
+        with self._lock:
+            self.streamed_bytes += info.bytes
+
+    def _unpack_with_reader(self, info: ShardInfo) -> None:
+        """hdf5, record, zarr: samples through the format's reader from the verified copy in DEST."""
+        from stager.formats import get_format
+
+        m = self.plan.manifest
+        reader = get_format(m.format).open_reader(str(self.plan.dest / info.name), info, m)
+        try:
+            self.progress.update(self.unpacker.unpack_samples(reader.iter_samples(), info))
+        finally:
+            reader.close()

@@ -30,14 +30,15 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 from stager.errors import StagerTimeoutError, UsageError
 from stager.world import expand_hostlist
 
 DEFAULT_PORT = 29417
 ABORT_KEY = "abort"
+T = TypeVar("T")
 
 
 class RendezvousError(StagerTimeoutError):
@@ -258,7 +259,7 @@ class Group:
         with contextlib.suppress(RuntimeError, OSError):
             self.store.compare_set(ABORT_KEY, "", self.aborted)
 
-    def collective(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    def collective(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run one collective; turn any failure into a :class:`StagerTimeoutError` naming the culprit."""
         self.check()
         self._in_collective = True

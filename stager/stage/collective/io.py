@@ -1,15 +1,17 @@
 """Reading a node's share from SRC as one byte stream, and writing streams back into verified files.
 
-:class:`ShareReader` fills fixed-size buffers from a :class:`~stager.collective_plan.StreamLayout`
+:class:`ShareReader` fills fixed-size buffers from a :class:`~stager.stage.collective.plan.StreamLayout`
 (files back to back), counting every byte it takes from SRC: that count is the figure "bytes read
 from the shared file system" in the summary, and the one the tests check against an independent
 counting file system. A file the reading node already holds verified in DEST is read from there
 instead, so a resumed run does not touch SRC for it.
 
 :class:`StreamSink` is the inverse: fed a stream's bytes in order, it writes each file as
-``<name>.<uuid>.partial`` (see :mod:`stager.atomicio`), hashes while writing, and on the file's
+``<name>.<uuid>.partial`` (see :mod:`stager.fs.atomic`), hashes while writing, and on the file's
 last byte checks size and checksum against the manifest before renaming it to its final name.
 Files the node already has are consumed and dropped. Memory: the caller's buffers only.
+:func:`copy_share` joins the two without an exchange. ``stager stage --follow``'s prefetcher
+(:mod:`stager.prefetch.prefetcher`) copies single shards with the same three.
 """
 
 from __future__ import annotations

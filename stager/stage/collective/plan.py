@@ -7,10 +7,10 @@ Pure functions (no I/O, no torch) so the invariants are tested directly:
   OST index of each shard is known (Lustre, ``lfs getstripe -i``), each node's share also holds
   about the same bytes from every OST, and each node visits the OSTs in a rotated order so that the
   ``N`` concurrent readers start on different OSTs instead of all hammering OST 0 first.
-* :class:`StreamLayout` is one node's share seen as a single byte stream: the concatenation of its
-  files (each shard followed by its companion files). Chunk ``s`` of node ``j``'s stream is bytes
-  ``[s*c, (s+1)*c)``; every node knows every layout, so chunks carry no header and a receiver
-  demultiplexes them into files by offset alone.
+* :class:`StreamLayout` (made by :func:`stream_layouts`) is one node's share seen as a single byte
+  stream: the concatenation of its files (each shard followed by its companion files). Chunk ``s``
+  of node ``j``'s stream is bytes ``[s*c, (s+1)*c)``; every node knows every layout, so chunks carry
+  no header and a receiver demultiplexes them into files by offset alone.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def assign_read_shares(
 ) -> list[list[int]]:
     """``num_nodes`` lists of shard indices (in read order); every shard appears in exactly one.
 
-    Without ``osts`` this is :func:`stager.partition.assign_shards_to_nodes` (byte-balanced, seeded),
+    Without ``osts`` this is :func:`stager.order.partition.assign_shards_to_nodes` (byte-balanced, seeded),
     so a ``--partition`` share and a read share coincide. With ``osts`` (first OST index of each
     shard, -1 for unknown) the shards of each OST are spread over the nodes by longest-processing
     -time greedy on the node's total bytes (ties by a seeded permutation), which keeps the nodes
@@ -122,7 +122,7 @@ class StreamLayout:
         return -(-self.length // chunk)
 
 
-def plan_streams(
+def stream_layouts(
     manifest: Manifest, shares: Sequence[Sequence[int]], skip: set[str] = frozenset()  # type: ignore[assignment]
 ) -> list[StreamLayout]:
     """One :class:`StreamLayout` per node from its read share, leaving out files named in ``skip``.
