@@ -230,6 +230,52 @@ def test_collective_copies_take_the_sources_access_like_a_plain_stage(tmp_path: 
         assert {os.stat(dest / n).st_gid for n in names} == {os.stat(src / "manifest.json").st_gid}
 
 
+TOKEN_LAUNCHER = r'''
+import json, sys
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+class TokenFS(LocalFileSystem):  # an object store stand-in: every open needs the credential
+    protocol = "stagertoken"
+
+    def __init__(self, token=None, **kw):
+        super().__init__(**kw)
+        self.token = token
+
+    def _open(self, path, mode="rb", **kw):
+        if self.token != "s3cret":
+            raise PermissionError(f"{path}: no credentials")
+        return super()._open(path, mode, **kw)
+
+fsspec.register_implementation("stagertoken", TokenFS, clobber=True)
+from stager.stage.collective import stage_collective
+res = stage_collective(sys.argv[1], sys.argv[2], timeout=20, chunk_bytes=8192, storage_options={"token": "s3cret"})
+print(json.dumps(res.to_json()))
+'''
+
+
+def test_storage_options_reach_the_collective_share_reads(tmp_path: Path) -> None:
+    """stage_collective's storage_options reach every node's reads of its share, not only the
+    manifest read: a store that needs a credential is staged completely on both nodes."""
+    src = tmp_path / "src"
+    m = make_dataset(src, n=6, size=16 << 10)
+    (tmp_path / "launcher.py").write_text(TOKEN_LAUNCHER)
+    port = _free_port()
+    procs = []
+    for i in range(2):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC"))}
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(i), WORLD_SIZE="2", LOCAL_WORLD_SIZE="1")
+        procs.append(subprocess.Popen([sys.executable, str(tmp_path / "launcher.py"), f"stagertoken://{src}",
+                                       str(tmp_path / f"dest{i}")], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    for rc, res, err in _finish(procs):
+        assert rc == 0, err
+        assert res["collective"] and res["totals"]["src_bytes"] == m.num_bytes
+    for i in range(2):
+        assert verify(tmp_path / f"dest{i}").ok
+        assert sorted(p.name for p in (tmp_path / f"dest{i}").glob("shard-*")) == sorted(s.name for s in m.shards)
+
+
 # ---- pure pieces ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("nodes", [1, 2, 3, 5, 13])
 def test_read_shares_are_disjoint_cover_and_balanced(packed: Path, nodes: int) -> None:

@@ -255,7 +255,8 @@ def _exchange(plan: StagePlan, group: Group, journal: Journal, *, layouts: list[
         chgrp_quiet(dest / entry.name, gid)
         journal.add_file(entry.name, entry.bytes)
 
-    reader = ShareReader(plan.src_dir, dest, layouts[group.node], counters=counters, local_have=set(have))
+    reader = ShareReader(plan.src_dir, dest, layouts[group.node], counters=counters, local_have=set(have),
+                         storage_options=plan.storage_options)
     sinks = [
         StreamSink(dest, lay, algo=plan.manifest.hash_algo, counters=counters, have=have, on_verified=verified,
                    origin=f" from node {lay.node}", from_peer=lay.node != group.node)
