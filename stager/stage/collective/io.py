@@ -46,12 +46,13 @@ class IoCounters:
 class ShareReader:
     """Yields a stream's bytes into caller buffers: ``fill(view) -> n`` (n < len(view) only at the end).
 
-    ``src`` is a directory or an fsspec URL prefix; ``local_have`` names files to read from ``dest``.
+    ``src_dir`` is SRC's packed directory or its fsspec URL prefix (opened with ``storage_options``);
+    ``local_have`` names files to read from ``dest`` instead.
     """
 
     def __init__(
         self,
-        src: str,
+        src_dir: str,
         dest: str | os.PathLike[str],
         layout: StreamLayout,
         *,
@@ -59,7 +60,7 @@ class ShareReader:
         local_have: set[str] = frozenset(),  # type: ignore[assignment]
         storage_options: dict[str, Any] | None = None,
     ) -> None:
-        self.src = src
+        self.src_dir = src_dir
         self.dest = Path(dest)
         self.files = layout.files
         self.counters = counters
@@ -79,19 +80,19 @@ class ShareReader:
             size = os.fstat(f.fileno()).st_size
         else:
             self._from_src = True
-            if is_url(self.src):
+            if is_url(self.src_dir):
                 if self._fs is None:
-                    self._fs, self._root = filesystem(self.src, self.storage_options)
+                    self._fs, self._root = filesystem(self.src_dir, self.storage_options)
                 path = str(self._root).rstrip("/") + "/" + entry.name
                 try:
                     f = self._fs.open(path, "rb")
                 except FileNotFoundError:
                     raise ShardMissingError(
-                        f"{self.src}/{entry.name}: listed in the manifest but missing in SRC"
+                        f"{self.src_dir}/{entry.name}: listed in the manifest but missing in SRC"
                     ) from None
                 size = int(self._fs.size(path))
             else:
-                path = os.path.join(self.src, entry.name)
+                path = os.path.join(self.src_dir, entry.name)
                 try:
                     f = open(path, "rb", buffering=0)  # noqa: SIM115
                 except FileNotFoundError:
@@ -123,7 +124,7 @@ class ShareReader:
             if not got:
                 name = self.files[self._i].name
                 raise VerificationError(
-                    f"{self.src}/{name}: ended {self._left} bytes early while reading; re-run `stager pack`"
+                    f"{self.src_dir}/{name}: ended {self._left} bytes early while reading; re-run `stager pack`"
                 )
             n += got
             self._left -= got
