@@ -327,6 +327,34 @@ def test_resolve_node_precedence() -> None:
     assert n[:3] == (1, 2, 4)
 
 
+def test_options_are_validated_once_and_the_api_signatures_are_kept(tmp_path: Path) -> None:
+    """stage() and stage_collective() keep their documented keywords; what they take is validated when
+    the options object is built, before SRC is touched (here it does not even exist)."""
+    import inspect
+
+    from stager.errors import UsageError
+    from stager.stage.collective import CollectiveOptions, stage_collective
+
+    assert list(inspect.signature(stage).parameters) == [
+        "src", "dest", "workers", "unpack", "partition", "shared", "node", "num_nodes", "ranks_per_node", "seed",
+        "json", "quiet", "timeout", "unpack_dir", "storage_options", "tuning", "fsync"]
+    assert list(inspect.signature(stage_collective).parameters) == [
+        "src", "dest", "partition", "node", "num_nodes", "ranks_per_node", "seed", "timeout", "fallback", "backend",
+        "chunk_bytes", "memory_bytes", "master_addr", "master_port", "quiet", "storage_options"]
+    missing = tmp_path / "no-such-src"
+    for bad in ({"unpack": "sometimes"}, {"unpack_dir": "a/b"}, {"unpack_dir": ".."}, {"workers": -1}):
+        with pytest.raises(UsageError):
+            stage(missing, tmp_path / "d", **bad)
+    for bad_c in ({"fallback": "maybe"}, {"backend": "mpi"}):
+        with pytest.raises(UsageError):
+            stage_collective(missing, tmp_path / "d", **bad_c)
+    opts = StageOptions(storage_options=(so := {"token": "a"}))
+    so["token"] = "b"
+    assert opts.storage_options == {"token": "a"}  # the caller's dict may change, the options do not
+    c = CollectiveOptions(stage=StageOptions(shared=True))
+    assert c.timeout == 300.0 and c.stage.shared is False
+
+
 def test_plan_detects_beegfs_dest_as_shared(ds, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     src, _ = ds
     mi = tmp_path / "mountinfo"
