@@ -115,7 +115,7 @@ def _run_collective(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---- --follow: prefetch beside training (stager/follow.py) ------------------------------------------
+# ---- --follow: prefetch beside training (stager/prefetch/follow.py) ------------------------------
 # stager.loader.plan.SHUFFLE_MODES, spelled out so that `stager --help` does not import torch.
 _SHUFFLE_MODES = ("runs", "shards", "random", "none")
 
@@ -170,6 +170,7 @@ def _run_follow(args: argparse.Namespace) -> int:
     import os
     import threading
 
+    from stager.errors import UsageError
     from stager.prefetch.follow import follow, stop_on_signals
 
     if args.dest is None:
