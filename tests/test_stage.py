@@ -355,6 +355,21 @@ def test_options_are_validated_once_and_the_api_signatures_are_kept(tmp_path: Pa
     assert c.timeout == 300.0 and c.stage.shared is False
 
 
+def test_registering_stage_and_clean_imports_no_numpy() -> None:
+    """The names `stager stage`/`stager clean` spell out for their parsers are the engine's, and
+    importing the two command modules loads neither numpy nor the staging engine (CLI start-up)."""
+    from stager.commands import clean as clean_cmd
+    from stager.commands import stage as stage_cmd
+    from stager.stage.options import DEFAULT_UNPACK_DIR, FALLBACKS
+
+    assert (stage_cmd.DEFAULT_UNPACK_DIR, stage_cmd.FALLBACKS) == (DEFAULT_UNPACK_DIR, FALLBACKS)
+    assert clean_cmd.RECEIPT_NAME == RECEIPT_NAME
+    code = "import sys, stager.commands.stage, stager.commands.clean; print('numpy' in sys.modules, " \
+           "'stager.stage' in sys.modules)"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert p.stdout.split() == ["False", "False"], p.stdout
+
+
 def test_plan_detects_beegfs_dest_as_shared(ds, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     src, _ = ds
     mi = tmp_path / "mountinfo"

@@ -19,8 +19,10 @@ from stager.cli import add_common, emit
 from stager.errors import DestinationError, StagerError, UnsafeArchiveError
 from stager.fs.atomic import partial_base
 from stager.fs.lock import NodeLock
-from stager.receipt import RECEIPT_NAME, load_receipt
-from stager.stage.names import lock_name
+
+# stager.receipt.RECEIPT_NAME, spelled out so that registering the command does not import numpy
+# (stager.receipt and stager.stage are imported in clean(); a test holds them equal).
+RECEIPT_NAME = "stager-receipt.json"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -104,6 +106,9 @@ def _remove_unpacked(tree: Path, stems: set[str] | None) -> None:
 
 def clean(dest: str | os.PathLike[str], *, dry_run: bool = False, timeout: float | None = 600.0) -> dict[str, Any]:
     """Remove the staged copy in ``dest``; return ``{"dest", "removed", "bytes_freed", "dry_run"}``."""
+    from stager.receipt import load_receipt
+    from stager.stage.names import lock_name
+
     d = Path(os.path.abspath(dest))
     if not d.is_dir():
         raise DestinationError(f"{d}: no such directory")

@@ -10,12 +10,18 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from stager.cli import add_common, emit
 from stager.errors import UsageError
-from stager.fs.copy import CopyTuning
-from stager.stage import DEFAULT_UNPACK_DIR, NodeOptions, StageOptions, run_stage
-from stager.stage.options import FALLBACKS
+
+if TYPE_CHECKING:
+    from stager.stage import StageOptions
+
+# stager.stage.options' DEFAULT_UNPACK_DIR and FALLBACKS, spelled out so that registering the command
+# imports neither numpy nor the staging engine (stager.stage is imported in run(); a test holds them equal).
+DEFAULT_UNPACK_DIR = "unpacked"
+FALLBACKS = ("direct", "none")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -73,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
         return _run_follow(args)
     if args.collective:
         return _run_collective(args)
+    from stager.stage import run_stage
+
     res = run_stage(args.src, args.dest, _stage_options(args))
     for w in res.warnings:
         print(f"stager stage: warning: {w}", file=sys.stderr)
@@ -82,6 +90,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _stage_options(args: argparse.Namespace) -> StageOptions:
     """The plain stage's options from the command line."""
+    from stager.fs.copy import CopyTuning
+    from stager.stage import NodeOptions, StageOptions
+
     return StageOptions(
         workers=args.workers,
         unpack=args.unpack,
@@ -98,6 +109,7 @@ def _stage_options(args: argparse.Namespace) -> StageOptions:
 
 
 def _run_collective(args: argparse.Namespace) -> int:
+    from stager.stage import NodeOptions, StageOptions
     from stager.stage.collective import CollectiveOptions, run_collective
 
     given = [flag for flag, on in (("--unpack", args.unpack), ("--shared", args.shared),
