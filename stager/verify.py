@@ -19,6 +19,7 @@ import numpy as np
 
 from stager.checksum import hash_file
 from stager.errors import StagerError
+from stager.formats import get_format
 from stager.manifest import Manifest, ShardInfo, dataset_root, load_manifest
 
 READ_BATCH = 256  # samples compared per reader.read() call in deep mode
@@ -77,8 +78,6 @@ def _check_file(root: str, name: str, nbytes: int, digest: str, algo: str) -> st
 
 
 def _deep_check(root: str, info: ShardInfo, m: Manifest) -> str | None:
-    from stager.formats import get_format
-
     fmt = get_format(m.format)
     try:
         reader = fmt.open_reader(os.path.join(root, info.name), info, m)

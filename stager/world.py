@@ -95,7 +95,7 @@ class World:
 
 def _from_torch() -> tuple[int, int] | None:
     try:
-        import torch.distributed as dist
+        import torch.distributed as dist  # noqa: PLC0415 (torch is imported only where a process group is used)
     except ImportError:
         return None
     if dist.is_available() and dist.is_initialized():

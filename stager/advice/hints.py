@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from stager.advice.scaling import strategy_for
 from stager.errors import SourceNotFoundError
 from stager.fs import lustre
 from stager.fs.info import detect_fs
@@ -151,7 +152,6 @@ def hints(path: str | os.PathLike[str], *, dest: str | None = None, nodes: int |
             "use `stager stage --partition` (each node stages its share) or a BeeOND/shared DEST"
         )
     # Which staging strategy for this job's node count (stager.scaling's bandwidth model).
-    from stager.advice.scaling import strategy_for
 
     report["strategy"] = strategy_for(need, nodes=nodes, local_capacity=fit["dest_free"], osts=osts,
                                       files=num_shards)

@@ -21,6 +21,7 @@ roofline: it ignores overlap losses and protocol overheads, so it predicts a low
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -202,7 +203,6 @@ def strategy_for(
 
     ``nodes`` defaults to the job's node count ($SLURM_NNODES / $SLURM_JOB_NUM_NODES), else 1.
     """
-    import os
 
     if nodes is None:
         env = os.environ.get("SLURM_NNODES") or os.environ.get("SLURM_JOB_NUM_NODES") or "1"

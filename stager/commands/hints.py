@@ -1,10 +1,9 @@
-"""``stager hints PATH``: file system, size distribution, striping and fit advice (stager/hints.py)."""
+"""``stager hints PATH``: file system, size distribution, striping and fit advice (stager/advice/hints.py)."""
 
 from __future__ import annotations
 
 import argparse
 
-from stager.advice.hints import hints, human
 from stager.cli import add_common, emit
 
 
@@ -23,6 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from stager.advice.hints import hints, human
+
     rep = hints(args.path, dest=args.dest, nodes=args.nodes)
     emit(args, rep, human(rep))
     return 0

@@ -47,13 +47,13 @@ __all__ = [
 
 
 def _fast() -> Decoder:
-    from stager.decode.fast_backend import FastJpegDecoder
+    from stager.decode.fast_backend import FastJpegDecoder  # noqa: PLC0415 (the fast backend needs the optional simplejpeg/OpenCV)
 
     return FastJpegDecoder()
 
 
 def _fast_approx() -> Decoder:
-    from stager.decode.fast_backend import FastJpegDecoder
+    from stager.decode.fast_backend import FastJpegDecoder  # noqa: PLC0415 (the fast backend needs the optional simplejpeg/OpenCV)
 
     return FastJpegDecoder(fast_dct=True, fast_upsample=True)
 

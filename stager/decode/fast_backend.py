@@ -40,7 +40,7 @@ _MIN_SCALABLE = 64
 
 def _import_cv2() -> ModuleType | None:
     try:
-        import cv2
+        import cv2  # noqa: PLC0415 (OpenCV is optional (fast decode backend))
     except ImportError:
         return None
     return cv2
@@ -63,7 +63,7 @@ class FastJpegDecoder:
         truncate: bool = True,
         use_cv2: bool = True,
     ) -> None:
-        import simplejpeg
+        import simplejpeg  # noqa: PLC0415 (simplejpeg is optional (fast decode backend))
 
         self._sj = simplejpeg
         self._cv2 = _import_cv2() if use_cv2 else None

@@ -64,7 +64,7 @@ COPY_BLOCK = 8 << 20  # bytes moved per h5py write / read when building or scann
 
 def _h5py() -> Any:
     try:
-        import h5py
+        import h5py  # noqa: PLC0415 (h5py loads libhdf5: only for the hdf5 format)
     except ImportError as exc:  # pragma: no cover - h5py is a dependency; kept for slim installs
         raise StagerError("the hdf5 format needs h5py: pip install h5py") from exc
     return h5py

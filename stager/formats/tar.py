@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator, Sequence
 from json.encoder import encode_basestring_ascii
 from typing import Any, BinaryIO
 
-from stager.errors import CorruptSampleError, UnsafeArchiveError, UsageError
+from stager.errors import CorruptSampleError, ShardMissingError, UnsafeArchiveError, UsageError
 from stager.formats.base import BufferedShardFile, Extent, ExtentReader, Sample
 from stager.manifest import Manifest, ShardInfo
 
@@ -625,8 +625,6 @@ class TarShardReader(ExtentReader):
         try:
             f = open(self.path, "rb", buffering=1 << 20)  # noqa: SIM115 - closed in finally
         except FileNotFoundError as exc:
-            from stager.errors import ShardMissingError
-
             raise ShardMissingError(f"{self.path}: shard missing; re-stage or re-pack") from exc
         try:
             size = os.fstat(f.fileno()).st_size

@@ -113,8 +113,8 @@ class ZarrWriter:
         if self._closed:
             raise StagerError(f"{self.shard_name}: close() called twice")
         self._closed = True
-        from zarr.codecs import Crc32cCodec
-        from zarr.storage import MemoryStore
+        from zarr.codecs import Crc32cCodec  # noqa: PLC0415 (zarr is imported only for the zarr format)
+        from zarr.storage import MemoryStore  # noqa: PLC0415 (zarr is imported only for the zarr format)
 
         members: dict[str, Any] = {}
         store = MemoryStore(members)
@@ -268,7 +268,7 @@ class DirectRows:
     @classmethod
     def plan(cls, store: RangeZipStore, images: Any, path: str) -> DirectRows | None:
         """A reader for ``images`` if it has exactly our layout, else None (zarr then reads it)."""
-        from zarr.codecs import BytesCodec, Crc32cCodec, ShardingCodec, ShardingCodecIndexLocation
+        from zarr.codecs import BytesCodec, Crc32cCodec, ShardingCodec, ShardingCodecIndexLocation  # noqa: PLC0415 (zarr is imported only for the zarr format)
 
         meta = images.metadata
         codecs: tuple[Any, ...] = tuple(getattr(meta, "codecs", ()))

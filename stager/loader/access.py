@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from stager.errors import ShardMissingError, SourceNotFoundError, UsageError, VerificationError
+from stager.formats import get_format
 from stager.fs.open import filesystem
 from stager.loader.index import DatasetIndex, index_from_folder, index_from_manifest
 from stager.manifest import MANIFEST_NAME, dataset_root, load_manifest
@@ -278,8 +279,6 @@ class ShardAccess:
         return self._handle(shard, self._open_zarr)
 
     def _open_zarr(self, shard: int) -> Any:
-        from stager.formats import get_format
-
         if self._local is not None:
             path = self._path(shard)
         else:

@@ -17,6 +17,7 @@ then a size check of the shards it will read.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
 from stager.errors import CorruptSampleError, UsageError
+from stager.fs.info import detect_fs
 from stager.loader.access import Resolved, ShardAccess, check_shards, resolve, validate_partition
 from stager.loader.batching import pack_raw, stack_images
 from stager.loader.fetch import Fetcher, MappedFetcher, PreadFetcher
@@ -37,6 +39,7 @@ from stager.order.epoch import PlanConfig, RankPlan, WorkerPlan, batch_sizes, ep
 from stager.order.epoch import samples_per_rank as equal_samples_per_rank
 from stager.order.partition import partition_samples_per_rank
 from stager.order.reads import ReadSchedule, WorkerReads, read_schedule, worker_reads
+from stager.world import World
 
 # Run size by storage (run_bytes="auto"): on a shared/network file system (Lustre, GPFS, BeeGFS,
 # NFS, fsspec URLs) reads should be whole stripes (1 MiB+); on node-local NVMe/tmpfs (a staged copy)
@@ -87,8 +90,6 @@ def run_size(options: LoaderOptions, res: Resolved) -> tuple[int, int]:
         return run_bytes, SHARED_MIN_RUN if min_run is None else min_run
     shared = True
     if res.is_local:
-        from stager.fs.info import detect_fs
-
         try:
             shared = detect_fs(res.root.removeprefix("file://")).is_shared
         except OSError:
@@ -160,8 +161,6 @@ class ShardedDataset(IterableDataset):
         resolved: Resolved | None = None,
         **settings: Any,
     ) -> None:
-        from stager.world import World
-
         self.options = opts = _options_of(options, settings)
         self.resolved = resolved or resolve(
             path, storage_options=opts.storage_options, staged=opts.staged, staging_roots=opts.staging_roots
@@ -421,7 +420,6 @@ class ShardedDataset(IterableDataset):
 
 def _single_threaded_cv2() -> None:
     """One OpenCV thread per worker (torch does the same for itself): W workers already fill W cores."""
-    import sys
 
     cv2 = sys.modules.get("cv2")
     if cv2 is not None:

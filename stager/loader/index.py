@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from stager.errors import SourceError, SourceNotFoundError
 from stager.manifest import Manifest
@@ -54,7 +55,6 @@ class DatasetIndex:
     def dataset_id(self) -> str:
         if self.manifest is not None:
             return self.manifest.dataset_id
-        import xxhash
 
         h = xxhash.xxh3_64()
         for k, s in zip(self.keys, self.sizes.tolist(), strict=True):

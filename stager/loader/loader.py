@@ -186,7 +186,7 @@ class Loader:
                     self.close()
 
             return EpochBatches(_next_of(pool.epoch_iter(ds)), end_persistent)
-        from torch.utils.data import DataLoader
+        from torch.utils.data import DataLoader  # noqa: PLC0415 (torch is imported only where a process group is used)
 
         dl = DataLoader(ds, batch_size=None, num_workers=self.num_workers, **self._dl_kwargs())
         if shm.available():

@@ -26,14 +26,14 @@ DECODE_MODES = ("uint8", "raw", "pil")
 
 def _decode_module() -> Any:
     try:
-        from stager import decode as mod
+        from stager import decode as mod  # noqa: PLC0415 (decoders load PIL/OpenCV: only in processes that decode)
     except ImportError:
         return None
     return mod
 
 
 def _pil_rgb(data: Any) -> Any:
-    from PIL import Image
+    from PIL import Image  # noqa: PLC0415 (PIL only where images are decoded or re-encoded)
 
     img = Image.open(io.BytesIO(data))
     img.load()
@@ -41,7 +41,7 @@ def _pil_rgb(data: Any) -> Any:
 
 
 def _resize_center_crop(img: Any, size: int, resize: int | None = None) -> np.ndarray:
-    from PIL import Image
+    from PIL import Image  # noqa: PLC0415 (PIL only where images are decoded or re-encoded)
 
     resize = resize or round(size / 0.875)
     w, h = img.size
@@ -62,7 +62,7 @@ def _random_resized_crop(
     flip: bool = True,
 ) -> np.ndarray:
     """torchvision's RandomResizedCrop (10 tries, then a center crop of clamped ratio) on a PIL image."""
-    from PIL import Image
+    from PIL import Image  # noqa: PLC0415 (PIL only where images are decoded or re-encoded)
 
     w, h = img.size
     area = w * h
@@ -116,7 +116,7 @@ class SampleFn:
         if self.decode == "raw":
             return payload
         if self.kind == "decoded":
-            from PIL import Image
+            from PIL import Image  # noqa: PLC0415 (PIL only where images are decoded or re-encoded)
 
             if self.decode == "pil":
                 img = Image.fromarray(payload)

@@ -165,7 +165,7 @@ def _worker_pool(workers: int) -> Iterator[PackPool | None]:
         yield None
         return
     # Imported only here: multiprocessing and concurrent.futures cost ~13 ms that one process never needs.
-    from stager.pack.workers import PackPool
+    from stager.pack.workers import PackPool  # noqa: PLC0415 (multiprocessing only with --workers > 1)
 
     with PackPool(workers) as pool:
         yield pool

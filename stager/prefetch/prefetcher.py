@@ -360,7 +360,7 @@ class Prefetcher:
         self, ranks: Sequence[int], loader_kwargs: dict[str, Any], resolved: Resolved | None = None
     ) -> list[ShardedDataset]:
         """One dataset per rank, reading DEST as the ranks do (``staged=False``), over one shared index."""
-        from stager.loader import LoaderOptions, ShardedDataset
+        from stager.loader import LoaderOptions, ShardedDataset  # noqa: PLC0415 (the loader imports torch)
 
         if not ranks:
             raise UsageError("prefetch needs at least one rank of this node to plan for")

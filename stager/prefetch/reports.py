@@ -23,6 +23,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from stager.world import World
+
 if TYPE_CHECKING:
     from stager.loader import Loader, ShardedDataset
 
@@ -124,7 +126,7 @@ def loader_config(loader: Loader | ShardedDataset) -> dict[str, Any]:
     shuffle mode, drop_last, run size and the per-worker shuffle buffer (resolved to samples, so
     ``"auto"`` settings cannot drift).
     """
-    from stager.loader import Loader  # already imported: the caller holds one of its objects
+    from stager.loader import Loader  # already imported: the caller holds one of its objects  # noqa: PLC0415 (the loader imports torch)
 
     if isinstance(loader, Loader):
         ds, nw = loader.dataset, loader.num_workers
@@ -181,8 +183,6 @@ class ProgressReporter:
         self.read_ahead = loader_read_ahead(loader) if loader is not None else None
         if rank is None:
             if loader is None:
-                from stager.world import World
-
                 rank = World.detect().rank
             else:
                 rank = loader.dataset.rank

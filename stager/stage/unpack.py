@@ -46,8 +46,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from stager.checksum import Hasher, new_hasher
 from stager.errors import CorruptSampleError, UnsafeArchiveError, VerificationError
+from stager.formats import get_format
 from stager.formats.tar import (  # one tar header parser for pack, verify and unpack
     BLOCK,
     padded_size,
@@ -478,7 +481,6 @@ class Unpacker:
 
     def unpack_samples(self, samples: Iterable[Sample], info: ShardInfo) -> int:
         """Write samples from a format reader's ``iter_samples()`` (encoded bytes or decoded arrays)."""
-        import numpy as np
 
         index = {k: i for i, k in enumerate(info.keys)}
         n = nbytes = 0
@@ -499,7 +501,7 @@ class Unpacker:
 
 
 def _png(arr: Any) -> bytes:
-    from PIL import Image
+    from PIL import Image  # noqa: PLC0415 (PIL only where images are decoded or re-encoded)
 
     buf = io.BytesIO()
     Image.fromarray(arr.squeeze(-1) if arr.ndim == 3 and arr.shape[-1] == 1 else arr).save(buf, format="PNG",
@@ -597,7 +599,6 @@ class _ShardUnpacking:
 
     def _unpack_with_reader(self, info: ShardInfo) -> None:
         """hdf5, record, zarr: samples through the format's reader from the verified copy in DEST."""
-        from stager.formats import get_format
 
         m = self.plan.manifest
         reader = get_format(m.format).open_reader(str(self.plan.dest / info.name), info, m)

@@ -73,7 +73,7 @@ def check_encoded(data: bytes, where: str) -> str:
         elif not data.endswith(_PNG_END):
             problem = "truncated: no IEND chunk"
     else:
-        from PIL import Image, UnidentifiedImageError
+        from PIL import Image, UnidentifiedImageError  # noqa: PLC0415 (PIL only where images are decoded or re-encoded)
 
         try:
             with Image.open(io.BytesIO(data)) as im:
@@ -88,7 +88,7 @@ def check_encoded(data: bytes, where: str) -> str:
 
 def decode_rgb_array(data: bytes, where: str) -> np.ndarray:
     """Fully decode ``data`` to an ``(H, W, 3)`` uint8 array; :class:`SourceError` on failure."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image, UnidentifiedImageError  # noqa: PLC0415 (PIL only where images are decoded or re-encoded)
 
     try:
         with Image.open(io.BytesIO(data)) as im:
@@ -99,7 +99,7 @@ def decode_rgb_array(data: bytes, where: str) -> np.ndarray:
 
 
 def _encode(arr: np.ndarray, ext: str, quality: int | None) -> bytes:
-    from PIL import Image
+    from PIL import Image  # noqa: PLC0415 (PIL only where images are decoded or re-encoded)
 
     buf = io.BytesIO()
     if ext == "jpg":
@@ -110,7 +110,7 @@ def _encode(arr: np.ndarray, ext: str, quality: int | None) -> bytes:
 
 
 def _resize(arr: np.ndarray, hw: tuple[int, int]) -> np.ndarray:
-    from PIL import Image
+    from PIL import Image  # noqa: PLC0415 (PIL only where images are decoded or re-encoded)
 
     if arr.shape[:2] == hw:
         return arr
@@ -168,7 +168,7 @@ def probe_hw(source: Source, refs: Sequence[SampleRef], *, skip_bad: bool = Fals
     Stops at the first image whose size differs, so non-uniform sets fail fast. With ``skip_bad``
     unreadable images are passed over (the writer skips them later).
     """
-    from PIL import Image
+    from PIL import Image  # noqa: PLC0415 (PIL only where images are decoded or re-encoded)
 
     first: tuple[int, int] | None = None
     first_where = ""

@@ -151,7 +151,7 @@ class _Transport:
     """All-gather of fixed-size byte chunks over the group's backend (host memory for gloo, GPU for NCCL)."""
 
     def __init__(self, group: Group, chunk: int) -> None:
-        import torch
+        import torch  # noqa: PLC0415 (torch is imported only where a process group is used)
 
         self.group = group
         self.chunk = chunk
@@ -163,14 +163,14 @@ class _Transport:
 
     @staticmethod
     def _gather(out: Any, inp: Any) -> None:
-        import torch.distributed as dist
+        import torch.distributed as dist  # noqa: PLC0415 (torch is imported only where a process group is used)
 
         # torch >= 2.10 names it all_gather_single; all_gather_into_tensor before that.
         fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         fn(out, inp)
 
     def all_gather(self, send: bytearray, recv: bytearray) -> None:
-        import torch
+        import torch  # noqa: PLC0415 (torch is imported only where a process group is used)
 
         s = torch.frombuffer(send, dtype=torch.uint8)
         r = torch.frombuffer(recv, dtype=torch.uint8)

@@ -120,7 +120,7 @@ class Group:
 
     # ---- forming ------------------------------------------------------------------------------
     def _make_store(self, is_master: bool, wait: bool) -> Any:
-        import torch.distributed as dist
+        import torch.distributed as dist  # noqa: PLC0415 (torch is imported only where a process group is used)
 
         # Only the group's own members pass world_size (they are what the master waits for);
         # heartbeat connections pass None so they are not counted.
@@ -134,7 +134,7 @@ class Group:
         )
 
     def form(self) -> Group:
-        import torch.distributed as dist
+        import torch.distributed as dist  # noqa: PLC0415 (torch is imported only where a process group is used)
 
         if dist.is_initialized():
             raise UsageError("a torch.distributed group is already initialised in this process; stage before it")
@@ -330,7 +330,7 @@ class Group:
         self._teardown()
 
     def _teardown(self) -> None:
-        import torch.distributed as dist
+        import torch.distributed as dist  # noqa: PLC0415 (torch is imported only where a process group is used)
 
         if dist.is_initialized():
             with contextlib.suppress(RuntimeError, OSError, ValueError):

@@ -33,14 +33,17 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from stager.errors import StagerError
+from stager.fs import lustre
 from stager.fs.access import chgrp_quiet
 from stager.fs.atomic import fsync_dir
+from stager.fs.info import detect_fs
 from stager.fs.lock import NodeLock
 from stager.fs.open import is_url
 from stager.progress import Progress
@@ -178,7 +181,7 @@ def _form_group(options: CollectiveOptions, node: int, num_nodes: int, res: Coll
 
 
 def _gather_totals(group: Group, res: CollectiveResult) -> dict[str, Any]:
-    import torch.distributed as dist
+    import torch.distributed as dist  # noqa: PLC0415 (torch is imported only where a process group is used)
 
     everyone: list[Any] = [None] * group.num_nodes
     group.collective(dist.all_gather_object, everyone, node_stats(res))
@@ -221,7 +224,7 @@ def _stage_full(plan: StagePlan, group: Group, res: CollectiveResult, options: C
 
 def _held_by_every_node(group: Group, files: list[FileEntry], have: set[str]) -> set[str]:
     """Phase 1: the files every node already holds verified (one bitmap per node, all-gathered)."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # noqa: PLC0415 (torch is imported only where a process group is used)
 
     mine = np.packbits(np.array([f.name in have for f in files], dtype=bool)).tobytes()
     bitmaps: list[Any] = [None] * group.num_nodes
@@ -234,7 +237,7 @@ def _held_by_every_node(group: Group, files: list[FileEntry], have: set[str]) ->
 
 def _read_shares(plan: StagePlan, group: Group, skip: set[str], res: CollectiveResult) -> list[StreamLayout]:
     """Phase 2: every node's read share as a stream layout, without the files in ``skip``."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # noqa: PLC0415 (torch is imported only where a process group is used)
 
     osts_box: list[Any] = [_shard_osts(plan) if group.node == 0 else None]
     group.collective(dist.broadcast_object_list, osts_box, src=0)
@@ -275,12 +278,9 @@ def _exchange(plan: StagePlan, group: Group, journal: Journal, *, layouts: list[
 
 def _shard_osts(plan: StagePlan) -> list[int] | None:
     """First OST of every shard when SRC is on Lustre and ``lfs`` is available, else None."""
-    from stager.fs import lustre
-    from stager.fs.info import detect_fs
 
     if is_url(plan.src_dir) or not lustre.lfs_path() or not detect_fs(plan.src_dir).is_lustre:
         return None
-    from concurrent.futures import ThreadPoolExecutor
 
     def index(name: str) -> int:
         try:
