@@ -1,4 +1,4 @@
-"""The copy engine (stager/copyengine.py) and the stage copier's tunings, on real files."""
+"""The copy engine (stager/fs/copy.py) and the stage copier's tunings, on real files."""
 
 from __future__ import annotations
 

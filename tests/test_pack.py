@@ -2,7 +2,7 @@
 
 Every pack is read back with each format's own reader (``iter_samples`` parsing the container and
 ``read`` using the manifest index) and compared with the source files read independently of
-stager.sources: encoded formats must return every source file's bytes exactly; zarr returns the
+stager.pack.sources: encoded formats must return every source file's bytes exactly; zarr returns the
 decoded pixels.
 """
 

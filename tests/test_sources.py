@@ -1,4 +1,4 @@
-"""Pack sources (stager/sources.py): listing, labels, keys, the restricted CIFAR unpickler, checks."""
+"""Pack sources (stager/pack/sources/): listing, labels, keys, the restricted CIFAR unpickler, checks."""
 
 from __future__ import annotations
 

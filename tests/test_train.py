@@ -315,3 +315,27 @@ def test_follow_src_feeds_a_real_follower_beside_two_ranks(cifar_packed: dict[st
     for r in (0, 1):
         rep = json.loads((dest / ".stager-progress" / f"rank{r}.json").read_text())
         assert rep["finished"] and not rep.get("failed") and rep["epoch"] == 1
+
+
+def test_log_and_summary_lines_are_single_writes_on_unbuffered_stdout(tmp_path: Path) -> None:
+    """Ranks share one stdout pipe; under PYTHONUNBUFFERED=1 ``print`` writes text and newline
+    separately, so another rank's line could land between them (a summary JSON glued to a log
+    line was seen on a busy machine). Every line must reach the file descriptor in one write."""
+    import io
+
+    from tools.trainlib.console import write_line
+
+    writes: list[bytes] = []
+
+    class Recording(io.FileIO):
+        def write(self, b: Any) -> int:
+            writes.append(bytes(b))
+            return super().write(b)
+
+    raw = Recording(tmp_path / "out", "w")
+    stream = io.TextIOWrapper(raw, write_through=True)  # what python -u / PYTHONUNBUFFERED gives
+    for line in ('{"event": "summary", "steps": 3}', "[train] step 3/8 loss 2.3"):
+        write_line(line, stream)
+    stream.close()
+    assert writes == [b'{"event": "summary", "steps": 3}\n', b"[train] step 3/8 loss 2.3\n"]
+    assert "print(" not in (ROOT / "tools" / "train.py").read_text(), "train.py prints through write_line"

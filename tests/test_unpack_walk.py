@@ -1,4 +1,4 @@
-"""The fast unpack path (stager/unpack.py): its tar walker refuses exactly what
+"""The fast unpack path (stager/stage/unpack.py): its tar walker refuses exactly what
 stager.formats.tar.iter_members refuses, its chunked reader sees every byte once, durability is
 journaled only after a syncfs, and the group is inherited from setgid class directories."""
 

@@ -1,4 +1,4 @@
-"""Print stager.scaling's table: staging time and shared-FS bytes per strategy for 1 to 4,096 nodes.
+"""Print stager.advice.scaling's table: staging time and shared-FS bytes per strategy for 1 to 4,096 nodes.
 
     .venv/bin/python tools/scaling_sim.py --dataset-gb 150 --nic-gbit 100 --fs-gbs 100 --osts 64
     .venv/bin/python tools/scaling_sim.py --png docs/scaling.png      # needs matplotlib

@@ -42,6 +42,7 @@ from torch.nn import functional as F  # noqa: N812 - the usual torch spelling
 
 from tools.trainlib import checkpoint as ckpt
 from tools.trainlib import distributed as tdist
+from tools.trainlib.console import write_line
 from tools.trainlib.data import DeviceBatch, Normalizer, StagerSource, SyntheticSource
 from tools.trainlib.metrics import INPUT_BOUND_HINT, INPUT_BOUND_SHARE, RunStats, StepTimer, summarize, topk_correct
 from tools.trainlib.models import ARCHS, build_model
@@ -173,7 +174,7 @@ def param_groups(model: nn.Module, weight_decay: float, no_bn_decay: bool) -> li
 
 def log(info: tdist.DistInfo, msg: str, tag: str = "") -> None:
     if info.is_main:
-        print(f"[train{tag}] {msg}", flush=True)
+        write_line(f"[train{tag}] {msg}")
 
 
 class Trainer:
@@ -592,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary = train(args, info)
         if info.is_main:
-            print(json.dumps(summary), flush=True)
+            write_line(json.dumps(summary))
             if args.summary_json:
                 from stager.fs.atomic import atomic_write_bytes
 

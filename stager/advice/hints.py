@@ -3,7 +3,7 @@
 Reports the file system (Lustre/BeeGFS/...), file count and size distribution, a small-file
 warning with the ``stager pack`` command that fixes it, the current Lustre striping
 (``lfs getstripe -d``), whether the data fits the node-local staging destination and RAM, and the
-recommended ``lfs setstripe`` for a pack output directory (rules in :mod:`stager.lustre`,
+recommended ``lfs setstripe`` for a pack output directory (rules in :mod:`stager.fs.lustre`,
 sources in docs/staging.md).
 """
 
@@ -151,7 +151,7 @@ def hints(path: str | os.PathLike[str], *, dest: str | None = None, nodes: int |
             f"{need / 1e9:.1f} GB does not fit {root} ({fit['dest_free'] / 1e9:.1f} GB free): "
             "use `stager stage --partition` (each node stages its share) or a BeeOND/shared DEST"
         )
-    # Which staging strategy for this job's node count (stager.scaling's bandwidth model).
+    # Which staging strategy for this job's node count (stager.advice.scaling's bandwidth model).
 
     report["strategy"] = strategy_for(need, nodes=nodes, local_capacity=fit["dest_free"], osts=osts,
                                       files=num_shards)

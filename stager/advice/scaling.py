@@ -87,7 +87,7 @@ def _bound(**terms: float) -> tuple[float, str]:
 
 
 def exchange_chunk(c: Cluster) -> float:
-    """Bytes per node per exchange step (mirrors stager.collective_plan.chunk_size_for)."""
+    """Bytes per node per exchange step (mirrors stager.stage.collective.plan.chunk_size_for)."""
     fit = c.exchange_memory / (3 * (c.nodes + 1))
     return max(min(c.chunk_bytes, fit), min(64 << 10, c.chunk_bytes))
 
@@ -214,5 +214,5 @@ def strategy_for(
     rec = recommend(base)
     rec["nodes"] = base.nodes
     rec["assumptions"] = {"nic_gbit": base.nic_bps * 8 / 1e9, "fs_gbs": base.fs_bps / 1e9, "osts": base.osts,
-                          "ssd_write_gbs": base.ssd_write_bps / 1e9, "model": "stager.scaling (docs/scaling.md)"}
+                          "ssd_write_gbs": base.ssd_write_bps / 1e9, "model": "stager.advice.scaling (docs/scaling.md)"}
     return rec

@@ -128,7 +128,7 @@ def _run_collective(args: argparse.Namespace) -> int:
 
 
 # ---- --follow: prefetch beside training (stager/prefetch/follow.py) ------------------------------
-# stager.loader.plan.SHUFFLE_MODES, spelled out so that `stager --help` does not import torch.
+# stager.order.epoch.SHUFFLE_MODES, spelled out so that `stager --help` does not import torch.
 _SHUFFLE_MODES = ("runs", "shards", "random", "none")
 
 

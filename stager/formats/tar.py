@@ -482,7 +482,7 @@ def walk_headers(
 ) -> Iterator[tuple[str, int, int]]:
     """Check every header of a tar stream; yield ``(name, data offset, size)`` per regular member.
 
-    The one tar header parser (used by :func:`iter_members` and by ``stager.unpack.walk_tar``, so
+    The one tar header parser (used by :func:`iter_members` and by ``stager.stage.unpack.walk_tar``, so
     pack, verify and unpack accept exactly the same archives). ``take(n)`` returns the next ``n``
     bytes of the stream, ``skip(n)`` passes over them. After each yield the caller must consume
     exactly ``padded_size(size)`` bytes (with ``take`` or ``skip``) before asking for the next member.

@@ -4,7 +4,7 @@ Prints one JSON object and writes docs/bench/collective.md. Measures, in the sam
 (launch to last exit, includes Python/torch start-up), in-process staging seconds, and SRC bytes
 read in total (from the processes' own JSON results), plus the host's raw figures (SRC read
 bandwidth, DEST write+fsync bandwidth, gloo loopback all_gather bandwidth with N processes) and
-the model's prediction (stager.scaling) for this host, where the N "nodes" share one disk.
+the model's prediction (stager.advice.scaling) for this host, where the N "nodes" share one disk.
 
     .venv/bin/python tools/bench/bench_collective.py --nodes 4 --mb 64
 """

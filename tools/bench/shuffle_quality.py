@@ -12,7 +12,7 @@ scores the sampling noise floor (about 0.04 for 10 classes, 0.37 for 1,000 class
 Orders compared on the same index (world size 1, ``--workers`` DataLoader workers):
 
 * stager ``runs`` (default), ``shards``, ``random`` and ``none`` (``shuffle=False``: the plain
-  shard-order loader), straight from :mod:`stager.loader.plan` (the loader's own order: the
+  shard-order loader), straight from :mod:`stager.order.epoch` (the loader's own order: the
   loader tests check that it yields exactly the plan's batches);
 * ``full-random``: ``numpy`` permutation of all samples;
 * ``webdataset``: its default recipe ``WebDataset(urls, shardshuffle=100).shuffle(1000)``, run

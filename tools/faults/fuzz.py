@@ -6,7 +6,7 @@ Parsers: the tar member reader (:func:`stager.formats.tar.iter_members` and the 
 (:func:`~stager.formats.record.read_index`), the manifest (:meth:`stager.manifest.Manifest.from_bytes`,
 also with structure-aware mutations re-signed with a valid digest so the checks behind the digest
 run), the staging receipt (:func:`stager.receipt.load_receipt`), the stage journal
-(:class:`stager.stage.Journal`) and the node lock's holder record (:class:`stager.lock.NodeLock`).
+(:class:`stager.stage.journal.Journal`) and the node lock's holder record (:class:`stager.fs.lock.NodeLock`).
 
 Each input comes from a valid file mutated by random byte flips, truncation, insertion of
 "interesting" values (huge sizes, 0xFF runs, NULs) or splicing, or is pure random bytes. A trial

@@ -102,7 +102,7 @@ PICKLE = """## Pickles: the risk and the safe path
 
 CIFAR-10's "python version" batches are pickles, and unpickling runs code: a crafted
 `data_batch_1` can call `os.system` the moment it is loaded with `pickle.load`. stager never calls
-`pickle.load` on them. `stager.sources.restricted_load` uses `RestrictedUnpickler`, whose
+`pickle.load` on them. `stager.pack.sources.cifar.restricted_load` uses `RestrictedUnpickler`, whose
 `find_class` (the only way a pickle reaches a callable) allows exactly numpy's array reconstruction
 (`_reconstruct`, `_frombuffer`, `ndarray`, `dtype`) and `_codecs.encode` with the latin1 codec only;
 everything else raises `SourceError` before anything runs. The suite feeds it `os.system`, `eval`,
@@ -180,9 +180,9 @@ FINDINGS = """## Bugs this suite found (fixed)
 
 * `stage --unpack` on a full disk: an ENOSPC/EFBIG while writing an unpacked file was a traceback
   (exit 1) and left a short file under its final name; now exit 4, one line, the file removed
-  (stager/unpack.py `Unpacker.write_file`).
+  (stager/stage/unpack.py `Unpacker.write_file`).
 * `pack --resize` on a decompression bomb: PIL's `DecompressionBombError` (not an `OSError`) escaped
-  as a traceback; now a `SourceError` naming the file (stager/sources.py).
+  as a traceback; now a `SourceError` naming the file (stager/pack/sources/).
 * `load_manifest` read `f.read(4 GiB + 1)`, which asks for a 4 GiB buffer up front: a `MemoryError`
   under `ulimit -v` or strict overcommit, both common on HPC nodes (stager/manifest.py).
 * Parsers that raised builtin errors on damaged input: the record `.idx` reader (`OverflowError` on
@@ -190,7 +190,7 @@ FINDINGS = """## Bugs this suite found (fixed)
   are JSON but not records), the receipt (`RecursionError` on deep nesting; fields of the wrong type
   accepted and crashing `stager clean` later), the lock record (`TypeError` on a non-object).
 * `stager pack` into a full disk: the per-shard done-record (`write_hint`) let ENOSPC escape as a
-  traceback; now exit 4 with one line (stager/pack.py).
+  traceback; now exit 4 with one line (stager/pack/).
 * `stager clean` removed the whole unpacked tree, including files a user had added there; it now
   removes only the files `stage --unpack` writes for the manifest, and directories left empty.
 * `stager pack --format hdf5` under a file-size limit crashed (SIGSEGV inside h5py closing a file after

@@ -9,7 +9,7 @@ A checkpoint is one ``torch.save`` file holding::
 
 Per-rank pieces (RNG, loader position) are gathered to rank 0 so a single file restores every rank;
 a run resumed with a different world size falls back to rank 0's loader state (the loader
-re-partitions). The file is written through :func:`stager.atomicio.atomic_write`
+re-partitions). The file is written through :func:`stager.fs.atomic.atomic_write`
 (``<name>.<uuid>.partial`` in the same directory, fsync, rename, directory fsync): a job killed
 while saving leaves the previous checkpoint intact.
 """
