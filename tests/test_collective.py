@@ -79,7 +79,7 @@ def _free_port() -> int:
 
 
 def _launch(tmp: Path, src: str, n: int, *, ranks: list[int] | None = None, extra: list[str] | None = None,
-            env_extra: dict[str, str] | None = None, timeout: float = 20.0) -> list[subprocess.Popen[str]]:
+            env_extra: dict[str, str] | None = None, timeout: float = 180.0) -> list[subprocess.Popen[str]]:
     """Start one `stager stage --collective` process per simulated node (rank = node)."""
     (tmp / "launcher.py").write_text(LAUNCHER)
     port = _free_port()
@@ -95,7 +95,7 @@ def _launch(tmp: Path, src: str, n: int, *, ranks: list[int] | None = None, extr
     return procs
 
 
-def _finish(procs: list[subprocess.Popen[str]], limit: float = 90) -> list[tuple[int, dict, str]]:
+def _finish(procs: list[subprocess.Popen[str]], limit: float = 300) -> list[tuple[int, dict, str]]:
     out = []
     for p in procs:
         try:
@@ -169,8 +169,8 @@ def test_partition_each_node_holds_its_share(packed: Path, tmp_path: Path) -> No
 def test_killed_node_fails_everyone_cleanly_and_rerun_resumes(packed: Path, tmp_path: Path) -> None:
     m = load_manifest(packed)
     n = 3
-    procs = _launch(tmp_path, str(packed), n, env_extra={"STAGER_TEST_COLLECTIVE_KILL": "1:3"}, timeout=20)
-    results = _finish(procs, limit=60)  # hang guard: survivors must exit on their own
+    procs = _launch(tmp_path, str(packed), n, env_extra={"STAGER_TEST_COLLECTIVE_KILL": "1:3"}, timeout=120)
+    results = _finish(procs, limit=300)  # hang guard: survivors must exit on their own
     assert results[1][0] == -signal.SIGKILL
     for i in (0, 2):
         rc, _res, err = results[i]
@@ -249,7 +249,7 @@ class TokenFS(LocalFileSystem):  # an object store stand-in: every open needs th
 
 fsspec.register_implementation("stagertoken", TokenFS, clobber=True)
 from stager.stage.collective import stage_collective
-res = stage_collective(sys.argv[1], sys.argv[2], timeout=20, chunk_bytes=8192, storage_options={"token": "s3cret"})
+res = stage_collective(sys.argv[1], sys.argv[2], timeout=180, chunk_bytes=8192, storage_options={"token": "s3cret"})
 print(json.dumps(res.to_json()))
 '''
 

@@ -10,7 +10,9 @@ closed". Each node therefore runs a small heartbeat thread with its own store co
 
 * bumps ``hb/<node>`` = ``"<count> <step> <steps>"`` every ``interval`` seconds;
 * watches one neighbour (node+1 mod N) - O(1) store traffic per node at any scale - and, when the
-  neighbour's counter has not moved for ``stale_after`` seconds, publishes
+  neighbour's counter has not moved for ``stale_after`` seconds (default 10 s) and over
+  :data:`STALE_BEATS` of its own beats (so a watcher that was itself starved of CPU on a busy node
+  does not mistake its own pause for the neighbour's), publishes
   ``abort`` = ``"<node>\\t<host>\\t<reason>"`` naming it;
 * polls ``abort``; once set, the main thread raises :class:`StagerTimeoutError` at its next check or
   collective error, and a main thread stuck inside a collective (which Python cannot interrupt)
@@ -38,6 +40,7 @@ from stager.world import expand_hostlist
 
 DEFAULT_PORT = 29417
 ABORT_KEY = "abort"
+STALE_BEATS = 6  # consecutive unchanged looks at a neighbour's counter before it counts as stopped
 T = TypeVar("T")
 
 
@@ -108,7 +111,10 @@ class Group:
         self.timeout = timeout
         self.backend = backend
         self.interval = interval
-        self.stale_after = stale_after if stale_after is not None else min(timeout, max(3.0, 6 * interval))
+        # A neighbour is declared stopped only after both ``stale_after`` seconds and STALE_BEATS of
+        # our own beats without a change: on a busy node our own thread may not run for a while, and
+        # one late look at an unchanged counter must not abort a healthy group.
+        self.stale_after = stale_after if stale_after is not None else min(timeout, max(10.0, 20 * interval))
         self.host = socket.gethostname()
         self.store: Any = None
         self.step, self.steps = 0, 0
@@ -183,6 +189,7 @@ class Group:
         watched = (self.node + 1) % self.num_nodes
         last_seen: bytes | None = None
         last_change = time.monotonic()
+        unchanged = 0  # our beats since the neighbour's counter last changed
         while not self._stop.wait(self.interval):
             count += 1
             try:
@@ -204,8 +211,10 @@ class Group:
                 continue
             now = time.monotonic()
             if seen != last_seen:
-                last_seen, last_change = seen, now
-            elif now - last_change > self.stale_after:
+                last_seen, last_change, unchanged = seen, now, 0
+                continue
+            unchanged += 1
+            if unchanged >= STALE_BEATS and now - last_change > self.stale_after:
                 where = _progress_text(seen)
                 host = _host_of(client, watched)
                 reason = f"{watched}\t{host}\tstopped: no heartbeat for {now - last_change:.1f}s{where}"
