@@ -41,7 +41,10 @@ from stager.fs.open import is_url, read_bytes
 
 SCHEMA = "stager.manifest/1"
 MANIFEST_NAME = "manifest.json"
-FORMATS = ("tar", "hdf5", "record", "zarr")
+FORMATS = ("tar", "hdf5", "record", "zarr", "parquet")  # parquet: indexed in place only (`stager index`)
+# Fields left out of the digest: ``digest`` itself, and ``shard_root`` (where the shards live is not
+# what they are: a staged copy drops it and keeps the digest, so receipts still match).
+_UNDIGESTED = ("digest", "shard_root")
 MAX_MANIFEST_BYTES = 4 << 30  # refuse absurd manifests before parsing them
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,254}$")
@@ -87,13 +90,14 @@ class ShardInfo:
     offsets: np.ndarray
     sizes: np.ndarray
     aux: list[AuxFile] = field(default_factory=list)
+    extents: str = "bytes"  # "bytes": offsets/sizes are file byte ranges; "rows": offsets are rows (parquet)
 
     @property
     def samples(self) -> int:
         return len(self.keys)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "name": self.name,
             "bytes": self.bytes,
             "samples": self.samples,
@@ -106,6 +110,9 @@ class ShardInfo:
                 "sizes": self.sizes.tolist(),
             },
         }
+        if self.extents != "bytes":  # written only when set: older manifests keep their digest
+            out["extents"] = self.extents
+        return out
 
 
 @dataclass
@@ -128,6 +135,9 @@ class Manifest:
     stager_version: str = __version__
     created: str = ""
     digest: str = ""
+    # Where the shard files live when not beside the manifest (``stager index --out``): an absolute
+    # path or a URL of their directory. Not part of the digest (see ``_UNDIGESTED``).
+    shard_root: str | None = None
 
     # ---- derived -------------------------------------------------------------------------
     @property
@@ -162,6 +172,11 @@ class Manifest:
         return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
 
     @property
+    def indexed(self) -> bool:
+        """True for a manifest written by ``stager index`` (the shards are someone else's files)."""
+        return self.source.get("kind") == "index"
+
+    @property
     def dataset_id(self) -> str:
         """A short, stable identifier of this exact dataset (first 16 hex digits of the digest)."""
         return (self.digest or self.compute_digest())[:16]
@@ -187,6 +202,7 @@ class Manifest:
             },
             "skipped": self.skipped,
             "shards": [s.to_json() for s in self.shards],
+            **({"shard_root": self.shard_root} if self.shard_root else {}),
         }
 
     def compute_digest(self) -> str:
@@ -229,7 +245,7 @@ class Manifest:
 
 
 def _digest_of(body: dict[str, Any]) -> str:
-    canon = json.dumps({k: v for k, v in body.items() if k != "digest"}, sort_keys=True, separators=(",", ":"))
+    canon = json.dumps({k: v for k, v in body.items() if k not in _UNDIGESTED}, sort_keys=True, separators=(",", ":"))
     return xxhash.xxh3_128_hexdigest(canon.encode())
 
 
@@ -284,7 +300,12 @@ def _parse(body: Any, where: str) -> Manifest:
         sizes = _int_array(idx["sizes"], n, "index.sizes", sw)
         if n and (labels.min() < -1 or (nclass and labels.max() >= nclass)):
             raise ManifestError(f"{sw} ({name}): label out of range 0..{nclass - 1}")
-        if fmt != "zarr" and n and (offsets.min() < 0 or sizes.min() < 0 or (offsets + sizes).max() > nbytes):
+        extents = sj.get("extents", "bytes")
+        if extents not in ("bytes", "rows") or (extents == "rows" and fmt != "parquet"):
+            raise ManifestError(f"{sw} ({name}): unknown extents {extents!r} for format {fmt}")
+        if n and (offsets.min() < 0 or sizes.min() < 0):
+            raise ManifestError(f"{sw} ({name}): negative sample offset or size")
+        if fmt != "zarr" and extents == "bytes" and n and (offsets + sizes).max() > nbytes:
             raise ManifestError(f"{sw} ({name}): sample extents exceed the shard's {nbytes} bytes")
         aux = []
         for a in sj.get("aux", []):
@@ -293,7 +314,7 @@ def _parse(body: Any, where: str) -> Manifest:
             if fname in seen or fname == MANIFEST_NAME:
                 raise ManifestError(f"{sw}: file name {fname!r} listed twice")
             seen.add(fname)
-        shards.append(ShardInfo(name, nbytes, str(sj["hash"]), keys, labels, offsets, sizes, aux))
+        shards.append(ShardInfo(name, nbytes, str(sj["hash"]), keys, labels, offsets, sizes, aux, extents))
     m = Manifest(
         format=fmt,
         classes=classes,
@@ -307,6 +328,7 @@ def _parse(body: Any, where: str) -> Manifest:
         stager_version=str(body.get("stager_version", "")),
         created=str(body.get("created", "")),
         digest=str(body.get("digest", "")),
+        shard_root=_check_root(body.get("shard_root"), where),
     )
     expect = _digest_of(body)
     if m.digest != expect:
@@ -315,6 +337,15 @@ def _parse(body: Any, where: str) -> Manifest:
             "the manifest is damaged: restore it or re-run `stager pack`"
         )
     return m
+
+
+def _check_root(root: Any, where: str) -> str | None:
+    """``shard_root`` must be an absolute path or a URL (a relative one would depend on the reader's cwd)."""
+    if root is None:
+        return None
+    if not isinstance(root, str) or not root or not (root.startswith("/") or is_url(root)):
+        raise ManifestError(f"{where}: shard_root must be an absolute path or a URL, got {root!r}")
+    return root
 
 
 def manifest_path(path: str | os.PathLike[str]) -> str:
@@ -351,11 +382,32 @@ def load_manifest(path: str | os.PathLike[str], storage_options: dict[str, Any] 
 
 
 def dataset_root(path: str | os.PathLike[str]) -> str:
-    """The directory (or URL prefix) that holds the shards, given a directory or manifest path."""
+    """The directory (or URL prefix) that holds the manifest, given a directory or manifest path.
+
+    That is where the shards are unless the manifest says otherwise: use :func:`shard_root`."""
     p = os.fspath(path)
     if p.endswith(".json"):
         return str(PurePosixPath(p).parent) if "://" not in p else p.rsplit("/", 1)[0]
     return p.rstrip("/") or "/"
+
+
+def shard_root(path: str | os.PathLike[str], manifest: Manifest) -> str:
+    """The directory (or URL prefix) holding ``manifest``'s shards: its ``shard_root`` when set (an
+    index written with ``stager index --out``), else the manifest's own directory."""
+    if manifest.shard_root:
+        return manifest.shard_root.rstrip("/") or "/"
+    return dataset_root(path)
+
+
+def bytes_for_copy(manifest: Manifest, data: bytes) -> bytes:
+    """What a copy of the dataset stores as its ``manifest.json``: ``data`` verbatim, less the
+    ``shard_root`` field when it has one (the copy's shards are beside its manifest). The digest is
+    unchanged (``shard_root`` is not part of it), so receipts and dataset ids still match."""
+    if not manifest.shard_root:
+        return data
+    body = json.loads(data)
+    body.pop("shard_root", None)
+    return (json.dumps(body, separators=(",", ":")) + "\n").encode()
 
 
 def shard_index_arrays(shards: Sequence[ShardInfo]) -> tuple[np.ndarray, np.ndarray]:

@@ -35,6 +35,7 @@ def summarize(path: str | os.PathLike[str]) -> dict[str, Any]:
         "skipped": len(m.skipped),
         "source": m.source,
         "options": m.options,
+        "shard_root": m.shard_root,  # where an index's shards live (None: beside the manifest)
         "shard_table": [
             {
                 "name": s.name,
@@ -52,10 +53,12 @@ def summarize(path: str | os.PathLike[str]) -> dict[str, Any]:
 def format_summary(d: dict[str, Any], limit: int | None = None) -> str:
     """A human-readable summary plus the per-shard table (first ``limit`` rows if given)."""
     lines = [
-        f"{d['path']}: {d['format']} pack, {d['samples']:,} samples in {d['shards']} shards, "
+        f"{d['path']}: {d['format']} {'index' if d['source'].get('kind') == 'index' else 'pack'}, "
+        f"{d['samples']:,} samples in {d['shards']} shards, "
         f"{d['bytes'] / 1e6:,.1f} MB, {d['classes']} classes (id {d['dataset_id']})",
         f"  source: {d['source'].get('kind', '?')} {d['source'].get('path', '')}"
-        + (f" split={d['source']['split']}" if d["source"].get("split") else ""),
+        + (f" split={d['source']['split']}" if d["source"].get("split") else "")
+        + (f" (shards read from {d['shard_root']})" if d.get("shard_root") else ""),
         f"  samples: {d['sample_kind']}"
         + (f" {'x'.join(map(str, d['image_shape']))}" if d["image_shape"] else "")
         + f"; hash {d['hash_algo']}; created {d['created']}; skipped {d['skipped']}",

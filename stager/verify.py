@@ -4,7 +4,9 @@
 sizes and checksums. With ``deep=True`` it also parses every shard through its format reader
 (``iter_samples``, independent of the manifest index) and checks that the container holds exactly
 the indexed samples, in order, with the indexed keys and labels, and that the payloads the index
-points at (``read``) equal the parsed ones. A damaged manifest raises :class:`ManifestError`.
+points at (``read``) equal the parsed ones; for a set adopted by ``stager index`` (someone else's
+shards) "parse" means indexing the shard again with the recorded options and comparing the entries.
+A damaged manifest raises :class:`ManifestError`.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import numpy as np
 from stager.checksum import hash_file
 from stager.errors import StagerError
 from stager.formats import get_format
-from stager.manifest import Manifest, ShardInfo, dataset_root, load_manifest
+from stager.index import rescan_shard
+from stager.manifest import Manifest, ShardInfo, load_manifest, shard_root
 
 READ_BATCH = 256  # samples compared per reader.read() call in deep mode
 
@@ -78,6 +81,8 @@ def _check_file(root: str, name: str, nbytes: int, digest: str, algo: str) -> st
 
 
 def _deep_check(root: str, info: ShardInfo, m: Manifest) -> str | None:
+    if m.indexed:  # someone else's shards: index the shard again with the recorded options and compare
+        return rescan_shard(os.path.join(root, info.name), info, m)
     fmt = get_format(m.format)
     try:
         reader = fmt.open_reader(os.path.join(root, info.name), info, m)
@@ -132,7 +137,7 @@ def verify(path: str | os.PathLike[str], *, deep: bool = False, threads: int = 4
     """
     t0 = time.perf_counter()
     m = load_manifest(path)
-    root = dataset_root(path)
+    root = shard_root(path, m)
     files = list(m.files())
 
     def one(entry: tuple[str, int, str]) -> tuple[str, str | None]:

@@ -24,11 +24,12 @@ LAYERS: list[set[str]] = [
     {"checksum", "progress", "world", "order", "decode"},  # pure helpers: no file-system policy
     {"fs"},  # OS mechanics, no dataset concepts
     {"manifest", "receipt", "formats"},  # the on-disk contracts
-    {"pack", "stage", "loader", "verify", "summary", "advice"},  # the stages of the data flow, siblings
+    {"pack", "index", "stage", "loader", "verify", "summary", "advice"},  # the stages of the data flow, siblings
     {"prefetch"},  # beside training: the loader's schedule + stage's verified streaming copy
     {"commands", "cli", "__main__"},  # the command line
 ]
-SAME_LAYER = {("receipt", "manifest"), ("formats", "manifest"), ("commands", "cli"), ("__main__", "cli")}
+SAME_LAYER = {("receipt", "manifest"), ("formats", "manifest"), ("commands", "cli"), ("__main__", "cli"),
+              ("verify", "index")}  # deep verify of an indexed set indexes the shard again
 LAYER_OF = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
 
 
@@ -140,7 +141,7 @@ def test_the_cli_starts_without_numpy_or_torch() -> None:
 
     code = ("import sys; from stager.cli import build_parser; build_parser(); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('numpy', 'torch', 'h5py', 'zarr', 'fsspec')"
-            " or m.startswith(('stager.stage.', 'stager.pack.', 'stager.loader', 'stager.formats.'))))")
+            " or m.startswith(('stager.stage.', 'stager.pack.', 'stager.loader', 'stager.formats.', 'stager.index'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]", out.stdout
 

@@ -91,6 +91,19 @@ class Format(Protocol):
     def open_reader(self, path: str, info: ShardInfo, manifest: Manifest) -> ShardReader: ...
 
 
+_MAGIC = ((b"\xff\xd8\xff", "jpg"), (b"\x89PNG\r\n\x1a\n", "png"), (b"GIF87a", "gif"), (b"GIF89a", "gif"),
+          (b"II*\x00", "tiff"), (b"MM\x00*", "tiff"), (b"BM", "bmp"))
+
+
+def image_ext(data: bytes | memoryview) -> str:
+    """The image type of encoded bytes from their magic number (``jpg``, ``png``, ...), else ``bin``:
+    for payloads whose container does not name their type (adopted TFRecord/parquet files)."""
+    head = bytes(data[:12])
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return "webp"
+    return next((ext for magic, ext in _MAGIC if head.startswith(magic)), "bin")
+
+
 def pread_runs(fd: int, offsets: np.ndarray, sizes: np.ndarray, max_gap: int = 1 << 20) -> list[bytes]:
     """Read payloads at ``offsets``/``sizes`` from ``fd``, coalescing nearby ones into single reads.
 

@@ -25,7 +25,7 @@ from stager.errors import ShardMissingError, SourceNotFoundError, UsageError, Ve
 from stager.formats import get_format
 from stager.fs.open import filesystem
 from stager.loader.index import DatasetIndex, index_from_folder, index_from_manifest
-from stager.manifest import MANIFEST_NAME, dataset_root, load_manifest
+from stager.manifest import MANIFEST_NAME, load_manifest, shard_root
 from stager.order.reads import MAX_OPEN_FILES, HeldFiles
 from stager.receipt import Receipt, find_staged_copy
 
@@ -112,7 +112,7 @@ def resolve(
         return Resolved(index_from_folder(fp, fs), p.rstrip("/"), p, so)
     m = load_manifest(p if local is None else local, so)
     index = index_from_manifest(m)
-    root = dataset_root(p if local is None else local)
+    root = shard_root(p if local is None else local, m)
     res = Resolved(index, root, p, so)
     if staged is False:
         return res
@@ -197,8 +197,11 @@ class ShardAccess:
         self.res = res
         self.index = res.index
         self._local = _local_of(res.root)
+        # Rows of compressed parquet pages are no byte ranges: such shards go through the format reader.
+        self._rows = res.index.manifest is not None and any(s.extents == "rows" for s in res.index.manifest.shards)
         self.mapped = bool(
             use_mmap and self._local is not None and res.index.kind == "encoded" and res.index.format != "folder"
+            and not self._rows
         )
         self._held = HeldFiles(MAX_OPEN_FILES)
         self._handles: dict[int, Any] = {}  # shard -> fd | _Mapped | zarr reader, for the shards held
@@ -275,19 +278,24 @@ class ShardAccess:
         self._filesystem()
         return str(self._fs_root).rstrip("/") + "/" + self.index.shard_names[shard]
 
+    def _extents(self, shard: int) -> str:
+        m = self.index.manifest
+        return m.shards[shard].extents if m is not None else "bytes"
+
     def _zarr_reader(self, shard: int) -> Any:
+        """The format reader of a shard read by rows (zarr; compressed parquet pages)."""
         return self._handle(shard, self._open_zarr)
 
     def _open_zarr(self, shard: int) -> Any:
         if self._local is not None:
             path = self._path(shard)
         else:
-            # zarr's ZipStore needs a local file: remote zarr shards are fetched whole, once per
-            # process, into a temporary file (documented in docs/loader.md).
+            # zarr's ZipStore (and pyarrow here) need a local file: remote shards read by rows are
+            # fetched whole, once per process, into a temporary file (documented in docs/loader.md).
             path = self._tmp.get(shard) or self._fetch_whole(shard)
         m = self.index.manifest
         assert m is not None
-        return get_format("zarr").open_reader(path, m.shards[shard], m)
+        return get_format(m.format).open_reader(path, m.shards[shard], m)
 
     def _fetch_whole(self, shard: int) -> str:
         fs = self._filesystem()
@@ -302,7 +310,7 @@ class ShardAccess:
         self.check_pid()
         base = int(self.index.starts[shard])
         gids = positions + base
-        if self.index.kind == "decoded":
+        if self.index.kind == "decoded" or (self._rows and self._extents(shard) == "rows"):
             arrays = self._zarr_reader(shard).read(positions)
             return arrays, int(self.index.sizes[gids].sum())
         offs = self.index.offsets[gids]

@@ -55,6 +55,9 @@ def survey_out(out: Path, shard_prefix: str) -> OutState:
     if MANIFEST_NAME in names:
         try:
             found.manifest = load_manifest(out)
+            if found.manifest.indexed:  # `stager index` output: the shards are not stager's to remove
+                raise DestinationError(f"{out}: holds a `stager index` manifest of data stager does not own; "
+                                       "choose another directory for the pack (even --overwrite never removes them)")
             found.owned.update(n for n, _, _ in found.manifest.files())
         except ManifestError as exc:
             found.damaged_manifest = str(exc)

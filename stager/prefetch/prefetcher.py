@@ -51,7 +51,7 @@ import numpy as np
 
 from stager.errors import UsageError
 from stager.fs.atomic import atomic_write_bytes, fsync_dir, partial_path, remove_partials
-from stager.manifest import MANIFEST_NAME, Manifest, dataset_root, load_manifest
+from stager.manifest import MANIFEST_NAME, Manifest, bytes_for_copy, load_manifest, manifest_path, shard_root
 from stager.order.reads import MAX_OPEN_FILES, ReadSchedule
 from stager.prefetch.reports import (
     DONE_MARKER,
@@ -176,11 +176,11 @@ def prepare_dest(src: str | os.PathLike[str], dest: str | os.PathLike[str]) -> M
     src_s = os.fspath(src)
     if "://" in src_s:
         raise UsageError(f"{src_s}: prefetch needs SRC as a mounted path (the loader reads misses through symlinks)")
-    root = Path(os.path.abspath(dataset_root(src_s)))
     m = load_manifest(src_s)
+    root = Path(os.path.abspath(shard_root(src_s, m)))  # an index's shards may live elsewhere
     d = Path(dest)
     d.mkdir(parents=True, exist_ok=True)
-    mbytes = (root / MANIFEST_NAME).read_bytes()
+    mbytes = bytes_for_copy(m, Path(manifest_path(src_s)).read_bytes())
     mpath = d / MANIFEST_NAME
     if not mpath.exists() or mpath.read_bytes() != mbytes:
         atomic_write_bytes(mpath, mbytes, mode=0o644)
@@ -326,11 +326,11 @@ class Prefetcher:
     ) -> None:
         if budget <= 0:
             raise UsageError(f"prefetch budget must be > 0 bytes, got {budget}")
-        self.src = Path(os.path.abspath(dataset_root(os.fspath(src))))
         self.dest = Path(dest)
         self.budget = budget
         self.ranks = list(ranks)
         self.manifest = prepare_dest(src, dest)
+        self.src = Path(os.path.abspath(shard_root(os.fspath(src), self.manifest)))
         self.loader_kwargs = dict(loader_kwargs)
         self._datasets = self._make_datasets(self.ranks, self.loader_kwargs)
         self.batches_per_epoch = len(self._datasets[0])

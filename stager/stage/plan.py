@@ -10,7 +10,8 @@ bookkeeping files. Its only I/O: SRC's manifest is read by :func:`read_src_manif
 :func:`order_for_streams` then orders the files still to copy for the parallel copy streams.
 
 Names: SRC is what the user named (a packed directory or its ``manifest.json``, a path or an fsspec
-URL): :attr:`StagePlan.src`. The directory holding the shards is :attr:`StagePlan.src_dir`; a file's
+URL): :attr:`StagePlan.src`. The directory holding the shards is :attr:`StagePlan.src_dir` (SRC's
+directory, or the manifest's ``shard_root`` for an index written with ``stager index --out``); a file's
 place in it is :attr:`FileTask.src_path`.
 """
 
@@ -29,7 +30,7 @@ from stager.fs import lustre
 from stager.fs.access import source_access
 from stager.fs.info import FsInfo, detect_fs
 from stager.fs.open import is_url, join, read_bytes
-from stager.manifest import Manifest, dataset_root, manifest_path
+from stager.manifest import Manifest, bytes_for_copy, manifest_path, shard_root
 from stager.order.partition import assign_shards_to_nodes
 from stager.receipt import STAGING_ROOT_VARS
 from stager.stage.names import journal_name, lock_name, marker_name
@@ -194,14 +195,15 @@ def plan_stage(
     else:
         node, num_nodes, ranks_per_node, origin = options.node.resolve(env)
         shard_indices = assign_shards_to_nodes(manifest.shard_bytes, num_nodes, options.seed)[node]
-    src_dir = dataset_root(src)
+    src_dir = shard_root(src, manifest)  # beside the manifest, or where an index's shard_root says
     tasks = []
     for i in shard_indices:
         s = manifest.shards[i]
         tasks.append(FileTask(s.name, s.bytes, s.hash, join(src_dir, s.name), i))
         tasks += [FileTask(a.name, a.bytes, a.hash, join(src_dir, a.name), i) for a in s.aux]
     return StagePlan(
-        src=src, src_dir=src_dir, dest=dest_path, manifest=manifest, manifest_bytes=manifest_bytes, mode=mode,
+        src=src, src_dir=src_dir, dest=dest_path, manifest=manifest,
+        manifest_bytes=bytes_for_copy(manifest, manifest_bytes), mode=mode,
         node=node, num_nodes=num_nodes, ranks_per_node=ranks_per_node, node_origin=origin, seed=options.seed,
         shard_indices=shard_indices, tasks=tasks, unpack=options.unpack, unpack_dir=options.unpack_dir,
         explicit_dest=dest is not None, storage_options=dict(options.storage_options),

@@ -51,10 +51,10 @@ import numpy as np
 from stager.checksum import Hasher, new_hasher
 from stager.errors import CorruptSampleError, UnsafeArchiveError, VerificationError
 from stager.formats import get_format
+from stager.formats.base import Sample, image_ext
 from stager.formats.tar import (  # one tar header parser for pack, verify and unpack
     BLOCK,
     padded_size,
-    split_member_name,
     walk_headers,
 )
 from stager.fs.access import chgrp_quiet
@@ -65,7 +65,6 @@ from stager.progress import Progress
 from stager.stage.copier import open_src_file
 
 if TYPE_CHECKING:
-    from stager.formats.base import Sample
     from stager.stage.journal import Journal
     from stager.stage.plan import StagePlan
 
@@ -434,8 +433,10 @@ class Unpacker:
         try:
             for name, offset, data in walk_tar(reader, info.bytes, info.name, sizes):
                 i = index[offset]  # offsets strictly increase, so each entry is met at most once
-                key, ext = split_member_name(name)
-                if key != keys[i]:
+                # `<key>.<field>`; a key may hold dots where an index adopted real webdataset tars.
+                key = keys[i]
+                ext = name[len(key) + 1 :]
+                if not (name.startswith(key) and name[len(key) : len(key) + 1] == "." and ext):
                     raise UnsafeArchiveError(
                         f"{info.name}: member {name!r} at offset {offset} does not match manifest key "
                         f"{keys[i]!r}; refusing"
@@ -580,7 +581,9 @@ class _ShardUnpacking:
     def unpack_shard(self, info: ShardInfo) -> None:
         """Unpack one shard, then hand it to the batcher (journaled once its files are on disk)."""
         m = self.plan.manifest
-        if m.format != "tar":
+        if m.indexed and m.format != "tar":
+            self._unpack_by_extents(info)
+        elif m.format != "tar":
             self._unpack_with_reader(info)
         elif self.plan.unpack == "only":
             self._unpack_tar_from_src(info)
@@ -596,6 +599,23 @@ class _ShardUnpacking:
                                      on_progress=self.progress.update)
         with self._lock:
             self.streamed_bytes += info.bytes
+
+    def _unpack_by_extents(self, info: ShardInfo) -> None:
+        """Adopted TFRecord/parquet files (``stager index``): payloads by the manifest's extents, keys and
+        labels from the manifest (their containers need not follow stager's feature names)."""
+        m = self.plan.manifest
+        path = str(self.plan.dest / info.name) if self.plan.unpack != "only" else self.src_path_of[info.name]
+        reader = get_format(m.format).open_reader(path, info, m)
+        try:
+            for a in range(0, info.samples, 256):
+                pos = list(range(a, min(a + 256, info.samples)))
+                samples = []
+                for j, data in zip(pos, reader.read(pos), strict=True):
+                    b = bytes(data)
+                    samples.append(Sample(info.keys[j], int(info.labels[j]), b, image_ext(b)))
+                self.progress.update(self.unpacker.unpack_samples(samples, info))
+        finally:
+            reader.close()
 
     def _unpack_with_reader(self, info: ShardInfo) -> None:
         """hdf5, record, zarr: samples through the format's reader from the verified copy in DEST."""

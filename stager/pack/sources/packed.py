@@ -16,7 +16,7 @@ import numpy as np
 from stager.errors import SourceError
 from stager.formats import get_format
 from stager.formats.base import Sample, ShardReader
-from stager.manifest import load_manifest
+from stager.manifest import load_manifest, shard_root
 from stager.pack.sources.base import SampleRef, Source, sniff_ext
 
 
@@ -29,6 +29,7 @@ class PackSource(Source):
         super().__init__(root)
         self.manifest = load_manifest(root)
         m = self.manifest
+        self.shard_dir = Path(shard_root(root, m))  # an index's shards may live elsewhere
         self.classes = list(m.classes)
         self.sample_kind = m.sample_kind
         self.image_shape = m.image_shape
@@ -49,7 +50,7 @@ class PackSource(Source):
         if r is None:
             info = self.manifest.shards[si]
             fmt = get_format(self.manifest.format)
-            r = self._readers[si] = fmt.open_reader(str(self.root / info.name), info, self.manifest)
+            r = self._readers[si] = fmt.open_reader(str(self.shard_dir / info.name), info, self.manifest)
         return r
 
     def load_many(self, refs: Sequence[SampleRef]) -> list[Sample | BaseException]:
@@ -63,7 +64,7 @@ class PackSource(Source):
             try:
                 payloads = self._reader(si).read(positions)
             except (OSError, ValueError, EOFError) as exc:
-                err = SourceError(f"{self.root / self.manifest.shards[si].name}: cannot read samples ({exc})")
+                err = SourceError(f"{self.shard_dir / self.manifest.shards[si].name}: cannot read samples ({exc})")
                 for i in idxs:
                     out[i] = err
                 continue
@@ -85,7 +86,7 @@ class PackSource(Source):
 
     def path_of(self, ref: SampleRef) -> str:
         si, pos = ref.locator.split("#", 1)
-        return f"{self.root / self.manifest.shards[int(si)].name}[{pos}] ({ref.key})"
+        return f"{self.shard_dir / self.manifest.shards[int(si)].name}[{pos}] ({ref.key})"
 
     def rel_of(self, ref: SampleRef) -> str:
         si, pos = ref.locator.split("#", 1)

@@ -1,0 +1,53 @@
+"""``stager index SRC [--out DIR]``: a manifest for existing webdataset tars, TFRecords or parquet (docs/index.md)."""
+
+from __future__ import annotations
+
+import argparse
+
+from stager.cli import add_common, emit
+
+# stager.index.KINDS, spelled out so that registering the command does not import numpy.
+KINDS = ("tar", "record", "parquet")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "index",
+        help="adopt existing webdataset tars, TFRecords or parquet files in place (write a manifest for them)",
+        description="Scan existing shards (a directory of .tar, TFRecord or .parquet files) and write a stager "
+        "manifest for them: sizes, checksums and every image's byte extent, so that verify, stage, pack and the "
+        "loader work on them without rewriting a byte. Reruns resume.",
+    )
+    p.add_argument("src", metavar="SRC", help="directory of shards (or one shard file)")
+    p.add_argument("--out", metavar="DIR", default=None,
+                   help="write the manifest into DIR, naming the shards where they are (for a read-only SRC); "
+                   "default: beside the shards")
+    p.add_argument("--format", default="auto", choices=("auto", *KINDS), help="input kind (default: auto)")
+    p.add_argument("--image-key", default=None, metavar="KEY",
+                   help="the image: tar member field(s) 'jpg;png' (default: the one image-type member), "
+                   "TFRecord feature (default image/encoded), parquet column (default image)")
+    p.add_argument("--label-key", default=None, metavar="KEY",
+                   help="the label: tar cls|txt|json|json:FIELD (default cls), TFRecord feature (default "
+                   "image/class/label), parquet column (default label); 'none' for unlabeled data")
+    p.add_argument("--label-offset", type=int, default=0, metavar="N",
+                   help="added to integer labels (-1 for TensorFlow's 1-based ImageNet TFRecords)")
+    p.add_argument("-j", "--workers", type=int, default=1, metavar="N", help="shards indexed in parallel")
+    p.add_argument("--hash", dest="hash_algo", default="xxh3_128", choices=("xxh3_128", "blake2b"))
+    p.add_argument("--no-dali-index", action="store_true", help="do not write DALI .idx files for TFRecords")
+    add_common(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from stager.index import IndexOptions, index_dataset
+
+    opts = IndexOptions(format=args.format, image_key=args.image_key, label_key=args.label_key,
+                        label_offset=args.label_offset, workers=args.workers, hash_algo=args.hash_algo,
+                        dali_index=not args.no_dali_index)
+    r = index_dataset(args.src, args.out, opts, quiet=args.quiet)
+    where = f" (shards in {r.shard_root})" if r.shard_root else ""
+    human = (f"{r.manifest_path}: {r.kind} index of {r.shards} shards, {r.samples:,} samples, {r.classes} classes, "
+             f"{r.bytes / 1e6:,.1f} MB in {r.seconds:.2f}s ({r.bytes / max(r.seconds, 1e-9) / 1e9:.2f} GB/s, "
+             f"{r.samples / max(r.seconds, 1e-9):,.0f} samples/s; {r.resumed} resumed){where}")
+    emit(args, r.to_json(), human)
+    return 0

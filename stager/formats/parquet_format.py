@@ -1,0 +1,114 @@
+"""parquet files indexed in place by ``stager index`` (read-only: stager never writes parquet).
+
+A shard's manifest extents are either file byte ranges of the image values (``extents: "bytes"``:
+uncompressed column chunks, read like any encoded shard, zero-copy) or rows (``extents: "rows"``:
+compressed chunks, where no byte range holds an image). Rows are read through pyarrow one row group
+at a time: :meth:`ParquetShardReader.read` decodes each row group it needs once per call and keeps
+the last one decoded, so a run of consecutive rows costs one row-group decode (docs/index.md: cost).
+pyarrow is imported lazily, only when rows are read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from stager.errors import CorruptSampleError, ShardMissingError, UsageError
+from stager.formats.base import ExtentReader, Sample, image_ext
+from stager.manifest import Manifest, ShardInfo
+
+
+class ParquetShardReader(ExtentReader):
+    """``read(positions)``: byte extents through ``pread`` (like tar), or rows through pyarrow."""
+
+    def __init__(self, path: str, info: ShardInfo | None = None, manifest: Manifest | None = None) -> None:
+        super().__init__(path, info, manifest)
+        opts = (manifest.options.get("index") or {}) if manifest is not None else {}
+        self.column = str(opts.get("image_key") or "image")
+        self._pf: Any = None
+        self._leaf: list[str] | None = None
+        self._cached: tuple[int, list[Any]] | None = None  # (row group, its image values)
+
+    def _file(self) -> Any:
+        if self._pf is None:
+            try:
+                import pyarrow.parquet as pq  # noqa: PLC0415 (optional, heavy: only for compressed parquet)
+            except ImportError as exc:
+                raise UsageError(f"{self.path}: reading compressed parquet pages needs pyarrow: pip install "
+                                 "pyarrow") from exc
+            try:
+                self._pf = pq.ParquetFile(self.path)
+            except FileNotFoundError as exc:
+                raise ShardMissingError(f"{self.path}: shard missing; re-stage the dataset") from exc
+            except Exception as exc:  # ArrowInvalid for a damaged file
+                raise CorruptSampleError(f"{self.path}: not a readable parquet file ({exc})") from exc
+            t = self._pf.schema_arrow.field(self.column).type
+            self._leaf = [f"{self.column}.bytes"] if hasattr(t, "get_field_index") else [self.column]
+        return self._pf
+
+    def _row_group(self, rg: int) -> list[Any]:
+        if self._cached is None or self._cached[0] != rg:
+            pf = self._file()
+            try:
+                col = pf.read_row_group(rg, columns=self._leaf).column(0).combine_chunks()
+            except Exception as exc:  # ArrowInvalid/OSError: a damaged page
+                raise CorruptSampleError(f"{self.path}: row group {rg} is unreadable ({exc})") from exc
+            while hasattr(col.type, "num_fields") and col.type.num_fields:
+                col = col.field(0)
+            self._cached = (rg, col.to_pylist())
+        return self._cached[1]
+
+    def read(self, positions: Sequence[int] | np.ndarray) -> list[Any]:
+        if self.info is None or self.info.extents != "rows":
+            return super().read(positions)
+        rows = self.info.offsets[np.asarray(positions, dtype=np.int64).reshape(-1)]
+        pf = self._file()
+        md = pf.metadata
+        bounds = np.cumsum([0] + [md.row_group(i).num_rows for i in range(md.num_row_groups)])
+        out: list[Any] = []
+        for r in rows.tolist():
+            rg = int(np.searchsorted(bounds, r, side="right") - 1)
+            value = self._row_group(rg)[r - int(bounds[rg])]
+            if value is None:
+                raise CorruptSampleError(f"{self.path}: row {r} has no image bytes")
+            out.append(value)
+        return out
+
+    def iter_samples(self) -> Iterator[Sample]:
+        """The indexed samples in order, payloads read by :meth:`read` (keys and labels from the index)."""
+        if self.info is None:
+            raise UsageError(f"{self.path}: parquet shards are read through their manifest entry")
+        info = self.info
+        for a in range(0, info.samples, 256):
+            pos = np.arange(a, min(a + 256, info.samples))
+            for j, data in zip(pos.tolist(), self.read(pos), strict=True):
+                b = bytes(data)
+                yield Sample(info.keys[j], int(info.labels[j]), b, image_ext(b))
+
+    def close(self) -> None:
+        super().close()
+        self._pf = None
+        self._cached = None
+
+
+class ParquetFormat:
+    """parquet files adopted by ``stager index`` (reader only)."""
+
+    name = "parquet"
+    suffix = ".parquet"
+    sample_kind = "encoded"
+
+    def shard_name(self, index: int) -> str:
+        return f"shard-{index:05d}.parquet"
+
+    def open_writer(self, path: str, *, shard_name: str, classes: Sequence[str], **options: Any) -> Any:
+        raise UsageError("stager does not write parquet; use `stager index` to adopt parquet files, or pack "
+                         "to tar, record, hdf5 or zarr")
+
+    def open_reader(self, path: str, info: ShardInfo, manifest: Manifest) -> ParquetShardReader:
+        return ParquetShardReader(path, info, manifest)
+
+
+FORMAT = ParquetFormat()

@@ -1,0 +1,267 @@
+"""``stager index``: a manifest for shards that already exist, without rewriting a byte of them.
+
+Phases: **discover** SRC's shards (:mod:`stager.index.discover`); **resume** what an interrupted run
+saved (``OUT/.stager-index/<shard>.json`` per scanned shard, reused while the file's size and mtime
+and the options are unchanged); **scan** the rest, one process per shard with ``workers`` (each
+shard is mapped, hashed and parsed in one pass: :mod:`stager.index.tar`, ``record``, ``parquet``);
+**check** across shards (a tar sample split over a shard boundary, repeated keys); **label**
+(:func:`stager.index.labels.resolve_labels`); write DALI index files for TFRecords; **publish**
+``OUT/manifest.json`` atomically, then drop the state directory.
+
+OUT defaults to SRC's directory (the manifest sits beside the shards). With another OUT (a read-only,
+shared SRC) the manifest's ``shard_root`` names SRC's directory, and stage, verify and the loader
+read the shards there.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import multiprocessing as mp
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stager.checksum import hash_bytes
+from stager.errors import CorruptSampleError, DestinationError, UsageError
+from stager.fs.atomic import atomic_write_bytes, remove_partials
+from stager.index.discover import STATE_DIR, discover
+from stager.index.labels import resolve_labels
+from stager.index.options import MANIFEST_FORMAT, IndexOptions
+from stager.index.parquet import scan_parquet
+from stager.index.record import scan_record
+from stager.index.scan import ShardScan
+from stager.index.tar import scan_tar
+from stager.manifest import MANIFEST_NAME, AuxFile, Manifest, ShardInfo, load_manifest
+from stager.progress import Progress
+
+Scanner = Callable[[str, str, "str | None", "str | None", str], ShardScan]
+SCANNERS: dict[str, Scanner] = {"tar": scan_tar, "record": scan_record, "parquet": scan_parquet}
+
+
+@dataclass
+class IndexResult:
+    """What :func:`index_dataset` did: where the manifest is, and counts."""
+
+    manifest_path: str
+    kind: str
+    shards: int
+    samples: int
+    bytes: int
+    classes: int
+    scanned: int
+    resumed: int
+    seconds: float
+    dataset_id: str
+    shard_root: str | None
+    dali_index: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ok": True, **self.__dict__, "seconds": round(self.seconds, 4),
+                "gbps": round(self.bytes / max(self.seconds, 1e-9) / 1e9, 3),
+                "samples_per_s": round(self.samples / max(self.seconds, 1e-9), 1)}
+
+
+def index_dataset(src: str | os.PathLike[str], out: str | os.PathLike[str] | None = None,
+                  options: IndexOptions | None = None, *, quiet: bool = True) -> IndexResult:
+    """Index SRC's shards into ``OUT/manifest.json`` (see the module docstring)."""
+    opts = options or IndexOptions()
+    t0 = time.perf_counter()
+    directory, names, kind = discover(os.fspath(src), opts.format)
+    out_dir = Path(os.path.abspath(out if out is not None else directory))
+    in_place = out_dir == Path(directory)
+    _check_out(out_dir, in_place, directory)
+    state = out_dir / STATE_DIR
+    state.mkdir(exist_ok=True)
+    fp = opts.fingerprint(kind)
+    scans: dict[str, ShardScan] = _resume(state, directory, names, fp)
+    todo = [n for n in names if n not in scans]
+    resumed = len(scans)
+    progress = Progress("index", quiet=quiet)
+    for scan in _scan_all(directory, todo, kind, opts, progress):
+        scans[scan.name] = scan
+        atomic_write_bytes(state / f"{scan.name}.json", json.dumps({"fp": fp, "scan": scan.to_json()}).encode())
+    progress.close()
+    ordered = [scans[n] for n in names]
+    if kind == "tar":
+        _check_boundaries(ordered, directory)
+    _unique_keys(ordered, kind, directory)
+    labels, classes = resolve_labels(ordered, opts.label_offset, directory)
+    dali, dali_paths = (_write_dali_index(ordered, directory, out_dir, in_place, opts.hash_algo)
+                        if kind == "record" and opts.dali_index else ({}, []))
+    shards = [ShardInfo(s.name, s.bytes, s.hash, s.keys, lab, *s.arrays(), aux=dali.get(s.name, []), extents=s.extents)
+              for s, lab in zip(ordered, labels, strict=True)]
+    m = Manifest(format=MANIFEST_FORMAT[kind], classes=classes, shards=shards, hash_algo=opts.hash_algo,
+                 source={"kind": "index", "path": directory, "input": kind},
+                 options={"index": {**fp, "label_offset": opts.label_offset}},
+                 shard_root=None if in_place else directory)
+    path = m.write(out_dir)
+    shutil.rmtree(state, ignore_errors=True)
+    return IndexResult(path, kind, len(shards), m.num_samples, sum(s.bytes for s in ordered), len(classes),
+                       len(todo), resumed, time.perf_counter() - t0, m.dataset_id, m.shard_root, dali_paths)
+
+
+def _check_out(out_dir: Path, in_place: bool, directory: str) -> None:
+    """OUT must be writable and hold no stager pack (an index replaces only an index)."""
+    if in_place and not os.access(directory, os.W_OK):
+        raise DestinationError(f"{directory}: not writable (a shared, read-only dataset?); pass --out DIR to "
+                               "write the manifest there, naming the shards where they are")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DestinationError(f"{out_dir}: cannot create the output directory ({exc.strerror})") from exc
+    if (out_dir / MANIFEST_NAME).exists():
+        try:
+            prev = load_manifest(out_dir)
+        except Exception:  # a damaged manifest of ours is replaced; anything else is named below
+            prev = None
+        if prev is not None and not prev.indexed:
+            raise DestinationError(f"{out_dir}: holds a `stager pack` output; index into another directory (--out)")
+    remove_partials(out_dir, [MANIFEST_NAME])
+
+
+def _resume(state: Path, directory: str, names: list[str], fp: dict[str, object]) -> dict[str, ShardScan]:
+    """Scans an interrupted run saved whose file still has the same size and mtime, and the same options."""
+    got: dict[str, ShardScan] = {}
+    for n in names:
+        try:
+            d = json.loads((state / f"{n}.json").read_bytes())
+            scan = ShardScan.from_json(d["scan"])
+            st = os.stat(os.path.join(directory, n))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if d.get("fp") == fp and scan.bytes == st.st_size and scan.mtime_ns == st.st_mtime_ns:
+            got[n] = scan
+    return got
+
+
+def _scan_one(args: tuple[str, str, str, str | None, str | None, str]) -> ShardScan:
+    path, name, kind, image_key, label_key, algo = args
+    return SCANNERS[kind](path, name, image_key, label_key, algo)
+
+
+def _scan_all(directory: str, todo: list[str], kind: str, opts: IndexOptions, progress: Progress
+              ) -> Iterator[ShardScan]:
+    """Scan ``todo`` (in parallel with ``opts.workers``); yield each shard's scan as it completes."""
+    jobs = [(os.path.join(directory, n), n, kind, opts.image_key_for(kind), opts.label_key_for(kind), opts.hash_algo)
+            for n in todo]
+    if opts.workers <= 1 or len(jobs) <= 1:
+        for j in jobs:
+            scan = _scan_one(j)
+            progress.update(len(scan.keys), scan.bytes)
+            yield scan
+        return
+    ctx = mp.get_context("fork" if threading.active_count() == 1 and "fork" in mp.get_all_start_methods()
+                         else "spawn")
+    with ProcessPoolExecutor(max_workers=min(opts.workers, len(jobs)), mp_context=ctx) as ex:
+        it = iter(jobs)
+        pending: set[Future[ShardScan]] = set()
+        for j in it:  # at most 2 jobs per worker in flight: results are kept and saved in order of completion
+            pending.add(ex.submit(_scan_one, j))
+            if len(pending) >= 2 * opts.workers:
+                break
+        try:
+            while pending:
+                done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                for fut in done:
+                    scan = fut.result()
+                    progress.update(len(scan.keys), scan.bytes)
+                    yield scan
+                    nxt = next(it, None)
+                    if nxt is not None:
+                        pending.add(ex.submit(_scan_one, nxt))
+        finally:
+            for fut in pending:
+                fut.cancel()
+
+
+def _check_boundaries(scans: list[ShardScan], directory: str) -> None:
+    """A webdataset sample whose members continue in the next shard (a tar split by size) is refused."""
+    for a, b in itertools.pairwise(scans):
+        if a.keys and b.keys and a.keys[-1] == b.keys[0]:
+            raise CorruptSampleError(
+                f"{os.path.join(directory, b.name)}: sample {b.keys[0]!r} continues from {a.name} (its members are "
+                "split across the shard boundary); rewrite the shards so each sample is inside one tar "
+                "(webdataset's ShardWriter never splits one; `tar`/`split` by size can)")
+
+
+def _unique_keys(scans: list[ShardScan], kind: str, directory: str) -> None:
+    """Keys must be unique in the dataset: a tar repeat is refused; record/parquet, whose keys are file
+    names that may repeat (one per class folder), then key every sample by its position instead."""
+    dup = _first_repeat(scans)
+    if dup is None:
+        return
+    if kind == "tar":
+        raise CorruptSampleError(f"{directory}: sample key {dup[0]!r} appears twice ({dup[1]}); keys must be "
+                                 "unique across the shards")
+    for t in scans:
+        t.keys = [f"{t.name}/{i:08d}" for i in range(len(t.keys))]
+
+
+def _first_repeat(scans: list[ShardScan]) -> tuple[str, str] | None:
+    """The first key seen twice and where, else None."""
+    seen: dict[str, str] = {}
+    for s in scans:
+        for k in s.keys:
+            if k in seen:
+                return k, (f"in {seen[k]} and {s.name}" if seen[k] != s.name else f"twice in {s.name}")
+            seen[k] = s.name
+    return None
+
+
+def _write_dali_index(scans: list[ShardScan], directory: str, out_dir: Path, in_place: bool,
+                      algo: str) -> tuple[dict[str, list[AuxFile]], list[str]]:
+    """DALI's ``tfrecord2idx`` files (``<offset> <size>`` per record): ``(companions by shard, paths)``.
+
+    In place they sit beside their file and are listed as its companion (staged and verified with it);
+    an existing ``.idx`` that differs (someone's own) is left alone and not listed. With ``--out`` they
+    go into OUT, are not companions (the shards are elsewhere), and DALI is given them by path."""
+    aux: dict[str, list[AuxFile]] = {}
+    paths: list[str] = []
+    for s in scans:
+        data = b"".join(b"%d %d\n" % r for r in (s.records or []))
+        target = (Path(directory) if in_place else out_dir) / f"{s.name}.idx"
+        try:
+            have: bytes | None = target.read_bytes()
+        except FileNotFoundError:
+            have = None
+        if have is not None and have != data and in_place:
+            continue
+        if have != data:
+            atomic_write_bytes(target, data)
+        paths.append(str(target))
+        if in_place:
+            aux[s.name] = [AuxFile(target.name, len(data), hash_bytes(data, algo))]
+    return aux, paths
+
+
+def rescan_shard(path: str, info: ShardInfo, m: Manifest) -> str | None:
+    """``stager verify --deep`` for an indexed set: index the shard again with the manifest's recorded
+    options and compare with its entry; a reason, or None when it holds exactly the indexed samples."""
+    o = m.options.get("index") or {}
+    kind = str(o.get("kind") or m.source.get("input") or m.format)
+    if kind not in SCANNERS:
+        return f"unknown indexed input kind {kind!r}"
+    try:
+        scan = SCANNERS[kind](path, info.name, o.get("image_key"), o.get("label_key"), m.hash_algo)
+    except (CorruptSampleError, UsageError, OSError) as exc:
+        return f"cannot be indexed again ({exc})"
+    if len(scan.keys) != info.samples:
+        return f"holds {len(scan.keys)} samples, index says {info.samples}"
+    offsets, sizes = scan.arrays()
+    if scan.extents != info.extents or not (offsets == info.offsets).all() or not (sizes == info.sizes).all():
+        j = int(((offsets != info.offsets) | (sizes != info.sizes)).argmax())
+        return f"sample {j} ({info.keys[j]}): at {offsets[j]}+{sizes[j]}, index says {info.offsets[j]}+{info.sizes[j]}"
+    lookup = {c: i for i, c in enumerate(m.classes)}
+    off = int(o.get("label_offset") or 0)
+    for j, v in enumerate(scan.labels):
+        want = -1 if v is None else (lookup.get(v, -2) if isinstance(v, str) else int(v) + off)
+        if want != int(info.labels[j]):
+            return f"sample {j} ({info.keys[j]}): label {want}, index says {int(info.labels[j])}"
+    return None

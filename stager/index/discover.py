@@ -1,0 +1,70 @@
+"""Which files of SRC are shards, and of which kind (``--format auto`` looks at names, then bytes)."""
+
+from __future__ import annotations
+
+import os
+import struct
+
+from stager.errors import SourceNotFoundError, UsageError
+from stager.formats.record import masked_crc
+from stager.index.options import KINDS, SUFFIXES
+from stager.manifest import MANIFEST_NAME, check_safe_name
+
+STATE_DIR = ".stager-index"  # per-shard scan results of an unfinished run (resume)
+_IGNORED_SUFFIXES = (".idx", ".json", ".txt", ".md", ".partial", ".lock", ".csv")
+
+
+def kind_of_name(name: str) -> str | None:
+    low = name.lower()
+    for kind in KINDS:
+        if low.endswith(SUFFIXES[kind]):
+            return kind
+    return None
+
+
+def sniff(path: str) -> str | None:
+    """The input kind of a file from its first bytes: ustar magic, ``PAR1``, or a valid TFRecord header."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(512)
+    except OSError:
+        return None
+    if head[:4] == b"PAR1":
+        return "parquet"
+    if len(head) >= 263 and head[257:262] == b"ustar":
+        return "tar"
+    if len(head) >= 12 and masked_crc(head[:8]) == struct.unpack_from("<I", head, 8)[0]:
+        return "record"
+    return None
+
+
+def discover(src: str, fmt: str) -> tuple[str, list[str], str]:
+    """``(directory, shard file names sorted, kind)`` for SRC (a directory of shards or one shard file).
+
+    ``fmt`` ``auto`` takes each file's kind from its suffix (``.tar``, ``.tfrecord``/``.tfrecords``/
+    ``.record``, ``.parquet``), else from its first bytes (TensorFlow's ``train-00000-of-01024`` has no
+    suffix); all shards must be of one kind. Names must be plain file names (the manifest's rule).
+    """
+    if os.path.isfile(src):
+        directory, names = os.path.dirname(os.path.abspath(src)), [os.path.basename(src)]
+    elif os.path.isdir(src):
+        directory = os.path.abspath(src)
+        names = sorted(e.name for e in os.scandir(directory) if e.is_file() and not e.name.startswith(".")
+                       and e.name != MANIFEST_NAME and not e.name.lower().endswith(_IGNORED_SUFFIXES))
+    else:
+        raise SourceNotFoundError(f"{src}: no such file or directory; give a directory of shards")
+    kinds: dict[str, list[str]] = {}
+    for n in names:
+        k = fmt if fmt != "auto" else (kind_of_name(n) or sniff(os.path.join(directory, n)))
+        if k is not None:
+            kinds.setdefault(k, []).append(n)
+    if not kinds:
+        raise UsageError(f"{src}: no tar, TFRecord or parquet shards found; pass --format tar|record|parquet")
+    if len(kinds) > 1:
+        shown = "; ".join(f"{k}: {v[0]}" + (f" and {len(v) - 1} more" if len(v) > 1 else "") for k, v in kinds.items())
+        raise UsageError(f"{src}: holds shards of several kinds ({shown}); index one kind at a time "
+                         "(put them in separate directories or pass --format)")
+    kind, found = next(iter(kinds.items()))
+    for n in found:
+        check_safe_name(n, "shard file name")
+    return directory, found, kind

@@ -1,0 +1,62 @@
+"""The options of ``stager index`` (:class:`IndexOptions`) and the input kinds it recognises."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stager.checksum import ALGOS, DEFAULT_ALGO
+from stager.errors import UsageError
+
+KINDS = ("tar", "record", "parquet")
+# File suffixes of each kind (lower-cased), in the order `--format auto` tries them.
+SUFFIXES = {
+    "tar": (".tar",),
+    "record": (".tfrecord", ".tfrecords", ".record", ".tfr"),
+    "parquet": (".parquet", ".pq"),
+}
+# The manifest format each kind is described as (tar and TFRecord are stager's own layouts).
+MANIFEST_FORMAT = {"tar": "tar", "record": "record", "parquet": "parquet"}
+DEFAULT_IMAGE_KEY = {"tar": None, "record": "image/encoded", "parquet": "image"}
+DEFAULT_LABEL_KEY = {"tar": "cls", "record": "image/class/label", "parquet": "label"}
+
+
+@dataclass(frozen=True)
+class IndexOptions:
+    """What to index and how (docs/index.md).
+
+    ``image_key``/``label_key``: the field holding the image and the label (per kind: tar member
+    extensions such as ``jpg;png`` / ``cls``, ``txt``, ``json`` or ``json:FIELD``; TFRecord feature
+    names; parquet column names); None takes the kind's default. ``label_offset`` is added to every
+    integer label (``-1`` for TensorFlow's 1-based ImageNet labels). ``label_key="none"`` indexes
+    unlabeled data. ``dali_index``: write DALI's ``<file>.idx`` for TFRecord files (beside the file,
+    or into OUT when the source is read-only or ``out`` is given).
+    """
+
+    format: str = "auto"
+    image_key: str | None = None
+    label_key: str | None = None
+    label_offset: int = 0
+    workers: int = 1
+    hash_algo: str = DEFAULT_ALGO
+    dali_index: bool = True
+    overwrite: bool = False
+
+    def __post_init__(self) -> None:
+        if self.format not in ("auto", *KINDS):
+            raise UsageError(f"unknown --format {self.format!r}; expected auto, {', '.join(KINDS)}")
+        if self.workers < 1:
+            raise UsageError(f"--workers must be >= 1, got {self.workers}")
+        if self.hash_algo not in ALGOS:
+            raise UsageError(f"unknown --hash {self.hash_algo!r}; expected one of {', '.join(ALGOS)}")
+
+    def image_key_for(self, kind: str) -> str | None:
+        return self.image_key if self.image_key is not None else DEFAULT_IMAGE_KEY[kind]
+
+    def label_key_for(self, kind: str) -> str | None:
+        key = self.label_key if self.label_key is not None else DEFAULT_LABEL_KEY[kind]
+        return None if key in ("none", "") else key
+
+    def fingerprint(self, kind: str) -> dict[str, object]:
+        """What a shard's scan depends on (besides the file itself): recorded and compared on resume."""
+        return {"kind": kind, "image_key": self.image_key_for(kind), "label_key": self.label_key_for(kind),
+                "hash": self.hash_algo}

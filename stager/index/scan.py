@@ -1,0 +1,86 @@
+"""What indexing one shard yields (:class:`ShardScan`) and how a shard is read once (:func:`mapped`).
+
+Every input kind maps the shard file, hashes all of it (one sequential pass: the only time its data
+pages are read) and parses the container's headers from the same mapping, whose pages are then in
+the page cache. The scan keeps labels *raw* (an int, a class name, or None for unlabeled) because
+class names are only known once every shard is scanned; :mod:`stager.index.api` maps them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from stager.checksum import new_hasher
+from stager.errors import ShardMissingError
+
+HASH_CHUNK = 8 << 20  # bytes hashed per call: large enough to run at memory bandwidth
+
+
+@dataclass
+class ShardScan:
+    """One indexed shard: identity, integrity and its samples in physical order.
+
+    ``labels`` holds raw labels (int, str class name, or None); ``offsets``/``sizes`` locate each
+    image's bytes in the file (``extents == "bytes"``) or, for compressed parquet pages, ``offsets``
+    are rows in the file (``"rows"``). ``classes`` are class names the shard itself declares (parquet's
+    Hugging Face metadata), ``records`` the DALI index lines of a TFRecord file, ``(offset, size)``.
+    """
+
+    name: str
+    bytes: int
+    hash: str
+    mtime_ns: int
+    keys: list[str] = field(default_factory=list)
+    labels: list[Any] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+    extents: str = "bytes"
+    classes: list[str] | None = None
+    records: list[tuple[int, int]] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items()}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> ShardScan:
+        d = dict(d)
+        if d.get("records") is not None:
+            d["records"] = [tuple(r) for r in d["records"]]
+        return cls(**d)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        return np.asarray(self.offsets, dtype=np.int64), np.asarray(self.sizes, dtype=np.int64)
+
+
+@contextlib.contextmanager
+def mapped(path: str, algo: str) -> Iterator[tuple[memoryview, str, os.stat_result]]:
+    """``(read-only view of the whole file, its hash with algo, its stat)``; the file is read once."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError as exc:
+        raise ShardMissingError(f"{path}: no such shard") from exc
+    try:
+        st = os.fstat(fd)
+        mm = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ) if st.st_size else None
+    finally:
+        os.close(fd)
+    view = memoryview(mm) if mm is not None else memoryview(b"")
+    try:
+        if mm is not None:
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                mm.madvise(mmap.MADV_SEQUENTIAL)
+        h = new_hasher(algo)
+        for i in range(0, len(view), HASH_CHUNK):
+            h.update(view[i : i + HASH_CHUNK])
+        yield view, h.hexdigest(), st
+    finally:
+        view.release()
+        if mm is not None:
+            mm.close()

@@ -1,0 +1,170 @@
+"""Index webdataset tar shards as real writers make them (webdataset's ``ShardWriter``, ``tarp``, GNU tar).
+
+Headers are checked by the one tar parser, :func:`stager.formats.tar.walk_headers` (PAX headers with
+float mtimes and long names, GNU long names, checksums, sizes, no links or devices). Members are
+grouped into samples by key: a sample is a run of consecutive members ``<key>.<field>``, and its key
+is the longest name prefix, ending before a dot of the last path component, that its first two
+members share. So ``n01440764_10026.JPEG.jpg`` + ``n01440764_10026.JPEG.cls`` is the sample
+``n01440764_10026.JPEG`` (keys with dots, as ``ShardWriter`` writes ImageNet file names), and
+``x.jpg`` + ``x.cls`` + ``x.seg.png`` is ``x`` with fields ``jpg``, ``cls``, ``seg.png``. A lone
+member is a sample whose key is its name without its last extension.
+
+The image is the field named by ``image_key`` (``;``-separated candidates, first present wins), else
+the one field whose last extension is an image type. The label (``label_key``): ``cls`` or any
+text field (an integer, or a class name), ``json`` (its ``label`` value) or ``json:FIELD``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from stager.errors import CorruptSampleError, UsageError
+from stager.formats.tar import IMAGE_EXTS, walk_headers
+from stager.index.scan import ShardScan, mapped
+
+LABEL_EXTS = ("cls", "cls2", "txt", "json", "label", "labels", "index", "idx")
+MAX_LABEL_BYTES = 1 << 20  # a label member larger than this is not a label
+
+
+def _prefixes(name: str) -> list[str]:
+    """Keys ``name`` may belong to: its prefixes ending before a dot of its last component."""
+    head = name.rfind("/") + 1
+    return [name[:i] for i in range(head + 1, len(name)) if name[i] == "."]
+
+
+class _Sample:
+    __slots__ = ("fields", "key")
+
+    def __init__(self, key: str | None) -> None:
+        self.key = key
+        self.fields: dict[str, tuple[int, int, bytes | None]] = {}  # field -> (offset, size, data)
+
+
+def scan_tar(path: str, name: str, image_key: str | None, label_key: str | None, algo: str) -> ShardScan:
+    """Index one tar shard (see the module docstring); raises CorruptSampleError naming the shard."""
+    label_field, _, json_field = (label_key or "").partition(":")
+    with mapped(path, algo) as (view, digest, st):
+        out = ShardScan(name, st.st_size, digest, st.st_mtime_ns)
+        pos = 0
+
+        def take(n: int) -> bytes:
+            nonlocal pos
+            b = bytes(view[pos : pos + n])
+            pos += n
+            return b
+
+        def skip(n: int) -> None:
+            nonlocal pos
+            pos += n
+
+        cur: _Sample | None = None
+        seen: set[str] = set()
+        pending: tuple[str, int, int, bytes | None] | None = None  # a first member whose key is undecided
+
+        def finish(s: _Sample) -> None:
+            assert s.key is not None
+            if s.key in seen:
+                raise CorruptSampleError(f"{path}: members of sample {s.key!r} are not consecutive; "
+                                         "rewrite the shard so that each sample's members are adjacent")
+            seen.add(s.key)
+            _emit(out, s, image_key=image_key, label_field=label_field, json_field=json_field, path=path)
+
+        for mname, off, size in walk_headers(take, skip, len(view), path):
+            ext = mname.rsplit(".", 1)[-1].lower() if "." in mname.rsplit("/", 1)[-1] else ""
+            data = take(size + (-size % 512))[:size] if ext in LABEL_EXTS and size <= MAX_LABEL_BYTES else None
+            if data is None:
+                skip(size + (-size % 512))
+            if cur is not None and cur.key is not None and mname.startswith(cur.key + "."):
+                cur.fields[_field(cur, mname, path)] = (off, size, data)
+                continue
+            if pending is not None:
+                shared = [p for p in _prefixes(pending[0]) if mname.startswith(p + ".")]
+                if shared:
+                    cur = _Sample(max(shared, key=len))
+                    cur.fields[_field(cur, pending[0], path)] = pending[1:]
+                    cur.fields[_field(cur, mname, path)] = (off, size, data)
+                    pending = None
+                    continue
+                finish(_lone(*pending, path))
+            elif cur is not None:
+                finish(cur)
+            cur, pending = None, (mname, off, size, data)
+        if pending is not None:
+            finish(_lone(*pending, path))
+        elif cur is not None:
+            finish(cur)
+    return out
+
+
+def _field(s: _Sample, member: str, path: str) -> str:
+    assert s.key is not None
+    f = member[len(s.key) + 1 :]
+    if f in s.fields:
+        raise CorruptSampleError(f"{path}: sample {s.key!r} has two {f!r} members")
+    return f
+
+
+def _lone(mname: str, off: int, size: int, data: bytes | None, path: str) -> _Sample:
+    pre = _prefixes(mname)
+    if not pre:
+        raise CorruptSampleError(f"{path}: member {mname!r} has no extension (webdataset expects <key>.<field>)")
+    s = _Sample(pre[-1])
+    s.fields[mname[len(pre[-1]) + 1 :]] = (off, size, data)
+    return s
+
+
+def _image_field(s: _Sample, image_key: str | None, path: str) -> str:
+    if image_key:
+        for cand in image_key.split(";"):
+            if cand in s.fields:
+                return cand
+        raise CorruptSampleError(f"{path}: sample {s.key!r} has no {image_key!r} member (fields: "
+                                 f"{', '.join(sorted(s.fields))}); pass --image-key with the image's field")
+    found = [f for f in s.fields if f.rsplit(".", 1)[-1].lower() in IMAGE_EXTS]
+    if len(found) == 1:
+        return found[0]
+    what = "several image members" if found else "no image member"
+    raise CorruptSampleError(f"{path}: sample {s.key!r} has {what} (fields: {', '.join(sorted(s.fields))}); "
+                             "pass --image-key FIELD (e.g. jpg or 'jpg;png')")
+
+
+def _emit(out: ShardScan, s: _Sample, *, image_key: str | None, label_field: str, json_field: str, path: str) -> None:
+    img = _image_field(s, image_key, path)
+    off, size, _ = s.fields[img]
+    out.keys.append(s.key or "")
+    out.offsets.append(off)
+    out.sizes.append(size)
+    out.labels.append(_label(s, label_field, json_field, path) if label_field else None)
+
+
+def _label(s: _Sample, field: str, json_field: str, path: str) -> Any:
+    got = s.fields.get(field)
+    if got is None:
+        return None
+    data = got[2]
+    if data is None:
+        raise UsageError(f"{path}: sample {s.key!r}: label member {field!r} is not a label (too large or not "
+                         f"one of .{', .'.join(LABEL_EXTS)}); pass another --label-key")
+    if field.endswith("json"):
+        try:
+            info = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+            raise CorruptSampleError(f"{path}: sample {s.key!r}: bad JSON in {field!r} ({exc})") from exc
+        value = info.get(json_field or "label") if isinstance(info, dict) else None
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, str)):
+            return None if value is None else _bad(path, s, field, value)
+        return value
+    try:
+        text = data.decode("utf-8").strip()
+    except UnicodeDecodeError as exc:
+        raise CorruptSampleError(f"{path}: sample {s.key!r}: {field!r} is not UTF-8 text") from exc
+    try:
+        return int(text)
+    except ValueError:
+        return text or None
+
+
+def _bad(path: str, s: _Sample, field: str, value: Any) -> Any:
+    raise CorruptSampleError(f"{path}: sample {s.key!r}: label {value!r} in {field!r} is neither an integer "
+                             "nor a class name")
