@@ -36,7 +36,7 @@ from stager.index.labels import resolve_labels
 from stager.index.options import MANIFEST_FORMAT, IndexOptions
 from stager.index.parquet import scan_parquet
 from stager.index.record import scan_record
-from stager.index.scan import ShardScan
+from stager.index.scan import DamagedShardError, ShardScan
 from stager.index.tar import scan_tar
 from stager.manifest import MANIFEST_NAME, AuxFile, Manifest, ShardInfo, load_manifest
 from stager.progress import Progress
@@ -89,8 +89,7 @@ def index_dataset(src: str | os.PathLike[str], out: str | os.PathLike[str] | Non
         atomic_write_bytes(state / f"{scan.name}.json", json.dumps({"fp": fp, "scan": scan.to_json()}).encode())
     progress.close()
     ordered = [scans[n] for n in names]
-    if kind == "tar":
-        _check_boundaries(ordered, directory)
+    _check_boundaries(ordered, directory)
     _unique_keys(ordered, kind, directory)
     labels, classes = resolve_labels(ordered, opts.label_offset, directory)
     dali, dali_paths = (_write_dali_index(ordered, directory, out_dir, in_place, opts.hash_algo)
@@ -183,12 +182,22 @@ def _scan_all(directory: str, todo: list[str], kind: str, opts: IndexOptions, pr
 
 def _check_boundaries(scans: list[ShardScan], directory: str) -> None:
     """A webdataset sample whose members continue in the next shard (a tar split by size) is refused."""
+    def tail(s: ShardScan) -> str | None:
+        return next((k for e, k, _ in s.edges if e == 1), s.keys[-1] if s.keys else None)
+
+    def head(s: ShardScan) -> str | None:
+        return next((k for e, k, _ in s.edges if e == 0), s.keys[0] if s.keys else None)
+
     for a, b in itertools.pairwise(scans):
-        if a.keys and b.keys and a.keys[-1] == b.keys[0]:
-            raise CorruptSampleError(
-                f"{os.path.join(directory, b.name)}: sample {b.keys[0]!r} continues from {a.name} (its members are "
+        if tail(a) is not None and tail(a) == head(b):
+            raise DamagedShardError(
+                f"{os.path.join(directory, b.name)}: sample {head(b)!r} continues from {a.name} (its members are "
                 "split across the shard boundary); rewrite the shards so each sample is inside one tar "
                 "(webdataset's ShardWriter never splits one; `tar`/`split` by size can)")
+    for s in scans:
+        for _, key, fields in s.edges:
+            raise DamagedShardError(f"{os.path.join(directory, s.name)}: sample {key!r} has no image member "
+                                     f"(fields: {fields}); pass --image-key FIELD (e.g. jpg or 'jpg;png')")
 
 
 def _unique_keys(scans: list[ShardScan], kind: str, directory: str) -> None:
@@ -198,7 +207,7 @@ def _unique_keys(scans: list[ShardScan], kind: str, directory: str) -> None:
     if dup is None:
         return
     if kind == "tar":
-        raise CorruptSampleError(f"{directory}: sample key {dup[0]!r} appears twice ({dup[1]}); keys must be "
+        raise DamagedShardError(f"{directory}: sample key {dup[0]!r} appears twice ({dup[1]}); keys must be "
                                  "unique across the shards")
     for t in scans:
         t.keys = [f"{t.name}/{i:08d}" for i in range(len(t.keys))]

@@ -21,9 +21,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from stager.errors import CorruptSampleError, UsageError
+from stager.errors import UsageError
 from stager.index import _thrift as th
-from stager.index.scan import ShardScan, mapped
+from stager.index.scan import DamagedShardError, ShardScan, mapped
 
 
 def import_pyarrow() -> Any:
@@ -43,7 +43,7 @@ def scan_parquet(path: str, name: str, image_key: str | None, label_key: str | N
         try:
             pf = pq.ParquetFile(path)
         except Exception as exc:  # pyarrow raises ArrowInvalid/OSError for damaged files
-            raise CorruptSampleError(f"{path}: not a readable parquet file ({exc})") from exc
+            raise DamagedShardError(f"{path}: not a readable parquet file ({exc})") from exc
         leaf, has_path = _image_leaf(pf, col, path)
         out.classes = hf_class_names(pf, label_key)
         compressed = _image_chunks_compressed(pf, leaf)
@@ -58,7 +58,7 @@ def scan_parquet(path: str, name: str, image_key: str | None, label_key: str | N
                 _plain_extents(view, pf, rg, leaf, out=out, path=path)
         n = len(out.sizes)
         if pf.metadata.num_rows != n:
-            raise CorruptSampleError(f"{path}: {pf.metadata.num_rows} rows but {n} image values")
+            raise DamagedShardError(f"{path}: {pf.metadata.num_rows} rows but {n} image values")
         out.labels = _labels(pf, label_key, n, path)
         out.keys = _keys(pf, col, has_path, n, name)
     return out
@@ -118,7 +118,7 @@ def _plain_extents(view: memoryview, pf: Any, rg: int, leaf: str, *, out: ShardS
                 _data_page(view, hdr, body, body + size, max_def=max_def, dictionary=dictionary, out=out, path=path)
             pos = body + size
     except (th.ThriftError, KeyError, IndexError) as exc:
-        raise CorruptSampleError(f"{path}: damaged page in column {leaf!r}, row group {rg} ({exc})") from exc
+        raise DamagedShardError(f"{path}: damaged page in column {leaf!r}, row group {rg} ({exc})") from exc
 
 
 def _data_page(view: memoryview, hdr: dict[int, Any], pos: int, end: int, *, max_def: int,
@@ -139,7 +139,7 @@ def _data_page(view: memoryview, hdr: dict[int, Any], pos: int, end: int, *, max
             levels = th.rle_hybrid(view, pos + rep_len, pos + rep_len + def_len, bw, n)
         pos += rep_len + def_len
     if max_def and any(v != max_def for v in levels):
-        raise CorruptSampleError(f"{path}: row {len(out.sizes) + levels.index(min(levels))} has no image bytes "
+        raise DamagedShardError(f"{path}: row {len(out.sizes) + levels.index(min(levels))} has no image bytes "
                                  "(null); every row must hold an image")
     if enc == th.PLAIN:
         vals = _plain_values(view, pos, end, n, path)
@@ -172,7 +172,7 @@ def _column(pf: Any, cols: list[str], path: str) -> list[Any]:
     try:
         table = pf.read(columns=cols)
     except Exception as exc:  # ArrowInvalid, OSError from a damaged file
-        raise CorruptSampleError(f"{path}: cannot read column {cols[0]!r} ({exc})") from exc
+        raise DamagedShardError(f"{path}: cannot read column {cols[0]!r} ({exc})") from exc
     col = table.column(0)
     if col.type.num_fields if hasattr(col.type, "num_fields") else False:
         col = col.combine_chunks().field(0) if len(cols) == 1 and "." in cols[0] else col
@@ -182,7 +182,7 @@ def _column(pf: Any, cols: list[str], path: str) -> list[Any]:
 def _no_nulls(values: list[Any], path: str, what: str) -> None:
     for i, v in enumerate(values):
         if v is None:
-            raise CorruptSampleError(f"{path}: row {i} has no {what} (null); every row must hold an image")
+            raise DamagedShardError(f"{path}: row {i} has no {what} (null); every row must hold an image")
 
 
 def _labels(pf: Any, label_key: str | None, n: int, path: str) -> list[Any]:

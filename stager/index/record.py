@@ -14,10 +14,9 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-from stager.errors import CorruptSampleError
 from stager.formats.example_pb import ExampleDecodeError, decode_example
 from stager.formats.record import K_FILENAME, MAX_RECORD, masked_crc
-from stager.index.scan import ShardScan, mapped
+from stager.index.scan import DamagedShardError, ShardScan, mapped
 
 _U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
@@ -32,17 +31,17 @@ def scan_record(path: str, name: str, image_key: str | None, label_key: str | No
         pos = 0
         while pos < size:
             if pos + 12 > size:
-                raise CorruptSampleError(f"{path}: truncated record header at byte {pos}; the file is damaged")
+                raise DamagedShardError(f"{path}: truncated record header at byte {pos}; the file is damaged")
             (n,) = _U64.unpack_from(view, pos)
             if masked_crc(view[pos : pos + 8]) != _U32.unpack_from(view, pos + 8)[0]:
-                raise CorruptSampleError(f"{path}: record length CRC mismatch at byte {pos}; not a TFRecord file "
+                raise DamagedShardError(f"{path}: record length CRC mismatch at byte {pos}; not a TFRecord file "
                                          "or damaged (compressed TFRecords are not supported: decompress them)")
             if n > MAX_RECORD or pos + 16 + n > size:
-                raise CorruptSampleError(f"{path}: record at byte {pos} claims {n} bytes but the file has {size}; "
+                raise DamagedShardError(f"{path}: record at byte {pos} claims {n} bytes but the file has {size}; "
                                          "the file is truncated")
             payload = view[pos + 12 : pos + 12 + n]
             if masked_crc(payload) != _U32.unpack_from(view, pos + 12 + n)[0]:
-                raise CorruptSampleError(f"{path}: record data CRC mismatch at byte {pos}; the file is damaged")
+                raise DamagedShardError(f"{path}: record data CRC mismatch at byte {pos}; the file is damaged")
             _sample(out, payload, pos, image_key=image_key, label_key=label_key, path=path)
             del payload
             out.records.append((pos, n + 16))  # type: ignore[union-attr]
@@ -55,11 +54,11 @@ def _sample(out: ShardScan, payload: memoryview, pos: int, *, image_key: str, la
     try:
         feats = decode_example(payload)
     except ExampleDecodeError as exc:
-        raise CorruptSampleError(f"{path}: record {i} at byte {pos}: not a tf.train.Example ({exc})") from exc
+        raise DamagedShardError(f"{path}: record {i} at byte {pos}: not a tf.train.Example ({exc})") from exc
     img = feats.get(image_key)
     if img is None or img.kind != "bytes" or len(img.values) != 1:
         have = ", ".join(sorted(k for k, f in feats.items() if f.kind == "bytes"))
-        raise CorruptSampleError(f"{path}: record {i} at byte {pos}: no single bytes feature {image_key!r} "
+        raise DamagedShardError(f"{path}: record {i} at byte {pos}: no single bytes feature {image_key!r} "
                                  f"(bytes features: {have}); pass --image-key")
     out.offsets.append(pos + 12 + img.offsets[0])
     value = img.values[0]
@@ -82,7 +81,7 @@ def _label(feats: dict[str, Any], label_key: str | None, i: int, pos: int, path:
     if f is None or not f.values:
         return None
     if len(f.values) != 1 or f.kind == "float":
-        raise CorruptSampleError(f"{path}: record {i} at byte {pos}: {label_key!r} holds {len(f.values)} "
+        raise DamagedShardError(f"{path}: record {i} at byte {pos}: {label_key!r} holds {len(f.values)} "
                                  f"{f.kind} values; expected one int64 or one class name")
     v = f.values[0]
     if isinstance(v, bytes):

@@ -18,9 +18,16 @@ from typing import Any
 import numpy as np
 
 from stager.checksum import new_hasher
-from stager.errors import ShardMissingError
+from stager.errors import CorruptSampleError, ShardMissingError
 
 HASH_CHUNK = 8 << 20  # bytes hashed per call: large enough to run at memory bandwidth
+
+
+class DamagedShardError(CorruptSampleError):
+    """A shard that cannot be indexed as it is (damaged, truncated, a sample split across shards):
+    exit 3, like every other finding of damaged data (a ``CorruptSampleError`` for Python callers)."""
+
+    exit_code = 3
 
 
 @dataclass
@@ -44,6 +51,8 @@ class ShardScan:
     extents: str = "bytes"
     classes: list[str] | None = None
     records: list[tuple[int, int]] | None = None
+    # tar: incomplete samples (no image) at the shard's start (0) or end (1): (edge, key, fields)
+    edges: list[tuple[int, str, str]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items()}
@@ -53,6 +62,7 @@ class ShardScan:
         d = dict(d)
         if d.get("records") is not None:
             d["records"] = [tuple(r) for r in d["records"]]
+        d["edges"] = [tuple(e) for e in d.get("edges", [])]
         return cls(**d)
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
@@ -81,6 +91,9 @@ def mapped(path: str, algo: str) -> Iterator[tuple[memoryview, str, os.stat_resu
             h.update(view[i : i + HASH_CHUNK])
         yield view, h.hexdigest(), st
     finally:
-        view.release()
-        if mm is not None:
-            mm.close()
+        # An error raised mid-parse may still hold slices (in its traceback): the mapping then goes
+        # away with the last of them.
+        with contextlib.suppress(BufferError):
+            view.release()
+            if mm is not None:
+                mm.close()

@@ -19,9 +19,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from stager.errors import CorruptSampleError, UsageError
+from stager.errors import UsageError
 from stager.formats.tar import IMAGE_EXTS, walk_headers
-from stager.index.scan import ShardScan, mapped
+from stager.index.scan import DamagedShardError, ShardScan, mapped
 
 LABEL_EXTS = ("cls", "cls2", "txt", "json", "label", "labels", "index", "idx")
 MAX_LABEL_BYTES = 1 << 20  # a label member larger than this is not a label
@@ -31,6 +31,10 @@ def _prefixes(name: str) -> list[str]:
     """Keys ``name`` may belong to: its prefixes ending before a dot of its last component."""
     head = name.rfind("/") + 1
     return [name[:i] for i in range(head + 1, len(name)) if name[i] == "."]
+
+
+class NoImageError(DamagedShardError):
+    """A sample without an image member: at a shard's edge, the sign of a sample split across shards."""
 
 
 class _Sample:
@@ -62,13 +66,20 @@ def scan_tar(path: str, name: str, image_key: str | None, label_key: str | None,
         seen: set[str] = set()
         pending: tuple[str, int, int, bytes | None] | None = None  # a first member whose key is undecided
 
-        def finish(s: _Sample) -> None:
+        def finish(s: _Sample, last: bool = False) -> None:
             assert s.key is not None
             if s.key in seen:
-                raise CorruptSampleError(f"{path}: members of sample {s.key!r} are not consecutive; "
+                raise DamagedShardError(f"{path}: members of sample {s.key!r} are not consecutive; "
                                          "rewrite the shard so that each sample's members are adjacent")
+            first = not seen
             seen.add(s.key)
-            _emit(out, s, image_key=image_key, label_field=label_field, json_field=json_field, path=path)
+            try:
+                _emit(out, s, image_key=image_key, label_field=label_field, json_field=json_field, path=path)
+            except NoImageError:
+                if not (first or last):
+                    raise
+                # At the shard's edge: the api checks whether the neighbour shard holds the rest.
+                out.edges.append((0 if first else 1, s.key, str(sorted(s.fields))))
 
         for mname, off, size in walk_headers(take, skip, len(view), path):
             ext = mname.rsplit(".", 1)[-1].lower() if "." in mname.rsplit("/", 1)[-1] else ""
@@ -91,9 +102,9 @@ def scan_tar(path: str, name: str, image_key: str | None, label_key: str | None,
                 finish(cur)
             cur, pending = None, (mname, off, size, data)
         if pending is not None:
-            finish(_lone(*pending, path))
+            finish(_lone(*pending, path), last=True)
         elif cur is not None:
-            finish(cur)
+            finish(cur, last=True)
     return out
 
 
@@ -101,14 +112,14 @@ def _field(s: _Sample, member: str, path: str) -> str:
     assert s.key is not None
     f = member[len(s.key) + 1 :]
     if f in s.fields:
-        raise CorruptSampleError(f"{path}: sample {s.key!r} has two {f!r} members")
+        raise DamagedShardError(f"{path}: sample {s.key!r} has two {f!r} members")
     return f
 
 
 def _lone(mname: str, off: int, size: int, data: bytes | None, path: str) -> _Sample:
     pre = _prefixes(mname)
     if not pre:
-        raise CorruptSampleError(f"{path}: member {mname!r} has no extension (webdataset expects <key>.<field>)")
+        raise DamagedShardError(f"{path}: member {mname!r} has no extension (webdataset expects <key>.<field>)")
     s = _Sample(pre[-1])
     s.fields[mname[len(pre[-1]) + 1 :]] = (off, size, data)
     return s
@@ -119,13 +130,16 @@ def _image_field(s: _Sample, image_key: str | None, path: str) -> str:
         for cand in image_key.split(";"):
             if cand in s.fields:
                 return cand
-        raise CorruptSampleError(f"{path}: sample {s.key!r} has no {image_key!r} member (fields: "
+        raise DamagedShardError(f"{path}: sample {s.key!r} has no {image_key!r} member (fields: "
                                  f"{', '.join(sorted(s.fields))}); pass --image-key with the image's field")
     found = [f for f in s.fields if f.rsplit(".", 1)[-1].lower() in IMAGE_EXTS]
     if len(found) == 1:
         return found[0]
-    what = "several image members" if found else "no image member"
-    raise CorruptSampleError(f"{path}: sample {s.key!r} has {what} (fields: {', '.join(sorted(s.fields))}); "
+    if not found:
+        raise NoImageError(f"{path}: sample {s.key!r} has no image member (fields: {', '.join(sorted(s.fields))}); "
+                           "pass --image-key FIELD (e.g. jpg or 'jpg;png')")
+    raise DamagedShardError(f"{path}: sample {s.key!r} has several image members (fields: "
+                             f"{', '.join(sorted(s.fields))}); "
                              "pass --image-key FIELD (e.g. jpg or 'jpg;png')")
 
 
@@ -150,7 +164,7 @@ def _label(s: _Sample, field: str, json_field: str, path: str) -> Any:
         try:
             info = json.loads(data)
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-            raise CorruptSampleError(f"{path}: sample {s.key!r}: bad JSON in {field!r} ({exc})") from exc
+            raise DamagedShardError(f"{path}: sample {s.key!r}: bad JSON in {field!r} ({exc})") from exc
         value = info.get(json_field or "label") if isinstance(info, dict) else None
         if value is None or isinstance(value, bool) or not isinstance(value, (int, str)):
             return None if value is None else _bad(path, s, field, value)
@@ -158,7 +172,7 @@ def _label(s: _Sample, field: str, json_field: str, path: str) -> Any:
     try:
         text = data.decode("utf-8").strip()
     except UnicodeDecodeError as exc:
-        raise CorruptSampleError(f"{path}: sample {s.key!r}: {field!r} is not UTF-8 text") from exc
+        raise DamagedShardError(f"{path}: sample {s.key!r}: {field!r} is not UTF-8 text") from exc
     try:
         return int(text)
     except ValueError:
@@ -166,5 +180,5 @@ def _label(s: _Sample, field: str, json_field: str, path: str) -> Any:
 
 
 def _bad(path: str, s: _Sample, field: str, value: Any) -> Any:
-    raise CorruptSampleError(f"{path}: sample {s.key!r}: label {value!r} in {field!r} is neither an integer "
+    raise DamagedShardError(f"{path}: sample {s.key!r}: label {value!r} in {field!r} is neither an integer "
                              "nor a class name")

@@ -17,7 +17,7 @@ from stager.errors import SourceError
 from stager.formats import get_format
 from stager.formats.base import Sample, ShardReader
 from stager.manifest import load_manifest, shard_root
-from stager.pack.sources.base import SampleRef, Source, sniff_ext
+from stager.pack.sources.base import SampleRef, Source, key_for, sniff_ext, unique_keys
 
 
 class PackSource(Source):
@@ -36,8 +36,13 @@ class PackSource(Source):
         self._readers: dict[int, ShardReader] = {}
         refs = []
         for si, s in enumerate(m.shards):
-            for pos, (k, lab, size) in enumerate(zip(s.keys, s.labels.tolist(), s.sizes.tolist(), strict=True)):
+            # An index's keys are other writers' (file names with dots, as webdataset's ShardWriter writes
+            # ImageNet's): made pack keys as for file sources (dots in the last part become "_").
+            keys = [key_for(k + ".x") for k in s.keys] if m.indexed else s.keys
+            for pos, (k, lab, size) in enumerate(zip(keys, s.labels.tolist(), s.sizes.tolist(), strict=True)):
                 refs.append(SampleRef(k, int(lab), f"{si}#{pos}", int(size)))
+        if m.indexed:
+            refs = [r._replace(key=k) for r, k in zip(refs, unique_keys(r.key for r in refs), strict=True)]
         # Keys are unique within a pack; sort for a canonical order independent of the shuffle.
         refs.sort(key=lambda r: r.key)
         self.refs = refs
