@@ -3,8 +3,9 @@
 A shard's manifest extents are either file byte ranges of the image values (``extents: "bytes"``:
 uncompressed column chunks, read like any encoded shard, zero-copy) or rows (``extents: "rows"``:
 compressed chunks, where no byte range holds an image). Rows are read through pyarrow one row group
-at a time: :meth:`ParquetShardReader.read` decodes each row group it needs once per call and keeps
-the last one decoded, so a run of consecutive rows costs one row-group decode (docs/index.md: cost).
+at a time: :meth:`ParquetShardReader.read` decodes each row group it needs and keeps the last
+:data:`CACHED` decoded, so a run of consecutive rows costs at most one row-group decode (docs/index.md:
+cost).
 pyarrow is imported lazily, only when rows are read.
 """
 
@@ -19,6 +20,8 @@ from stager.errors import CorruptSampleError, ShardMissingError, UsageError
 from stager.formats.base import ExtentReader, Sample, image_ext
 from stager.manifest import Manifest, ShardInfo
 
+CACHED = 4  # decoded row groups kept per reader (a worker holds one reader per open shard)
+
 
 class ParquetShardReader(ExtentReader):
     """``read(positions)``: byte extents through ``pread`` (like tar), or rows through pyarrow."""
@@ -29,7 +32,7 @@ class ParquetShardReader(ExtentReader):
         self.column = str(opts.get("image_key") or "image")
         self._pf: Any = None
         self._leaf: list[str] | None = None
-        self._cached: tuple[int, list[Any]] | None = None  # (row group, its image values)
+        self._cached: dict[int, Any] = {}  # row group -> its decoded image column (the last CACHED ones)
 
     def _file(self) -> Any:
         if self._pf is None:
@@ -48,8 +51,9 @@ class ParquetShardReader(ExtentReader):
             self._leaf = [f"{self.column}.bytes"] if hasattr(t, "get_field_index") else [self.column]
         return self._pf
 
-    def _row_group(self, rg: int) -> list[Any]:
-        if self._cached is None or self._cached[0] != rg:
+    def _row_group(self, rg: int) -> Any:
+        got = self._cached.pop(rg, None)
+        if got is None:
             pf = self._file()
             try:
                 col = pf.read_row_group(rg, columns=self._leaf).column(0).combine_chunks()
@@ -57,8 +61,11 @@ class ParquetShardReader(ExtentReader):
                 raise CorruptSampleError(f"{self.path}: row group {rg} is unreadable ({exc})") from exc
             while hasattr(col.type, "num_fields") and col.type.num_fields:
                 col = col.field(0)
-            self._cached = (rg, col.to_pylist())
-        return self._cached[1]
+            got = col
+            if len(self._cached) >= CACHED:
+                self._cached.pop(next(iter(self._cached)))
+        self._cached[rg] = got  # most recently used last
+        return got
 
     def read(self, positions: Sequence[int] | np.ndarray) -> list[Any]:
         if self.info is None or self.info.extents != "rows":
@@ -70,7 +77,7 @@ class ParquetShardReader(ExtentReader):
         out: list[Any] = []
         for r in rows.tolist():
             rg = int(np.searchsorted(bounds, r, side="right") - 1)
-            value = self._row_group(rg)[r - int(bounds[rg])]
+            value = self._row_group(rg)[r - int(bounds[rg])].as_py()
             if value is None:
                 raise CorruptSampleError(f"{self.path}: row {r} has no image bytes")
             out.append(value)
@@ -90,7 +97,7 @@ class ParquetShardReader(ExtentReader):
     def close(self) -> None:
         super().close()
         self._pf = None
-        self._cached = None
+        self._cached = {}
 
 
 class ParquetFormat:

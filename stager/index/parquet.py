@@ -49,10 +49,8 @@ def scan_parquet(path: str, name: str, image_key: str | None, label_key: str | N
         compressed = _image_chunks_compressed(pf, leaf)
         if compressed:
             out.extents = "rows"
-            sizes = _column(pf, [leaf], path)
-            _no_nulls(sizes, path, leaf)
-            out.sizes = [len(v) for v in sizes]
-            out.offsets = list(range(len(sizes)))
+            out.sizes = _lengths(pf, leaf, path)
+            out.offsets = list(range(len(out.sizes)))
         else:
             for rg in range(pf.metadata.num_row_groups):
                 _plain_extents(view, pf, rg, leaf, out=out, path=path)
@@ -179,10 +177,23 @@ def _column(pf: Any, cols: list[str], path: str) -> list[Any]:
     return list(col.to_pylist())
 
 
-def _no_nulls(values: list[Any], path: str, what: str) -> None:
-    for i, v in enumerate(values):
-        if v is None:
-            raise DamagedShardError(f"{path}: row {i} has no {what} (null); every row must hold an image")
+def _lengths(pf: Any, leaf: str, path: str) -> list[int]:
+    """Byte length of every image value (one decode of the column, no copy of the values into Python)."""
+    import pyarrow.compute as pc  # noqa: PLC0415 (optional, heavy: only for parquet)
+
+    out: list[int] = []
+    for rg in range(pf.metadata.num_row_groups):
+        try:
+            col = pf.read_row_group(rg, columns=[leaf]).column(0).combine_chunks()
+        except Exception as exc:  # ArrowInvalid/OSError from a damaged page
+            raise DamagedShardError(f"{path}: row group {rg} of column {leaf!r} is unreadable ({exc})") from exc
+        while hasattr(col.type, "num_fields") and col.type.num_fields:
+            col = col.field(0)
+        if col.null_count:
+            raise DamagedShardError(f"{path}: a row of row group {rg} has no image bytes (null); every row must hold "
+                                    "an image")
+        out += pc.binary_length(col).to_pylist()
+    return out
 
 
 def _labels(pf: Any, label_key: str | None, n: int, path: str) -> list[Any]:

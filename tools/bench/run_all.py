@@ -38,6 +38,10 @@ SUITE: dict[str, tuple[str, list[str], list[str], str]] = {
     "shuffle_quality": ("shuffle_quality.py", ["--md"], ["--scenario", "tiny", "--md"], "shuffle_quality.md"),
     "stage": ("bench_stage.py", ["--rounds", "3", "--large", "100"], ["--small"], "stage.md"),
     "collective": ("bench_collective.py", [], ["--nodes", "2", "--mb", "16"], "collective.md"),
+    # DALI's index scripts are compared when $STAGER_DALI_SCRIPTS names where they were extracted (docs/index.md).
+    "index": ("bench_index.py", ["--n", "2000", *(["--dali-scripts", os.environ["STAGER_DALI_SCRIPTS"]]
+                                                  if os.environ.get("STAGER_DALI_SCRIPTS") else [])],
+              ["--n", "200", "--rounds", "1"], "index.md"),
 }
 
 
