@@ -115,9 +115,9 @@ def bench_index(sets: dict[str, Path], n: int, rounds: int, dali: Path | None, t
         for workers in (1, 2):
             out = tmp / f"idx-{name}-{workers}"
 
-            def run(d: Path = d, out: Path = out, workers: int = workers) -> None:
+            def run(d: Path = d, out: Path = out, workers: int = workers, off: int = -1 if "tf" in name else 0) -> None:
                 shutil.rmtree(out, ignore_errors=True)
-                index_dataset(d, out, IndexOptions(workers=workers, label_offset=-1 if "tf" in name else 0))
+                index_dataset(d, out, IndexOptions(workers=workers, label_offset=off))
 
             rows.append((name, f"stager index --workers {workers}", nbytes, best(run, rounds)))
         if name == "tfrecord":
