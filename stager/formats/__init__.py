@@ -16,7 +16,15 @@ FORMAT_NAMES = tuple(_MODULES)  # the formats `stager pack` writes
 # Read-only formats: shards adopted in place by `stager index`, never written by stager.
 _READ_ONLY = {"parquet": "parquet_format"}
 
-__all__ = ["FORMAT_NAMES", "Extent", "Format", "Sample", "ShardReader", "ShardWriter", "get_format"]
+__all__ = ["FORMAT_NAMES", "Extent", "Format", "Sample", "ShardReader", "ShardWriter", "get_format",
+           "get_writer_format"]
+
+
+def get_writer_format(name: str) -> Format:
+    """The format ``stager pack`` writes as ``name`` (one of :data:`FORMAT_NAMES`; not a read-only one)."""
+    if name not in _MODULES:
+        raise UsageError(f"unknown format {name!r}; expected one of {', '.join(FORMAT_NAMES)}")
+    return get_format(name)
 
 
 def get_format(name: str) -> Format:

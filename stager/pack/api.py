@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stager.errors import OutOfSpaceError, UsageError
-from stager.formats import get_format
+from stager.formats import get_writer_format
 from stager.fs import lustre
 from stager.fs.atomic import fsync_dir, remove_partials
 from stager.manifest import MANIFEST_NAME, Manifest
@@ -202,7 +202,7 @@ class PackRun:
         The options themselves were checked when :class:`PackOptions` was built. Reads and writes
         nothing.
         """
-        return get_format(self.options.format)
+        return get_writer_format(self.options.format)
 
     def list_source(self, src: str | os.PathLike[str], fmt: Format) -> Listing:
         """List: open and list ``src`` and settle what its samples become in ``fmt`` shards.
