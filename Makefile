@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.stager-installed
 
-.PHONY: demo test lint bench bench-setup faults clean-venv
+.PHONY: demo test lint bench bench-setup faults clean-venv cluster cluster-down
 
 $(STAMP): pyproject.toml tools/setup_venv.sh
 	bash tools/setup_venv.sh $(PY) $(VENV)
@@ -34,3 +34,12 @@ faults: $(STAMP)
 
 clean-venv:
 	rm -rf $(VENV)
+
+# A real Slurm cluster on this machine (root; installs slurm-wlm, munge, sshfs with apt when missing):
+# CLUSTER_NODES (4) nodes, a storage host behind a CLUSTER_STORAGE_MBIT (400) link, slurmctld. Writes
+# .cluster/env; tools/cluster/README.md. cluster-down removes everything it made, at any time.
+cluster: $(STAMP)
+	$(PY) -m tools.cluster up
+
+cluster-down:
+	$(PY) -m tools.cluster down

@@ -69,10 +69,17 @@ def invocations(script: Path, program: str) -> list[list[str]]:
     return found
 
 
+# A word that is only an unquoted ``${..._ARGS:-}`` is a pass-through list of extra options set by the
+# submitter (TRAIN_ARGS, docs/training.md): empty by default, so it is dropped before parsing.
+PASS_THROUGH = re.compile(r"^\$\{?[A-Z_]*_ARGS(:-)?\}?$")
+
+
 def substitute(args: list[str]) -> list[str]:
     """Replace shell expansions by a placeholder value (``--opt=$X`` keeps its option name)."""
     out = []
     for a in args:
+        if PASS_THROUGH.match(a):
+            continue
         if a.startswith("--") and "=" in a and "$" in a:
             out.append(a.split("=", 1)[0] + "=" + PLACEHOLDER)
         elif "$" in a:

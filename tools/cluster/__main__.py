@@ -1,0 +1,58 @@
+"""``python -m tools.cluster up|down|status|link|rate|on`` (``make cluster`` / ``make cluster-down``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from . import lifecycle, net, slurm
+from .config import Config
+from .proc import ClusterError, enter, netns_pids
+from .state import Record
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tools.cluster", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("up", help="bring the cluster up (idempotent); writes .cluster/env")
+    sub.add_parser("down", help="remove everything `up` made (safe at any time)")
+    sub.add_parser("status", help="exit 0 when the cluster is up and healthy")
+    lk = sub.add_parser("link", help="take a host's link down or up (fault injection)")
+    lk.add_argument("host")
+    lk.add_argument("state", choices=("up", "down"))
+    rt = sub.add_parser("rate", help="change the storage link's cap (Mbit/s)")
+    rt.add_argument("mbit", type=int)
+    on = sub.add_parser("on", help="run a command inside a host's namespaces")
+    on.add_argument("host")
+    on.add_argument("command", nargs=argparse.REMAINDER)
+    pids = sub.add_parser("pids", help="processes inside a host's network namespace")
+    pids.add_argument("host")
+    a = p.parse_args(argv)
+    cfg = Config.from_env()
+    try:
+        if a.cmd == "up":
+            lifecycle.up(cfg)
+        elif a.cmd == "down":
+            lifecycle.down(cfg)
+        elif a.cmd == "status":
+            lifecycle.healthy(cfg, Record(cfg.record))
+            states = slurm.node_states(cfg)
+            print(" ".join(f"{n}:{s}" for n, s in sorted(states.items())))
+        elif a.cmd == "link":
+            net.set_link(cfg, a.host, a.state == "up")
+        elif a.cmd == "rate":
+            net.set_storage_rate(cfg, a.mbit)
+        elif a.cmd == "pids":
+            print(" ".join(str(x) for x in netns_pids(cfg.netns(a.host))))
+        elif a.cmd == "on":
+            cmd = a.command[1:] if a.command[:1] == ["--"] else a.command
+            os.execvp("nsenter", [*enter(cfg, a.host), *(cmd or ["sh"])])
+    except ClusterError as exc:
+        print(f"cluster: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
