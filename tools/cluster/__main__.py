@@ -8,7 +8,7 @@ import sys
 
 from . import lifecycle, net, slurm
 from .config import Config
-from .proc import ClusterError, enter, netns_pids
+from .proc import ClusterError, enter, netns_pids, ns_inode
 from .state import Record
 
 
@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         elif a.cmd == "rate":
             net.set_storage_rate(cfg, a.mbit)
         elif a.cmd == "pids":
-            print(" ".join(str(x) for x in netns_pids(cfg.netns(a.host))))
+            inode = ns_inode(cfg.netns(a.host))
+            print(" ".join(str(x) for x in netns_pids({inode} if inode else set())))
         elif a.cmd == "on":
             cmd = a.command[1:] if a.command[:1] == ["--"] else a.command
             os.execvp("nsenter", [*enter(cfg, a.host), *(cmd or ["sh"])])

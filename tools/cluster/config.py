@@ -40,7 +40,9 @@ class Config:
     small_mb: int
 
     @classmethod
-    def from_env(cls, root: Path = ROOT) -> Config:
+    def from_env(cls, root: Path | None = None) -> Config:
+        """Read CLUSTER_* from the environment. CLUSTER_ROOT (default: this checkout) holds .cluster/."""
+        root = root or Path(os.environ.get("CLUSTER_ROOT") or ROOT)
         nodes = _env_int("CLUSTER_NODES", DEFAULT_NODES)
         if not 1 <= nodes <= 64:
             raise SystemExit(f"cluster: CLUSTER_NODES={nodes}: expected 1..64")
@@ -61,9 +63,10 @@ class Config:
         return hashlib.sha1(str(self.root).encode()).hexdigest()[:4]
 
     @property
-    def prefix(self) -> str:
-        """Prefix of every network namespace this checkout's cluster makes."""
-        return f"stgr-{self.tag}-"
+    def run_dir(self) -> Path:
+        """munge's socket lives here: munged wants every directory above it searchable by all, which a
+        checkout (or pytest's 0700 temporary directory) need not be."""
+        return Path("/run") / f"stgr-{self.tag}"
 
     @property
     def node_names(self) -> list[str]:
@@ -78,8 +81,9 @@ class Config:
     def small_node(self) -> str:
         return self.node_names[-1]
 
-    def netns(self, host: str) -> str:
-        return self.prefix + host
+    def netns(self, host: str) -> Path:
+        """A host's network namespace, kept by a bind mount on this file (no /run/netns entry)."""
+        return self.ns_file(host, "net")
 
     def addr(self, host: str) -> str:
         if host == "ctl":
@@ -131,7 +135,7 @@ class Config:
 
     @property
     def munge_socket(self) -> Path:
-        return self.munge_dir / "munge.socket"
+        return self.run_dir / "munge.socket"
 
     @property
     def bin(self) -> Path:
@@ -176,7 +180,9 @@ class Config:
         return self.local / "stager-prolog"
 
     def served_bytes_command(self) -> str:
-        return f"ip netns exec {self.netns('storage')} cat /sys/class/net/{IFACE}/statistics/tx_bytes"
+        """Transmitted bytes of the storage host's link (its /proc/net/dev, read inside its namespace)."""
+        return (f"nsenter --net={self.netns('storage')} awk -F'[: ]+' "
+                f"'$2 == \"{IFACE}\" {{ print $11 }}' /proc/net/dev")
 
     def environment(self) -> dict[str, str]:
         """What .cluster/env exports (values as strings)."""
@@ -194,7 +200,7 @@ class Config:
             "CLUSTER_NODE_DIRS": str(self.state / "nodes"),
             "CLUSTER_PROLOG_ROOT": str(self.prolog_root),
             "CLUSTER_STORAGE_MBIT": str(self.storage_mbit),
-            "CLUSTER_NETNS_PREFIX": self.prefix,
+            "CLUSTER_NETNS_DIR": str(self.nsdir),
             "CLUSTER_SERVED_BYTES": self.served_bytes_command(),
             "CLUSTER_STATE": str(self.state),
         }

@@ -55,7 +55,7 @@ def create(cfg: Config, host: str) -> None:
     mnt, uts = cfg.ns_file(host, "mnt"), cfg.ns_file(host, "uts")
     for f in (mnt, uts):
         f.touch()
-    run(["nsenter", f"--net=/run/netns/{cfg.netns(host)}", "--", "unshare", f"--mount={mnt}", f"--uts={uts}",
+    run(["nsenter", f"--net={cfg.netns(host)}", "--", "unshare", f"--mount={mnt}", f"--uts={uts}",
          "--propagation", "slave", "sh", "-c", _mount_script(cfg, host)])
 
 

@@ -3,13 +3,12 @@
 ``up`` is idempotent: a complete, healthy cluster is left as it is; anything else (a half-finished
 bring-up, a dead daemon) is taken down first and rebuilt. ``down`` removes what ``up`` made and
 nothing else, also after a bring-up that failed half-way: processes inside this checkout's
-namespaces, the namespace files and their private mount, the namespaces (their links and the
-bridge go with them), /run/netns if ``up`` created it, and .cluster/.
+namespaces, the namespace files and their private mount (unbound, the namespaces vanish with their
+links and the bridge), munge's socket directory /run/stgr-<tag>, and .cluster/.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import time
@@ -17,7 +16,7 @@ from pathlib import Path
 
 from . import hosts, net, sharedfs, slurm
 from .config import Config
-from .proc import ClusterError, alive, mounts_under, netns_pids, run, terminate
+from .proc import ClusterError, alive, mounts_under, netns_pids, ns_inode, run, terminate
 from .state import Record
 
 APT_PACKAGES = ("slurm-wlm", "munge", "sshfs", "openssh-sftp-server")
@@ -62,8 +61,7 @@ def healthy(cfg: Config, rec: Record) -> None:
     """ClusterError unless every namespace, daemon, mount and node is as ``up`` left it."""
     if not rec.data.get("complete"):
         raise ClusterError("the last bring-up did not complete")
-    have = set(net.existing(cfg))
-    lost = [n for n in rec.data["netns"] if n not in have]
+    lost = [h for h, inode in rec.netns.items() if ns_inode(cfg.netns(h)) != inode]
     if lost:
         raise ClusterError(f"namespaces gone: {', '.join(lost)}")
     dead = [name for name, pid in rec.daemons.items() if not alive(pid)]
@@ -79,7 +77,7 @@ def healthy(cfg: Config, rec: Record) -> None:
 def up(cfg: Config) -> None:
     preflight()
     rec = Record(cfg.record)
-    if cfg.record.exists() or net.existing(cfg):
+    if cfg.record.exists() or net.bound(cfg) or cfg.run_dir.exists():
         try:
             healthy(cfg, rec)
             log(f"already up ({cfg.nodes} nodes); source {cfg.env_file}")
@@ -92,7 +90,7 @@ def up(cfg: Config) -> None:
     rec.set("tag", cfg.tag)
     rec.set("nodes", cfg.nodes)
     phases = [
-        ("directories", lambda: (hosts.make_dirs(cfg), hosts.write_hosts_file(cfg))),
+        ("directories", lambda: (hosts.make_dirs(cfg), hosts.write_hosts_file(cfg), hosts.prepare_nsdir(cfg))),
         ("network (switch, links, tbf)", lambda: net.build(cfg, rec)),
         ("hosts (hostnames, /etc/hosts, local disks)", lambda: _hosts(cfg)),
         ("munge", lambda: slurm.start_munge(cfg, rec)),
@@ -100,10 +98,13 @@ def up(cfg: Config) -> None:
         ("slurm (slurmctld, slurmd)", lambda: (slurm.write_config(cfg), slurm.start_daemons(cfg, rec))),
         ("clients and .cluster/env", lambda: (slurm.write_clients(cfg), slurm.write_env(cfg))),
     ]
+    fail_after = os.environ.get("CLUSTER_TEST_FAIL_AFTER", "")  # test-only: a bring-up that breaks half-way
     for name, step in phases:
         log(name)
         try:
             step()
+            if fail_after and name.startswith(fail_after):
+                raise ClusterError(f"CLUSTER_TEST_FAIL_AFTER={fail_after}")
         except ClusterError as exc:
             raise ClusterError(f"{name}: {exc} (logs: {cfg.logs}; `make cluster-down` removes what was made)") \
                 from exc
@@ -114,7 +115,6 @@ def up(cfg: Config) -> None:
 
 
 def _hosts(cfg: Config) -> None:
-    hosts.prepare_nsdir(cfg)
     for host in cfg.hosts:
         hosts.create(cfg, host)
         hosts.check(cfg, host)
@@ -129,11 +129,11 @@ def _cmdline(pid: int) -> str:
 
 def down(cfg: Config) -> None:
     rec = Record(cfg.record)
-    names = sorted(set(rec.data.get("netns", [])) | set(net.existing(cfg)))
-    existing = set(net.existing(cfg))
-    pids = [p for n in names if n in existing for p in netns_pids(n) if p != os.getpid()]
-    # Daemons whose namespace lost its name (an interrupted down): the record, checked against the
-    # command line so that a reused pid is never touched.
+    inodes = set(rec.netns.values())
+    inodes |= {i for f in net.bound(cfg) if (i := ns_inode(f)) is not None}
+    pids = [p for p in netns_pids(inodes) if p != os.getpid()]
+    # Daemons outside those namespaces should not exist; the record is checked against each command
+    # line so that a reused pid is never touched.
     markers = ("munged", "slurmctld", "slurmd", "sshfs", "sftpd", "sftp-server")
     for pid in rec.daemons.values():
         if alive(pid) and any(m in _cmdline(pid) for m in markers) and pid not in pids:
@@ -141,31 +141,19 @@ def down(cfg: Config) -> None:
     if pids:
         log(f"stopping {len(pids)} processes in the cluster's namespaces")
         terminate(pids)
+    # Unbinding the namespace files frees the namespaces (their links and the bridge go with them).
     for mp in mounts_under(cfg.state):
         if run(["umount", mp], check=False).returncode != 0:
             run(["umount", "-l", mp], check=False)
-    for n in names:
-        if n in set(net.existing(cfg)):
-            run(["ip", "netns", "del", n], check=False)
-    if rec.data.get("run_netns_created"):
-        _drop_run_netns()
     left = mounts_under(cfg.state)
     if left:
         raise ClusterError(f"still mounted, not removing {cfg.state}: {', '.join(left)}")
-    still = net.existing(cfg)
+    still = [p for p in netns_pids(inodes) if alive(p)]
     if still:
-        raise ClusterError(f"namespaces still present: {', '.join(still)}")
+        raise ClusterError(f"processes still inside the cluster's namespaces: {still}")
+    run_dir = Path(rec.data.get("run_dir") or cfg.run_dir)
+    if run_dir.name.startswith("stgr-") and run_dir.is_dir():
+        shutil.rmtree(run_dir)
     if cfg.state.exists():
         shutil.rmtree(cfg.state)
     log("down")
-
-
-def _drop_run_netns() -> None:
-    """Undo what the first `ip netns add` did to /run/netns, if nobody else uses it meanwhile."""
-    d = Path("/run/netns")
-    if d.is_dir() and not any(d.iterdir()):
-        while any(mp == str(d) for mp in mounts_under(d)):
-            if run(["umount", str(d)], check=False).returncode != 0:
-                break
-        with contextlib.suppress(OSError):
-            d.rmdir()

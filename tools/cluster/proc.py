@@ -33,7 +33,7 @@ def run(cmd: Sequence[str], *, check: bool = True, timeout: float = 120, env: di
 
 def enter(cfg: Config, host: str, *, mount: bool = True) -> list[str]:
     """The nsenter prefix that runs a command as ``host``: its network, hostname and (optionally) mounts."""
-    cmd = ["nsenter", f"--net=/run/netns/{cfg.netns(host)}"]
+    cmd = ["nsenter", f"--net={cfg.netns(host)}"]
     if mount:
         cmd += [f"--mount={cfg.ns_file(host, 'mnt')}", f"--uts={cfg.ns_file(host, 'uts')}"]
     return [*cmd, "--"]
@@ -62,9 +62,27 @@ def alive(pid: int) -> bool:
         return False
 
 
-def netns_pids(name: str) -> list[int]:
-    res = run(["ip", "netns", "pids", name], check=False, timeout=30)
-    return [int(x) for x in res.stdout.split() if x.isdigit()] if res.returncode == 0 else []
+def netns_pids(inodes: set[int]) -> list[int]:
+    """Processes whose network namespace is one of ``inodes`` (what ``ip netns pids`` does)."""
+    want = {f"net:[{i}]" for i in inodes}
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                if os.readlink(f"/proc/{entry.name}/ns/net") in want:
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def ns_inode(path: Path) -> int | None:
+    """The namespace a bound namespace file holds, or None when nothing is bound there."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino if os.stat(path.parent).st_dev != st.st_dev else None
 
 
 def terminate(pids: list[int], grace: float = 5.0) -> None:

@@ -23,8 +23,10 @@ MEM_PER_NODE_MB = 1000
 
 def start_munge(cfg: Config, rec: Record) -> None:
     d = cfg.munge_dir
-    d.mkdir(parents=True, exist_ok=True)
-    os.chmod(d, 0o755)  # munged: the socket's directory must be searchable by all; the key stays 0400
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    rec.set("run_dir", str(cfg.run_dir))  # recorded first: down removes it even if mkdir is all that happened
+    cfg.run_dir.mkdir(mode=0o755, exist_ok=True)
+    os.chmod(cfg.run_dir, 0o755)
     key = d / "munge.key"
     if not key.exists():
         fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
@@ -181,7 +183,7 @@ def write_clients(cfg: Config) -> None:
     """.cluster/bin: the Slurm clients (entering the controller's network from the root namespace) and
     the BeeOND stand-in."""
     host_net = os.readlink("/proc/self/ns/net")
-    ctl = f"--net=/run/netns/{cfg.netns('ctl')} --uts={cfg.ns_file('ctl', 'uts')}"
+    ctl = f"--net={cfg.netns('ctl')} --uts={cfg.ns_file('ctl', 'uts')}"
     for name in SLURM_CLIENTS:
         real = f"/usr/bin/{name}"
         if not Path(real).exists():

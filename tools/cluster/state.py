@@ -13,7 +13,7 @@ from typing import Any
 class Record:
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.data: dict[str, Any] = {"netns": [], "daemons": {}, "run_netns_created": False, "complete": False}
+        self.data: dict[str, Any] = {"netns": {}, "daemons": {}, "complete": False}
         if path.exists():
             with contextlib.suppress(OSError, ValueError):  # a torn record: down still sweeps by name
                 self.data.update(json.loads(path.read_text()))
@@ -24,10 +24,13 @@ class Record:
         tmp.write_text(json.dumps(self.data, indent=1, sort_keys=True))
         os.replace(tmp, self.path)
 
-    def add_netns(self, name: str) -> None:
-        if name not in self.data["netns"]:
-            self.data["netns"].append(name)
-            self.save()
+    def add_netns(self, host: str, inode: int) -> None:
+        self.data["netns"][host] = inode
+        self.save()
+
+    @property
+    def netns(self) -> dict[str, int]:
+        return dict(self.data["netns"])
 
     def add_daemon(self, name: str, pid: int) -> None:
         self.data["daemons"][name] = pid
