@@ -122,6 +122,7 @@ exit 0
 STAGER={ROOT / '.venv' / 'bin' / 'stager'}
 STAGER_PROLOG_ROOT={cfg.prolog_root}
 STAGER_PROLOG_ARGS="--workers 2"
+STAGER_PROLOG_POLL=1
 """)
     for kind in ("prolog", "epilog"):
         _script(etc / f"{kind}.d" / "50-stager",
