@@ -107,3 +107,88 @@ def read_json_lines(path: Path) -> list[dict[str, Any]]:
 
 def expect(job: Job, state: str = "COMPLETED", code: int = 0) -> None:
     assert (job.state, job.exit_code) == (state, code), job.describe()
+
+
+STAGE_SCRIPT = """#!/bin/bash
+# One `stager stage` per node; each node's JSON result in its own file (srun relays output in pieces
+# of at most 1 KiB, so long lines of several tasks sharing one stream can interleave).
+source .venv/bin/activate
+srun --ntasks-per-node=1 --output={tasks}/%N.out --error={tasks}/%N.err stager stage {src} {dest} --json {flags}
+"""
+
+
+def stage_job(cluster: Cluster, tmp: Path, src: Path, dest: Path, *flags: str, nodes: int = 4,
+              nodelist: str | None = None, submit_only: bool = False, timeout: float = 300,
+              env: dict[str, str] | None = None) -> Any:
+    """Submit a job that stages ``src`` (a path on CLUSTER_SHARED) into ``dest`` on each of ``nodes``;
+    wait for it unless ``submit_only`` (then return the job id)."""
+    script = tmp / f"stage-{len(list(tmp.glob('stage-*.sh')))}.sh"
+    tasks = script.with_suffix(".tasks")
+    tasks.mkdir()
+    script.write_text(STAGE_SCRIPT.format(src=src, dest=dest, flags=" ".join(flags), tasks=tasks))
+    out = script.with_suffix(".out")
+    args = [f"--nodes={nodes}", "--ntasks-per-node=1", "--cpus-per-task=1", f"--output={out}", str(script)]
+    if nodelist:
+        args.insert(0, f"--nodelist={nodelist}")
+    job_id = cluster.submit(args, cwd=ROOT, env=env)
+    if submit_only:
+        return job_id
+    return finish(cluster, job_id, script, timeout)
+
+
+def finish(cluster: Cluster, job_id: int, script: Path, timeout: float = 300) -> Job:
+    """Wait for a job of :func:`stage_job` (``script`` names its files)."""
+    job = cluster.wait(job_id, timeout=timeout, output=script.with_suffix(".out"))
+    job.tasks = script.with_suffix(".tasks")
+    return job
+
+
+def results_of(job: Job) -> list[dict[str, Any]]:
+    """The JSON results of the job's tasks (one per node), or of its output file."""
+    if job.tasks is not None:
+        return [r for f in sorted(job.tasks.glob("*.out")) for r in read_json_lines(f)]
+    return [json.loads(ln) for ln in job.output.splitlines() if ln.startswith("{")]
+
+
+def node_dest(cluster: Cluster, node: str, dest: Path) -> Path:
+    return cluster.node_path(node, dest)
+
+
+def check_copy(cluster: Cluster, node: str, dest: Path, src_export: Path, shards: list[str] | None = None) -> None:
+    """The node's DEST holds exactly the expected shards (default: all), each verified against the
+    manifest (size and xxh3), with its receipt and no partial file."""
+    from stager.checksum import hash_file
+    from stager.manifest import load_manifest
+
+    m = load_manifest(src_export)
+    d = node_dest(cluster, node, dest)
+    want = sorted(shards if shards is not None else [s.name for s in m.shards])
+    have = sorted(p.name for p in d.iterdir() if p.name.startswith("shard-") and ".partial" not in p.name)
+    assert have == want, (node, have, want)
+    by_name = {s.name: s for s in m.shards}
+    for name in have:
+        info = by_name[name]
+        assert (d / name).stat().st_size == info.bytes
+        assert hash_file(d / name, m.hash_algo)[1] == info.hash, f"{node}: {name} differs from SRC"
+    assert not list(d.glob("*.partial")), (node, list(d.glob("*.partial")))
+    assert (d / "stager-receipt.json").exists()
+
+
+def no_torn_files(cluster: Cluster, node: str, dest: Path, src_export: Path) -> int:
+    """Every file under a final shard name in the node's DEST is complete and correct (a fault may
+    leave .partial files and missing shards, never a wrong one); returns how many shards it holds."""
+    from stager.checksum import hash_file
+    from stager.manifest import load_manifest
+
+    m = load_manifest(src_export)
+    d = node_dest(cluster, node, dest)
+    if not d.exists():
+        return 0
+    n = 0
+    for s in m.shards:
+        p = d / s.name
+        if p.exists():
+            assert p.stat().st_size == s.bytes and hash_file(p, m.hash_algo)[1] == s.hash, \
+                f"{node}: torn {s.name} under its final name"
+            n += 1
+    return n

@@ -54,9 +54,12 @@ def check_summary(summary: dict[str, Any], ranks: int) -> None:
     assert summary["config"]["backend"] == ("gloo" if ranks > 1 else None), summary["config"]
 
 
-def check_stage(path: Path, nodes: int, **fields: Any) -> list[dict[str, Any]]:
-    results = read_json_lines(path)
-    assert len(results) == nodes, path.read_text()
+def check_stage(out: Path, name: str, nodes: int, **fields: Any) -> list[dict[str, Any]]:
+    """The scripts write one JSON file per node: OUT/<name>.<node>.json."""
+    files = sorted(out.glob(f"{name}.*.json"))
+    assert len(files) == nodes, files
+    results = [r for f in files for r in read_json_lines(f)]
+    assert len(results) == nodes, [f.read_text() for f in files]
     for r in results:
         assert r["ok"], r
         for k, v in fields.items():
@@ -70,8 +73,8 @@ def test_single_node_torchrun(cluster: Cluster, cifar: dict[str, Path], tmp_path
     job = cluster.sbatch(["--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=2", "--gpus-per-node=0", "--time=15",
                           str(SLURM / "train_single_node.sbatch")], output=tmp_path / "job.out", env=env, cwd=ROOT)
     expect(job)
-    check_stage(out / "stage-train.json", 1, mode="full")
-    check_stage(out / "stage-val.json", 1, mode="full")
+    check_stage(out, "stage-train", 1, mode="full")
+    check_stage(out, "stage-val", 1, mode="full")
     summary = json.loads((out / "summary.json").read_text())
     check_summary(summary, 2)
     assert summary["launcher"] == "torchrun" and summary["data_source"]["staged"], summary["data_source"]
@@ -86,7 +89,7 @@ def test_multi_node_srun_collective(cluster: Cluster, cifar: dict[str, Path], tm
     job = cluster.sbatch(["--nodes=4", "--ntasks-per-node=1", *CPU, str(SLURM / "train_multi_node.sbatch")],
                          output=tmp_path / "job.out", env=env, cwd=ROOT)
     expect(job)
-    results = check_stage(out / "stage-train.json", 4, collective=True, fallback=None)
+    results = check_stage(out, "stage-train", 4, collective=True, fallback=None)
     assert sorted(r["node"] for r in results) == [0, 1, 2, 3]
     summary = json.loads((out / "summary.json").read_text())
     check_summary(summary, 4)
@@ -103,7 +106,7 @@ def test_independent_sweep(cluster: Cluster, cifar: dict[str, Path], tmp_path: P
     job = cluster.sbatch(["--nodes=1", "--ntasks-per-node=2", *CPU, str(SLURM / "train_independent.sbatch")],
                          output=tmp_path / "job.out", env=env, cwd=ROOT)
     expect(job)
-    check_stage(out / "stage.json", 1, mode="full")
+    check_stage(out, "stage", 1, mode="full")
     runs = [json.loads((out / f"summary.run{i:02d}.json").read_text()) for i in (0, 1)]
     for i, summary in enumerate(runs):
         check_summary(summary, 1)
@@ -120,7 +123,7 @@ def test_beeond_shared_dest(cluster: Cluster, cifar: dict[str, Path], tmp_path: 
                          output=tmp_path / "job.out", env=env, cwd=ROOT)
     expect(job)
     m = load_manifest(cifar["train"])
-    results = check_stage(out / "stage-train.json", 2, mode="shared")
+    results = check_stage(out, "stage-train", 2, mode="shared")
     assert sum(r["files_copied"] for r in results) == len(m.shards), results
     assert all(r["files_copied"] > 0 for r in results), "both nodes wrote a share"
     summary = json.loads((out / "summary.json").read_text())
@@ -139,8 +142,8 @@ def test_prefetch_follower_beside_two_node_training(cluster: Cluster, cifar: dic
     job = cluster.sbatch(["--nodes=2", "--ntasks-per-node=1", *CPU, str(SLURM / "train_prefetch.sbatch")],
                          output=tmp_path / "job.out", env=env, cwd=ROOT)
     expect(job)
-    follow = read_json_lines(out / "follow.json")
-    assert len(follow) == 2, (out / "follow.json").read_text()
+    follow = [r for f in sorted(out.glob("follow.*.json")) for r in read_json_lines(f)]
+    assert len(follow) == 2, follow
     for f in follow:
         assert f["stopped"] == "finished", f
         assert f["budget"] == budget and f["peak_local_bytes"] <= budget, f

@@ -42,6 +42,7 @@ class Job:
     id: int
     info: dict[str, str] = field(default_factory=dict)
     output: str = ""
+    tasks: Path | None = None  # a directory of per-task output files (srun --output=DIR/%N.out), if any
 
     @property
     def state(self) -> str:
@@ -53,9 +54,13 @@ class Job:
         return int(self.info.get("ExitCode", "0:0").split(":")[0])
 
     def describe(self) -> str:
-        return (f"job {self.id}: {self.state} ExitCode={self.info.get('ExitCode')} "
+        text = (f"job {self.id}: {self.state} ExitCode={self.info.get('ExitCode')} "
                 f"Reason={self.info.get('Reason')} AdminComment={self.info.get('AdminComment', '')}\n"
                 f"--- output ---\n{self.output[-6000:]}")
+        if self.tasks is not None and self.tasks.is_dir():
+            for f in sorted(self.tasks.iterdir()):
+                text += f"\n--- {f.name} ---\n{f.read_text(errors='replace')[-3000:]}"
+        return text
 
 
 class Cluster:
@@ -91,8 +96,13 @@ class Cluster:
         return self.shared / Path(export_path).relative_to(self.export)
 
     def node_path(self, node: str, path: Path) -> Path:
-        """Where this machine sees a node's path under CLUSTER_LOCAL (its private disk)."""
-        return self.cfg.node_dir(node) / "local" / Path(path).relative_to(self.local)
+        """Where this machine sees a node's path under CLUSTER_LOCAL or CLUSTER_LOCAL_SMALL (its private
+        disks; the small one of CLUSTER_SMALL_NODE is a tmpfs only that node sees)."""
+        path = Path(path)
+        for name, mount in (("local", self.local), ("small", Path(self.env["CLUSTER_LOCAL_SMALL"]))):
+            if path == mount or mount in path.parents:
+                return self.cfg.node_dir(node) / name / path.relative_to(mount)
+        raise ValueError(f"{path} is not on a node-local disk ({self.local}, {self.env['CLUSTER_LOCAL_SMALL']})")
 
     # --- jobs ------------------------------------------------------------------------------------------
     def submit(self, args: list[str], *, env: dict[str, str] | None = None, cwd: Path | None = None) -> int:

@@ -19,6 +19,9 @@ from .proc import ClusterError, mounts_under, run
 def write_hosts_file(cfg: Config) -> None:
     lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback"]
     lines += [f"{cfg.addr(h)}\t{h}" for h in cfg.hosts]
+    # The same addresses as IPv4-mapped IPv6: a dual-stack listener (torch's TCPStore) sees its peers
+    # as ::ffff:a.b.c.d, and c10d warns when those do not resolve back to a name.
+    lines += [f"::ffff:{cfg.addr(h)}\t{h}" for h in cfg.hosts]
     cfg.etc.mkdir(parents=True, exist_ok=True)
     (cfg.etc / "hosts").write_text("\n".join(lines) + "\n")
 
