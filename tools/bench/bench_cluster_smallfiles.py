@@ -158,7 +158,8 @@ def write_md(path: Path, rows: list[dict], c: Cluster) -> None:
             x = r[kind]
             per = x["items"] / x["seconds"]
             speed = r["tree"]["seconds"] / r["shards"]["seconds"]
-            lines.append(f"| {r['set']} | {r['nodes']} | {r['files'] if kind == 'tree' else r['shard_files']} | {kind} | "
+            opened = r["files"] if kind == "tree" else r["shard_files"]
+            lines.append(f"| {r['set']} | {r['nodes']} | {opened} | {kind} | "
                          f"{x['seconds']:.2f} | {x['list_s']:.2f} | {per:,.0f} | {per * r['nodes']:,.0f} | "
                          f"{x['bytes'] / x['seconds'] / 1e6:.1f} | {f'{speed:.1f}x' if kind == 'shards' else ''} |")
     lines += ["", "Raw figures (JSON):", "", "```json", json.dumps(rows, indent=1, default=float), "```", ""]
