@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from stager.manifest import load_manifest
-from stager.partition import assign_shards_to_nodes
+from stager.order.partition import assign_shards_to_nodes
 from tools.cluster.client import Cluster
 
 from .conftest import check_copy, expect, results_of, stage_job
@@ -60,7 +60,7 @@ def test_collective_reads_each_byte_once(cluster: Cluster, imagenet: Path, dest:
 def test_partition_each_node_holds_its_share(cluster: Cluster, imagenet: Path, dest: Path, tmp_path: Path) -> None:
     ratio, results = served_ratio(cluster, tmp_path, imagenet, dest, "--partition", "--seed", "3")
     m = load_manifest(imagenet)
-    shares = assign_shards_to_nodes(m, 4, 3)
+    shares = assign_shards_to_nodes(m.shard_bytes, 4, 3)
     assert 1.0 <= ratio <= 1 + OVERHEAD, ratio
     for r in results:
         assert r["mode"] == "partition"

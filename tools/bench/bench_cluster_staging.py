@@ -32,8 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from stager.scaling import Cluster as Model  # noqa: E402
-from stager.scaling import predict  # noqa: E402
+from stager.advice.scaling import Cluster as Model  # noqa: E402
+from stager.advice.scaling import predict  # noqa: E402
 from tools.bench.bench_collective import GATHER, make_dataset  # noqa: E402
 from tools.cluster.client import Cluster  # noqa: E402
 
