@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from stager import __version__
-from stager.errors import StagerError
+from stager.errors import StagerError, on_fatal
 
 # Each module defines ``register(subparsers)`` which adds its parser and sets ``func=run``, where
 # ``run(args) -> dict`` returns the JSON-able result (printed with --json) and raises StagerError.
@@ -56,15 +56,23 @@ def emit(args: argparse.Namespace, result: dict[str, Any], human: str | None = N
     sys.stdout.flush()
 
 
+def report_error(args: argparse.Namespace, exc: StagerError) -> None:
+    """A failed command's report: with --json one JSON object on stdout; always one line on stderr."""
+    if getattr(args, "json", False):
+        sys.stdout.write(json.dumps({"ok": False, "error": str(exc), "type": type(exc).__name__}) + "\n")
+        sys.stdout.flush()
+    print(f"stager {args.command}: error: {exc}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # A watchdog thread that must end the process (errors.exit_now) reports the same way.
+    on_fatal(lambda exc: report_error(args, exc))
     try:
         rc = args.func(args)
     except StagerError as exc:
-        if getattr(args, "json", False):
-            sys.stdout.write(json.dumps({"ok": False, "error": str(exc), "type": type(exc).__name__}) + "\n")
-        print(f"stager {args.command}: error: {exc}", file=sys.stderr)
+        report_error(args, exc)
         return exc.exit_code
     except KeyboardInterrupt:
         print(f"stager {args.command}: interrupted", file=sys.stderr)

@@ -18,6 +18,38 @@ code  meaning
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+from collections.abc import Callable
+from typing import NoReturn
+
+_reporters: list[Callable[[StagerError], None]] = []
+
+
+def on_fatal(reporter: Callable[[StagerError], None]) -> None:
+    """Register how the running command reports an error :func:`exit_now` ends it with (the CLI:
+    the one-line message on stderr and, with ``--json``, the JSON object on stdout)."""
+    _reporters.append(reporter)
+
+
+def exit_now(exc: StagerError) -> NoReturn:
+    """End the process from any thread with ``exc``'s exit code, reported as the CLI reports errors.
+
+    For a watchdog whose main thread is stuck where no exception reaches it (inside a collective, or
+    a read from a file system that stopped answering): ``os._exit`` skips the CLI's own handling and
+    every buffer, so the registered reporters run first and the streams are flushed.
+    """
+    if not _reporters:
+        sys.stderr.write(f"stager: error: {exc}\n")
+    for report in _reporters:
+        with contextlib.suppress(Exception):
+            report(exc)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(exc.exit_code)
+
 
 class StagerError(Exception):
     """Base of all stager errors."""

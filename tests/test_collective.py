@@ -194,6 +194,23 @@ def test_killed_node_fails_everyone_cleanly_and_rerun_resumes(packed: Path, tmp_
     assert tot["src_bytes"] + tot["local_bytes"] + skipped == m.num_bytes
 
 
+def test_hung_node_peers_still_report_json_and_exit_5(packed: Path, tmp_path: Path) -> None:
+    """A node that hangs mid-exchange (SIGSTOP) leaves its peers blocked inside the all_gather, where
+    no exception can reach them: their watchdog ends the process. `--json` must still print one JSON
+    object (scripts parse it), naming the hung node, and the exit code is 5."""
+    procs = _launch(tmp_path, str(packed), 3, env_extra={"STAGER_TEST_COLLECTIVE_KILL": "1:3:STOP"}, timeout=30)
+    try:
+        survivors = _finish([procs[0], procs[2]], limit=90)
+    finally:
+        procs[1].kill()
+        procs[1].wait()
+    for rc, res, err in survivors:
+        assert rc == 5, err
+        assert res.get("ok") is False and res.get("type") == "StagerTimeoutError", (res, err)
+        assert "node 1" in res["error"] and "no heartbeat" in res["error"], res
+        assert err.count("error: collective staging aborted") == 1, err
+
+
 def test_fallback_direct_when_no_peers_show_up(packed: Path, tmp_path: Path) -> None:
     # Node 1 of 2 alone: node 0's store never appears. Node 0 of 2 alone: nobody joins its store.
     (tmp_path / "none").mkdir()

@@ -9,8 +9,9 @@ thread drains the receive buffers. Two send buffers (``chunk`` bytes) and two re
 share. The first error on any thread stops the others and is raised here; a peer's failure arrives
 through the group (:class:`~.group.Group`), which names it.
 
-``$STAGER_TEST_COLLECTIVE_KILL=<node>:<step>`` (test-only) makes that node SIGKILL itself at that
-exchange step, so tests can kill a node mid-exchange deterministically.
+``$STAGER_TEST_COLLECTIVE_KILL=<node>:<step>[:STOP]`` (test-only) makes that node SIGKILL (or, with
+``:STOP``, SIGSTOP: a hung node) itself at that exchange step, so tests can fail a node mid-exchange
+deterministically.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class Exchange:
         self._stop = threading.Event()
         self._errors: list[BaseException] = []  # the writer thread's failure
         self._transport = _Transport(group, chunk)
-        self._kill_at = _kill_step(group.node)
+        self._kill_at, self._kill_sig = _kill_step(group.node)
 
     def run(self) -> None:
         reader = threading.Thread(target=self._read_loop, name="stager-read", daemon=True)
@@ -80,7 +81,7 @@ class Exchange:
         """This thread: one all-gather per step, from a filled send buffer into a free receive buffer."""
         for step in range(self.steps):
             if step == self._kill_at:
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), self._kill_sig)
             item = self._get(self._full_send)
             if isinstance(item, BaseException):
                 raise item
@@ -182,10 +183,10 @@ class _Transport:
         r.copy_(self.dev_recv.cpu())
 
 
-def _kill_step(node: int) -> int:
-    spec = os.environ.get(KILL_ENV, "")
-    if ":" in spec:
-        who, step = spec.split(":", 1)
-        if who.strip() == str(node):
-            return int(step)
-    return -1
+def _kill_step(node: int) -> tuple[int, int]:
+    """(step, signal) from $STAGER_TEST_COLLECTIVE_KILL for this node, or (-1, 0)."""
+    parts = os.environ.get(KILL_ENV, "").split(":")
+    if len(parts) >= 2 and parts[0].strip() == str(node):
+        sig = signal.SIGSTOP if parts[2:] == ["STOP"] else signal.SIGKILL
+        return int(parts[1]), sig
+    return -1, 0

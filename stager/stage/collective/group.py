@@ -29,13 +29,12 @@ import contextlib
 import datetime as dt
 import os
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from stager.errors import StagerTimeoutError, UsageError
+from stager.errors import StagerTimeoutError, UsageError, exit_now
 from stager.world import expand_hostlist
 
 DEFAULT_PORT = 29417
@@ -234,9 +233,7 @@ class Group:
             return
         if self.node == 0:
             time.sleep(self.interval)  # let the others read the abort reason from our store
-        sys.stderr.write(f"stager stage: error: {self.abort_message()}\n")
-        sys.stderr.flush()
-        os._exit(StagerTimeoutError.exit_code)
+        exit_now(StagerTimeoutError(self.abort_message()))
 
     def abort_message(self) -> str:
         raw = self.aborted or ""
