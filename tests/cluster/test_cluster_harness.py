@@ -30,9 +30,12 @@ def test_names_resolve_both_ways_on_every_node(cluster: Cluster) -> None:
         assert cluster.on(node, ["hostname"]).stdout.strip() == node
         for peer in ("ctl", "storage", *cluster.nodes):
             addr = cluster.cfg.addr(peer)
-            fwd = cluster.on(node, ["getent", "hosts", peer]).stdout.split()
+            fwd = cluster.on(node, ["getent", "ahostsv4", peer]).stdout.split()
             rev = cluster.on(node, ["getent", "hosts", addr]).stdout.split()
             assert fwd[:1] == [addr] and peer in rev[1:], (node, peer, fwd, rev)
+            # As a dual-stack listener (torch's TCPStore) sees its peers: IPv4-mapped IPv6.
+            mapped = cluster.on(node, ["getent", "hosts", f"::ffff:{addr}"]).stdout.split()
+            assert peer in mapped[1:], (node, peer, mapped)
     hosts_here = Path("/etc/hosts").read_text()
     assert "node1" not in hosts_here.split(), "the machine's /etc/hosts must not change"
 
