@@ -35,6 +35,7 @@ def build(args: argparse.Namespace) -> Cluster:
         files=args.files,
         mds_ops=args.mds_ops,
         epochs=args.epochs,
+        group_setup_s=args.group_setup_s,
         local_capacity=args.local_gb * 1e9 if args.local_gb else None,
     )
 
@@ -78,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--files", type=int, default=600, help="files in the dataset (shards)")
     ap.add_argument("--mds-ops", type=float, default=20e3, help="metadata operations/s of the MDS")
     ap.add_argument("--epochs", type=int, default=90)
+    ap.add_argument("--group-setup-s", type=float, default=3.0,
+                    help="collective: importing torch and forming the group, seconds (measured 2-3 on tools/cluster)")
     ap.add_argument("--local-gb", type=float, default=None, help="node-local capacity (default: unlimited)")
     ap.add_argument("--nodes", type=int, nargs="+", default=NODES)
     ap.add_argument("--png", default=None, help="also write a plot (matplotlib)")

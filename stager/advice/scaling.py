@@ -6,7 +6,8 @@ Strategies (``D`` dataset bytes, ``N`` nodes, ``E`` epochs; docs/scaling.md deri
   ``max(N*D / FS, D / min(NIC, SSDw))`` plus ``N*files`` metadata operations.
 * ``collective`` (``stager stage --collective``): each byte leaves the FS once, nodes exchange the
   rest. FS bytes ``D``; time ``max(D / FS, D / NIC, D / SSDw)`` (a node's NIC carries its 1/N
-  share from the FS plus (N-1)/N from peers) plus the ring all_gather latency ``steps*(N-1)*alpha``.
+  share from the FS plus (N-1)/N from peers) plus the ring all_gather latency ``steps*(N-1)*alpha``
+  plus, on more than one node, the constant cost of forming the group (importing torch, rendezvous).
 * ``partition`` (``stage --partition``): each node copies only its share. FS bytes ``D``; time
   ``max(D / FS, D/N / min(NIC, SSDw))``; the loader then reads only node-local shards.
 * ``beeond``: copy once into a per-job BeeOND over the nodes' SSDs, then read over the network every
@@ -51,6 +52,10 @@ class Cluster:
     chunk_bytes: float = 8 << 20
     exchange_memory: float = 256 << 20
     beeond_start_s: float = 30.0
+    # Importing torch and forming the gloo group on every node before the first byte moves: 2-3 s on
+    # tools/cluster with torch on a local disk (docs/scaling.md); more where thousands of nodes import
+    # torch from a parallel file system at once.
+    group_setup_s: float = 3.0
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.dataset_bytes <= 0:
@@ -58,6 +63,8 @@ class Cluster:
         for name in ("nic_bps", "fs_bps", "ost_bps", "ssd_write_bps", "ssd_read_bps", "mds_ops"):
             if getattr(self, name) <= 0:
                 raise UsageError(f"{name} must be > 0")
+        if self.group_setup_s < 0:
+            raise UsageError("group_setup_s must be >= 0")
 
     def fs_effective(self, readers: int) -> float:
         """Shared-FS bandwidth that ``readers`` nodes can draw (FS, OSTs and their NICs all limit)."""
@@ -107,7 +114,7 @@ def predict(c: Cluster, strategy: str) -> Prediction:
         t, why = _bound(shared_fs=d / fs, nic=d / c.nic_bps, ssd_write=d / c.ssd_write_bps)
         if n > 1:
             steps = d / n / exchange_chunk(c)
-            t += steps * (n - 1) * c.alpha_s
+            t += steps * (n - 1) * c.alpha_s + c.group_setup_s
         t += c.files / c.mds_ops
         return Prediction(strategy, n, t, local_epoch, d, d, cap is None or d <= cap, why)
     if strategy == "partition":
