@@ -25,6 +25,7 @@ import argparse
 import json
 import shutil
 import statistics
+from dataclasses import replace
 import sys
 import time
 from pathlib import Path
@@ -138,10 +139,13 @@ def stage_run(c: Cluster, src_export: Path, work: Path, nodes: int, *, mode: str
             "served_bytes": served}
 
 
-def model(fs: float, nic: float, write: float, n: int, *, d: float, files: int) -> dict[str, float]:
+def model(fs: float, nic: float, write: float, n: int, *, d: float, files: int) -> dict[str, dict[str, float]]:
+    """The model's staging time per strategy: ``step`` (with the collective's group setup, default
+    3 s) and ``data`` (without it: the bandwidth terms alone, to compare with the data phase)."""
     m = Model(dataset_bytes=d, nodes=n, nic_bps=nic, fs_bps=fs, osts=1, ost_bps=fs, ssd_write_bps=write / n,
               files=files, mds_ops=1e4, alpha_s=100e-6)
-    return {s: predict(m, s).stage_s for s in ("direct", "collective")}
+    bare = replace(m, group_setup_s=0.0)
+    return {s: {"step": predict(m, s).stage_s, "data": predict(bare, s).stage_s} for s in ("direct", "collective")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,8 +181,9 @@ def main(argv: list[str] | None = None) -> int:
                 runs = [stage_run(c, src, work, n, mode=mode, tag=f"{mode}{n}-{r}") for r in range(a.repeat)]
                 row[mode] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
                 row[mode]["runs"] = runs
-                print(f"{n} nodes {mode:10s} step {row[mode]['step_wall_s']:6.2f}s data {row[mode]['data_s']:6.2f}s "
-                      f"model {pred[mode]:6.2f}s served {row[mode]['served_bytes'] / d:.2f}x", flush=True)
+                print(f"{n} nodes {mode:10s} step {row[mode]['step_wall_s']:6.2f}s (model {pred[mode]['step']:6.2f}s) "
+                      f"data {row[mode]['data_s']:6.2f}s (model {pred[mode]['data']:6.2f}s) "
+                      f"served {row[mode]['served_bytes'] / d:.2f}x", flush=True)
             rows.append(row)
         write_md(Path(a.out), rows, c)
         if a.png:
@@ -200,17 +205,19 @@ def write_md(path: Path, rows: list[dict], c: Cluster) -> None:
         f"{r0['dataset_bytes'] / 1e6:.0f} MB dataset in 8 MiB shards, median of the runs; the machine's 2 cores "
         "run every node. Step = srun start to the last node's exit (Python start-up, and for collective torch "
         "import and rendezvous, included); data = collective: read share + exchange, direct: the copy; model = "
-        "stager.scaling.predict with this cluster's measured FS, NIC and disk figures; served = bytes the storage "
-        "host sent (its interface counter) / dataset bytes.",
+        "stager.advice.scaling.predict with this cluster's measured FS, NIC and disk figures (step: with the "
+        "collective's default 3 s group setup; data: the bandwidth terms alone); served = bytes the storage host "
+        "sent (its interface counter) / dataset bytes.",
         "",
-        "| nodes | strategy | step s | data s | model s | served (x dataset) |",
-        "| ---: | --- | ---: | ---: | ---: | ---: |",
+        "| nodes | strategy | step s | model step s | data s | model data s | served (x dataset) |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         for mode in ("direct", "collective"):
             x = r[mode]
-            lines.append(f"| {r['nodes']} | {mode} | {x['step_wall_s']:.2f} | {x['data_s']:.2f} | "
-                         f"{r['model_s'][mode]:.2f} | {x['served_bytes'] / r['dataset_bytes']:.2f} |")
+            pm = r["model_s"][mode]
+            lines.append(f"| {r['nodes']} | {mode} | {x['step_wall_s']:.2f} | {pm['step']:.2f} | {x['data_s']:.2f} | "
+                         f"{pm['data']:.2f} | {x['served_bytes'] / r['dataset_bytes']:.2f} |")
     def nic(r: dict) -> str:
         return "-" if r["nic_bps"] is None else f"{r['nic_bps'] / 1e6:.0f} MB/s"
 
@@ -236,7 +243,10 @@ def plot(rows: list[dict], png: str) -> None:
     for mode, color in (("direct", "tab:red"), ("collective", "tab:blue")):
         ax.plot(nodes, [r[mode]["step_wall_s"] for r in rows], "o-", color=color, label=f"{mode}: measured step")
         ax.plot(nodes, [r[mode]["data_s"] for r in rows], "s:", color=color, label=f"{mode}: measured data phase")
-        ax.plot(nodes, [r["model_s"][mode] for r in rows], "--", color=color, alpha=0.6, label=f"{mode}: model")
+        ax.plot(nodes, [r["model_s"][mode]["step"] for r in rows], "--", color=color, alpha=0.6,
+                label=f"{mode}: model (step)")
+        ax.plot(nodes, [r["model_s"][mode]["data"] for r in rows], "-.", color=color, alpha=0.4,
+                label=f"{mode}: model (data)")
         bx.plot(nodes, [r[mode]["served_bytes"] / r["dataset_bytes"] for r in rows], "o-", color=color, label=mode)
     ax.set_xlabel("nodes")
     ax.set_ylabel("seconds")
