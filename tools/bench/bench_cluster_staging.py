@@ -25,9 +25,9 @@ import argparse
 import json
 import shutil
 import statistics
-from dataclasses import replace
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
