@@ -29,11 +29,45 @@ ROOT = Path(__file__).resolve().parents[2]
 NODES = 4
 
 
+SKIPPED = pytest.StashKey[str]()
+
+
+def _ours(item: pytest.Item) -> bool:
+    return Path(__file__).parent in Path(str(item.fspath)).parents
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    here = Path(__file__).parent
+    """Mark the suite ``cluster`` before -m selects (hence tryfirst)."""
     for item in items:
-        if here in Path(str(item.fspath)).parents:
+        if _ours(item):
             item.add_marker(pytest.mark.cluster)
+
+
+class _DropWhenUnavailable:
+    """Where the machine cannot have a cluster, drop the suite's tests after -m/-k selected (a run
+    that deselected them checks nothing, installs nothing) and say why in one line at the end."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        mine = [i for i in items if _ours(i)]
+        if not mine:
+            return
+        reason = unavailable()
+        if reason is None:
+            return
+        config.hook.pytest_deselected(items=mine)
+        items[:] = [i for i in items if not _ours(i)]
+        config.stash[SKIPPED] = f"{len(mine)} cluster tests skipped: {reason}"
+
+    def pytest_terminal_summary(self, terminalreporter: Any, config: pytest.Config) -> None:
+        line = config.stash.get(SKIPPED, None)
+        if line:
+            terminalreporter.write_line(line)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(_DropWhenUnavailable(), "stager-cluster-availability")
 
 
 def unavailable() -> str | None:
