@@ -2,7 +2,8 @@
 
 ``python -m tools.faults.report`` (what ``make faults`` runs) runs
 
-    pytest -m "faults or not (slow or gpu)" tests/faults tests/test_hostile.py tests/test_properties.py
+    pytest -m "faults or not (slow or gpu)" tests/faults tests/test_hostile.py tests/test_properties.py \
+        tests/cluster/test_cluster_faults.py
 
 with ``$STAGER_FAULTS_TALLY`` pointing at a scratch file: every test appends the counts it has
 just asserted on (tools/faults/tally.py), so each row of the table is exactly what passing
@@ -27,7 +28,7 @@ from pathlib import Path
 from tools.faults.harness import ROOT, SUBPROCESS_ENV
 from tools.faults.tally import TALLY_ENV, Row, load
 
-SUITES = ["tests/faults", "tests/test_hostile.py", "tests/test_properties.py"]
+SUITES = ["tests/faults", "tests/test_hostile.py", "tests/test_properties.py", "tests/cluster/test_cluster_faults.py"]
 OUT = ROOT / "docs" / "reliability.md"
 
 GROUP_TITLES = {
@@ -38,6 +39,7 @@ GROUP_TITLES = {
     "hostile input": "Hostile input",
     "permissions": "Permissions and clean",
     "parsers": "Parsers: arbitrary and mutated bytes",
+    "cluster": "Faults on a real Slurm cluster (tools/cluster: 4 nodes, slurmd each, sshfs behind a capped link)",
 }
 
 INTRO = """# Reliability: faults and hostile input, with figures
@@ -96,6 +98,22 @@ METHOD = """## What each suite does
   TFRecord frames re-CRC'd so mutations reach the fields behind the checks; manifest fields re-signed
   with a valid digest) under a 1 GiB address-space limit; a read request larger than the file is a
   failure (an allocation driven by a damaged length field).
+* **Cluster** (tests/cluster/test_cluster_faults.py, on `make cluster`, root only): `stager stage`
+  runs as a Slurm job step on real nodes (network namespaces on a bridge, one slurmd each) reading
+  the shared file system (sshfs) through the storage host's link, slowed to 16 Mbit/s so the fault
+  lands mid-transfer; each fault is injected when the first `.partial` file appears on a node. *kill
+  -9*: the stager of node3 is killed from inside its namespace during `--collective` on 4 nodes; the
+  other three must exit 5 naming node 2 (SLURM_NODEID) with their `--json` error object. *Link
+  down*: node2's `eth0` is set down for 6 s during `--collective`; every node must end (no hang) with
+  exit 5 and a JSON error naming it. *Storage link down*: the storage host's link is down for 4 s
+  during a direct stage on 2 nodes; the stage must complete (exit 0, TCP retransmits) with no byte
+  served twice. *scancel*: a 2-node job staging into a job-independent DEST is cancelled; the
+  resubmitted job must resume. *Full disk*: node4's small tmpfs is filled to half the dataset; stage
+  must exit 4 up front and, with the free-space check bypassed, at ENOSPC mid-copy, with nothing
+  torn and no `.partial`, while node3 completes in the same job. After each fault: no file under a
+  final shard name differs from the manifest, no stager process outlives its job, and a rerun exits
+  0 with every node's copy hashed against the manifest. The counters say what the fault left
+  (shards already complete, `.partial` files) and what the rerun kept.
 """
 
 PICKLE = """## Pickles: the risk and the safe path
@@ -199,12 +217,21 @@ FINDINGS = """## Bugs this suite found (fixed)
 * The receipt was always world-readable (0644) and the unpacked tree world-readable (0644/0755) in
   the process's group, even for a group-only (licensed) source; both now keep the source's group and
   at most its permission bits.
+* On the cluster: when a node's link went down mid-collective, the other nodes' main threads were
+  blocked inside the all_gather and their watchdog ended them with `os._exit(5)` after writing
+  stderr only, so `stage --json` printed no JSON object and job scripts parsing it found nothing; the
+  watchdog now reports through the CLI's own error path first (`stager.errors.exit_now`).
+* On the cluster: the job scripts wrote every node's `stage --json` line into one file through srun,
+  which relays task output in pieces of at most 1 KiB, so the long lines of 4 nodes interleaved into
+  unparsable JSON; each node now writes its own file (`srun --output=$OUT/stage-train.%N.json`).
 
 ## Known gaps
 
 * The loader `on_error` trials cover the encoded formats (tar, record, hdf5); zarr stores decoded
   arrays whose damage the chunk CRC catches at read time (covered by the zarr reader's own tests).
 * tmpfs trials need root (mount); elsewhere they are skipped and their row is absent.
+* Cluster rows need root and the cluster's packages (tools/cluster); elsewhere they are absent. Each
+  cluster fault is one trial per run (a Slurm job per fault and per rerun), not a random series.
 """
 
 
