@@ -42,6 +42,9 @@ def preflight(install: bool = True) -> None:
             raise ClusterError(f"{prog} not found (iproute2/util-linux)")
     if not Path("/dev/fuse").exists():
         raise ClusterError("/dev/fuse is missing (the shared file system is FUSE)")
+    probe = run(["unshare", "--net", "--mount", "--uts", "true"], check=False, timeout=30)
+    if probe.returncode != 0:
+        raise ClusterError(f"the kernel refuses new namespaces here ({probe.stderr.strip()})")
     missing = missing_packages()
     if missing and install:
         if not shutil.which("apt-get"):
