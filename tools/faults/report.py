@@ -104,7 +104,7 @@ METHOD = """## What each suite does
   lands mid-transfer; each fault is injected when the first `.partial` file appears on a node. *kill
   -9*: the stager of node3 is killed from inside its namespace during `--collective` on 4 nodes; the
   other three must exit 5 naming node 2 (SLURM_NODEID) with their `--json` error object. *Link
-  down*: node2's `eth0` is set down for 6 s during `--collective`; every node must end (no hang) with
+  down*: node2's `eth0` is set down for 15 s during `--collective`; every node must end (no hang) with
   exit 5 and a JSON error naming it. *Storage link down*: the storage host's link is down for 4 s
   during a direct stage on 2 nodes; the stage must complete (exit 0, TCP retransmits) with no byte
   served twice. *scancel*: a 2-node job staging into a job-independent DEST is cancelled; the
