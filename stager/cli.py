@@ -16,6 +16,7 @@ from typing import Any
 
 from stager import __version__
 from stager.errors import StagerError, on_fatal
+from stager.fs.open import parse_storage_options, storage_option_arg
 
 # Each module defines ``register(subparsers)`` which adds its parser and sets ``func=run``, where
 # ``run(args) -> dict`` returns the JSON-able result (printed with --json) and raises StagerError.
@@ -45,6 +46,19 @@ def add_common(p: argparse.ArgumentParser) -> None:
     """Options every command shares."""
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout (progress goes to stderr)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+
+
+def add_storage_options(p: argparse.ArgumentParser) -> None:
+    """``--storage-option KEY=VALUE`` (repeatable) for commands that take a URL (stager/fs/open.py)."""
+    p.add_argument("--storage-option", dest="storage_options", action="append", default=[], metavar="KEY=VALUE",
+                   type=storage_option_arg,
+                   help="option for opening URLs (fsspec storage options; repeatable): dotted keys nest, values are "
+                   "JSON where they parse, e.g. client_kwargs.endpoint_url=http://host:9000 or anon=true")
+
+
+def storage_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``--storage-option`` flags as one nested dict."""
+    return parse_storage_options(getattr(args, "storage_options", None) or [])
 
 
 def emit(args: argparse.Namespace, result: dict[str, Any], human: str | None = None) -> None:

@@ -12,7 +12,7 @@ code  meaning
 2     usage error (bad flags, missing path, unknown format)
 3     verification failed (checksum or size mismatch, damaged manifest)
 4     out of space (disk full, quota, file size limit)
-5     timeout or peer failure (lock wait, collective staging)
+5     timeout or peer failure (lock wait, collective staging, an object store that keeps failing)
 ====  =====================================================================
 """
 
@@ -117,3 +117,15 @@ class DestinationError(StagerError, OSError):
     """An output or staging destination holds something we must not overwrite."""
 
     exit_code = 2
+
+
+class MissingBackendError(UsageError, ImportError):
+    """A URL's scheme needs an optional package that is not installed (the message names the extra)."""
+
+    exit_code = 2
+
+
+class RemoteUnavailableError(StagerTimeoutError):
+    """An object store or HTTP server kept failing (resets, 5xx, throttling, stalls) until the retries ran out."""
+
+    exit_code = 5

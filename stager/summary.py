@@ -10,9 +10,11 @@ import numpy as np
 from stager.manifest import Manifest, load_manifest
 
 
-def summarize(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The manifest's summary and a per-shard table (no per-sample index) as a JSON-able dict."""
-    m = load_manifest(path)
+def summarize(path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The manifest's summary and a per-shard table (no per-sample index) as a JSON-able dict.
+
+    ``path``: a pack directory, its manifest, or a URL (opened with ``storage_options``)."""
+    m = load_manifest(path, storage_options)
     counts = class_counts(m)
     return {
         "path": os.fspath(path),

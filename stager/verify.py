@@ -7,25 +7,36 @@ the indexed samples, in order, with the indexed keys and labels, and that the pa
 points at (``read``) equal the parsed ones; for a set adopted by ``stager index`` (someone else's
 shards) "parse" means indexing the shard again with the recorded options and comparing the entries.
 A damaged manifest raises :class:`ManifestError`.
+
+A pack at a URL (``s3://...``, ``https://...``) is verified the same way: each file is streamed
+through the hasher with retried ranged GETs (:mod:`stager.fs.remote`), nothing is written locally;
+with ``deep`` each shard is fetched into a temporary directory (the format readers need a local
+file), checked and removed before the next, so local disk holds at most ``threads`` shards.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from stager.checksum import hash_file
+from stager.checksum import hash_file, new_hasher
 from stager.errors import StagerError
 from stager.formats import get_format
+from stager.fs.open import filesystem, local_path_of
+from stager.fs.remote import RemoteFile
 from stager.index import rescan_shard
 from stager.manifest import Manifest, ShardInfo, load_manifest, shard_root
 
 READ_BATCH = 256  # samples compared per reader.read() call in deep mode
+REMOTE_BLOCK = 8 << 20  # bytes per ranged GET when hashing a remote file
 
 
 @dataclass
@@ -129,15 +140,104 @@ def _deep_check(root: str, info: ShardInfo, m: Manifest) -> str | None:
     return None
 
 
-def verify(path: str | os.PathLike[str], *, deep: bool = False, threads: int = 4) -> VerifyResult:
-    """Verify the pack at ``path`` (directory or manifest path); see the module docstring.
+def _check_remote(fs: Any, root: str, url: str, entry: tuple[str, int, str], algo: str, *,
+                  keep: str | None = None) -> str | None:
+    """:func:`_check_file` for the object ``entry`` (name, bytes, hash) under ``root`` of ``fs``
+    (``url`` names it in messages), streamed through the hasher; with ``keep`` the bytes are also
+    written to that local path."""
+    name, nbytes, digest = entry
+    path = root.rstrip("/") + "/" + name
+    try:
+        src = RemoteFile(fs, path, f"{url.rstrip('/')}/{name}")
+    except FileNotFoundError:
+        return "missing"
+    if src.size != nbytes:
+        return f"size {src.size} bytes, expected {nbytes}"
+    h = new_hasher(algo)
+    total = 0
+    with src, (open(keep, "wb") if keep else _NoFile()) as out:
+        while chunk := src.read(REMOTE_BLOCK):
+            h.update(chunk)
+            out.write(chunk)
+            total += len(chunk)
+    if total != nbytes:
+        return f"read {total} bytes, expected {nbytes}"
+    got = h.hexdigest()
+    return None if got == digest else f"{algo} checksum {got}, expected {digest}"
+
+
+class _NoFile:
+    def write(self, data: bytes) -> int:
+        return len(data)
+
+    def __enter__(self) -> _NoFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _verify_remote(root_url: str, m: Manifest, storage_options: Mapping[str, Any] | None, *, deep: bool,
+                   threads: int) -> list[tuple[str, str]]:
+    """``(file, reason)`` for every bad file of ``m``, whose shards are under ``root_url`` (see the
+    module docstring)."""
+    fs, root = filesystem(root_url, storage_options)
+    algo = m.hash_algo
+
+    def one(info: ShardInfo) -> list[tuple[str, str]]:
+        bad: list[tuple[str, str]] = []
+        tmp = tempfile.mkdtemp(prefix="stager-verify-") if deep else None
+        try:
+            for entry in [(info.name, info.bytes, info.hash), *((a.name, a.bytes, a.hash) for a in info.aux)]:
+                keep = os.path.join(tmp, entry[0]) if tmp else None
+                reason = _check_remote(fs, root, root_url, entry, algo, keep=keep)
+                if reason:
+                    bad.append((entry[0], reason))
+            if tmp and not bad:
+                reason = _deep_check(tmp, info, m)
+                if reason:
+                    bad.append((info.name, reason))
+        finally:
+            if tmp:
+                shutil.rmtree(tmp, ignore_errors=True)
+        return bad
+
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(m.shards) or 1))) as ex:
+        return [b for found in ex.map(one, m.shards) for b in found]
+
+
+def verify(path: str | os.PathLike[str], *, deep: bool = False, threads: int = 4,
+           storage_options: Mapping[str, Any] | None = None) -> VerifyResult:
+    """Verify the pack at ``path`` (directory, manifest path or URL); see the module docstring.
 
     Files are hashed on ``threads`` threads (I/O overlaps; xxh3 runs near memory bandwidth).
-    Raises :class:`ManifestError`/:class:`ShardMissingError` only for the manifest itself.
+    ``storage_options`` go to every open of a URL. Raises :class:`ManifestError`/
+    :class:`ShardMissingError` only for the manifest itself.
     """
     t0 = time.perf_counter()
-    m = load_manifest(path)
-    root = shard_root(path, m)
+    p = os.fspath(path)
+    m = load_manifest(p, dict(storage_options or {}))
+    root = shard_root(p, m)
+    files = list(m.files())
+    local = local_path_of(root)
+    if local is None:
+        bad = _verify_remote(root, m, storage_options, deep=deep, threads=threads)
+    else:
+        bad = _verify_local(local, m, deep=deep, threads=threads)
+    return VerifyResult(
+        path=p,
+        ok=not bad,
+        bad=bad,
+        files=len(files),
+        bytes=m.num_bytes,
+        samples=m.num_samples,
+        deep=deep,
+        seconds=time.perf_counter() - t0,
+        dataset_id=m.dataset_id,
+    )
+
+
+def _verify_local(root: str, m: Manifest, *, deep: bool, threads: int) -> list[tuple[str, str]]:
     files = list(m.files())
 
     def one(entry: tuple[str, int, str]) -> tuple[str, str | None]:
@@ -155,14 +255,4 @@ def verify(path: str | os.PathLike[str], *, deep: bool = False, threads: int = 4
             reason = _deep_check(root, info, m)
             if reason:
                 bad.append((info.name, reason))
-    return VerifyResult(
-        path=os.fspath(path),
-        ok=not bad,
-        bad=bad,
-        files=len(files),
-        bytes=m.num_bytes,
-        samples=m.num_samples,
-        deep=deep,
-        seconds=time.perf_counter() - t0,
-        dataset_id=m.dataset_id,
-    )
+    return bad

@@ -16,9 +16,10 @@ from typing import Any
 import numpy as np
 
 from stager.advice.scaling import strategy_for
-from stager.errors import SourceNotFoundError
+from stager.errors import SourceNotFoundError, UsageError
 from stager.fs import lustre
 from stager.fs.info import detect_fs
+from stager.fs.open import local_path_of
 from stager.manifest import MANIFEST_NAME, load_manifest
 from stager.receipt import STAGING_ROOT_VARS
 
@@ -84,8 +85,13 @@ def distribution(sizes: np.ndarray) -> dict[str, Any]:
 
 
 def hints(path: str | os.PathLike[str], *, dest: str | None = None, nodes: int | None = None) -> dict[str, Any]:
-    """Analyse ``path`` (an image tree or a packed directory); return the JSON-able report."""
-    p = os.path.abspath(os.fspath(path))
+    """Analyse ``path`` (an image tree or a packed directory); return the JSON-able report.
+
+    Local paths only: the advice is about a file system (striping, metadata load); a URL is refused."""
+    if local_path_of(path) is None:
+        raise UsageError(f"{os.fspath(path)}: hints inspects a file system, not a URL; for a pack in an object "
+                         "store run `stager inspect URL` (and stage it: docs/staging.md, Object storage)")
+    p = os.path.abspath(os.fspath(local_path_of(path) or path))
     if not os.path.exists(p):
         raise SourceNotFoundError(f"{p}: no such file or directory")
     fs = detect_fs(p)

@@ -12,7 +12,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
-from stager.cli import add_common, emit
+from stager.cli import add_common, add_storage_options, emit, storage_options
 from stager.errors import UsageError
 
 if TYPE_CHECKING:
@@ -70,6 +70,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="--collective: bytes per node per exchange step; --follow: bytes per read of a fetch "
                    "(default 8 MiB)")
     _add_follow_args(p)
+    add_storage_options(p)
     add_common(p)
     p.set_defaults(func=run)
 
@@ -105,6 +106,7 @@ def _stage_options(args: argparse.Namespace) -> StageOptions:
         quiet=args.quiet or args.json,
         fsync=args.fsync,
         tuning=CopyTuning(direct=True) if args.direct else None,
+        storage_options=storage_options(args),
     )
 
 
@@ -118,7 +120,8 @@ def _run_collective(args: argparse.Namespace) -> int:
         raise UsageError(f"--collective cannot be combined with {', '.join(given)} (it stages every shard "
                          "durably into a node-local DEST)")
     common = StageOptions(partition=args.partition, node=NodeOptions(args.node, args.num_nodes, args.ranks_per_node),
-                          seed=args.seed, timeout=args.timeout, quiet=args.quiet or args.json)
+                          seed=args.seed, timeout=args.timeout, quiet=args.quiet or args.json,
+                          storage_options=storage_options(args))
     res = run_collective(args.src, args.dest, CollectiveOptions(stage=common, fallback=args.fallback,
                                                                 chunk_bytes=args.chunk_size))
     for w in res.warnings:
@@ -187,6 +190,9 @@ def _run_follow(args: argparse.Namespace) -> int:
 
     if args.dest is None:
         raise UsageError("--follow needs DEST (the directory the training loader reads)")
+    if "://" in args.src and not args.src.startswith("file://"):
+        raise UsageError(f"{args.src}: --follow reads SRC from a shared file system, not a URL; stage the URL "
+                         "(plain, --partition or --collective) or let the loader stream it")
     if args.budget is None:
         raise UsageError("--follow needs --budget SIZE (bytes of local copies to keep, e.g. 40G)")
     if args.collective or args.unpack or args.partition or args.shared or not args.fsync or args.direct:

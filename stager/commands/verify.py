@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from stager.cli import add_common, emit
+from stager.cli import add_common, add_storage_options, emit, storage_options
 from stager.errors import VerificationError
 
 
@@ -16,9 +16,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Re-hash every shard and companion file against manifest.json; --deep also "
         "parses every sample through the format reader. Exit 3 if anything is bad.",
     )
-    p.add_argument("path", metavar="OUT", help="pack (or staged) directory or its manifest.json")
+    p.add_argument("path", metavar="OUT", help="pack (or staged) directory, its manifest.json, or a URL")
     p.add_argument("--deep", action="store_true", help="also parse every sample and compare it with the index")
     p.add_argument("--threads", type=int, default=4, help="files hashed concurrently (default 4)")
+    add_storage_options(p)
     add_common(p)
     p.set_defaults(func=run)
 
@@ -26,7 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from stager.verify import verify
 
-    r = verify(args.path, deep=args.deep, threads=max(1, args.threads))
+    r = verify(args.path, deep=args.deep, threads=max(1, args.threads), storage_options=storage_options(args))
     mode = "deep " if r.deep else ""
     if r.ok:
         emit(

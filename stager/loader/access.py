@@ -2,8 +2,9 @@
 
 :func:`resolve` turns the user's ``path`` into a :class:`Resolved` (index + where to read + whether a
 staged copy is used); :class:`ShardAccess` reads runs of samples from shard files (one ``pread`` per
-run for local files, one ranged ``cat_file`` per run over fsspec), or, for local shard files of the
-encoded formats, maps each shard once and hands out ``memoryview`` slices of the mapping
+run for local files; one retried ranged GET per run for URLs, :func:`stager.fs.remote.read_range`:
+a response cut short is resumed at the offset reached), or, for local shard files of the encoded
+formats, maps each shard once and hands out ``memoryview`` slices of the mapping
 (:meth:`ShardAccess.mapping`: no copy out of the page cache at all). ``ShardAccess`` is created
 inside each worker process (file descriptors and mappings are never shared across ``fork``).
 """
@@ -23,7 +24,8 @@ import numpy as np
 
 from stager.errors import ShardMissingError, SourceNotFoundError, UsageError, VerificationError
 from stager.formats import get_format
-from stager.fs.open import filesystem
+from stager.fs.open import exists, filesystem, join, local_path_of
+from stager.fs.remote import RemoteFile, read_range
 from stager.loader.index import DatasetIndex, index_from_folder, index_from_manifest
 from stager.manifest import MANIFEST_NAME, load_manifest, shard_root
 from stager.order.reads import MAX_OPEN_FILES, HeldFiles
@@ -37,19 +39,12 @@ MAX_GAP = 64 << 10
 # ...but one read stays below this size (a long sequential stretch, e.g. shuffle=False, is read in
 # pieces): bigger reads gain nothing and cost fresh, page-faulted buffers.
 MAX_SPAN = 4 << 20
-
-
-def _is_url(p: str) -> bool:
-    return "://" in p
+FETCH_BLOCK = 8 << 20  # bytes per ranged GET when a remote zarr shard is fetched whole
 
 
 def _local_of(p: str) -> str | None:
     """The local path of ``p`` if it is one (``file://`` URLs count as local), else None."""
-    if not _is_url(p):
-        return p
-    if p.startswith("file://"):
-        return p[len("file://") :]
-    return None
+    return local_path_of(p)
 
 
 @dataclass
@@ -83,8 +78,7 @@ def _has_manifest(path: str, storage_options: dict[str, Any]) -> bool:
     local = _local_of(path)
     if local is not None:
         return os.path.isfile(os.path.join(local, MANIFEST_NAME))
-    fs, p = filesystem(path, storage_options)
-    return bool(fs.exists(p.rstrip("/") + "/" + MANIFEST_NAME))
+    return exists(join(path, MANIFEST_NAME), storage_options)
 
 
 def resolve(
@@ -300,8 +294,9 @@ class ShardAccess:
     def _fetch_whole(self, shard: int) -> str:
         fs = self._filesystem()
         fd, tmp = tempfile.mkstemp(prefix="stager-zarr-", suffix=".zip")
-        with os.fdopen(fd, "wb") as f:
-            f.write(fs.cat_file(self._remote_path(shard)))
+        with os.fdopen(fd, "wb") as f, RemoteFile(fs, self._remote_path(shard), self.res.shard_path(shard)) as src:
+            while chunk := src.read(FETCH_BLOCK):
+                f.write(chunk)
         self._tmp[shard] = tmp
         return tmp
 
@@ -344,7 +339,8 @@ class ShardAccess:
         if self._local is not None:
             buf = os.pread(self._handle(shard, self._open_fd), end - start, start)
         else:
-            buf = self._filesystem().cat_file(self._remote_path(shard), start=start, end=end)
+            # A retried ranged GET: a response cut short is resumed at the offset reached (stager.fs.remote).
+            buf = read_range(self._filesystem(), self._remote_path(shard), start, end, self.res.shard_path(shard))
         if len(buf) != end - start:
             where = self.res.shard_path(shard)
             raise VerificationError(

@@ -27,7 +27,8 @@ from typing import Any, BinaryIO
 from stager.checksum import Hasher, new_hasher
 from stager.errors import ShardMissingError, VerificationError
 from stager.fs.atomic import commit_partial, partial_path, space_error
-from stager.fs.open import filesystem, is_url
+from stager.fs.open import join, open_read
+from stager.fs.remote import RemoteFile
 from stager.stage.collective.plan import FileEntry, StreamLayout
 
 
@@ -46,7 +47,8 @@ class IoCounters:
 class ShareReader:
     """Yields a stream's bytes into caller buffers: ``fill(view) -> n`` (n < len(view) only at the end).
 
-    ``src_dir`` is SRC's packed directory or its fsspec URL prefix (opened with ``storage_options``);
+    ``src_dir`` is SRC's packed directory or its URL prefix (opened by :func:`~stager.fs.open.open_read`
+    with ``storage_options``: remote reads are retried ranged GETs);
     ``local_have`` names files to read from ``dest`` instead.
     """
 
@@ -70,7 +72,6 @@ class ShareReader:
         self._f: BinaryIO | None = None
         self._left = 0
         self._from_src = True
-        self._fs: Any = None
 
     def _open(self, entry: FileEntry) -> BinaryIO:
         if entry.name in self.local_have:
@@ -80,26 +81,14 @@ class ShareReader:
             size = os.fstat(f.fileno()).st_size
         else:
             self._from_src = True
-            if is_url(self.src_dir):
-                if self._fs is None:
-                    self._fs, self._root = filesystem(self.src_dir, self.storage_options)
-                path = str(self._root).rstrip("/") + "/" + entry.name
-                try:
-                    f = self._fs.open(path, "rb")
-                except FileNotFoundError:
-                    raise ShardMissingError(
-                        f"{self.src_dir}/{entry.name}: listed in the manifest but missing in SRC"
-                    ) from None
-                size = int(self._fs.size(path))
-            else:
-                path = os.path.join(self.src_dir, entry.name)
-                try:
-                    f = open(path, "rb", buffering=0)  # noqa: SIM115
-                except FileNotFoundError:
-                    raise ShardMissingError(
-                        f"{path}: listed in the manifest but missing in SRC; re-run `stager pack`"
-                    ) from None
-                size = os.fstat(f.fileno()).st_size
+            path = join(self.src_dir, entry.name)
+            try:
+                f = open_read(path, self.storage_options)
+            except FileNotFoundError:
+                raise ShardMissingError(
+                    f"{path}: listed in the manifest but missing in SRC; re-run `stager pack`"
+                ) from None
+            size = f.size if isinstance(f, RemoteFile) else os.fstat(f.fileno()).st_size
         if size != entry.bytes:
             f.close()
             raise VerificationError(
