@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from stager.cli import add_common, emit
+from stager.cli import add_common, add_storage_options, emit, storage_options
 from stager.errors import UsageError
 
 # stager.formats.FORMAT_NAMES, spelled out so that registering `stager pack` does not import numpy
@@ -57,7 +57,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "pack) into verified shards under OUT, with manifest.json written last. Reruns resume.",
     )
     p.add_argument("src", metavar="SRC")
-    p.add_argument("out", metavar="OUT")
+    p.add_argument("out", metavar="OUT", help="output directory, or a URL (s3://bucket/prefix, any fsspec URL): "
+                   "shards are uploaded as they are finished, the manifest last")
     p.add_argument("--format", required=True, help=f"shard format: {'|'.join(FORMATS)}")
     p.add_argument(
         "--shard-size",
@@ -98,6 +99,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hash", dest="hash_algo", choices=("xxh3_128", "blake2b"), default="xxh3_128")
     p.add_argument("--stripe-count", type=int, default=None, metavar="N", help="Lustre stripe count for OUT")
     p.add_argument("--stripe-size", type=parse_size, default=None, metavar="BYTES", help="Lustre stripe size")
+    add_storage_options(p)
     add_common(p)
     p.set_defaults(func=run)
 
@@ -128,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
         stripe_count=args.stripe_count,
         stripe_size=args.stripe_size,
         split=args.split,
+        storage_options=storage_options(args),
     )
     emit(args, result.to_json(), format_result(result))
     return 0

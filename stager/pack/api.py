@@ -36,9 +36,20 @@ from stager.errors import OutOfSpaceError, UsageError
 from stager.formats import get_writer_format
 from stager.fs import lustre
 from stager.fs.atomic import fsync_dir, remove_partials
+from stager.fs.open import join, local_path_of
 from stager.manifest import MANIFEST_NAME, Manifest
 from stager.pack.options import PackOptions
 from stager.pack.plan import PackPlan, format_plan, plan_shards
+from stager.pack.remote import (
+    RemoteOut,
+    clean_state,
+    clear_remote,
+    find_reusable_remote,
+    make_spool,
+    publish_remote,
+    remove_spool,
+    survey_remote,
+)
 from stager.pack.resume import Kept, check_destination, clear_out, find_reusable, holds_complete_pack, survey_out
 from stager.pack.shard import STATE_DIR, ShardDone, ShardJob, fragmentable, write_shard
 from stager.pack.sources.checks import probe_hw
@@ -87,7 +98,7 @@ class PackResult:
         if self.manifest is not None:
             d["format"] = self.manifest.format
             d["dataset_id"] = self.manifest.dataset_id
-            d["manifest"] = os.path.join(self.out, MANIFEST_NAME)
+            d["manifest"] = join(self.out, MANIFEST_NAME)
         if self.plan is not None:
             d["format"] = self.plan.format
             d["plan"] = self.plan.fingerprint
@@ -116,6 +127,7 @@ def pack(
     stripe_count: int | None = None,
     stripe_size: int | None = None,
     split: str | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> PackResult:
     """Pack ``src`` into ``format`` shards under ``out`` (see the module docstring and docs/pack.md).
 
@@ -124,6 +136,9 @@ def pack(
     :class:`SourceNotFoundError`/:class:`SourceError` (missing, empty or damaged source),
     :class:`DestinationError` (OUT holds something else and ``overwrite`` is false),
     :class:`OutOfSpaceError` (disk full; completed shards are kept for a rerun).
+
+    ``out`` may be a URL (``s3://bucket/prefix``, any fsspec URL): the shards are uploaded as they
+    are finished and the manifest last (:mod:`stager.pack.remote`), opened with ``storage_options``.
     """
     started = time.perf_counter()
     options = PackOptions(
@@ -144,8 +159,7 @@ def pack(
         stripe_size=stripe_size,
         split=split,
     )
-    with _worker_pool(options.workers) as pool:
-        run = PackRun(out, options, pool, started)
+    with _worker_pool(options.workers) as pool, PackRun(out, options, pool, started, storage_options) as run:
         listing = run.list_source(src, run.check())
         plan = run.plan(listing)
         if options.dry_run:
@@ -189,12 +203,25 @@ class PackRun:
     """
 
     def __init__(
-        self, out: str | os.PathLike[str], options: PackOptions, pool: PackPool | None, started: float
+        self, out: str | os.PathLike[str], options: PackOptions, pool: PackPool | None, started: float,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
-        self.out = Path(os.path.abspath(os.fspath(out)))
+        local = local_path_of(out)
+        # A URL-looking OUT is never a local path: it goes to its store (or is refused), and the local
+        # ``out`` is then a spool directory for the shards being written.
+        self.remote = RemoteOut(os.fspath(out), dict(storage_options or {})) if local is None else None
+        self.out = Path(make_spool() if self.remote is not None else os.path.abspath(local or out))
+        self.out_name = self.remote.url if self.remote is not None else str(self.out)
         self.options = options
         self.pool = pool
         self.started = started
+
+    def __enter__(self) -> PackRun:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.remote is not None:
+            remove_spool(str(self.out))
 
     def check(self) -> Format:
         """Check: the format the options name (:class:`UsageError` if there is none).
@@ -215,7 +242,7 @@ class PackRun:
         # With workers, an ImageFolder lists its class folders on the pool (the only source that starts it
         # this early); other sources leave it to start at writing time and so be inherited by fork.
         source = open_source(src, split=self.options.split, map_fn=pool.map if pool is not None else None)
-        if source.kind == "pack" and self.out == source.root:
+        if source.kind == "pack" and self.remote is None and self.out == source.root:
             raise UsageError(f"{self.out}: output is the source pack itself; choose another directory")
         # Keys are checked once for the whole plan (one pass), so writers need not check each one.
         check_keys = getattr(fmt, "check_keys", None)
@@ -249,7 +276,7 @@ class PackRun:
         """The result of a dry run: the plan and its estimated size; nothing was written."""
         return PackResult(
             None,
-            str(self.out),
+            self.out_name,
             self.elapsed(),
             plan.samples,
             plan.est_bytes,
@@ -269,6 +296,8 @@ class PackRun:
         kept shards, and ``.stager-pack/`` holds this plan and the kept shards' done-records.
         """
         shard_prefix = re.split(r"\d", listing.fmt.shard_name(0), maxsplit=1)[0]
+        if self.remote is not None:
+            return self._resume_remote(listing, plan, shard_prefix)
         found = survey_out(self.out, shard_prefix)
         check_destination(self.out, found, listing.source, plan, self.options.overwrite)
         reusable = find_reusable(self.out, found, plan, self.options.hash_algo)
@@ -277,6 +306,19 @@ class PackRun:
             # From here on OUT changes: the old manifest goes first so it never describes replaced shards.
             clear_out(self.out, found, reusable, plan, listing.source)
         return Kept(found, reusable, complete)
+
+    def _resume_remote(self, listing: Listing, plan: PackPlan, shard_prefix: str) -> Kept:
+        """:meth:`resume` for a URL OUT (:mod:`stager.pack.remote`): the same checks, on objects."""
+        remote = self.remote
+        assert remote is not None
+        state = survey_remote(remote, shard_prefix)
+        check_destination(remote.url, state.found, listing.source, plan, self.options.overwrite)
+        reusable = find_reusable_remote(remote, state, plan, self.options.hash_algo)
+        complete = holds_complete_pack(state.found, plan, reusable)
+        if not complete:
+            clear_remote(remote, state, reusable, plan, listing.source)
+        (self.out / STATE_DIR).mkdir(parents=True, exist_ok=True)  # the spool's (workers' job files)
+        return Kept(state.found, reusable, complete)
 
     def write(self, listing: Listing, plan: PackPlan, kept: Kept) -> dict[str, ShardDone]:
         """Write: every planned shard not kept; return every shard's :class:`ShardDone` by name.
@@ -289,8 +331,9 @@ class PackRun:
         opts = self.options
         source = listing.source
         todo = [s for s in plan.shards if s.name not in kept.shards]
-        _stripe(self.out, plan, opts)
-        _check_free_space(self.out, todo, passes_through=opts.passes_through(listing.target_kind))
+        if self.remote is None:
+            _stripe(self.out, plan, opts)
+            _check_free_space(self.out, todo, passes_through=opts.passes_through(listing.target_kind))
         jobs = [
             ShardJob(
                 str(self.out),
@@ -300,6 +343,7 @@ class PackRun:
                 listing.target_kind,
                 listing.image_shape,
                 listing.keys_checked,
+                self.remote,
             )
             for s in todo
         ]
@@ -344,12 +388,15 @@ class PackRun:
             image_shape=listing.image_shape,
             skipped=skipped,
         )
-        m.write(self.out)
-        shutil.rmtree(self.out / STATE_DIR, ignore_errors=True)
-        fsync_dir(self.out)
+        if self.remote is not None:
+            publish_remote(self.remote, m)
+        else:
+            m.write(self.out)
+            shutil.rmtree(self.out / STATE_DIR, ignore_errors=True)
+            fsync_dir(self.out)
         return PackResult(
             m,
-            str(self.out),
+            self.out_name,
             self.elapsed(),
             m.num_samples,
             m.num_bytes,
@@ -384,11 +431,13 @@ class PackRun:
         """
         m = kept.found.manifest
         assert m is not None, "a complete pack has a manifest"
+        if self.remote is not None:
+            clean_state(self.remote)
         shutil.rmtree(self.out / STATE_DIR, ignore_errors=True)
         remove_partials(self.out)
         return PackResult(
             m,
-            str(self.out),
+            self.out_name,
             self.elapsed(),
             m.num_samples,
             m.num_bytes,

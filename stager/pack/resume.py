@@ -102,7 +102,7 @@ def _reusable(out: Path, info: ShardInfo, algo: str) -> bool:
     )
 
 
-def check_destination(out: Path, found: OutState, source: Source, plan: PackPlan, overwrite: bool) -> None:
+def check_destination(out: Path | str, found: OutState, source: Source, plan: PackPlan, overwrite: bool) -> None:
     """Refuse (:class:`DestinationError`) an OUT that holds files no pack wrote, a damaged manifest, or
     another source's pack with another plan; ``overwrite`` accepts all three."""
     if overwrite:

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from stager.formats.base import Extent, Format
     from stager.pack.options import PackOptions
     from stager.pack.plan import PlannedShard
+    from stager.pack.remote import RemoteOut
     from stager.pack.sources.base import SampleRef, Source
     from stager.progress import Progress
 
@@ -82,6 +83,7 @@ class ShardJob:
     target_kind: str  # "encoded" | "decoded": what the format stores
     image_shape: tuple[int, int, int] | None  # the fixed (H, W, 3) of a decoded format
     keys_checked: bool = False  # the plan's keys passed the format's check_keys (writers skip it)
+    remote: RemoteOut | None = None  # OUT is a URL: ``out`` is the local spool, each shard goes up when done
 
 
 @dataclass
@@ -203,7 +205,17 @@ def write_shard(job: ShardJob, source: Source, progress: Progress | None = None)
             if err is not None:
                 raise err from exc
         raise
-    return record_done(out, sh, rows, nbytes=nbytes_total, digest=digest, aux=aux)
+    return finish_done(job, [c for c, _ in companions], rows, nbytes=nbytes_total, digest=digest, aux=aux)
+
+
+def finish_done(job: ShardJob, companions: list[str], rows: SampleRows, *, nbytes: int, digest: str,
+                aux: list[AuxFile]) -> ShardDone:
+    """After a shard's rename: upload it (companions first) when OUT is a URL, then its done-record."""
+    etags = job.remote.upload_files(job.out, [*companions, job.shard.name]) if job.remote is not None else {}
+    done = record_done(Path(job.out), job.shard, rows, nbytes=nbytes, digest=digest, aux=aux)
+    if job.remote is not None:
+        job.remote.record_done(done, etags)
+    return done
 
 
 @dataclass

@@ -56,9 +56,9 @@ from stager.pack.shard import (
     SampleRows,
     ShardDone,
     ShardJob,
+    finish_done,
     fragmentable,
     fsync_and_hash,
-    record_done,
     write_samples,
     write_shard,
 )
@@ -476,4 +476,4 @@ def _finish_shard(jobs_file: str, ji: int, tmp: str, end: int, parts: list[tuple
     rows = SampleRows()
     for start, r in sorted(parts, key=lambda p: p[0]):
         rows.extend(r, start)
-    return record_done(Path(job.out), job.shard, rows, nbytes=nbytes, digest=digest, aux=[])
+    return finish_done(job, [], rows, nbytes=nbytes, digest=digest, aux=[])
