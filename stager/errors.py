@@ -129,3 +129,7 @@ class RemoteUnavailableError(StagerTimeoutError):
     """An object store or HTTP server kept failing (resets, 5xx, throttling, stalls) until the retries ran out."""
 
     exit_code = 5
+
+
+class RemoteAccessError(StagerError, OSError):
+    """An object store or HTTP server refused a request for good (credentials, permissions, a bad request)."""

@@ -149,8 +149,9 @@ class Fault:
 
     ``kind``: ``"cut"`` (send the headers and ``after`` body bytes, then close), ``"reset"`` (TCP
     RST after ``after`` body bytes; 0: before the status line), ``"stall"`` (send ``after`` body
-    bytes, then nothing for ``stall`` seconds, then close), ``"status"`` (answer ``status`` with an
-    S3-style error body, ``SlowDown`` for 503, without asking the upstream).
+    bytes, then nothing for ``stall`` seconds, then close; 0: hold the request without forwarding
+    it), ``"status"`` (answer ``status`` with an S3-style error body, ``SlowDown`` for 503, without
+    asking the upstream).
     """
 
     kind: str
@@ -197,7 +198,9 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         if fault is not None and fault.kind == "status":
             self._error(fault.status)
             return
-        if fault is not None and fault.kind == "reset" and fault.after == 0:
+        if fault is not None and fault.kind in ("reset", "stall") and fault.after == 0:
+            if fault.kind == "stall":  # the request never reaches the upstream (an upload that hangs)
+                self.proxy.released.wait(fault.stall)
             self._reset()
             return
         headers = {k: v for k, v in self.headers.items() if k.lower() not in ("transfer-encoding", "connection")}
@@ -250,7 +253,20 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         with contextlib.suppress(OSError):
             self.connection.close()
 
-    do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
+    def do_GET(self) -> None:  # http.server's naming
+        self._forward()
+
+    def do_HEAD(self) -> None:
+        self._forward()
+
+    def do_PUT(self) -> None:
+        self._forward()
+
+    def do_POST(self) -> None:
+        self._forward()
+
+    def do_DELETE(self) -> None:
+        self._forward()
 
 
 class FaultProxy:

@@ -8,6 +8,13 @@ backoff (:mod:`stager.fs.retry`). A server that ignores ``Range`` (answers more 
 error, not something to stream around. :class:`RemoteFile` is a read-only file object over
 :func:`read_range` whose size is asked once (one HEAD).
 
+On S3 and HTTP the response body is read in pieces into one buffer, so the bytes that arrived
+before a cut are kept and the retry asks only for the rest; a piece that does not arrive within
+``$STAGER_REQUEST_TIMEOUT`` seconds is a stall (the request is cancelled and retried; the wait
+for a response's headers is bounded by the library's own timeouts: botocore's ``read_timeout``,
+aiohttp's). Other
+backends answer a range whole or fail (``cat_file``).
+
 Writes are whole objects: :func:`upload_file` streams a local file up in ``part_size`` pieces
 (a multipart upload on S3, blocks on Azure: memory is one part, whatever the file's size) and
 :func:`put_bytes` writes a small object. On a store whose objects appear only complete (an S3 PUT
@@ -24,9 +31,10 @@ import uuid
 from typing import Any
 
 from stager.errors import StagerError
-from stager.fs.retry import Attempts, RetryPolicy, is_transient, with_retries
+from stager.fs.retry import Attempts, RetryPolicy, is_transient, permanent_error, with_retries
 
 DEFAULT_PART = 8 << 20  # bytes per uploaded part (S3's minimum is 5 MiB)
+STREAM_PIECE = 1 << 20  # bytes per read of a streamed response body (what a cut can lose at most: none)
 
 
 def _timeout_kw(fs: Any, policy: RetryPolicy) -> dict[str, float]:
@@ -56,32 +64,94 @@ def read_range(fs: Any, path: str, start: int, end: int, url: str, *, policy: Re
     """
     policy = policy or RetryPolicy.from_env()
     attempts = Attempts(policy, url, f"GET bytes {start}-{end - 1}")
-    pieces: list[bytes] = []
-    pos = start
-    kw = _timeout_kw(fs, policy)
-    while pos < end:
+    buf = bytearray()
+    while start + len(buf) < end:
+        pos = start + len(buf)
         try:
-            got = fs.cat_file(path, start=pos, end=end, **kw)
+            ended = _fetch_into(fs, path, (pos, end), buf, policy.timeout)
         except Exception as exc:
             if not is_transient(exc):
-                raise
+                err = permanent_error(exc, url, "GET")
+                if err is exc:
+                    raise
+                raise err from exc
+            if start + len(buf) > pos:
+                attempts.progressed()  # bytes arrived before the cut: go on from there
+                continue
             attempts.failed(exc)
             continue
-        if len(got) > end - pos:
+        if len(buf) > end - start:
             raise StagerError(
-                f"{url}: asked for {end - pos} bytes at offset {pos}, got {len(got)}: the server ignores Range "
-                "requests; serve the pack from one that honours them (or stage it with another tool first)"
+                f"{url}: asked for {end - pos} bytes at offset {pos}, got {len(buf) - (pos - start)}: the server "
+                "ignores Range requests; serve the pack from one that honours them (or copy it with another tool)"
             )
-        if not got:
-            # Nothing at all: past the object's end (the caller checks sizes), or a cut before any byte.
-            if pos == start and not attempts.total_failures:
-                break
+        if start + len(buf) > pos:
+            attempts.progressed()
+        elif ended:
+            break  # the object ends here (the caller checks sizes)
+        else:
             attempts.failed(ConnectionResetError(f"empty response at offset {pos}"))
-            continue
-        pieces.append(got)
-        pos += len(got)
-        attempts.progressed()
-    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+    return bytes(buf)
+
+
+def _fetch_into(fs: Any, path: str, span: tuple[int, int], buf: bytearray, timeout: float) -> bool:
+    """Append bytes ``span`` = ``[start, end)`` of ``path`` to ``buf`` as they arrive; True if the response was
+    complete (it may still be short: the object ends there).
+
+    On S3 and HTTP the body is streamed in pieces, so what arrived before a cut stays in ``buf``
+    and the caller resumes from there; a piece that takes more than ``timeout`` seconds is a stall
+    (asyncio.TimeoutError). Other filesystems answer whole (``cat_file``) or not at all.
+    """
+    kind = type(fs).__name__
+    if kind in ("S3FileSystem", "HTTPFileSystem") and getattr(fs, "async_impl", False):
+        from fsspec.asyn import sync  # noqa: PLC0415 (fsspec only for URLs)
+
+        stream = _s3_stream if kind == "S3FileSystem" else _http_stream
+        sync(fs.loop, stream, fs, path, span, buf, timeout or None)
+        return True
+    kw = {"timeout": timeout} if getattr(fs, "async_impl", False) and timeout > 0 else {}
+    buf += fs.cat_file(path, start=span[0], end=span[1], **kw)
+    return True
+
+
+async def _read_pieces(read: Any, buf: bytearray, timeout: float | None) -> None:
+    import asyncio  # noqa: PLC0415 (only for streamed URL reads: ~20 ms the CLI's start-up never needs)
+
+    while True:
+        piece = await asyncio.wait_for(read(STREAM_PIECE), timeout)
+        if not piece:
+            return
+        buf += piece
+
+
+async def _s3_stream(fs: Any, path: str, span: tuple[int, int], buf: bytearray, timeout: float | None) -> None:
+    start, end = span
+    bucket, key, version = fs.split_path(path)
+    kw = {"VersionId": version} if version else {}
+    # The response's start is bounded by botocore's own timeouts (and s3fs/botocore retry it inside);
+    # the body, piece by piece, by ours.
+    resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", **kw, **fs.req_kw)
+    body = resp["Body"]
+    try:
+        await _read_pieces(body.read, buf, timeout)
+    finally:
+        body.close()
+
+
+async def _http_stream(fs: Any, url: str, span: tuple[int, int], buf: bytearray, timeout: float | None) -> None:
+    start, end = span
+    kw = dict(fs.kwargs)
+    headers = dict(kw.pop("headers", None) or {})
+    headers["Range"] = f"bytes={start}-{end - 1}"
+    session = await fs.set_session()
+    async with session.get(fs.encode_url(url), headers=headers, **kw) as r:
+        if r.status == 404:
+            raise FileNotFoundError(url)
+        r.raise_for_status()
+        if r.status == 200 and (r.content_length or 0) > end - start:
+            buf += b"\0" * (end - start + 1)  # the whole object came back: reported by read_range
+            return
+        await _read_pieces(r.content.read, buf, timeout)
 
 
 class RemoteFile:

@@ -10,8 +10,8 @@ one-line :class:`~stager.errors.RemoteUnavailableError` (exit 5) naming the URL.
 
 The policy's numbers come from the environment, read once per call of :meth:`RetryPolicy.from_env`:
 ``STAGER_RETRIES`` (attempts, default 8), ``STAGER_RETRY_BASE`` (seconds, default 0.25),
-``STAGER_RETRY_CAP`` (seconds, default 20) and ``STAGER_REQUEST_TIMEOUT`` (seconds one request may
-take before it counts as stalled, default 120).
+``STAGER_RETRY_CAP`` (seconds, default 20) and ``STAGER_REQUEST_TIMEOUT`` (seconds without a byte
+of a response body before the request counts as stalled, default 120).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
-from stager.errors import RemoteUnavailableError, StagerError
+from stager.errors import RemoteAccessError, RemoteUnavailableError, StagerError
 
 T = TypeVar("T")
 
@@ -155,6 +155,17 @@ class Attempts:
         time.sleep(self.policy.delay(self.failures))
 
 
+def permanent_error(exc: BaseException, url: str, what: str) -> BaseException:
+    """What to raise for a non-transient failure: ``exc`` itself when callers handle it (a missing
+    object, a stager error), else a one-line :class:`~stager.errors.RemoteAccessError` naming the URL
+    (no credentials, 403, a bad request: retrying would not help)."""
+    if isinstance(exc, (FileNotFoundError, StagerError)) or not isinstance(exc, Exception):
+        return exc
+    msg = str(exc).splitlines()[0][:200] if str(exc) else ""
+    return RemoteAccessError(f"{url}: {what} refused ({type(exc).__name__}{': ' + msg if msg else ''}); check the "
+                             "URL, the credentials and the storage options")
+
+
 def with_retries(fn: Callable[[], T], url: str, what: str, policy: RetryPolicy | None = None) -> T:
     """``fn()``, tried again on transient errors under ``policy`` (default: from the environment)."""
     attempts = Attempts(policy or RetryPolicy.from_env(), url, what)
@@ -163,5 +174,8 @@ def with_retries(fn: Callable[[], T], url: str, what: str, policy: RetryPolicy |
             return fn()
         except Exception as exc:
             if not is_transient(exc):
-                raise
+                err = permanent_error(exc, url, what)
+                if err is exc:
+                    raise
+                raise err from exc
             attempts.failed(exc)
