@@ -290,7 +290,8 @@ def test_pack_to_s3_killed_mid_upload_resumes_and_readers_never_see_a_partial_pa
     proxy.inject("stall", 1, method="PUT", path="shard-00003", stall=60)  # the 4th shard's upload hangs
     proc = subprocess.Popen([sys.executable, "-m", "stager", "pack", str(imagenet_tiny), url, "--format", "tar",
                              "--samples-per-shard", "4", "-q", *so],
-                            env={**os.environ, **s3env, "STAGER_REQUEST_TIMEOUT": "120"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env={**os.environ, **s3env, "STAGER_REQUEST_TIMEOUT": "120"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while proxy.stats.faults == 0 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
