@@ -133,3 +133,7 @@ class RemoteUnavailableError(StagerTimeoutError):
 
 class RemoteAccessError(StagerError, OSError):
     """An object store or HTTP server refused a request for good (credentials, permissions, a bad request)."""
+
+
+class RemotePermissionError(RemoteAccessError, PermissionError):
+    """The store refused the credentials (403, none found): still a PermissionError for callers."""

@@ -1,7 +1,7 @@
 """Object storage and HTTP as sources and destinations, against real servers on 127.0.0.1.
 
 An S3 API (moto in server mode, a child process), a static HTTP server that honours Range, and a
-fault-injecting HTTP proxy in front of either (tests/objstore_servers.py). Faults are counted, not
+fault-injecting HTTP proxy in front of either (tools/objstore_servers.py). Faults are counted, not
 random ("the next 3 GETs are cut after 1000 bytes"), and every check is an invariant on what ends up
 where: byte-identical shards, every sample exactly once, no partial file under a final name, the
 exit code; never a timing.
@@ -26,7 +26,7 @@ from stager.manifest import load_manifest
 from stager.pack import pack
 from stager.stage import stage
 from stager.verify import verify
-from tests.objstore_servers import CREDENTIALS, FaultProxy, MotoServer, RangeHTTPServer
+from tools.objstore_servers import CREDENTIALS, FaultProxy, MotoServer, RangeHTTPServer
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto")

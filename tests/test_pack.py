@@ -333,7 +333,8 @@ def test_bad_options_are_usage_errors_before_anything_is_read(
 def test_pack_options_mirror_the_public_signature() -> None:
     """``pack(src, out, format, **keywords)`` keeps its keywords and defaults; each is a PackOptions field."""
     params = inspect.signature(pack).parameters
-    fields = {f.name: f.default for f in dataclasses.fields(PackOptions)}
+    fields = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+              for f in dataclasses.fields(PackOptions)}
     assert list(params)[:3] == ["src", "out", "format"] and params["format"].default == fields["format"]
     keywords = {n: p.default for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
     assert keywords == {n: d for n, d in fields.items() if n != "format"}

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
-from stager.errors import RemoteAccessError, RemoteUnavailableError, StagerError
+from stager.errors import RemoteAccessError, RemotePermissionError, RemoteUnavailableError, StagerError
 
 T = TypeVar("T")
 
@@ -162,7 +162,8 @@ def permanent_error(exc: BaseException, url: str, what: str) -> BaseException:
     if isinstance(exc, (FileNotFoundError, StagerError)) or not isinstance(exc, Exception):
         return exc
     msg = str(exc).splitlines()[0][:200] if str(exc) else ""
-    return RemoteAccessError(f"{url}: {what} refused ({type(exc).__name__}{': ' + msg if msg else ''}); check the "
+    cls = RemotePermissionError if isinstance(exc, PermissionError) else RemoteAccessError
+    return cls(f"{url}: {what} refused ({type(exc).__name__}{': ' + msg if msg else ''}); check the "
                              "URL, the credentials and the storage options")
 
 

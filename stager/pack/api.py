@@ -127,7 +127,7 @@ def pack(
     stripe_count: int | None = None,
     stripe_size: int | None = None,
     split: str | None = None,
-    storage_options: dict[str, Any] | None = None,
+    storage_options: dict[str, Any] = {},  # noqa: B006 - never mutated (PackOptions copies it)
 ) -> PackResult:
     """Pack ``src`` into ``format`` shards under ``out`` (see the module docstring and docs/pack.md).
 
@@ -158,8 +158,9 @@ def pack(
         stripe_count=stripe_count,
         stripe_size=stripe_size,
         split=split,
+        storage_options=storage_options,
     )
-    with _worker_pool(options.workers) as pool, PackRun(out, options, pool, started, storage_options) as run:
+    with _worker_pool(options.workers) as pool, PackRun(out, options, pool, started) as run:
         listing = run.list_source(src, run.check())
         plan = run.plan(listing)
         if options.dry_run:
@@ -203,13 +204,12 @@ class PackRun:
     """
 
     def __init__(
-        self, out: str | os.PathLike[str], options: PackOptions, pool: PackPool | None, started: float,
-        storage_options: dict[str, Any] | None = None,
+        self, out: str | os.PathLike[str], options: PackOptions, pool: PackPool | None, started: float
     ) -> None:
         local = local_path_of(out)
         # A URL-looking OUT is never a local path: it goes to its store (or is refused), and the local
         # ``out`` is then a spool directory for the shards being written.
-        self.remote = RemoteOut(os.fspath(out), dict(storage_options or {})) if local is None else None
+        self.remote = RemoteOut(os.fspath(out), options.storage_options) if local is None else None
         self.out = Path(make_spool() if self.remote is not None else os.path.abspath(local or out))
         self.out_name = self.remote.url if self.remote is not None else str(self.out)
         self.options = options

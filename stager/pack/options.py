@@ -10,7 +10,8 @@ is valid (``__post_init__`` raises :class:`UsageError` otherwise) and ``resize``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from stager.checksum import ALGOS
 from stager.errors import UsageError
@@ -26,7 +27,8 @@ class PackOptions:
     limit comes first), ``seed``/``keep_order`` (the sample order), ``resize`` (H, W) and ``quality``
     (re-encode), ``on_error`` (``raise`` or ``skip`` a bad sample), ``hash_algo``. Run-only:
     ``workers``, ``overwrite``, ``dry_run``, ``quiet``, ``stripe_count``/``stripe_size`` (Lustre
-    layout of OUT), ``split`` (which CIFAR split to read).
+    layout of OUT), ``split`` (which CIFAR split to read), ``storage_options`` (opening a URL OUT,
+    stager/fs/open.py).
     """
 
     format: str = "tar"
@@ -45,6 +47,7 @@ class PackOptions:
     stripe_count: int | None = None
     stripe_size: int | None = None
     split: str | None = None
+    storage_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         """Raise :class:`UsageError` naming the first bad option; normalise ``resize`` to ints."""
@@ -65,6 +68,7 @@ class PackOptions:
             raise UsageError(f"unknown hash {self.hash_algo!r}; expected one of {', '.join(ALGOS)}")
         if resize is not None:
             object.__setattr__(self, "resize", (int(resize[0]), int(resize[1])))
+        object.__setattr__(self, "storage_options", dict(self.storage_options or {}))  # a private copy
 
     def passes_through(self, target_kind: str) -> bool:
         """Whether source files are written unchanged: an encoded target without ``resize`` or ``quality``.

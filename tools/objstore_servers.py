@@ -6,7 +6,7 @@
   deterministically: "the next N requests matching M are cut after K body bytes / reset / stalled /
   answered 503 SlowDown". Nothing is random, so a test's outcome does not depend on timing.
 
-Also used by tools/bench/bench_objstore.py (the moto server).
+Used by tests/test_objstore.py and tools/bench/bench_objstore.py.
 """
 
 from __future__ import annotations
