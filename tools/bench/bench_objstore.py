@@ -184,7 +184,7 @@ def report(args: argparse.Namespace, methods: dict, rounds: list[dict[str, float
            stream: list[tuple[float, int]], local: list[tuple[float, int]], load: tuple[float, ...],
            have_aws: bool) -> str:
     lines = [
-        "## Object storage (local S3 server)",
+        "# Object storage: stage and stream from a local S3 server",
         "",
         f"`python tools/bench/bench_objstore.py --shards {args.shards} --shard-mb {args.shard_mb} "
         f"--images {args.images} --rounds {args.rounds}`; moto server on 127.0.0.1, {os.cpu_count()} cores, "
