@@ -1,6 +1,8 @@
 """Servers for the object-storage tests, all on 127.0.0.1 and started by the tests themselves.
 
 * :class:`MotoServer`: a real S3 API (moto in server mode) in a child process.
+* :class:`AzuriteServer`: Azure's Blob emulator (azurite, from the npm registry; tools/setup_venv.sh
+  installs it under ``.venv/azurite`` when npm is there) in a child process.
 * :class:`RangeHTTPServer`: a static file server that honours ``Range`` (python's http.server does not).
 * :class:`FaultProxy`: an HTTP reverse proxy in front of either, which injects faults
   deterministically: "the next N requests matching M are cut after K body bytes / reset / stalled /
@@ -62,6 +64,60 @@ class MotoServer:
         with contextlib.suppress(Exception):
             assert self.proc.stdin is not None
             self.proc.stdin.close()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+# ---- Azure Blob (azurite) ------------------------------------------------------------------------------
+ROOT = Path(__file__).resolve().parents[1]
+# azurite's well-known development account key (public, documented by Microsoft; not a secret).
+AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+
+
+def azurite_path() -> str | None:
+    """The ``azurite-blob`` executable: ``$STAGER_AZURITE``, the venv's, or on PATH; None if absent."""
+    import shutil
+
+    for cand in (os.environ.get("STAGER_AZURITE"), str(ROOT / ".venv" / "azurite" / "node_modules" / ".bin" /
+                                                      "azurite-blob"), shutil.which("azurite-blob")):
+        if cand and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+class AzuriteServer:
+    """azurite's Blob service on 127.0.0.1 (in memory, no telemetry); :meth:`connection_string`."""
+
+    def __init__(self, exe: str) -> None:
+        self.proc = subprocess.Popen([exe, "--blobHost", "127.0.0.1", "--blobPort", "0", "--inMemoryPersistence",
+                                      "--disableTelemetry", "--skipApiVersionCheck", "--loose"],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert self.proc.stdout is not None
+        self.port = 0
+        deadline = time.monotonic() + 60
+        for line in self.proc.stdout:
+            m = re.search(r"listens on http://127\.0\.0\.1:(\d+)", line)
+            if m:
+                self.port = int(m.group(1))
+                break
+            if time.monotonic() > deadline:
+                break
+        if not self.port:
+            self.stop()
+            raise RuntimeError("azurite did not start")
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        # Keep draining its output so that it never blocks on a full pipe.
+        threading.Thread(target=lambda: [None for _ in self.proc.stdout or ()], daemon=True).start()
+
+    def connection_string(self, endpoint: str | None = None) -> str:
+        return (f"DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey={AZURITE_KEY};"
+                f"BlobEndpoint={endpoint or self.endpoint}/devstoreaccount1;")
+
+    def stop(self) -> None:
+        self.proc.terminate()
         try:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:

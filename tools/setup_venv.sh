@@ -14,4 +14,9 @@ if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
   "$VENV/bin/python" -m pip install -q "torch==2.13.0"
 fi
 "$VENV/bin/python" -m pip install -q -e ".[test,lint]"
+# Azure's Blob emulator for tests/test_objstore.py (npm registry). Without npm, those tests skip.
+if command -v npm >/dev/null 2>&1 && [ ! -x "$VENV/azurite/node_modules/.bin/azurite-blob" ]; then
+  npm install --prefix "$VENV/azurite" --no-audit --no-fund --silent azurite@3 >/dev/null 2>&1 \
+    || echo "setup: azurite could not be installed with npm; the Azure tests will be skipped"
+fi
 echo "setup: $("$VENV/bin/python" -c 'import torch, stager; print("torch", torch.__version__, "stager", stager.__version__)')"

@@ -63,7 +63,7 @@ class Backend:
 BACKENDS: tuple[Backend, ...] = (
     Backend(("s3", "s3a"), ("s3fs",), "s3", "s3fs", True, _s3_env),
     Backend(("http", "https"), ("aiohttp", "requests"), "http", "aiohttp requests", True),
-    Backend(("az", "abfs", "abfss"), ("adlfs",), "azure", "adlfs", True),
+    Backend(("az", "abfs", "abfss"), ("adlfs",), "azure", "adlfs", True),  # block list commit: atomic
     Backend(("gs", "gcs"), ("gcsfs",), None, "gcsfs", True),
     Backend(("file", "local"), (), None, "", False),
     Backend(("memory",), (), None, "", False),
