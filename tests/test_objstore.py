@@ -23,6 +23,7 @@ from stager.cli import main
 from stager.errors import MissingBackendError, RemoteUnavailableError, UsageError
 from stager.fs.open import effective_options, parse_storage_options
 from stager.manifest import load_manifest
+from stager.order.partition import assign_shards_to_nodes
 from stager.pack import pack
 from stager.stage import stage
 from stager.verify import verify
@@ -180,13 +181,15 @@ def test_pack_to_s3_then_verify_inspect_stage_and_load(imagenet_tiny: Path, loca
     r = _cli(["inspect", url, "--json", *so], env)
     assert r.returncode == 0 and json.loads(r.stdout)["samples"] == 24, r.stderr
 
-    for extra in ([], ["--partition", "--node", "1", "--num-nodes", "2"]):
+    share = [local.shards[i].name for i in assign_shards_to_nodes(local.shard_bytes, 2, 0)[1]]
+    partition = ["--partition", "--node", "1", "--num-nodes", "2"]
+    for extra, want in (([], [s.name for s in local.shards]), (partition, share)):
         dest = tmp_path / f"dest{len(extra)}"
         r = _cli(["stage", url, str(dest), "--json", *so, *extra], env)
         assert r.returncode == 0, r.stderr
-        names = json.loads((dest / "stager-receipt.json").read_text())["shards"]
-        assert len(names) == (6 if not extra else len(names)) and names
-        _same_files(dest, local_pack, names)
+        assert sorted(json.loads((dest / "stager-receipt.json").read_text())["shards"]) == sorted(want)
+        assert sorted(p.name for p in dest.glob("shard-*")) == sorted(want)
+        _same_files(dest, local_pack, want)
         _no_partials(dest)
 
 
