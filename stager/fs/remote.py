@@ -57,10 +57,10 @@ def object_info(fs: Any, path: str, url: str, policy: RetryPolicy | None = None)
 def read_range(fs: Any, path: str, start: int, end: int, url: str, *, policy: RetryPolicy | None = None) -> bytes:
     """Bytes ``[start, end)`` of the object at ``path``; every byte arrives once (see the module docstring).
 
-    Raises FileNotFoundError for a missing object, :class:`~stager.errors.RemoteUnavailableError`
-    (exit 5) when the retries run out, :class:`StagerError` when the server ignores ``Range``. A
-    response that ends before ``end`` because the object ends there is returned short: the
-    caller knows the size it expects.
+    ``end`` must not pass the object's end (callers know its size: the manifest's, or one HEAD), so
+    a response that ends early is a cut, resumed from where it stopped. Raises FileNotFoundError for
+    a missing object, :class:`~stager.errors.RemoteUnavailableError` (exit 5) when the retries run
+    out, :class:`StagerError` when the server ignores ``Range``.
     """
     policy = policy or RetryPolicy.from_env()
     attempts = Attempts(policy, url, f"GET bytes {start}-{end - 1}")
@@ -68,7 +68,7 @@ def read_range(fs: Any, path: str, start: int, end: int, url: str, *, policy: Re
     while start + len(buf) < end:
         pos = start + len(buf)
         try:
-            ended = _fetch_into(fs, path, (pos, end), buf, policy.timeout)
+            _fetch_into(fs, path, (pos, end), buf, policy.timeout)
         except Exception as exc:
             if not is_transient(exc):
                 err = permanent_error(exc, url, "GET")
@@ -87,31 +87,28 @@ def read_range(fs: Any, path: str, start: int, end: int, url: str, *, policy: Re
             )
         if start + len(buf) > pos:
             attempts.progressed()
-        elif ended:
-            break  # the object ends here (the caller checks sizes)
-        else:
+        else:  # callers ask only for bytes the object has (they know its size): nothing back is a fault
             attempts.failed(ConnectionResetError(f"empty response at offset {pos}"))
     return bytes(buf)
 
 
-def _fetch_into(fs: Any, path: str, span: tuple[int, int], buf: bytearray, timeout: float) -> bool:
-    """Append bytes ``span`` = ``[start, end)`` of ``path`` to ``buf`` as they arrive; True if the response was
-    complete (it may still be short: the object ends there).
+def _fetch_into(fs: Any, path: str, span: tuple[int, int], buf: bytearray, timeout: float) -> None:
+    """Append bytes ``span`` = ``[start, end)`` of ``path`` to ``buf`` as they arrive.
 
     On S3 and HTTP the body is streamed in pieces, so what arrived before a cut stays in ``buf``
     and the caller resumes from there; a piece that takes more than ``timeout`` seconds is a stall
     (asyncio.TimeoutError). Other filesystems answer whole (``cat_file``) or not at all.
     """
     kind = type(fs).__name__
-    if kind in ("S3FileSystem", "HTTPFileSystem") and getattr(fs, "async_impl", False):
+    streams = {"S3FileSystem": ("_call_s3", "split_path"), "HTTPFileSystem": ("set_session", "encode_url")}
+    if kind in streams and getattr(fs, "async_impl", False) and all(hasattr(fs, a) for a in streams[kind]):
         from fsspec.asyn import sync  # noqa: PLC0415 (fsspec only for URLs)
 
         stream = _s3_stream if kind == "S3FileSystem" else _http_stream
         sync(fs.loop, stream, fs, path, span, buf, timeout or None)
-        return True
+        return
     kw = {"timeout": timeout} if getattr(fs, "async_impl", False) and timeout > 0 else {}
     buf += fs.cat_file(path, start=span[0], end=span[1], **kw)
-    return True
 
 
 async def _read_pieces(read: Any, buf: bytearray, timeout: float | None) -> None:
