@@ -1,8 +1,11 @@
-"""The retry policy and the retried range read, on scripted filesystems (no server, no timing)."""
+"""The opener's remote layer without a server: the retry policy and the retried range read on
+scripted filesystems, and a pack written to and staged from fsspec's ``memory://`` (a store without
+atomic PUT: objects go up under a temporary name and are moved). No timing is asserted."""
 
 from __future__ import annotations
 
 import errno
+from pathlib import Path
 
 import pytest
 
@@ -100,3 +103,25 @@ def test_remote_file_reads_like_a_file() -> None:
     assert f.read() == DATA[4096:] and f.read() == b""
     f.seek(10)
     assert f.read(5) == DATA[10:15]
+
+
+def test_pack_to_a_store_without_atomic_put_and_stage_from_it(imagenet_tiny: Path, tmp_path: Path) -> None:
+    import fsspec
+
+    from stager.manifest import load_manifest
+    from stager.pack import pack
+    from stager.stage import stage
+    from stager.verify import verify
+
+    url = f"memory://stager-test-{tmp_path.name}/ds"
+    res = pack(imagenet_tiny, url, "tar", samples_per_shard=5)
+    local = pack(imagenet_tiny, tmp_path / "local", "tar", samples_per_shard=5)
+    assert res.out == url and res.manifest is not None and local.manifest is not None
+    fs = fsspec.filesystem("memory")
+    names = sorted(p.rsplit("/", 1)[1] for p in fs.find(url.removeprefix("memory://")))
+    assert names == sorted([*(s.name for s in local.manifest.shards), "manifest.json"]), "no temporary or state objects"
+    assert [(s.name, s.hash) for s in load_manifest(url).shards] == [(s.name, s.hash) for s in local.manifest.shards]
+    assert verify(url, deep=True).ok
+    assert pack(imagenet_tiny, url, "tar", samples_per_shard=5).reused == len(local.manifest.shards)
+    staged = stage(url, tmp_path / "dest")
+    assert staged.files_copied == len(local.manifest.shards) and verify(tmp_path / "dest").ok
