@@ -131,6 +131,12 @@ def test_url_looking_out_is_never_a_local_directory(imagenet_tiny: Path, tmp_pat
     assert list(tmp_path.iterdir()) == []
 
 
+def test_hints_refuses_a_url_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["hints", "s3://bucket/ds"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "s3://bucket/ds" in err and "stager inspect" in err
+
+
 def test_storage_options_parse_nested_json_values() -> None:
     got = parse_storage_options(["client_kwargs.endpoint_url=http://h:9000", "anon=true", "config_kwargs.retries."
                                  "max_attempts=2", "token=null", "name=plain text", "x={\"a\": [1]}"])
