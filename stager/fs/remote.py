@@ -54,50 +54,84 @@ def object_info(fs: Any, path: str, url: str, policy: RetryPolicy | None = None)
     return dict(with_retries(lambda: fs.info(path), url, "HEAD", policy))
 
 
-def read_range(fs: Any, path: str, start: int, end: int, url: str, *, policy: RetryPolicy | None = None) -> bytes:
-    """Bytes ``[start, end)`` of the object at ``path``; every byte arrives once (see the module docstring).
+class _Sink:
+    """Where the pieces of one ranged read go: ``view`` filled from the front, ``n`` bytes so far.
 
-    ``end`` must not pass the object's end (callers know its size: the manifest's, or one HEAD), so
-    a response that ends early is a cut, resumed from where it stopped. Raises FileNotFoundError for
-    a missing object, :class:`~stager.errors.RemoteUnavailableError` (exit 5) when the retries run
-    out, :class:`StagerError` when the server ignores ``Range``.
+    Preallocated by the caller (appending to a growing bytearray copies the data over and over);
+    ``n`` survives an exception, so a retry asks only for the rest.
+    """
+
+    def __init__(self, view: memoryview) -> None:
+        self.view, self.n = view, 0
+        self.overflow = False  # the server sent more than asked: it ignores Range
+
+    def add(self, piece: bytes | bytearray | memoryview) -> None:
+        k = len(piece)
+        if self.n + k > len(self.view):
+            self.overflow = True
+            raise _RangeIgnoredError()
+        self.view[self.n:self.n + k] = piece
+        self.n += k
+
+
+class _RangeIgnoredError(Exception):
+    pass
+
+
+def read_range(fs: Any, path: str, start: int, end: int, url: str, *, policy: RetryPolicy | None = None) -> bytes:
+    """Bytes ``[start, end)`` of the object at ``path`` (see :func:`read_range_into`)."""
+    out = bytearray(end - start)
+    read_range_into(fs, path, start, memoryview(out), url, policy=policy)
+    return bytes(out)
+
+
+def read_range_into(fs: Any, path: str, start: int, view: memoryview, url: str, *,
+                    policy: RetryPolicy | None = None) -> None:
+    """Fill ``view`` with bytes ``[start, start + len(view))`` of ``path``; every byte arrives once.
+
+    The range must not pass the object's end (callers know its size: the manifest's, or one HEAD),
+    so a response that ends early is a cut, resumed from where it stopped. Raises
+    FileNotFoundError for a missing object, :class:`~stager.errors.RemoteUnavailableError` (exit 5)
+    when the retries run out, :class:`StagerError` when the server ignores ``Range``.
     """
     policy = policy or RetryPolicy.from_env()
+    end = start + len(view)
     attempts = Attempts(policy, url, f"GET bytes {start}-{end - 1}")
-    buf = bytearray()
-    while start + len(buf) < end:
-        pos = start + len(buf)
+    sink = _Sink(view)
+    while sink.n < len(view):
+        before = sink.n
         try:
-            _fetch_into(fs, path, (pos, end), buf, policy.timeout)
+            _fetch_into(fs, path, (start + before, end), sink, policy.timeout)
+        except _RangeIgnoredError:
+            pass
         except Exception as exc:
             if not is_transient(exc):
                 err = permanent_error(exc, url, "GET")
                 if err is exc:
                     raise
                 raise err from exc
-            if start + len(buf) > pos:
+            if sink.n > before:
                 attempts.progressed()  # bytes arrived before the cut: go on from there
-                continue
-            attempts.failed(exc)
+            else:
+                attempts.failed(exc)
             continue
-        if len(buf) > end - start:
+        if sink.overflow:
             raise StagerError(
-                f"{url}: asked for {end - pos} bytes at offset {pos}, got {len(buf) - (pos - start)}: the server "
+                f"{url}: asked for {end - start - before} bytes at offset {start + before}, got more: the server "
                 "ignores Range requests; serve the pack from one that honours them (or copy it with another tool)"
             )
-        if start + len(buf) > pos:
+        if sink.n > before:
             attempts.progressed()
         else:  # callers ask only for bytes the object has (they know its size): nothing back is a fault
-            attempts.failed(ConnectionResetError(f"empty response at offset {pos}"))
-    return bytes(buf)
+            attempts.failed(ConnectionResetError(f"empty response at offset {start + before}"))
 
 
-def _fetch_into(fs: Any, path: str, span: tuple[int, int], buf: bytearray, timeout: float) -> None:
-    """Append bytes ``span`` = ``[start, end)`` of ``path`` to ``buf`` as they arrive.
+def _fetch_into(fs: Any, path: str, span: tuple[int, int], sink: _Sink, timeout: float) -> None:
+    """Add bytes ``span`` = ``[start, end)`` of ``path`` to ``sink`` as they arrive.
 
-    On S3 and HTTP the body is streamed in pieces, so what arrived before a cut stays in ``buf``
+    On S3 and HTTP the body is streamed in pieces, so what arrived before a cut stays in ``sink``
     and the caller resumes from there; a piece that takes more than ``timeout`` seconds is a stall
-    (asyncio.TimeoutError). Other filesystems answer whole (``cat_file``) or not at all.
+    (TimeoutError). Other filesystems answer whole (``cat_file``) or not at all.
     """
     kind = type(fs).__name__
     streams = {"S3FileSystem": ("_call_s3", "split_path"), "HTTPFileSystem": ("set_session", "encode_url")}
@@ -105,23 +139,29 @@ def _fetch_into(fs: Any, path: str, span: tuple[int, int], buf: bytearray, timeo
         from fsspec.asyn import sync  # noqa: PLC0415 (fsspec only for URLs)
 
         stream = _s3_stream if kind == "S3FileSystem" else _http_stream
-        sync(fs.loop, stream, fs, path, span, buf, timeout or None)
+        sync(fs.loop, stream, fs, path, span, sink, timeout or None)
         return
     kw = {"timeout": timeout} if getattr(fs, "async_impl", False) and timeout > 0 else {}
-    buf += fs.cat_file(path, start=span[0], end=span[1], **kw)
+    sink.add(fs.cat_file(path, start=span[0], end=span[1], **kw))
 
 
-async def _read_pieces(read: Any, buf: bytearray, timeout: float | None) -> None:
+async def _read_pieces(read: Any, sink: _Sink, timeout: float | None) -> None:
+    """``read(n)`` until the body ends, adding each piece to ``sink``; a piece that takes more than
+    ``timeout`` seconds raises TimeoutError (a stall)."""
     import asyncio  # noqa: PLC0415 (only for streamed URL reads: ~20 ms the CLI's start-up never needs)
 
-    while True:
-        piece = await asyncio.wait_for(read(STREAM_PIECE), timeout)
-        if not piece:
-            return
-        buf += piece
+    if timeout is None or not hasattr(asyncio, "timeout_at"):  # Python 3.10: a task per piece
+        while piece := await asyncio.wait_for(read(STREAM_PIECE), timeout):
+            sink.add(piece)
+        return
+    loop = asyncio.get_running_loop()
+    async with asyncio.timeout_at(loop.time() + timeout) as deadline:  # one deadline, moved on at each piece
+        while piece := await read(STREAM_PIECE):
+            sink.add(piece)
+            deadline.reschedule(loop.time() + timeout)
 
 
-async def _s3_stream(fs: Any, path: str, span: tuple[int, int], buf: bytearray, timeout: float | None) -> None:
+async def _s3_stream(fs: Any, path: str, span: tuple[int, int], sink: _Sink, timeout: float | None) -> None:
     start, end = span
     bucket, key, version = fs.split_path(path)
     kw = {"VersionId": version} if version else {}
@@ -130,12 +170,12 @@ async def _s3_stream(fs: Any, path: str, span: tuple[int, int], buf: bytearray, 
     resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", **kw, **fs.req_kw)
     body = resp["Body"]
     try:
-        await _read_pieces(body.read, buf, timeout)
+        await _read_pieces(body.read, sink, timeout)
     finally:
         body.close()
 
 
-async def _http_stream(fs: Any, url: str, span: tuple[int, int], buf: bytearray, timeout: float | None) -> None:
+async def _http_stream(fs: Any, url: str, span: tuple[int, int], sink: _Sink, timeout: float | None) -> None:
     start, end = span
     kw = dict(fs.kwargs)
     headers = dict(kw.pop("headers", None) or {})
@@ -146,9 +186,9 @@ async def _http_stream(fs: Any, url: str, span: tuple[int, int], buf: bytearray,
             raise FileNotFoundError(url)
         r.raise_for_status()
         if r.status == 200 and (r.content_length or 0) > end - start:
-            buf += b"\0" * (end - start + 1)  # the whole object came back: reported by read_range
+            sink.overflow = True  # the whole object came back: reported by read_range_into
             return
-        await _read_pieces(r.content.read, buf, timeout)
+        await _read_pieces(r.content.read, sink, timeout)
 
 
 class RemoteFile:
@@ -171,10 +211,9 @@ class RemoteFile:
         n = min(len(view), self.size - self.pos)
         if n <= 0:
             return 0
-        data = read_range(self.fs, self.path, self.pos, self.pos + n, self.url, policy=self.policy)
-        view[: len(data)] = data
-        self.pos += len(data)
-        return len(data)
+        read_range_into(self.fs, self.path, self.pos, memoryview(view)[:n], self.url, policy=self.policy)
+        self.pos += n
+        return n
 
     def read(self, n: int = -1) -> bytes:
         end = self.size if n is None or n < 0 else min(self.size, self.pos + n)

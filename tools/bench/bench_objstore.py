@@ -153,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         nbytes = args.shards * (args.shard_mb << 20)
         aws = awscli()
         methods = {
-            "stage": lambda d: stage("s3://bench/big", d, workers=8),
-            "stage --no-fsync": lambda d: stage("s3://bench/big", d, workers=8, fsync=False),
+            "stage": lambda d: stage("s3://bench/big", d),
+            "stage --no-fsync": lambda d: stage("s3://bench/big", d, fsync=False),
             "boto3 (8 threads)": lambda d: boto3_download(server.endpoint, "bench", "big", d),
         }
         if aws:
