@@ -6,14 +6,14 @@ ends early (a connection cut mid-body), asks again for the rest from the offset 
 flaky server still delivers every byte once; an error before any byte arrives is retried with
 backoff (:mod:`stager.fs.retry`). A server that ignores ``Range`` (answers more than asked) is an
 error, not something to stream around. :class:`RemoteFile` is a read-only file object over
-:func:`read_range` whose size is asked once (one HEAD).
+:func:`read_range_into` (each ``readinto`` fills the caller's buffer directly) whose size is asked
+once (one HEAD).
 
 On S3 and HTTP the response body is read in pieces into one buffer, so the bytes that arrived
 before a cut are kept and the retry asks only for the rest; a piece that does not arrive within
 ``$STAGER_REQUEST_TIMEOUT`` seconds is a stall (the request is cancelled and retried; the wait
 for a response's headers is bounded by the library's own timeouts: botocore's ``read_timeout``,
-aiohttp's). Other
-backends answer a range whole or fail (``cat_file``).
+aiohttp's). Other backends answer a range whole or fail (``cat_file``, under fsspec's deadline).
 
 Writes are whole objects: :func:`upload_file` streams a local file up in ``part_size`` pieces
 (a multipart upload on S3, blocks on Azure: memory is one part, whatever the file's size) and
@@ -34,12 +34,7 @@ from stager.errors import StagerError
 from stager.fs.retry import Attempts, RetryPolicy, is_transient, permanent_error, with_retries
 
 DEFAULT_PART = 8 << 20  # bytes per uploaded part (S3's minimum is 5 MiB)
-STREAM_PIECE = 1 << 20  # bytes per read of a streamed response body (what a cut can lose at most: none)
-
-
-def _timeout_kw(fs: Any, policy: RetryPolicy) -> dict[str, float]:
-    """fsspec's per-call deadline for async filesystems (a stalled response then raises FSTimeoutError)."""
-    return {"timeout": policy.timeout} if getattr(fs, "async_impl", False) and policy.timeout > 0 else {}
+STREAM_PIECE = 1 << 20  # most bytes asked of a streamed response body per read (it hands over what has arrived)
 
 
 def object_size(fs: Any, path: str, url: str, policy: RetryPolicy | None = None) -> int:
