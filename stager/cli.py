@@ -16,7 +16,6 @@ from typing import Any
 
 from stager import __version__
 from stager.errors import StagerError, on_fatal
-from stager.fs.open import parse_storage_options, storage_option_arg
 
 # Each module defines ``register(subparsers)`` which adds its parser and sets ``func=run``, where
 # ``run(args) -> dict`` returns the JSON-able result (printed with --json) and raises StagerError.
@@ -51,13 +50,21 @@ def add_common(p: argparse.ArgumentParser) -> None:
 def add_storage_options(p: argparse.ArgumentParser) -> None:
     """``--storage-option KEY=VALUE`` (repeatable) for commands that take a URL (stager/fs/open.py)."""
     p.add_argument("--storage-option", dest="storage_options", action="append", default=[], metavar="KEY=VALUE",
-                   type=storage_option_arg,
+                   type=_storage_option_arg,
                    help="option for opening URLs (fsspec storage options; repeatable): dotted keys nest, values are "
                    "JSON where they parse, e.g. client_kwargs.endpoint_url=http://host:9000 or anon=true")
 
 
+def _storage_option_arg(text: str) -> str:
+    from stager.fs.open import storage_option_arg  # noqa: PLC0415 (only when the flag is given: start-up stays lean)
+
+    return storage_option_arg(text)
+
+
 def storage_options(args: argparse.Namespace) -> dict[str, Any]:
     """The ``--storage-option`` flags as one nested dict."""
+    from stager.fs.open import parse_storage_options  # noqa: PLC0415 (the opener's module, when a command runs)
+
     return parse_storage_options(getattr(args, "storage_options", None) or [])
 
 

@@ -125,3 +125,16 @@ def test_pack_to_a_store_without_atomic_put_and_stage_from_it(imagenet_tiny: Pat
     assert pack(imagenet_tiny, url, "tar", samples_per_shard=5).reused == len(local.manifest.shards)
     staged = stage(url, tmp_path / "dest")
     assert staged.files_copied == len(local.manifest.shards) and verify(tmp_path / "dest").ok
+
+
+def test_the_cli_parser_does_not_load_the_url_opener() -> None:
+    """``--storage-option`` is registered on four commands without importing the opener (its retry
+    and streaming modules and their dependencies cost ~15 ms of every ``stager`` start-up)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from stager.cli import build_parser; build_parser(); "
+            "print(sorted(m for m in sys.modules if m in ('stager.fs.open', 'stager.fs.remote', 'stager.fs.retry', "
+            "'asyncio', 'random')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
