@@ -358,6 +358,45 @@ def test_stage_and_load_over_https_style_range_reads_with_cuts(local_pack: Path,
         proxy.stop()
 
 
+def test_collective_and_partition_stage_over_http_with_cuts(local_pack: Path, http_pack: RangeHTTPServer,
+                                                           tmp_path: Path) -> None:
+    """stager[http] serves collective staging too: two nodes read disjoint shares over HTTP (through cuts
+    and a 500) and end byte-identical; a --partition stage holds exactly its node's share."""
+    from tests.test_collective import _finish, _free_port
+
+    proxy = FaultProxy(http_pack.url)
+    try:
+        url = f"{proxy.url}/{local_pack.name}"
+        proxy.inject("cut", 2, after=700, path="shard-")
+        proxy.inject("status", 1, status=500, path="shard-")
+        port = _free_port()
+        procs = []
+        for i in range(2):
+            env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC"))}
+            env.update(FAST_RETRIES, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(i), WORLD_SIZE="2",
+                       LOCAL_WORLD_SIZE="1")
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "stager", "stage", url, str(tmp_path / f"dest{i}"), "--collective", "--json",
+                 "--chunk-size", "16384", "--timeout", "120"],
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        m = load_manifest(local_pack)
+        for rc, res, err in _finish(procs):
+            assert rc == 0, err
+            assert res["collective"] and res["fallback"] is None
+        assert proxy.stats.faults == 3
+        for i in range(2):
+            _same_files(tmp_path / f"dest{i}", local_pack, [s.name for s in m.shards])
+            _no_partials(tmp_path / f"dest{i}")
+
+        r = _cli(["stage", url, str(tmp_path / "part1"), "--partition", "--node", "1", "--num-nodes", "2",
+                  "-q", "--json"], FAST_RETRIES)
+        assert r.returncode == 0, r.stderr
+        share = sorted(m.shards[i].name for i in assign_shards_to_nodes(m.shard_bytes, 2, 0)[1])
+        assert sorted(p.name for p in (tmp_path / "part1").glob("shard-*")) == share
+    finally:
+        proxy.stop()
+
+
 def test_http_server_without_range_support(local_pack: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """python's http.server ignores Range: whole objects still stage (a range from 0 to the end is the
     whole body), but the loader's sample reads are refused with one line naming the URL, not misread."""
