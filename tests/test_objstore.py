@@ -291,6 +291,68 @@ def test_collective_stage_from_s3_with_faults(local_pack: Path, *, moto: MotoSer
         _no_partials(tmp_path / f"dest{i}")
 
 
+# ---- stager index over a bucket ------------------------------------------------------------------------------
+def test_index_webdataset_tars_in_a_bucket_then_verify_stage_and_load(moto: MotoServer, bucket: str, s3env: dict,
+                                                                      proxy: FaultProxy, tmp_path: Path) -> None:
+    """``stager index s3://... --out DIR``: each object read once through cuts, the manifest names the
+    bucket; verify --deep, stage and the loader read the shards there; a replaced object is caught (exit 3)."""
+    from tests.test_index import read_all, write_wds
+
+    truth = write_wds(tmp_path / "wds")
+    url = f"s3://{bucket}/wds"
+    _upload(moto, tmp_path / "wds", url)
+    proxy.inject("cut", 2, after=1000, path="train-")
+    through_proxy = ["--storage-option", f"client_kwargs.endpoint_url={proxy.url}"]
+    r = _cli(["index", url, "--out", str(tmp_path / "idx"), "--json", "-j", "2", "-q", *through_proxy], s3env)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert (res["kind"], res["shards"], res["samples"], res["shard_root"]) == ("tar", 3, 23, url)
+    assert proxy.stats.faults == 2
+    assert not (tmp_path / "idx" / ".stager-index").exists()
+    assert read_all(tmp_path / "idx", staged=False) == truth
+    assert verify(tmp_path / "idx", deep=True).ok
+    assert stage(tmp_path / "idx", tmp_path / "dest").files_copied == 3
+    assert verify(tmp_path / "dest").ok and read_all(tmp_path / "dest") == truth
+    # Someone replaces a shard in the bucket: verify names it, exit 3.
+    first = load_manifest(tmp_path / "idx").shards[0].name
+    _fs(moto.endpoint).pipe_file(f"{bucket}/wds/{first}", b"x" * 10240)
+    r = _cli(["verify", str(tmp_path / "idx"), "-q"], s3env)
+    assert r.returncode == 3 and first in r.stderr + r.stdout, r.stderr
+
+
+def test_index_tfrecords_in_a_bucket_sniffed_and_resumed(moto: MotoServer, bucket: str, s3env: dict,
+                                                         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TensorFlow's suffix-less file names are sniffed with one ranged GET; DALI index files go into OUT;
+    a killed run resumes the objects it finished (identity: size, ETag and modification time)."""
+    from stager.index import IndexOptions, api, index_dataset
+    from tests.test_index import read_all, write_tfrecords
+
+    truth = write_tfrecords(tmp_path / "tfr", n=30, files=3)
+    url = f"s3://{bucket}/tfr/"
+    _upload(moto, tmp_path / "tfr", url.rstrip("/"))
+    real = api.SCANNERS["record"]
+    calls: list[str] = []
+
+    def killed_on_the_third(path: str, name: str, *a: object) -> object:
+        calls.append(name)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(path, name, *a)
+
+    monkeypatch.setitem(api.SCANNERS, "record", killed_on_the_third)
+    opts = IndexOptions(label_offset=-1)
+    with pytest.raises(KeyboardInterrupt):
+        index_dataset(url, tmp_path / "idx", opts)
+    assert not list((tmp_path / "idx" / ".stager-index").glob("*.partial"))  # the copy down is gone
+    monkeypatch.setitem(api.SCANNERS, "record", real)
+    r = index_dataset(url, tmp_path / "idx", opts)
+    assert (r.kind, r.resumed, r.scanned, r.samples) == ("record", 2, 1, 30)
+    assert sorted(Path(p).name for p in r.dali_index) == [f"train-{f:05d}-of-00003.idx" for f in range(3)]
+    assert read_all(tmp_path / "idx", staged=False) == truth
+    with pytest.raises(UsageError, match="--out"):
+        index_dataset(url)
+
+
 # ---- pack: killed mid-upload, resumed -------------------------------------------------------------------------
 def test_pack_to_s3_killed_mid_upload_resumes_and_readers_never_see_a_partial_pack(
         imagenet_tiny: Path, *, local_pack: Path, moto: MotoServer, bucket: str, s3env: dict, proxy: FaultProxy,

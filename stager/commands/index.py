@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from stager.cli import add_common, emit
+from stager.cli import add_common, add_storage_options, emit, storage_options
 
 # stager.index.KINDS, spelled out so that registering the command does not import numpy.
 KINDS = ("tar", "record", "parquet")
@@ -18,7 +18,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "manifest for them: sizes, checksums and every image's byte extent, so that verify, stage, pack and the "
         "loader work on them without rewriting a byte. Reruns resume.",
     )
-    p.add_argument("src", metavar="SRC", help="directory of shards (or one shard file)")
+    p.add_argument("src", metavar="SRC", help="directory of shards (or one shard file); or a URL prefix of shard "
+                   "objects (s3://bucket/prefix, az://..., https://...), with --out")
     p.add_argument("--out", metavar="DIR", default=None,
                    help="write the manifest into DIR, naming the shards where they are (for a read-only SRC); "
                    "default: beside the shards")
@@ -34,6 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-j", "--workers", type=int, default=1, metavar="N", help="shards indexed in parallel")
     p.add_argument("--hash", dest="hash_algo", default="xxh3_128", choices=("xxh3_128", "blake2b"))
     p.add_argument("--no-dali-index", action="store_true", help="do not write DALI .idx files for TFRecords")
+    add_storage_options(p)
     add_common(p)
     p.set_defaults(func=run)
 
@@ -43,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
 
     opts = IndexOptions(format=args.format, image_key=args.image_key, label_key=args.label_key,
                         label_offset=args.label_offset, workers=args.workers, hash_algo=args.hash_algo,
-                        dali_index=not args.no_dali_index)
+                        dali_index=not args.no_dali_index, storage_options=storage_options(args) or None)
     r = index_dataset(args.src, args.out, opts, quiet=args.quiet)
     where = f" (shards in {r.shard_root})" if r.shard_root else ""
     human = (f"{r.manifest_path}: {r.kind} index of {r.shards} shards, {r.samples:,} samples, {r.classes} classes, "

@@ -31,6 +31,8 @@ from typing import Any
 from stager.checksum import hash_bytes
 from stager.errors import CorruptSampleError, DestinationError, UsageError
 from stager.fs.atomic import atomic_write_bytes, remove_partials
+from stager.fs.open import is_url, join
+from stager.index import remote
 from stager.index.discover import STATE_DIR, discover
 from stager.index.labels import resolve_labels
 from stager.index.options import MANIFEST_FORMAT, IndexOptions
@@ -73,18 +75,21 @@ def index_dataset(src: str | os.PathLike[str], out: str | os.PathLike[str] | Non
     """Index SRC's shards into ``OUT/manifest.json`` (see the module docstring)."""
     opts = options or IndexOptions()
     t0 = time.perf_counter()
-    directory, names, kind = discover(os.fspath(src), opts.format)
+    directory, names, kind = discover(os.fspath(src), opts.format, opts.storage_options)
+    if out is None and is_url(directory):
+        raise UsageError(f"{src}: a URL; pass --out DIR for the manifest (it names the shards where they are)")
     out_dir = Path(os.path.abspath(out if out is not None else directory))
     in_place = out_dir == Path(directory)
     _check_out(out_dir, in_place, directory)
     state = out_dir / STATE_DIR
     state.mkdir(exist_ok=True)
+    remote.remove_stale_downloads(str(state))
     fp = opts.fingerprint(kind)
-    scans: dict[str, ShardScan] = _resume(state, directory, names, fp)
+    scans: dict[str, ShardScan] = _resume(state, directory, names, fp, opts.storage_options)
     todo = [n for n in names if n not in scans]
     resumed = len(scans)
     progress = Progress("index", quiet=quiet)
-    for scan in _scan_all(directory, todo, kind, opts, progress):
+    for scan in _scan_all(directory, todo, kind, opts, progress, spool=str(state)):
         scans[scan.name] = scan
         atomic_write_bytes(state / f"{scan.name}.json", json.dumps({"fp": fp, "scan": scan.to_json()}).encode())
     progress.close()
@@ -125,31 +130,62 @@ def _check_out(out_dir: Path, in_place: bool, directory: str) -> None:
     remove_partials(out_dir, [MANIFEST_NAME])
 
 
-def _resume(state: Path, directory: str, names: list[str], fp: dict[str, object]) -> dict[str, ShardScan]:
+def _identity(path: str, storage_options: dict[str, Any] | None) -> tuple[int, int]:
+    """``(size, mtime_ns)`` of a shard file; for an object, its size and :func:`remote.stamp`."""
+    if is_url(path):
+        return remote.stamp(path, storage_options)
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns
+
+
+def _resume(state: Path, directory: str, names: list[str], fp: dict[str, object],
+            storage_options: dict[str, Any] | None) -> dict[str, ShardScan]:
     """Scans an interrupted run saved whose file still has the same size and mtime, and the same options."""
     got: dict[str, ShardScan] = {}
     for n in names:
         try:
             d = json.loads((state / f"{n}.json").read_bytes())
             scan = ShardScan.from_json(d["scan"])
-            st = os.stat(os.path.join(directory, n))
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if d.get("fp") == fp and scan.bytes == st.st_size and scan.mtime_ns == st.st_mtime_ns:
+        if d.get("fp") == fp and (scan.bytes, scan.mtime_ns) == _identity(join(directory, n), storage_options):
             got[n] = scan
     return got
 
 
-def _scan_one(args: tuple[str, str, str, str | None, str | None, str]) -> ShardScan:
-    path, name, kind, image_key, label_key, algo = args
-    return SCANNERS[kind](path, name, image_key, label_key, algo)
+@dataclass(frozen=True)
+class _Job:
+    """One shard to scan (picklable: sent to a worker process)."""
+
+    path: str  # file path or object URL
+    name: str
+    kind: str
+    image_key: str | None
+    label_key: str | None
+    algo: str
+    spool: str  # where an object is copied down to be scanned
+    storage_options: dict[str, Any] | None
 
 
-def _scan_all(directory: str, todo: list[str], kind: str, opts: IndexOptions, progress: Progress
+def _scan_one(job: _Job) -> ShardScan:
+    scan = SCANNERS[job.kind]
+    if not is_url(job.path):
+        return scan(job.path, job.name, job.image_key, job.label_key, job.algo)
+    size, ident = remote.stamp(job.path, job.storage_options)
+    with remote.local_copy(job.path, job.spool, job.storage_options) as local:
+        found = scan(local, job.name, job.image_key, job.label_key, job.algo)
+    if found.bytes != size:
+        raise DamagedShardError(f"{job.path}: {found.bytes} bytes read, the store says {size} (replaced while "
+                                "being indexed?); index again")
+    found.mtime_ns = ident
+    return found
+
+
+def _scan_all(directory: str, todo: list[str], kind: str, opts: IndexOptions, progress: Progress, *, spool: str
               ) -> Iterator[ShardScan]:
     """Scan ``todo`` (in parallel with ``opts.workers``); yield each shard's scan as it completes."""
-    jobs = [(os.path.join(directory, n), n, kind, opts.image_key_for(kind), opts.label_key_for(kind), opts.hash_algo)
-            for n in todo]
+    jobs = [_Job(join(directory, n), n, kind, opts.image_key_for(kind), opts.label_key_for(kind), opts.hash_algo,
+                 spool, opts.storage_options) for n in todo]
     if opts.workers <= 1 or len(jobs) <= 1:
         for j in jobs:
             scan = _scan_one(j)
@@ -191,12 +227,12 @@ def _check_boundaries(scans: list[ShardScan], directory: str) -> None:
     for a, b in itertools.pairwise(scans):
         if tail(a) is not None and tail(a) == head(b):
             raise DamagedShardError(
-                f"{os.path.join(directory, b.name)}: sample {head(b)!r} continues from {a.name} (its members are "
+                f"{join(directory, b.name)}: sample {head(b)!r} continues from {a.name} (its members are "
                 "split across the shard boundary); rewrite the shards so each sample is inside one tar "
                 "(webdataset's ShardWriter never splits one; `tar`/`split` by size can)")
     for s in scans:
         for _, key, fields in s.edges:
-            raise DamagedShardError(f"{os.path.join(directory, s.name)}: sample {key!r} has no image member "
+            raise DamagedShardError(f"{join(directory, s.name)}: sample {key!r} has no image member "
                                      f"(fields: {fields}); pass --image-key FIELD (e.g. jpg or 'jpg;png')")
 
 

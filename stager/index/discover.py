@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Mapping
+from typing import Any
 
 from stager.errors import SourceNotFoundError, UsageError
 from stager.formats.record import masked_crc
+from stager.fs.open import is_url, join
+from stager.index import remote
 from stager.index.options import KINDS, SUFFIXES
 from stager.manifest import MANIFEST_NAME, check_safe_name
 
@@ -22,11 +26,15 @@ def kind_of_name(name: str) -> str | None:
     return None
 
 
-def sniff(path: str) -> str | None:
-    """The input kind of a file from its first bytes: ustar magic, ``PAR1``, or a valid TFRecord header."""
+def sniff(path: str, storage_options: Mapping[str, Any] | None = None) -> str | None:
+    """The input kind of a file or object from its first bytes: ustar magic, ``PAR1``, or a valid
+    TFRecord header."""
     try:
-        with open(path, "rb") as f:
-            head = f.read(512)
+        if is_url(path):
+            head = remote.head(path, storage_options)
+        else:
+            with open(path, "rb") as f:
+                head = f.read(512)
     except OSError:
         return None
     if head[:4] == b"PAR1":
@@ -38,14 +46,18 @@ def sniff(path: str) -> str | None:
     return None
 
 
-def discover(src: str, fmt: str) -> tuple[str, list[str], str]:
-    """``(directory, shard file names sorted, kind)`` for SRC (a directory of shards or one shard file).
+def discover(src: str, fmt: str, storage_options: Mapping[str, Any] | None = None) -> tuple[str, list[str], str]:
+    """``(directory, shard file names sorted, kind)`` for SRC (a directory of shards or one shard file;
+    or a URL prefix of shard objects or one object: then ``directory`` is the prefix URL).
 
     ``fmt`` ``auto`` takes each file's kind from its suffix (``.tar``, ``.tfrecord``/``.tfrecords``/
     ``.record``, ``.parquet``), else from its first bytes (TensorFlow's ``train-00000-of-01024`` has no
     suffix); all shards must be of one kind. Names must be plain file names (the manifest's rule).
     """
-    if os.path.isfile(src):
+    if is_url(src):
+        directory, names = remote.list_objects(src, storage_options)
+        names = [n for n in names if n != MANIFEST_NAME and not n.lower().endswith(_IGNORED_SUFFIXES)]
+    elif os.path.isfile(src):
         directory, names = os.path.dirname(os.path.abspath(src)), [os.path.basename(src)]
     elif os.path.isdir(src):
         directory = os.path.abspath(src)
@@ -55,7 +67,7 @@ def discover(src: str, fmt: str) -> tuple[str, list[str], str]:
         raise SourceNotFoundError(f"{src}: no such file or directory; give a directory of shards")
     kinds: dict[str, list[str]] = {}
     for n in names:
-        k = fmt if fmt != "auto" else (kind_of_name(n) or sniff(os.path.join(directory, n)))
+        k = fmt if fmt != "auto" else (kind_of_name(n) or sniff(join(directory, n), storage_options))
         if k is not None:
             kinds.setdefault(k, []).append(n)
     if not kinds:

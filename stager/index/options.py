@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from stager.checksum import ALGOS, DEFAULT_ALGO
 from stager.errors import UsageError
@@ -29,7 +30,8 @@ class IndexOptions:
     names; parquet column names); None takes the kind's default. ``label_offset`` is added to every
     integer label (``-1`` for TensorFlow's 1-based ImageNet labels). ``label_key="none"`` indexes
     unlabeled data. ``dali_index``: write DALI's ``<file>.idx`` for TFRecord files (beside the file,
-    or into OUT when the source is read-only or ``out`` is given).
+    or into OUT when the source is read-only or ``out`` is given). ``storage_options`` open a URL SRC
+    (fsspec's options of its backend; not part of what a scan depends on).
     """
 
     format: str = "auto"
@@ -40,6 +42,7 @@ class IndexOptions:
     hash_algo: str = DEFAULT_ALGO
     dali_index: bool = True
     overwrite: bool = False
+    storage_options: dict[str, Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.format not in ("auto", *KINDS):
