@@ -146,6 +146,21 @@ def test_the_cli_starts_without_numpy_or_torch() -> None:
     assert out.stdout.strip() == "[]", out.stdout
 
 
+def test_importing_pack_stage_or_decode_loads_no_image_library() -> None:
+    """``stager pack``/``stage`` import ``stager.decode`` (JPEG header checks) but decode nothing until a
+    decoder is first used: OpenCV and Pillow (~25 ms) stay unloaded; the default decoder still works."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import stager.decode, stager.pack, stager.stage, stager.pack.sources.checks; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('cv2', 'PIL', 'simplejpeg')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]", out.stdout
+    code = "import stager.decode as d; print(d.backend())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() in ("simplejpeg+cv2", "simplejpeg+pil", "pil"), out.stdout
+
+
 def test_no_function_is_longer_than_100_lines() -> None:
     """Long orchestrators read as named phases (ruff's PLR0915/PLR0912 bound statements and branches;
     this bounds the lines, docstrings included)."""

@@ -16,7 +16,7 @@ Backends (registry ``BACKENDS``): ``"fast"`` (simplejpeg/libjpeg-turbo with DCT 
 truncation, cv2 resize), ``"fast-approx"`` (the same with fast IDCT/upsampling) and ``"pil"``
 (Pillow, step for step torchvision's PIL transforms). The default is the first importable of
 ``fast``, ``pil``; override with ``STAGER_DECODE_BACKEND=pil``
-(read at import), :func:`set_backend`, or the ``decoder=`` argument of each function
+(read when the default decoder is first used), :func:`set_backend`, or the ``decoder=`` argument of each function
 (:func:`get_decoder` builds one). See docs/decoding.md for the measurements behind the choice.
 """
 
@@ -29,7 +29,6 @@ import numpy as np
 
 from stager.decode.base import Decoder, Probe
 from stager.decode.crop import check_crop_args, default_resize, random_resized_crop_box
-from stager.decode.pil_backend import PilDecoder
 from stager.errors import UsageError
 
 __all__ = [
@@ -44,6 +43,12 @@ __all__ = [
     "image_size",
     "set_backend",
 ]
+
+
+def _pil() -> Decoder:
+    from stager.decode.pil_backend import PilDecoder  # noqa: PLC0415 (Pillow only when a decoder is built)
+
+    return PilDecoder()
 
 
 def _fast() -> Decoder:
@@ -61,7 +66,7 @@ def _fast_approx() -> Decoder:
 # name -> factory; factories raise ImportError when their library is missing. "fast-approx" adds
 # libjpeg-turbo's IFAST IDCT and fast upsampling: measured 0-12% faster, twice the deviation from
 # the reference path, so it is opt-in (docs/decoding.md).
-BACKENDS: dict[str, Callable[[], Decoder]] = {"fast": _fast, "fast-approx": _fast_approx, "pil": PilDecoder}
+BACKENDS: dict[str, Callable[[], Decoder]] = {"fast": _fast, "fast-approx": _fast_approx, "pil": _pil}
 _PREFERENCE = ("fast", "pil")
 ENV_VAR = "STAGER_DECODE_BACKEND"
 
@@ -87,24 +92,32 @@ def get_decoder(name: str = "auto") -> Decoder:
 
 
 class _Default:
-    """Holder of the process-wide default decoder (a module global rebound by set_backend)."""
+    """Holder of the process-wide default decoder (rebound by set_backend). Built on first use, not
+    at import: importing ``stager.decode`` (``pack`` does, for the JPEG header checks) must not load
+    OpenCV and Pillow (~25 ms of every ``stager pack``)."""
 
-    decoder: Decoder = get_decoder(os.environ.get(ENV_VAR, "auto") or "auto")
+    _decoder: Decoder | None = None
+
+    @classmethod
+    def get(cls) -> Decoder:
+        if cls._decoder is None:
+            cls._decoder = get_decoder(os.environ.get(ENV_VAR, "auto") or "auto")
+        return cls._decoder
 
 
 def set_backend(name: str) -> str:
     """Switch the process-wide default decoder; returns its :func:`backend` name.
 
     Loader worker processes started with ``fork`` inherit it; with ``spawn`` set the environment
-    variable instead, which every process reads at import.
+    variable instead, which every process reads when it first decodes.
     """
-    _Default.decoder = get_decoder(name)
-    return _Default.decoder.name
+    _Default._decoder = get_decoder(name)
+    return _Default._decoder.name
 
 
 def backend() -> str:
     """Name of the default decoder: ``"simplejpeg+cv2"``, ``"simplejpeg+pil"`` or ``"pil"``."""
-    return _Default.decoder.name
+    return _Default.get().name
 
 
 def _as_bytes(data: bytes | bytearray | memoryview) -> bytes:
@@ -113,12 +126,12 @@ def _as_bytes(data: bytes | bytearray | memoryview) -> bytes:
 
 def decode_rgb(data: bytes, *, decoder: Decoder | None = None) -> np.ndarray:
     """Decode the whole image to a C-contiguous ``(H, W, 3)`` uint8 RGB array."""
-    return (decoder or _Default.decoder).decode_rgb(_as_bytes(data))
+    return (decoder or _Default.get()).decode_rgb(_as_bytes(data))
 
 
 def image_size(data: bytes, *, decoder: Decoder | None = None) -> tuple[int, int]:
     """``(height, width)`` from the header without decoding; refuses decompression bombs."""
-    p = (decoder or _Default.decoder).probe(_as_bytes(data))
+    p = (decoder or _Default.get()).probe(_as_bytes(data))
     return p.height, p.width
 
 
@@ -139,7 +152,7 @@ def decode_random_resized_crop(  # noqa: PLR0917 (positional signature fixed by 
     uint8, C-contiguous.
     """
     check_crop_args(size, scale, ratio)
-    dec = decoder or _Default.decoder
+    dec = decoder or _Default.get()
     data = _as_bytes(data)
     probe = dec.probe(data)
     box = random_resized_crop_box(probe.height, probe.width, rng, scale, ratio)
@@ -157,6 +170,6 @@ def decode_center_crop(
     resize = default_resize(int(size)) if resize is None else resize
     if int(resize) != resize or resize < size:
         raise UsageError(f"resize must be an integer >= size ({size}), got {resize!r}")
-    dec = decoder or _Default.decoder
+    dec = decoder or _Default.get()
     data = _as_bytes(data)
     return dec.center_crop(data, dec.probe(data), int(size), int(resize))
