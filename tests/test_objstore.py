@@ -266,26 +266,36 @@ def test_stage_gives_up_with_exit_5_and_publishes_nothing(local_pack: Path, *, m
 def test_collective_stage_from_s3_with_faults(local_pack: Path, *, moto: MotoServer, bucket: str, s3env: dict,
                                               proxy: FaultProxy, tmp_path: Path) -> None:
     """Two nodes read disjoint shares of the bucket (through cuts and 503s) and end byte-identical."""
-    from tests.test_collective import _finish, _free_port
 
     url = f"s3://{bucket}/ds"
     _upload(moto, local_pack, url)
     proxy.inject("cut", 2, after=700, path="shard-")
     proxy.inject("status", 2, status=503, path="shard-")
+    _collective_on_two_nodes(url, tmp_path, local_pack, {},
+                             ["--storage-option", f"client_kwargs.endpoint_url={proxy.url}"])
+    assert proxy.stats.faults == 4
+
+
+def _collective_on_two_nodes(url: str, tmp_path: Path, local_pack: Path, env_extra: dict[str, str],
+                             args: list[str]) -> None:
+    """``stager stage URL --collective`` as 2 local nodes into ``tmp_path/dest{0,1}``: both succeed
+    collectively and hold the pack's shards byte for byte, nothing partial left."""
+    from tests.test_collective import _finish, _free_port
+
     port = _free_port()
     procs = []
     for i in range(2):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC"))}
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(i), WORLD_SIZE="2", LOCAL_WORLD_SIZE="1")
+        env.update(env_extra, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(i), WORLD_SIZE="2",
+                   LOCAL_WORLD_SIZE="1")
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "stager", "stage", url, str(tmp_path / f"dest{i}"), "--collective", "--json",
-             "--chunk-size", "16384", "--timeout", "60", "--storage-option", f"client_kwargs.endpoint_url={proxy.url}"],
+             "--chunk-size", "16384", "--timeout", "120", *args],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     m = load_manifest(local_pack)
     for rc, res, err in _finish(procs):
         assert rc == 0, err
         assert res["collective"] and res["fallback"] is None
-    assert proxy.stats.faults == 4
     for i in range(2):
         _same_files(tmp_path / f"dest{i}", local_pack, [s.name for s in m.shards])
         _no_partials(tmp_path / f"dest{i}")
@@ -424,31 +434,15 @@ def test_collective_and_partition_stage_over_http_with_cuts(local_pack: Path, ht
                                                            tmp_path: Path) -> None:
     """stager[http] serves collective staging too: two nodes read disjoint shares over HTTP (through cuts
     and a 500) and end byte-identical; a --partition stage holds exactly its node's share."""
-    from tests.test_collective import _finish, _free_port
 
     proxy = FaultProxy(http_pack.url)
     try:
         url = f"{proxy.url}/{local_pack.name}"
         proxy.inject("cut", 2, after=700, path="shard-")
         proxy.inject("status", 1, status=500, path="shard-")
-        port = _free_port()
-        procs = []
-        for i in range(2):
-            env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC"))}
-            env.update(FAST_RETRIES, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(i), WORLD_SIZE="2",
-                       LOCAL_WORLD_SIZE="1")
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "stager", "stage", url, str(tmp_path / f"dest{i}"), "--collective", "--json",
-                 "--chunk-size", "16384", "--timeout", "120"],
-                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        m = load_manifest(local_pack)
-        for rc, res, err in _finish(procs):
-            assert rc == 0, err
-            assert res["collective"] and res["fallback"] is None
+        _collective_on_two_nodes(url, tmp_path, local_pack, FAST_RETRIES, [])
         assert proxy.stats.faults == 3
-        for i in range(2):
-            _same_files(tmp_path / f"dest{i}", local_pack, [s.name for s in m.shards])
-            _no_partials(tmp_path / f"dest{i}")
+        m = load_manifest(local_pack)
 
         r = _cli(["stage", url, str(tmp_path / "part1"), "--partition", "--node", "1", "--num-nodes", "2",
                   "-q", "--json"], FAST_RETRIES)

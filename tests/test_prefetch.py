@@ -19,7 +19,7 @@ import pytest
 from stager.loader import LoaderOptions, ShardedDataset, make_loader
 from stager.manifest import load_manifest
 from stager.pack import pack
-from stager.prefetch.prefetcher import Prefetcher, prepare_dest, rank_reads, read_progress, report_progress
+from stager.prefetch import Prefetcher, prepare_dest, rank_reads, read_progress, report_progress
 
 LOADER_KW = {"batch_size": 2, "world_size": 2, "num_workers": 0, "seed": 5, "decode": "raw", "shuffle_buffer": 2}
 
@@ -27,7 +27,7 @@ NODE = r'''
 import json, sys
 import numpy as np
 from stager.loader import make_loader
-from stager.prefetch.prefetcher import Prefetcher
+from stager.prefetch import Prefetcher
 
 src, dest, rank, budget, ahead = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
 kw = json.loads(sys.argv[6])
@@ -237,7 +237,7 @@ def test_two_node_training_run_reads_each_sample_once(packed: Path, tmp_path: Pa
 TRAINER = r'''
 import json, os, sys, time
 from stager.loader import make_loader
-from stager.prefetch.prefetcher import ProgressReporter, prepare_dest
+from stager.prefetch import ProgressReporter, prepare_dest
 
 src, dest, rank, kw, gate = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4]), sys.argv[5]
 prepare_dest(src, dest)  # idempotent and safe beside the follower (it may not have started yet)
@@ -374,7 +374,7 @@ def test_follow_beside_two_training_processes(packed: Path, tmp_path: Path, with
 GATED_TRAINER = r'''
 import json, os, sys, time
 from stager.loader import make_loader
-from stager.prefetch.prefetcher import ProgressReporter, prepare_dest
+from stager.prefetch import ProgressReporter, prepare_dest
 
 src, dest, rank, kw, gates = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4]), sys.argv[5]
 prepare_dest(src, dest)
@@ -507,8 +507,8 @@ def test_follow_sigterm_mid_fetch_leaves_no_partial(packed: Path, tmp_path: Path
 def test_follow_stop_conditions_and_one_follower_per_dest(packed: Path, tmp_path: Path) -> None:
     """In-process follow(): done marker, a rank that dies without finishing, a watched pid, the lock."""
     from stager.errors import StagerTimeoutError
+    from stager.prefetch import mark_done
     from stager.prefetch.follow import follow
-    from stager.prefetch.prefetcher import mark_done
 
     m = load_manifest(packed)
     kw = {k: v for k, v in LOADER_KW.items() if k != "decode"}
@@ -569,8 +569,8 @@ def test_follow_stop_conditions_and_one_follower_per_dest(packed: Path, tmp_path
 
 def test_follow_replans_when_the_ranks_report_other_loader_arguments(packed: Path, tmp_path: Path) -> None:
     """Command-line loader flags that differ from the ranks' loader: the ranks' arguments win."""
+    from stager.prefetch import ProgressReporter
     from stager.prefetch.follow import follow
-    from stager.prefetch.prefetcher import ProgressReporter
 
     m = load_manifest(packed)
     dest = tmp_path / "d"
@@ -660,7 +660,7 @@ def test_follow_stops_when_its_parent_is_gone(packed: Path, tmp_path: Path) -> N
 
 
 def test_progress_reporter_iterate_follows_the_loaders_epochs_and_resume(packed: Path, tmp_path: Path) -> None:
-    from stager.prefetch.prefetcher import ProgressReporter, read_reports
+    from stager.prefetch import ProgressReporter, read_reports
 
     dest = tmp_path / "d"
     prepare_dest(packed, dest)

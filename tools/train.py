@@ -198,7 +198,7 @@ class Trainer:
         else:
             holdout = 0.0 if args.val else args.holdout
             if args.follow_src:
-                from stager.prefetch.prefetcher import prepare_dest
+                from stager.prefetch import prepare_dest
 
                 # Every rank: idempotent and atomic, and safe beside a follower that started earlier.
                 prepare_dest(args.follow_src, args.data)
@@ -496,7 +496,7 @@ class Trainer:
         wall0 = time.perf_counter()
         finished = True
         if a.follow_src and isinstance(self.train_source, StagerSource) and not a.eval_only:
-            from stager.prefetch.prefetcher import ProgressReporter
+            from stager.prefetch import ProgressReporter
 
             self.progress = ProgressReporter(a.data, self.train_source.loader, rank=info.rank)
             self.progress.update(self.epoch, self.step_in_epoch * a.accum_steps)  # a resumed position

@@ -7,22 +7,24 @@ Modules: :mod:`.prefetcher` (``Prefetcher``: Belady's MIN over the loader's own 
 """
 
 from stager.prefetch.prefetcher import (
-    DONE_MARKER,
     NEVER,
-    PROGRESS_DIR,
     EpochReads,
     Prefetcher,
     PrefetchStats,
-    ProgressReporter,
     Read,
+    prepare_dest,
+    rank_reads,
+    remove_fetch_partials,
+)
+from stager.prefetch.reports import (
+    DONE_MARKER,
+    PROGRESS_DIR,
+    ProgressReporter,
     loader_config,
     loader_read_ahead,
     mark_done,
-    prepare_dest,
-    rank_reads,
     read_progress,
     read_reports,
-    remove_fetch_partials,
     report_progress,
 )
 

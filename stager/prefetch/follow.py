@@ -52,15 +52,8 @@ from typing import Any
 
 from stager.errors import UsageError
 from stager.fs.lock import NodeLock, pid_alive
-from stager.prefetch.prefetcher import (
-    DONE_MARKER,
-    PROGRESS_DIR,
-    Prefetcher,
-    PrefetchStats,
-    prepare_dest,
-    read_reports,
-    remove_fetch_partials,
-)
+from stager.prefetch.prefetcher import Prefetcher, PrefetchStats, prepare_dest, remove_fetch_partials
+from stager.prefetch.reports import DONE_MARKER, PROGRESS_DIR, read_reports
 
 LOCK_NAME = ".stager-follow.lock"
 STATUS_NAME = "follower.json"

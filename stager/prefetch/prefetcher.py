@@ -54,15 +54,7 @@ from stager.fs.atomic import atomic_write_bytes, fsync_dir, partial_path, remove
 from stager.manifest import MANIFEST_NAME, Manifest, bytes_for_copy, load_manifest, manifest_path, shard_root
 from stager.order.reads import MAX_OPEN_FILES, ReadSchedule
 from stager.prefetch.reports import (
-    DONE_MARKER,
-    PROGRESS_DIR,
-    ProgressReporter,
     loader_config,
-    loader_read_ahead,
-    mark_done,
-    read_progress,
-    read_reports,
-    report_progress,
 )
 from stager.stage.collective.io import IoCounters, ShareReader, StreamSink, copy_share
 from stager.stage.collective.plan import StreamLayout, files_of_shards
@@ -71,25 +63,8 @@ if TYPE_CHECKING:
     from stager.loader import ShardedDataset
     from stager.loader.access import Resolved
 
-__all__ = [
-    "DONE_MARKER",
-    "NEVER",
-    "PROGRESS_DIR",
-    "EpochReads",
-    "PrefetchStats",
-    "Prefetcher",
-    "ProgressReporter",
-    "Read",
-    "loader_config",
-    "loader_read_ahead",
-    "mark_done",
-    "prepare_dest",
-    "rank_reads",
-    "read_progress",
-    "read_reports",
-    "remove_fetch_partials",
-    "report_progress",
-]
+__all__ = ["NEVER", "EpochReads", "PrefetchStats", "Prefetcher", "Read", "prepare_dest", "rank_reads",
+           "remove_fetch_partials"]
 
 
 @dataclass(frozen=True)
