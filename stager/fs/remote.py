@@ -141,19 +141,27 @@ def _fetch_into(fs: Any, path: str, span: tuple[int, int], sink: _Sink, timeout:
 
 
 async def _read_pieces(read: Any, sink: _Sink, timeout: float | None) -> None:
-    """``read(n)`` until the body ends, adding each piece to ``sink``; a piece that takes more than
-    ``timeout`` seconds raises TimeoutError (a stall)."""
+    """``await read()`` until the body ends (``b""``), adding each piece to ``sink``; a piece that takes
+    more than ``timeout`` seconds raises TimeoutError (a stall)."""
     import asyncio  # noqa: PLC0415 (only for streamed URL reads: ~20 ms the CLI's start-up never needs)
 
     if timeout is None or not hasattr(asyncio, "timeout_at"):  # Python 3.10: a task per piece
-        while piece := await asyncio.wait_for(read(STREAM_PIECE), timeout):
+        while piece := await asyncio.wait_for(read(), timeout):
             sink.add(piece)
         return
     loop = asyncio.get_running_loop()
     async with asyncio.timeout_at(loop.time() + timeout) as deadline:  # one deadline, moved on at each piece
-        while piece := await read(STREAM_PIECE):
+        while piece := await read():
             sink.add(piece)
             deadline.reschedule(loop.time() + timeout)
+
+
+def _pieces_of(content: Any, fallback: Any) -> Any:
+    """The reader of a response body's pieces as they arrived: aiohttp's ``readany`` hands over each
+    received chunk as it is (``read(n)`` joins chunks into a new ``n``-byte object first: a copy, and a
+    fresh allocation the kernel must fault in, per MiB), else ``fallback``."""
+    readany = getattr(content, "readany", None)
+    return readany if readany is not None else fallback
 
 
 async def _s3_stream(fs: Any, path: str, span: tuple[int, int], sink: _Sink, timeout: float | None) -> None:
@@ -165,7 +173,8 @@ async def _s3_stream(fs: Any, path: str, span: tuple[int, int], sink: _Sink, tim
     resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", **kw, **fs.req_kw)
     body = resp["Body"]
     try:
-        await _read_pieces(body.read, sink, timeout)
+        content = getattr(getattr(body, "_raw_stream", None), "content", None)  # aiobotocore's aiohttp response
+        await _read_pieces(_pieces_of(content, lambda: body.read(STREAM_PIECE)), sink, timeout)
     finally:
         body.close()
 
@@ -183,7 +192,7 @@ async def _http_stream(fs: Any, url: str, span: tuple[int, int], sink: _Sink, ti
         if r.status == 200 and (r.content_length or 0) > end - start:
             sink.overflow = True  # the whole object came back: reported by read_range_into
             return
-        await _read_pieces(r.content.read, sink, timeout)
+        await _read_pieces(_pieces_of(r.content, lambda: r.content.read(STREAM_PIECE)), sink, timeout)
 
 
 class RemoteFile:
