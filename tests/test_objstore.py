@@ -453,6 +453,21 @@ def test_collective_and_partition_stage_over_http_with_cuts(local_pack: Path, ht
         proxy.stop()
 
 
+def _plain_http_server(directory: Path) -> tuple[subprocess.Popen[str], str]:
+    """Python's http.server on ``directory`` (directory listings, no Range support): ``(process, base URL)``."""
+    handler = f"""
+import functools, http.server, sys
+h = functools.partial(http.server.SimpleHTTPRequestHandler, directory={str(directory)!r})
+s = http.server.ThreadingHTTPServer(("127.0.0.1", 0), h)
+print(s.server_address[1], flush=True)
+s.serve_forever()
+"""
+    srv = subprocess.Popen([sys.executable, "-c", handler], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                           text=True)
+    assert srv.stdout is not None
+    return srv, f"http://127.0.0.1:{int(srv.stdout.readline())}"
+
+
 def test_http_server_without_range_support(local_pack: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """python's http.server ignores Range: whole objects still stage (a range from 0 to the end is the
     whole body), but the loader's sample reads are refused with one line naming the URL, not misread."""
@@ -461,18 +476,9 @@ def test_http_server_without_range_support(local_pack: Path, tmp_path: Path, mon
 
     for k, v in FAST_RETRIES.items():
         monkeypatch.setenv(k, v)
-    handler = f"""
-import functools, http.server, sys
-h = functools.partial(http.server.SimpleHTTPRequestHandler, directory={str(local_pack.parent)!r})
-s = http.server.ThreadingHTTPServer(("127.0.0.1", 0), h)
-print(s.server_address[1], flush=True)
-s.serve_forever()
-"""
-    srv = subprocess.Popen([sys.executable, "-c", handler], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                           text=True)
+    srv, base = _plain_http_server(local_pack.parent)
     try:
-        assert srv.stdout is not None
-        url = f"http://127.0.0.1:{int(srv.stdout.readline())}/{local_pack.name}"
+        url = f"{base}/{local_pack.name}"
         r = _cli(["stage", url, str(tmp_path / "d"), "-q"], FAST_RETRIES)
         assert r.returncode == 0, r.stderr
         assert verify(tmp_path / "d").ok
@@ -483,6 +489,37 @@ s.serve_forever()
     finally:
         srv.kill()
         srv.wait()
+
+
+def test_index_over_http_a_listed_directory_and_one_object(tmp_path: Path) -> None:
+    """``stager index https://...``: a web server's directory listing names the shards (fsspec reads
+    its links; no ETags there, so resume trusts sizes and verify the hashes); one object's URL works
+    on any Range server. The staged copy holds every sample once with its label."""
+    from tests.test_index import read_all, write_wds
+
+    truth = write_wds(tmp_path / "wds")
+    srv, base = _plain_http_server(tmp_path)
+    try:
+        r = _cli(["index", f"{base}/wds/", "--out", str(tmp_path / "idx"), "--json", "-q"], FAST_RETRIES)
+        assert r.returncode == 0, r.stderr
+        res = json.loads(r.stdout)
+        assert (res["kind"], res["shards"], res["samples"], res["shard_root"]) == ("tar", 3, 23, f"{base}/wds")
+        assert verify(tmp_path / "idx").ok
+        assert stage(tmp_path / "idx", tmp_path / "dest").files_copied == 3
+        assert read_all(tmp_path / "dest") == truth
+    finally:
+        srv.kill()
+        srv.wait()
+    one = RangeHTTPServer(tmp_path / "wds")
+    try:
+        r = _cli(["index", f"{one.url}/train-000001.tar", "--out", str(tmp_path / "one"), "--json", "-q"],
+                 FAST_RETRIES)
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["samples"] == 8
+        got = read_all(tmp_path / "one", staged=False)
+        assert len(got) == 8 and all(truth[k] == v for k, v in got.items())
+    finally:
+        one.stop()
 
 
 # ---- Azure Blob (azurite) ---------------------------------------------------------------------------------

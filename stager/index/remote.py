@@ -16,7 +16,7 @@ import zlib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from stager.errors import SourceNotFoundError, UsageError
+from stager.errors import SourceNotFoundError
 from stager.fs.atomic import space_error
 from stager.fs.open import filesystem, open_read
 from stager.fs.remote import list_names, object_info, read_range
@@ -50,17 +50,19 @@ def head(url: str, storage_options: Mapping[str, Any] | None, n: int = 512) -> b
 
 def stamp(url: str, storage_options: Mapping[str, Any] | None) -> tuple[int, int]:
     """``(size, identity stamp)`` of the object at ``url``: the stamp changes when the object is
-    replaced (a crc of its ETag and modification time), and stands where a file's mtime does."""
+    replaced (a crc of its ETag and modification time), and stands where a file's mtime does.
+
+    A server that reports neither (a plain web server without ETags: fsspec's HTTP info carries only
+    the size) gets stamp 0: a resumed run then trusts an unchanged size, and an object replaced by one
+    of the same size is still caught by ``verify``, which hashes every byte against the manifest.
+    """
     fs, path = filesystem(url, storage_options)
     try:
         info = object_info(fs, path, url)
     except FileNotFoundError as exc:
         raise SourceNotFoundError(f"{url}: no such object") from exc
     ident = "|".join(str(info.get(k, "")) for k in ("ETag", "etag", "LastModified", "last_modified", "mtime"))
-    if not ident.strip("|"):
-        raise UsageError(f"{url}: the store reports neither an ETag nor a modification time; cannot tell a "
-                         "replaced object from the indexed one")
-    return int(info["size"]), zlib.crc32(ident.encode())
+    return int(info["size"]), (zlib.crc32(ident.encode()) if ident.strip("|") else 0)
 
 
 @contextlib.contextmanager
