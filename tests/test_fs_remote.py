@@ -138,3 +138,14 @@ def test_the_cli_parser_does_not_load_the_url_opener() -> None:
             "'asyncio', 'random')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "nan"])
+def test_a_bad_retry_setting_is_a_usage_error_not_the_default(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from stager.errors import UsageError
+
+    monkeypatch.setenv("STAGER_RETRIES", value)
+    with pytest.raises(UsageError, match=f"STAGER_RETRIES={value!r}"):
+        RetryPolicy.from_env()
+    monkeypatch.setenv("STAGER_RETRIES", "")
+    assert RetryPolicy.from_env().attempts == RetryPolicy.attempts

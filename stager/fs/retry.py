@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
-from stager.errors import RemoteAccessError, RemotePermissionError, RemoteUnavailableError, StagerError
+from stager.errors import RemoteAccessError, RemotePermissionError, RemoteUnavailableError, StagerError, UsageError
 
 T = TypeVar("T")
 
@@ -99,10 +99,18 @@ def is_transient(exc: BaseException) -> bool:
 
 
 def _env_float(name: str, default: float) -> float:
-    try:
-        return float(os.environ.get(name) or default)
-    except ValueError:
+    """``$name`` as a non-negative number, ``default`` when unset or empty; anything else is a one-line
+    usage error (a typo in a job script must not silently mean the default)."""
+    text = os.environ.get(name)
+    if not text:
         return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # also NaN
+        raise UsageError(f"{name}={text!r}: expected a non-negative number (see docs/staging.md, \"Object storage\")")
+    return value
 
 
 @dataclass(frozen=True)
