@@ -66,13 +66,14 @@ def stamp(url: str, storage_options: Mapping[str, Any] | None) -> tuple[int, int
 
 
 @contextlib.contextmanager
-def local_copy(url: str, spool_dir: str, storage_options: Mapping[str, Any] | None) -> Iterator[str]:
-    """A temporary local copy of the object at ``url`` in ``spool_dir``, removed on exit (also on error)."""
+def local_copy(url: str, spool_dir: str, storage_options: Mapping[str, Any] | None, size: int) -> Iterator[str]:
+    """A temporary local copy of the ``size``-byte object at ``url`` in ``spool_dir``, removed on exit
+    (also on error). ``size`` comes from the caller's :func:`stamp` (no second HEAD)."""
     name = url.rstrip("/").rsplit("/", 1)[-1]
     tmp = os.path.join(spool_dir, f"{name}.{uuid.uuid4().hex[:12]}{PARTIAL_SUFFIX}")
     try:
         try:
-            with open_read(url, storage_options) as src, open(tmp, "wb") as out:
+            with open_read(url, storage_options, size=size) as src, open(tmp, "wb") as out:
                 buf = memoryview(bytearray(COPY_BLOCK))
                 while n := src.readinto(buf):
                     out.write(buf[:n])
