@@ -97,7 +97,7 @@ class AzuriteServer:
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         assert self.proc.stdout is not None
         self.port = 0
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 180
         for line in self.proc.stdout:
             m = re.search(r"listens on http://127\.0\.0\.1:(\d+)", line)
             if m:
@@ -256,7 +256,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             return
         if fault is not None and fault.kind in ("reset", "stall") and fault.after == 0:
             if fault.kind == "stall":  # the request never reaches the upstream (an upload that hangs)
-                self.proxy.released.wait(fault.stall)
+                self.proxy.wait_released(fault.stall)
             self._reset()
             return
         headers = {k: v for k, v in self.headers.items() if k.lower() not in ("transfer-encoding", "connection")}
@@ -284,7 +284,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         self.wfile.write(data[: fault.after])
         self.wfile.flush()
         if fault.kind == "stall":
-            self.proxy.released.wait(fault.stall)
+            self.proxy.wait_released(fault.stall)
         if fault.kind == "reset":
             self._reset()
         self.close_connection = True
@@ -339,7 +339,11 @@ class FaultProxy:
         self.url = f"http://127.0.0.1:{self.port}"
         self.faults: list[Fault] = []
         self.stats = ProxyStats()
-        self.released = threading.Event()
+        # Stalls end at their timeout or when clear() bumps the generation they started in (a
+        # counter, not an Event set and cleared: a stalled thread that runs late still sees it).
+        self._released = threading.Condition()
+        self._generation = 0
+        self._stopped = False
         self._lock = threading.Lock()
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
@@ -354,9 +358,18 @@ class FaultProxy:
         """Drop every fault not yet applied and end every stall."""
         with self._lock:
             self.faults.clear()
-        self.released.set()
-        time.sleep(0.05)
-        self.released.clear()
+        self._release_stalls()
+
+    def _release_stalls(self) -> None:
+        with self._released:
+            self._generation += 1
+            self._released.notify_all()
+
+    def wait_released(self, timeout: float) -> None:
+        """Block a stalled request for ``timeout`` seconds, or until :meth:`clear`/:meth:`stop`."""
+        with self._released:
+            start = self._generation
+            self._released.wait_for(lambda: self._stopped or self._generation != start, timeout)
 
     def take_fault(self, method: str, path: str) -> Fault | None:
         with self._lock:
@@ -370,6 +383,7 @@ class FaultProxy:
         return None
 
     def stop(self) -> None:
-        self.released.set()
+        self._stopped = True
+        self._release_stalls()
         self.server.shutdown()
         self.server.server_close()
