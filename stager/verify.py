@@ -16,6 +16,7 @@ file), checked and removed before the next, so local disk holds at most ``thread
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -31,7 +32,7 @@ from stager.checksum import hash_file, new_hasher
 from stager.errors import StagerError
 from stager.formats import get_format
 from stager.fs.open import filesystem, local_path_of
-from stager.fs.remote import RemoteFile
+from stager.fs.remote import RemoteFile, stream_to
 from stager.index import rescan_shard
 from stager.manifest import Manifest, ShardInfo, load_manifest, shard_root
 
@@ -154,27 +155,12 @@ def _check_remote(fs: Any, root: str, url: str, entry: tuple[str, int, str], alg
     if src.size != nbytes:
         return f"size {src.size} bytes, expected {nbytes}"
     h = new_hasher(algo)
-    total = 0
-    with src, (open(keep, "wb") if keep else _NoFile()) as out:
-        while chunk := src.read(REMOTE_BLOCK):
-            h.update(chunk)
-            out.write(chunk)
-            total += len(chunk)
+    with src, (open(keep, "wb") if keep else contextlib.nullcontext()) as out:
+        total = stream_to(src, out, h, REMOTE_BLOCK)
     if total != nbytes:
         return f"read {total} bytes, expected {nbytes}"
     got = h.hexdigest()
     return None if got == digest else f"{algo} checksum {got}, expected {digest}"
-
-
-class _NoFile:
-    def write(self, data: bytes) -> int:
-        return len(data)
-
-    def __enter__(self) -> _NoFile:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def _verify_remote(root_url: str, m: Manifest, storage_options: Mapping[str, Any] | None, *, deep: bool,

@@ -251,6 +251,22 @@ class RemoteFile:
         self.close()
 
 
+def stream_to(src: Any, out: Any | None, hasher: Any | None = None, block: int = DEFAULT_PART) -> int:
+    """Read ``src`` (a :class:`RemoteFile` or any file with ``readinto``) to its end in ``block``-byte
+    ranged reads into one reused buffer, writing each block to ``out`` (a binary file, or None) and
+    feeding ``hasher`` (or None); returns the bytes read."""
+    buf = memoryview(bytearray(block))
+    total = 0
+    while n := src.readinto(buf):
+        piece = buf[:n]
+        if hasher is not None:
+            hasher.update(piece)
+        if out is not None:
+            out.write(piece)
+        total += n
+    return total
+
+
 def _temp_name(path: str) -> str:
     return f"{path}.{uuid.uuid4().hex[:12]}.partial"
 

@@ -19,9 +19,8 @@ from typing import Any
 from stager.errors import SourceNotFoundError
 from stager.fs.atomic import space_error
 from stager.fs.open import filesystem, open_read
-from stager.fs.remote import list_names, object_info, read_range
+from stager.fs.remote import list_names, object_info, read_range, stream_to
 
-COPY_BLOCK = 8 << 20  # bytes per ranged GET while copying an object down
 PARTIAL_SUFFIX = ".download.partial"  # objects being copied down (state directory; stale ones removed)
 
 
@@ -74,9 +73,7 @@ def local_copy(url: str, spool_dir: str, storage_options: Mapping[str, Any] | No
     try:
         try:
             with open_read(url, storage_options, size=size) as src, open(tmp, "wb") as out:
-                buf = memoryview(bytearray(COPY_BLOCK))
-                while n := src.readinto(buf):
-                    out.write(buf[:n])
+                stream_to(src, out)
         except OSError as exc:
             raise (space_error(exc, tmp) or exc) from exc
         yield tmp
