@@ -12,10 +12,10 @@ from stager.formats.record import masked_crc
 from stager.fs.open import is_url, join
 from stager.index import remote
 from stager.index.options import KINDS, SUFFIXES
-from stager.manifest import MANIFEST_NAME, check_safe_name
+from stager.manifest import INDEX_SUFFIX, MANIFEST_NAME, check_safe_name
 
 STATE_DIR = ".stager-index"  # per-shard scan results of an unfinished run (resume)
-_IGNORED_SUFFIXES = (".idx", ".json", ".txt", ".md", ".partial", ".lock", ".csv")
+_IGNORED_SUFFIXES = (".idx", ".json", ".txt", ".md", ".partial", ".lock", ".csv", INDEX_SUFFIX)
 
 
 def kind_of_name(name: str) -> str | None:

@@ -34,6 +34,7 @@ from stager.loader.fetch import Fetcher, MappedFetcher, PreadFetcher
 from stager.loader.options import LoaderOptions
 from stager.loader.shm import WorkerRing
 from stager.loader.transforms import make_sample_fn
+from stager.manifest import Strings
 from stager.order import streams
 from stager.order.epoch import PlanConfig, RankPlan, WorkerPlan, batch_sizes, epoch_sequence, plan_rank, run_lengths
 from stager.order.epoch import samples_per_rank as equal_samples_per_rank
@@ -367,7 +368,7 @@ class ShardedDataset(IterableDataset):
         else:
             items, kept, skipped = self._decode_all(payloads, ids, j)
         batch: dict[str, Any] = {
-            "key": self._keys_array()[kept].tolist(),
+            "key": self._keys_at(kept),
             # Small arrays cross the worker queue pickled (a shared-memory segment per tiny
             # tensor costs more); the Loader turns them into tensors (finish_batch).
             "label": self.index.labels[kept],
@@ -410,12 +411,16 @@ class ShardedDataset(IterableDataset):
                 ) from exc
         return items, np.asarray(kept, dtype=np.int64), skipped
 
-    def _keys_array(self) -> np.ndarray:
-        """The keys as an object array, so a batch's keys are one fancy-indexing call."""
+    def _keys_at(self, ids: np.ndarray) -> list[str]:
+        """The keys of global ids ``ids``: decoded from the mapped index (``Strings.take``), or
+        through an object array built once for a listed folder's keys."""
+        keys = self.index.keys
+        if isinstance(keys, Strings):
+            return keys.take(ids.tolist())
         if self._keys is None:
-            self._keys = np.empty(len(self.index.keys), dtype=object)
-            self._keys[:] = self.index.keys
-        return self._keys
+            self._keys = np.empty(len(keys), dtype=object)
+            self._keys[:] = keys
+        return self._keys[ids].tolist()
 
 
 def _single_threaded_cv2() -> None:
