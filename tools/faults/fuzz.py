@@ -281,7 +281,7 @@ def trial_sample_index(data: bytes, tmp: Path) -> int:
     from stager.checksum import hash_bytes
     from stager.manifest import Manifest, _digest_of
 
-    base, name, _ = valid_manifest()
+    base, _, _ = valid_manifest()
     body = json.loads(base)
     h = hash_bytes(data)
     body["index"] = {"name": f"index-{h[:16]}.sidx", "bytes": len(data), "hash": h}
