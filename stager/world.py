@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -121,9 +122,10 @@ class World:
 
 
 def _from_torch() -> tuple[int, int] | None:
-    try:
-        import torch.distributed as dist  # noqa: PLC0415 (torch is imported only where a process group is used)
-    except ImportError:
+    """An initialised process group's (rank, size). torch is never imported for this: a process that
+    initialised a group has imported ``torch.distributed`` already (so the numpy loader stays torch-free)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None:
         return None
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
