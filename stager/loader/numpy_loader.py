@@ -21,6 +21,7 @@ Batches: ``key`` (list[str]), ``label`` and ``index`` (int64 arrays (B,)), and `
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import pickle
@@ -28,7 +29,7 @@ import queue
 import time
 import traceback
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 from stager.errors import UsageError
 from stager.loader.assemble import raw_views
@@ -41,15 +42,16 @@ _POLL_S = 1.0
 DEFAULT_START_METHOD = "spawn"
 
 
-def _put(q: Any, item: Any, parent: int) -> bool:
-    """Put ``item`` on a bounded queue; False when the main process is gone meanwhile."""
-    while True:
+def _put(q: Any, item: Any, parent: int, stop: Any) -> bool:
+    """Put ``item`` on a bounded queue; False when the loader is closing or the main process is gone."""
+    while not stop.is_set():
         try:
             q.put(item, timeout=_POLL_S)
             return True
         except queue.Full:
             if os.getppid() != parent:
                 return False
+    return False
 
 
 def _picklable(exc: BaseException) -> tuple[BaseException, str]:
@@ -62,8 +64,19 @@ def _picklable(exc: BaseException) -> tuple[BaseException, str]:
     return exc, text
 
 
-def worker_main(ds: RankDataset, worker: int, tasks: Any, results: Any, parent: int) -> None:
+class Channel(NamedTuple):
+    """A worker's ends: its task queue (epoch positions; None: exit), its bounded result queue, the
+    pool's stop event and the main process' pid."""
+
+    tasks: Any
+    results: Any
+    stop: Any
+    parent: int
+
+
+def worker_main(ds: RankDataset, worker: int, channel: Channel) -> None:
     """A worker process: for each epoch position received, put stream ``worker``'s batches, then ``end``."""
+    tasks, results, stop, parent = channel
     while True:
         try:
             position = tasks.get(timeout=_POLL_S)
@@ -76,13 +89,19 @@ def worker_main(ds: RankDataset, worker: int, tasks: Any, results: Any, parent: 
         ds.seek(position)
         try:
             for batch in ds.worker_batches(worker, in_worker=True):
-                if not _put(results, ("batch", batch), parent):
+                if not _put(results, ("batch", batch), parent, stop):
                     return
             msg: tuple[str, Any] = ("end", None)
         except Exception as exc:
             msg = ("error", _picklable(exc))
-        if not _put(results, msg, parent):
+        if not _put(results, msg, parent, stop):
             return
+
+
+def _drain(q: Any) -> None:
+    with contextlib.suppress(queue.Empty, OSError, EOFError):
+        while True:
+            q.get_nowait()
 
 
 class WorkerProcesses:
@@ -91,12 +110,13 @@ class WorkerProcesses:
 
     def __init__(self, ds: RankDataset, num_workers: int, context: Any, depth: int, timeout: float) -> None:
         self.timeout = timeout
+        self.stop = context.Event()  # set by close(): a worker mid-epoch stops putting batches
         self.tasks = [context.Queue() for _ in range(num_workers)]
         self.results = [context.Queue(maxsize=depth) for _ in range(num_workers)]
         self.procs = [
             context.Process(
                 target=worker_main,
-                args=(ds, k, self.tasks[k], self.results[k], os.getpid()),
+                args=(ds, k, Channel(self.tasks[k], self.results[k], self.stop, os.getpid())),
                 name=f"stager-numpy-worker-{k}",
                 daemon=True,
             )
@@ -139,10 +159,14 @@ class WorkerProcesses:
         if self.closed:
             return
         self.closed = True
+        self.stop.set()
         for q in self.tasks:
             q.put(None)
-        for p in self.procs:
-            p.join(timeout=5 * _POLL_S)
+        for p, results in zip(self.procs, self.results, strict=True):
+            deadline = time.monotonic() + 5 * _POLL_S
+            while p.is_alive() and time.monotonic() < deadline:
+                _drain(results)  # a worker blocked on a full queue gets to see the stop
+                p.join(timeout=0.05)
             if p.is_alive():
                 p.terminate()
                 p.join()
