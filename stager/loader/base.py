@@ -116,6 +116,11 @@ class LoaderBase:
         self._parent = None
         self.dataset.set_epoch(epoch)
 
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """The keys every batch has, in every decode mode (raw batches from workers add ``data``/``offsets``)."""
+        return ("image", "index", "key", "label")
+
     def __len__(self) -> int:
         return len(self.dataset)
 
