@@ -23,9 +23,9 @@ WORLD_SIZE=4 without RANK), which would otherwise make every rank read the whole
 ``world_size`` (without an explicit ``rank``) that differs from the launcher's is one too.
 
 :func:`resolve_node` (a node's place, for ``stager stage``, which runs once per node rather than
-once per rank): the ``--node/--num-nodes`` flags, then Slurm's node variables, then the launcher
-topology above (the node index is the launcher's, else ``rank // local size`` when every node runs
-as many ranks).
+once per rank): the ``--node/--num-nodes`` flags, then the topology above when its innermost
+launcher is not Slurm itself, then Slurm's node variables (the node index is the launcher's, else
+``rank // local size`` when every node runs as many ranks).
 """
 
 from __future__ import annotations
@@ -353,8 +353,9 @@ def resolve_node(
     ranks_per_node: int | None = None,
     env: Mapping[str, str] | None = None,
 ) -> NodeIdentity:
-    """Node identity: the flags (``node`` and ``num_nodes`` together), else Slurm (``SLURM_NODEID`` of
-    ``SLURM_NNODES``), else the launcher's topology (:func:`env_topology`: torchrun, Horovod, MPI).
+    """Node identity: the flags (``node`` and ``num_nodes`` together), else the launcher's topology
+    (:func:`env_topology`) when a launcher inside Slurm started this process (torchrun, Horovod, MPI),
+    else Slurm (``SLURM_NODEID`` of ``SLURM_NNODES``, also without a task rank), else one node.
     ``ranks_per_node``, when not given, comes from ``SLURM_NTASKS_PER_NODE``/``SLURM_TASKS_PER_NODE``
     (this node's entry), else ``LOCAL_WORLD_SIZE``, else the launcher's local size, else 1. Raises
     :class:`UsageError` for half-given flags, an index out of range, non-integer or contradictory
@@ -380,12 +381,16 @@ def resolve_node(
         if not 0 <= node < num_nodes:
             raise UsageError(f"--node {node} out of range for --num-nodes {num_nodes}")
         return NodeIdentity(node, num_nodes, ranks_on(node), "flags")
+    topo = env_topology(env)
     s_node, s_nodes = _int(env, "SLURM_NODEID"), _int(env, "SLURM_NNODES") or _int(env, "SLURM_JOB_NUM_NODES")
-    if s_node is not None and s_nodes is not None:
+    # Slurm's node variables count only when Slurm started this process (or agrees with the launcher
+    # that did): under `mpirun` in a batch script they are the batch step's or the MPI daemons' step's,
+    # e.g. SLURM_NODEID=0 of SLURM_NNODES=1 on every node but the first (seen on the test cluster).
+    inner = topo is not None and topo.source != "slurm"
+    if s_node is not None and s_nodes is not None and not inner:
         if not 0 <= s_node < s_nodes:
             raise UsageError(f"SLURM_NODEID={s_node} out of range for {s_nodes} nodes")
         return NodeIdentity(s_node, s_nodes, ranks_on(s_node), "slurm")
-    topo = env_topology(env)
     if topo is None:
         return NodeIdentity(0, 1, ranks_per_node or 1, "default")
     if topo.node is None or topo.num_nodes is None:

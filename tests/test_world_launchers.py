@@ -28,15 +28,20 @@ def _layout(nodes: int, per_node: int) -> list[tuple[int, int, int]]:
 
 
 def openmpi(rank: int, node: int, lr: int, nodes: int, per: int) -> Env:
-    # mpirun inside an sbatch script: Open MPI 4+ also sets PMIX_RANK. On one node the ranks inherit the
-    # batch step's Slurm variables (task 0 of all), on several the srun step of the node's daemon (task
-    # `node` of `nodes`): outer numbers that differ from the ranks' and must not win.
+    # mpirun inside an sbatch script, as seen on the test cluster (tests/cluster/test_cluster_mpi.py):
+    # Open MPI 4+ also sets PMIX_RANK; the first node's ranks inherit the batch step's Slurm variables
+    # (task 0 of all), the other nodes' those of the srun step that started the MPI daemons (task
+    # node-1 of nodes-1, SLURM_NODEID node-1). Outer numbers that must not win, for ranks or nodes.
     w = nodes * per
-    outer = ("0", str(w)) if nodes == 1 else (str(node), str(nodes))
+    if node == 0:
+        outer = {"SLURM_PROCID": "0", "SLURM_NTASKS": str(w), "SLURM_NODEID": "0", "SLURM_NNODES": str(nodes),
+                 "SLURM_TASKS_PER_NODE": f"{per}(x{nodes})"}
+    else:
+        outer = {"SLURM_PROCID": str(node - 1), "SLURM_NTASKS": str(nodes - 1), "SLURM_NODEID": str(node - 1),
+                 "SLURM_NNODES": str(nodes - 1), "SLURM_TASKS_PER_NODE": f"1(x{nodes - 1})"}
     return {"OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": str(w), "OMPI_COMM_WORLD_LOCAL_RANK": str(lr),
             "OMPI_COMM_WORLD_LOCAL_SIZE": str(per), "OMPI_COMM_WORLD_NODE_RANK": str(lr), "PMIX_RANK": str(rank),
-            "SLURM_PROCID": outer[0], "SLURM_NTASKS": outer[1], "SLURM_NODEID": str(node),
-            "SLURM_NNODES": str(nodes)}
+            **outer}
 
 
 def hydra(rank: int, node: int, lr: int, nodes: int, per: int) -> Env:
