@@ -8,6 +8,7 @@ of epoch 0 and 1, batch by batch.
 from __future__ import annotations
 
 import json
+import socket
 import sys
 from pathlib import Path
 
@@ -21,7 +22,7 @@ def main() -> None:
     from stager.loader.numpy_loader import make_numpy_loader
 
     record = {"rank": w.rank, "world_size": w.world_size, "local_rank": w.local_rank, "node": w.node,
-              "source": w.source}
+              "source": w.source, "host": socket.gethostname()}
     loaders = {"numpy": make_numpy_loader(data, 8, num_workers=2, multiprocessing_context="fork", **kw)}
     if mode == "both":
         from stager.loader import make_loader
