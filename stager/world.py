@@ -86,7 +86,12 @@ class World:
         src = "explicit" if rank is not None or world_size is not None else "default"
         d_rank, d_world, d_lrank, d_lworld, d_node, d_nnodes = 0, 1, 0, 1, 0, 1
         detected = _from_torch() if env is os.environ else None
-        env_topo = env_topology(env)
+        try:
+            env_topo = env_topology(env)
+        except UsageError:
+            if rank is None or world_size is None:
+                raise
+            env_topo = None  # the caller named its own world: the environment's contradictions are not its
         if detected is not None:
             d_rank, d_world = detected
             src = "torch.distributed" if src == "default" else src

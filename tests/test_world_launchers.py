@@ -142,6 +142,7 @@ def test_a_world_size_that_disagrees_with_the_launchers_is_refused() -> None:
     assert "\n" not in msg and "world_size=2" in msg and "OMPI_COMM_WORLD_SIZE=3" in msg
     assert World.detect(world_size=3, env=env).rank == 1  # agreeing: fine
     assert World.detect(0, 2, env=env).world_size == 2  # rank and size both explicit: the caller's own world
+    assert World.detect(1, 2, env={"PMIX_RANK": "3"}).rank == 1  # and the environment's contradictions are not its
 
 
 def test_unequal_ranks_per_node_leave_the_node_to_the_flags() -> None:
