@@ -42,6 +42,7 @@ SUITE: dict[str, tuple[str, list[str], list[str], str]] = {
     "index": ("bench_index.py", ["--n", "2000", *(["--dali-scripts", os.environ["STAGER_DALI_SCRIPTS"]]
                                                   if os.environ.get("STAGER_DALI_SCRIPTS") else [])],
               ["--n", "200", "--rounds", "1"], "index.md"),
+    "footprint": ("bench_footprint.py", [], ["--n", "100000"], "footprint.md"),
     "objstore": ("bench_objstore.py", [], ["--shards", "4", "--shard-mb", "4", "--images", "200", "--rounds", "1"],
                  "objstore.md"),
 }
