@@ -41,7 +41,9 @@ from stager.fs.open import is_url, read_bytes
 
 SCHEMA = "stager.manifest/1"
 MANIFEST_NAME = "manifest.json"
-FORMATS = ("tar", "hdf5", "record", "zarr", "parquet")  # parquet: indexed in place only (`stager index`)
+FORMATS = ("tar", "hdf5", "record", "zarr", "parquet", "recordio", "lmdb")  # the last three: `stager index` only
+# Extents other than file byte ranges, and the formats that may use them (docs/formats.md).
+EXTENTS = {"bytes": FORMATS, "rows": ("parquet",), "records": ("recordio",)}
 # Fields left out of the digest: ``digest`` itself, and ``shard_root`` (where the shards live is not
 # what they are: a staged copy drops it and keeps the digest, so receipts still match).
 _UNDIGESTED = ("digest", "shard_root")
@@ -90,7 +92,7 @@ class ShardInfo:
     offsets: np.ndarray
     sizes: np.ndarray
     aux: list[AuxFile] = field(default_factory=list)
-    extents: str = "bytes"  # "bytes": offsets/sizes are file byte ranges; "rows": offsets are rows (parquet)
+    extents: str = "bytes"  # "bytes": file byte ranges; "rows": rows (parquet); "records": framed records (recordio)
 
     @property
     def samples(self) -> int:
@@ -301,7 +303,7 @@ def _parse(body: Any, where: str) -> Manifest:
         if n and (labels.min() < -1 or (nclass and labels.max() >= nclass)):
             raise ManifestError(f"{sw} ({name}): label out of range 0..{nclass - 1}")
         extents = sj.get("extents", "bytes")
-        if extents not in ("bytes", "rows") or (extents == "rows" and fmt != "parquet"):
+        if fmt not in EXTENTS.get(extents, ()):
             raise ManifestError(f"{sw} ({name}): unknown extents {extents!r} for format {fmt}")
         if n and (offsets.min() < 0 or sizes.min() < 0):
             raise ManifestError(f"{sw} ({name}): negative sample offset or size")

@@ -15,6 +15,7 @@ read the shards there.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import multiprocessing as mp
@@ -35,16 +36,26 @@ from stager.fs.open import is_url, join
 from stager.index import remote
 from stager.index.discover import STATE_DIR, discover
 from stager.index.labels import resolve_labels
+from stager.index.lmdb import scan_lmdb
 from stager.index.options import MANIFEST_FORMAT, IndexOptions
 from stager.index.parquet import scan_parquet
 from stager.index.record import scan_record
+from stager.index.recordio import scan_recordio
 from stager.index.scan import DamagedShardError, ShardScan
 from stager.index.tar import scan_tar
 from stager.manifest import MANIFEST_NAME, AuxFile, Manifest, ShardInfo, load_manifest
 from stager.progress import Progress
 
-Scanner = Callable[[str, str, "str | None", "str | None", str], ShardScan]
-SCANNERS: dict[str, Scanner] = {"tar": scan_tar, "record": scan_record, "parquet": scan_parquet}
+# scan(path, name, image_key, label_key, hash algo, **IndexOptions.scan_extras(kind)) -> ShardScan
+Scanner = Callable[..., ShardScan]
+SCANNERS: dict[str, Scanner] = {"tar": scan_tar, "record": scan_record, "parquet": scan_parquet,
+                                "recordio": scan_recordio, "lmdb": scan_lmdb}
+# Index files written for readers that need one: TFRecord ``<file>.idx`` (DALI's ``<offset> <size>``)
+# and RecordIO ``x.rec`` -> ``x.idx`` (MXNet's and DALI's ``<key>\t<offset>``), from ShardScan.records.
+INDEX_FILES: dict[str, tuple[Callable[[str], str], bytes]] = {
+    "record": (lambda name: f"{name}.idx", b"%d %d\n"),
+    "recordio": (lambda name: os.path.splitext(name)[0] + ".idx", b"%d\t%d\n"),
+}
 
 
 @dataclass
@@ -97,14 +108,18 @@ def index_dataset(src: str | os.PathLike[str], out: str | os.PathLike[str] | Non
     _check_boundaries(ordered, directory)
     _unique_keys(ordered, kind, directory)
     labels, classes = resolve_labels(ordered, opts.label_offset, directory)
-    dali, dali_paths = (_write_dali_index(ordered, directory, out_dir, in_place, opts.hash_algo)
-                        if kind == "record" and opts.dali_index else ({}, []))
+    dali, dali_paths = (_write_dali_index(ordered, directory, out_dir, in_place, algo=opts.hash_algo, kind=kind)
+                        if kind in INDEX_FILES and opts.dali_index else ({}, []))
+    for s in ordered:
+        if s.companion is not None:
+            dali[s.name] = [_companion(directory, s.companion, opts.hash_algo)]
+    sample_kind, image_shape = _sample_kind(ordered, directory)
     shards = [ShardInfo(s.name, s.bytes, s.hash, s.keys, lab, *s.arrays(), aux=dali.get(s.name, []), extents=s.extents)
               for s, lab in zip(ordered, labels, strict=True)]
     m = Manifest(format=MANIFEST_FORMAT[kind], classes=classes, shards=shards, hash_algo=opts.hash_algo,
                  source={"kind": "index", "path": directory, "input": kind},
                  options={"index": {**fp, "label_offset": opts.label_offset}},
-                 shard_root=None if in_place else directory)
+                 shard_root=None if in_place else directory, sample_kind=sample_kind, image_shape=image_shape)
     path = m.write(out_dir)
     shutil.rmtree(state, ignore_errors=True)
     return IndexResult(path, kind, len(shards), m.num_samples, sum(s.bytes for s in ordered), len(classes),
@@ -165,10 +180,11 @@ class _Job:
     algo: str
     spool: str  # where an object is copied down to be scanned
     storage_options: dict[str, Any] | None
+    extra: dict[str, str] = field(default_factory=dict)  # IndexOptions.scan_extras(kind)
 
 
 def _scan_one(job: _Job) -> ShardScan:
-    scan = SCANNERS[job.kind]
+    scan = functools.partial(SCANNERS[job.kind], **job.extra)
     if not is_url(job.path):
         return scan(job.path, job.name, job.image_key, job.label_key, job.algo)
     size, ident = remote.stamp(job.path, job.storage_options)
@@ -184,7 +200,7 @@ def _scan_all(directory: str, todo: list[str], kind: str, opts: IndexOptions, pr
               ) -> Iterator[ShardScan]:
     """Scan ``todo`` (in parallel with ``opts.workers``); yield each shard's scan as it completes."""
     jobs = [_Job(join(directory, n), n, kind, opts.image_key_for(kind), opts.label_key_for(kind), opts.hash_algo,
-                 spool, opts.storage_options) for n in todo]
+                 spool, opts.storage_options, opts.scan_extras(kind)) for n in todo]
     if opts.workers <= 1 or len(jobs) <= 1:
         for j in jobs:
             scan = _scan_one(j)
@@ -260,17 +276,21 @@ def _first_repeat(scans: list[ShardScan]) -> tuple[str, str] | None:
 
 
 def _write_dali_index(scans: list[ShardScan], directory: str, out_dir: Path, in_place: bool,
-                      algo: str) -> tuple[dict[str, list[AuxFile]], list[str]]:
-    """DALI's ``tfrecord2idx`` files (``<offset> <size>`` per record): ``(companions by shard, paths)``.
+                      *, algo: str, kind: str) -> tuple[dict[str, list[AuxFile]], list[str]]:
+    """Index files (:data:`INDEX_FILES`: DALI's ``tfrecord2idx`` lines, MXNet's ``.idx``) for the shards
+    whose scan made ``records``: ``(companions by shard, paths)``.
 
     In place they sit beside their file and are listed as its companion (staged and verified with it);
     an existing ``.idx`` that differs (someone's own) is left alone and not listed. With ``--out`` they
     go into OUT, are not companions (the shards are elsewhere), and DALI is given them by path."""
     aux: dict[str, list[AuxFile]] = {}
     paths: list[str] = []
+    name_of, line = INDEX_FILES[kind]
     for s in scans:
-        data = b"".join(b"%d %d\n" % r for r in (s.records or []))
-        target = (Path(directory) if in_place else out_dir) / f"{s.name}.idx"
+        if s.records is None:  # a RecordIO file with its own, checked .idx (a companion already)
+            continue
+        data = b"".join(line % r for r in s.records)
+        target = (Path(directory) if in_place else out_dir) / name_of(s.name)
         try:
             have: bytes | None = target.read_bytes()
         except FileNotFoundError:
@@ -285,6 +305,26 @@ def _write_dali_index(scans: list[ShardScan], directory: str, out_dir: Path, in_
     return aux, paths
 
 
+def _companion(directory: str, name: str, algo: str) -> AuxFile:
+    """An index file the scan checked against its shard (RecordIO's own ``.idx``), listed as its companion."""
+    data = Path(directory, name).read_bytes()
+    return AuxFile(name, len(data), hash_bytes(data, algo))
+
+
+def _sample_kind(scans: list[ShardScan], directory: str) -> tuple[str, tuple[int, int, int] | None]:
+    """``(sample_kind, image_shape)`` of the set: encoded, or decoded raw pixels (Caffe's raw Datums)
+    with their fixed ``(H, W, C)``."""
+    kinds = {s.sample_kind for s in scans if s.keys}
+    if kinds != {"decoded"}:
+        return "encoded", None
+    shapes = {tuple(x) for s in scans for x in s.columns.get("shape", [])}
+    if len(shapes) != 1:
+        raise UsageError(f"{directory}: raw Datums of {len(shapes)} different shapes (e.g. {sorted(shapes)[:2]}); "
+                         "stager reads raw Datums of one (C, H, W) shape")
+    c, h, w = next(iter(shapes))
+    return "decoded", (h, w, c)
+
+
 def rescan_shard(path: str, info: ShardInfo, m: Manifest) -> str | None:
     """``stager verify --deep`` for an indexed set: index the shard again with the manifest's recorded
     options and compare with its entry; a reason, or None when it holds exactly the indexed samples."""
@@ -292,8 +332,9 @@ def rescan_shard(path: str, info: ShardInfo, m: Manifest) -> str | None:
     kind = str(o.get("kind") or m.source.get("input") or m.format)
     if kind not in SCANNERS:
         return f"unknown indexed input kind {kind!r}"
+    extra = {"layout": str(o["layout"])} if "layout" in o else {}
     try:
-        scan = SCANNERS[kind](path, info.name, o.get("image_key"), o.get("label_key"), m.hash_algo)
+        scan = SCANNERS[kind](path, info.name, o.get("image_key"), o.get("label_key"), m.hash_algo, **extra)
     except (CorruptSampleError, UsageError, OSError) as exc:
         return f"cannot be indexed again ({exc})"
     if len(scan.keys) != info.samples:
