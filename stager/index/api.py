@@ -106,24 +106,42 @@ def index_dataset(src: str | os.PathLike[str], out: str | os.PathLike[str] | Non
     progress.close()
     ordered = [scans[n] for n in names]
     _check_boundaries(ordered, directory)
-    _unique_keys(ordered, kind, directory)
-    labels, classes = resolve_labels(ordered, opts.label_offset, directory)
     dali, dali_paths = (_write_dali_index(ordered, directory, out_dir, in_place, algo=opts.hash_algo, kind=kind)
                         if kind in INDEX_FILES and opts.dali_index else ({}, []))
-    for s in ordered:
-        if s.companion is not None:
-            dali[s.name] = [_companion(directory, s.companion, opts.hash_algo)]
-    sample_kind, image_shape = _sample_kind(ordered, directory)
-    shards = [ShardInfo(s.name, s.bytes, s.hash, s.keys, lab, *s.arrays(), aux=dali.get(s.name, []), extents=s.extents)
-              for s, lab in zip(ordered, labels, strict=True)]
-    m = Manifest(format=MANIFEST_FORMAT[kind], classes=classes, shards=shards, hash_algo=opts.hash_algo,
-                 source={"kind": "index", "path": directory, "input": kind},
-                 options={"index": {**fp, "label_offset": opts.label_offset}},
-                 shard_root=None if in_place else directory, sample_kind=sample_kind, image_shape=image_shape)
+    m = _manifest(ordered, directory, kind, opts, dali, shard_root=None if in_place else directory)
     path = m.write(out_dir)
     shutil.rmtree(state, ignore_errors=True)
-    return IndexResult(path, kind, len(shards), m.num_samples, sum(s.bytes for s in ordered), len(classes),
+    return IndexResult(path, kind, len(ordered), m.num_samples, sum(s.bytes for s in ordered), len(m.classes),
                        len(todo), resumed, time.perf_counter() - t0, m.dataset_id, m.shard_root, dali_paths)
+
+
+def _manifest(ordered: list[ShardScan], directory: str, kind: str, opts: IndexOptions,
+              aux: dict[str, list[AuxFile]], *, shard_root: str | None) -> Manifest:
+    """The manifest of the scanned shards: keys made unique, labels resolved, companions listed."""
+    _unique_keys(ordered, kind, directory)
+    labels, classes = resolve_labels(ordered, opts.label_offset, directory)
+    for s in ordered:
+        if s.companion is not None and not is_url(directory):
+            aux[s.name] = [_companion(directory, s.companion, opts.hash_algo)]
+    sample_kind, image_shape = _sample_kind(ordered, directory)
+    shards = [ShardInfo(s.name, s.bytes, s.hash, s.keys, lab, *s.arrays(), aux=aux.get(s.name, []), extents=s.extents)
+              for s, lab in zip(ordered, labels, strict=True)]
+    return Manifest(format=MANIFEST_FORMAT[kind], classes=classes, shards=shards, hash_algo=opts.hash_algo,
+                    source={"kind": "index", "path": directory, "input": kind},
+                    options={"index": {**opts.fingerprint(kind), "label_offset": opts.label_offset}},
+                    shard_root=shard_root, sample_kind=sample_kind, image_shape=image_shape)
+
+
+def adopt_in_memory(src: str | os.PathLike[str], options: IndexOptions | None = None) -> Manifest:
+    """The manifest ``stager index`` would write for the local SRC, built in memory: nothing is written
+    (no state, no index files). ``stager pack`` converts a RecordIO or LMDB source through it."""
+    opts = options or IndexOptions()
+    directory, names, kind = discover(os.fspath(src), opts.format)
+    scan = functools.partial(SCANNERS[kind], **opts.scan_extras(kind))
+    ordered = [scan(join(directory, n), n, opts.image_key_for(kind), opts.label_key_for(kind), opts.hash_algo)
+               for n in names]
+    _check_boundaries(ordered, directory)
+    return _manifest(ordered, directory, kind, opts, {}, shard_root=directory)
 
 
 def _check_out(out_dir: Path, in_place: bool, directory: str) -> None:
