@@ -64,7 +64,8 @@ def _with_comments(jpeg: bytes, texts: list[bytes]) -> bytes:
 def write_rec_pair(d: Path) -> dict[str, tuple[bytes, int]]:
     """``a.rec`` + ``a.idx``: an InsightFace-style header record (array label, no payload), a record split
     inside its payload (the magic at an aligned payload offset), one with the magic unaligned (not
-    split), array labels; ``b.rec`` without an ``.idx``, scalar labels, ids 100... Returns key -> truth."""
+    split), array labels, keys 1000...; ``b.rec`` without an ``.idx``, scalar labels (keys: positions).
+    Returns key -> truth."""
     truth: dict[str, tuple[bytes, int]] = {}
     recs = [recordio_pack(b"", [7.0, 9.0], 0)]
     for i in range(1, 9):
@@ -77,13 +78,13 @@ def write_rec_pair(d: Path) -> dict[str, tuple[bytes, int]]:
                                      [b"xxx" + MAGIC])
         label: Any = [float(i % 3), 0.25, float(i)] if i % 2 else float(i % 3)
         recs.append(recordio_pack(payload, label, i))
-        truth[str(i)] = (payload, i % 3)
-    write_recordio(d / "a.rec", recs)
+        truth[str(1000 + i)] = (payload, i % 3)
+    write_recordio(d / "a.rec", recs, keys=[1000 + i for i in range(len(recs))])
     assert recordio_frame(recs[3]).count(MAGIC) == 3 and recordio_frame(recs[4]).count(MAGIC) == 2  # split in 3
     recs_b = []
     for i in range(100, 106):
         recs_b.append(recordio_pack(_img(i), float(i % 3), i))
-        truth[str(i)] = (_img(i), i % 3)
+        truth[str(i - 100)] = (_img(i), i % 3)
     write_recordio(d / "b.rec", recs_b, idx=False)
     return truth
 
@@ -96,10 +97,12 @@ def test_recordio_in_place_split_records_array_labels_stage_and_pack(tmp_path: P
     a, b = m.shards
     assert (m.format, a.extents, b.extents) == ("recordio", "records", "bytes")  # a.rec holds a split record
     assert [x.name for x in a.aux] == ["a.idx"] and [x.name for x in b.aux] == ["b.idx"]
-    # b.idx, written by the scan: MXIndexedRecordIO's "key\toffset" lines at each record's magic.
+    # b.idx, written by the scan as DALI's rec2idx writes it: "<record number>\t<offset of its magic>".
     data = (tmp_path / "rec" / "b.rec").read_bytes()
     starts = [i for i in range(0, len(data), 4) if data[i : i + 4] == MAGIC]
-    assert (tmp_path / "rec" / "b.idx").read_text() == "".join(f"{100 + j}\t{o}\n" for j, o in enumerate(starts))
+    assert (tmp_path / "rec" / "b.idx").read_text() == "".join(f"{j}\t{o}\n" for j, o in enumerate(starts))
+    again = index_dataset(tmp_path / "rec")  # now with b.idx: the same keys, the same manifest
+    assert [s.keys for s in load_manifest(tmp_path / "rec").shards] == [a.keys, b.keys] and again.samples == 14
     assert read_all(tmp_path / "rec", staged=False) == truth
     assert verify(tmp_path / "rec", deep=True).ok
     # Staged per node partition: each node holds whole files with their .idx.

@@ -3,8 +3,9 @@
 The file is walked record by record from the mapping (:func:`stager.formats.recordio.walk_records`:
 magic, length, continuation flag, IRHeader), so a ``.rec`` without an ``.idx`` is indexed by this
 scan; an ``.idx`` beside it (``x.rec`` -> ``x.idx``) must list exactly the records found, each at its
-first byte, and gives the sample keys (else the IRHeader ``id`` when unique in the file, else the
-record's position). A sample's extent is the byte range of its payload (after the IRHeader and the
+first byte, and gives the sample keys; without one the key is the record's position in the file, as
+in the ``.idx`` the api then writes (``<position>\t<offset>`` per record: byte for byte what DALI's
+``rec2idx`` writes). A sample's extent is the byte range of its payload (after the IRHeader and the
 array labels), read by the loader like a TFRecord's image bytes; a file holding a record split inside
 its payload gets ``extents: "records"`` (docs/formats.md). Records without a payload (InsightFace's
 header and identity-range records) are not samples.
@@ -37,13 +38,11 @@ def scan_recordio(path: str, name: str, image_key: str | None, label_key: str | 
         except RecordIOError as exc:
             raise DamagedShardError(str(exc)) from exc
     idx = idx_path_of(path)
-    keys = _keys(entries, idx, path, name)
+    keys = _keys(entries, idx, path)
     if os.path.isfile(idx):
         out.companion = os.path.basename(idx)  # verified against the records: staged with the file
     else:  # MXNet's ``key\toffset`` lines for an .idx written by the api (DALI's reader needs one)
-        ids = [e.id for e in entries]
-        unique = len(set(ids)) == len(ids)
-        out.records = [(e.id if unique else i, e.start) for i, e in enumerate(entries)]
+        out.records = [(i, e.start) for i, e in enumerate(entries)]
     samples = [(k, e) for k, e in zip(keys, entries, strict=True) if e.size > 0]
     split = any(e.payload is None for _, e in samples)
     out.extents = "records" if split else "bytes"
@@ -66,17 +65,15 @@ def scan_recordio(path: str, name: str, image_key: str | None, label_key: str | 
     return out
 
 
-def _keys(entries: list[RecEntry], idx: str, path: str, name: str) -> list[str]:
-    """Keys from the ``.idx`` (checked against the records), else the IRHeader ids, else positions."""
+def _keys(entries: list[RecEntry], idx: str, path: str) -> list[str]:
+    """Keys from the ``.idx`` (checked against the records), else the records' positions (the keys of
+    the ``.idx`` written for the file, so a second index reads the same keys from it)."""
     if os.path.isfile(idx):
         try:
             return read_idx(idx, path, entries)
         except RecordIOError as exc:
             raise DamagedShardError(str(exc)) from exc
-    ids = [e.id for e in entries]
-    if len(set(ids)) == len(ids):
-        return [str(i) for i in ids]
-    return [f"{name}/{i:08d}" for i in range(len(entries))]
+    return [str(i) for i in range(len(entries))]
 
 
 def _label(e: RecEntry, i: int, path: str) -> int:
