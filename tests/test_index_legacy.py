@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import socket
 import struct
 import subprocess
 import sys
@@ -346,3 +347,28 @@ def test_lmdb_verify_exit_3_wrong_layout_and_missing_extra(tmp_path: Path, capsy
     r = subprocess.run([sys.executable, "-m", "stager", "index", str(tmp_path / "db"), "--out", str(tmp_path / "o"),
                         "-q"], env=env, capture_output=True, text=True, check=False, timeout=120)
     assert r.returncode == 2 and "stager[lmdb]" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_collective_stage_of_recordio_and_lmdb(tmp_path: Path) -> None:
+    """Two ranks stage an indexed .rec pair and an LMDB collectively (each byte read from SRC once)."""
+    truth = write_rec_pair(tmp_path / "rec")
+    index_dataset(tmp_path / "rec", tmp_path / "ri")
+    make_caffe_lmdb(tmp_path / "db", 20, size=16)
+    index_dataset(tmp_path / "db", tmp_path / "li")
+    for idx, want in (("ri", truth), ("li", _lmdb_truth(tmp_path / "db", "caffe"))):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        procs = []
+        for i in range(2):
+            env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC"))}
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(i), WORLD_SIZE="2",
+                       LOCAL_WORLD_SIZE="1")
+            procs.append(subprocess.Popen([sys.executable, "-m", "stager", "stage", str(tmp_path / idx),
+                                           str(tmp_path / f"{idx}{i}"), "--collective", "--timeout", "30", "-q"],
+                                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        for p in procs:
+            _, se = p.communicate(timeout=120)
+            assert p.returncode == 0, se
+        for i in range(2):
+            assert read_all(tmp_path / f"{idx}{i}", staged=False) == want
