@@ -372,3 +372,68 @@ def test_collective_stage_of_recordio_and_lmdb(tmp_path: Path) -> None:
             assert p.returncode == 0, se
         for i in range(2):
             assert read_all(tmp_path / f"{idx}{i}", staged=False) == want
+
+
+# ---- cross-check with MXNet itself (slow: builds its own venv once) -----------------------------------------
+MX_VENV = Path(os.environ.get("STAGER_MXNET_VENV", Path.home() / ".cache" / "stager-tests" / "mxnet-1.9.1"))
+MX_WRITE = r"""
+import json, sys
+import mxnet as mx
+out = sys.argv[1]
+magic = (0xced7230a).to_bytes(4, "little")
+w = mx.recordio.MXIndexedRecordIO(out + "/w.idx", out + "/w.rec", "w")
+p = mx.recordio.MXRecordIO(out + "/p.rec", "w")
+truth = []
+for i in range(12):
+    payload = bytes(range(i, i + 40)) + (magic * 2 if i % 4 == 1 else b"") + (magic if i % 4 == 2 else b"") + b"x" * i
+    label = [float(i % 3), 1.5, float(i)] if i % 3 == 0 else float(i % 3)
+    s = mx.recordio.pack(mx.recordio.IRHeader(0, label, i, 0), payload)
+    w.write_idx(i, s)
+    p.write(s)
+    truth.append([payload.hex(), i % 3])
+w.close(); p.close()
+json.dump(truth, open(out + "/truth.json", "w"))
+"""
+MX_READ = r"""
+import sys
+import mxnet as mx
+r = mx.recordio.MXIndexedRecordIO(sys.argv[1] + "/p.idx", sys.argv[1] + "/p.rec", "r")
+print(",".join(mx.recordio.unpack(r.read_idx(k))[1].hex() for k in sorted(r.keys)))
+"""
+
+
+def _mx_python() -> Path:
+    py = MX_VENV / "bin" / "python"
+    if not py.exists():
+        try:
+            subprocess.run([sys.executable, "-m", "venv", str(MX_VENV)], check=True, timeout=300)
+            subprocess.run([str(py), "-m", "pip", "install", "-q", "mxnet==1.9.1", "numpy<1.24"], check=True,
+                           timeout=600, capture_output=True)
+        except (subprocess.SubprocessError, OSError) as exc:
+            import shutil
+
+            shutil.rmtree(MX_VENV, ignore_errors=True)
+            pytest.skip(f"cannot build an mxnet 1.9.1 venv here ({exc})")
+    if subprocess.run([str(py), "-c", "import mxnet"], capture_output=True, check=False).returncode:
+        pytest.skip(f"mxnet does not import in {MX_VENV}")
+    return py
+
+
+@pytest.mark.slow
+def test_files_written_by_mxnet_itself(tmp_path: Path) -> None:
+    """``mx.recordio`` writes .rec/.idx pairs (split records, array labels); stager indexes them, and MXNet
+    reads a .rec through the .idx stager wrote for it."""
+    import json
+
+    py = _mx_python()
+    subprocess.run([str(py), "-c", MX_WRITE, str(tmp_path)], check=True, timeout=120)
+    truth = [(bytes.fromhex(h), lab) for h, lab in json.loads((tmp_path / "truth.json").read_text())]
+    (tmp_path / "truth.json").unlink()
+    index_dataset(tmp_path)
+    m = load_manifest(tmp_path)
+    assert [s.extents for s in m.shards] == ["records", "records"]  # both hold split records
+    assert [x.name for s in m.shards for x in s.aux] == ["p.idx", "w.idx"]
+    assert sorted(read_all(tmp_path, staged=False).values()) == sorted(truth * 2)
+    assert (tmp_path / "p.idx").read_bytes() == (tmp_path / "w.idx").read_bytes()  # as MXIndexedRecordIO wrote
+    got = subprocess.run([str(py), "-c", MX_READ, str(tmp_path)], check=True, capture_output=True, text=True)
+    assert got.stdout.strip().split(",") == [d.hex() for d, _ in truth]
