@@ -5,7 +5,7 @@
 liblmdb nor the lock file: encoded images (Datums with ``encoded``, pickled bytes) are read like tar
 members (``pread`` or slices of the mapping, ``sample_kind: "encoded"``), raw Datums are read the
 same way and turned from planar BGR into ``(H, W, C)`` RGB arrays by :func:`stager.decode.planar
-.planar_to_hwc` (``sample_kind: "decoded"``). A staged ``data.mdb`` is one file; opened by LMDB
+.planar_batch_to_hwc` (``sample_kind: "decoded"``). A staged ``data.mdb`` is one file; opened by LMDB
 itself elsewhere it still is a valid read-only environment (``lmdb.open(dir, readonly=True,
 lock=False)``).
 """
@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from stager.decode.planar import planar_to_hwc
+from stager.decode.planar import planar_batch_to_hwc
 from stager.errors import CorruptSampleError, UsageError
 from stager.formats.base import ExtentReader, Sample, image_ext
 from stager.manifest import Manifest, ShardInfo
@@ -53,7 +53,7 @@ class LmdbShardReader(ExtentReader):
             self._shapes = raw_shapes(self.info, self.manifest)
         shapes = self._shapes[np.asarray(positions, dtype=np.int64).reshape(-1)].tolist()
         try:
-            return [planar_to_hwc(b, (c, h, w)) for b, (c, h, w) in zip(got, shapes, strict=True)]
+            return planar_batch_to_hwc(got, shapes)
         except CorruptSampleError as exc:
             raise CorruptSampleError(f"{self.path}: {exc}") from exc
 
