@@ -9,9 +9,9 @@ the colour channels in RGB order. One copy (the transpose); the channel flip is 
 
 from __future__ import annotations
 
-import numpy as np
-
 from collections.abc import Sequence
+
+import numpy as np
 
 from stager.errors import CorruptSampleError
 
