@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import math
 import os
 import shutil
 import subprocess
@@ -279,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
               "records/s | vs stager |\n|---|---:|---:|---:|---:|\n")
     base = idx[0][1]
     for how, sec in idx:
-        if sec != sec:  # a note row
+        if math.isnan(sec):  # a note row
             buf.write(f"| {how} | | | | |\n")
             continue
         buf.write(f"| {how} | {sec:.3f} | {rec_bytes / sec / 1e9:.2f} | {a.rec / sec:,.0f} | {base / sec:.2f} |\n")
