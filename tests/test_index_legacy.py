@@ -264,6 +264,12 @@ def test_raw_datums_decode_to_rgb_and_pack_to_zarr(tmp_path: Path) -> None:
     for k, (img, lab) in truth.items():
         assert np.array_equal(got[k][0], img) and got[k][1] == lab + 1, k
     assert verify(tmp_path / "raw", deep=True).ok
+    stage(tmp_path / "raw", tmp_path / "dest", unpack="also")  # raw pixels unpack as PNG files
+    from PIL import Image
+
+    pngs = sorted((tmp_path / "dest" / "unpacked").rglob("*.png"))
+    assert len(pngs) == 30
+    assert sorted(np.asarray(Image.open(p)).tobytes() for p in pngs) == sorted(v[0].tobytes() for v in truth.values())
     pack(tmp_path / "raw", tmp_path / "zarr", format="zarr")
     zm = load_manifest(tmp_path / "zarr")
     assert (zm.format, zm.image_shape, zm.num_samples) == ("zarr", (16, 16, 3), 30)

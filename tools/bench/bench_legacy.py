@@ -13,8 +13,9 @@ IRHeader, writes the ``.idx``) vs DALI's ``rec2idx.py`` (in the ``nvidia-dali-cu
 imports MXNet, which installs only beside numpy<1.24: give an interpreter of such a venv with
 ``--mxnet-python``), which reads every record through MXNet's reader and writes the ``.idx``.
 
-Loader, one epoch after a warm-up (persistent workers everywhere; the consumer touches one byte per
-4 KiB page of raw payloads):
+Loader: seconds per epoch, best of ``--rounds`` rounds of 5 epochs, the contenders measured in
+alternation after a warm-up epoch each (persistent workers everywhere; the consumer touches one byte
+per 4 KiB page of raw payloads):
 
 * ``.rec`` adopted in place vs the same JPEGs packed by stager (raw bytes, 1 process and 2 workers);
 * LMDB of raw Datums, 2 workers, ``decode="uint8"`` (stager: the planar BGR bytes read by their
@@ -56,6 +57,7 @@ from tools.datagen import (  # noqa: E402
 )
 
 SHARD = 64 << 20
+EPOCHS = 5  # epochs per timed round: one epoch of a few thousand samples is tens of ms, noise on a busy host
 
 
 def images(n: int) -> list[bytes]:
@@ -140,22 +142,34 @@ def _touch(batch: dict[str, Any]) -> int:
     return total
 
 
-def loader_rate(path: Path, rounds: int, **kw: Any) -> tuple[int, float]:
+def loader_epochs(path: Path, **kw: Any) -> Any:
+    """A function running ``EPOCHS`` epochs of a stager loader over ``path``; returns samples per epoch."""
     loader = make_loader(str(path), staged=False, seed=0, **kw)
-    count = [0]
 
-    def epoch() -> None:
+    def run() -> int:
         n = 0
-        for b in loader:
-            if kw.get("decode") == "raw":
-                _touch(b)
-            n += len(b["key"])
-        count[0] = n
+        for e in range(EPOCHS):
+            loader.set_epoch(e)
+            for b in loader:
+                if kw.get("decode") == "raw":
+                    _touch(b)
+                n += len(b["key"])
+        return n // EPOCHS
 
-    epoch()
-    t = best(epoch, rounds)
-    loader.close() if hasattr(loader, "close") else None
-    return count[0], t
+    return run
+
+
+def interleaved(runs: dict[str, Any], rounds: int) -> dict[str, tuple[int, float]]:
+    """Best seconds per epoch of each run, measured in alternation (A B A B ...) after one warm-up each,
+    so that a busy machine's drift hits every contender alike."""
+    counts = {k: f() for k, f in runs.items()}
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(rounds):
+        for k, f in runs.items():
+            t = time.perf_counter()
+            f()
+            times[k].append((time.perf_counter() - t) / EPOCHS)
+    return {k: (counts[k], min(v)) for k, v in times.items()}
 
 
 def _datum_class() -> Any:
@@ -212,25 +226,24 @@ class CaffeLmdbDataset:
         return torch.from_numpy(np.ascontiguousarray(arr)), d.label
 
 
-def recipe_rate(path: Path, rounds: int, raw: bool, batch: int) -> tuple[int, float]:
+def recipe_epochs(path: Path, raw: bool, batch: int) -> Any:
     import torch
     from torch.utils.data import DataLoader
 
     ds = CaffeLmdbDataset(str(path), raw)
     collate = None if raw else (lambda items: ([x for x, _ in items], torch.tensor([y for _, y in items])))
     dl = DataLoader(ds, batch_size=batch, shuffle=True, num_workers=2, persistent_workers=True, collate_fn=collate)
-    count = [0]
 
-    def epoch() -> None:
+    def run() -> int:
         n = 0
-        for images, _labels in dl:
-            if not raw:
-                _touch({"image": images})
-            n += len(images)
-        count[0] = n
+        for _ in range(EPOCHS):
+            for images, _labels in dl:
+                if not raw:
+                    _touch({"image": images})
+                n += len(images)
+        return n // EPOCHS
 
-    epoch()
-    return count[0], best(epoch, rounds)
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -258,20 +271,22 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(tmp / "folder")
         load = []
         for workers in (0, 2):
-            for label, path in (("stager pack --format tar", tmp / "packed"), (".rec adopted in place", tmp / "rec")):
-                n, sec = loader_rate(path, a.rounds, batch_size=64, decode="raw", num_workers=workers)
-                load.append((f"{label}, raw bytes, {workers or 1} {'workers' if workers else 'process'}", n, sec))
+            what = f"raw bytes, {workers or 1} {'workers' if workers else 'process'}"
+            got = interleaved({label: loader_epochs(path, batch_size=64, decode="raw", num_workers=workers)
+                               for label, path in (("stager pack --format tar", tmp / "packed"),
+                                                   (".rec adopted in place", tmp / "rec"))}, a.rounds)
+            load += [(f"{label}, {what}", n, sec) for label, (n, sec) in got.items()]
         write_lmdb(tmp / "lmdb-raw", a.lmdb, raw=True)
         write_lmdb(tmp / "lmdb-jpeg", a.rec, raw=False, imgs=imgs)
         index_dataset(tmp / "lmdb-raw")
         index_dataset(tmp / "lmdb-jpeg")
         lm = []
-        n, sec = loader_rate(tmp / "lmdb-raw", a.rounds, batch_size=256, transform=None, num_workers=2)
-        n2, sec2 = recipe_rate(tmp / "lmdb-raw", a.rounds, True, 256)
-        lm.append(("raw 32x32 Datums -> RGB uint8 batches", n, sec, n2, sec2))
-        n, sec = loader_rate(tmp / "lmdb-jpeg", a.rounds, batch_size=64, decode="raw", num_workers=2)
-        n2, sec2 = recipe_rate(tmp / "lmdb-jpeg", a.rounds, False, 64)
-        lm.append(("encoded JPEG Datums -> image bytes", n, sec, n2, sec2))
+        got = interleaved({"stager": loader_epochs(tmp / "lmdb-raw", batch_size=256, transform=None, num_workers=2),
+                           "recipe": recipe_epochs(tmp / "lmdb-raw", True, 256)}, a.rounds)
+        lm.append(("raw 32x32 Datums -> RGB uint8 batches (256)", *got["stager"], *got["recipe"]))
+        got = interleaved({"stager": loader_epochs(tmp / "lmdb-jpeg", batch_size=64, decode="raw", num_workers=2),
+                           "recipe": recipe_epochs(tmp / "lmdb-jpeg", False, 64)}, a.rounds)
+        lm.append(("encoded JPEG Datums -> image bytes (64)", *got["stager"], *got["recipe"]))
     buf = io.StringIO()
     buf.write(f"# MXNet RecordIO and LMDB in place\n\nGenerated by `python tools/bench/bench_legacy.py "
               f"{' '.join(argv if argv is not None else sys.argv[1:])}` on {os.cpu_count()} CPUs, load average "
