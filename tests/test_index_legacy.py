@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from stager.cli import main as cli
 from stager.formats.lmdb_pages import walk
@@ -443,3 +445,30 @@ def test_files_written_by_mxnet_itself(tmp_path: Path) -> None:
     assert (tmp_path / "p.idx").read_bytes() == (tmp_path / "w.idx").read_bytes()  # as MXIndexedRecordIO wrote
     got = subprocess.run([str(py), "-c", MX_READ, str(tmp_path)], check=True, capture_output=True, text=True)
     assert got.stdout.strip().split(",") == [d.hex() for d, _ in truth]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.binary(max_size=64), st.lists(st.integers(0, 15), max_size=4),
+                          st.lists(st.floats(-1e6, 1e6, width=32), max_size=3)), min_size=1, max_size=6))
+def test_recordio_walk_joins_what_the_writer_split(records: list[tuple[bytes, list[int], list[float]]]) -> None:
+    """Any payload, with the magic inserted at aligned and unaligned offsets, any array labels: the
+    walk finds every record, and the joined payload and labels are what was packed."""
+    from stager.formats.recordio import join_record, walk_records
+
+    blobs, want = [], []
+    for base, spots, labels in records:
+        payload = bytearray(base)
+        for s in spots:
+            at = min(s, len(payload))
+            payload[at:at] = MAGIC
+        packed = recordio_pack(bytes(payload), labels or 2.0, len(blobs))
+        blobs.append(recordio_frame(packed))
+        want.append((bytes(payload), labels or None))
+    data = b"".join(blobs)
+    entries = walk_records(memoryview(data), "x.rec")
+    assert len(entries) == len(want)
+    for e, (payload, labels) in zip(entries, want, strict=True):
+        assert join_record(data[e.start : e.end], "x.rec") == payload
+        if e.payload is not None:
+            assert data[e.payload[0] : e.payload[0] + e.payload[1]] == payload
+        assert e.labels == (None if labels is None else [float(np.float32(x)) for x in labels])
