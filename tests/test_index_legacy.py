@@ -252,12 +252,13 @@ def test_encoded_lmdb_read_only_with_out_stage_and_verify(tmp_path: Path, layout
     env.close()
 
 
-def test_raw_datums_decode_to_rgb_and_pack_to_zarr(tmp_path: Path) -> None:
-    make_caffe_lmdb(tmp_path / "raw", 30, size=16, raw=True)
+@pytest.mark.parametrize("size", [16, 32])  # 16: values inside leaf pages; 32: one overflow page each
+def test_raw_datums_decode_to_rgb_and_pack_to_zarr(tmp_path: Path, size: int) -> None:
+    make_caffe_lmdb(tmp_path / "raw", 30, size=size, raw=True)
     truth = _lmdb_truth(tmp_path / "raw", "caffe")
     index_dataset(tmp_path / "raw", options=IndexOptions(lmdb_layout="caffe", label_offset=1))
     m = load_manifest(tmp_path / "raw")
-    assert (m.sample_kind, m.image_shape) == ("decoded", (16, 16, 3))
+    assert (m.sample_kind, m.image_shape) == ("decoded", (size, size, 3))
     got = {}
     for b in make_loader(str(tmp_path / "raw"), batch_size=7, transform=None, staged=False):
         for k, img, lab in zip(b["key"], b["image"].permute(0, 2, 3, 1).numpy(), b["label"].tolist(), strict=True):
@@ -274,7 +275,7 @@ def test_raw_datums_decode_to_rgb_and_pack_to_zarr(tmp_path: Path) -> None:
     assert sorted(np.asarray(Image.open(p)).tobytes() for p in pngs) == sorted(v[0].tobytes() for v in truth.values())
     pack(tmp_path / "raw", tmp_path / "zarr", format="zarr")
     zm = load_manifest(tmp_path / "zarr")
-    assert (zm.format, zm.image_shape, zm.num_samples) == ("zarr", (16, 16, 3), 30)
+    assert (zm.format, zm.image_shape, zm.num_samples) == ("zarr", (size, size, 3), 30)
     zgot = [img for b in make_loader(str(tmp_path / "zarr"), batch_size=30, transform=None, shuffle=False,
                                      staged=False) for img in b["image"].permute(0, 2, 3, 1).numpy()]
     assert sorted(x.tobytes() for x in zgot) == sorted(v[0].tobytes() for v in truth.values())

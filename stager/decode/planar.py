@@ -44,11 +44,21 @@ def planar_batch_to_hwc(data: Sequence[bytes | memoryview], shapes: Sequence[tup
         bad = next((i for i in idx if len(data[i]) != c * h * w), None)
         if bad is not None:
             raise CorruptSampleError(f"{len(data[bad])} bytes of planar pixels, expected {c} x {h} x {w} = {c * h * w}")
-        planes = np.frombuffer(b"".join(data[i] for i in idx), dtype=np.uint8).reshape(len(idx), c, h, w)
-        order = [2, 1, 0, 3][:c] if bgr and c in (3, 4) else list(range(c))
-        hwc = np.empty((len(idx), h, w, c), dtype=np.uint8)
-        for k, src in enumerate(order):  # one strided copy per channel: ~3x numpy's 4-d transpose here
-            hwc[..., k] = planes[:, src]
+        rows = np.frombuffer(b"".join(data[i] for i in idx), dtype=np.uint8).reshape(len(idx), -1)
+        hwc = planar_rows_to_hwc(rows, (c, h, w), bgr=bgr)
+        if len(idx) == len(data):
+            return list(hwc)
         for j, i in enumerate(idx):
             out[i] = hwc[j]
     return out
+
+
+def planar_rows_to_hwc(rows: np.ndarray, shape: tuple[int, int, int], *, bgr: bool = True) -> np.ndarray:
+    """``(n, C * H * W)`` uint8 rows of planar pixels -> a new ``(n, H, W, C)`` array, BGR(A) turned RGB(A)."""
+    c, h, w = shape
+    planes = rows.reshape(len(rows), c, h, w)
+    order = [2, 1, 0, 3][:c] if bgr and c in (3, 4) else list(range(c))
+    hwc = np.empty((len(rows), h, w, c), dtype=np.uint8)
+    for k, src in enumerate(order):  # one strided copy per channel: ~3x numpy's 4-d transpose here
+        hwc[..., k] = planes[:, src]
+    return hwc

@@ -12,15 +12,18 @@ lock=False)``).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
-from stager.decode.planar import planar_batch_to_hwc
+from stager.decode.planar import planar_batch_to_hwc, planar_rows_to_hwc
 from stager.errors import CorruptSampleError, UsageError
 from stager.formats.base import ExtentReader, Sample, image_ext
 from stager.manifest import Manifest, ShardInfo
+
+GAP = 64 << 10  # values further apart than this are read separately (as the loader's MAX_GAP)
 
 
 def raw_shapes(info: ShardInfo, manifest: Manifest | None) -> np.ndarray:
@@ -45,17 +48,46 @@ class LmdbShardReader(ExtentReader):
         self._shapes: np.ndarray | None = None
 
     def read(self, positions: Sequence[int] | np.ndarray) -> list[Any]:
-        got = super().read(positions)
         if not self.decoded:
-            return got
+            return super().read(positions)
         assert self.info is not None
         if self._shapes is None:
             self._shapes = raw_shapes(self.info, self.manifest)
-        shapes = self._shapes[np.asarray(positions, dtype=np.int64).reshape(-1)].tolist()
+        pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+        shapes = self._shapes[pos]
         try:
-            return planar_batch_to_hwc(got, shapes)
+            if len(pos) and (shapes == shapes[0]).all():  # one shape: the whole run as one array
+                c, h, w = (int(x) for x in shapes[0])
+                return list(planar_rows_to_hwc(self._rows(pos, c * h * w), (c, h, w)))
+            return planar_batch_to_hwc(super().read(pos), [tuple(s) for s in shapes.tolist()])
         except CorruptSampleError as exc:
             raise CorruptSampleError(f"{self.path}: {exc}") from exc
+
+    def _rows(self, pos: np.ndarray, size: int) -> np.ndarray:
+        """The ``size``-byte payloads at ``pos`` as an ``(n, size)`` array: one ``pread`` per span of
+        nearby values, and a strided view of the span where the values lie at one stride (a raw Datum
+        over LMDB's size limit fills one overflow page each: a page apart), else one slice each."""
+        assert self.info is not None
+        offs = self.info.offsets[pos]
+        order = np.argsort(offs, kind="stable")
+        so = offs[order]
+        out = np.empty((len(pos), size), dtype=np.uint8)
+        cut = np.flatnonzero(np.diff(so) > size + GAP) + 1
+        for a, b in zip([0, *cut.tolist()], [*cut.tolist(), len(so)], strict=True):
+            start, end = int(so[a]), int(so[b - 1]) + size
+            buf = os.pread(self.fd(), end - start, start)
+            if len(buf) < end - start:
+                raise CorruptSampleError(f"short read: wanted {end - start} bytes at {start}, got {len(buf)}; the "
+                                         "data.mdb is truncated: re-stage it")
+            arr = np.frombuffer(buf, dtype=np.uint8)
+            rel = so[a:b] - start
+            steps = np.diff(rel)
+            if b - a > 1 and (steps == steps[0]).all():
+                rows = np.lib.stride_tricks.as_strided(arr[int(rel[0]) :], (b - a, size), (int(steps[0]), 1))
+            else:
+                rows = np.stack([arr[r : r + size] for r in rel.tolist()])
+            out[order[a:b]] = rows
+        return out
 
     def iter_samples(self) -> Iterator[Sample]:
         """The indexed samples in order, payloads read by :meth:`read` (keys and labels from the index)."""

@@ -18,13 +18,13 @@ alternation after a warm-up epoch each (persistent workers everywhere; the consu
 per 4 KiB page of raw payloads):
 
 * ``.rec`` adopted in place vs the same JPEGs packed by stager (raw bytes, 1 process and 2 workers);
-* LMDB of raw Datums, 2 workers, ``decode="uint8"`` (stager: the planar BGR bytes read by their
-  extent in ``data.mdb``, turned to RGB ``(H, W, C)``) vs the usual PyTorch recipe: a ``Dataset``
-  that opens py-lmdb in each worker (``readonly, lock=False, readahead=False, meminit=False``),
-  ``txn.get`` key by key, parses the Datum with protobuf (a ``caffe.Datum`` class built from its
-  descriptor: the C++/upb parser, as ``caffe_pb2`` would use) and returns the RGB array, batched by
-  torch's ``DataLoader(shuffle=True, num_workers=2)``;
-* the JPEG LMDB the same way with ``decode="raw"`` (the image bytes).
+* LMDBs, 2 workers, vs the usual PyTorch recipe: a ``Dataset`` that opens py-lmdb in each worker
+  (``readonly, lock=False, readahead=False, meminit=False``), ``txn.get`` key by key, parses the Datum
+  with protobuf (a ``caffe.Datum`` class built from its descriptor: the C++/upb parser, as
+  ``caffe_pb2`` would use), batched by torch's ``DataLoader(shuffle=True, num_workers=2)``.
+  ``decode="raw"`` (the issue's "raw": no decoding) over encoded JPEG Datums and over raw Datums
+  (the recipe returns ``datum.data``; stager returns the pixels already turned RGB ``(H, W, C)``), and
+  decoded uint8 batches of raw Datums (the recipe: ``frombuffer``, BGR to RGB, ``(H, W, C)`` tensors).
 """
 
 from __future__ import annotations
@@ -194,10 +194,10 @@ def _datum_class() -> Any:
 class CaffeLmdbDataset:
     """The usual PyTorch recipe: py-lmdb opened lazily in each worker, one ``txn.get`` per sample."""
 
-    def __init__(self, path: str, raw: bool) -> None:
+    def __init__(self, path: str, pixels: bool) -> None:
         import lmdb
 
-        self.path, self.raw = path, raw
+        self.path, self.pixels = path, pixels
         env = lmdb.open(path, readonly=True, lock=False, readahead=False, meminit=False)
         with env.begin() as txn:
             self.keys = [k for k, _ in txn.cursor()]
@@ -218,7 +218,7 @@ class CaffeLmdbDataset:
             value = txn.get(self.keys[i])
         d = self.datum()
         d.ParseFromString(value)
-        if not self.raw:
+        if not self.pixels:  # the stored bytes: an encoded image, or a raw Datum's planar pixels
             return d.data, d.label
         import torch
 
@@ -226,19 +226,19 @@ class CaffeLmdbDataset:
         return torch.from_numpy(np.ascontiguousarray(arr)), d.label
 
 
-def recipe_epochs(path: Path, raw: bool, batch: int) -> Any:
+def recipe_epochs(path: Path, pixels: bool, batch: int) -> Any:
     import torch
     from torch.utils.data import DataLoader
 
-    ds = CaffeLmdbDataset(str(path), raw)
-    collate = None if raw else (lambda items: ([x for x, _ in items], torch.tensor([y for _, y in items])))
+    ds = CaffeLmdbDataset(str(path), pixels)
+    collate = None if pixels else (lambda items: ([x for x, _ in items], torch.tensor([y for _, y in items])))
     dl = DataLoader(ds, batch_size=batch, shuffle=True, num_workers=2, persistent_workers=True, collate_fn=collate)
 
     def run() -> int:
         n = 0
         for _ in range(EPOCHS):
             for images, _labels in dl:
-                if not raw:
+                if not pixels:
                     _touch({"image": images})
                 n += len(images)
         return n // EPOCHS
@@ -281,12 +281,16 @@ def main(argv: list[str] | None = None) -> int:
         index_dataset(tmp / "lmdb-raw")
         index_dataset(tmp / "lmdb-jpeg")
         lm = []
-        got = interleaved({"stager": loader_epochs(tmp / "lmdb-raw", batch_size=256, transform=None, num_workers=2),
-                           "recipe": recipe_epochs(tmp / "lmdb-raw", True, 256)}, a.rounds)
-        lm.append(("raw 32x32 Datums -> RGB uint8 batches (256)", *got["stager"], *got["recipe"]))
-        got = interleaved({"stager": loader_epochs(tmp / "lmdb-jpeg", batch_size=64, decode="raw", num_workers=2),
-                           "recipe": recipe_epochs(tmp / "lmdb-jpeg", False, 64)}, a.rounds)
-        lm.append(("encoded JPEG Datums -> image bytes (64)", *got["stager"], *got["recipe"]))
+        cases = (("encoded JPEG Datums, decode=\"raw\": image bytes (batch 64)", "lmdb-jpeg", 64,
+                  {"decode": "raw"}, False),
+                 ("raw 32x32 Datums, decode=\"raw\": pixel bytes (batch 256; stager's RGB HWC, the recipe's "
+                  "planar BGR as stored)", "lmdb-raw", 256, {"decode": "raw"}, False),
+                 ("raw 32x32 Datums, decoded: RGB uint8 batches (batch 256)", "lmdb-raw", 256, {"transform": None},
+                  True))
+        for label, sub, batch, kw, pixels in cases:
+            got = interleaved({"stager": loader_epochs(tmp / sub, batch_size=batch, num_workers=2, **kw),
+                               "recipe": recipe_epochs(tmp / sub, pixels, batch)}, a.rounds)
+            lm.append((label, *got["stager"], *got["recipe"]))
     buf = io.StringIO()
     buf.write(f"# MXNet RecordIO and LMDB in place\n\nGenerated by `python tools/bench/bench_legacy.py "
               f"{' '.join(argv if argv is not None else sys.argv[1:])}` on {os.cpu_count()} CPUs, load average "
