@@ -35,7 +35,7 @@ faults: $(STAMP)
 clean-venv:
 	rm -rf $(VENV)
 
-# A real Slurm cluster on this machine (root; installs slurm-wlm, munge, sshfs with apt when missing):
+# A real Slurm cluster on this machine (root; installs slurm-wlm, munge, sshfs, openmpi-bin with apt when missing):
 # CLUSTER_NODES (4) nodes, a storage host behind a CLUSTER_STORAGE_MBIT (400) link, slurmctld. Writes
 # .cluster/env; tools/cluster/README.md. cluster-down removes everything it made, at any time.
 cluster: $(STAMP)

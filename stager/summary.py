@@ -16,6 +16,9 @@ def summarize(path: str | os.PathLike[str], *, storage_options: dict[str, Any] |
     ``path``: a pack directory, its manifest, or a URL (opened with ``storage_options``)."""
     m = load_manifest(path, storage_options)
     counts = class_counts(m)
+    sizes = m.column("size")
+    starts = m.sample_starts()
+    payload = [int(sizes[a:b].sum()) for a, b in zip(starts[:-1].tolist(), starts[1:].tolist(), strict=True)]
     return {
         "path": os.fspath(path),
         "dataset_id": m.dataset_id,
@@ -38,6 +41,10 @@ def summarize(path: str | os.PathLike[str], *, storage_options: dict[str, Any] |
         "source": m.source,
         "options": m.options,
         "shard_root": m.shard_root,  # where an index's shards live (None: beside the manifest)
+        "schema": m.schema,
+        "index": m.index.to_json() if m.index is not None else None,  # the sample index file (manifest v2)
+        "fields": m.fields,
+        "clips": m.clips,
         "shard_table": [
             {
                 "name": s.name,
@@ -45,9 +52,9 @@ def summarize(path: str | os.PathLike[str], *, storage_options: dict[str, Any] |
                 "bytes": s.bytes,
                 "hash": s.hash,
                 "aux": [a.name for a in s.aux],
-                "payload_bytes": int(s.sizes.sum()) if s.samples else 0,
+                "payload_bytes": payload[i],
             }
-            for s in m.shards
+            for i, s in enumerate(m.shards)
         ],
     }
 
@@ -77,5 +84,5 @@ def format_summary(d: dict[str, Any], limit: int | None = None) -> str:
 
 def class_counts(m: Manifest) -> np.ndarray:
     """int64 array of length ``len(m.classes)``: samples per class."""
-    labels = np.concatenate([s.labels for s in m.shards]) if m.shards else np.zeros(0, np.int64)
+    labels = m.column("label")
     return np.bincount(labels[labels >= 0], minlength=len(m.classes)).astype(np.int64)

@@ -1,7 +1,8 @@
 """Check a packed (or staged) directory against its manifest.
 
-:func:`verify` re-hashes every shard and companion file listed in ``manifest.json`` and compares
-sizes and checksums. With ``deep=True`` it also parses every shard through its format reader
+:func:`verify` re-hashes every shard and companion file listed in ``manifest.json``, and its sample
+index, and compares sizes and checksums (a sound index's rows are then checked against the manifest:
+labels in range, extents inside their shards). With ``deep=True`` it also parses every shard through its format reader
 (``iter_samples``, independent of the manifest index) and checks that the container holds exactly
 the indexed samples, in order, with the indexed keys and labels, and that the payloads the index
 points at (``read``) equal the parsed ones; for a set adopted by ``stager index`` (someone else's
@@ -34,7 +35,7 @@ from stager.formats import get_format
 from stager.fs.open import filesystem, local_path_of
 from stager.fs.remote import RemoteFile, stream_to
 from stager.index import rescan_shard
-from stager.manifest import Manifest, ShardInfo, load_manifest, shard_root
+from stager.manifest import Manifest, ShardInfo, dataset_root, load_manifest, shard_root
 
 READ_BATCH = 256  # samples compared per reader.read() call in deep mode
 REMOTE_BLOCK = 8 << 20  # bytes per ranged GET when hashing a remote file
@@ -205,11 +206,14 @@ def verify(path: str | os.PathLike[str], *, deep: bool = False, threads: int = 4
     m = load_manifest(p, dict(storage_options or {}))
     root = shard_root(p, m)
     files = list(m.files())
+    # The sample index first: per-sample checks (deep) trust it only once its hash matched.
+    bad = _check_index(dataset_root(p), m, storage_options)
+    deep = deep and not bad
     local = local_path_of(root)
     if local is None:
-        bad = _verify_remote(root, m, storage_options, deep=deep, threads=threads)
+        bad += _verify_remote(root, m, storage_options, deep=deep, threads=threads)
     else:
-        bad = _verify_local(local, m, deep=deep, threads=threads)
+        bad += _verify_local(local, m, deep=deep, threads=threads)
     return VerifyResult(
         path=p,
         ok=not bad,
@@ -223,8 +227,30 @@ def verify(path: str | os.PathLike[str], *, deep: bool = False, threads: int = 4
     )
 
 
+def _check_index(root: str, m: Manifest, storage_options: Mapping[str, Any] | None) -> list[tuple[str, str]]:
+    """``[(index name, reason)]`` when the sample index (beside the manifest, at ``root``) is missing,
+    differs from its manifest entry, or holds rows the manifest contradicts; ``[]`` when sound."""
+    if m.index is None:
+        return []
+    ix = m.index
+    entry = (ix.name, ix.bytes, ix.hash)
+    local = local_path_of(root)
+    if local is None:
+        fs, froot = filesystem(root, storage_options)
+        reason = _check_remote(fs, froot, root, entry, m.hash_algo)
+    else:
+        reason = _check_file(local, *entry, m.hash_algo)
+    if reason is None and m.samples_index is not None:
+        try:
+            m.samples_index.table  # noqa: B018 - opening it runs the per-row checks
+        except StagerError as exc:
+            reason = str(exc)
+    return [(ix.name, reason)] if reason else []
+
+
 def _verify_local(root: str, m: Manifest, *, deep: bool, threads: int) -> list[tuple[str, str]]:
-    files = list(m.files())
+    index = m.index.name if m.index is not None else None
+    files = [f for f in m.files() if f[0] != index]
 
     def one(entry: tuple[str, int, str]) -> tuple[str, str | None]:
         name, nbytes, digest = entry

@@ -1,21 +1,39 @@
 """Who am I in the job? Rank, world size, node and worker, detected in one place.
 
 :class:`World` (a training rank's place): explicit arguments, then an initialised
-``torch.distributed`` group, then the launcher's environment (torchrun:
-RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE/GROUP_RANK; Slurm:
-SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID/SLURM_NODEID/SLURM_NNODES/SLURM_NTASKS_PER_NODE), else a
+``torch.distributed`` group, then the launcher's environment (:func:`env_topology`), else a
 single process.
 
+The launchers' variables, innermost launcher first (a process started by torchrun inside an
+``srun`` step sees both; the inner one numbers the ranks, the outer one its own launcher tasks):
+
+1. torchrun: RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE/GROUP_RANK;
+2. Horovod (horovodrun's gloo launcher): HOROVOD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE/CROSS_RANK/CROSS_SIZE;
+3. MPI, whose variables must agree with one another: Open MPI (OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK/
+   LOCAL_SIZE), MPICH and Intel MPI's Hydra (PMI_RANK/PMI_SIZE, MPI_LOCALRANKID/MPI_LOCALNRANKS),
+   PMIx (PMIX_RANK; the size from OMPI_COMM_WORLD_SIZE or PMI_SIZE, or Slurm's when ``srun --mpi=pmix``
+   set it and SLURM_PROCID is the same rank);
+4. Slurm: SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID/SLURM_NODEID/SLURM_NNODES/SLURM_NTASKS_PER_NODE.
+
+An outer launcher's differing numbers are expected (``mpirun`` in a batch script: SLURM_PROCID is the
+batch step's 0 in every rank) and are not errors. Errors (:class:`UsageError`, one line naming the
+variables): two MPI sources in one process that disagree, or a launcher that says there are several
+ranks but gives no rank (OMPI_COMM_WORLD_SIZE=3 without OMPI_COMM_WORLD_RANK, PMIX_RANK without a size,
+WORLD_SIZE=4 without RANK), which would otherwise make every rank read the whole dataset. An explicit
+``world_size`` (without an explicit ``rank``) that differs from the launcher's is one too.
+
 :func:`resolve_node` (a node's place, for ``stager stage``, which runs once per node rather than
-once per rank): the ``--node/--num-nodes`` flags, then Slurm's node variables, then the torchrun
-topology of :class:`World`.
+once per rank): the ``--node/--num-nodes`` flags, then the topology above when its innermost
+launcher is not Slurm itself, then Slurm's node variables (the node index is the launcher's, else
+``rank // local size`` when every node runs as many ranks).
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -58,25 +76,40 @@ class World:
         num_nodes: int | None = None,
         env: Mapping[str, str] | None = None,
     ) -> World:
-        """Resolve the topology; every explicit argument wins over detection."""
+        """Resolve the topology; every explicit argument wins over detection.
+
+        Raises :class:`UsageError` when the launchers' variables contradict each other, when a
+        launcher of several ranks gives no rank, or when ``world_size`` alone is given and differs
+        from the launcher's world size (the detected rank would then index another world).
+        """
         env = os.environ if env is None else env
         src = "explicit" if rank is not None or world_size is not None else "default"
         d_rank, d_world, d_lrank, d_lworld, d_node, d_nnodes = 0, 1, 0, 1, 0, 1
         detected = _from_torch() if env is os.environ else None
+        try:
+            env_topo = env_topology(env)
+        except UsageError:
+            if rank is None or world_size is None:
+                raise
+            env_topo = None  # the caller named its own world: the environment's contradictions are not its
         if detected is not None:
             d_rank, d_world = detected
             src = "torch.distributed" if src == "default" else src
-            env_topo = _from_env(env)
-            if env_topo is not None and env_topo[1] == d_world:
-                _, _, d_lrank, d_lworld, d_node, d_nnodes, _ = env_topo
+            if env_topo is not None and env_topo.world_size == d_world:
+                d_lrank, d_lworld, d_node, d_nnodes = env_topo.local_rank, env_topo.local_world_size, *env_topo.place
             else:
                 d_lworld, d_nnodes = d_world, 1
                 d_lrank = d_rank
-        else:
-            env_topo = _from_env(env)
-            if env_topo is not None:
-                d_rank, d_world, d_lrank, d_lworld, d_node, d_nnodes, name = env_topo
-                src = name if src == "default" else src
+        elif env_topo is not None:
+            d_rank, d_world, d_lrank, d_lworld = env_topo[:4]
+            d_node, d_nnodes = env_topo.place
+            src = env_topo.source if src == "default" else src
+        if rank is None and world_size is not None and world_size != d_world and (detected or env_topo):
+            said = "torch.distributed" if detected is not None else env_topo.variables if env_topo else ""
+            raise UsageError(
+                f"world_size={world_size} disagrees with the launcher's world of {d_world} ranks ({said}): "
+                f"drop world_size (or pass rank too), or start {world_size} ranks"
+            )
         r = d_rank if rank is None else rank
         w = d_world if world_size is None else world_size
         if (rank is not None or world_size is not None) and (local_world_size is None and d_world != w):
@@ -94,9 +127,10 @@ class World:
 
 
 def _from_torch() -> tuple[int, int] | None:
-    try:
-        import torch.distributed as dist  # noqa: PLC0415 (torch is imported only where a process group is used)
-    except ImportError:
+    """An initialised process group's (rank, size). torch is never imported for this: a process that
+    initialised a group has imported ``torch.distributed`` already (so the numpy loader stays torch-free)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None:
         return None
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -124,31 +158,164 @@ def parse_tasks_per_node(value: str) -> list[int]:
     return out
 
 
-def _from_env(env: Mapping[str, str]) -> tuple[int, int, int, int, int, int, str] | None:
-    rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
-    if rank is not None and world is not None:
-        lrank = _int(env, "LOCAL_RANK")
-        lworld = _int(env, "LOCAL_WORLD_SIZE")
-        lrank = rank if lrank is None else lrank
-        lworld = world if lworld is None else lworld
-        nnodes = max(1, world // max(lworld, 1))
-        node = _int(env, "GROUP_RANK")
-        node = rank // max(lworld, 1) if node is None else node
-        return rank, world, lrank, lworld, node, nnodes, "torchrun"
+# ---- the launchers' variables ------------------------------------------------------------------
+
+
+class Claim(NamedTuple):
+    """What one launcher's variables say: ``rank`` of ``world_size``, and what they know of the node
+    (None: not said). ``variables``: the names and values it was read from, for error messages."""
+
+    rank: int
+    world_size: int
+    local_rank: int | None
+    local_world_size: int | None
+    node: int | None
+    num_nodes: int | None
+    source: str
+    variables: str
+
+
+class Topology(NamedTuple):
+    """The launcher's topology: ``rank`` of ``world_size``, ``local_rank`` of ``local_world_size`` on
+    this node, ``node`` of ``num_nodes`` (None when the launcher does not say and nodes run unequal
+    numbers of ranks), ``source`` (``"torchrun"``, ``"horovod"``, ``"openmpi"``, ``"mpich"``,
+    ``"pmix"``, ``"slurm"``) and ``variables`` (the names and values it came from)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node: int | None
+    num_nodes: int | None
+    source: str
+    variables: str
+
+    @property
+    def place(self) -> tuple[int, int]:
+        """``(node, num_nodes)``, or ``(0, 1)`` when the node is unknown (the loader does not need it)."""
+        if self.node is None or self.num_nodes is None:
+            return 0, 1
+        return self.node, self.num_nodes
+
+
+def _shown(env: Mapping[str, str], *names: str) -> str:
+    return ", ".join(f"{n}={env[n]}" for n in names if env.get(n))
+
+
+def _claim(env: Mapping[str, str], source: str, rank_var: str, size_var: str, local: tuple[str, str],
+           *, node: tuple[str, str] | None = None) -> Claim | None:
+    """The claim of a launcher that sets ``rank_var``/``size_var``; a size over 1 without a rank is an error."""
+    rank, size = _int(env, rank_var), _int(env, size_var)
+    if rank is None:
+        if size is not None and size > 1:
+            raise UsageError(
+                f"{size_var}={size} says this process is one of {size} {source} ranks, but {rank_var} is not set: "
+                f"export {rank_var} (or unset {size_var}) so that the ranks do not all read the whole dataset"
+            )
+        return None
+    if size is None:
+        raise UsageError(f"{rank_var}={rank} is set but {size_var} is not: export {size_var} (the number of ranks)")
+    names = (rank_var, size_var, *local, *(node or ()))
+    n, nn = (_int(env, node[0]), _int(env, node[1])) if node else (None, None)
+    return Claim(rank, size, _int(env, local[0]), _int(env, local[1]), n, nn, source, _shown(env, *names))
+
+
+def _torchrun(env: Mapping[str, str]) -> Claim | None:
+    c = _claim(env, "torchrun", "RANK", "WORLD_SIZE", ("LOCAL_RANK", "LOCAL_WORLD_SIZE"))
+    if c is not None and _int(env, "GROUP_RANK") is not None:
+        lworld = c.local_world_size or c.world_size
+        c = c._replace(node=_int(env, "GROUP_RANK"), num_nodes=max(1, c.world_size // max(lworld, 1)))
+    return c
+
+
+def _horovod(env: Mapping[str, str]) -> Claim | None:
+    return _claim(env, "horovod", "HOROVOD_RANK", "HOROVOD_SIZE", ("HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"),
+                  node=("HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE"))
+
+
+def _openmpi(env: Mapping[str, str]) -> Claim | None:
+    return _claim(env, "openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                  ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"))
+
+
+def _mpich(env: Mapping[str, str]) -> Claim | None:
+    return _claim(env, "mpich", "PMI_RANK", "PMI_SIZE", ("MPI_LOCALRANKID", "MPI_LOCALNRANKS"))
+
+
+def _pmix(env: Mapping[str, str]) -> Claim | None:
+    """PMIx gives a rank only; the size is Open MPI's or PMI's, or Slurm's under ``srun --mpi=pmix``."""
+    rank = _int(env, "PMIX_RANK")
+    if rank is None:
+        return None
+    for size_var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        if (size := _int(env, size_var)) is not None:
+            return Claim(rank, size, None, None, None, None, "pmix", _shown(env, "PMIX_RANK", size_var))
+    if _int(env, "SLURM_PROCID") == rank and (size := _int(env, "SLURM_NTASKS")) is not None:
+        return Claim(rank, size, None, None, None, None, "pmix", _shown(env, "PMIX_RANK", "SLURM_NTASKS"))
+    raise UsageError(
+        f"PMIX_RANK={rank} is set but no world size (OMPI_COMM_WORLD_SIZE, PMI_SIZE, or SLURM_NTASKS with "
+        "SLURM_PROCID equal to it): export one of them, or unset PMIX_RANK"
+    )
+
+
+def _slurm(env: Mapping[str, str]) -> Claim | None:
     rank, world = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
-    if rank is not None and world is not None:
-        node = _int(env, "SLURM_NODEID") or 0
-        nnodes = _int(env, "SLURM_NNODES") or _int(env, "SLURM_JOB_NUM_NODES") or 1
-        lrank = _int(env, "SLURM_LOCALID")
-        lrank = 0 if lrank is None else lrank
-        tpn = env.get("SLURM_TASKS_PER_NODE") or env.get("SLURM_NTASKS_PER_NODE")
-        if tpn:
-            counts = parse_tasks_per_node(tpn)
-            lworld = counts[node] if node < len(counts) else counts[-1]
-        else:
-            lworld = max(1, world // nnodes)
-        return rank, world, lrank, lworld, node, nnodes, "slurm"
-    return None
+    if rank is None or world is None:
+        return None
+    node = _int(env, "SLURM_NODEID") or 0
+    nnodes = _int(env, "SLURM_NNODES") or _int(env, "SLURM_JOB_NUM_NODES") or 1
+    lrank = _int(env, "SLURM_LOCALID")
+    tpn = env.get("SLURM_TASKS_PER_NODE") or env.get("SLURM_NTASKS_PER_NODE")
+    if tpn:
+        counts = parse_tasks_per_node(tpn)
+        lworld = counts[node] if node < len(counts) else counts[-1]
+    else:
+        lworld = max(1, world // nnodes)
+    shown = _shown(env, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NNODES")
+    return Claim(rank, world, 0 if lrank is None else lrank, lworld, node, nnodes, "slurm", shown)
+
+
+# Innermost launcher first. The claims within one level describe the same processes and must agree.
+LAUNCHER_LEVELS: tuple[tuple[Callable[[Mapping[str, str]], Claim | None], ...], ...] = (
+    (_torchrun,),
+    (_horovod,),
+    (_openmpi, _mpich, _pmix),
+    (_slurm,),
+)
+
+
+def env_topology(env: Mapping[str, str] | None = None) -> Topology | None:
+    """The innermost launcher's topology from ``env`` (default ``os.environ``); None: no launcher.
+
+    Local rank and size come from the winning claim, else from an outer claim that numbers the same
+    ranks (``srun --mpi=pmix``: PMIx's rank, Slurm's node), else the whole world is taken for one node.
+    Raises :class:`UsageError` (one line, naming the variables) for disagreeing MPI variables or a
+    multi-rank launcher without a rank.
+    """
+    env = os.environ if env is None else env
+    claims: list[list[Claim]] = [[c for fn in level if (c := fn(env)) is not None] for level in LAUNCHER_LEVELS]
+    inner = next((level for level in claims if level), None)
+    if inner is None:
+        return None
+    first = inner[0]
+    for other in inner[1:]:
+        if (other.rank, other.world_size) != (first.rank, first.world_size):
+            raise UsageError(
+                f"launcher variables disagree: {first.variables} vs {other.variables}; "
+                "unset the ones left over from another launcher"
+            )
+    return _merge(first, [c for level in claims for c in level if (c.rank, c.world_size) == first[:2]])
+
+
+def _merge(first: Claim, same: list[Claim]) -> Topology:
+    """``first``'s rank and size, with the local and node facts of the first claim (of ``same``) that has them."""
+    local = next(((c.local_rank, c.local_world_size) for c in same if c.local_world_size is not None), None)
+    lrank, lworld = local if local is not None else (first.local_rank, first.world_size)
+    lrank = first.rank if lrank is None else lrank
+    node, nnodes = next(((c.node, c.num_nodes) for c in same if c.node is not None and c.num_nodes), (None, None))
+    if node is None and first.world_size % max(lworld, 1) == 0:
+        node, nnodes = first.rank // max(lworld, 1), first.world_size // max(lworld, 1)
+    return Topology(first.rank, first.world_size, lrank, lworld, node, nnodes, first.source, first.variables)
 
 
 def expand_hostlist(expr: str) -> list[str]:
@@ -173,7 +340,8 @@ def expand_hostlist(expr: str) -> list[str]:
 
 class NodeIdentity(NamedTuple):
     """This node's place in the job: ``node`` of ``num_nodes``, ``ranks_per_node`` training ranks on it,
-    and ``origin``, where that came from (``"flags"``, ``"slurm"``, or :attr:`World.source`).
+    and ``origin``, where that came from (``"flags"``, ``"slurm"``, ``"default"``, or
+    :attr:`Topology.source`).
 
     A tuple, so ``node, num_nodes, ranks_per_node, origin = resolve_node(...)`` keeps working.
     """
@@ -190,13 +358,15 @@ def resolve_node(
     ranks_per_node: int | None = None,
     env: Mapping[str, str] | None = None,
 ) -> NodeIdentity:
-    """Node identity: the flags (``node`` and ``num_nodes`` together), else Slurm (``SLURM_NODEID`` of
-    ``SLURM_NNODES``), else torchrun (:meth:`World.detect`). ``ranks_per_node``, when not given, comes
-    from ``SLURM_NTASKS_PER_NODE``/``SLURM_TASKS_PER_NODE`` (this node's entry), else ``LOCAL_WORLD_SIZE``,
-    else 1. Raises :class:`UsageError` for half-given flags, an index out of range, or non-integer
-    variables.
+    """Node identity: the flags (``node`` and ``num_nodes`` together), else the launcher's topology
+    (:func:`env_topology`) when a launcher inside Slurm started this process (torchrun, Horovod, MPI),
+    else Slurm (``SLURM_NODEID`` of ``SLURM_NNODES``, also without a task rank), else one node.
+    ``ranks_per_node``, when not given, comes from ``SLURM_NTASKS_PER_NODE``/``SLURM_TASKS_PER_NODE``
+    (this node's entry), else ``LOCAL_WORLD_SIZE``, else the launcher's local size, else 1. Raises
+    :class:`UsageError` for half-given flags, an index out of range, non-integer or contradictory
+    variables, or an MPI layout with unequal ranks per node (pass the flags).
     """
-    env = dict(os.environ if env is None else env)  # a copy: World.detect then skips importing torch
+    env = os.environ if env is None else env
 
     def ranks_on(n: int) -> int:
         if ranks_per_node is not None:
@@ -205,7 +375,10 @@ def resolve_node(
         if tpn:
             counts = parse_tasks_per_node(tpn)
             return counts[n] if n < len(counts) else counts[-1]
-        return _int(env, "LOCAL_WORLD_SIZE") or 1
+        if (local := _int(env, "LOCAL_WORLD_SIZE")) is not None:
+            return local
+        topo = env_topology(env)  # e.g. mpirun inside the allocation: Open MPI's local size
+        return topo.local_world_size if topo is not None else 1
 
     if node is not None or num_nodes is not None:
         if node is None or num_nodes is None:
@@ -213,10 +386,21 @@ def resolve_node(
         if not 0 <= node < num_nodes:
             raise UsageError(f"--node {node} out of range for --num-nodes {num_nodes}")
         return NodeIdentity(node, num_nodes, ranks_on(node), "flags")
+    topo = env_topology(env)
     s_node, s_nodes = _int(env, "SLURM_NODEID"), _int(env, "SLURM_NNODES") or _int(env, "SLURM_JOB_NUM_NODES")
-    if s_node is not None and s_nodes is not None:
+    # Slurm's node variables count only when Slurm started this process (or agrees with the launcher
+    # that did): under `mpirun` in a batch script they are the batch step's or the MPI daemons' step's,
+    # e.g. SLURM_NODEID=0 of SLURM_NNODES=1 on every node but the first (seen on the test cluster).
+    inner = topo is not None and topo.source != "slurm"
+    if s_node is not None and s_nodes is not None and not inner:
         if not 0 <= s_node < s_nodes:
             raise UsageError(f"SLURM_NODEID={s_node} out of range for {s_nodes} nodes")
         return NodeIdentity(s_node, s_nodes, ranks_on(s_node), "slurm")
-    w = World.detect(env=env)
-    return NodeIdentity(w.node, w.num_nodes, ranks_per_node or w.local_world_size, w.source)
+    if topo is None:
+        return NodeIdentity(0, 1, ranks_per_node or 1, "default")
+    if topo.node is None or topo.num_nodes is None:
+        raise UsageError(
+            f"{topo.variables}: the nodes run unequal numbers of ranks, so this node's index cannot be derived; "
+            "pass --node and --num-nodes"
+        )
+    return NodeIdentity(topo.node, topo.num_nodes, ranks_per_node or topo.local_world_size, topo.source)

@@ -124,14 +124,17 @@ def _src_reads(tmp: Path, n: int) -> dict[str, int]:
 def test_four_nodes_read_src_once_and_end_identical(packed: Path, tmp_path: Path) -> None:
     m = load_manifest(packed)
     n = 4
+    data = m.num_bytes  # what the collective moves: shards (the manifest and sample index are read per node)
     results = _finish(_launch(tmp_path, f"countfs://{packed}", n))
     for rc, res, err in results:
         assert rc == 0, err
         assert res["collective"] and res["fallback"] is None
-        assert res["totals"]["src_bytes"] == m.num_bytes
-        assert res["totals"]["exchange_bytes"] == (n - 1) * m.num_bytes
-    # Independent count: every shard byte left SRC exactly once across the four nodes.
+        assert res["totals"]["src_bytes"] == data
+        assert res["totals"]["exchange_bytes"] == (n - 1) * data
+    # Independent count: every shard byte left SRC exactly once across the four nodes; the sample
+    # index, like the manifest, is read by every node.
     reads = _src_reads(tmp_path, n)
+    assert m.index is not None and reads.pop(m.index.name) == n * m.index.bytes
     assert {k: v for k, v in reads.items() if k != "manifest.json"} == {s.name: s.bytes for s in m.shards}
     # Every DEST verified, identical to SRC, with a collective receipt and no partial files.
     for i in range(n):
@@ -146,7 +149,7 @@ def test_four_nodes_read_src_once_and_end_identical(packed: Path, tmp_path: Path
         assert not list(dest.glob("*.partial"))
     # The read shares are disjoint and cover the dataset: per-node SRC bytes add up.
     per_node = sorted(r["src_bytes"] for _, r, _ in results)
-    assert sum(per_node) == m.num_bytes and per_node[0] > 0
+    assert sum(per_node) == data and per_node[0] > 0
 
 
 def test_partition_each_node_holds_its_share(packed: Path, tmp_path: Path) -> None:

@@ -132,7 +132,7 @@ class TestFormatConformance:
         assert all(same_payload(a.data, b.data) for a, b in zip(got, samples, strict=True))
         assert m.num_samples == 23 and m.shards[0].keys == [s.key for s in samples]
         # Nothing but the shard, its companions and the manifest is left behind.
-        expected = {m.shards[0].name, "manifest.json", *(a.name for a in m.shards[0].aux)}
+        expected = {m.shards[0].name, "manifest.json", m.index.name, *(a.name for a in m.shards[0].aux)}
         assert {p.name for p in tmp_path.iterdir()} == expected
 
     def test_read_positions_in_any_order(self, fmt: str, tmp_path: Path) -> None:

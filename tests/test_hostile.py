@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from stager.checksum import hash_file
-from stager.manifest import Manifest, ShardInfo
+from stager.manifest import Manifest, ShardInfo, load_manifest
 from tools.faults import harness as h
 from tools.faults.tally import record
 
@@ -228,7 +228,7 @@ def test_member_not_matching_index(tmp_path: Path) -> None:
 def test_shard_names_with_separators(tmp_path: Path, bad: str) -> None:
     sb = Sandbox(tmp_path)
     src = hostile_tar_pack(tmp_path / "src", [])
-    m = Manifest.from_bytes((src / "manifest.json").read_bytes())
+    m = load_manifest(src).detached()
     m.shards[0].name = bad
     (src / "manifest.json").write_bytes(m.to_bytes())  # a valid digest over the hostile body
     run_case("manifest shard name with a path separator / .. / reserved name", sb, src,
@@ -242,7 +242,7 @@ def test_companion_name_escaping(tmp_path: Path) -> None:
 
     sb = Sandbox(tmp_path)
     src = hostile_tar_pack(tmp_path / "src", [])
-    m = Manifest.from_bytes((src / "manifest.json").read_bytes())
+    m = load_manifest(src).detached()
     m.shards[0].aux = [AuxFile("../../evil.idx", 4, "00")]
     (src / "manifest.json").write_bytes(m.to_bytes())
     run_case("manifest shard name with a path separator / .. / reserved name", sb, src,
@@ -253,7 +253,7 @@ def test_companion_name_escaping(tmp_path: Path) -> None:
 def test_hostile_class_names(tmp_path: Path, cls: str) -> None:
     sb = Sandbox(tmp_path)
     src = hostile_tar_pack(tmp_path / "src", [])
-    m = Manifest.from_bytes((src / "manifest.json").read_bytes())
+    m = load_manifest(src).detached()
     m.classes = [cls]
     (src / "manifest.json").write_bytes(m.to_bytes())
     run_case("manifest class name escaping the unpack tree", sb, src, UNPACK_AND_VERIFY[:2])
@@ -264,7 +264,7 @@ def test_enormous_declared_shard_size(tmp_path: Path) -> None:
     """A manifest claiming a 1 EB shard: stage refuses before copying (no space), verify by size."""
     sb = Sandbox(tmp_path)
     src = hostile_tar_pack(tmp_path / "src", [])
-    m = Manifest.from_bytes((src / "manifest.json").read_bytes())
+    m = load_manifest(src).detached()
     m.shards[0].bytes = 1 << 60
     (src / "manifest.json").write_bytes(m.to_bytes())
     sb.freeze()

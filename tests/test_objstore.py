@@ -180,7 +180,9 @@ def test_pack_to_s3_then_verify_inspect_stage_and_load(imagenet_tiny: Path, loca
     local = load_manifest(local_pack)
     assert [(s.name, s.bytes, s.hash) for s in m.shards] == [(s.name, s.bytes, s.hash) for s in local.shards]
     listed = _fs(moto.endpoint).ls(f"{bucket}/ds", refresh=True)
-    assert sorted(p.rsplit("/", 1)[1] for p in listed) == sorted([*(s.name for s in m.shards), "manifest.json"])
+    assert m.index is not None
+    assert sorted(p.rsplit("/", 1)[1] for p in listed) == sorted([*(s.name for s in m.shards), m.index.name,
+                                                                  "manifest.json"])
 
     r = _cli(["verify", url, "--deep", "--json", *so], env)
     assert r.returncode == 0 and json.loads(r.stdout)["ok"], r.stderr
@@ -391,7 +393,8 @@ def test_pack_to_s3_killed_mid_upload_resumes_and_readers_never_see_a_partial_pa
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["reused_shards"] == 3
     names = {p.rsplit("/", 1)[1] for p in fs.find(f"{bucket}/ds")}
-    assert names == {*(s.name for s in load_manifest(local_pack).shards), "manifest.json"}, "state objects removed"
+    lm = load_manifest(local_pack)
+    assert names == {*(s.name for s in lm.shards), lm.index.name, "manifest.json"}, "state objects removed"  # type: ignore[union-attr]
     m = load_manifest(url)
     assert [(s.name, s.hash) for s in m.shards] == [(s.name, s.hash) for s in load_manifest(local_pack).shards]
     assert verify(url).ok

@@ -19,6 +19,7 @@ import pytest
 
 from stager.formats import FORMAT_NAMES
 from stager.manifest import load_manifest
+from stager.pack.state import DONE_SUFFIX
 from tools.datagen import png_bytes
 
 
@@ -60,7 +61,7 @@ def test_pack_inspect_verify_json(imagenet_tiny: Path, tmp_path: Path) -> None:
     human = stager("inspect", out).stdout
     assert "record pack, 24 samples" in human and info["shard_table"][0]["name"] in human
     v = json.loads(stager("verify", out, "--deep", "--json").stdout)
-    assert v["ok"] and v["files"] == 2 * res["shards"]
+    assert v["ok"] and v["files"] == 2 * res["shards"] + 1  # shards, their .idx, the sample index
 
 
 def test_verify_names_each_bad_file_and_exits_3(imagenet_tiny: Path, tmp_path: Path) -> None:
@@ -82,7 +83,7 @@ def test_verify_names_each_bad_file_and_exits_3(imagenet_tiny: Path, tmp_path: P
     # Deep verification catches an index that no longer matches the container even when hashes do.
     out2 = tmp_path / "o2"
     stager("pack", imagenet_tiny, out2, "--format", "hdf5", "-q")
-    m2 = load_manifest(out2)
+    m2 = load_manifest(out2).detached()
     m2.shards[0].labels[3] = (m2.shards[0].labels[3] + 1) % len(m2.classes)
     m2.write(out2)
     assert stager("verify", out2).returncode == 0
@@ -124,8 +125,8 @@ def test_resume_after_kill_9(tmp_path: Path, fmt: str) -> None:
     deadline = time.monotonic() + 120
     # Kill as soon as the first shard is complete (its done-record exists), mid-way through 300.
     while time.monotonic() < deadline and proc.poll() is None:
-        # Done-records are published atomically: a *.json name (not *.partial) means complete.
-        if state.is_dir() and any(p.name.endswith(".json") and p.name != "plan.json" for p in state.iterdir()):
+        # Done-records are published atomically: a *.done name (not *.partial) means complete.
+        if state.is_dir() and any(p.name.endswith(DONE_SUFFIX) for p in state.iterdir()):
             break
         time.sleep(0.002)
     os.kill(proc.pid, signal.SIGKILL)
@@ -207,7 +208,7 @@ def test_rerun_of_a_complete_pack_clears_state_left_by_a_late_kill(imagenet_tiny
     """A kill between writing manifest.json and removing .stager-pack leaves the state directory
     and possibly a stale partial; the rerun finds the pack complete and must still clear them."""
     from stager.pack.api import pack
-    from stager.pack.shard import STATE_DIR
+    from stager.pack.state import STATE_DIR
 
     out = tmp_path / "o"
     pack(imagenet_tiny, out, "tar", samples_per_shard=8)

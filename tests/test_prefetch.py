@@ -267,7 +267,8 @@ def _local_bytes(dest: Path) -> int:
     total = 0
     with os.scandir(dest) as it:
         for e in it:
-            if e.name.startswith(("manifest.json", ".stager")):  # the manifest (or its .partial), state
+            # The manifest and the sample index (or their .partial files), state: metadata, not the budget's.
+            if e.name.startswith(("manifest.json", ".stager", "index-", "index.sidx")):
                 continue
             try:
                 if e.is_file(follow_symlinks=False):

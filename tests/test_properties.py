@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stager.errors import StagerError
-from stager.manifest import Manifest, ShardInfo
+from stager.manifest import Manifest, ShardInfo, load_manifest
 from tools.faults import fuzz
 from tools.faults import harness as h
 from tools.faults.tally import record
@@ -38,7 +38,7 @@ SETTINGS = settings(max_examples=EXAMPLES, deadline=dt.timedelta(seconds=5), der
 TAR = fuzz.valid_tar()
 REC, IDX = fuzz.valid_record()
 PAYLOADS = fuzz.record_payloads(REC)
-MANIFEST = fuzz.valid_manifest()
+MANIFEST, _, SAMPLE_INDEX = fuzz.valid_manifest()
 RECEIPT = fuzz.valid_receipt()
 
 
@@ -150,16 +150,26 @@ def test_manifest_fields_resigned() -> None:
     prop("manifest, mutated fields re-signed with a valid digest", gen, bounded(fuzz.trial_manifest))
 
 
+def test_sample_index_arbitrary_bytes() -> None:
+    prop("sample index, arbitrary bytes", st.binary(max_size=2048), bounded(fuzz.trial_sample_index))
+
+
+def test_sample_index_mutated() -> None:
+    prop("sample index, mutated bytes", mutated(SAMPLE_INDEX), bounded(fuzz.trial_sample_index))
+
+
 def test_manifest_arbitrary_json_resigned() -> None:
     from stager.manifest import _digest_of
 
     json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
                                lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=3),
                                max_leaves=12)
-    body = st.fixed_dictionaries({"schema": st.just("stager.manifest/1"), "format": st.sampled_from(["tar", "x"]),
+    body = st.fixed_dictionaries({"schema": st.sampled_from(["stager.manifest/1", "stager.manifest/2"]),
+                                  "format": st.sampled_from(["tar", "x"]),
                                   "hash_algo": st.just("xxh3_128"), "classes": json_values,
                                   "shards": st.lists(st.dictionaries(st.sampled_from(
-                                      ["name", "samples", "bytes", "hash", "index", "aux"]), json_values), max_size=3)})
+                                      ["name", "samples", "bytes", "hash", "index", "aux"]), json_values), max_size=3),
+                                  "index": json_values})
 
     def check(b: dict[str, Any], tmp: Path) -> None:
         b["digest"] = _digest_of(b)
@@ -181,8 +191,11 @@ def test_manifest_round_trip() -> None:
             infos.append(ShardInfo(f"shard-{i:05d}.tar", max(nbytes, n), "ab", keys, np.zeros(n, np.int64),
                                    offsets, sizes))
         m = Manifest(format="tar", classes=["c"], shards=infos)
-        back = Manifest.from_bytes(m.to_bytes())
-        assert back.digest == m.digest and [s.keys for s in back.shards] == [s.keys for s in infos]
+        d = tempfile.mkdtemp(dir=tmp)
+        m.write(d)
+        back = load_manifest(d)
+        assert back.digest == m.digest and [list(s.keys) for s in back.shards] == [s.keys for s in infos]
+        assert all(np.array_equal(a.offsets, b.offsets) for a, b in zip(back.shards, infos, strict=True))
 
     prop("manifest, valid manifests round-trip", st.lists(shard, max_size=4), check)
 

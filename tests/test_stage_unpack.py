@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from stager.checksum import hash_file
-from stager.manifest import Manifest, ShardInfo
+from stager.manifest import Manifest, ShardInfo, load_manifest
 from stager.pack import pack
 from stager.receipt import find_staged_copy, load_receipt
 from stager.stage import stage
@@ -54,7 +54,7 @@ def test_unpack_only_streams_from_source_and_keeps_no_shards(packed_tar: Path, i
     res = stage(packed_tar, dest, unpack="only", unpack_dir="train")
     assert _tree(dest / "train") == _tree(imagenet_tiny)
     assert not list(dest.glob("shard-*"))
-    m = Manifest.from_bytes((packed_tar / "manifest.json").read_bytes())
+    m = load_manifest(packed_tar).detached()
     # The loader must not mistake an unpack-only DEST for a staged shard copy.
     assert find_staged_copy(m, [dest]) is None
     assert res.unpacked_files == m.num_samples
@@ -164,7 +164,7 @@ def test_hostile_members_are_refused_and_nothing_escapes(tmp_path: Path, kind: s
 
 def test_hostile_class_name_is_refused(tmp_path: Path) -> None:
     src, _ = _hostile_shard(tmp_path, "oversize")
-    m = Manifest.from_bytes((src / "manifest.json").read_bytes())
+    m = load_manifest(src).detached()
     m.classes = ["../up"]
     m.shards[0].sizes[1] = 100
     m.digest = ""
@@ -192,7 +192,6 @@ def test_cifar_pack_unpacks_with_distinct_names_and_cleans(cifar_tiny: Path, tmp
     import subprocess
     import sys
 
-    from stager.manifest import load_manifest
 
     out, dest = tmp_path / "p", tmp_path / "d"
 

@@ -19,4 +19,16 @@ if command -v npm >/dev/null 2>&1 && [ ! -x "$VENV/azurite/node_modules/.bin/azu
   npm install --prefix "$VENV/azurite" --no-audit --no-fund --silent azurite@3 >/dev/null 2>&1 \
     || echo "setup: azurite could not be installed with npm; the Azure tests will be skipped"
 fi
+# Open MPI's mpirun for tests/test_mpi.py (Debian's openmpi-bin; root and apt only). Without it,
+# those tests skip with one line saying how to install it.
+if ! command -v mpirun >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    { DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends openmpi-bin >/dev/null 2>&1 \
+      || { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive \
+           apt-get install -y -q --no-install-recommends openmpi-bin >/dev/null 2>&1; }; } \
+      || echo "setup: openmpi-bin could not be installed with apt; the mpirun tests will be skipped"
+  else
+    echo "setup: no mpirun (apt-get install -y openmpi-bin as root); the mpirun tests will be skipped"
+  fi
+fi
 echo "setup: $("$VENV/bin/python" -c 'import torch, stager; print("torch", torch.__version__, "stager", stager.__version__)')"

@@ -7,6 +7,7 @@ Launch it any of these ways (docs/training.md has the details)::
     torchrun --nproc-per-node 4 tools/train.py --data /lustre/ds/packed    # one node
     srun --ntasks-per-node 4 python tools/train.py --data ...               # one task per GPU
     srun --ntasks-per-node 4 python tools/train.py --independent --lr 0.05,0.1,0.2,0.4 ...
+    horovodrun -np 4 python tools/train.py --dist horovod --data ...       # Horovod (gloo or MPI)
 
 Recipe (Goyal et al. 2017): SGD momentum 0.9, LR = lr * global_batch / 256 with linear warmup,
 step or cosine decay, optional nesterov / label smoothing / no decay on BN and bias, bf16 autocast
@@ -128,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="each local rank trains its own model (no DDP) on the full data; comma lists of "
                    f"{', '.join('--' + k.replace('_', '-') for k in SWEEP_FLAGS)} give one value per local rank")
     r.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    r.add_argument("--dist", choices=("torch", "horovod"), default="torch",
+                   help="torch: DDP over a torch.distributed group; horovod: hvd.DistributedOptimizer "
+                   "(start with horovodrun, or mpirun/srun --mpi)")
     r.add_argument("--dump-keys", metavar="DIR",
                    help="debug: append each rank's sample keys per step to DIR/keys-rank<R>.jsonl")
     return p
@@ -220,12 +224,19 @@ class Trainer:
             model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
         self.raw_model = model
         self.model: nn.Module = model
-        if info.distributed:
+        if info.distributed and info.backend != "horovod":
             self.model = nn.parallel.DistributedDataParallel(model, device_ids=[dev.index] if cuda else None)
         self.optimizer = torch.optim.SGD(
             param_groups(model, args.weight_decay, args.no_bn_decay),
             lr=args.lr, momentum=args.momentum, nesterov=args.nesterov,
         )
+        if info.backend == "horovod":
+            import horovod.torch as hvd
+
+            # Gradients averaged over ranks at the last of accum_steps backward passes (as DDP's no_sync).
+            self.optimizer = hvd.DistributedOptimizer(self.optimizer, named_parameters=model.named_parameters(),
+                                                      backward_passes_per_step=args.accum_steps)
+            hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         self.global_batch = args.batch_size * info.world_size * args.accum_steps
         self.steps_per_epoch = len(self.train_source) // args.accum_steps
         if self.steps_per_epoch < 1:
@@ -347,7 +358,7 @@ class Trainer:
             lr = self.schedule(self.step)
             for g in self.optimizer.param_groups:
                 g["lr"] = lr
-            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad()  # set_to_none: the default since torch 2.0 (horovod's wrapper takes no argument)
             step_keys: list[str] = []
             masked_keys: list[str] = []
             step_loss = torch.zeros((), device=info.device)
@@ -588,7 +599,12 @@ def main(argv: list[str] | None = None) -> int:
         torch.backends.cudnn.benchmark = False
     else:
         torch.backends.cudnn.benchmark = True
-    info = tdist.setup(independent=args.independent, device=args.device)
+    if args.dist == "horovod":
+        if args.independent:
+            raise SystemExit("train.py: error: --independent trains without a group; drop --dist horovod")
+        info = tdist.setup_horovod(device=args.device)
+    else:
+        info = tdist.setup(independent=args.independent, device=args.device)
     install_stop_handlers()
     try:
         summary = train(args, info)
@@ -605,7 +621,7 @@ def main(argv: list[str] | None = None) -> int:
         # The trainer (and DDP's reducer holding the process group) is gone once train() returned;
         # collect it before tearing the group down, not during interpreter shutdown.
         gc.collect()
-        tdist.cleanup()
+        tdist.cleanup(info)
 
 
 if __name__ == "__main__":

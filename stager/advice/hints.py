@@ -100,7 +100,7 @@ def hints(path: str | os.PathLike[str], *, dest: str | None = None, nodes: int |
         m = load_manifest(p)
         sizes = np.asarray([s.bytes for s in m.shards], dtype=np.int64)
         samples = m.num_samples
-        need = m.num_bytes
+        need = m.copy_bytes
     else:
         sizes = _walk_sizes(p) if os.path.isdir(p) else np.asarray([os.path.getsize(p)], dtype=np.int64)
         samples = len(sizes)

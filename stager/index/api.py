@@ -43,7 +43,7 @@ from stager.index.record import scan_record
 from stager.index.recordio import scan_recordio
 from stager.index.scan import DamagedShardError, ShardScan
 from stager.index.tar import scan_tar
-from stager.manifest import MANIFEST_NAME, AuxFile, Manifest, ShardInfo, load_manifest
+from stager.manifest import INDEX_PARTIAL_BASE, MANIFEST_NAME, AuxFile, Manifest, ShardInfo, load_manifest
 from stager.progress import Progress
 
 # scan(path, name, image_key, label_key, hash algo, **IndexOptions.scan_extras(kind)) -> ShardScan
@@ -160,7 +160,7 @@ def _check_out(out_dir: Path, in_place: bool, directory: str) -> None:
             prev = None
         if prev is not None and not prev.indexed:
             raise DestinationError(f"{out_dir}: holds a `stager pack` output; index into another directory (--out)")
-    remove_partials(out_dir, [MANIFEST_NAME])
+    remove_partials(out_dir, [MANIFEST_NAME, INDEX_PARTIAL_BASE])
 
 
 def _identity(path: str, storage_options: dict[str, Any] | None) -> tuple[int, int]:

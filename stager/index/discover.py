@@ -14,10 +14,10 @@ from stager.formats.recordio import MAGIC_BYTES
 from stager.fs.open import is_url, join
 from stager.index import remote
 from stager.index.options import KINDS, SUFFIXES
-from stager.manifest import MANIFEST_NAME, check_safe_name
+from stager.manifest import INDEX_SUFFIX, MANIFEST_NAME, check_safe_name
 
 STATE_DIR = ".stager-index"  # per-shard scan results of an unfinished run (resume)
-_IGNORED_SUFFIXES = (".idx", ".json", ".txt", ".md", ".partial", ".lock", ".csv", "-lock", ".lst")
+_IGNORED_SUFFIXES = (".idx", ".json", ".txt", ".md", ".partial", ".lock", ".csv", INDEX_SUFFIX, "-lock", ".lst")
 _IGNORED_NAMES = (MANIFEST_NAME, "lock.mdb")  # an LMDB's lock file is not data (read-only staging needs none)
 
 

@@ -1,4 +1,4 @@
-"""Shuffled, rank-partitioned, resumable batches for PyTorch DDP (docs/loader.md).
+"""Shuffled, rank-partitioned, resumable batches for PyTorch DDP, and as numpy arrays for TF/Keras/JAX (docs/loader.md).
 
 ``make_loader(path, batch_size, ...)`` reads a packed directory (local path or fsspec URL; any of
 the four formats), its staged node-local copy when ``stager stage`` made one, or a plain ImageFolder
@@ -11,19 +11,41 @@ Modules: :mod:`.options` (``LoaderOptions``: every setting, validated once), :mo
 :mod:`.shm` (batches in shared memory), :mod:`.transforms`, :mod:`.state` (``LoaderState``),
 :mod:`.stats`, :mod:`.loader` (``Loader``), :mod:`.persistent` (DataLoader workers kept across
 epochs). The order itself (epoch plan, read schedule) is :mod:`stager.order`'s, pure numpy.
+
+Without torch: :mod:`.rank` (``RankDataset``, the plan-read-decode-assemble core both transports
+run), :mod:`.assemble`, :mod:`.base` (``LoaderBase``: epochs, counting, resume, stats), and
+:mod:`.numpy_loader` (``make_numpy_loader``: numpy batches from multiprocessing workers), with
+:mod:`.keras` (``KerasBatches``, a ``keras.utils.PyDataset``) and :mod:`.tfdata` (``tf_dataset``) on
+top. So this package imports torch only when a torch name (``make_loader``, ``Loader``,
+``ShardedDataset``) is first used: ``import stager.loader.numpy_loader`` works where torch is absent.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from stager.loader.dataset import ShardedDataset
-from stager.loader.loader import Loader
 from stager.loader.options import LoaderOptions
 from stager.loader.state import LoaderState
 
-__all__ = ["Loader", "LoaderOptions", "LoaderState", "ShardedDataset", "make_loader"]
+if TYPE_CHECKING:
+    from stager.loader.dataset import ShardedDataset
+    from stager.loader.loader import Loader
+    from stager.loader.numpy_loader import NumpyLoader, make_numpy_loader
+
+__all__ = ["Loader", "LoaderOptions", "LoaderState", "NumpyLoader", "ShardedDataset", "make_loader",
+           "make_numpy_loader"]
+
+# The names whose modules import torch (or, for the numpy loader, multiprocessing), loaded on first use.
+_LAZY = {"Loader": "stager.loader.loader", "ShardedDataset": "stager.loader.dataset",
+         "NumpyLoader": "stager.loader.numpy_loader", "make_numpy_loader": "stager.loader.numpy_loader"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'stager.loader' has no attribute {name!r}")
 
 
 def make_loader(
@@ -95,4 +117,7 @@ def make_loader(
         use_mmap=use_mmap,
         persistent_workers=persistent_workers,
     )
+    from stager.loader.dataset import ShardedDataset  # noqa: PLC0415 (torch only where its loader is used)
+    from stager.loader.loader import Loader  # noqa: PLC0415 (as above)
+
     return Loader(ShardedDataset(path, options))

@@ -19,19 +19,22 @@ batch travels as a name and reaches the main process as a tensor over the slot; 
 then arrive as ``image_nhwc`` and :func:`finish_batch` permutes them); for a ``ShardedDataset`` in
 a user's own DataLoader, as torch shared tensors.
 
-Every batch also carries ``key`` (list[str]) and ``label`` (int64 tensor, shape (B,)).
+Every batch also carries ``key`` (list[str]) and ``label`` (int64 tensor, shape (B,)). The copying
+itself is :mod:`stager.loader.assemble`'s, shared with the numpy transport.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
+from stager.loader.assemble import byte_views, copy_images, copy_raw, image_shape, raw_offsets, raw_views
 from stager.loader.shm import WorkerRing
+
+__all__ = ["finish_batch", "pack_raw", "raw_views", "stack_images"]
 
 
 def _empty(shape: tuple[int, ...], shared: bool) -> torch.Tensor:
@@ -54,10 +57,7 @@ def stack_images(items: Sequence[Any], shared: bool = False, ring: WorkerRing | 
     """
     if not items:
         return torch.zeros((0, 3, 0, 0), dtype=torch.uint8)
-    first = np.asarray(items[0])
-    if first.ndim == 2:
-        first = first[:, :, None]
-    h, w, c = first.shape
+    h, w, c = image_shape(items)
     ref = None
     if ring is not None:
         flat, ref = ring.acquire(len(items) * h * w * c, (len(items), h, w, c))
@@ -65,13 +65,7 @@ def stack_images(items: Sequence[Any], shared: bool = False, ring: WorkerRing | 
     else:
         out = _empty((len(items), h, w, c), shared)
         dst = out.numpy()
-    for i, it in enumerate(items):
-        a = np.asarray(it)
-        if a.ndim == 2:
-            a = a[:, :, None]
-        if a.shape != (h, w, c):
-            raise ValueError(f"sample {i} has shape {a.shape}, expected {(h, w, c)}: use a transform with a fixed size")
-        dst[i] = a
+    copy_images(items, dst)
     if ref is not None:
         return ref
     return out.permute(0, 3, 1, 2)
@@ -84,10 +78,8 @@ def pack_raw(items: Sequence[Any], shared: bool = False, ring: WorkerRing | None
     slot holding the payloads (a uint8 tensor once received). ``offsets`` is an int64 array of
     shape (B + 1,) (a tensor only after :func:`finish_batch`). One ``memcpy`` per payload.
     """
-    views = [it if isinstance(it, memoryview) else memoryview(it) for it in items]
-    views = [v if v.format == "B" and v.ndim == 1 else v.cast("B") for v in views]
-    offsets = np.zeros(len(views) + 1, dtype=np.int64)
-    np.cumsum([len(v) for v in views], out=offsets[1:])
+    views = byte_views(items)
+    offsets = raw_offsets(views)
     total = int(offsets[-1])
     data: Any
     if ring is not None:
@@ -95,9 +87,7 @@ def pack_raw(items: Sequence[Any], shared: bool = False, ring: WorkerRing | None
     else:
         data = _empty((total,), shared)
         flat = data.numpy()
-    dst = memoryview(flat.data).cast("B") if total else memoryview(b"")
-    for v, a, b in zip(views, offsets[:-1].tolist(), offsets[1:].tolist(), strict=True):
-        dst[a:b] = v
+    copy_raw(views, offsets, flat)
     return data, offsets
 
 
@@ -111,12 +101,3 @@ def finish_batch(batch: dict[str, Any]) -> dict[str, Any]:
     if "data" in batch:
         batch["image"] = raw_views(batch["data"], batch["offsets"])
     return batch
-
-
-def raw_views(data: torch.Tensor, offsets: torch.Tensor) -> list[memoryview]:
-    """Per-sample ``memoryview`` slices of a raw batch buffer (no copy)."""
-    off = offsets.tolist()
-    if not off or off[-1] == 0:
-        return [memoryview(b"")] * max(0, len(off) - 1)
-    mv = memoryview(data.numpy().data).cast("B")
-    return [mv[a:b] for a, b in itertools.pairwise(off)]

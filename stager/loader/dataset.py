@@ -1,137 +1,53 @@
 """``ShardedDataset``: a torch IterableDataset that yields whole batches of one rank's epoch plan.
 
-Each DataLoader worker ``k`` of ``W`` produces the rank's batches ``k, k + W, ...`` (torch's
-in-order round robin then hands them out as batches ``0, 1, 2, ...``): its
-:class:`~stager.order.epoch.WorkerPlan` says which samples in which order, its
-:class:`~stager.order.reads.WorkerReads` which shard segments it reads while loading which batch
-(one read each, front to back), and a :mod:`stager.loader.fetch` fetcher makes those reads and
-hands out the payloads the shuffle buffer emits. Use it with ``DataLoader(ds, batch_size=None,
-num_workers=W)``, or let :func:`stager.loader.make_loader` do that.
-
-Construction, in phases: resolve the path (a staged copy? :func:`~stager.loader.access.resolve`),
-the topology (:class:`~stager.world.World`), the run layout (:func:`run_size`), the ranks this rank
-plans with (:class:`PlanGroup`: everyone, or the node's ranks on a node-partitioned staged copy),
-then a size check of the shards it will read.
+It is :class:`~stager.loader.rank.RankDataset` (the plan, the reads, decoding and assembly: no
+torch) run by torch's DataLoader: DataLoader worker ``k`` of ``W`` yields worker stream ``k``'s
+batches (:meth:`~stager.loader.rank.RankDataset.worker_batches`), and torch's in-order round robin
+hands them out as batches ``0, 1, 2, ...``. Here the decoded images become (B, C, H, W) uint8
+tensors in channels-last memory, built in shared memory (:mod:`stager.loader.batching`, the
+:mod:`stager.loader.shm` rings). Use it with ``DataLoader(ds, batch_size=None, num_workers=W)``, or
+let :func:`stager.loader.make_loader` do that.
 """
 
 from __future__ import annotations
 
-import os
-import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
-from stager.errors import CorruptSampleError, UsageError
-from stager.fs.info import detect_fs
-from stager.loader.access import Resolved, ShardAccess, check_shards, resolve, validate_partition
+from stager.errors import UsageError
 from stager.loader.batching import pack_raw, stack_images
-from stager.loader.fetch import Fetcher, MappedFetcher, PreadFetcher
-from stager.loader.options import LoaderOptions
+from stager.loader.rank import (
+    LOCAL_MIN_RUN,
+    LOCAL_RUN_BYTES,
+    MAX_BUFFER_SAMPLES,
+    SHARED_MIN_RUN,
+    SHARED_RUN_BYTES,
+    EpochPosition,
+    PlanGroup,
+    RankDataset,
+    plan_group,
+    run_size,
+)
 from stager.loader.shm import WorkerRing
-from stager.loader.transforms import make_sample_fn
-from stager.order import streams
-from stager.order.epoch import PlanConfig, RankPlan, WorkerPlan, batch_sizes, epoch_sequence, plan_rank, run_lengths
-from stager.order.epoch import samples_per_rank as equal_samples_per_rank
-from stager.order.partition import partition_samples_per_rank
-from stager.order.reads import ReadSchedule, WorkerReads, read_schedule, worker_reads
-from stager.world import World
 
-# Run size by storage (run_bytes="auto"): on a shared/network file system (Lustre, GPFS, BeeGFS,
-# NFS, fsspec URLs) reads should be whole stripes (1 MiB+); on node-local NVMe/tmpfs (a staged copy)
-# 256 KiB reads already run at full device speed, and shorter runs shuffle better for the same
-# buffer memory (docs/loader.md, "Shuffle quality").
-SHARED_RUN_BYTES, SHARED_MIN_RUN = 1 << 20, 4
-LOCAL_RUN_BYTES, LOCAL_MIN_RUN = 256 << 10, 2
-MAX_BUFFER_SAMPLES = 1 << 16
+__all__ = [
+    "LOCAL_MIN_RUN",
+    "LOCAL_RUN_BYTES",
+    "MAX_BUFFER_SAMPLES",
+    "SHARED_MIN_RUN",
+    "SHARED_RUN_BYTES",
+    "EpochPosition",
+    "PlanGroup",
+    "ShardedDataset",
+    "plan_group",
+    "run_size",
+]
 
 
-@dataclass(frozen=True)
-class PlanGroup:
-    """The ranks this rank's epoch plan is cut for: rank ``rank`` of ``world_size``.
-
-    Normally the whole job. On a node-partitioned staged copy, the node's ranks: they plan over the
-    node's shards only (``sample_mask``, bool of shape (N,)), with ``samples_per_rank`` the count
-    every node derives alike (:func:`~stager.order.partition.partition_samples_per_rank`).
-    """
-
-    rank: int
-    world_size: int
-    samples_per_rank: int | None = None
-    sample_mask: np.ndarray | None = None
-
-    @property
-    def node_partitioned(self) -> bool:
-        return self.sample_mask is not None
-
-
-@dataclass(frozen=True)
-class EpochPosition:
-    """Where a pass over the dataset starts: rank-level batch ``start_batch`` of ``epoch``.
-
-    ``remaining``: after an elastic resume, the epoch's samples not yet consumed, in the order of
-    the plan they were left from (int64); None: the plain plan.
-    """
-
-    epoch: int
-    start_batch: int = 0
-    remaining: np.ndarray | None = None
-
-
-def run_size(options: LoaderOptions, res: Resolved) -> tuple[int, int]:
-    """``(run_bytes, min_run)`` for ``options`` on ``res``'s storage (``"auto"``: by file system)."""
-    run_bytes, min_run = options.run_bytes, options.min_run
-    if run_bytes != "auto":
-        assert isinstance(run_bytes, int)
-        return run_bytes, SHARED_MIN_RUN if min_run is None else min_run
-    shared = True
-    if res.is_local:
-        try:
-            shared = detect_fs(res.root.removeprefix("file://")).is_shared
-        except OSError:
-            shared = True
-    if shared:
-        return SHARED_RUN_BYTES, SHARED_MIN_RUN if min_run is None else min_run
-    return LOCAL_RUN_BYTES, LOCAL_MIN_RUN if min_run is None else min_run
-
-
-def plan_group(res: Resolved, rank: int, world_size: int, drop_last: bool) -> PlanGroup:
-    """The :class:`PlanGroup` of ``rank``: the whole world, or its node's ranks on a partitioned copy."""
-    if res.local_shards is None:
-        return PlanGroup(rank, world_size)
-    _node, rpn, local_rank = validate_partition(res, rank, world_size)
-    part = res.partition or {}
-    m = res.index.manifest
-    assert m is not None
-    per_rank = partition_samples_per_rank(
-        m.shard_bytes,
-        np.array([s.samples for s in m.shards], dtype=np.int64),
-        num_nodes=int(part["num_nodes"]),
-        seed=int(part.get("seed", 0)),
-        ranks_per_node=rpn,
-        drop_last=drop_last,
-    )
-    mask = np.zeros(res.index.num_samples, dtype=bool)
-    starts = res.index.starts
-    for s in res.local_shards.tolist():
-        mask[starts[s] : starts[s + 1]] = True
-    return PlanGroup(local_rank, rpn, per_rank, mask)
-
-
-def _options_of(options: LoaderOptions | int, settings: dict[str, Any]) -> LoaderOptions:
-    if isinstance(options, LoaderOptions):
-        if settings:
-            raise TypeError(f"ShardedDataset takes LoaderOptions or keyword settings, not both ({sorted(settings)})")
-        return options
-    return LoaderOptions.from_kwargs(settings, batch_size=options)
-
-
-class ShardedDataset(IterableDataset):
-    """One rank's shuffled, padded share of a packed dataset (or ImageFolder tree), as batches.
+class ShardedDataset(RankDataset, IterableDataset):
+    """One rank's shuffled, padded share of a packed dataset (or ImageFolder tree), as torch batches.
 
     ``ShardedDataset(path, LoaderOptions(...))``, or ``ShardedDataset(path, batch_size, **settings)``
     with :func:`~stager.loader.make_loader`'s keyword arguments. ``resolved``: an already resolved
@@ -153,192 +69,20 @@ class ShardedDataset(IterableDataset):
     workers send batches through reused shared-memory rings named by it (:mod:`stager.loader.shm`).
     """
 
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        options: LoaderOptions | int,
-        *,
-        resolved: Resolved | None = None,
-        **settings: Any,
-    ) -> None:
-        self.options = opts = _options_of(options, settings)
-        self.resolved = resolved or resolve(
-            path, storage_options=opts.storage_options, staged=opts.staged, staging_roots=opts.staging_roots
-        )
-        res = self.resolved
-        if opts.mode == "random" and not res.is_local:
-            raise UsageError(
-                f"{res.root}: shuffle='random' reads one sample per request and is meant for local copies; "
-                "use the default shuffle='runs' for remote storage"
-            )
-        world = World.detect(opts.rank, opts.world_size)
-        self.rank, self.world_size = world.rank, world.world_size
-        self.index = res.index
-        self.sample_fn = make_sample_fn(opts.decode, opts.transform, opts.image_size, self.index.kind)
-        payload = self.index.payload_bytes()
-        self.run_bytes, self.min_run = run_size(opts, res)
-        self.run_len = run_lengths(np.diff(self.index.starts), payload, self.run_bytes, self.min_run)
-        self._mean_sample = float(payload.sum()) / max(1, self.index.num_samples)
-        self.group = plan_group(res, self.rank, self.world_size, opts.drop_last)
-        check_shards(res, res.local_shards if res.local_shards is not None else np.arange(self.index.num_shards))
-        self.epoch = 0
-        self.start_batch = 0
-        self._remaining: np.ndarray | None = None
-        self.shm_token: str | None = None
-        # The worker's ring, kept across the epochs a persistent worker serves under one token.
-        self._ring: WorkerRing | None = None
-        self._keys: np.ndarray | None = None
+    def _runtime_workers(self) -> int:
+        info = get_worker_info()
+        return info.num_workers if info is not None else 0
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_keys": None, "_ring": None}  # rebuilt where needed
-
-    # ---- the plan's arguments -------------------------------------------------------------------
-    @property
-    def batch_size(self) -> int:
-        return self.options.batch_size
-
-    @property
-    def num_workers(self) -> int | None:
-        return self.options.num_workers
-
-    @property
-    def seed(self) -> int:
-        return self.options.seed
-
-    @property
-    def mode(self) -> str:
-        return self.options.mode
-
-    @property
-    def drop_last(self) -> bool:
-        return self.options.drop_last
-
-    # ---- position -------------------------------------------------------------------------------
-    def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` from its first batch (an explicit order is kept only for the same epoch)."""
-        if epoch != self.epoch:
-            self._remaining = None
-        self.epoch = epoch
-        self.start_batch = 0
-
-    def resume(self, epoch: int, remaining: np.ndarray | None) -> None:
-        """Continue ``epoch`` over ``remaining`` (an elastic resume's samples left, in the old order) or,
-        with None, over the plain plan; the next pass starts at its first batch."""
-        self.epoch, self.start_batch, self._remaining = epoch, 0, remaining
-
-    @property
-    def remaining(self) -> np.ndarray | None:
-        """The explicit order of the current epoch after an elastic resume (None: the plain plan)."""
-        return self._remaining
-
-    @property
-    def position(self) -> EpochPosition:
-        return EpochPosition(self.epoch, self.start_batch, self._remaining)
-
-    def seek(self, position: EpochPosition) -> None:
-        self.epoch, self.start_batch, self._remaining = position.epoch, position.start_batch, position.remaining
-
-    # ---- planning -------------------------------------------------------------------------------
-    def streams(self) -> int:
-        nw = self.num_workers
-        if nw is None:
-            info = get_worker_info()
-            nw = info.num_workers if info is not None else 0
-        return max(1, nw)
-
-    def buffer_samples(self, streams: int | None = None) -> int:
-        """Per-worker shuffle buffer ``K`` (samples): ``shuffle_buffer`` or the byte budget per rank / workers."""
-        if self.options.shuffle_buffer is not None:
-            return int(self.options.shuffle_buffer)
-        per_worker = self.options.shuffle_buffer_bytes / (streams or self.streams())
-        return int(max(1, min(MAX_BUFFER_SAMPLES, per_worker // max(self._mean_sample, 1.0))))
-
-    def config(self) -> PlanConfig:
-        return PlanConfig(
-            batch_size=self.batch_size,
-            world_size=self.group.world_size,
-            num_workers=self.streams() if self.num_workers is None else self.num_workers,
-            seed=self.seed,
-            mode=self.mode,
-            drop_last=self.drop_last,
-            buffer_samples=self.buffer_samples(),
-            samples_per_rank=self.group.samples_per_rank,
-        )
-
-    def epoch_sequence(self, epoch: int) -> np.ndarray:
-        """The epoch's order of the samples this rank's group plans over (all, or this node's)."""
-        seq = epoch_sequence(self.index.starts, self.run_len, self.config(), epoch)
-        if self.group.sample_mask is not None:
-            seq = seq[self.group.sample_mask[seq]]
-        return seq
-
-    def plan(self, epoch: int | None = None) -> RankPlan:
-        """This rank's plan of ``epoch`` (default: the current one, over its explicit order if any)."""
-        e = self.epoch if epoch is None else epoch
-        seq = self._remaining if (self._remaining is not None and e == self.epoch) else self.epoch_sequence(e)
-        return plan_rank(self.index.starts, self.run_len, self.config(), self.group.rank, epoch=e, seq=seq)
-
-    def read_schedule(self, epoch: int | None = None, *, start_batch: int = 0) -> ReadSchedule:
-        """The shard reads of :meth:`plan` ``(epoch)`` from ``start_batch`` on (:mod:`stager.order.reads`)."""
-        return read_schedule(self.plan(epoch), self.index.starts, self.index.sizes, start_batch=start_batch)
-
-    def samples_in_epoch(self) -> int:
-        """How many samples the group plans over this epoch: an explicit order's, the node's, or all."""
-        if self._remaining is not None:
-            return len(self._remaining)
-        if self.group.sample_mask is not None:
-            return int(self.group.sample_mask.sum())
-        return self.index.num_samples
-
-    def batch_sizes(self) -> np.ndarray:
-        """This rank's batch sizes for the current epoch (cheap: no shuffling)."""
-        per = self.group.samples_per_rank
-        if per is None:
-            per = equal_samples_per_rank(self.samples_in_epoch(), self.group.world_size, self.drop_last)
-        return batch_sizes(per, self.batch_size, self.drop_last)
-
-    def __len__(self) -> int:
-        """Batches per rank in the current epoch (the same on every rank)."""
-        return len(self.batch_sizes())
-
-    # ---- iteration ------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
         phys, nphys = (info.id, info.num_workers) if info is not None else (0, 1)
-        cfg = self.config()
-        if nphys != cfg.streams:
+        streams = self.config().streams
+        if nphys != streams:
             raise UsageError(
-                f"ShardedDataset was planned for {cfg.streams} worker stream(s) but runs in {nphys}; "
+                f"ShardedDataset was planned for {streams} worker stream(s) but runs in {nphys}; "
                 "pass the DataLoader's num_workers (or num_workers=None) to ShardedDataset"
             )
-        logical = (phys + self.start_batch) % cfg.streams
-        wp = self.plan().workers[logical]
-        access = ShardAccess(self.resolved, use_mmap=self.options.use_mmap)
-        try:
-            yield from self._worker_batches(wp, access, in_worker=info is not None)
-        finally:
-            access.close()
-
-    def _worker_batches(self, wp: WorkerPlan, access: ShardAccess, *, in_worker: bool) -> Iterator[dict[str, Any]]:
-        """Worker ``wp``'s batches from ``start_batch`` on: read as scheduled, decode, assemble."""
-        reads = worker_reads(wp, self.index.starts, self.index.sizes, start_batch=self.start_batch)
-        ring = self._worker_ring() if in_worker else None
-        if in_worker:
-            _single_threaded_cv2()
-        access.check_pid()
-        fetcher = self._fetcher(reads, wp, access)
-        cum = np.concatenate([[0], np.cumsum(wp.sizes)]).astype(np.int64)
-        for b in range(reads.first_step, len(wp.batches)):
-            pos = wp.emit[cum[b] : cum[b + 1]]
-            t = time.perf_counter()
-            payloads, nbytes = fetcher.batch(b, pos)
-            io_s = time.perf_counter() - t
-            j = int(wp.batches[b])
-            t = time.perf_counter()
-            batch = self._assemble(payloads, wp.stream[pos], j, in_worker=in_worker, ring=ring)
-            batch["_w"]["bytes"], batch["_w"]["io_s"] = nbytes, io_s
-            batch["_w"]["decode_s"] = time.perf_counter() - t
-            yield batch
+        yield from self.worker_batches(phys, in_worker=info is not None)
 
     def _worker_ring(self) -> WorkerRing | None:
         """This worker's shared-memory batch ring for the Loader's current token (None: torch's tensors)."""
@@ -348,79 +92,13 @@ class ShardedDataset(IterableDataset):
             self._ring = WorkerRing(self.shm_token)
         return self._ring
 
-    def _fetcher(self, reads: WorkerReads, wp: WorkerPlan, access: ShardAccess) -> Fetcher:
-        if access.mapped:
-            return MappedFetcher(reads, wp, access)
-        # A payload is a view of its run's read buffer; a sample waiting in the shuffle buffer would
-        # pin that whole run. Copying out keeps the bound at K samples (not K runs) per worker.
-        owned = self.config().buffer_samples > 1 and self.mode in ("runs", "shards")
-        return PreadFetcher(reads, wp, access, on_error=self.options.on_error, owned=owned)
+    def _image_fields(self, items: list[Any], *, in_worker: bool, ring: Any) -> dict[str, Any]:
+        if ring is not None and items:
+            return {"image_nhwc": stack_images(items, ring=ring)}
+        return {"image": stack_images(items, shared=in_worker)}
 
-    def _assemble(
-        self, payloads: list[Any], ids: np.ndarray, j: int, *, in_worker: bool, ring: WorkerRing | None
-    ) -> dict[str, Any]:
-        """Rank batch ``j`` from its payloads: decoded (or raw) items, keys, labels, ids."""
-        decode = self.options.decode
-        skipped: list[str] = []
-        if decode == "raw" and all(p is not None for p in payloads):
-            items, kept = payloads, ids  # nothing to decode: no per-sample work
-        else:
-            items, kept, skipped = self._decode_all(payloads, ids, j)
-        batch: dict[str, Any] = {
-            "key": self._keys_array()[kept].tolist(),
-            # Small arrays cross the worker queue pickled (a shared-memory segment per tiny
-            # tensor costs more); the Loader turns them into tensors (finish_batch).
-            "label": self.index.labels[kept],
-            "index": np.asarray(kept, dtype=np.int64),
-        }
-        if decode == "raw":
-            if in_worker:
-                batch["data"], batch["offsets"] = pack_raw(items, shared=True, ring=ring)
-            else:
-                batch["image"] = [x if isinstance(x, memoryview) else memoryview(x) for x in items]
-        elif decode == "pil":
-            batch["image"] = items
-        elif ring is not None and items:
-            batch["image_nhwc"] = stack_images(items, ring=ring)
-        else:
-            batch["image"] = stack_images(items, shared=in_worker)
-        batch["_w"] = {"skipped": skipped, "batch": j}
-        return batch
-
-    def _decode_all(self, payloads: list[Any], ids: np.ndarray, j: int) -> tuple[list[Any], np.ndarray, list[str]]:
-        """Apply the sample function; returns ``(items, kept ids, skipped keys)`` (``on_error``)."""
-        idx = self.index
-        rng = streams.augment(self.seed, self.epoch, self.world_size, self.rank, j)
-        items, kept, skipped = [], [], []
-        for payload, gid in zip(payloads, ids.tolist(), strict=True):
-            try:
-                if payload is None:
-                    raise CorruptSampleError("unreadable payload")
-                items.append(self.sample_fn(payload, rng))
-                kept.append(gid)
-            except Exception as exc:
-                key = idx.keys[gid]
-                if self.options.on_error == "skip":
-                    skipped.append(key)
-                    continue
-                shard = int(idx.shard_of(np.array([gid]))[0])
-                raise CorruptSampleError(
-                    f"{self.resolved.shard_path(shard)}: sample {key!r} cannot be decoded "
-                    f"({type(exc).__name__}: {exc}); run `stager verify --deep` or pass on_error='skip'"
-                ) from exc
-        return items, np.asarray(kept, dtype=np.int64), skipped
-
-    def _keys_array(self) -> np.ndarray:
-        """The keys as an object array, so a batch's keys are one fancy-indexing call."""
-        if self._keys is None:
-            self._keys = np.empty(len(self.index.keys), dtype=object)
-            self._keys[:] = self.index.keys
-        return self._keys
-
-
-def _single_threaded_cv2() -> None:
-    """One OpenCV thread per worker (torch does the same for itself): W workers already fill W cores."""
-
-    cv2 = sys.modules.get("cv2")
-    if cv2 is not None:
-        cv2.setNumThreads(1)
+    def _raw_fields(self, items: list[Any], *, in_worker: bool, ring: Any) -> dict[str, Any]:
+        if in_worker:
+            data, offsets = pack_raw(items, shared=True, ring=ring)
+            return {"data": data, "offsets": offsets}
+        return {"image": [x if isinstance(x, memoryview) else memoryview(x) for x in items]}

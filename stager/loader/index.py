@@ -8,6 +8,7 @@ file. That is also the small-file baseline the benchmarks compare against.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,13 +36,20 @@ class DatasetIndex:
     shard_names: list[str]
     shard_bytes: np.ndarray
     starts: np.ndarray
-    keys: list[str]
+    keys: Sequence[str]
     labels: np.ndarray
     offsets: np.ndarray
     sizes: np.ndarray
     classes: list[str]
     manifest: Manifest | None = None
     image_shape: tuple[int, int, int] | None = None
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # A manifest-backed index travels as its manifest (which reopens the mapped sample index in
+        # the receiving process); pickling the arrays would copy every per-sample column into it.
+        if self.manifest is not None and self.manifest.samples_index is not None:
+            return (index_from_manifest, (self.manifest,))
+        return super().__reduce_ex__(protocol)
 
     @property
     def num_samples(self) -> int:
@@ -72,16 +80,10 @@ class DatasetIndex:
 
 
 def index_from_manifest(m: Manifest) -> DatasetIndex:
+    """The loader's view of ``m``: for a v2 manifest, every per-sample array is a view of the mapped
+    sample index (shared by all processes on the node, no heap copy); keys decode on access."""
     counts = np.array([s.samples for s in m.shards], dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-
-    def cat(attr: str) -> np.ndarray:
-        arrs = [getattr(s, attr) for s in m.shards]
-        return np.concatenate(arrs).astype(np.int64) if arrs else np.zeros(0, np.int64)
-
-    keys: list[str] = []
-    for s in m.shards:
-        keys.extend(s.keys)
     shard_bytes = np.array([s.bytes for s in m.shards], dtype=np.int64)
     return DatasetIndex(
         format=m.format,
@@ -89,10 +91,10 @@ def index_from_manifest(m: Manifest) -> DatasetIndex:
         shard_names=[s.name for s in m.shards],
         shard_bytes=shard_bytes,
         starts=starts,
-        keys=keys,
-        labels=cat("labels"),
-        offsets=cat("offsets"),
-        sizes=cat("sizes"),
+        keys=m.keys,
+        labels=m.column("label"),
+        offsets=m.column("offset"),
+        sizes=m.column("size"),
         classes=list(m.classes),
         manifest=m,
         image_shape=m.image_shape,

@@ -51,9 +51,10 @@ from stager.pack.remote import (
     survey_remote,
 )
 from stager.pack.resume import Kept, check_destination, clear_out, find_reusable, holds_complete_pack, survey_out
-from stager.pack.shard import STATE_DIR, ShardDone, ShardJob, fragmentable, write_shard
+from stager.pack.shard import ShardJob, fragmentable, write_shard
 from stager.pack.sources.checks import probe_hw
 from stager.pack.sources.select import open_source
+from stager.pack.state import STATE_DIR, ShardDone
 from stager.progress import Progress
 
 if TYPE_CHECKING:
@@ -389,7 +390,7 @@ class PackRun:
             skipped=skipped,
         )
         if self.remote is not None:
-            publish_remote(self.remote, m)
+            publish_remote(self.remote, m, self.out)
         else:
             m.write(self.out)
             shutil.rmtree(self.out / STATE_DIR, ignore_errors=True)

@@ -36,9 +36,8 @@ from stager.errors import ManifestError
 from stager.fs.atomic import partial_base
 from stager.fs.open import backend_of, filesystem, require_backend
 from stager.fs.remote import RemoteFile, list_names, object_info, put_bytes, read_range, remove, upload_file
-from stager.manifest import MANIFEST_NAME, Manifest, ShardInfo, load_manifest
-from stager.pack.resume import PLAN_FILE, PLAN_SCHEMA, OutState
-from stager.pack.shard import STATE_DIR, ShardDone
+from stager.manifest import MANIFEST_NAME, Manifest, ShardInfo, is_index_file_name, load_manifest
+from stager.pack.state import DONE_SUFFIX, PLAN_FILE, PLAN_SCHEMA, STATE_DIR, OutState, ShardDone, done_record_shard
 
 if TYPE_CHECKING:
     from stager.pack.plan import PackPlan
@@ -121,7 +120,7 @@ class RemoteOut:
 
     def record_done(self, done: ShardDone, etags: dict[str, str]) -> None:
         """Publish a shard's done-record (with its objects' ETags) in ``OUT/.stager-pack/``."""
-        self.put(f"{STATE_DIR}/{done.info.name}.json", json.dumps({**done.to_json(), "etags": etags}).encode())
+        self.put(f"{STATE_DIR}/{done.info.name}{DONE_SUFFIX}", done.to_bytes(etags=etags))
 
     def hash_of(self, name: str, algo: str) -> tuple[int, str] | None:
         """``(bytes, digest)`` of object ``name``, downloaded and hashed; None when it is missing."""
@@ -164,7 +163,8 @@ def survey_remote(remote: RemoteOut, shard_prefix: str) -> RemoteState:
     names = remote.names()
     if MANIFEST_NAME in names:
         try:
-            found.manifest = load_manifest(remote.url, remote.storage_options)
+            # Detached: kept shards must outlive the sample index object that clear_remote removes.
+            found.manifest = load_manifest(remote.url, remote.storage_options).detached()
             found.owned.update(n for n, _, _ in found.manifest.files())
         except ManifestError as exc:
             found.damaged_manifest = str(exc)
@@ -172,24 +172,28 @@ def survey_remote(remote: RemoteOut, shard_prefix: str) -> RemoteState:
         if not n.startswith(STATE_DIR + "/"):
             continue
         base = n[len(STATE_DIR) + 1:]
-        try:
-            rec = json.loads(remote.read(n))
-        except (FileNotFoundError, ValueError):
-            continue
         if base == PLAN_FILE:
-            found.plan = rec
-            found.owned.update(rec.get("names", []))
+            try:
+                found.plan = json.loads(remote.read(n))
+            except (FileNotFoundError, ValueError):
+                continue
+            found.owned.update(found.plan.get("names", []) if isinstance(found.plan, dict) else [])
+            continue
+        if done_record_shard(base) is None:
             continue
         try:
-            d = ShardDone.from_json(rec)
-        except (ValueError, KeyError, TypeError):
+            d, meta = ShardDone.from_bytes(remote.read(n), remote.url_of(n))
+        except (FileNotFoundError, ManifestError, ValueError, KeyError, TypeError):
             continue
         found.done[d.info.name] = d
-        state.etags[d.info.name] = dict(rec.get("etags") or {})
+        state.etags[d.info.name] = dict(meta.get("etags") or {})
         found.owned.add(d.info.name)
         found.owned.update(a.name for a in d.info.aux)
     for n in names:
         if n == MANIFEST_NAME or n.startswith(STATE_DIR + "/") or n in found.owned or partial_base(n) is not None:
+            continue
+        if is_index_file_name(n):
+            found.owned.add(n)  # an earlier run's sample index
             continue
         if shard_prefix and n.startswith(shard_prefix) and found.plan is not None:
             continue  # uploaded before its done-record was written
@@ -254,7 +258,8 @@ def clear_remote(remote: RemoteOut, state: RemoteState, keep: dict[str, ShardDon
     kept_files = {n for d in keep.values() for n in (d.info.name, *(a.name for a in d.info.aux))}
     plan_key = f"{STATE_DIR}/{PLAN_FILE}"
     for n in remote.names():
-        stale_record = n.startswith(STATE_DIR + "/") and n != plan_key and n[len(STATE_DIR) + 1: -5] not in keep
+        stale_record = (n.startswith(STATE_DIR + "/") and n != plan_key
+                        and done_record_shard(n[len(STATE_DIR) + 1:]) not in keep)
         if partial_base(n) is not None or (n in found.owned and n not in kept_files) or stale_record:
             remote.remove(n)
     for d in keep.values():
@@ -262,10 +267,19 @@ def clear_remote(remote: RemoteOut, state: RemoteState, keep: dict[str, ShardDon
         remote.record_done(d, state.etags.get(d.info.name) or {n: remote.etag(n) for n in files})
 
 
-def publish_remote(remote: RemoteOut, manifest: Manifest) -> None:
-    """Write ``manifest.json`` (last: the pack is complete from here on), then remove the state objects."""
+def publish_remote(remote: RemoteOut, manifest: Manifest, spool: str | os.PathLike[str]) -> None:
+    """Upload the sample index (written in the spool), then ``manifest.json`` (last: the pack is
+    complete from here on); then remove the state objects and earlier runs' index objects."""
+    path = manifest.write_index(spool)
+    assert manifest.index is not None
+    remote.upload_files(spool, [manifest.index.name])
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
     remote.put(MANIFEST_NAME, manifest.to_bytes())
     clean_state(remote)
+    for n in remote.names():
+        if is_index_file_name(n) and n != manifest.index.name:
+            remote.remove(n)
 
 
 def clean_state(remote: RemoteOut) -> None:

@@ -15,33 +15,29 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from stager.errors import DestinationError, ManifestError
 from stager.fs.atomic import atomic_write_bytes, partial_base, remove_partials
-from stager.manifest import MANIFEST_NAME, Manifest, ShardInfo, load_manifest
-from stager.pack.shard import STATE_DIR, ShardDone, done_record_path, fsync_and_hash
+from stager.manifest import MANIFEST_NAME, ShardInfo, is_index_file_name, load_manifest
+from stager.pack.shard import fsync_and_hash
+from stager.pack.state import (
+    DONE_SUFFIX,
+    PLAN_FILE,
+    PLAN_SCHEMA,
+    STATE_DIR,
+    OutState,
+    ShardDone,
+    done_record_path,
+    done_record_shard,
+    read_done_record,
+)
 
 if TYPE_CHECKING:
     from stager.pack.plan import PackPlan
     from stager.pack.sources.base import Source
-
-PLAN_SCHEMA = "stager.pack-plan/1"
-PLAN_FILE = "plan.json"  # in STATE_DIR
-
-
-@dataclass
-class OutState:
-    """What a previous run left in OUT: its manifest, its plan file and its completed shards."""
-
-    manifest: Manifest | None = None
-    plan: dict[str, Any] | None = None  # the previous run's plan.json
-    done: dict[str, ShardDone] = field(default_factory=dict)
-    owned: set[str] = field(default_factory=set)  # files a previous pack wrote
-    foreign: list[str] = field(default_factory=list)
-    damaged_manifest: str | None = None
 
 
 def survey_out(out: Path, shard_prefix: str) -> OutState:
@@ -54,7 +50,8 @@ def survey_out(out: Path, shard_prefix: str) -> OutState:
     names = sorted(os.listdir(out))
     if MANIFEST_NAME in names:
         try:
-            found.manifest = load_manifest(out)
+            # Detached: the shards kept from it must outlive its sample index, which clear_out removes.
+            found.manifest = load_manifest(out).detached()
             if found.manifest.indexed:  # `stager index` output: the shards are not stager's to remove
                 raise DestinationError(f"{out}: holds a `stager index` manifest of data stager does not own; "
                                        "choose another directory for the pack (even --overwrite never removes them)")
@@ -68,18 +65,18 @@ def survey_out(out: Path, shard_prefix: str) -> OutState:
             found.owned.update(found.plan.get("names", []))
         except (OSError, ValueError):
             found.plan = None
-        for p in state.glob("*.json"):
-            if p.name == PLAN_FILE:
-                continue
-            try:
-                d = ShardDone.from_json(json.loads(p.read_text()))
-            except (OSError, ValueError, KeyError, TypeError):
+        for p in state.glob(f"*{DONE_SUFFIX}"):
+            d = read_done_record(p)
+            if d is None:
                 continue
             found.done[d.info.name] = d
             found.owned.add(d.info.name)
             found.owned.update(a.name for a in d.info.aux)
     for n in names:
         if n in (MANIFEST_NAME, STATE_DIR) or n in found.owned or partial_base(n) is not None:
+            continue
+        if is_index_file_name(n):
+            found.owned.add(n)  # an earlier run's sample index (its manifest replaced or not yet written)
             continue
         if shard_prefix and n.startswith(shard_prefix) and found.plan is not None:
             continue  # a shard renamed before its done-record was written
@@ -202,8 +199,8 @@ def clear_out(out: Path, found: OutState, keep: dict[str, ShardDone], plan: Pack
         kept_files.update(a.name for a in d.info.aux)
     for n in sorted(found.owned - kept_files):
         (out / n).unlink(missing_ok=True)
-    for p in state.glob("*.json"):
-        if p.name != PLAN_FILE and p.name[: -len(".json")] not in keep:
+    for p in state.iterdir():
+        if p.name != PLAN_FILE and done_record_shard(p.name) not in keep:
             p.unlink(missing_ok=True)
     for d in keep.values():  # re-record shards reused from a complete manifest
-        atomic_write_bytes(done_record_path(out, d.info.name), json.dumps(d.to_json()).encode())
+        atomic_write_bytes(done_record_path(out, d.info.name), d.to_bytes())

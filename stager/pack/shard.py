@@ -4,7 +4,7 @@ The layer both the pack driver (:mod:`stager.pack.api`) and the pack workers
 (:mod:`stager.pack.workers`) build on. :func:`write_shard` writes ``<name>.<uuid>.partial`` with
 one format writer, hashes it (while writing for formats that can, else by reading it back), fsyncs
 it and renames it together with its companion files, companions first; :func:`record_done` then
-publishes the done-record ``.stager-pack/<name>.json`` (its ShardInfo, skipped samples and plan
+publishes its done-record (:mod:`stager.pack.state`: its rows, skipped samples and plan
 fingerprint; atomic but not fsynced: a hint a rerun verifies). Nothing is ever left under a final
 name unfinished. A shard's bytes depend only on its planned samples and the options, so the output
 does not depend on which process writes it or on how the workers cut it into segments.
@@ -13,7 +13,6 @@ does not depend on which process writes it or on how the workers cut it into seg
 from __future__ import annotations
 
 import contextlib
-import json
 import mmap
 import os
 from collections.abc import Sequence
@@ -28,19 +27,16 @@ from stager.errors import SourceError, StagerError
 from stager.formats import get_format
 from stager.formats.base import Sample
 from stager.fs.atomic import partial_path, space_error
-from stager.manifest import AuxFile, ShardInfo
+from stager.manifest import AuxFile, ShardInfo, Strings
 from stager.pack.sources.checks import check_encoded, prepare_sample
+from stager.pack.state import ShardDone, Uploader, done_record_path, write_hint
 
 if TYPE_CHECKING:
     from stager.formats.base import Extent, Format
     from stager.pack.options import PackOptions
     from stager.pack.plan import PlannedShard
-    from stager.pack.remote import RemoteOut
     from stager.pack.sources.base import SampleRef, Source
     from stager.progress import Progress
-
-STATE_DIR = ".stager-pack"  # in OUT while a pack runs: plan.json and one done-record per written shard
-
 
 LOAD_BATCH = 64  # samples materialised per source call (lets pack sources coalesce reads)
 
@@ -83,37 +79,7 @@ class ShardJob:
     target_kind: str  # "encoded" | "decoded": what the format stores
     image_shape: tuple[int, int, int] | None  # the fixed (H, W, 3) of a decoded format
     keys_checked: bool = False  # the plan's keys passed the format's check_keys (writers skip it)
-    remote: RemoteOut | None = None  # OUT is a URL: ``out`` is the local spool, each shard goes up when done
-
-
-@dataclass
-class ShardDone:
-    info: ShardInfo
-    skipped: list[dict[str, str]]
-    payload_bytes: int  # bytes of the samples written (for throughput)
-    fingerprint: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {"fingerprint": self.fingerprint, "info": self.info.to_json(), "skipped": self.skipped}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> ShardDone:
-        info = _info_from_json(d["info"])
-        return cls(info, list(d.get("skipped", [])), 0, str(d["fingerprint"]))
-
-
-def _info_from_json(j: dict[str, Any]) -> ShardInfo:
-    idx = j["index"]
-    return ShardInfo(
-        str(j["name"]),
-        int(j["bytes"]),
-        str(j["hash"]),
-        [str(k) for k in idx["keys"]],
-        np.asarray(idx["labels"], dtype=np.int64),
-        np.asarray(idx["offsets"], dtype=np.int64),
-        np.asarray(idx["sizes"], dtype=np.int64),
-        [AuxFile(str(a["name"]), int(a["bytes"]), str(a["hash"])) for a in j.get("aux", [])],
-    )
+    remote: Uploader | None = None  # OUT is a URL: ``out`` is the local spool, each shard goes up when done
 
 
 def fsync_and_hash(path: str | os.PathLike[str], algo: str) -> tuple[int, str]:
@@ -247,43 +213,15 @@ def record_done(
         sh.name,
         nbytes,
         digest,
-        rows.keys,
+        Strings.from_strings(rows.keys),  # compact: the driver holds every shard's rows until it publishes
         np.asarray(rows.labels, dtype=np.int64),
         np.asarray(rows.offsets, dtype=np.int64),
         np.asarray(rows.sizes, dtype=np.int64),
         aux,
     )
     done = ShardDone(info, rows.skipped, rows.payload, sh.fingerprint)
-    write_hint(done_record_path(out, sh.name), json.dumps(done.to_json()).encode())
+    write_hint(done_record_path(out, sh.name), done.to_bytes())
     return done
-
-
-def done_record_path(out: Path, shard_name: str) -> Path:
-    """Where a written shard's done-record lives: ``OUT/.stager-pack/<shard name>.json``."""
-    return out / STATE_DIR / f"{shard_name}.json"
-
-
-def write_hint(final: Path, data: bytes) -> None:
-    """Publish a done-record atomically (partial + rename) but without fsync.
-
-    A done-record is a hint that a rerun verifies (the shard's size and hash must match), so losing
-    one in a crash costs a rewrite, never a wrong pack; an fsync per shard would cost more than the
-    shard's own.
-    """
-    tmp = partial_path(final)
-    try:
-        with open(tmp, "xb") as f:
-            f.write(data)
-        os.replace(tmp, final)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        err = space_error(exc, final)  # a full disk is exit 4 with one line, not a traceback
-        if err is not None:
-            raise err from exc
-        raise
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def write_samples(

@@ -54,7 +54,6 @@ from stager.fs.writeback import start_writeback
 from stager.pack.plan import cut_shards
 from stager.pack.shard import (
     SampleRows,
-    ShardDone,
     ShardJob,
     finish_done,
     fragmentable,
@@ -63,6 +62,7 @@ from stager.pack.shard import (
     write_shard,
 )
 from stager.pack.sources.base import SampleRef
+from stager.pack.state import ShardDone
 
 if TYPE_CHECKING:
     from multiprocessing.context import BaseContext

@@ -40,6 +40,7 @@ the batch began (per rank, from its first known position; reported by :meth:`Pre
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
 from collections.abc import Sequence
@@ -50,8 +51,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from stager.errors import UsageError
-from stager.fs.atomic import atomic_write_bytes, fsync_dir, partial_path, remove_partials
-from stager.manifest import MANIFEST_NAME, Manifest, bytes_for_copy, load_manifest, manifest_path, shard_root
+from stager.fs.atomic import atomic_write, atomic_write_bytes, fsync_dir, partial_path, remove_partials
+from stager.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    bytes_for_copy,
+    dataset_root,
+    load_manifest,
+    manifest_path,
+    shard_root,
+)
 from stager.order.reads import MAX_OPEN_FILES, ReadSchedule
 from stager.prefetch.reports import (
     loader_config,
@@ -157,6 +166,11 @@ def prepare_dest(src: str | os.PathLike[str], dest: str | os.PathLike[str]) -> M
     d.mkdir(parents=True, exist_ok=True)
     mbytes = bytes_for_copy(m, Path(manifest_path(src_s)).read_bytes())
     mpath = d / MANIFEST_NAME
+    if m.index is not None:  # a local copy of the sample index, before the manifest that names it
+        ipath = d / m.index.name
+        if not ipath.is_file() or ipath.is_symlink() or ipath.stat().st_size != m.index.bytes:
+            with atomic_write(ipath, mode=0o644) as out, open(Path(dataset_root(src_s)) / m.index.name, "rb") as inp:
+                shutil.copyfileobj(inp, out, 1 << 20)
     if not mpath.exists() or mpath.read_bytes() != mbytes:
         atomic_write_bytes(mpath, mbytes, mode=0o644)
     for f in files_of_shards(m, range(len(m.shards))):

@@ -27,17 +27,25 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stager.errors import DestinationError, OutOfSpaceError, StagerError, StagerTimeoutError, VerificationError
+from stager.checksum import new_hasher
+from stager.errors import (
+    DestinationError,
+    OutOfSpaceError,
+    ShardMissingError,
+    StagerError,
+    StagerTimeoutError,
+    VerificationError,
+)
 from stager.fs.access import chgrp_quiet, dir_mode, size_or_missing
 from stager.fs.atomic import atomic_write_bytes, partial_path, remove_partials, space_error
-from stager.fs.copy import write_all
+from stager.fs.copy import copy_hashed, write_all
 from stager.fs.kernel import boot_id, syncfs
-from stager.fs.open import is_url
+from stager.fs.open import is_url, open_read
 from stager.manifest import MANIFEST_NAME
 from stager.receipt import RECEIPT_NAME, Receipt, load_receipt
 from stager.stage.copier import discard_partial
 from stager.stage.names import journal_name
-from stager.stage.plan import StagePlan
+from stager.stage.plan import FileTask, StagePlan
 
 if TYPE_CHECKING:
     from stager.stage.journal import Journal
@@ -106,6 +114,8 @@ def claim_dest(plan: StagePlan, *, keep_receipt: bool) -> list[str]:
     names = {t.name for t in plan.tasks} | {plan.journal_path.name}
     if plan.mode != "shared":
         names |= {MANIFEST_NAME, RECEIPT_NAME}
+        if plan.index_task is not None:  # on a shared DEST another node may be copying it right now
+            names.add(plan.index_task.name)
     return remove_partials(dest, names)
 
 
@@ -141,33 +151,49 @@ def check_free_space(dest: Path, need: int) -> None:
 
 # ---- the staged manifest --------------------------------------------------------------------------
 class StagedManifest:
-    """DEST's verbatim copy of SRC's ``manifest.json``: it is what makes DEST a packed directory for
-    the loader, so it is published only once every shard is in place, and a failed run never leaves
-    a manifest that promises missing shards.
+    """DEST's verbatim copy of SRC's ``manifest.json`` and its sample index: what makes DEST a packed
+    directory for the loader, so they are published only once every shard is in place, and a failed
+    run never leaves a manifest that promises missing shards.
 
-    :meth:`prepare` writes and fsyncs ``manifest.json.<uuid>.partial`` with SRC's access (nothing
-    when DEST already holds these exact bytes), :meth:`publish` renames it into place, :meth:`discard`
-    removes an unpublished one. The directory fsync that makes the rename durable is the caller's
-    (one for every rename of the run).
+    :meth:`prepare` copies the sample index (hashed while copied, checked against the manifest) and
+    writes the manifest, each as a fsynced ``<name>.<uuid>.partial`` with SRC's access (nothing for
+    what DEST already holds), :meth:`publish` renames them into place, index first, :meth:`discard`
+    removes unpublished ones. Every node copies the index itself, from beside SRC's manifest, in
+    every mode (it is small next to the shards: 24 bytes and the key per sample). The directory fsync
+    that makes the renames durable is the caller's (one for every rename of the run).
     """
 
     def __init__(self, plan: StagePlan) -> None:
         self.plan = plan
         self.path = plan.dest / MANIFEST_NAME
         self._partial: Path | None = None
+        self._index_partial: Path | None = None
 
     def prepare(self) -> None:
-        if self._partial is None and read_quiet(self.path) != self.plan.manifest_bytes:
-            mode, gid = self.plan.src_access
-            partial = write_partial(self.path, self.plan.manifest_bytes, mode)
+        plan = self.plan
+        mode, gid = plan.src_access
+        task = plan.index_task
+        if task is not None and self._index_partial is None and size_or_missing(plan.dest / task.name) != task.bytes:
+            self._index_partial = copy_verified(task, plan.dest / task.name, mode, plan.storage_options,
+                                                plan.manifest.hash_algo)
+            chgrp_quiet(self._index_partial, gid)
+        if self._partial is None and read_quiet(self.path) != plan.manifest_bytes:
+            partial = write_partial(self.path, plan.manifest_bytes, mode)
             chgrp_quiet(partial, gid)
             self._partial = partial
 
     def publish(self) -> bool:
-        """Rename the prepared copy into place; True if there was one (DEST then needs a directory fsync)."""
+        """Rename the prepared copies into place, index first; True if there was one (DEST then needs
+        a directory fsync)."""
+        renamed = False
+        index, self._index_partial = self._index_partial, None
+        if index is not None and self.plan.index_task is not None:
+            with contextlib.suppress(FileNotFoundError):  # shared DEST: another node published it
+                os.replace(index, self.plan.dest / self.plan.index_task.name)
+            renamed = True
         partial, self._partial = self._partial, None
         if partial is None:
-            return False
+            return renamed
         try:
             os.replace(partial, self.path)
         except FileNotFoundError:
@@ -177,10 +203,37 @@ class StagedManifest:
         return True
 
     def discard(self) -> None:
-        if self._partial is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._partial)
-            self._partial = None
+        for p in (self._partial, self._index_partial):
+            if p is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(p)
+        self._partial = self._index_partial = None
+
+
+def copy_verified(task: FileTask, final: Path, mode: int, storage_options: dict[str, Any], algo: str) -> Path:
+    """Copy ``task``'s file to a fsynced ``<final>.<uuid>.partial`` with ``mode``, hashing while
+    copying; return the partial (not renamed). A size or hash that differs from the manifest's is a
+    :class:`VerificationError` naming SRC's file (exit 3), and nothing is left behind."""
+    tmp = partial_path(final)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+    try:
+        h = new_hasher(algo)
+        with open_read(task.src_path, storage_options, size=task.bytes if is_url(task.src_path) else None) as src:
+            n = copy_hashed(src, fd, memoryview(bytearray(1 << 20)), h, limit=task.bytes)
+        if n != task.bytes or h.hexdigest() != task.hash:
+            raise VerificationError(f"{task.src_path}: {n} bytes with hash {h.hexdigest()[:16]}, the manifest says "
+                                    f"{task.bytes} bytes, {task.hash[:16]}; restore it or re-run the pack")
+        os.fchmod(fd, mode)
+        os.fsync(fd)
+    except FileNotFoundError as exc:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise ShardMissingError(f"{task.src_path}: the manifest's sample index is missing in SRC; "
+                                "re-run the pack") from exc
+    except BaseException as exc:
+        discard_partial(fd, tmp, final, exc)
+    os.close(fd)
+    return tmp
 
 
 def write_partial(final: Path, data: bytes, mode: int) -> Path:

@@ -30,7 +30,7 @@ from stager.fs import lustre
 from stager.fs.access import source_access
 from stager.fs.info import FsInfo, detect_fs
 from stager.fs.open import is_url, join, read_bytes
-from stager.manifest import Manifest, bytes_for_copy, manifest_path, shard_root
+from stager.manifest import Manifest, bytes_for_copy, dataset_root, manifest_path, shard_root
 from stager.order.partition import assign_shards_to_nodes
 from stager.receipt import STAGING_ROOT_VARS
 from stager.stage.names import journal_name, lock_name, marker_name
@@ -82,6 +82,8 @@ class StagePlan:
     unpack_dir: str
     explicit_dest: bool
     storage_options: dict[str, Any] = field(default_factory=dict)  # for every open of SRC
+    # The sample index (manifest v2): every node copies it with the manifest, from beside SRC's manifest.
+    index_task: FileTask | None = None
 
     @property
     def src_manifest(self) -> str:
@@ -133,10 +135,13 @@ class StagePlan:
         return [self.manifest.shards[i].name for i in self._dest_shards()]
 
     def expected_files(self) -> dict[str, int]:
-        """Every data file the finished DEST holds (name -> bytes), for the fast-path check."""
+        """Every data file the finished DEST holds (name -> bytes), for the fast-path check: this
+        node's shards and their companions, and the sample index."""
         if self.unpack == "only":
             return {}
         out = {}
+        if self.index_task is not None:
+            out[self.index_task.name] = self.index_task.bytes
         for i in self._dest_shards():
             s = self.manifest.shards[i]
             out[s.name] = s.bytes
@@ -168,7 +173,7 @@ def read_src_manifest(src: str | os.PathLike[str], storage_options: dict[str, An
         raise ShardMissingError(f"{mp}: no manifest; is SRC a `stager pack` output directory?") from exc
     except IsADirectoryError as exc:
         raise ShardMissingError(f"{mp}: is a directory, expected manifest.json") from exc
-    return Manifest.from_bytes(data, mp), data
+    return Manifest.from_bytes(data, mp, storage_options=storage_options), data
 
 
 def plan_stage(
@@ -201,8 +206,12 @@ def plan_stage(
         s = manifest.shards[i]
         tasks.append(FileTask(s.name, s.bytes, s.hash, join(src_dir, s.name), i))
         tasks += [FileTask(a.name, a.bytes, a.hash, join(src_dir, a.name), i) for a in s.aux]
+    index_task = None
+    if manifest.index is not None:
+        ix = manifest.index
+        index_task = FileTask(ix.name, ix.bytes, ix.hash, join(dataset_root(src), ix.name), -1)
     return StagePlan(
-        src=src, src_dir=src_dir, dest=dest_path, manifest=manifest,
+        src=src, src_dir=src_dir, dest=dest_path, manifest=manifest, index_task=index_task,
         manifest_bytes=bytes_for_copy(manifest, manifest_bytes), mode=mode,
         node=node, num_nodes=num_nodes, ranks_per_node=ranks_per_node, node_origin=origin, seed=options.seed,
         shard_indices=shard_indices, tasks=tasks, unpack=options.unpack, unpack_dir=options.unpack_dir,

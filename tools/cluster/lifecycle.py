@@ -19,9 +19,10 @@ from .config import Config
 from .proc import ClusterError, alive, mounts_under, netns_pids, ns_inode, run, terminate
 from .state import Record
 
-APT_PACKAGES = ("slurm-wlm", "munge", "sshfs", "openssh-sftp-server")
+# openmpi-bin: mpirun inside jobs (tests/cluster/test_cluster_mpi.py; tests/test_mpi.py on one machine).
+APT_PACKAGES = ("slurm-wlm", "munge", "sshfs", "openssh-sftp-server", "openmpi-bin")
 NEEDED = {"slurmctld": "slurm-wlm", "slurmd": "slurm-wlm", "sbatch": "slurm-wlm", "munged": "munge",
-          "sshfs": "sshfs", "/usr/lib/openssh/sftp-server": "openssh-sftp-server"}
+          "sshfs": "sshfs", "/usr/lib/openssh/sftp-server": "openssh-sftp-server", "mpirun": "openmpi-bin"}
 SYSTEM = ("ip", "tc", "nsenter", "unshare", "mount", "umount")
 
 

@@ -115,8 +115,8 @@ def damaged_manifests(manifest: bytes, rng: np.random.Generator, n: int) -> list
             cut = int(rng.integers(1, len(manifest) - 2))  # keep it short of the closing brace
             out.append((f"truncated to {cut} bytes", manifest[:cut]))
         else:
-            schema = [b"stager.manifest/2", b"stager.manifest/0", b"webdataset/1", b""][int(rng.integers(0, 4))]
-            out.append((f"schema {schema!r}", manifest.replace(b"stager.manifest/1", schema, 1)))
+            schema = [b"stager.manifest/1", b"stager.manifest/3", b"webdataset/1", b""][int(rng.integers(0, 4))]
+            out.append((f"schema {schema!r}", manifest.replace(b"stager.manifest/2", schema, 1)))
     return out
 
 

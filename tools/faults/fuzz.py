@@ -21,6 +21,7 @@ one block would mean an allocation driven by a damaged length field.
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import json
 import os
@@ -142,7 +143,9 @@ def record_payloads(data: bytes) -> list[bytes]:
     return [p for _, p in iter_records(io.BytesIO(data), len(data), "seed")]
 
 
-def valid_manifest() -> bytes:
+@functools.cache
+def valid_manifest() -> tuple[bytes, str, bytes]:
+    """A valid v2 manifest's bytes, with its sample index's name and bytes."""
     from stager.manifest import AuxFile, Manifest, ShardInfo
 
     shards = []
@@ -151,7 +154,12 @@ def valid_manifest() -> bytes:
         shards.append(ShardInfo(f"shard-{i:05d}.tar", 4096, "ab" * 16, keys, np.array([0, 1, 1]),
                                 np.array([512, 1536, 2560]), np.array([100, 200, 300]),
                                 [AuxFile(f"shard-{i:05d}.tar.idx", 30, "cd" * 16)]))
-    return Manifest(format="tar", classes=["a", "b"], shards=shards, created="2026-01-01T00:00:00+00:00").to_bytes()
+    m = Manifest(format="tar", classes=["a", "b"], shards=shards, created="2026-01-01T00:00:00+00:00")
+    with tempfile.TemporaryDirectory() as d:
+        path = m.write_index(d)
+        index = Path(path).read_bytes()
+    assert m.index is not None
+    return m.to_bytes(), m.index.name, index
 
 
 def valid_receipt() -> bytes:
@@ -254,10 +262,34 @@ def trial_index(data: bytes, tmp: Path) -> int:
 
 
 def trial_manifest(data: bytes, tmp: Path) -> int:
+    """Parse a (damaged) manifest beside the valid sample index, read every shard's rows, round-trip."""
     from stager.manifest import Manifest
 
-    m = Manifest.from_bytes(data, "fuzz/manifest.json")
-    Manifest.from_bytes(m.to_bytes(), "fuzz/manifest.json")  # what parses must round-trip
+    _, name, index = valid_manifest()
+    (tmp / name).write_bytes(index)
+    m = Manifest.from_bytes(data, str(tmp / "manifest.json"))
+    for s in m.shards:
+        list(s.keys), s.labels.sum(), s.offsets.sum(), s.sizes.sum()
+    if m.index is not None:
+        Manifest.from_bytes(m.to_bytes(), str(tmp / "manifest.json"))  # what parses must round-trip
+    return 0
+
+
+def trial_sample_index(data: bytes, tmp: Path) -> int:
+    """Open a (damaged) sample index under the valid manifest (re-signed to the damaged file's size and
+    hash, so that the table parser and the row checks are what is exercised)."""
+    from stager.checksum import hash_bytes
+    from stager.manifest import Manifest, _digest_of
+
+    base, _, _ = valid_manifest()
+    body = json.loads(base)
+    h = hash_bytes(data)
+    body["index"] = {"name": f"index-{h[:16]}.sidx", "bytes": len(data), "hash": h}
+    body["digest"] = _digest_of(body)
+    (tmp / body["index"]["name"]).write_bytes(data)
+    m = Manifest.from_json(body, str(tmp / "manifest.json"))
+    for s in m.shards:
+        list(s.keys), s.labels.sum(), s.offsets.sum(), s.sizes.sum()
     return 0
 
 
@@ -299,7 +331,7 @@ def parsers() -> dict[str, tuple[Trial, Callable[[random.Random], bytes]]]:
     """name -> (trial, input generator)."""
     tar = valid_tar()
     rec, idx = valid_record()
-    man = valid_manifest()
+    man, _, man_index = valid_manifest()
     rcp = valid_receipt()
     jr = b'{"f": "shard-00000.tar", "b": 123}\n{"u": "shard-00000.tar"}\n'
     lk = b'{"pid": 1, "host": "h", "boot_id": "b", "time": 0}\n'
@@ -320,6 +352,7 @@ def parsers() -> dict[str, tuple[Trial, Callable[[random.Random], bytes]]]:
         "TFRecord .idx index (record.read_index)": (trial_index, gen(idx)),
         "manifest bytes (Manifest.from_bytes)": (trial_manifest, gen(man)),
         "manifest fields, re-signed (Manifest.from_bytes)": (trial_manifest, lambda rng: resigned_manifest(man, rng)),
+        "sample index table (manifest.table.parse_table)": (trial_sample_index, gen(man_index)),
         "staging receipt (receipt.load_receipt)": (trial_receipt, gen(rcp)),
         "stage journal (stage.Journal)": (trial_journal, gen(jr)),
         "node lock record (lock.NodeLock)": (trial_lock, gen(lk)),

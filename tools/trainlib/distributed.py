@@ -5,6 +5,11 @@ then Slurm's). The rendezvous address is ``MASTER_ADDR`` or, under srun, the fir
 ``SLURM_JOB_NODELIST`` (expanded with :func:`stager.world.expand_hostlist`); the port is
 ``MASTER_PORT`` or ``20000 + SLURM_JOB_ID % 20000`` so concurrent jobs sharing a node do not
 collide. Backend: NCCL when CUDA is available, else gloo.
+
+``--dist horovod``: Horovod instead of a torch.distributed group (``horovodrun``, or ``mpirun``/``srun
+--mpi`` with a horovod built with MPI): ``hvd.init()`` numbers the ranks; stager's world detection
+(HOROVOD_* or OMPI_*/PMI_* variables) must agree with it, and the collectives below go through
+Horovod. docs/training.md has the build recipe (horovod 0.28.1 needs C++17 for torch >= 2.1).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import datetime
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -72,6 +78,27 @@ def pick_device(local_rank: int, want: str = "auto") -> torch.device:
     return torch.device("cuda", local_rank % n)
 
 
+def _hvd() -> Any:
+    import horovod.torch as hvd
+
+    return hvd
+
+
+def setup_horovod(device: str = "auto") -> DistInfo:
+    """``hvd.init()``; the ranks it numbers must be the ones stager's world detection sees."""
+    hvd = _hvd()
+    hvd.init()
+    world = World.detect()
+    if (world.rank, world.world_size) != (hvd.rank(), hvd.size()):
+        raise SystemExit(f"train.py: error: horovod says rank {hvd.rank()} of {hvd.size()}, the launcher's "
+                         f"variables rank {world.rank} of {world.world_size} ({world.source}); start the job "
+                         "with horovodrun, or mpirun/srun --mpi with an MPI-built horovod")
+    dev = pick_device(hvd.local_rank(), device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    return DistInfo(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), dev, "horovod", world.source)
+
+
 def setup(*, independent: bool = False, device: str = "auto", timeout_s: float = 600.0) -> DistInfo:
     """Initialise the default process group when the job has more than one rank.
 
@@ -102,21 +129,28 @@ def setup(*, independent: bool = False, device: str = "auto", timeout_s: float =
     return DistInfo(world.rank, world.world_size, world.local_rank, world.local_world_size, dev, backend, world.source)
 
 
-def cleanup() -> None:
+def cleanup(info: DistInfo | None = None) -> None:
+    if info is not None and info.backend == "horovod":
+        _hvd().shutdown()
+        return
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
 
 def all_reduce_sum(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
     """Sum ``t`` over ranks in place (no-op for one process); returns ``t``."""
-    if info.distributed:
+    if info.backend == "horovod":
+        t.copy_(_hvd().allreduce(t, op=_hvd().Sum))
+    elif info.distributed:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
 
 
 def all_reduce_max(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
     """Element-wise max of ``t`` over ranks in place (no-op for one process); returns ``t``."""
-    if info.distributed:
+    if info.backend == "horovod":
+        t.copy_(_hvd().allreduce(t, op=_hvd().Max))
+    elif info.distributed:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t
 
@@ -125,11 +159,15 @@ def all_gather_objects(obj: object, info: DistInfo) -> list[object]:
     """Every rank's ``obj`` in rank order (``[obj]`` for one process)."""
     if not info.distributed:
         return [obj]
+    if info.backend == "horovod":
+        return list(_hvd().allgather_object(obj))
     out: list[object] = [None] * info.world_size
     dist.all_gather_object(out, obj)
     return out
 
 
 def barrier(info: DistInfo) -> None:
-    if info.distributed:
+    if info.backend == "horovod":
+        _hvd().barrier()
+    elif info.distributed:
         dist.barrier()

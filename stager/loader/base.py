@@ -1,0 +1,314 @@
+"""``LoaderBase``: what every transport's loader shares: epochs, batch counting, resume state, stats.
+
+A loader hands out one rank's batches of :class:`~stager.loader.rank.RankDataset`, epoch after
+epoch. Which process builds them is the transport's business: torch's DataLoader
+(:class:`~stager.loader.Loader`) or plain multiprocessing (:class:`~stager.loader.numpy_loader.NumpyLoader`).
+Everything else is here, once: the epoch's phases (begin: next epoch or the resume position; open
+the transport's :class:`EpochBatches`; receive each batch: check the round robin, count, finish;
+end), the padding and drop counts, the stats, and the resume state
+(:class:`~stager.loader.state.LoaderState`, elastic resume included). This module imports no torch.
+
+A subclass provides ``num_workers`` (set before calling ``LoaderBase.__init__``), :meth:`_open_epoch`,
+:meth:`_finish` (a received batch as its user sees it) and :meth:`close`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from stager.errors import UsageError
+from stager.loader.rank import RankDataset
+from stager.loader.state import LoaderState
+from stager.loader.stats import LoaderStats
+from stager.order.epoch import PlanConfig, unconsumed
+
+log = logging.getLogger("stager.loader")
+
+
+class EpochBatches:
+    """One epoch's batch source: ``next_batch()`` (raises StopIteration at the end) and ``end(clean)``.
+
+    ``clean``: the consumer stopped between batches (a break, or the epoch's end); otherwise a worker
+    error or a broken contract interrupted it.
+    """
+
+    def __init__(self, next_batch: Callable[[], dict[str, Any]], end: Callable[[bool], None]) -> None:
+        self.next_batch = next_batch
+        self.end = end
+
+
+class LoaderBase:
+    """Iterable of one rank's batch dicts over ``dataset``, with epochs, ``len``, resume state and stats.
+
+    ``len(loader)`` is the number of batches per rank in the current epoch, equal on every rank.
+    After a complete pass the next ``iter()`` moves to the next epoch unless ``set_epoch`` is
+    called; ``set_epoch(e)`` with the epoch of a just-loaded state keeps the resume position.
+    """
+
+    num_workers: int
+
+    def __init__(self, dataset: RankDataset) -> None:
+        self.dataset = dataset
+        self._done = 0
+        self._resume_pending = False
+        self._completed = False
+        self._parent: dict[str, Any] | None = None
+        res = dataset.resolved
+        self._stats = LoaderStats(
+            rank=dataset.rank,
+            world_size=dataset.world_size,
+            source=res.source,
+            reading_from=res.root,
+            staged=res.staged,
+            staged_mode=res.receipt.mode if res.receipt is not None else None,
+        )
+        self._log_plan()
+
+    # ---- the transport ------------------------------------------------------------------------------
+    def _open_epoch(self) -> EpochBatches:
+        """The epoch's batch source, from ``dataset.start_batch`` on."""
+        raise NotImplementedError
+
+    def _finish(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """A received batch as the user sees it (in place)."""
+        return batch
+
+    def close(self) -> None:
+        """Stop the transport's worker processes, if any (the next epoch starts new ones)."""
+
+    def _log_plan(self) -> None:
+        ds = self.dataset
+        per = int(ds.batch_sizes().sum())
+        total = ds.samples_in_epoch()
+        if ds.group.node_partitioned:
+            log.info(
+                "stager.loader: node-partitioned staged copy: rank %d reads only this node's %d samples "
+                "(node-local shuffle), %d per rank on every node",
+                ds.rank,
+                total,
+                per,
+            )
+        world = ds.group.world_size
+        padded = max(0, world * per - total)
+        dropped = max(0, total - world * per)
+        if padded:
+            log.info("stager.loader: epoch padded with %d repeated samples so all %d ranks get %d", padded, world, per)
+        if dropped:
+            log.info("stager.loader: drop_last drops %d samples per epoch (%d per rank kept)", dropped, per)
+
+    # ---- epoch / length ---------------------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        return self.dataset.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        if self._resume_pending and epoch == self.dataset.epoch:
+            return
+        self._resume_pending = False
+        self._completed = False
+        self._done = 0
+        self._parent = None
+        self.dataset.set_epoch(epoch)
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """The keys every batch has, in every decode mode (raw batches from workers add ``data``/``offsets``)."""
+        return ("image", "index", "key", "label")
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    # ---- iteration ----------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        if not self._begin_epoch():
+            return
+        padding = self._padded_positions()
+        batches = self._open_epoch()
+        st = self._stats
+        st.start()
+        clean_end = False
+        try:
+            while (batch := self._receive(batches, padding)) is not None:
+                st.stop()
+                clean_end = True  # a consumer leaving here (break, GeneratorExit) leaves a sane pool
+                yield batch
+                clean_end = False
+                st.start()
+            clean_end = True
+        finally:
+            st.stop()
+            batches.end(clean_end)
+
+    def _begin_epoch(self) -> bool:
+        """Move to the pass to make (the next epoch after a finished one, else the position); False: none left."""
+        if self._completed and not self._resume_pending:
+            self.set_epoch(self.dataset.epoch + 1)
+        if not self._resume_pending:
+            self._done = 0
+        self._resume_pending = False
+        self._completed = False
+        self.dataset.start_batch = self._done
+        if self._done >= len(self.dataset):
+            self._completed = True
+            return False
+        return True
+
+    def _receive(self, batches: EpochBatches, padding: np.ndarray) -> dict[str, Any] | None:
+        """The next batch, checked and counted (None at the epoch's end)."""
+        st = self._stats
+        t = time.perf_counter()
+        try:
+            batch = batches.next_batch()
+        except StopIteration:
+            return None
+        st.wait_seconds += time.perf_counter() - t
+        w = batch.pop("_w")
+        if int(w["batch"]) != self._done:  # the round-robin contract, checked on every batch
+            raise RuntimeError(f"stager.loader: expected batch {self._done}, worker sent {w['batch']}")
+        st.add_worker(w)
+        st.batches += 1
+        st.samples += len(batch["key"])
+        st.padded += int(padding[self._done])
+        self._finish(batch)
+        self._done += 1
+        if self._done == len(padding):
+            self._completed = True
+        return batch
+
+    def _padded_positions(self) -> np.ndarray:
+        """Per batch of this rank: how many of its samples are padding repeats (int64, (batches,))."""
+        ds = self.dataset
+        if self._dropped_or_padded() >= 0:
+            return np.zeros(len(ds), dtype=np.int64)  # nothing padded: skip planning here
+        return ds.plan().batch_padding()
+
+    def _dropped_or_padded(self) -> int:
+        """Samples of the epoch no rank sees (> 0: dropped) or, negative, the repeats that pad it."""
+        ds = self.dataset
+        return ds.samples_in_epoch() - ds.group.world_size * int(ds.batch_sizes().sum())
+
+    # ---- observability ------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Per-rank figures: samples/s, bytes/s, I/O vs decode seconds, padded, skipped, staged or source."""
+        d = self._stats.to_dict()
+        d["dropped"] = max(0, self._dropped_or_padded())
+        return d
+
+    # ---- resume ----------------------------------------------------------------------------------------
+    def _plan_key(self) -> str:
+        ds = self.dataset
+        h = xxhash.xxh3_64()
+        h.update(np.ascontiguousarray(ds.run_len).tobytes())
+        h.update(f"{ds.group.samples_per_rank}".encode())
+        return h.hexdigest()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position between batches: a plain dict (see :class:`~stager.loader.state.LoaderState`)."""
+        ds = self.dataset
+        st = LoaderState(
+            dataset_id=ds.index.dataset_id,
+            epoch=ds.epoch,
+            batches_done=self._done,
+            seed=ds.seed,
+            world_size=ds.world_size,
+            num_workers=self.num_workers,
+            batch_size=ds.batch_size,
+            mode=ds.mode,
+            drop_last=ds.drop_last,
+            rank=ds.rank,
+            buffer_samples=ds.buffer_samples(max(1, self.num_workers)),
+            plan_key=self._plan_key(),
+            parent=self._parent,
+        )
+        return st.to_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``: the next ``iter()`` yields exactly the epoch's remaining batches.
+
+        Same world size and worker count: the plan is identical and the position is a batch count.
+        Different world size or worker count with the same global batch (``batch_size *
+        world_size``): *elastic* resume. The samples the old ranks consumed are reconstructed from
+        the old plan (all ranks consume batches in lockstep under DDP, so one rank's count is
+        everyone's), and the rest of the epoch, in the old epoch order, is re-planned over the new
+        world. Other changes are refused.
+        """
+        st = LoaderState.from_dict(state)
+        self._check_same_order(st)
+        ds = self.dataset
+        same = (
+            st.world_size == ds.world_size
+            and st.num_workers == self.num_workers
+            and st.batch_size == ds.batch_size
+            and st.buffer_samples == ds.buffer_samples(max(1, self.num_workers))
+        )
+        if same:
+            ds.resume(st.epoch, self._remaining(st.parent) if st.parent is not None else None)
+            if st.batches_done > len(ds):
+                raise UsageError(f"loader state is at batch {st.batches_done} of an epoch of {len(ds)} batches")
+            self._resume_at(st.batches_done, st.parent)
+            return
+        if st.batch_size * st.world_size != ds.batch_size * ds.world_size:
+            raise UsageError(
+                f"cannot resume: the state's global batch is {st.batch_size}x{st.world_size}, this loader's is "
+                f"{ds.batch_size}x{ds.world_size}; keep batch_size*world_size constant for an elastic resume"
+            )
+        if ds.group.node_partitioned:
+            raise UsageError(
+                "cannot resume elastically over a node-partitioned staged copy; re-stage for the new world size"
+            )
+        remaining = self._remaining(st.to_dict())
+        ds.resume(st.epoch, remaining)
+        self._resume_at(0, st.to_dict())
+        log.info(
+            "stager.loader: elastic resume of epoch %d: %d samples left, re-planned over world size %d",
+            st.epoch,
+            len(remaining),
+            ds.world_size,
+        )
+
+    def _check_same_order(self, st: LoaderState) -> None:
+        """Refuse a state of another dataset, seed, shuffle mode, drop_last or run layout (naming each)."""
+        ds = self.dataset
+        mismatch = [
+            f"{name}: state {a!r}, loader {b!r}"
+            for name, a, b in (
+                ("dataset_id", st.dataset_id, ds.index.dataset_id),
+                ("seed", st.seed, ds.seed),
+                ("shuffle mode", st.mode, ds.mode),
+                ("drop_last", st.drop_last, ds.drop_last),
+                ("run layout", st.plan_key, self._plan_key()),
+            )
+            if a != b
+        ]
+        if mismatch:
+            raise UsageError("loader state does not match this loader (" + "; ".join(mismatch) + ")")
+
+    def _resume_at(self, batches_done: int, parent: dict[str, Any] | None) -> None:
+        self._parent = parent
+        self._done = batches_done
+        self._resume_pending = True
+        self._completed = False
+
+    def _remaining(self, state: dict[str, Any]) -> np.ndarray:
+        """The epoch sequence minus what every rank of ``state``'s world consumed (old order kept)."""
+        st = LoaderState.from_dict(state)
+        ds = self.dataset
+        seq = self._remaining(st.parent) if st.parent is not None else ds.epoch_sequence(st.epoch)
+        cfg = PlanConfig(
+            batch_size=st.batch_size,
+            world_size=st.world_size,
+            num_workers=st.num_workers,
+            seed=st.seed,
+            mode=st.mode,
+            drop_last=st.drop_last,
+            buffer_samples=st.buffer_samples,
+        )
+        return unconsumed(seq, ds.index.starts, ds.run_len, cfg, epoch=st.epoch, batches_done=st.batches_done)
+
+

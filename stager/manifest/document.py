@@ -1,0 +1,753 @@
+"""The manifest: the contract between ``pack``, ``stage``, the loader and ``verify``.
+
+A packed directory holds shard files, one sample index file and ``manifest.json``, written last and
+atomically. The manifest (schema ``stager.manifest/2``) lists every shard with its size, sample
+count and checksum, the dataset's schema (classes, fields, clips) and its sample index file; it
+grows with shards, not samples. The per-sample index (key, label, byte offset, byte length, and
+the extra columns of fields and clips) is a columnar table file (:mod:`stager.manifest.samples`)
+that readers map, so that they can partition exactly and read runs of samples with one ``pread``
+without parsing the container, and so that ranks and workers on a node share its pages.
+docs/formats.md is the normative description; this package is its only reader and writer. v1
+manifests (the index inline as JSON lists) are still read.
+
+Per-sample ``offsets``/``sizes`` locate the *encoded image payload* inside the shard file:
+
+* tar: the data of the ``<key>.<ext>`` image member;
+* record: the ``image/encoded`` bytes inside the record's ``tf.train.Example`` payload;
+* hdf5: the sample's slice of the contiguous ``images`` dataset (file offset of the dataset plus
+  the in-array offset);
+* zarr: decoded images; ``offsets`` is the row inside the shard's ``images`` array and ``sizes`` is
+  ``H*W*C``.
+
+The manifest carries a ``digest`` over its own canonical JSON (which names the index file's hash),
+so that a damaged manifest (a flipped digit) is refused instead of silently misleading every reader.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime as _dt
+import json
+import os
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from stager import __version__
+from stager.checksum import ALGOS, DEFAULT_ALGO, new_hasher
+from stager.errors import ManifestError, ShardMissingError, UnsafeArchiveError
+from stager.fs.atomic import atomic_write_bytes, partial_path
+from stager.fs.open import is_url, join, read_bytes
+from stager.manifest.samples import (
+    INDEX_PARTIAL_BASE,
+    LABEL,
+    OFFSET,
+    SIZE,
+    SampleIndex,
+    index_file_name,
+    is_index_file_name,
+    table_columns,
+)
+from stager.manifest.table import Column, Ragged, Strings, Table, open_table, parse_table, write_table
+
+SCHEMA = "stager.manifest/2"
+SCHEMA_V1 = "stager.manifest/1"  # read, never written: the per-sample index inline as JSON lists
+MANIFEST_NAME = "manifest.json"
+FORMATS = ("tar", "hdf5", "record", "zarr", "parquet", "recordio", "lmdb")  # the last three: `stager index` only
+# Extents other than file byte ranges, and the formats that may use them (docs/formats.md).
+EXTENTS = {"bytes": FORMATS, "rows": ("parquet",), "records": ("recordio",)}
+# Fields left out of the digest: ``digest`` itself, and ``shard_root`` (where the shards live is not
+# what they are: a staged copy drops it and keeps the digest, so receipts still match).
+_UNDIGESTED = ("digest", "shard_root")
+MAX_MANIFEST_BYTES = 4 << 30  # refuse absurd manifests before parsing them
+
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,254}$")
+
+
+def check_safe_name(name: object, what: str = "shard name") -> str:
+    """Return ``name`` if it is a plain file name (no separators, no ``..``, no hidden/odd chars).
+
+    Manifest entries become paths under a destination; anything that could escape it is refused.
+    """
+    if not isinstance(name, str) or not _SAFE_NAME.match(name) or name in (".", "..") or ".." in name:
+        raise UnsafeArchiveError(
+            f"unsafe {what} {name!r}: expected a plain file name (letters, digits, '._+-', no path separators)"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class AuxFile:
+    """A companion file of a shard that is staged with it (e.g. a record shard's DALI index)."""
+
+    name: str
+    bytes: int
+    hash: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "bytes": self.bytes, "hash": self.hash}
+
+
+@dataclass(frozen=True)
+class IndexRef:
+    """The manifest's entry for its sample index file (v2): name, exact size, hash (``hash_algo``)."""
+
+    name: str
+    bytes: int
+    hash: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "bytes": self.bytes, "hash": self.hash}
+
+
+class ShardInfo:
+    """One shard file: identity, integrity, and the per-sample index of its samples.
+
+    ``keys`` (a ``Sequence[str]``), ``labels``, ``offsets`` and ``sizes`` (int64 arrays) all have
+    length ``samples`` and are in the shard's physical order. ``columns`` holds extra per-sample
+    columns (fields, clips: :mod:`stager.manifest.samples`), each with ``samples`` rows.
+
+    A shard built in memory (pack, index) holds these arrays itself; a shard of a loaded v2
+    manifest holds a row range of the dataset's :class:`SampleIndex` and slices it on first use
+    (views into the mapped file, no copy), so loading a manifest costs O(shards).
+    """
+
+    __slots__ = ("_cols", "_keys", "_labels", "_offsets", "_rows", "_samples", "_sizes",
+                 "aux", "bytes", "extents", "hash", "name")
+
+    # The positional order is v1's dataclass order: pack, index and tests build shards positionally.
+    def __init__(self, name: str, bytes: int, hash: str, keys: Sequence[str] | None = None,  # noqa: PLR0917
+                 labels: np.ndarray | None = None, offsets: np.ndarray | None = None,
+                 sizes: np.ndarray | None = None, aux: list[AuxFile] | None = None, extents: str = "bytes",
+                 *, columns: Mapping[str, Column] | None = None, samples: int | None = None,
+                 rows: tuple[SampleIndex, int] | None = None) -> None:
+        self.name = name
+        self.bytes = bytes
+        self.hash = hash
+        self.aux = list(aux or [])
+        self.extents = extents  # "bytes": file byte ranges; "rows": rows (parquet); "records": framed records (recordio)
+        self._rows = rows
+        if keys is not None:
+            if labels is None or offsets is None or sizes is None:
+                raise TypeError("ShardInfo needs keys, labels, offsets and sizes (or rows of a sample index)")
+            n = len(keys)
+            self._samples = n
+            self._keys: Sequence[str] | None = keys
+            self._labels: np.ndarray | None = np.asarray(labels, dtype=np.int64)
+            self._offsets: np.ndarray | None = np.asarray(offsets, dtype=np.int64)
+            self._sizes: np.ndarray | None = np.asarray(sizes, dtype=np.int64)
+            self._cols: dict[str, Column] | None = dict(columns or {})
+            for what, arr in (("labels", self._labels), ("offsets", self._offsets), ("sizes", self._sizes),
+                              *self._cols.items()):
+                if len(arr) != n:
+                    raise ValueError(f"{name}: {what} has {len(arr)} rows, keys {n}")
+        else:
+            if samples is None:
+                raise TypeError("ShardInfo needs keys, labels, offsets and sizes, or samples (and a sample index)")
+            self._samples = samples
+            self._keys = self._labels = self._offsets = self._sizes = None
+            self._cols = None
+
+    @property
+    def samples(self) -> int:
+        return self._samples
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = {k: getattr(self, k) for k in self.__slots__}
+        if self._rows is not None:  # slices of the mapped index: the receiver slices its own mapping
+            state.update(_keys=None, _labels=None, _offsets=None, _sizes=None, _cols=None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for k, v in state.items():
+            object.__setattr__(self, k, v)
+
+    def _slice(self) -> slice:
+        if self._rows is None:
+            raise ManifestError(f"{self.name}: the manifest's sample index is not attached (use load_manifest)")
+        start = self._rows[1]
+        return slice(start, start + self._samples)
+
+    @property
+    def keys(self) -> Sequence[str]:
+        if self._keys is None:
+            sl = self._slice()
+            assert self._rows is not None
+            self._keys = self._rows[0].keys[sl]
+        return self._keys
+
+    @property
+    def labels(self) -> np.ndarray:
+        if self._labels is None:
+            sl = self._slice()
+            assert self._rows is not None
+            self._labels = self._rows[0].labels[sl]
+        return self._labels
+
+    @property
+    def offsets(self) -> np.ndarray:
+        if self._offsets is None:
+            sl = self._slice()
+            assert self._rows is not None
+            self._offsets = self._rows[0].offsets[sl]
+        return self._offsets
+
+    @property
+    def sizes(self) -> np.ndarray:
+        if self._sizes is None:
+            sl = self._slice()
+            assert self._rows is not None
+            self._sizes = self._rows[0].sizes[sl]
+        return self._sizes
+
+    @property
+    def columns(self) -> dict[str, Column]:
+        """Extra per-sample columns by name (fields, clips), each with ``samples`` rows."""
+        if self._cols is None:
+            sl = self._slice()
+            assert self._rows is not None
+            self._cols = {n: c[sl] for n, c in self._rows[0].extra().items()}
+        return self._cols
+
+    def to_json(self) -> dict[str, Any]:
+        """The shard's manifest v2 entry (per-shard facts only; per-sample data is in the index)."""
+        out: dict[str, Any] = {"name": self.name, "bytes": self.bytes, "samples": self.samples, "hash": self.hash,
+                               "aux": [a.to_json() for a in self.aux]}
+        if self.extents != "bytes":
+            out["extents"] = self.extents
+        return out
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ShardInfo):
+            return NotImplemented
+        return (self.to_json() == other.to_json() and list(self.keys) == list(other.keys)
+                and np.array_equal(self.labels, other.labels) and np.array_equal(self.offsets, other.offsets)
+                and np.array_equal(self.sizes, other.sizes))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"ShardInfo({self.name!r}, bytes={self.bytes}, samples={self.samples}, hash={self.hash[:12]!r})"
+
+
+@dataclass
+class Manifest:
+    """A packed dataset: format, classes, shards and provenance.
+
+    ``sample_kind`` is ``"encoded"`` (image files' bytes: tar, hdf5, record) or ``"decoded"``
+    (fixed-shape uint8 arrays: zarr, with ``image_shape`` = (H, W, C)). ``fields`` describes
+    samples with several fields and ``clips`` windows of consecutive frames (both: the schema of
+    extra index columns; empty/None for one image and a label). ``index``: the sample index file
+    (set once written or read; None for a manifest read from a v1 file, whose shards hold their arrays).
+    """
+
+    format: str
+    classes: list[str]
+    shards: list[ShardInfo]
+    source: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
+    hash_algo: str = DEFAULT_ALGO
+    sample_kind: str = "encoded"
+    image_shape: tuple[int, int, int] | None = None
+    skipped: list[dict[str, str]] = field(default_factory=list)
+    stager_version: str = __version__
+    created: str = ""
+    digest: str = ""
+    # Where the shard files live when not beside the manifest (``stager index --out``): an absolute
+    # path or a URL of their directory. Not part of the digest (see ``_UNDIGESTED``).
+    shard_root: str | None = None
+    fields: list[dict[str, Any]] = field(default_factory=list)
+    clips: dict[str, Any] | None = None
+    index: IndexRef | None = None
+    schema: str = SCHEMA
+    samples_index: SampleIndex | None = field(default=None, repr=False, compare=False)
+
+    # ---- derived -------------------------------------------------------------------------
+    @property
+    def num_samples(self) -> int:
+        return sum(s.samples for s in self.shards)
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of the data files: shards and their companion files (the sample index not counted)."""
+        return sum(s.bytes + sum(a.bytes for a in s.aux) for s in self.shards)
+
+    @property
+    def copy_bytes(self) -> int:
+        """Bytes a full copy of the dataset stores: :attr:`num_bytes` plus the sample index."""
+        return self.num_bytes + (self.index.bytes if self.index else 0)
+
+    @property
+    def shard_bytes(self) -> np.ndarray:
+        """int64 (shards,): each shard's bytes with its companion files (what a node holding it stores)."""
+        return np.array([s.bytes + sum(a.bytes for a in s.aux) for s in self.shards], dtype=np.int64)
+
+    def files(self) -> Iterator[tuple[str, int, str]]:
+        """Every file of the dataset except the manifest: ``(name, bytes, hash)``, shards first, the
+        sample index last."""
+        for s in self.shards:
+            yield s.name, s.bytes, s.hash
+            for a in s.aux:
+                yield a.name, a.bytes, a.hash
+        if self.index is not None:
+            yield self.index.name, self.index.bytes, self.index.hash
+
+    def shard_of_sample(self) -> np.ndarray:
+        """int64 array of length ``num_samples``: the shard index of each global sample index."""
+        counts = np.array([s.samples for s in self.shards], dtype=np.int64)
+        return np.repeat(np.arange(len(self.shards), dtype=np.int64), counts)
+
+    def sample_starts(self) -> np.ndarray:
+        """int64 array of length ``len(shards)+1``: global index of each shard's first sample."""
+        counts = np.array([s.samples for s in self.shards], dtype=np.int64)
+        return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+
+    @property
+    def indexed(self) -> bool:
+        """True for a manifest written by ``stager index`` (the shards are someone else's files)."""
+        return self.source.get("kind") == "index"
+
+    @property
+    def dataset_id(self) -> str:
+        """A short, stable identifier of this exact dataset (first 16 hex digits of the digest)."""
+        return (self.digest or self.compute_digest())[:16]
+
+    # ---- the dataset-wide per-sample columns -------------------------------------------------
+    @property
+    def keys(self) -> Sequence[str]:
+        """Every sample's key in manifest order (mapped, decoded on access, for a loaded v2 manifest)."""
+        if self.samples_index is not None:
+            return self.samples_index.keys
+        out: list[str] = []
+        for s in self.shards:
+            out.extend(s.keys)
+        return out
+
+    def column(self, name: str) -> np.ndarray:
+        """A core int64 column (``"label"``, ``"offset"``, ``"size"``) over all samples, shape (N,): a
+        view of the mapped index for a loaded v2 manifest, else concatenated from the shards."""
+        if self.samples_index is not None:
+            return self.samples_index.table.array(name)
+        attr = {LABEL: "labels", OFFSET: "offsets", SIZE: "sizes"}[name]
+        arrs = [getattr(s, attr) for s in self.shards]
+        return np.concatenate(arrs).astype(np.int64, copy=False) if arrs else np.zeros(0, np.int64)
+
+    def extra_columns(self) -> dict[str, Column]:
+        """The extra per-sample columns (fields, clips) over all samples, by name."""
+        if self.samples_index is not None:
+            return dict(self.samples_index.extra())
+        if not self.shards:
+            return {}
+        out: dict[str, Column] = {}
+        for n in self.shards[0].columns:
+            parts = [s.columns[n] for s in self.shards]
+            if isinstance(parts[0], Strings):
+                out[n] = Strings(Ragged.concat([p.raw for p in parts]))  # type: ignore[union-attr]
+            elif isinstance(parts[0], Ragged):
+                out[n] = Ragged.concat(parts)  # type: ignore[arg-type]
+            else:
+                out[n] = np.concatenate(parts)  # type: ignore[arg-type]
+        return out
+
+    def detached(self) -> Manifest:
+        """A copy whose shards hold writable in-memory copies of their per-sample data (no mapping,
+        no index file needed): for rewriting a manifest (tools, repairs, tests that damage one)."""
+        shards = []
+        for s in self.shards:
+            cols = {n: _copy_column(c) for n, c in s.columns.items()}
+            keys = _copy_column(s.keys) if isinstance(s.keys, Strings) else list(s.keys)
+            shards.append(ShardInfo(s.name, s.bytes, s.hash, keys, s.labels.copy(), s.offsets.copy(),
+                                    s.sizes.copy(), list(s.aux), s.extents, columns=cols))
+        return dataclasses.replace(self, shards=shards, samples_index=None)
+
+    # ---- serialisation -------------------------------------------------------------------
+    def _body(self) -> dict[str, Any]:
+        if self.index is None:
+            raise ManifestError("the sample index must be written before the manifest (Manifest.write_index)")
+        return {
+            "schema": SCHEMA,
+            "stager_version": self.stager_version,
+            "created": self.created,
+            "format": self.format,
+            "sample_kind": self.sample_kind,
+            "image_shape": list(self.image_shape) if self.image_shape else None,
+            "hash_algo": self.hash_algo,
+            "classes": list(self.classes),
+            "fields": list(self.fields),
+            "clips": self.clips,
+            "source": self.source,
+            "options": self.options,
+            "totals": {
+                "samples": self.num_samples,
+                "shards": len(self.shards),
+                "bytes": self.num_bytes,
+                "skipped": len(self.skipped),
+            },
+            "skipped": self.skipped,
+            "index": self.index.to_json(),
+            "shards": [s.to_json() for s in self.shards],
+            **({"shard_root": self.shard_root} if self.shard_root else {}),
+        }
+
+    def compute_digest(self) -> str:
+        return _digest_of(self._body())
+
+    def to_bytes(self) -> bytes:
+        """The manifest v2 JSON. The sample index must have been written (:meth:`write_index`)."""
+        if not self.created:
+            self.created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+        body = self._body()
+        self.digest = _digest_of(body)
+        self.schema = SCHEMA
+        body["digest"] = self.digest
+        return (json.dumps(body, separators=(",", ":")) + "\n").encode()
+
+    def write_index(self, directory: str | os.PathLike[str], mode: int | None = None) -> str:
+        """Write the sample index file into ``directory`` (atomically, under its content-addressed
+        name) and record it in :attr:`index`; return its path. Reads every shard's rows (from memory,
+        or from the index it was loaded with)."""
+        directory = os.fspath(directory)
+        tmp = partial_path(os.path.join(directory, INDEX_PARTIAL_BASE))
+        h = new_hasher(self.hash_algo)
+        try:
+            with open(tmp, "xb") as f:
+                sink = _HashingWriter(f, h)
+                nbytes = write_table(sink, self.num_samples, table_columns(self.shards))  # type: ignore[arg-type]
+                f.flush()
+                os.fsync(f.fileno())
+            if mode is not None:
+                os.chmod(tmp, mode)
+            digest = h.hexdigest()
+            name = index_file_name(digest)
+            final = os.path.join(directory, name)
+            os.replace(tmp, final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        self.index = IndexRef(name, nbytes, digest)
+        return final
+
+    def write(self, directory: str | os.PathLike[str], mode: int | None = None) -> str:
+        """Write the sample index, then ``manifest.json`` into ``directory`` atomically; return the
+        manifest's path. Index files of earlier manifests in ``directory`` are removed afterwards."""
+        self.write_index(directory, mode)
+        path = os.path.join(directory, MANIFEST_NAME)
+        atomic_write_bytes(path, self.to_bytes(), mode=mode)
+        remove_stale_indexes(directory, keep=self.index.name if self.index else None)
+        return path
+
+    @classmethod
+    def from_bytes(cls, data: bytes, where: str = MANIFEST_NAME, *, root: str | None = None,
+                   storage_options: Mapping[str, Any] | None = None) -> Manifest:
+        """Parse a manifest. A v2 manifest's sample index is opened on first use from ``root`` (the
+        directory or URL prefix holding it; default: ``where``'s directory when ``where`` is a
+        manifest path)."""
+        try:
+            body = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+            raise ManifestError(f"{where}: not valid JSON ({exc}); re-run `stager pack` to rewrite it") from exc
+        return cls.from_json(body, where, root=root, storage_options=storage_options)
+
+    @classmethod
+    def from_json(cls, body: Any, where: str = MANIFEST_NAME, *, root: str | None = None,
+                  storage_options: Mapping[str, Any] | None = None) -> Manifest:
+        try:
+            m = _parse(body, where)
+        except ManifestError:
+            raise
+        except UnsafeArchiveError as exc:
+            raise ManifestError(f"{where}: {exc}") from exc
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
+            raise ManifestError(
+                f"{where}: malformed manifest ({type(exc).__name__}: {exc}); re-run `stager pack`"
+            ) from exc
+        if m.index is not None:
+            if root is None and where.endswith(".json"):
+                root = dataset_root(where)
+            _attach_index(m, root, dict(storage_options or {}))
+        return m
+
+
+def _copy_column(c: Any) -> Any:
+    """An in-memory, writable copy of a (mapped) column."""
+    if isinstance(c, Strings):
+        return Strings(_copy_column(c.raw))
+    if isinstance(c, Ragged):
+        return Ragged(c.values.copy(), c.starts.copy())
+    return np.array(c, copy=True)
+
+
+class _HashingWriter:
+    """A write-only file wrapper that hashes what passes through (the index's hash, in one pass)."""
+
+    def __init__(self, f: Any, hasher: Any) -> None:
+        self._f, self._h = f, hasher
+
+    def write(self, b: Any) -> int:
+        self._h.update(b)
+        return int(self._f.write(b))
+
+
+def remove_stale_indexes(directory: str | os.PathLike[str], keep: str | None) -> list[str]:
+    """Remove ``index-*.sidx`` files in ``directory`` other than ``keep`` (earlier manifests' indexes)."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for n in names:
+        if is_index_file_name(n) and n != keep:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(directory, n))
+                removed.append(n)
+    return removed
+
+
+def _attach_index(m: Manifest, root: str | None, storage_options: dict[str, Any]) -> None:
+    """Give a parsed v2 manifest its lazily opened sample index, and its shards their row ranges."""
+    assert m.index is not None
+    ref = m.index
+    where = ref.name if root is None else join(root, ref.name)
+    opener = _IndexOpener(None if root is None else where, ref, storage_options)
+    starts = m.sample_starts()
+    si = SampleIndex(opener, where, starts=starts, shard_bytes=np.array([s.bytes for s in m.shards], dtype=np.int64),
+                     nclass=len(m.classes), fmt=m.format, extents=[s.extents for s in m.shards])
+    m.samples_index = si
+    m.shards = [ShardInfo(s.name, s.bytes, s.hash, aux=s.aux, extents=s.extents, samples=s.samples,
+                          rows=(si, int(a))) for s, a in zip(m.shards, starts[:-1].tolist(), strict=True)]
+
+
+@dataclass(frozen=True)
+class _IndexOpener:
+    """Opens the sample index at ``where`` (mapped when local), checking its size against the
+    manifest. Picklable: a spawned loader worker reopens the file instead of receiving its pages."""
+
+    where: str | None
+    ref: IndexRef
+    storage_options: dict[str, Any]
+
+    def __call__(self) -> Table:
+        where, ref = self.where, self.ref
+        if where is None:
+            raise ManifestError(f"{ref.name}: the manifest was read without its directory; its sample index "
+                                "cannot be found (load it with load_manifest)")
+        try:
+            if is_url(where):
+                data = read_bytes(where, self.storage_options)
+                if len(data) != ref.bytes:
+                    raise ManifestError(f"{where}: sample index is {len(data)} bytes, the manifest says "
+                                        f"{ref.bytes}; restore it or re-run the pack")
+                return parse_table(data, where)
+            size = os.stat(where).st_size
+            if size != ref.bytes:
+                raise ManifestError(f"{where}: sample index is {size} bytes, the manifest says {ref.bytes}; "
+                                    "restore it or re-run the pack")
+            return open_table(where)
+        except FileNotFoundError as exc:
+            raise ShardMissingError(f"{where}: the manifest's sample index is missing; copy it beside "
+                                    "manifest.json or re-run the pack") from exc
+
+
+def _digest_of(body: dict[str, Any]) -> str:
+    canon = json.dumps({k: v for k, v in body.items() if k not in _UNDIGESTED}, sort_keys=True, separators=(",", ":"))
+    return xxhash.xxh3_128_hexdigest(canon.encode())
+
+
+def _int_array(values: Any, n: int, what: str, where: str) -> np.ndarray:
+    if not isinstance(values, list) or len(values) != n:
+        raise ManifestError(f"{where}: {what} must be a list of {n} integers")
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    arr = np.asarray(values)
+    if arr.dtype.kind not in "iu":
+        raise ManifestError(f"{where}: {what} must hold integers")
+    return arr.astype(np.int64)
+
+
+def _parse_v1_index(sj: dict[str, Any], n: int, nbytes: int, *, nclass: int, fmt: str, extents: str,
+                    sw: str) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
+    """A v1 shard's inline per-sample index, checked."""
+    idx = sj["index"]
+    keys = idx["keys"]
+    if not isinstance(keys, list) or len(keys) != n or not all(isinstance(k, str) for k in keys):
+        raise ManifestError(f"{sw}: index.keys must be {n} strings")
+    labels = _int_array(idx["labels"], n, "index.labels", sw)
+    offsets = _int_array(idx["offsets"], n, "index.offsets", sw)
+    sizes = _int_array(idx["sizes"], n, "index.sizes", sw)
+    if n and (labels.min() < -1 or (nclass and labels.max() >= nclass)):
+        raise ManifestError(f"{sw}: label out of range 0..{nclass - 1}")
+    if n and (offsets.min() < 0 or sizes.min() < 0):
+        raise ManifestError(f"{sw}: negative sample offset or size")
+    if fmt != "zarr" and extents == "bytes" and n and (offsets + sizes).max() > nbytes:
+        raise ManifestError(f"{sw}: sample extents exceed the shard's {nbytes} bytes")
+    return keys, labels, offsets, sizes
+
+
+def _parse(body: Any, where: str) -> Manifest:
+    if not isinstance(body, dict):
+        raise ManifestError(f"{where}: expected a JSON object at top level")
+    schema = body.get("schema")
+    if schema not in (SCHEMA, SCHEMA_V1):
+        raise ManifestError(f"{where}: unknown schema {schema!r}, expected {SCHEMA!r}; upgrade stager or re-pack")
+    v1 = schema == SCHEMA_V1
+    fmt = body["format"]
+    if fmt not in FORMATS:
+        raise ManifestError(f"{where}: unknown format {fmt!r}; expected one of {', '.join(FORMATS)}")
+    algo = body["hash_algo"]
+    if algo not in ALGOS:
+        raise ManifestError(f"{where}: unknown hash_algo {algo!r}")
+    classes = body["classes"]
+    if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
+        raise ManifestError(f"{where}: classes must be a list of strings")
+    shape = body.get("image_shape")
+    image_shape = None
+    if shape is not None:
+        if not (isinstance(shape, list) and len(shape) == 3 and all(isinstance(v, int) and v > 0 for v in shape)):
+            raise ManifestError(f"{where}: image_shape must be [H, W, C] positive integers")
+        image_shape = (shape[0], shape[1], shape[2])
+    shards: list[ShardInfo] = []
+    seen: set[str] = set()
+    for i, sj in enumerate(body["shards"]):
+        sw = f"{where}: shard {i}"
+        name = check_safe_name(sj["name"])
+        n = sj["samples"]
+        nbytes = sj["bytes"]
+        if not (isinstance(n, int) and isinstance(nbytes, int)) or n < 0 or nbytes < 0:
+            raise ManifestError(f"{sw} ({name}): samples and bytes must be non-negative integers")
+        extents = sj.get("extents", "bytes")
+        if fmt not in EXTENTS.get(extents, ()):
+            raise ManifestError(f"{sw} ({name}): unknown extents {extents!r} for format {fmt}")
+        aux = [AuxFile(check_safe_name(a["name"], "companion file name"), int(a["bytes"]), str(a["hash"]))
+               for a in sj.get("aux", [])]
+        for fname in [name, *(a.name for a in aux)]:
+            if fname in seen or fname == MANIFEST_NAME:
+                raise ManifestError(f"{sw}: file name {fname!r} listed twice")
+            seen.add(fname)
+        if v1:
+            keys, labels, offsets, sizes = _parse_v1_index(sj, n, nbytes, nclass=len(classes), fmt=fmt, extents=extents,
+                                                             sw=f"{sw} ({name})")
+            shards.append(ShardInfo(name, nbytes, str(sj["hash"]), keys, labels, offsets, sizes, aux, extents))
+        else:
+            shards.append(ShardInfo(name, nbytes, str(sj["hash"]), aux=aux, extents=extents, samples=n))
+    index = None
+    if not v1:
+        ij = body["index"]
+        index = IndexRef(check_safe_name(ij["name"], "sample index name"), int(ij["bytes"]), str(ij["hash"]))
+        if index.name in seen or not is_index_file_name(index.name):
+            raise ManifestError(f"{where}: sample index name {index.name!r} must be index-<hex>.sidx and not a shard's")
+    fields = body.get("fields") or []
+    clips = body.get("clips")
+    if not isinstance(fields, list) or not all(isinstance(f, dict) for f in fields):
+        raise ManifestError(f"{where}: fields must be a list of objects")
+    if clips is not None and not isinstance(clips, dict):
+        raise ManifestError(f"{where}: clips must be an object or null")
+    m = Manifest(
+        format=fmt,
+        classes=classes,
+        shards=shards,
+        source=dict(body.get("source") or {}),
+        options=dict(body.get("options") or {}),
+        hash_algo=algo,
+        sample_kind=body.get("sample_kind", "encoded"),
+        image_shape=image_shape,
+        skipped=list(body.get("skipped") or []),
+        stager_version=str(body.get("stager_version", "")),
+        created=str(body.get("created", "")),
+        digest=str(body.get("digest", "")),
+        shard_root=_check_root(body.get("shard_root"), where),
+        fields=fields,
+        clips=clips,
+        index=index,
+        schema=schema,
+    )
+    expect = _digest_of(body)
+    if m.digest != expect:
+        raise ManifestError(
+            f"{where}: manifest digest mismatch (stored {m.digest or 'none'}, computed {expect}); "
+            "the manifest is damaged: restore it or re-run `stager pack`"
+        )
+    return m
+
+
+def _check_root(root: Any, where: str) -> str | None:
+    """``shard_root`` must be an absolute path or a URL (a relative one would depend on the reader's cwd)."""
+    if root is None:
+        return None
+    if not isinstance(root, str) or not root or not (root.startswith("/") or is_url(root)):
+        raise ManifestError(f"{where}: shard_root must be an absolute path or a URL, got {root!r}")
+    return root
+
+
+def manifest_path(path: str | os.PathLike[str]) -> str:
+    """Accept a packed directory or its manifest file; return the manifest's path/URL."""
+    p = os.fspath(path)
+    if p.endswith(".json"):
+        return p
+    return p.rstrip("/") + "/" + MANIFEST_NAME
+
+
+def load_manifest(path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> Manifest:
+    """Read and validate the manifest of a packed directory (local path or fsspec URL)."""
+    mp = manifest_path(path)
+    if is_url(mp):
+        try:
+            data = read_bytes(mp, storage_options, limit=MAX_MANIFEST_BYTES)
+        except FileNotFoundError as exc:
+            raise ShardMissingError(f"{mp}: no manifest; run `stager pack SRC OUT` first") from exc
+    else:
+        try:
+            with open(mp, "rb") as f:
+                # Check the size first: read(MAX + 1) asks for a 4 GiB buffer up front, a MemoryError
+                # under `ulimit -v` or strict overcommit (common on HPC nodes).
+                if os.fstat(f.fileno()).st_size > MAX_MANIFEST_BYTES:
+                    raise ManifestError(f"{mp}: larger than {MAX_MANIFEST_BYTES} bytes; refusing to parse")
+                data = f.read()
+        except FileNotFoundError as exc:
+            raise ShardMissingError(f"{mp}: no manifest; is this a `stager pack` output directory?") from exc
+        except IsADirectoryError as exc:
+            raise ManifestError(f"{mp}: is a directory, expected manifest.json") from exc
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"{mp}: larger than {MAX_MANIFEST_BYTES} bytes; refusing to parse")
+    return Manifest.from_bytes(data, mp, storage_options=storage_options)
+
+
+def dataset_root(path: str | os.PathLike[str]) -> str:
+    """The directory (or URL prefix) that holds the manifest, given a directory or manifest path.
+
+    That is where the shards are unless the manifest says otherwise: use :func:`shard_root`."""
+    p = os.fspath(path)
+    if p.endswith(".json"):
+        return str(PurePosixPath(p).parent) if "://" not in p else p.rsplit("/", 1)[0]
+    return p.rstrip("/") or "/"
+
+
+def shard_root(path: str | os.PathLike[str], manifest: Manifest) -> str:
+    """The directory (or URL prefix) holding ``manifest``'s shards: its ``shard_root`` when set (an
+    index written with ``stager index --out``), else the manifest's own directory."""
+    if manifest.shard_root:
+        return manifest.shard_root.rstrip("/") or "/"
+    return dataset_root(path)
+
+
+def bytes_for_copy(manifest: Manifest, data: bytes) -> bytes:
+    """What a copy of the dataset stores as its ``manifest.json``: ``data`` verbatim, less the
+    ``shard_root`` field when it has one (the copy's shards are beside its manifest). The digest is
+    unchanged (``shard_root`` is not part of it), so receipts and dataset ids still match."""
+    if not manifest.shard_root:
+        return data
+    body = json.loads(data)
+    body.pop("shard_root", None)
+    return (json.dumps(body, separators=(",", ":")) + "\n").encode()
+
+
+def shard_index_arrays(shards: Sequence[ShardInfo]) -> tuple[np.ndarray, np.ndarray]:
+    """Global ``labels`` and ``sizes`` (int64, length = total samples) in manifest order."""
+    if not shards:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return (np.concatenate([s.labels for s in shards]), np.concatenate([s.sizes for s in shards]))
