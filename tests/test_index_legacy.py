@@ -100,6 +100,10 @@ def test_recordio_in_place_split_records_array_labels_stage_and_pack(tmp_path: P
     a, b = m.shards
     assert (m.format, a.extents, b.extents) == ("recordio", "records", "bytes")  # a.rec holds a split record
     assert [x.name for x in a.aux] == ["a.idx"] and [x.name for x in b.aux] == ["b.idx"]
+    # Array labels: every record's label values in the manifest v2 column the `fields` entry names.
+    assert [f["column"] for f in m.fields] == ["field/label_values"]
+    values = [[float(x) for x in s.columns["field/label_values"][j]] for s in (a, b) for j in range(s.samples)]
+    assert values == [[i % 3, 0.25, i] if i % 2 else [i % 3] for i in range(1, 9)] + [[i % 3] for i in range(100, 106)]
     # b.idx, written by the scan as DALI's rec2idx writes it: "<record number>\t<offset of its magic>".
     data = (tmp_path / "rec" / "b.rec").read_bytes()
     starts = [i for i in range(0, len(data), 4) if data[i : i + 4] == MAGIC]
@@ -259,6 +263,7 @@ def test_raw_datums_decode_to_rgb_and_pack_to_zarr(tmp_path: Path, size: int) ->
     index_dataset(tmp_path / "raw", options=IndexOptions(lmdb_layout="caffe", label_offset=1))
     m = load_manifest(tmp_path / "raw")
     assert (m.sample_kind, m.image_shape) == ("decoded", (size, size, 3))
+    assert (np.asarray(m.shards[0].columns["shape"]) == [3, size, size]).all()
     got = {}
     for b in make_loader(str(tmp_path / "raw"), batch_size=7, transform=None, staged=False):
         for k, img, lab in zip(b["key"], b["image"].permute(0, 2, 3, 1).numpy(), b["label"].tolist(), strict=True):
@@ -473,3 +478,27 @@ def test_recordio_walk_joins_what_the_writer_split(records: list[tuple[bytes, li
         if e.payload is not None:
             assert data[e.payload[0] : e.payload[0] + e.payload[1]] == payload
         assert e.labels == (None if labels is None else [float(np.float32(x)) for x in labels])
+
+
+def test_raw_datums_of_several_shapes_keep_theirs_in_the_shape_column(tmp_path: Path) -> None:
+    env = lmdb.open(str(tmp_path / "db"), map_size=1 << 30)
+    truth = {}
+    with env.begin(write=True) as txn:
+        for i in range(12):
+            h, w = (8, 12) if i % 3 else (20, 6)
+            rgb = render_image(np.random.default_rng(i), i % 2, 2, h, w)
+            txn.put(b"%08d_x" % i, caffe_datum(np.ascontiguousarray(rgb[..., ::-1].transpose(2, 0, 1)).tobytes(),
+                                               i % 2, (3, h, w)))
+            truth[f"{i:08d}_x"] = rgb
+    env.close()
+    index_dataset(tmp_path / "db")
+    m = load_manifest(tmp_path / "db")
+    assert (m.sample_kind, m.image_shape) == ("decoded", None)
+    from stager.formats import get_format
+
+    r = get_format("lmdb").open_reader(str(tmp_path / "db" / "data.mdb"), m.shards[0], m)
+    got = r.read(np.arange(12))
+    assert all(np.array_equal(got[j], truth[k]) for j, k in enumerate(m.shards[0].keys))
+    crops = [x for b in make_loader(str(tmp_path / "db"), batch_size=4, transform="eval", image_size=6,
+                                    staged=False) for x in b["image"]]
+    assert len(crops) == 12 and all(tuple(c.shape) == (3, 6, 6) for c in crops)

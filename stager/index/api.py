@@ -34,6 +34,7 @@ from stager.errors import CorruptSampleError, DestinationError, UsageError
 from stager.fs.atomic import atomic_write_bytes, remove_partials
 from stager.fs.open import is_url, join
 from stager.index import remote
+from stager.index.columns import extra_columns, sample_kind
 from stager.index.discover import STATE_DIR, discover
 from stager.index.labels import resolve_labels
 from stager.index.lmdb import scan_lmdb
@@ -123,13 +124,14 @@ def _manifest(ordered: list[ShardScan], directory: str, kind: str, opts: IndexOp
     for s in ordered:
         if s.companion is not None and not is_url(directory):
             aux[s.name] = [_companion(directory, s.companion, opts.hash_algo)]
-    sample_kind, image_shape = _sample_kind(ordered, directory)
-    shards = [ShardInfo(s.name, s.bytes, s.hash, s.keys, lab, *s.arrays(), aux=aux.get(s.name, []), extents=s.extents)
-              for s, lab in zip(ordered, labels, strict=True)]
+    kind_of_samples, image_shape = sample_kind(ordered, directory)
+    columns, fields = extra_columns(ordered)
+    shards = [ShardInfo(s.name, s.bytes, s.hash, s.keys, lab, *s.arrays(), aux=aux.get(s.name, []), extents=s.extents,
+                        columns=cols) for s, lab, cols in zip(ordered, labels, columns, strict=True)]
     return Manifest(format=MANIFEST_FORMAT[kind], classes=classes, shards=shards, hash_algo=opts.hash_algo,
                     source={"kind": "index", "path": directory, "input": kind},
                     options={"index": {**opts.fingerprint(kind), "label_offset": opts.label_offset}},
-                    shard_root=shard_root, sample_kind=sample_kind, image_shape=image_shape)
+                    shard_root=shard_root, sample_kind=kind_of_samples, image_shape=image_shape, fields=fields)
 
 
 def adopt_in_memory(src: str | os.PathLike[str], options: IndexOptions | None = None) -> Manifest:
@@ -327,20 +329,6 @@ def _companion(directory: str, name: str, algo: str) -> AuxFile:
     """An index file the scan checked against its shard (RecordIO's own ``.idx``), listed as its companion."""
     data = Path(directory, name).read_bytes()
     return AuxFile(name, len(data), hash_bytes(data, algo))
-
-
-def _sample_kind(scans: list[ShardScan], directory: str) -> tuple[str, tuple[int, int, int] | None]:
-    """``(sample_kind, image_shape)`` of the set: encoded, or decoded raw pixels (Caffe's raw Datums)
-    with their fixed ``(H, W, C)``."""
-    kinds = {s.sample_kind for s in scans if s.keys}
-    if kinds != {"decoded"}:
-        return "encoded", None
-    shapes = {tuple(x) for s in scans for x in s.columns.get("shape", [])}
-    if len(shapes) != 1:
-        raise UsageError(f"{directory}: raw Datums of {len(shapes)} different shapes (e.g. {sorted(shapes)[:2]}); "
-                         "stager reads raw Datums of one (C, H, W) shape")
-    c, h, w = next(iter(shapes))
-    return "decoded", (h, w, c)
 
 
 def rescan_shard(path: str, info: ShardInfo, m: Manifest) -> str | None:

@@ -46,7 +46,6 @@ def scan_recordio(path: str, name: str, image_key: str | None, label_key: str | 
     samples = [(k, e) for k, e in zip(keys, entries, strict=True) if e.size > 0]
     split = any(e.payload is None for _, e in samples)
     out.extents = "records" if split else "bytes"
-    arrays = any(e.labels is not None for _, e in samples)
     values: list[list[float]] = []
     for i, (key, e) in enumerate(samples):
         out.keys.append(key)
@@ -58,10 +57,8 @@ def scan_recordio(path: str, name: str, image_key: str | None, label_key: str | 
             out.offsets.append(e.payload[0])
             out.sizes.append(e.payload[1])
         out.labels.append(None if label_key is None else _label(e, i, path))
-        if arrays:
-            values.append(e.labels if e.labels is not None else [e.label])
-    if arrays:
-        out.columns = {"label_values": values}
+        values.append(e.labels if e.labels is not None else [e.label])
+    out.columns = {"label_values": values}  # kept as a column when any record has array labels
     return out
 
 

@@ -131,7 +131,7 @@ class ShardInfo:
         self.bytes = bytes
         self.hash = hash
         self.aux = list(aux or [])
-        self.extents = extents  # "bytes": file byte ranges; "rows": rows (parquet); "records": framed records (recordio)
+        self.extents = extents  # "bytes": byte ranges; "rows": rows (parquet); "records": framed records (recordio)
         self._rows = rows
         if keys is not None:
             if labels is None or offsets is None or sizes is None:
