@@ -502,3 +502,20 @@ def test_raw_datums_of_several_shapes_keep_theirs_in_the_shape_column(tmp_path: 
     crops = [x for b in make_loader(str(tmp_path / "db"), batch_size=4, transform="eval", image_size=6,
                                     staged=False) for x in b["image"]]
     assert len(crops) == 12 and all(tuple(c.shape) == (3, 6, 6) for c in crops)
+
+
+def test_subdir_false_lmdb_file_and_pickle_layout_forced(tmp_path: Path) -> None:
+    """``lmdb.open(path, subdir=False)`` keeps the environment in one file (``x.lmdb`` + ``x.lmdb-lock``)."""
+    env = lmdb.open(str(tmp_path / "faces.lmdb"), subdir=False, map_size=1 << 28)
+    truth = {}
+    with env.begin(write=True) as txn:
+        for i in range(9):
+            img = _img(i)
+            txn.put(b"%d" % i, pickle.dumps((img, i % 4), protocol=4))
+            truth[str(i)] = (img, i % 4)
+    env.close()
+    assert (tmp_path / "faces.lmdb-lock").exists()
+    r = index_dataset(tmp_path, tmp_path / "idx", IndexOptions(lmdb_layout="pickle"))
+    assert (r.kind, r.shards) == ("lmdb", 1)
+    assert load_manifest(tmp_path / "idx").options["index"]["layout"] == "pickle"
+    assert read_all(tmp_path / "idx", staged=False) == truth
