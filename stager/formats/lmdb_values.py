@@ -39,7 +39,7 @@ class BadValueError(ValueError):
     """A value that does not hold what its layout says (the scanner names the file and key)."""
 
 
-def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+def _varint(buf: bytes | memoryview, pos: int) -> tuple[int, int]:
     result = shift = 0
     while True:
         if pos >= len(buf) or shift > 63:
@@ -52,8 +52,11 @@ def _varint(buf: bytes, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def parse_datum(buf: bytes) -> Value:
+def parse_datum(buf: bytes | memoryview) -> Value:
     """The image range, label and raw shape of a serialised ``caffe.Datum`` (see the module docstring).
+
+    ``buf`` may be a view of the mapped file: only the field headers are read (``data`` is skipped by
+    its length), so a large value is never copied.
 
     Raises ``ValueError`` for a value that is not a Datum, a float Datum (``float_data``), or raw data
     whose size is not ``channels * height * width``.
@@ -138,8 +141,9 @@ def parse_pickled(buf: bytes) -> Value:
                       "protocol 3 or later")
 
 
-def parse_value(buf: bytes, layout: str) -> Value:
-    return parse_pickled(buf) if layout == "pickle" else parse_datum(buf)
+def parse_value(buf: memoryview, layout: str) -> Value:
+    """The value ``buf`` (a view) parsed by ``layout``: a pickle is loaded from a copy, a Datum in place."""
+    return parse_pickled(bytes(buf)) if layout == "pickle" else parse_datum(buf)
 
 
 def sniff_layout(first: bytes, keys: set[bytes]) -> str:

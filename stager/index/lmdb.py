@@ -71,7 +71,7 @@ def _samples(out: ShardScan, view: memoryview, entries: list[tuple[bytes, int, i
                 declared = decode_len(bytes(view[off : off + size]))
             continue
         try:
-            v: Value = parse_value(bytes(view[off : off + size]), layout)
+            v: Value = parse_value(view[off : off + size], layout)
         except BadValueError as exc:
             raise DamagedShardError(f"{path}: key {_show(key)}: not a {layout} value ({exc}); the data.mdb is damaged "
                                     "or of another layout (--lmdb-layout)") from exc
