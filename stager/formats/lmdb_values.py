@@ -100,7 +100,7 @@ def parse_datum(buf: bytes | memoryview) -> Value:
     c, h, w = fields.get(1, 0), fields.get(2, 0), fields.get(3, 0)
     if c * h * w != data[1] or not c * h * w:
         raise BadValueError(f"raw Datum of channels {c} x height {h} x width {w} = {c * h * w} bytes holds {data[1]} "
-                          "bytes of data")
+                            "bytes of data")
     return Value(data[0], data[1], label, (c, h, w))
 
 
@@ -138,7 +138,7 @@ def parse_pickled(buf: bytes) -> Value:
                 return Value(at, len(img), label, None)
         at = buf.find(img, at + 1)
     raise BadValueError("the image bytes are not one BINBYTES run (pickle protocol 2 or older?); re-pickle with "
-                      "protocol 3 or later")
+                        "protocol 3 or later")
 
 
 def parse_value(buf: memoryview, layout: str) -> Value:

@@ -3,10 +3,12 @@
 Phases: **discover** SRC's shards (:mod:`stager.index.discover`); **resume** what an interrupted run
 saved (``OUT/.stager-index/<shard>.json`` per scanned shard, reused while the file's size and mtime
 and the options are unchanged); **scan** the rest, one process per shard with ``workers`` (each
-shard is mapped, hashed and parsed in one pass: :mod:`stager.index.tar`, ``record``, ``parquet``);
-**check** across shards (a tar sample split over a shard boundary, repeated keys); **label**
-(:func:`stager.index.labels.resolve_labels`); write DALI index files for TFRecords; **publish**
-``OUT/manifest.json`` atomically, then drop the state directory.
+shard is mapped, hashed and parsed in one pass: :mod:`stager.index.tar`, ``record``, ``parquet``,
+``recordio``, ``lmdb``); **check** across shards (a tar sample split over a shard boundary, repeated
+keys); write index files (DALI's for TFRecords, MXNet's ``.idx`` for a RecordIO file without one);
+**label** (:func:`stager.index.labels.resolve_labels`) and the extra columns
+(:mod:`stager.index.columns`); **publish** ``OUT/manifest.json`` atomically, then drop the state
+directory.
 
 OUT defaults to SRC's directory (the manifest sits beside the shards). With another OUT (a read-only,
 shared SRC) the manifest's ``shard_root`` names SRC's directory, and stage, verify and the loader
