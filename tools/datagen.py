@@ -10,8 +10,15 @@
   ``data`` uint8 N x 3072 in channel-major RGB order and ``labels``), and optionally the same images
   as a PNG ImageFolder.
 
-Command line: ``python -m tools.datagen imagenet OUT --classes 10 --per-class 50`` or
-``python -m tools.datagen cifar OUT --train 5000 --test 1000 [--png]``.
+* Legacy containers, written by hand from their documented layouts (no Caffe, no MXNet):
+  :func:`make_caffe_lmdb` (Caffe ``convert_imageset``: keys ``%08d_<path>``, ``Datum`` values, encoded
+  JPEG/PNG bytes or raw planar BGR pixels), :func:`make_folder2lmdb` (pickled ``(image bytes, label)``
+  values with ``__keys__``/``__len__``, the Efficient-PyTorch style) and :func:`make_recordio`
+  (``im2rec``: ``.rec`` of IRHeader + image records, and its ``.idx``). LMDBs need py-lmdb.
+
+Command line: ``python -m tools.datagen imagenet OUT --classes 10 --per-class 50``,
+``python -m tools.datagen cifar OUT --train 5000 --test 1000 [--png]``, or
+``python -m tools.datagen caffe-lmdb|folder2lmdb|recordio OUT --n 1000 [--raw] [--size 32]``.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ import io
 import json
 import os
 import pickle
+import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -161,6 +170,139 @@ def make_cifar(
     return out
 
 
+def _pb_varint(v: int) -> bytes:
+    v &= (1 << 64) - 1
+    out = bytearray()
+    while v >= 0x80:
+        out.append((v & 0x7F) | 0x80)
+        v >>= 7
+    out.append(v)
+    return bytes(out)
+
+
+def caffe_datum(data: bytes, label: int, shape: tuple[int, int, int] | None = None) -> bytes:
+    """A serialised ``caffe.Datum`` as protobuf writes it (fields in number order): ``channels = 1``,
+    ``height = 2``, ``width = 3`` (raw only), ``data = 4``, ``label = 5``, ``encoded = 7`` (encoded only).
+    ``shape`` is ``(C, H, W)`` for raw planar data, None for encoded image bytes."""
+    out = bytearray()
+    if shape is not None:
+        for num, v in zip((1, 2, 3), shape, strict=True):
+            out += _pb_varint(num << 3) + _pb_varint(v)
+    out += _pb_varint(4 << 3 | 2) + _pb_varint(len(data)) + data
+    out += _pb_varint(5 << 3) + _pb_varint(label)
+    if shape is None:
+        out += _pb_varint(7 << 3) + _pb_varint(1)
+    return bytes(out)
+
+
+def _samples(n: int, num_classes: int, size: int, seed: int, jitter: float) -> Iterator[tuple[int, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        lab = i % num_classes
+        h = max(8, int(size * rng.uniform(1 - jitter, 1 + jitter)))
+        w = max(8, int(size * 4 / 3 * rng.uniform(1 - jitter, 1 + jitter))) if jitter else size
+        yield lab, render_image(rng, lab, num_classes, h, w, noise=10.0)
+
+
+def make_caffe_lmdb(root: str | os.PathLike[str], n: int = 1000, *, num_classes: int = 10, size: int = 32,
+                    raw: bool = False, png: bool = False, seed: int = 0, quality: int = 90) -> Path:
+    """A Caffe ``convert_imageset`` LMDB at ``root`` (``data.mdb`` + ``lock.mdb``); return ``root``.
+
+    Keys ``%08d_<class>/<name>.JPEG``; values ``Datum``: ``raw`` planar BGR ``(3, size, size)`` uint8
+    (what ``convert_imageset`` without ``--encoded`` stores), else the encoded JPEG (or PNG) bytes with
+    ``encoded = true``, images ~``size`` x ``4/3 size``."""
+    import lmdb
+
+    root = Path(root)
+    env = lmdb.open(str(root), map_size=1 << 36)
+    with env.begin(write=True) as txn:
+        for i, (lab, arr) in enumerate(_samples(n, num_classes, size, seed, 0.0 if raw else 0.25)):
+            key = f"{i:08d}_n{lab:08d}/n{lab:08d}_{i:05d}.JPEG".encode()
+            if raw:
+                value = caffe_datum(np.ascontiguousarray(arr[..., ::-1].transpose(2, 0, 1)).tobytes(), lab,
+                                    (3, arr.shape[0], arr.shape[1]))
+            else:
+                value = caffe_datum(png_bytes(arr) if png else jpeg_bytes(arr, quality), lab)
+            txn.put(key, value)
+    env.close()
+    return root
+
+
+def make_folder2lmdb(root: str | os.PathLike[str], n: int = 1000, *, num_classes: int = 10, size: int = 64,
+                     seed: int = 0, protocol: int = pickle.DEFAULT_PROTOCOL) -> Path:
+    """An LMDB as Efficient-PyTorch's ``folder2lmdb`` writes it: keys ``b"0"``, ``b"1"``, ...; values
+    ``pickle.dumps((jpeg bytes, label))``; plus ``__keys__`` (the pickled key list) and ``__len__``."""
+    import lmdb
+
+    root = Path(root)
+    env = lmdb.open(str(root), map_size=1 << 36)
+    keys = []
+    with env.begin(write=True) as txn:
+        for i, (lab, arr) in enumerate(_samples(n, num_classes, size, seed, 0.25)):
+            key = f"{i}".encode("ascii")
+            txn.put(key, pickle.dumps((jpeg_bytes(arr), lab), protocol=protocol))
+            keys.append(key)
+        txn.put(b"__keys__", pickle.dumps(keys))
+        txn.put(b"__len__", pickle.dumps(len(keys)))
+    env.close()
+    return root
+
+
+RECORDIO_MAGIC = 0xCED7230A
+
+
+def recordio_frame(data: bytes) -> bytes:
+    """One record as dmlc's ``RecordIOWriter`` frames it: split where ``data`` holds the magic at a
+    4-byte-aligned offset (that magic becomes the next part's header: cflag 1 start, 2 middle, 3 end),
+    each part ``magic | lrecord = cflag << 29 | length | bytes``, the last padded to 4 bytes."""
+    magic = struct.pack("<I", RECORDIO_MAGIC)
+    out = bytearray()
+    start = 0
+    for i in range(0, len(data) - len(data) % 4, 4):
+        if data[i : i + 4] == magic:
+            out += magic + struct.pack("<I", (1 if start == 0 else 2) << 29 | (i - start)) + data[start:i]
+            start = i + 4
+    out += magic + struct.pack("<I", (3 if start else 0) << 29 | (len(data) - start)) + data[start:]
+    out += b"\0" * (-len(data) % 4)
+    return bytes(out)
+
+
+def recordio_pack(payload: bytes, label: float | list[float], rid: int, rid2: int = 0) -> bytes:
+    """``mx.recordio.pack``: IRHeader ``IfQQ`` (flag, label, id, id2), array labels, payload."""
+    if isinstance(label, (list, tuple)):
+        return struct.pack("<IfQQ", len(label), 0.0, rid, rid2) + np.asarray(label, "<f4").tobytes() + payload
+    return struct.pack("<IfQQ", 0, float(label), rid, rid2) + payload
+
+
+def write_recordio(rec: str | os.PathLike[str], records: list[bytes], keys: list[int] | None = None,
+                   *, idx: bool = True) -> Path:
+    """Write framed ``records`` (packed data) to ``rec`` and, with ``idx``, MXNet's ``.idx``
+    (``key\toffset`` per record, as ``MXIndexedRecordIO.write_idx`` writes it)."""
+    rec = Path(rec)
+    rec.parent.mkdir(parents=True, exist_ok=True)
+    lines = []
+    # 8 MiB writes: the page cache then holds the file in large folios, as after a copy (`stager stage`)
+    # or a cold read's readahead; record-sized writes leave 4 KiB pages whose mapping faults ~10x more.
+    with open(rec, "wb", buffering=8 << 20) as f:
+        for i, r in enumerate(records):
+            lines.append(f"{keys[i] if keys else i}\t{f.tell()}\n")
+            f.write(recordio_frame(r))
+    if idx:
+        rec.with_suffix(".idx").write_text("".join(lines))
+    return rec
+
+
+def make_recordio(rec: str | os.PathLike[str], n: int = 1000, *, num_classes: int = 10, size: int = 96,
+                  seed: int = 0, array_labels: bool = False, idx: bool = True) -> Path:
+    """An ``im2rec``-style ``.rec`` (+ ``.idx``): IRHeader id = the list index, label the class (or, with
+    ``array_labels``, ``[class, 0.5, index]`` as float32 array labels), payload a JPEG."""
+    records = []
+    for i, (lab, arr) in enumerate(_samples(n, num_classes, size, seed, 0.25)):
+        label: float | list[float] = [float(lab), 0.5, float(i)] if array_labels else float(lab)
+        records.append(recordio_pack(jpeg_bytes(arr), label, i))
+    return write_recordio(rec, records, idx=idx)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.datagen", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="kind", required=True)
@@ -176,8 +318,22 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--test", type=int, default=100)
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--png", action="store_true")
+    for kind in ("caffe-lmdb", "folder2lmdb", "recordio"):
+        x = sub.add_parser(kind, help="legacy container (see the module docstring)")
+        x.add_argument("out")
+        x.add_argument("--n", type=int, default=1000)
+        x.add_argument("--size", type=int, default=32 if kind == "caffe-lmdb" else 96)
+        x.add_argument("--raw", action="store_true", help="caffe-lmdb: raw planar BGR Datums")
+        x.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    if args.kind == "imagenet":
+    if args.kind == "caffe-lmdb":
+        root = make_caffe_lmdb(args.out, args.n, size=args.size, raw=args.raw, seed=args.seed)
+        print(json.dumps({"root": str(root)}))
+    elif args.kind == "folder2lmdb":
+        print(json.dumps({"root": str(make_folder2lmdb(args.out, args.n, size=args.size, seed=args.seed))}))
+    elif args.kind == "recordio":
+        print(json.dumps({"rec": str(make_recordio(args.out, args.n, size=args.size, seed=args.seed))}))
+    elif args.kind == "imagenet":
         root = make_imagefolder(args.out, args.classes, args.per_class, seed=args.seed, quality=args.quality)
         files = list(root.rglob("*.JPEG"))
         total = sum(f.stat().st_size for f in files)

@@ -52,9 +52,10 @@ def _positive(text: str) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "pack",
-        help="pack an ImageFolder, CIFAR batches, a list file or another pack into shards",
-        description="Pack SRC (ImageFolder tree, CIFAR-10 python batches dir, .csv/.jsonl list, or an existing "
-        "pack) into verified shards under OUT, with manifest.json written last. Reruns resume.",
+        help="pack an ImageFolder, CIFAR batches, a list file, MXNet .rec, an LMDB or another pack into shards",
+        description="Pack SRC (ImageFolder tree, CIFAR-10 python batches dir, .csv/.jsonl list, MXNet .rec file(s), "
+        "an LMDB directory, or an existing pack) into verified shards under OUT, with manifest.json written last. "
+        "Reruns resume.",
     )
     p.add_argument("src", metavar="SRC")
     p.add_argument("out", metavar="OUT", help="output directory, or a URL (s3://bucket/prefix, any fsspec URL): "

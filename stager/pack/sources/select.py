@@ -1,8 +1,10 @@
 """Which kind of source a path is: :func:`open_source`.
 
-Rules, in order: a ``.csv``/``.jsonl``/``.ndjson`` file is a list; ``manifest.json`` or a directory
-holding one is a pack; a directory with CIFAR batch files is CIFAR; any other directory is an
-ImageFolder. A source that lists nothing is an error.
+Rules, in order: a ``.rec`` file or a directory of them (without a manifest) is MXNet RecordIO, an
+LMDB (a directory holding ``data.mdb``, or an ``.mdb``/``.lmdb`` file) is LMDB (both indexed in
+memory: :mod:`stager.pack.sources.adopted`); a ``.csv``/``.jsonl``/``.ndjson`` file is a list;
+``manifest.json`` or a directory holding one is a pack; a directory with CIFAR batch files is
+CIFAR; any other directory is an ImageFolder. A source that lists nothing is an error.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import os
 from pathlib import Path
 
 from stager.errors import SourceError, SourceNotFoundError, UsageError
+from stager.pack.sources.adopted import AdoptedSource, adopted_kind
 from stager.pack.sources.base import MapFn, Source
 from stager.pack.sources.cifar import CIFAR_SPLITS, CifarSource
 from stager.pack.sources.imagefolder import ImageFolderSource
@@ -28,9 +31,12 @@ def open_source(src: str | os.PathLike[str], *, split: str | None = None, map_fn
     root = Path(os.path.abspath(os.fspath(src)))
     if not root.exists():
         raise SourceNotFoundError(f"{root}: source does not exist")
-    if root.is_file():
+    adopted = adopted_kind(root) if not (root / "manifest.json").is_file() else None
+    if adopted is not None:
+        src_obj: Source = AdoptedSource(root, adopted)
+    elif root.is_file():
         if root.suffix.lower() in (".csv", ".jsonl", ".ndjson"):
-            src_obj: Source = ListSource(root)
+            src_obj = ListSource(root)
         elif root.name == "manifest.json":
             src_obj = PackSource(root.parent)
         else:
