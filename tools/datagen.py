@@ -212,7 +212,7 @@ def make_videos(
 ) -> Path:
     """Write ``sequences`` synthetic moving-object sequences of ``frames`` frames of ``size`` (H, W):
     ``root/videos/seq_XXXX.mp4`` (``mp4``) and ``root/frames/seq_XXXX/000000.png`` (``folders``)."""
-    import cv2  # noqa: PLC0415 (OpenCV only for videos)
+    import cv2
 
     out = Path(root)
     h, w = size

@@ -110,6 +110,9 @@ def decode_video(job: DecodeJob) -> tuple[list[tuple[str, str, int]], str | None
     ``job``: (video path, folder, "jpg" | "png", JPEG quality, (H, W) or None). ``problem`` is None or
     what is wrong (the frames decoded so far are then of no use).
     """
+    # FFmpeg's own log lines ("moov atom not found") would precede stager's one-line error: quiet
+    # (read when OpenCV first registers FFmpeg, so set before the first capture).
+    os.environ.setdefault("OPENCV_FFMPEG_LOGLEVEL", "-8")
     import cv2  # noqa: PLC0415 (OpenCV only where videos are decoded)
 
     path, folder, ext, quality, resize = job
