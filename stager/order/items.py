@@ -11,14 +11,12 @@ the sample plan the read schedule and the fetchers work on (:meth:`ItemSpace.rea
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import numpy as np
 
 from stager.order.epoch import WorkerPlan
 
 
-class ItemSpace(Protocol):
+class ItemSpace:
     """The items of a dataset, as the plan needs them.
 
     ``starts``: int64 (shards + 1,), the first item id of each shard, then M (items are grouped by
@@ -29,26 +27,27 @@ class ItemSpace(Protocol):
     per_item: int
 
     @property
-    def count(self) -> int: ...
+    def count(self) -> int:
+        raise NotImplementedError
 
     def shard_bytes(self, sizes: np.ndarray) -> np.ndarray:
         """Per shard (int64, (shards,)): payload bytes of its items (``sizes``: per sample, (N,))."""
-        ...
+        raise NotImplementedError
 
     def samples_of(self, items: np.ndarray) -> np.ndarray:
         """Sample ids of ``items`` (int64, (n, per_item)), in frame order."""
-        ...
+        raise NotImplementedError
 
     def item_mask(self, sample_mask: np.ndarray) -> np.ndarray:
         """Items (bool, (M,)) whose samples are all in ``sample_mask`` (bool, (N,))."""
-        ...
+        raise NotImplementedError
 
     def reading_plan(self, wp: WorkerPlan) -> WorkerPlan:
         """``wp`` (over item ids) as a plan over sample ids for :func:`~stager.order.reads.worker_reads`."""
-        ...
+        raise NotImplementedError
 
 
-class SampleItems:
+class SampleItems(ItemSpace):
     """Items are samples: the identity (``starts`` = the dataset's sample starts)."""
 
     per_item = 1

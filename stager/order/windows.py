@@ -19,9 +19,10 @@ from __future__ import annotations
 import numpy as np
 
 from stager.order.epoch import WorkerPlan
+from stager.order.items import ItemSpace
 
 
-class Windows:
+class Windows(ItemSpace):
     """The windows of a clip pack (an :class:`~stager.order.items.ItemSpace`).
 
     ``first``: int64 (M,), ascending: each window's first frame (global sample id). ``length`` T,
