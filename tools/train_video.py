@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = setup()
     torch.manual_seed(args.seed)
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // max(1, world)))
-    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     gen, disc = Generator(args.width).to(dev), Discriminator(args.width).to(dev)
     if world > 1:
         gen = nn.parallel.DistributedDataParallel(gen)
