@@ -16,9 +16,15 @@
   values with ``__keys__``/``__len__``, the Efficient-PyTorch style) and :func:`make_recordio`
   (``im2rec``: ``.rec`` of IRHeader + image records, and its ``.idx``). LMDBs need py-lmdb.
 
+* :func:`make_videos`: moving-object videos (coloured discs and squares bouncing over a textured,
+  slowly panning background; positions are a deterministic function of time, so the future is
+  predictable from the past) as mp4 files (``cv2.VideoWriter``, fourcc ``mp4v``) in
+  ``root/videos/<seq>.mp4`` and/or PNG frame folders ``root/frames/<seq>/000000.png`` (KITTI's layout).
+
 Command line: ``python -m tools.datagen imagenet OUT --classes 10 --per-class 50``,
-``python -m tools.datagen cifar OUT --train 5000 --test 1000 [--png]``, or
-``python -m tools.datagen caffe-lmdb|folder2lmdb|recordio OUT --n 1000 [--raw] [--size 32]``.
+``python -m tools.datagen cifar OUT --train 5000 --test 1000 [--png]``,
+``python -m tools.datagen caffe-lmdb|folder2lmdb|recordio OUT --n 1000 [--raw] [--size 32]`` or
+``python -m tools.datagen video OUT --sequences 8 --frames 60 --size 128``.
 """
 
 from __future__ import annotations
@@ -301,6 +307,70 @@ def make_recordio(rec: str | os.PathLike[str], n: int = 1000, *, num_classes: in
         label: float | list[float] = [float(lab), 0.5, float(i)] if array_labels else float(lab)
         records.append(recordio_pack(jpeg_bytes(arr), label, i))
     return write_recordio(rec, records, idx=idx)
+def video_frames(seq: int, frames: int, h: int, w: int, *, seed: int = 0) -> np.ndarray:
+    """Frames (frames, h, w, 3) uint8 RGB of synthetic sequence ``seq``: 2-4 objects moving at
+    constant velocity, bouncing off the borders, over a textured background that pans slowly."""
+    rng = np.random.default_rng((seed, 0x71DE0, seq))
+    yy, xx = np.mgrid[0:h, 0:w].astype(np.float32)
+    base = rng.uniform(40, 120, size=3).astype(np.float32)
+    kx, ky = rng.uniform(0.03, 0.12, size=2)
+    n_obj = int(rng.integers(2, 5))
+    pos = rng.uniform(0.2, 0.8, size=(n_obj, 2)) * [h, w]
+    vel = rng.uniform(-3.0, 3.0, size=(n_obj, 2)) * (max(h, w) / 128)
+    rad = rng.uniform(0.06, 0.14, size=n_obj) * min(h, w)
+    col = rng.uniform(130, 255, size=(n_obj, 3))
+    square = rng.random(n_obj) < 0.5
+    out = np.empty((frames, h, w, 3), dtype=np.uint8)
+    for t in range(frames):
+        tex = 20 * np.sin(kx * (xx + 0.7 * t)) * np.cos(ky * yy)
+        img = base[None, None, :] + tex[..., None]
+        for k in range(n_obj):
+            p = pos[k] + vel[k] * t
+            for d, lim in ((0, h), (1, w)):  # bounce: reflect into [0, lim)
+                period = 2 * lim
+                q = p[d] % period
+                p[d] = q if q < lim else period - q
+            if square[k]:
+                m = (np.abs(yy - p[0]) < rad[k]) & (np.abs(xx - p[1]) < rad[k])
+            else:
+                m = (yy - p[0]) ** 2 + (xx - p[1]) ** 2 < rad[k] ** 2
+            img[m] = col[k]
+        out[t] = np.clip(img, 0, 255).astype(np.uint8)
+    return out
+
+
+def make_videos(
+    root: str | os.PathLike[str],
+    sequences: int = 8,
+    frames: int = 60,
+    size: tuple[int, int] = (128, 128),
+    *,
+    seed: int = 0,
+    mp4: bool = True,
+    folders: bool = True,
+    fps: float = 10.0,
+) -> Path:
+    """Write ``sequences`` synthetic moving-object sequences of ``frames`` frames of ``size`` (H, W):
+    ``root/videos/seq_XXXX.mp4`` (``mp4``) and ``root/frames/seq_XXXX/000000.png`` (``folders``)."""
+    import cv2
+
+    out = Path(root)
+    h, w = size
+    for s in range(sequences):
+        clip = video_frames(s, frames, h, w, seed=seed)
+        name = f"seq_{s:04d}"
+        if mp4:
+            (out / "videos").mkdir(parents=True, exist_ok=True)
+            vw = cv2.VideoWriter(str(out / "videos" / f"{name}.mp4"), cv2.VideoWriter_fourcc(*"mp4v"), fps, (w, h))
+            for f in clip:
+                vw.write(cv2.cvtColor(f, cv2.COLOR_RGB2BGR))
+            vw.release()
+        if folders:
+            d = out / "frames" / name
+            d.mkdir(parents=True, exist_ok=True)
+            for t, f in enumerate(clip):
+                Image.fromarray(f).save(d / f"{t:06d}.png", compress_level=1)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -325,8 +395,17 @@ def main(argv: list[str] | None = None) -> int:
         x.add_argument("--size", type=int, default=32 if kind == "caffe-lmdb" else 96)
         x.add_argument("--raw", action="store_true", help="caffe-lmdb: raw planar BGR Datums")
         x.add_argument("--seed", type=int, default=0)
+    v = sub.add_parser("video", help="moving-object videos (mp4) and PNG frame folders")
+    v.add_argument("out")
+    v.add_argument("--sequences", type=int, default=8)
+    v.add_argument("--frames", type=int, default=60)
+    v.add_argument("--size", type=int, default=128)
+    v.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    if args.kind == "caffe-lmdb":
+    if args.kind == "video":
+        root = make_videos(args.out, args.sequences, args.frames, (args.size, args.size), seed=args.seed)
+        print(json.dumps({"root": str(root), "sequences": args.sequences, "frames": args.frames}))
+    elif args.kind == "caffe-lmdb":
         root = make_caffe_lmdb(args.out, args.n, size=args.size, raw=args.raw, seed=args.seed)
         print(json.dumps({"root": str(root)}))
     elif args.kind == "folder2lmdb":

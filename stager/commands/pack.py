@@ -100,6 +100,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hash", dest="hash_algo", choices=("xxh3_128", "blake2b"), default="xxh3_128")
     p.add_argument("--stripe-count", type=int, default=None, metavar="N", help="Lustre stripe count for OUT")
     p.add_argument("--stripe-size", type=parse_size, default=None, metavar="BYTES", help="Lustre stripe size")
+    p.add_argument("--clip-length", type=_positive, default=None, metavar="T",
+                   help="pack SRC (frame folders SRC/[<class>/]<sequence>/<frame>.png|jpg, or video files) as "
+                   "frames read in windows of T consecutive frames (docs/clips.md)")
+    p.add_argument("--clip-stride", type=_positive, default=1, metavar="K", help="a window starts every K frames")
+    p.add_argument("--frame-step", type=_positive, default=1, metavar="D", help="frames of a window are D apart")
+    p.add_argument("--frame-format", choices=("jpg", "png"), default="jpg",
+                   help="how decoded video frames are stored (jpg at --quality, default 95; or png)")
     add_storage_options(p)
     add_common(p)
     p.set_defaults(func=run)
@@ -132,6 +139,10 @@ def run(args: argparse.Namespace) -> int:
         stripe_size=args.stripe_size,
         split=args.split,
         storage_options=storage_options(args),
+        clip_length=args.clip_length,
+        clip_stride=args.clip_stride,
+        frame_step=args.frame_step,
+        frame_format=args.frame_format,
     )
     emit(args, result.to_json(), format_result(result))
     return 0

@@ -1,8 +1,10 @@
 """Which kind of source a path is: :func:`open_source`.
 
-Rules, in order: a ``.rec`` file or a directory of them (without a manifest) is MXNet RecordIO, an
-LMDB (a directory holding ``data.mdb``, or an ``.mdb``/``.lmdb`` file) is LMDB (both indexed in
-memory: :mod:`stager.pack.sources.adopted`); a ``.csv``/``.jsonl``/``.ndjson`` file is a list;
+With clip options (``--clip-length``) the source is a folder of videos or of frame folders
+(:mod:`~stager.pack.sources.video`, :mod:`~stager.pack.sources.frames`). Otherwise, rules, in
+order: a ``.rec`` file or a directory of them (without a manifest) is MXNet RecordIO, an LMDB (a
+directory holding ``data.mdb``, or an ``.mdb``/``.lmdb`` file) is LMDB (both indexed in memory:
+:mod:`stager.pack.sources.adopted`); a ``.csv``/``.jsonl``/``.ndjson`` file is a list;
 ``manifest.json`` or a directory holding one is a pack; a directory with CIFAR batch files is
 CIFAR; any other directory is an ImageFolder. A source that lists nothing is an error.
 """
@@ -11,17 +13,30 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from stager.errors import SourceError, SourceNotFoundError, UsageError
 from stager.pack.sources.adopted import AdoptedSource, adopted_kind
 from stager.pack.sources.base import MapFn, Source
 from stager.pack.sources.cifar import CIFAR_SPLITS, CifarSource
+from stager.pack.sources.frames import FrameFolderSource
 from stager.pack.sources.imagefolder import ImageFolderSource
 from stager.pack.sources.listfile import ListSource
 from stager.pack.sources.packed import PackSource
+from stager.pack.sources.video import VideoSource, find_videos
+
+if TYPE_CHECKING:
+    from stager.manifest.clips import ClipSpec
+    from stager.pack.options import PackOptions
 
 
-def open_source(src: str | os.PathLike[str], *, split: str | None = None, map_fn: MapFn | None = None) -> Source:
+def open_source(
+    src: str | os.PathLike[str],
+    *,
+    split: str | None = None,
+    map_fn: MapFn | None = None,
+    options: PackOptions | None = None,
+) -> Source:
     """Recognise and list the source at ``src`` (see the module docstring for the kinds).
 
     ``map_fn`` (``map``-like) is used to list an ImageFolder's class folders (in parallel when it is
@@ -31,6 +46,9 @@ def open_source(src: str | os.PathLike[str], *, split: str | None = None, map_fn
     root = Path(os.path.abspath(os.fspath(src)))
     if not root.exists():
         raise SourceNotFoundError(f"{root}: source does not exist")
+    spec = options.clip_spec() if options is not None else None
+    if spec is not None:
+        return _open_clip_source(root, spec, options, map_fn)  # type: ignore[arg-type]
     adopted = adopted_kind(root) if not (root / "manifest.json").is_file() else None
     if adopted is not None:
         src_obj: Source = AdoptedSource(root, adopted)
@@ -55,3 +73,13 @@ def open_source(src: str | os.PathLike[str], *, split: str | None = None, map_fn
     if not src_obj.refs:
         raise SourceError(f"{root}: source holds no images ({src_obj.kind}); check the path")
     return src_obj
+
+
+def _open_clip_source(root: Path, spec: ClipSpec, options: PackOptions, map_fn: MapFn | None) -> Source:
+    """A clip pack's source (``--clip-length``): video files if ``root`` holds any, else frame folders."""
+    if not root.is_dir():
+        raise SourceError(f"{root}: --clip-length needs a folder of sequences or videos")
+    skip = options.on_error == "skip"
+    if find_videos(root):
+        return VideoSource(root, spec, resize=options.resize, quality=options.quality, skip_bad=skip, map_fn=map_fn)
+    return FrameFolderSource(root, spec, resize=options.resize, skip_bad=skip)
