@@ -57,6 +57,8 @@ from stager.pack.sources.select import open_source
 from stager.pack.state import STATE_DIR, ShardDone
 from stager.progress import Progress
 
+FIELD_FORMATS = ("tar", "record")  # formats that store samples with fields (docs/fields.md)
+
 if TYPE_CHECKING:
     from stager.formats.base import Format
     from stager.pack.plan import PlannedShard
@@ -129,6 +131,7 @@ def pack(
     stripe_size: int | None = None,
     split: str | None = None,
     storage_options: dict[str, Any] = {},  # noqa: B006 - never mutated (PackOptions copies it)
+    fields: str | None = None,
 ) -> PackResult:
     """Pack ``src`` into ``format`` shards under ``out`` (see the module docstring and docs/pack.md).
 
@@ -160,6 +163,7 @@ def pack(
         stripe_size=stripe_size,
         split=split,
         storage_options=storage_options,
+        fields=fields,
     )
     with _worker_pool(options.workers) as pool, PackRun(out, options, pool, started) as run:
         listing = run.list_source(src, run.check())
@@ -242,7 +246,11 @@ class PackRun:
         pool = self.pool
         # With workers, an ImageFolder lists its class folders on the pool (the only source that starts it
         # this early); other sources leave it to start at writing time and so be inherited by fork.
-        source = open_source(src, split=self.options.split, map_fn=pool.map if pool is not None else None)
+        source = open_source(src, split=self.options.split, map_fn=pool.map if pool is not None else None,
+                             fields=self.options.fields)
+        if source.fields and fmt.name not in FIELD_FORMATS:
+            raise UsageError(f"{src}: samples with fields are packed to {', '.join(FIELD_FORMATS)}; "
+                             f"--format {fmt.name} stores one image and a label")
         if source.kind == "pack" and self.remote is None and self.out == source.root:
             raise UsageError(f"{self.out}: output is the source pack itself; choose another directory")
         # Keys are checked once for the whole plan (one pass), so writers need not check each one.
@@ -345,6 +353,7 @@ class PackRun:
                 listing.image_shape,
                 listing.keys_checked,
                 self.remote,
+                tuple(source.fields),
             )
             for s in todo
         ]
@@ -388,6 +397,7 @@ class PackRun:
             sample_kind=listing.target_kind,
             image_shape=listing.image_shape,
             skipped=skipped,
+            fields=[f.to_json() for f in source.fields],
         )
         if self.remote is not None:
             publish_remote(self.remote, m, self.out)

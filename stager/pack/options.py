@@ -48,6 +48,7 @@ class PackOptions:
     stripe_size: int | None = None
     split: str | None = None
     storage_options: dict[str, Any] = field(default_factory=dict)
+    fields: str | None = None  # --fields NAME:KIND,...: the list/sidecar source's field kinds (docs/fields.md)
 
     def __post_init__(self) -> None:
         """Raise :class:`UsageError` naming the first bad option; normalise ``resize`` to ints."""
