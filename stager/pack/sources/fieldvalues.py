@@ -2,7 +2,8 @@
 
 Shared by the list-file, sidecar-folder and COCO sources. A *raw* value is what the source read:
 a path (string) for file-backed kinds, or a JSON value. :func:`infer_spec` types an undeclared field
-(a string naming an existing file by its extension: image extensions -> ``image``, ``.npy`` ->
+(a string naming an existing file by its extension: a ``.png`` whose field name contains ``mask``,
+``seg`` or ``label`` -> ``mask``, other image extensions -> ``image``, ``.npy`` ->
 ``array``, ``.json`` -> ``json``, anything else -> ``bytes``; any other value -> ``json``).
 :func:`load_value` reads files and encodes values: bytes for the byte kinds (arrays as ``.npy``,
 JSON as compact UTF-8), the raw list for the ragged kinds (:func:`stager.pack.fields.ragged_value`
@@ -23,6 +24,8 @@ from stager.errors import SourceError
 from stager.manifest.fields import FieldSpec
 from stager.pack.sources.base import IMAGE_EXTENSIONS, read_file
 
+MASK_HINTS = ("mask", "seg", "label")  # a PNG field so named is a mask (class ids), not another image
+
 
 def _as_path(value: Any, base: Path) -> Path | None:
     if isinstance(value, str) and value and "\n" not in value and len(value) < 4096:
@@ -38,6 +41,8 @@ def infer_spec(name: str, value: Any, base: Path) -> FieldSpec:
     if p is None:
         return FieldSpec(name, "json")
     ext = p.suffix.lower()
+    if ext == ".png" and any(hint in name for hint in MASK_HINTS):
+        return FieldSpec(name, "mask")
     if ext in IMAGE_EXTENSIONS:
         return FieldSpec(name, "image", ext.lstrip(".").replace("jpeg", "jpg"))
     if ext == ".npy":
