@@ -97,6 +97,27 @@ def test_record_reads_with_tfrecord_in_od_api_keys(packed: Path, shapes: Path) -
     assert n == 24
 
 
+def test_hdf5_one_dataset_per_field(shapes: Path, tmp_path: Path) -> None:
+    import h5py
+
+    pack(shapes / "train.jsonl", tmp_path / "h", "hdf5", fields=FIELDS)
+    m = load_manifest(tmp_path / "h" / "manifest.json")
+    rows = _rows(shapes)
+    cols = m.extra_columns()
+    with h5py.File(tmp_path / "h" / m.shards[0].name) as f:
+        raw = (tmp_path / "h" / m.shards[0].name).read_bytes()
+        keys = [k.decode() for k in f["keys"][:]]
+        off, boxes = f["fields/boxes/offsets"][:], f["fields/boxes/values"][:]
+        moff, mdata = f["fields/mask/offsets"][:], f["fields/mask/data"]
+        for i, key in enumerate(keys):
+            r = rows[key]
+            np.testing.assert_allclose(boxes[off[i] : off[i + 1]], np.asarray(r["boxes"], np.float32).reshape(-1, 4))
+            mask = mdata[moff[i] : moff[i + 1]].tobytes()
+            assert mask == (shapes / r["mask"]).read_bytes()
+            o, s = int(cols["field/mask/offset"][i]), int(cols["field/mask/size"][i])
+            assert raw[o : o + s] == mask  # the manifest's extents locate the bytes without h5py
+
+
 def test_coco_and_sidecar_sources(shapes: Path, tmp_path: Path) -> None:
     pack(shapes / "annotations" / "instances_images.json", tmp_path / "coco", "tar")
     m = load_manifest(tmp_path / "coco" / "manifest.json")

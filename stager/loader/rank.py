@@ -55,6 +55,7 @@ from stager.world import World
 SHARED_RUN_BYTES, SHARED_MIN_RUN = 1 << 20, 4
 LOCAL_RUN_BYTES, LOCAL_MIN_RUN = 256 << 10, 2
 MAX_BUFFER_SAMPLES = 1 << 16
+SPAN_FORMATS = ("tar", "record")  # a sample's byte fields sit beside its image: one span reads them all
 
 
 @dataclass(frozen=True)
@@ -216,6 +217,10 @@ class RankDataset:
             raise UsageError("fields are read with decode='uint8'")
         specs = select_fields(m, opts.fields)
         names = tuple(s.name for s in specs if not s.ragged)
+        if names and m.format not in SPAN_FORMATS:
+            raise UsageError(f"{self.resolved.root}: the loader reads byte fields ({', '.join(names)}) from "
+                             f"{' and '.join(SPAN_FORMATS)} packs, where they sit beside their image; read this "
+                             f"{m.format} pack's fields with its own library or re-pack it (docs/fields.md)")
         if names:
             self.resolved = dataclasses.replace(self.resolved, index=index_from_manifest(m, names))
         idx = self.resolved.index

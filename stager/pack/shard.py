@@ -147,6 +147,7 @@ def write_shard(job: ShardJob, source: Source, progress: Progress | None = None)
         )
         write_samples(writer, sh.refs, source, job, rows, progress=progress)
         companions = writer.close()
+        rows.rebase_fields(getattr(writer, "field_bases", {}))  # hdf5: field data placed at close()
         writer = None
         aux = []
         for cname, ctmp in companions:
@@ -223,6 +224,13 @@ class SampleRows:
                 off, size = ext[s.name]
                 cols.setdefault(offset_column(s.name), []).append(off)
                 cols.setdefault(size_column(s.name), []).append(size)
+
+    def rebase_fields(self, bases: dict[str, int]) -> None:
+        """Make byte fields' offsets absolute: ``bases[name]`` is where the writer put the field's data."""
+        for name, base in bases.items():
+            col = self.columns.get(offset_column(name))
+            if col is not None:
+                self.columns[offset_column(name)] = [o + base for o in col]
 
     def built_columns(self, specs: Sequence[FieldSpec]) -> dict[str, Any]:
         """The field columns as index columns (int64 arrays, :class:`Ragged`), one row per sample."""
