@@ -49,7 +49,8 @@ class UNet(nn.Module):
         super().__init__()
         chans = [width * 2**i for i in range(levels)]
         self.down = nn.ModuleList([_block(3 if i == 0 else chans[i - 1], c) for i, c in enumerate(chans)])
-        self.up = nn.ModuleList([nn.ConvTranspose2d(chans[i], chans[i - 1], 2, stride=2) for i in range(levels - 1, 0, -1)])
+        self.up = nn.ModuleList(
+            [nn.ConvTranspose2d(chans[i], chans[i - 1], 2, stride=2) for i in range(levels - 1, 0, -1)])
         self.dec = nn.ModuleList([_block(chans[i - 1] * 2, chans[i - 1]) for i in range(levels - 1, 0, -1)])
         self.head = nn.Conv2d(chans[0], classes, 1)
 
