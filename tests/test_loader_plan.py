@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -245,3 +246,27 @@ def test_order_is_pure_numpy() -> None:
                 names = [node.module or ""]
             for name in names:
                 assert name.startswith(allowed), f"{path.name} imports {name}"
+
+
+def _buffer_shuffle_reference(n: int, buffer: int, rng: np.random.Generator) -> np.ndarray:
+    """The fill-then-swap buffer, one arrival at a time (the definition the vectorised one must match)."""
+    if buffer <= 1 or n <= 1:
+        return np.arange(n, dtype=np.int64)
+    k = min(buffer, n)
+    held = list(range(k))
+    out = []
+    for arriving, j in zip(range(k, n), rng.integers(0, k, size=n - k).tolist(), strict=True):
+        out.append(held[j])
+        held[j] = arriving
+    out.extend(held[t] for t in rng.permutation(k).tolist())
+    return np.asarray(out, dtype=np.int64)
+
+
+@pytest.mark.parametrize("n,buffer", [(0, 4), (1, 4), (2, 2), (7, 3), (10, 10), (10, 50), (1000, 1), (1000, 2),
+                                      (1000, 37), (5000, 4096), (3001, 1000)])
+def test_buffer_shuffle_equals_the_one_at_a_time_definition(n: int, buffer: int) -> None:
+    for seed in range(5):
+        got = planlib.buffer_shuffle(n, buffer, np.random.default_rng(seed))
+        want = _buffer_shuffle_reference(n, buffer, np.random.default_rng(seed))
+        assert got.tolist() == want.tolist()
+        assert sorted(got.tolist()) == list(range(n))

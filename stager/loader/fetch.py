@@ -44,8 +44,12 @@ class MappedFetcher:
     def __init__(self, reads: WorkerReads, wp: WorkerPlan, access: ShardAccess) -> None:
         idx = access.index
         self.access = access
-        self.offs = idx.offsets[wp.stream]
-        self.ends = self.offs + idx.sizes[wp.stream]
+        self.stream = wp.stream
+        # Offsets and ends per stream position are needed here only, transiently: batches look them
+        # up again for their own positions (two arrays of the worker's share, ~20 MB per million
+        # samples, would otherwise stay on every worker's heap for the whole epoch).
+        offs = idx.offsets[wp.stream]
+        ends = offs + idx.sizes[wp.stream]
         steps, n = len(wp.batches), len(wp.stream)
         self.load_bounds = reads.step_bounds(steps).tolist()
         self.shards = reads.shard.tolist()
@@ -55,19 +59,19 @@ class MappedFetcher:
         self.span_lo: list[int] = []
         self.span_hi: list[int] = []
         # Per stream position, the read holding it (positions of no read are never emitted).
-        self.read_of = np.searchsorted(reads.lo, np.arange(n), side="right") - 1
+        self.read_of = (np.searchsorted(reads.lo, np.arange(n), side="right") - 1).astype(np.int32)
         self.single_read: list[int] = [-1] * steps  # per worker batch: its one read, or -1 (several)
         self.step_bytes: list[int] = [0] * steps
         if len(reads):
             big = np.iinfo(np.int64).max
-            self.span_lo = np.minimum.reduceat(np.where(reads.needed, self.offs, big), reads.lo).tolist()
-            self.span_hi = np.maximum.reduceat(np.where(reads.needed, self.ends, 0), reads.lo).tolist()
+            self.span_lo = np.minimum.reduceat(np.where(reads.needed, offs, big), reads.lo).tolist()
+            self.span_hi = np.maximum.reduceat(np.where(reads.needed, ends, 0), reads.lo).tolist()
         if steps:
             first = np.concatenate([[0], np.cumsum(wp.sizes)[:-1]]).astype(np.int64)
             by_emission = self.read_of[wp.emit]
             lo_read = np.minimum.reduceat(by_emission, first)
             self.single_read = np.where(lo_read == np.maximum.reduceat(by_emission, first), lo_read, -1).tolist()
-            self.step_bytes = np.add.reduceat((self.ends - self.offs)[wp.emit], first).tolist()
+            self.step_bytes = np.add.reduceat((ends - offs)[wp.emit], first).tolist()
         # Reads whose last sample worker batch b emits: release[release_bounds[b]:release_bounds[b + 1]].
         order = np.argsort(reads.last_step, kind="stable")
         self.release = order.tolist()
@@ -79,7 +83,10 @@ class MappedFetcher:
             shard = self.shards[i]
             views[i] = access.mapping(shard)
             access.advise(shard, self.span_lo[i], self.span_hi[i])
-        o, e = self.offs[positions].tolist(), self.ends[positions].tolist()
+        ids = self.stream[positions]
+        idx = access.index
+        offs = idx.offsets[ids]
+        o, e = offs.tolist(), (offs + idx.sizes[ids]).tolist()
         one = self.single_read[step]
         if one >= 0:
             m = views[one]

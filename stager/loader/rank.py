@@ -32,6 +32,7 @@ import numpy as np
 
 from stager.errors import CorruptSampleError, UsageError
 from stager.fs.info import detect_fs
+from stager.fs.kernel import release_free_heap
 from stager.loader.access import Resolved, ShardAccess, check_shards, resolve, validate_partition
 from stager.loader.assemble import pack_raw_numpy, stack_nhwc
 from stager.loader.fetch import Fetcher, MappedFetcher, PreadFetcher
@@ -352,18 +353,22 @@ class RankDataset:
         wp = self.plan().workers[logical]
         access = ShardAccess(self.resolved, use_mmap=self.options.use_mmap)
         try:
-            yield from self._worker_batches(wp, access, in_worker=in_worker)
+            yield from self._worker_batches(wp, access, in_worker=in_worker, trim=True)
         finally:
             access.close()
 
-    def _worker_batches(self, wp: WorkerPlan, access: ShardAccess, *, in_worker: bool) -> Iterator[dict[str, Any]]:
-        """Worker ``wp``'s batches from ``start_batch`` on: read as scheduled, decode, assemble."""
+    def _worker_batches(self, wp: WorkerPlan, access: ShardAccess, *, in_worker: bool,
+                        trim: bool = False) -> Iterator[dict[str, Any]]:
+        """Worker ``wp``'s batches from ``start_batch`` on: read as scheduled, decode, assemble.
+        ``trim``: return the plan's freed temporaries to the kernel once the fetcher is built."""
         reads = worker_reads(wp, self.index.starts, self.index.sizes, start_batch=self.start_batch)
         ring = self._worker_ring() if in_worker else None
         if in_worker:
             single_threaded_cv2()
         access.check_pid()
         fetcher = self._fetcher(reads, wp, access)
+        if trim:
+            release_free_heap()
         cum = np.concatenate([[0], np.cumsum(wp.sizes)]).astype(np.int64)
         for b in range(reads.first_step, len(wp.batches)):
             pos = wp.emit[cum[b] : cum[b + 1]]

@@ -337,7 +337,7 @@ def parse_table(buf: Any, where: str) -> Table:
         for name in ragged:
             values, starts = cols.pop(f"{name}/values"), cols.pop(f"{name}/starts")
             if (starts.ndim != 1 or len(starts) != rows + 1 or (rows + 1 and int(starts[0]) != 0)
-                    or int(starts[-1]) != len(values) or (rows and bool((np.diff(starts) < 0).any()))):
+                    or int(starts[-1]) != len(values) or not _non_decreasing(starts)):
                 raise ManifestError(f"{where}: ragged column {name!r} has inconsistent row starts; restore it")
             out[name] = Ragged(values, starts)
         for name, arr in cols.items():
@@ -352,6 +352,15 @@ def parse_table(buf: Any, where: str) -> Table:
     if not isinstance(meta, dict):
         raise ManifestError(f"{where}: sample index header's meta must be an object")
     return Table(rows, out, size, meta)
+
+
+def _non_decreasing(a: np.ndarray, chunk: int = 1 << 20) -> bool:
+    """Whether ``a`` never decreases, checked in chunks (no temporary of ``a``'s size)."""
+    for i in range(0, max(0, len(a) - 1), chunk):
+        piece = a[i : i + chunk + 1]
+        if bool((piece[1:] < piece[:-1]).any()):
+            return False
+    return True
 
 
 def open_table(path: str | os.PathLike[str], where: str | None = None) -> Table:

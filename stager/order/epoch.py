@@ -198,15 +198,25 @@ def buffer_shuffle(n: int, buffer: int, rng: np.random.Generator) -> np.ndarray:
     if buffer <= 1 or n <= 1:
         return np.arange(n, dtype=np.int64)
     k = min(buffer, n)
-    held = list(range(k))
-    picks = rng.integers(0, k, size=n - k).tolist()
-    out = []
-    for arriving, j in zip(range(k, n), picks, strict=True):
-        out.append(held[j])
-        held[j] = arriving
+    picks = rng.integers(0, k, size=n - k)
+    # Vectorised simulation (the per-arrival loop took ~1.8 s per 1.28M samples, most of an epoch's
+    # first batch): arrival ``k + t`` lands in slot ``picks[t]`` and the value it evicts is whatever
+    # the slot's previous arrival put there (or the slot's initial position ``picks[t]``). Grouping
+    # the arrivals by slot (stable, so by time within a slot) makes "previous arrival in the same
+    # slot" a shift by one; the draws are the same as before, so orders are unchanged.
+    order = np.argsort(picks, kind="stable")
+    slot = picks[order]
+    first = np.ones(len(order), dtype=bool)
+    first[1:] = slot[1:] != slot[:-1]
+    evicted = np.where(first, slot, k + np.roll(order, 1))
+    head = np.empty(len(order), dtype=np.int64)
+    head[order] = evicted
+    held = np.arange(k, dtype=np.int64)
+    last = np.ones(len(order), dtype=bool)
+    last[:-1] = slot[:-1] != slot[1:]
+    held[slot[last]] = k + order[last]
     tail = rng.permutation(k)
-    out.extend(held[t] for t in tail.tolist())
-    return np.asarray(out, dtype=np.int64)
+    return np.concatenate([head, held[tail]])
 
 
 @dataclass(frozen=True)
