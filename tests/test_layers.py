@@ -29,7 +29,8 @@ LAYERS: list[set[str]] = [
     {"commands", "cli", "__main__"},  # the command line
 ]
 SAME_LAYER = {("receipt", "manifest"), ("formats", "manifest"), ("commands", "cli"), ("__main__", "cli"),
-              ("verify", "index")}  # deep verify of an indexed set indexes the shard again
+              ("verify", "index"),  # deep verify of an indexed set indexes the shard again
+              ("pack", "index")}  # pack converts a RecordIO/LMDB source indexed in memory
 LAYER_OF = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
 
 

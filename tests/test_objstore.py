@@ -572,3 +572,34 @@ def test_azure_pack_verify_stage_and_load_through_faults(imagenet_tiny: Path, lo
         assert sorted(keys) == sorted(k for s in load_manifest(local_pack).shards for k in s.keys)
     finally:
         proxy.stop()
+
+
+def test_index_recordio_and_lmdb_in_a_bucket(moto: MotoServer, bucket: str, s3env: dict, tmp_path: Path) -> None:
+    """MXNet .rec files and an LMDB's data.mdb as objects: each copied down once, scanned, read in the bucket."""
+    pytest.importorskip("lmdb")
+    from tests.test_index_legacy import _lmdb_truth, write_rec_pair
+    from tools.datagen import make_caffe_lmdb
+
+    truth = write_rec_pair(tmp_path / "rec")
+    url = f"s3://{bucket}/rec"
+    _upload(moto, tmp_path / "rec", url)
+    r = _cli(["index", url, "--out", str(tmp_path / "idx"), "--json", "-q"], s3env)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["kind"] == "recordio" and (tmp_path / "idx" / "a.idx").is_file()  # .idx into OUT
+    got = read_all_by_bytes(tmp_path / "idx")
+    assert got == sorted((d, lab) for d, lab in truth.values())
+    assert verify(tmp_path / "idx", deep=True).ok
+    make_caffe_lmdb(tmp_path / "db", 20, size=16)
+    _upload(moto, tmp_path / "db", f"s3://{bucket}/db")
+    r = _cli(["index", f"s3://{bucket}/db", "--out", str(tmp_path / "lm"), "--json", "-q"], s3env)
+    assert r.returncode == 0, r.stderr
+    from tests.test_index import read_all
+
+    assert read_all(tmp_path / "lm", staged=False) == _lmdb_truth(tmp_path / "db", "caffe")
+    assert stage(tmp_path / "lm", tmp_path / "dest").files_copied == 1
+
+
+def read_all_by_bytes(path: Path) -> list[tuple[bytes, int]]:
+    from tests.test_index import read_all
+
+    return sorted(read_all(path, staged=False).values())

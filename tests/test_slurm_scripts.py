@@ -177,7 +177,10 @@ def test_stager_flags_accepted(script: Path) -> None:
 def test_train_flags_accepted(script: Path) -> None:
     calls = [(prog, make, args) for prog, make in (("train.py", train_parser), ("train_seg.py", seg_parser))
              for args in invocations(script, prog)]
-    assert calls, f"{script.name}: no train.py (or train_seg.py) invocation found"
+    if not calls:  # another training program (tools/train_video.py): its parser is not importable here
+        others = [t for ln in logical_lines(script.read_text()) for t in words(ln) if re.match(r"tools/\w+\.py$", t)]
+        assert others, f"{script.name}: no train.py (or train_seg.py) invocation found"
+        pytest.skip(f"{script.name} runs {others[0]}, whose flags this test does not check")
     for prog, make, args in calls:
         known = option_strings(make())
         for flag in flags_of(args):

@@ -15,8 +15,21 @@
   boxes and box labels, listed in ``train.jsonl``/``val.jsonl`` (``path, mask, boxes, box_labels``)
   and as COCO ``annotations/instances_images.json`` (docs/fields.md).
 
+* Legacy containers, written by hand from their documented layouts (no Caffe, no MXNet):
+  :func:`make_caffe_lmdb` (Caffe ``convert_imageset``: keys ``%08d_<path>``, ``Datum`` values, encoded
+  JPEG/PNG bytes or raw planar BGR pixels), :func:`make_folder2lmdb` (pickled ``(image bytes, label)``
+  values with ``__keys__``/``__len__``, the Efficient-PyTorch style) and :func:`make_recordio`
+  (``im2rec``: ``.rec`` of IRHeader + image records, and its ``.idx``). LMDBs need py-lmdb.
+
+* :func:`make_videos`: moving-object videos (coloured discs and squares bouncing over a textured,
+  slowly panning background; positions are a deterministic function of time, so the future is
+  predictable from the past) as mp4 files (``cv2.VideoWriter``, fourcc ``mp4v``) in
+  ``root/videos/<seq>.mp4`` and/or PNG frame folders ``root/frames/<seq>/000000.png`` (KITTI's layout).
+
 Command line: ``python -m tools.datagen imagenet OUT --classes 10 --per-class 50``,
-``python -m tools.datagen cifar OUT --train 5000 --test 1000 [--png]`` or
+``python -m tools.datagen cifar OUT --train 5000 --test 1000 [--png]``,
+``python -m tools.datagen caffe-lmdb|folder2lmdb|recordio OUT --n 1000 [--raw] [--size 32]`` or
+``python -m tools.datagen video OUT --sequences 8 --frames 60 --size 128`` or
 ``python -m tools.datagen shapes OUT --train 400 --val 100 --size 96``.
 """
 
@@ -27,6 +40,8 @@ import io
 import json
 import os
 import pickle
+import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -237,6 +252,203 @@ def make_shapes(
     return root
 
 
+def _pb_varint(v: int) -> bytes:
+    v &= (1 << 64) - 1
+    out = bytearray()
+    while v >= 0x80:
+        out.append((v & 0x7F) | 0x80)
+        v >>= 7
+    out.append(v)
+    return bytes(out)
+
+
+def caffe_datum(data: bytes, label: int, shape: tuple[int, int, int] | None = None) -> bytes:
+    """A serialised ``caffe.Datum`` as protobuf writes it (fields in number order): ``channels = 1``,
+    ``height = 2``, ``width = 3`` (raw only), ``data = 4``, ``label = 5``, ``encoded = 7`` (encoded only).
+    ``shape`` is ``(C, H, W)`` for raw planar data, None for encoded image bytes."""
+    out = bytearray()
+    if shape is not None:
+        for num, v in zip((1, 2, 3), shape, strict=True):
+            out += _pb_varint(num << 3) + _pb_varint(v)
+    out += _pb_varint(4 << 3 | 2) + _pb_varint(len(data)) + data
+    out += _pb_varint(5 << 3) + _pb_varint(label)
+    if shape is None:
+        out += _pb_varint(7 << 3) + _pb_varint(1)
+    return bytes(out)
+
+
+def _samples(n: int, num_classes: int, size: int, seed: int, jitter: float) -> Iterator[tuple[int, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        lab = i % num_classes
+        h = max(8, int(size * rng.uniform(1 - jitter, 1 + jitter)))
+        w = max(8, int(size * 4 / 3 * rng.uniform(1 - jitter, 1 + jitter))) if jitter else size
+        yield lab, render_image(rng, lab, num_classes, h, w, noise=10.0)
+
+
+def make_caffe_lmdb(root: str | os.PathLike[str], n: int = 1000, *, num_classes: int = 10, size: int = 32,
+                    raw: bool = False, png: bool = False, seed: int = 0, quality: int = 90) -> Path:
+    """A Caffe ``convert_imageset`` LMDB at ``root`` (``data.mdb`` + ``lock.mdb``); return ``root``.
+
+    Keys ``%08d_<class>/<name>.JPEG``; values ``Datum``: ``raw`` planar BGR ``(3, size, size)`` uint8
+    (what ``convert_imageset`` without ``--encoded`` stores), else the encoded JPEG (or PNG) bytes with
+    ``encoded = true``, images ~``size`` x ``4/3 size``."""
+    import lmdb
+
+    root = Path(root)
+    env = lmdb.open(str(root), map_size=1 << 36)
+    with env.begin(write=True) as txn:
+        for i, (lab, arr) in enumerate(_samples(n, num_classes, size, seed, 0.0 if raw else 0.25)):
+            key = f"{i:08d}_n{lab:08d}/n{lab:08d}_{i:05d}.JPEG".encode()
+            if raw:
+                value = caffe_datum(np.ascontiguousarray(arr[..., ::-1].transpose(2, 0, 1)).tobytes(), lab,
+                                    (3, arr.shape[0], arr.shape[1]))
+            else:
+                value = caffe_datum(png_bytes(arr) if png else jpeg_bytes(arr, quality), lab)
+            txn.put(key, value)
+    env.close()
+    return root
+
+
+def make_folder2lmdb(root: str | os.PathLike[str], n: int = 1000, *, num_classes: int = 10, size: int = 64,
+                     seed: int = 0, protocol: int = pickle.DEFAULT_PROTOCOL) -> Path:
+    """An LMDB as Efficient-PyTorch's ``folder2lmdb`` writes it: keys ``b"0"``, ``b"1"``, ...; values
+    ``pickle.dumps((jpeg bytes, label))``; plus ``__keys__`` (the pickled key list) and ``__len__``."""
+    import lmdb
+
+    root = Path(root)
+    env = lmdb.open(str(root), map_size=1 << 36)
+    keys = []
+    with env.begin(write=True) as txn:
+        for i, (lab, arr) in enumerate(_samples(n, num_classes, size, seed, 0.25)):
+            key = f"{i}".encode("ascii")
+            txn.put(key, pickle.dumps((jpeg_bytes(arr), lab), protocol=protocol))
+            keys.append(key)
+        txn.put(b"__keys__", pickle.dumps(keys))
+        txn.put(b"__len__", pickle.dumps(len(keys)))
+    env.close()
+    return root
+
+
+RECORDIO_MAGIC = 0xCED7230A
+
+
+def recordio_frame(data: bytes) -> bytes:
+    """One record as dmlc's ``RecordIOWriter`` frames it: split where ``data`` holds the magic at a
+    4-byte-aligned offset (that magic becomes the next part's header: cflag 1 start, 2 middle, 3 end),
+    each part ``magic | lrecord = cflag << 29 | length | bytes``, the last padded to 4 bytes."""
+    magic = struct.pack("<I", RECORDIO_MAGIC)
+    out = bytearray()
+    start = 0
+    for i in range(0, len(data) - len(data) % 4, 4):
+        if data[i : i + 4] == magic:
+            out += magic + struct.pack("<I", (1 if start == 0 else 2) << 29 | (i - start)) + data[start:i]
+            start = i + 4
+    out += magic + struct.pack("<I", (3 if start else 0) << 29 | (len(data) - start)) + data[start:]
+    out += b"\0" * (-len(data) % 4)
+    return bytes(out)
+
+
+def recordio_pack(payload: bytes, label: float | list[float], rid: int, rid2: int = 0) -> bytes:
+    """``mx.recordio.pack``: IRHeader ``IfQQ`` (flag, label, id, id2), array labels, payload."""
+    if isinstance(label, (list, tuple)):
+        return struct.pack("<IfQQ", len(label), 0.0, rid, rid2) + np.asarray(label, "<f4").tobytes() + payload
+    return struct.pack("<IfQQ", 0, float(label), rid, rid2) + payload
+
+
+def write_recordio(rec: str | os.PathLike[str], records: list[bytes], keys: list[int] | None = None,
+                   *, idx: bool = True) -> Path:
+    """Write framed ``records`` (packed data) to ``rec`` and, with ``idx``, MXNet's ``.idx``
+    (``key\toffset`` per record, as ``MXIndexedRecordIO.write_idx`` writes it)."""
+    rec = Path(rec)
+    rec.parent.mkdir(parents=True, exist_ok=True)
+    lines = []
+    # 8 MiB writes: the page cache then holds the file in large folios, as after a copy (`stager stage`)
+    # or a cold read's readahead; record-sized writes leave 4 KiB pages whose mapping faults ~10x more.
+    with open(rec, "wb", buffering=8 << 20) as f:
+        for i, r in enumerate(records):
+            lines.append(f"{keys[i] if keys else i}\t{f.tell()}\n")
+            f.write(recordio_frame(r))
+    if idx:
+        rec.with_suffix(".idx").write_text("".join(lines))
+    return rec
+
+
+def make_recordio(rec: str | os.PathLike[str], n: int = 1000, *, num_classes: int = 10, size: int = 96,
+                  seed: int = 0, array_labels: bool = False, idx: bool = True) -> Path:
+    """An ``im2rec``-style ``.rec`` (+ ``.idx``): IRHeader id = the list index, label the class (or, with
+    ``array_labels``, ``[class, 0.5, index]`` as float32 array labels), payload a JPEG."""
+    records = []
+    for i, (lab, arr) in enumerate(_samples(n, num_classes, size, seed, 0.25)):
+        label: float | list[float] = [float(lab), 0.5, float(i)] if array_labels else float(lab)
+        records.append(recordio_pack(jpeg_bytes(arr), label, i))
+    return write_recordio(rec, records, idx=idx)
+def video_frames(seq: int, frames: int, h: int, w: int, *, seed: int = 0) -> np.ndarray:
+    """Frames (frames, h, w, 3) uint8 RGB of synthetic sequence ``seq``: 2-4 objects moving at
+    constant velocity, bouncing off the borders, over a textured background that pans slowly."""
+    rng = np.random.default_rng((seed, 0x71DE0, seq))
+    yy, xx = np.mgrid[0:h, 0:w].astype(np.float32)
+    base = rng.uniform(40, 120, size=3).astype(np.float32)
+    kx, ky = rng.uniform(0.03, 0.12, size=2)
+    n_obj = int(rng.integers(2, 5))
+    pos = rng.uniform(0.2, 0.8, size=(n_obj, 2)) * [h, w]
+    vel = rng.uniform(-3.0, 3.0, size=(n_obj, 2)) * (max(h, w) / 128)
+    rad = rng.uniform(0.06, 0.14, size=n_obj) * min(h, w)
+    col = rng.uniform(130, 255, size=(n_obj, 3))
+    square = rng.random(n_obj) < 0.5
+    out = np.empty((frames, h, w, 3), dtype=np.uint8)
+    for t in range(frames):
+        tex = 20 * np.sin(kx * (xx + 0.7 * t)) * np.cos(ky * yy)
+        img = base[None, None, :] + tex[..., None]
+        for k in range(n_obj):
+            p = pos[k] + vel[k] * t
+            for d, lim in ((0, h), (1, w)):  # bounce: reflect into [0, lim)
+                period = 2 * lim
+                q = p[d] % period
+                p[d] = q if q < lim else period - q
+            if square[k]:
+                m = (np.abs(yy - p[0]) < rad[k]) & (np.abs(xx - p[1]) < rad[k])
+            else:
+                m = (yy - p[0]) ** 2 + (xx - p[1]) ** 2 < rad[k] ** 2
+            img[m] = col[k]
+        out[t] = np.clip(img, 0, 255).astype(np.uint8)
+    return out
+
+
+def make_videos(
+    root: str | os.PathLike[str],
+    sequences: int = 8,
+    frames: int = 60,
+    size: tuple[int, int] = (128, 128),
+    *,
+    seed: int = 0,
+    mp4: bool = True,
+    folders: bool = True,
+    fps: float = 10.0,
+) -> Path:
+    """Write ``sequences`` synthetic moving-object sequences of ``frames`` frames of ``size`` (H, W):
+    ``root/videos/seq_XXXX.mp4`` (``mp4``) and ``root/frames/seq_XXXX/000000.png`` (``folders``)."""
+    import cv2
+
+    out = Path(root)
+    h, w = size
+    for s in range(sequences):
+        clip = video_frames(s, frames, h, w, seed=seed)
+        name = f"seq_{s:04d}"
+        if mp4:
+            (out / "videos").mkdir(parents=True, exist_ok=True)
+            vw = cv2.VideoWriter(str(out / "videos" / f"{name}.mp4"), cv2.VideoWriter_fourcc(*"mp4v"), fps, (w, h))
+            for f in clip:
+                vw.write(cv2.cvtColor(f, cv2.COLOR_RGB2BGR))
+            vw.release()
+        if folders:
+            d = out / "frames" / name
+            d.mkdir(parents=True, exist_ok=True)
+            for t, f in enumerate(clip):
+                Image.fromarray(f).save(d / f"{t:06d}.png", compress_level=1)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.datagen", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="kind", required=True)
@@ -258,10 +470,33 @@ def main(argv: list[str] | None = None) -> int:
     sh.add_argument("--val", type=int, default=50)
     sh.add_argument("--size", type=int, default=96)
     sh.add_argument("--seed", type=int, default=0)
+    for kind in ("caffe-lmdb", "folder2lmdb", "recordio"):
+        x = sub.add_parser(kind, help="legacy container (see the module docstring)")
+        x.add_argument("out")
+        x.add_argument("--n", type=int, default=1000)
+        x.add_argument("--size", type=int, default=32 if kind == "caffe-lmdb" else 96)
+        x.add_argument("--raw", action="store_true", help="caffe-lmdb: raw planar BGR Datums")
+        x.add_argument("--seed", type=int, default=0)
+    v = sub.add_parser("video", help="moving-object videos (mp4) and PNG frame folders")
+    v.add_argument("out")
+    v.add_argument("--sequences", type=int, default=8)
+    v.add_argument("--frames", type=int, default=60)
+    v.add_argument("--size", type=int, default=128)
+    v.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.kind == "shapes":
         out = make_shapes(args.out, args.train, args.val, size=args.size, seed=args.seed)
         print(json.dumps({"root": str(out), "train": args.train, "val": args.val}))
+    elif args.kind == "video":
+        root = make_videos(args.out, args.sequences, args.frames, (args.size, args.size), seed=args.seed)
+        print(json.dumps({"root": str(root), "sequences": args.sequences, "frames": args.frames}))
+    elif args.kind == "caffe-lmdb":
+        root = make_caffe_lmdb(args.out, args.n, size=args.size, raw=args.raw, seed=args.seed)
+        print(json.dumps({"root": str(root)}))
+    elif args.kind == "folder2lmdb":
+        print(json.dumps({"root": str(make_folder2lmdb(args.out, args.n, size=args.size, seed=args.seed))}))
+    elif args.kind == "recordio":
+        print(json.dumps({"rec": str(make_recordio(args.out, args.n, size=args.size, seed=args.seed))}))
     elif args.kind == "imagenet":
         root = make_imagefolder(args.out, args.classes, args.per_class, seed=args.seed, quality=args.quality)
         files = list(root.rglob("*.JPEG"))

@@ -1,4 +1,5 @@
-"""``stager index SRC [--out DIR]``: a manifest for existing webdataset tars, TFRecords or parquet (docs/index.md)."""
+"""``stager index SRC [--out DIR]``: a manifest for existing webdataset tars, TFRecords, parquet, MXNet RecordIO
+or LMDB (docs/index.md)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,15 @@ import argparse
 from stager.cli import add_common, add_storage_options, emit, storage_options
 
 # stager.index.KINDS, spelled out so that registering the command does not import numpy.
-KINDS = ("tar", "record", "parquet")
+KINDS = ("tar", "record", "parquet", "recordio", "lmdb")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "index",
-        help="adopt existing webdataset tars, TFRecords or parquet files in place (write a manifest for them)",
-        description="Scan existing shards (a directory of .tar, TFRecord or .parquet files) and write a stager "
+        help="adopt existing webdataset tars, TFRecords, parquet, MXNet .rec or LMDB in place (write a manifest)",
+        description="Scan existing shards (a directory of .tar, TFRecord, .parquet or MXNet .rec files, or an LMDB "
+        "directory holding data.mdb) and write a stager "
         "manifest for them: sizes, checksums and every image's byte extent, so that verify, stage, pack and the "
         "loader work on them without rewriting a byte. Reruns resume.",
     )
@@ -26,15 +28,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--format", default="auto", choices=("auto", *KINDS), help="input kind (default: auto)")
     p.add_argument("--image-key", default=None, metavar="KEY",
                    help="the image: tar member field(s) 'jpg;png' (default: the one image-type member), "
-                   "TFRecord feature (default image/encoded), parquet column (default image)")
+                   "TFRecord feature (default image/encoded), parquet column (default image); not for .rec/LMDB")
     p.add_argument("--label-key", default=None, metavar="KEY",
                    help="the label: tar cls|txt|json|json:FIELD (default cls), TFRecord feature (default "
-                   "image/class/label), parquet column (default label); 'none' for unlabeled data")
+                   "image/class/label), parquet column (default label), .rec/LMDB label; 'none' for unlabeled data")
+    p.add_argument("--lmdb-layout", default="auto", choices=("auto", "caffe", "pickle"),
+                   help="what LMDB values hold: caffe Datums or pickled (image bytes, label) tuples (default: sniffed)")
     p.add_argument("--label-offset", type=int, default=0, metavar="N",
                    help="added to integer labels (-1 for TensorFlow's 1-based ImageNet TFRecords)")
     p.add_argument("-j", "--workers", type=int, default=1, metavar="N", help="shards indexed in parallel")
     p.add_argument("--hash", dest="hash_algo", default="xxh3_128", choices=("xxh3_128", "blake2b"))
-    p.add_argument("--no-dali-index", action="store_true", help="do not write DALI .idx files for TFRecords")
+    p.add_argument("--no-dali-index", action="store_true",
+                   help="do not write DALI .idx files for TFRecords (nor MXNet .idx files for .rec files without one)")
     add_storage_options(p)
     add_common(p)
     p.set_defaults(func=run)
@@ -45,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
 
     opts = IndexOptions(format=args.format, image_key=args.image_key, label_key=args.label_key,
                         label_offset=args.label_offset, workers=args.workers, hash_algo=args.hash_algo,
-                        dali_index=not args.no_dali_index, storage_options=storage_options(args) or None)
+                        dali_index=not args.no_dali_index, storage_options=storage_options(args) or None,
+                        lmdb_layout=args.lmdb_layout)
     r = index_dataset(args.src, args.out, opts, quiet=args.quiet)
     where = f" (shards in {r.shard_root})" if r.shard_root else ""
     human = (f"{r.manifest_path}: {r.kind} index of {r.shards} shards, {r.samples:,} samples, {r.classes} classes, "

@@ -52,9 +52,10 @@ def _positive(text: str) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "pack",
-        help="pack an ImageFolder, CIFAR batches, a list file or another pack into shards",
-        description="Pack SRC (ImageFolder tree, CIFAR-10 python batches dir, .csv/.jsonl list, or an existing "
-        "pack) into verified shards under OUT, with manifest.json written last. Reruns resume.",
+        help="pack an ImageFolder, CIFAR batches, a list file, MXNet .rec, an LMDB or another pack into shards",
+        description="Pack SRC (ImageFolder tree, CIFAR-10 python batches dir, .csv/.jsonl list, MXNet .rec file(s), "
+        "an LMDB directory, or an existing pack) into verified shards under OUT, with manifest.json written last. "
+        "Reruns resume.",
     )
     p.add_argument("src", metavar="SRC")
     p.add_argument("out", metavar="OUT", help="output directory, or a URL (s3://bucket/prefix, any fsspec URL): "
@@ -104,6 +105,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hash", dest="hash_algo", choices=("xxh3_128", "blake2b"), default="xxh3_128")
     p.add_argument("--stripe-count", type=int, default=None, metavar="N", help="Lustre stripe count for OUT")
     p.add_argument("--stripe-size", type=parse_size, default=None, metavar="BYTES", help="Lustre stripe size")
+    p.add_argument("--clip-length", type=_positive, default=None, metavar="T",
+                   help="pack SRC (frame folders SRC/[<class>/]<sequence>/<frame>.png|jpg, or video files) as "
+                   "frames read in windows of T consecutive frames (docs/clips.md)")
+    p.add_argument("--clip-stride", type=_positive, default=1, metavar="K", help="a window starts every K frames")
+    p.add_argument("--frame-step", type=_positive, default=1, metavar="D", help="frames of a window are D apart")
+    p.add_argument("--frame-format", choices=("jpg", "png"), default="jpg",
+                   help="how decoded video frames are stored (jpg at --quality, default 95; or png)")
     add_storage_options(p)
     add_common(p)
     p.set_defaults(func=run)
@@ -137,6 +145,10 @@ def run(args: argparse.Namespace) -> int:
         split=args.split,
         storage_options=storage_options(args),
         fields=args.fields,
+        clip_length=args.clip_length,
+        clip_stride=args.clip_stride,
+        frame_step=args.frame_step,
+        frame_format=args.frame_format,
     )
     emit(args, result.to_json(), format_result(result))
     return 0

@@ -14,7 +14,7 @@ from stager.formats.base import Extent, Format, Sample, ShardReader, ShardWriter
 _MODULES = {"tar": "tar", "hdf5": "hdf5", "record": "record", "zarr": "zarr_format"}
 FORMAT_NAMES = tuple(_MODULES)  # the formats `stager pack` writes
 # Read-only formats: shards adopted in place by `stager index`, never written by stager.
-_READ_ONLY = {"parquet": "parquet_format"}
+_READ_ONLY = {"parquet": "parquet_format", "recordio": "recordio", "lmdb": "lmdb_format"}
 
 __all__ = ["FORMAT_NAMES", "Extent", "Format", "Sample", "ShardReader", "ShardWriter", "get_format",
            "get_writer_format"]

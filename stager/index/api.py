@@ -3,10 +3,12 @@
 Phases: **discover** SRC's shards (:mod:`stager.index.discover`); **resume** what an interrupted run
 saved (``OUT/.stager-index/<shard>.json`` per scanned shard, reused while the file's size and mtime
 and the options are unchanged); **scan** the rest, one process per shard with ``workers`` (each
-shard is mapped, hashed and parsed in one pass: :mod:`stager.index.tar`, ``record``, ``parquet``);
-**check** across shards (a tar sample split over a shard boundary, repeated keys); **label**
-(:func:`stager.index.labels.resolve_labels`); write DALI index files for TFRecords; **publish**
-``OUT/manifest.json`` atomically, then drop the state directory.
+shard is mapped, hashed and parsed in one pass: :mod:`stager.index.tar`, ``record``, ``parquet``,
+``recordio``, ``lmdb``); **check** across shards (a tar sample split over a shard boundary, repeated
+keys); write index files (DALI's for TFRecords, MXNet's ``.idx`` for a RecordIO file without one);
+**label** (:func:`stager.index.labels.resolve_labels`) and the extra columns
+(:mod:`stager.index.columns`); **publish** ``OUT/manifest.json`` atomically, then drop the state
+directory.
 
 OUT defaults to SRC's directory (the manifest sits beside the shards). With another OUT (a read-only,
 shared SRC) the manifest's ``shard_root`` names SRC's directory, and stage, verify and the loader
@@ -15,6 +17,7 @@ read the shards there.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import multiprocessing as mp
@@ -33,18 +36,29 @@ from stager.errors import CorruptSampleError, DestinationError, UsageError
 from stager.fs.atomic import atomic_write_bytes, remove_partials
 from stager.fs.open import is_url, join
 from stager.index import remote
+from stager.index.columns import extra_columns, sample_kind
 from stager.index.discover import STATE_DIR, discover
 from stager.index.labels import resolve_labels
+from stager.index.lmdb import scan_lmdb
 from stager.index.options import MANIFEST_FORMAT, IndexOptions
 from stager.index.parquet import scan_parquet
 from stager.index.record import scan_record
+from stager.index.recordio import scan_recordio
 from stager.index.scan import DamagedShardError, ShardScan
 from stager.index.tar import scan_tar
 from stager.manifest import INDEX_PARTIAL_BASE, MANIFEST_NAME, AuxFile, Manifest, ShardInfo, load_manifest
 from stager.progress import Progress
 
-Scanner = Callable[[str, str, "str | None", "str | None", str], ShardScan]
-SCANNERS: dict[str, Scanner] = {"tar": scan_tar, "record": scan_record, "parquet": scan_parquet}
+# scan(path, name, image_key, label_key, hash algo, **IndexOptions.scan_extras(kind)) -> ShardScan
+Scanner = Callable[..., ShardScan]
+SCANNERS: dict[str, Scanner] = {"tar": scan_tar, "record": scan_record, "parquet": scan_parquet,
+                                "recordio": scan_recordio, "lmdb": scan_lmdb}
+# Index files written for readers that need one: TFRecord ``<file>.idx`` (DALI's ``<offset> <size>``)
+# and RecordIO ``x.rec`` -> ``x.idx`` (MXNet's and DALI's ``<key>\t<offset>``), from ShardScan.records.
+INDEX_FILES: dict[str, tuple[Callable[[str], str], bytes]] = {
+    "record": (lambda name: f"{name}.idx", b"%d %d\n"),
+    "recordio": (lambda name: os.path.splitext(name)[0] + ".idx", b"%d\t%d\n"),
+}
 
 
 @dataclass
@@ -95,20 +109,43 @@ def index_dataset(src: str | os.PathLike[str], out: str | os.PathLike[str] | Non
     progress.close()
     ordered = [scans[n] for n in names]
     _check_boundaries(ordered, directory)
-    _unique_keys(ordered, kind, directory)
-    labels, classes = resolve_labels(ordered, opts.label_offset, directory)
-    dali, dali_paths = (_write_dali_index(ordered, directory, out_dir, in_place, opts.hash_algo)
-                        if kind == "record" and opts.dali_index else ({}, []))
-    shards = [ShardInfo(s.name, s.bytes, s.hash, s.keys, lab, *s.arrays(), aux=dali.get(s.name, []), extents=s.extents)
-              for s, lab in zip(ordered, labels, strict=True)]
-    m = Manifest(format=MANIFEST_FORMAT[kind], classes=classes, shards=shards, hash_algo=opts.hash_algo,
-                 source={"kind": "index", "path": directory, "input": kind},
-                 options={"index": {**fp, "label_offset": opts.label_offset}},
-                 shard_root=None if in_place else directory)
+    dali, dali_paths = (_write_dali_index(ordered, directory, out_dir, in_place, algo=opts.hash_algo, kind=kind)
+                        if kind in INDEX_FILES and opts.dali_index else ({}, []))
+    m = _manifest(ordered, directory, kind, opts, dali, shard_root=None if in_place else directory)
     path = m.write(out_dir)
     shutil.rmtree(state, ignore_errors=True)
-    return IndexResult(path, kind, len(shards), m.num_samples, sum(s.bytes for s in ordered), len(classes),
+    return IndexResult(path, kind, len(ordered), m.num_samples, sum(s.bytes for s in ordered), len(m.classes),
                        len(todo), resumed, time.perf_counter() - t0, m.dataset_id, m.shard_root, dali_paths)
+
+
+def _manifest(ordered: list[ShardScan], directory: str, kind: str, opts: IndexOptions,
+              aux: dict[str, list[AuxFile]], *, shard_root: str | None) -> Manifest:
+    """The manifest of the scanned shards: keys made unique, labels resolved, companions listed."""
+    _unique_keys(ordered, kind, directory)
+    labels, classes = resolve_labels(ordered, opts.label_offset, directory)
+    for s in ordered:
+        if s.companion is not None and not is_url(directory):
+            aux[s.name] = [_companion(directory, s.companion, opts.hash_algo)]
+    kind_of_samples, image_shape = sample_kind(ordered, directory)
+    columns, fields = extra_columns(ordered)
+    shards = [ShardInfo(s.name, s.bytes, s.hash, s.keys, lab, *s.arrays(), aux=aux.get(s.name, []), extents=s.extents,
+                        columns=cols) for s, lab, cols in zip(ordered, labels, columns, strict=True)]
+    return Manifest(format=MANIFEST_FORMAT[kind], classes=classes, shards=shards, hash_algo=opts.hash_algo,
+                    source={"kind": "index", "path": directory, "input": kind},
+                    options={"index": {**opts.fingerprint(kind), "label_offset": opts.label_offset}},
+                    shard_root=shard_root, sample_kind=kind_of_samples, image_shape=image_shape, fields=fields)
+
+
+def adopt_in_memory(src: str | os.PathLike[str], options: IndexOptions | None = None) -> Manifest:
+    """The manifest ``stager index`` would write for the local SRC, built in memory: nothing is written
+    (no state, no index files). ``stager pack`` converts a RecordIO or LMDB source through it."""
+    opts = options or IndexOptions()
+    directory, names, kind = discover(os.fspath(src), opts.format)
+    scan = functools.partial(SCANNERS[kind], **opts.scan_extras(kind))
+    ordered = [scan(join(directory, n), n, opts.image_key_for(kind), opts.label_key_for(kind), opts.hash_algo)
+               for n in names]
+    _check_boundaries(ordered, directory)
+    return _manifest(ordered, directory, kind, opts, {}, shard_root=directory)
 
 
 def _check_out(out_dir: Path, in_place: bool, directory: str) -> None:
@@ -165,10 +202,11 @@ class _Job:
     algo: str
     spool: str  # where an object is copied down to be scanned
     storage_options: dict[str, Any] | None
+    extra: dict[str, str] = field(default_factory=dict)  # IndexOptions.scan_extras(kind)
 
 
 def _scan_one(job: _Job) -> ShardScan:
-    scan = SCANNERS[job.kind]
+    scan = functools.partial(SCANNERS[job.kind], **job.extra)
     if not is_url(job.path):
         return scan(job.path, job.name, job.image_key, job.label_key, job.algo)
     size, ident = remote.stamp(job.path, job.storage_options)
@@ -184,7 +222,7 @@ def _scan_all(directory: str, todo: list[str], kind: str, opts: IndexOptions, pr
               ) -> Iterator[ShardScan]:
     """Scan ``todo`` (in parallel with ``opts.workers``); yield each shard's scan as it completes."""
     jobs = [_Job(join(directory, n), n, kind, opts.image_key_for(kind), opts.label_key_for(kind), opts.hash_algo,
-                 spool, opts.storage_options) for n in todo]
+                 spool, opts.storage_options, opts.scan_extras(kind)) for n in todo]
     if opts.workers <= 1 or len(jobs) <= 1:
         for j in jobs:
             scan = _scan_one(j)
@@ -260,17 +298,21 @@ def _first_repeat(scans: list[ShardScan]) -> tuple[str, str] | None:
 
 
 def _write_dali_index(scans: list[ShardScan], directory: str, out_dir: Path, in_place: bool,
-                      algo: str) -> tuple[dict[str, list[AuxFile]], list[str]]:
-    """DALI's ``tfrecord2idx`` files (``<offset> <size>`` per record): ``(companions by shard, paths)``.
+                      *, algo: str, kind: str) -> tuple[dict[str, list[AuxFile]], list[str]]:
+    """Index files (:data:`INDEX_FILES`: DALI's ``tfrecord2idx`` lines, MXNet's ``.idx``) for the shards
+    whose scan made ``records``: ``(companions by shard, paths)``.
 
     In place they sit beside their file and are listed as its companion (staged and verified with it);
     an existing ``.idx`` that differs (someone's own) is left alone and not listed. With ``--out`` they
     go into OUT, are not companions (the shards are elsewhere), and DALI is given them by path."""
     aux: dict[str, list[AuxFile]] = {}
     paths: list[str] = []
+    name_of, line = INDEX_FILES[kind]
     for s in scans:
-        data = b"".join(b"%d %d\n" % r for r in (s.records or []))
-        target = (Path(directory) if in_place else out_dir) / f"{s.name}.idx"
+        if s.records is None:  # a RecordIO file with its own, checked .idx (a companion already)
+            continue
+        data = b"".join(line % r for r in s.records)
+        target = (Path(directory) if in_place else out_dir) / name_of(s.name)
         try:
             have: bytes | None = target.read_bytes()
         except FileNotFoundError:
@@ -285,6 +327,12 @@ def _write_dali_index(scans: list[ShardScan], directory: str, out_dir: Path, in_
     return aux, paths
 
 
+def _companion(directory: str, name: str, algo: str) -> AuxFile:
+    """An index file the scan checked against its shard (RecordIO's own ``.idx``), listed as its companion."""
+    data = Path(directory, name).read_bytes()
+    return AuxFile(name, len(data), hash_bytes(data, algo))
+
+
 def rescan_shard(path: str, info: ShardInfo, m: Manifest) -> str | None:
     """``stager verify --deep`` for an indexed set: index the shard again with the manifest's recorded
     options and compare with its entry; a reason, or None when it holds exactly the indexed samples."""
@@ -292,8 +340,9 @@ def rescan_shard(path: str, info: ShardInfo, m: Manifest) -> str | None:
     kind = str(o.get("kind") or m.source.get("input") or m.format)
     if kind not in SCANNERS:
         return f"unknown indexed input kind {kind!r}"
+    extra = {"layout": str(o["layout"])} if "layout" in o else {}
     try:
-        scan = SCANNERS[kind](path, info.name, o.get("image_key"), o.get("label_key"), m.hash_algo)
+        scan = SCANNERS[kind](path, info.name, o.get("image_key"), o.get("label_key"), m.hash_algo, **extra)
     except (CorruptSampleError, UsageError, OSError) as exc:
         return f"cannot be indexed again ({exc})"
     if len(scan.keys) != info.samples:

@@ -8,14 +8,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from stager.errors import SourceNotFoundError, UsageError
+from stager.formats.lmdb_pages import is_lmdb
 from stager.formats.record import masked_crc
+from stager.formats.recordio import MAGIC_BYTES
 from stager.fs.open import is_url, join
 from stager.index import remote
 from stager.index.options import KINDS, SUFFIXES
 from stager.manifest import INDEX_SUFFIX, MANIFEST_NAME, check_safe_name
 
 STATE_DIR = ".stager-index"  # per-shard scan results of an unfinished run (resume)
-_IGNORED_SUFFIXES = (".idx", ".json", ".txt", ".md", ".partial", ".lock", ".csv", INDEX_SUFFIX)
+_IGNORED_SUFFIXES = (".idx", ".json", ".txt", ".md", ".partial", ".lock", ".csv", INDEX_SUFFIX, "-lock", ".lst")
+_IGNORED_NAMES = (MANIFEST_NAME, "lock.mdb")  # an LMDB's lock file is not data (read-only staging needs none)
 
 
 def kind_of_name(name: str) -> str | None:
@@ -27,8 +30,8 @@ def kind_of_name(name: str) -> str | None:
 
 
 def sniff(path: str, storage_options: Mapping[str, Any] | None = None) -> str | None:
-    """The input kind of a file or object from its first bytes: ustar magic, ``PAR1``, or a valid
-    TFRecord header."""
+    """The input kind of a file or object from its first bytes: ustar magic, ``PAR1``, RecordIO's
+    magic, an LMDB meta page, or a valid TFRecord header."""
     try:
         if is_url(path):
             head = remote.head(path, storage_options)
@@ -41,6 +44,10 @@ def sniff(path: str, storage_options: Mapping[str, Any] | None = None) -> str | 
         return "parquet"
     if len(head) >= 263 and head[257:262] == b"ustar":
         return "tar"
+    if head[:4] == MAGIC_BYTES:
+        return "recordio"
+    if is_lmdb(head):
+        return "lmdb"
     if len(head) >= 12 and masked_crc(head[:8]) == struct.unpack_from("<I", head, 8)[0]:
         return "record"
     return None
@@ -51,18 +58,19 @@ def discover(src: str, fmt: str, storage_options: Mapping[str, Any] | None = Non
     or a URL prefix of shard objects or one object: then ``directory`` is the prefix URL).
 
     ``fmt`` ``auto`` takes each file's kind from its suffix (``.tar``, ``.tfrecord``/``.tfrecords``/
-    ``.record``, ``.parquet``), else from its first bytes (TensorFlow's ``train-00000-of-01024`` has no
-    suffix); all shards must be of one kind. Names must be plain file names (the manifest's rule).
+    ``.record``, ``.parquet``, ``.rec``, ``.mdb``/``.lmdb``), else from its first bytes (TensorFlow's
+    ``train-00000-of-01024`` has no suffix); all shards must be of one kind. Names must be plain file
+    names (the manifest's rule).
     """
     if is_url(src):
         directory, names = remote.list_objects(src, storage_options)
-        names = [n for n in names if n != MANIFEST_NAME and not n.lower().endswith(_IGNORED_SUFFIXES)]
+        names = [n for n in names if n not in _IGNORED_NAMES and not n.lower().endswith(_IGNORED_SUFFIXES)]
     elif os.path.isfile(src):
         directory, names = os.path.dirname(os.path.abspath(src)), [os.path.basename(src)]
     elif os.path.isdir(src):
         directory = os.path.abspath(src)
         names = sorted(e.name for e in os.scandir(directory) if e.is_file() and not e.name.startswith(".")
-                       and e.name != MANIFEST_NAME and not e.name.lower().endswith(_IGNORED_SUFFIXES))
+                       and e.name not in _IGNORED_NAMES and not e.name.lower().endswith(_IGNORED_SUFFIXES))
     else:
         raise SourceNotFoundError(f"{src}: no such file or directory; give a directory of shards")
     kinds: dict[str, list[str]] = {}
@@ -71,7 +79,8 @@ def discover(src: str, fmt: str, storage_options: Mapping[str, Any] | None = Non
         if k is not None:
             kinds.setdefault(k, []).append(n)
     if not kinds:
-        raise UsageError(f"{src}: no tar, TFRecord or parquet shards found; pass --format tar|record|parquet")
+        raise UsageError(f"{src}: no tar, TFRecord, parquet, RecordIO or LMDB shards found; pass --format "
+                         "tar|record|parquet|recordio|lmdb")
     if len(kinds) > 1:
         shown = "; ".join(f"{k}: {v[0]}" + (f" and {len(v) - 1} more" if len(v) > 1 else "") for k, v in kinds.items())
         raise UsageError(f"{src}: holds shards of several kinds ({shown}); index one kind at a time "

@@ -8,17 +8,22 @@ from typing import Any
 from stager.checksum import ALGOS, DEFAULT_ALGO
 from stager.errors import UsageError
 
-KINDS = ("tar", "record", "parquet")
+KINDS = ("tar", "record", "parquet", "recordio", "lmdb")
 # File suffixes of each kind (lower-cased), in the order `--format auto` tries them.
 SUFFIXES = {
     "tar": (".tar",),
     "record": (".tfrecord", ".tfrecords", ".record", ".tfr"),
     "parquet": (".parquet", ".pq"),
+    "recordio": (".rec",),
+    "lmdb": (".mdb", ".lmdb"),  # data.mdb of an environment directory, or a subdir=False file
 }
 # The manifest format each kind is described as (tar and TFRecord are stager's own layouts).
-MANIFEST_FORMAT = {"tar": "tar", "record": "record", "parquet": "parquet"}
-DEFAULT_IMAGE_KEY = {"tar": None, "record": "image/encoded", "parquet": "image"}
-DEFAULT_LABEL_KEY = {"tar": "cls", "record": "image/class/label", "parquet": "label"}
+MANIFEST_FORMAT = {"tar": "tar", "record": "record", "parquet": "parquet", "recordio": "recordio", "lmdb": "lmdb"}
+DEFAULT_IMAGE_KEY: dict[str, str | None] = {"tar": None, "record": "image/encoded", "parquet": "image",
+                                            "recordio": None, "lmdb": None}
+DEFAULT_LABEL_KEY = {"tar": "cls", "record": "image/class/label", "parquet": "label", "recordio": "label",
+                     "lmdb": "label"}
+LMDB_LAYOUTS = ("auto", "caffe", "pickle")  # stager.formats.lmdb_values.LAYOUTS
 
 
 @dataclass(frozen=True)
@@ -29,8 +34,10 @@ class IndexOptions:
     extensions such as ``jpg;png`` / ``cls``, ``txt``, ``json`` or ``json:FIELD``; TFRecord feature
     names; parquet column names); None takes the kind's default. ``label_offset`` is added to every
     integer label (``-1`` for TensorFlow's 1-based ImageNet labels). ``label_key="none"`` indexes
-    unlabeled data. ``dali_index``: write DALI's ``<file>.idx`` for TFRecord files (beside the file,
-    or into OUT when the source is read-only or ``out`` is given). ``storage_options`` open a URL SRC
+    unlabeled data. ``dali_index``: write DALI's ``<file>.idx`` for TFRecord files, and MXNet's
+    ``x.idx`` for a RecordIO ``x.rec`` without one (beside the file, or into OUT when ``out`` is
+    given). ``lmdb_layout``: what LMDB values hold, ``caffe`` Datums or ``pickle``d ``(image, label)``
+    tuples; ``auto`` sniffs. ``storage_options`` open a URL SRC
     (fsspec's options of its backend; not part of what a scan depends on).
     """
 
@@ -42,6 +49,7 @@ class IndexOptions:
     hash_algo: str = DEFAULT_ALGO
     dali_index: bool = True
     overwrite: bool = False
+    lmdb_layout: str = "auto"
     storage_options: dict[str, Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -51,6 +59,8 @@ class IndexOptions:
             raise UsageError(f"--workers must be >= 1, got {self.workers}")
         if self.hash_algo not in ALGOS:
             raise UsageError(f"unknown --hash {self.hash_algo!r}; expected one of {', '.join(ALGOS)}")
+        if self.lmdb_layout not in LMDB_LAYOUTS:
+            raise UsageError(f"unknown --lmdb-layout {self.lmdb_layout!r}; expected one of {', '.join(LMDB_LAYOUTS)}")
 
     def image_key_for(self, kind: str) -> str | None:
         return self.image_key if self.image_key is not None else DEFAULT_IMAGE_KEY[kind]
@@ -62,4 +72,8 @@ class IndexOptions:
     def fingerprint(self, kind: str) -> dict[str, object]:
         """What a shard's scan depends on (besides the file itself): recorded and compared on resume."""
         return {"kind": kind, "image_key": self.image_key_for(kind), "label_key": self.label_key_for(kind),
-                "hash": self.hash_algo}
+                "hash": self.hash_algo, **self.scan_extras(kind)}
+
+    def scan_extras(self, kind: str) -> dict[str, str]:
+        """Keyword options of ``kind``'s scanner beyond the common ones (LMDB: ``layout``)."""
+        return {"layout": self.lmdb_layout} if kind == "lmdb" else {}

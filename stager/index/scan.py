@@ -37,7 +37,12 @@ class ShardScan:
     ``labels`` holds raw labels (int, str class name, or None); ``offsets``/``sizes`` locate each
     image's bytes in the file (``extents == "bytes"``) or, for compressed parquet pages, ``offsets``
     are rows in the file (``"rows"``). ``classes`` are class names the shard itself declares (parquet's
-    Hugging Face metadata), ``records`` the DALI index lines of a TFRecord file, ``(offset, size)``.
+    Hugging Face metadata), ``records`` the DALI index lines of a TFRecord file, ``(offset, size)``,
+    or of a RecordIO file, ``(key, offset)``. ``companion``: an index file beside the shard that the
+    scan checked against it (a RecordIO ``.idx``), staged with it. ``sample_kind``: ``encoded`` image
+    bytes, or ``decoded`` raw pixels (Caffe's unencoded Datums). ``columns``: extra per-sample values
+    (JSON lists of length ``samples``): ``label_values`` (RecordIO array labels, float lists) and
+    ``shape`` (raw Datums, ``[C, H, W]``).
     """
 
     name: str
@@ -53,6 +58,9 @@ class ShardScan:
     records: list[tuple[int, int]] | None = None
     # tar: incomplete samples (no image) at the shard's start (0) or end (1): (edge, key, fields)
     edges: list[tuple[int, str, str]] = field(default_factory=list)
+    companion: str | None = None
+    sample_kind: str = "encoded"
+    columns: dict[str, list[Any]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items()}

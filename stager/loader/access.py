@@ -191,8 +191,9 @@ class ShardAccess:
         self.res = res
         self.index = res.index
         self._local = _local_of(res.root)
-        # Rows of compressed parquet pages are no byte ranges: such shards go through the format reader.
-        self._rows = res.index.manifest is not None and any(s.extents == "rows" for s in res.index.manifest.shards)
+        # Rows of compressed parquet pages and split RecordIO records are no byte ranges of a payload:
+        # such shards go through the format reader.
+        self._rows = res.index.manifest is not None and any(s.extents != "bytes" for s in res.index.manifest.shards)
         self.mapped = bool(
             use_mmap and self._local is not None and res.index.kind == "encoded" and res.index.format != "folder"
             and not self._rows
@@ -305,7 +306,7 @@ class ShardAccess:
         self.check_pid()
         base = int(self.index.starts[shard])
         gids = positions + base
-        if self.index.kind == "decoded" or (self._rows and self._extents(shard) == "rows"):
+        if self.index.kind == "decoded" or (self._rows and self._extents(shard) != "bytes"):
             arrays = self._zarr_reader(shard).read(positions)
             return arrays, int(self.index.sizes[gids].sum())
         offs = self.index.offsets[gids]

@@ -24,14 +24,15 @@ def _hwc(item: Any) -> np.ndarray:
     return a[:, :, None] if a.ndim == 2 else a
 
 
-def image_shape(items: Sequence[Any]) -> tuple[int, int, int]:
-    """``(H, W, C)`` of the first sample (the batch's shape; every sample must match it)."""
-    h, w, c = _hwc(items[0]).shape
-    return int(h), int(w), int(c)
+def image_shape(items: Sequence[Any]) -> tuple[int, ...]:
+    """``(H, W, C)`` of the first sample, or ``(T, H, W, C)`` of the first clip (a clip pack's items):
+    the batch's item shape; every item must match it."""
+    return tuple(int(x) for x in _hwc(items[0]).shape)
 
 
 def copy_images(items: Sequence[Any], dst: np.ndarray) -> None:
-    """Copy each (H, W, C) sample into ``dst[i]`` (``dst``: uint8 (B, H, W, C)); a mismatched shape is an error."""
+    """Copy each (H, W, C) sample (or (T, H, W, C) clip) into ``dst[i]`` (``dst``: uint8 (B, H, W, C) or
+    (B, T, H, W, C)); a mismatched shape is an error."""
     for i, it in enumerate(items):
         a = _hwc(it)
         if a.shape != dst.shape[1:]:
@@ -42,7 +43,8 @@ def copy_images(items: Sequence[Any], dst: np.ndarray) -> None:
 
 
 def stack_nhwc(items: Sequence[Any]) -> np.ndarray:
-    """The samples as one new uint8 array of shape (B, H, W, C) (B = 0: shape (0, 0, 0, 3))."""
+    """The samples as one new uint8 array of shape (B, H, W, C) (clips: (B, T, H, W, C); B = 0: shape
+    (0, 0, 0, 3))."""
     if not items:
         return np.zeros((0, 0, 0, 3), dtype=np.uint8)
     out = np.empty((len(items), *image_shape(items)), dtype=np.uint8)

@@ -309,6 +309,6 @@ class LoaderBase:
             drop_last=st.drop_last,
             buffer_samples=st.buffer_samples,
         )
-        return unconsumed(seq, ds.index.starts, ds.run_len, cfg, epoch=st.epoch, batches_done=st.batches_done)
+        return unconsumed(seq, ds.items.starts, ds.run_len, cfg, epoch=st.epoch, batches_done=st.batches_done)
 
 

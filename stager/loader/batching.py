@@ -50,25 +50,31 @@ def _empty(shape: tuple[int, ...], shared: bool) -> torch.Tensor:
 
 
 def stack_images(items: Sequence[Any], shared: bool = False, ring: WorkerRing | None = None) -> Any:
-    """Stack (H, W, C) uint8 arrays (or tensors) into a (B, C, H, W) uint8 tensor, channels-last memory.
+    """Stack (H, W, C) uint8 arrays (or tensors) into a (B, C, H, W) uint8 tensor, channels-last memory;
+    (T, H, W, C) clips into a (B, T, C, H, W) tensor alike.
 
     With ``ring``: fill a ring slot instead and return its :class:`~stager.loader.shm.ShmRef`
-    (shape (B, H, W, C); the receiver permutes, see :func:`finish_batch`).
+    (shape (B, H, W, C) or (B, T, H, W, C); the receiver permutes, see :func:`finish_batch`).
     """
     if not items:
         return torch.zeros((0, 3, 0, 0), dtype=torch.uint8)
-    h, w, c = image_shape(items)
+    shape = (len(items), *image_shape(items))
     ref = None
     if ring is not None:
-        flat, ref = ring.acquire(len(items) * h * w * c, (len(items), h, w, c))
-        dst = flat.reshape(len(items), h, w, c)
+        flat, ref = ring.acquire(int(np.prod(shape)), shape)
+        dst = flat.reshape(shape)
     else:
-        out = _empty((len(items), h, w, c), shared)
+        out = _empty(shape, shared)
         dst = out.numpy()
     copy_images(items, dst)
     if ref is not None:
         return ref
-    return out.permute(0, 3, 1, 2)
+    return channels_first(out)
+
+
+def channels_first(x: torch.Tensor) -> torch.Tensor:
+    """(B, H, W, C) -> (B, C, H, W), (B, T, H, W, C) -> (B, T, C, H, W): a view, channels-last memory."""
+    return x.permute(0, 3, 1, 2) if x.dim() == 4 else x.permute(0, 1, 4, 2, 3)
 
 
 def pack_raw(items: Sequence[Any], shared: bool = False, ring: WorkerRing | None = None) -> tuple[Any, np.ndarray]:
@@ -97,7 +103,7 @@ def finish_batch(batch: dict[str, Any]) -> dict[str, Any]:
         if isinstance(batch.get(k), np.ndarray):
             batch[k] = torch.from_numpy(batch[k])
     if "image_nhwc" in batch:
-        batch["image"] = batch.pop("image_nhwc").permute(0, 3, 1, 2)
+        batch["image"] = channels_first(batch.pop("image_nhwc"))
     if "data" in batch:
         batch["image"] = raw_views(batch["data"], batch["offsets"])
     for name, kind in batch.pop("_fields", {}).items():

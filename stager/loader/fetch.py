@@ -110,6 +110,16 @@ class PreadFetcher:
         self.on_error, self.owned = on_error, owned
         self.load_bounds = reads.step_bounds(len(wp.batches)).tolist()
         self.waiting: dict[int, Any] = {}  # stream position -> payload, until emitted
+        # A window plan's frames (stager.order.windows) may be emitted several times: such a
+        # payload waits until the last batch that emits it (per worker batch, positions to drop).
+        self.drop: list[list[int]] | None = None
+        if len(wp.emit) != len(wp.stream):
+            steps = len(wp.batches)
+            last = np.full(len(wp.stream), -1, dtype=np.int64)
+            np.maximum.at(last, wp.emit, np.repeat(np.arange(steps, dtype=np.int64), wp.sizes))
+            order = np.argsort(last, kind="stable")
+            bounds = np.searchsorted(last[order], np.arange(steps + 1)).tolist()
+            self.drop = [order[bounds[b] : bounds[b + 1]].tolist() for b in range(steps)]
 
     def batch(self, step: int, positions: np.ndarray) -> tuple[list[Any], int]:
         r, starts = self.reads, self.access.index.starts
@@ -122,7 +132,12 @@ class PreadFetcher:
                 payloads = [owned_copy(x) for x in payloads]
             nbytes += nb
             self.waiting.update(zip(want.tolist(), payloads, strict=True))
-        return [self.waiting.pop(p) for p in positions.tolist()], nbytes
+        if self.drop is None:
+            return [self.waiting.pop(p) for p in positions.tolist()], nbytes
+        out = [self.waiting[p] for p in positions.tolist()]
+        for p in self.drop[step]:
+            self.waiting.pop(p, None)
+        return out, nbytes
 
 
 def read_isolating(access: ShardAccess, shard: int, positions: np.ndarray, on_error: str) -> tuple[list[Any], int]:

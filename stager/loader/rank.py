@@ -35,6 +35,7 @@ from stager.fs.info import detect_fs
 from stager.fs.kernel import release_free_heap
 from stager.loader.access import Resolved, ShardAccess, check_shards, resolve, validate_partition
 from stager.loader.assemble import pack_raw_numpy, stack_nhwc
+from stager.loader.clips import ClipFn, clip_meta, item_shard_groups, item_space
 from stager.loader.fetch import Fetcher, MappedFetcher, PreadFetcher
 from stager.loader.fields import FieldsSampleFn, assemble_fields, select_fields
 from stager.loader.index import index_from_manifest
@@ -45,8 +46,9 @@ from stager.manifest.fields import FieldSpec
 from stager.order import streams
 from stager.order.epoch import PlanConfig, RankPlan, WorkerPlan, batch_sizes, epoch_sequence, plan_rank, run_lengths
 from stager.order.epoch import samples_per_rank as equal_samples_per_rank
+from stager.order.items import ItemSpace
 from stager.order.partition import partition_samples_per_rank
-from stager.order.reads import ReadSchedule, WorkerReads, read_schedule, worker_reads
+from stager.order.reads import ReadSchedule, WorkerReads, worker_reads
 from stager.world import World
 
 # Run size by storage (run_bytes="auto"): on a shared/network file system (Lustre, GPFS, BeeGFS,
@@ -108,27 +110,36 @@ def run_size(options: LoaderOptions, res: Resolved) -> tuple[int, int]:
     return LOCAL_RUN_BYTES, LOCAL_MIN_RUN if min_run is None else min_run
 
 
-def plan_group(res: Resolved, rank: int, world_size: int, drop_last: bool) -> PlanGroup:
-    """The :class:`PlanGroup` of ``rank``: the whole world, or its node's ranks on a partitioned copy."""
+def plan_group(
+    res: Resolved, rank: int, world_size: int, drop_last: bool, items: ItemSpace | None = None
+) -> PlanGroup:
+    """The :class:`PlanGroup` of ``rank``: the whole world, or its node's ranks on a partitioned copy.
+
+    ``items``: what the plan deals out (default: the samples); on a partitioned copy the group plans
+    over the items whose samples are all local (a clip pack's windows: sequences continued across
+    shards were staged on one node, so each window is local to exactly one node).
+    """
     if res.local_shards is None:
         return PlanGroup(rank, world_size)
+    items = items or item_space(res.index)
     _node, rpn, local_rank = validate_partition(res, rank, world_size)
     part = res.partition or {}
     m = res.index.manifest
     assert m is not None
     per_rank = partition_samples_per_rank(
         m.shard_bytes,
-        np.array([s.samples for s in m.shards], dtype=np.int64),
+        np.diff(items.starts),
         num_nodes=int(part["num_nodes"]),
         seed=int(part.get("seed", 0)),
         ranks_per_node=rpn,
         drop_last=drop_last,
+        groups=item_shard_groups(res.index),
     )
     mask = np.zeros(res.index.num_samples, dtype=bool)
     starts = res.index.starts
     for s in res.local_shards.tolist():
         mask[starts[s] : starts[s + 1]] = True
-    return PlanGroup(local_rank, rpn, per_rank, mask)
+    return PlanGroup(local_rank, rpn, per_rank, items.item_mask(mask))
 
 
 def _options_of(options: LoaderOptions | int, settings: dict[str, Any]) -> LoaderOptions:
@@ -189,12 +200,15 @@ class RankDataset:
         self.field_fn, self.field_specs = self._fields_kind(opts)
         res = self.resolved
         self.index = res.index
-        self.sample_fn = make_sample_fn(opts.decode, opts.transform, opts.image_size, self.index.kind)
-        payload = self.index.payload_bytes()
+        # What the plan deals out: samples, or a clip pack's windows (stager.loader.clips).
+        self.items = item_space(self.index)
+        sample_fn = make_sample_fn(opts.decode, opts.transform, opts.image_size, self.index.kind)
+        self.sample_fn: Any = ClipFn(sample_fn) if self.items.per_item > 1 else sample_fn
+        payload = self.items.shard_bytes(self.index.sizes)
         self.run_bytes, self.min_run = run_size(opts, res)
-        self.run_len = run_lengths(np.diff(self.index.starts), payload, self.run_bytes, self.min_run)
-        self._mean_sample = float(payload.sum()) / max(1, self.index.num_samples)
-        self.group = plan_group(res, self.rank, self.world_size, opts.drop_last)
+        self.run_len = run_lengths(np.diff(self.items.starts), payload, self.run_bytes, self.min_run)
+        self._mean_sample = float(payload.sum()) / max(1, self.items.count)
+        self.group = plan_group(res, self.rank, self.world_size, opts.drop_last, self.items)
         check_shards(res, res.local_shards if res.local_shards is not None else np.arange(self.index.num_shards))
         self.epoch = 0
         self.start_batch = 0
@@ -216,6 +230,8 @@ class RankDataset:
             return None, []
         if opts.decode != "uint8":
             raise UsageError("fields are read with decode='uint8'")
+        if m.clips:
+            raise UsageError(f"{self.resolved.root}: a clip pack with fields is not supported yet (docs/fields.md)")
         specs = select_fields(m, opts.fields)
         names = tuple(s.name for s in specs if not s.ragged)
         if names and m.format not in SPAN_FORMATS:
@@ -309,7 +325,7 @@ class RankDataset:
 
     def epoch_sequence(self, epoch: int) -> np.ndarray:
         """The epoch's order of the samples this rank's group plans over (all, or this node's)."""
-        seq = epoch_sequence(self.index.starts, self.run_len, self.config(), epoch)
+        seq = epoch_sequence(self.items.starts, self.run_len, self.config(), epoch)
         if self.group.sample_mask is not None:
             seq = seq[self.group.sample_mask[seq]]
         return seq
@@ -318,11 +334,17 @@ class RankDataset:
         """This rank's plan of ``epoch`` (default: the current one, over its explicit order if any)."""
         e = self.epoch if epoch is None else epoch
         seq = self._remaining if (self._remaining is not None and e == self.epoch) else self.epoch_sequence(e)
-        return plan_rank(self.index.starts, self.run_len, self.config(), self.group.rank, epoch=e, seq=seq)
+        return plan_rank(self.items.starts, self.run_len, self.config(), self.group.rank, epoch=e, seq=seq)
 
     def read_schedule(self, epoch: int | None = None, *, start_batch: int = 0) -> ReadSchedule:
-        """The shard reads of :meth:`plan` ``(epoch)`` from ``start_batch`` on (:mod:`stager.order.reads`)."""
-        return read_schedule(self.plan(epoch), self.index.starts, self.index.sizes, start_batch=start_batch)
+        """The shard reads of :meth:`plan` ``(epoch)`` from ``start_batch`` on (:mod:`stager.order.reads`;
+        over the samples the plan's items read, :meth:`~stager.order.items.ItemSpace.reading_plan`)."""
+        plan, idx = self.plan(epoch), self.index
+        workers = tuple(
+            worker_reads(self.items.reading_plan(wp), idx.starts, idx.sizes, start_batch=start_batch)
+            for wp in plan.workers
+        )
+        return ReadSchedule(plan.rank, plan.epoch, workers)
 
     def samples_in_epoch(self) -> int:
         """How many samples the group plans over this epoch: an explicit order's, the node's, or all."""
@@ -330,7 +352,7 @@ class RankDataset:
             return len(self._remaining)
         if self.group.sample_mask is not None:
             return int(self.group.sample_mask.sum())
-        return self.index.num_samples
+        return self.items.count
 
     def batch_sizes(self) -> np.ndarray:
         """This rank's batch sizes for the current epoch (cheap: no shuffling)."""
@@ -360,24 +382,30 @@ class RankDataset:
     def _worker_batches(self, wp: WorkerPlan, access: ShardAccess, *, in_worker: bool,
                         trim: bool = False) -> Iterator[dict[str, Any]]:
         """Worker ``wp``'s batches from ``start_batch`` on: read as scheduled, decode, assemble.
-        ``trim``: return the plan's freed temporaries to the kernel once the fetcher is built."""
-        reads = worker_reads(wp, self.index.starts, self.index.sizes, start_batch=self.start_batch)
+        ``trim``: return the plan's freed temporaries to the kernel once the fetcher is built.
+
+        ``wp`` is over items; its reads are over the samples they hold (``rp``, the reading plan: the
+        same plan for samples, the frames of the windows for a clip pack)."""
+        rp = self.items.reading_plan(wp)
+        reads = worker_reads(rp, self.index.starts, self.index.sizes, start_batch=self.start_batch)
         ring = self._worker_ring() if in_worker else None
         if in_worker:
             single_threaded_cv2()
         access.check_pid()
-        fetcher = self._fetcher(reads, wp, access)
+        fetcher = self._fetcher(reads, rp, access)
         if trim:
             release_free_heap()
         cum = np.concatenate([[0], np.cumsum(wp.sizes)]).astype(np.int64)
+        rcum = cum * self.items.per_item
         for b in range(reads.first_step, len(wp.batches)):
-            pos = wp.emit[cum[b] : cum[b + 1]]
+            pos = rp.emit[rcum[b] : rcum[b + 1]]
             t = time.perf_counter()
             payloads, nbytes = fetcher.batch(b, pos)
             io_s = time.perf_counter() - t
             j = int(wp.batches[b])
             t = time.perf_counter()
-            batch = self._assemble(payloads, wp.stream[pos], j, in_worker=in_worker, ring=ring)
+            ids = wp.stream[wp.emit[cum[b] : cum[b + 1]]]
+            batch = self._assemble(payloads, ids, j, in_worker=in_worker, ring=ring)
             batch["_w"]["bytes"], batch["_w"]["io_s"] = nbytes, io_s
             batch["_w"]["decode_s"] = time.perf_counter() - t
             yield batch
@@ -406,13 +434,16 @@ class RankDataset:
             items, kept = payloads, ids  # nothing to decode: no per-sample work
         else:
             items, kept, skipped = self._decode_all(payloads, ids, j)
+        first = self.items.samples_of(kept)[:, 0]  # each item's (first) sample
         batch: dict[str, Any] = {
-            "key": self._keys_at(kept),
+            "key": self._keys_at(first),
             # Small arrays cross the worker queue pickled (a shared-memory segment per tiny
             # tensor costs more); the Loader turns them into tensors (finish_batch).
-            "label": self.index.labels[kept],
+            "label": self.index.labels[first],
             "index": np.asarray(kept, dtype=np.int64),
         }
+        if self.items.per_item > 1:
+            batch.update(clip_meta(self.index, first))
         if decode == "raw":
             batch.update(self._raw_fields(items, in_worker=in_worker, ring=ring))
         elif decode == "pil":
@@ -451,14 +482,18 @@ class RankDataset:
         idx = self.index
         rng = streams.augment(self.seed, self.epoch, self.world_size, self.rank, j)
         items, kept, skipped = [], [], []
-        for payload, gid in zip(payloads, ids.tolist(), strict=True):
+        per = self.items.per_item
+        # One input per item: a payload, or (windows) the list of its T frame payloads.
+        inputs = payloads if per == 1 else [payloads[i : i + per] for i in range(0, len(payloads), per)]
+        for payload, gid in zip(inputs, ids.tolist(), strict=True):
             try:
-                if payload is None:
+                if payload is None or (per > 1 and any(p is None for p in payload)):
                     raise CorruptSampleError("unreadable payload")
                 fn = self.field_fn
                 items.append(self.sample_fn(payload, rng) if fn is None else fn(payload, rng, gid))
                 kept.append(gid)
             except Exception as exc:
+                gid = int(self.items.samples_of(np.array([gid]))[0, 0])
                 key = idx.keys[gid]
                 if self.options.on_error == "skip":
                     skipped.append(key)

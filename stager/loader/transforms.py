@@ -116,6 +116,8 @@ class SampleFn:
         if self.decode == "raw":
             return payload
         if self.kind == "decoded":
+            if t is None and self.decode == "uint8":  # the stored arrays as they are: no import per sample
+                return payload
             from PIL import Image  # noqa: PLC0415 (PIL only where images are decoded or re-encoded)
 
             if self.decode == "pil":

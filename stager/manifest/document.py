@@ -59,7 +59,9 @@ from stager.manifest.table import Column, Ragged, Strings, Table, open_table, pa
 SCHEMA = "stager.manifest/2"
 SCHEMA_V1 = "stager.manifest/1"  # read, never written: the per-sample index inline as JSON lists
 MANIFEST_NAME = "manifest.json"
-FORMATS = ("tar", "hdf5", "record", "zarr", "parquet")  # parquet: indexed in place only (`stager index`)
+FORMATS = ("tar", "hdf5", "record", "zarr", "parquet", "recordio", "lmdb")  # the last three: `stager index` only
+# Extents other than file byte ranges, and the formats that may use them (docs/formats.md).
+EXTENTS = {"bytes": FORMATS, "rows": ("parquet",), "records": ("recordio",)}
 # Fields left out of the digest: ``digest`` itself, and ``shard_root`` (where the shards live is not
 # what they are: a staged copy drops it and keeps the digest, so receipts still match).
 _UNDIGESTED = ("digest", "shard_root")
@@ -129,7 +131,7 @@ class ShardInfo:
         self.bytes = bytes
         self.hash = hash
         self.aux = list(aux or [])
-        self.extents = extents  # "bytes": offsets/sizes are file byte ranges; "rows": offsets are rows (parquet)
+        self.extents = extents  # "bytes": byte ranges; "rows": rows (parquet); "records": framed records (recordio)
         self._rows = rows
         if keys is not None:
             if labels is None or offsets is None or sizes is None:
@@ -619,7 +621,7 @@ def _parse(body: Any, where: str) -> Manifest:
         if not (isinstance(n, int) and isinstance(nbytes, int)) or n < 0 or nbytes < 0:
             raise ManifestError(f"{sw} ({name}): samples and bytes must be non-negative integers")
         extents = sj.get("extents", "bytes")
-        if extents not in ("bytes", "rows") or (extents == "rows" and fmt != "parquet"):
+        if fmt not in EXTENTS.get(extents, ()):
             raise ManifestError(f"{sw} ({name}): unknown extents {extents!r} for format {fmt}")
         aux = [AuxFile(check_safe_name(a["name"], "companion file name"), int(a["bytes"]), str(a["hash"]))
                for a in sj.get("aux", [])]

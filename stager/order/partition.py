@@ -18,8 +18,15 @@ from stager.order import streams
 from stager.order.epoch import samples_per_rank
 
 
-def assign_shards_to_nodes(shard_bytes: np.ndarray, num_nodes: int, seed: int = 0) -> list[list[int]]:
+def assign_shards_to_nodes(
+    shard_bytes: np.ndarray, num_nodes: int, seed: int = 0, groups: np.ndarray | None = None
+) -> list[list[int]]:
     """Return ``num_nodes`` sorted lists of shard indices; every shard appears in exactly one.
+
+    ``groups`` (int64 (shards,), non-decreasing group ids, or None: each shard its own group): shards
+    of one group go to one node together (a clip pack's sequence continued across shards,
+    :func:`stager.manifest.clips.shard_groups`), balanced as one unit of their summed bytes. With
+    one group per shard the assignment is exactly the plain one.
 
     ``shard_bytes``: int64 (shards,), each shard's bytes with its companion files
     (:attr:`stager.manifest.Manifest.shard_bytes`). Bytes are balanced greedily (largest shard
@@ -29,6 +36,12 @@ def assign_shards_to_nodes(shard_bytes: np.ndarray, num_nodes: int, seed: int = 
     """
     if num_nodes < 1:
         raise UsageError(f"num_nodes must be >= 1, got {num_nodes}")
+    if groups is not None:
+        groups = np.asarray(groups, dtype=np.int64)
+        unit_bytes = np.bincount(groups, weights=np.asarray(shard_bytes, dtype=np.float64)).astype(np.int64)
+        units = assign_shards_to_nodes(unit_bytes, num_nodes, seed)
+        members = [np.flatnonzero(groups == g).tolist() for g in range(len(unit_bytes))]
+        return [sorted(s for g in u for s in members[g]) for u in units]
     sizes = np.asarray(shard_bytes, dtype=np.int64)
     perm = streams.node_partition(seed, num_nodes).permutation(len(sizes))
     # Stable sort of the permuted order by descending size: equal sizes keep the seeded order.
@@ -42,11 +55,13 @@ def assign_shards_to_nodes(shard_bytes: np.ndarray, num_nodes: int, seed: int = 
     return [sorted(x) for x in out]
 
 
-def shards_of_node(shard_bytes: np.ndarray, node: int, num_nodes: int, seed: int = 0) -> list[int]:
+def shards_of_node(
+    shard_bytes: np.ndarray, node: int, num_nodes: int, seed: int = 0, groups: np.ndarray | None = None
+) -> list[int]:
     """The shard indices node ``node`` of ``num_nodes`` holds (see :func:`assign_shards_to_nodes`)."""
     if not 0 <= node < num_nodes:
         raise UsageError(f"node {node} out of range for {num_nodes} nodes")
-    return assign_shards_to_nodes(shard_bytes, num_nodes, seed)[node]
+    return assign_shards_to_nodes(shard_bytes, num_nodes, seed, groups)[node]
 
 
 def partition_samples_per_rank(
@@ -57,15 +72,18 @@ def partition_samples_per_rank(
     seed: int,
     ranks_per_node: int,
     drop_last: bool,
+    groups: np.ndarray | None = None,
 ) -> int:
     """Samples per rank when every node's ranks read only the node's shards (``stage --partition``).
 
     The count must be the same on every node so that every rank gets the same number of batches:
     the largest node's ``ceil(samples / ranks_per_node)`` when padding, the smallest node's
-    ``floor(...)`` with ``drop_last``. ``shard_samples``: int64 (shards,). Every node derives it
-    alike from the manifest (no communication).
+    ``floor(...)`` with ``drop_last``. ``shard_samples``: int64 (shards,), the items each shard
+    contributes (samples, or a clip pack's windows by the shard of their first frame; ``groups`` as
+    for :func:`assign_shards_to_nodes`). Every node derives it alike from the manifest (no
+    communication).
     """
     counts = np.asarray(shard_samples, dtype=np.int64)
-    groups = assign_shards_to_nodes(shard_bytes, num_nodes, seed)
-    per = [samples_per_rank(int(counts[g].sum()) if g else 0, ranks_per_node, drop_last) for g in groups]
+    nodes = assign_shards_to_nodes(shard_bytes, num_nodes, seed, groups)
+    per = [samples_per_rank(int(counts[g].sum()) if g else 0, ranks_per_node, drop_last) for g in nodes]
     return min(per) if drop_last else max(per)

@@ -141,8 +141,12 @@ def worker_reads(wp: WorkerPlan, starts: np.ndarray, sizes: np.ndarray, *, start
     reach = np.maximum.reduceat(wp.emit, cum[:-1]) + 1
     loaded = np.maximum.accumulate(reach[first:])
     load_step = first + np.searchsorted(loaded, lo, side="right")
-    step_of_pos = np.empty(n, dtype=np.int64)
-    step_of_pos[wp.emit] = np.repeat(np.arange(steps, dtype=np.int64), wp.sizes)
+    step_of_pos = np.full(n, -1, dtype=np.int64)
+    emitted_at = np.repeat(np.arange(steps, dtype=np.int64), wp.sizes)
+    if len(wp.emit) == n:
+        step_of_pos[wp.emit] = emitted_at
+    else:  # a window plan's frames (stager.order.windows): a position may be emitted more than once
+        np.maximum.at(step_of_pos, wp.emit, emitted_at)
     last_step = np.maximum.reduceat(np.where(needed, step_of_pos, -1), lo)
     nbytes = np.add.reduceat(np.where(needed, sizes[wp.stream], 0), lo).astype(np.int64)
     keep = np.add.reduceat(needed.astype(np.int64), lo) > 0

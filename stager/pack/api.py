@@ -28,7 +28,7 @@ import shutil
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +53,7 @@ from stager.pack.remote import (
 from stager.pack.resume import Kept, check_destination, clear_out, find_reusable, holds_complete_pack, survey_out
 from stager.pack.shard import ShardJob, fragmentable, write_shard
 from stager.pack.sources.checks import probe_hw
+from stager.pack.sources.frames import FrameSource, clip_shards
 from stager.pack.sources.select import open_source
 from stager.pack.state import STATE_DIR, ShardDone
 from stager.progress import Progress
@@ -132,6 +133,10 @@ def pack(
     split: str | None = None,
     storage_options: dict[str, Any] = {},  # noqa: B006 - never mutated (PackOptions copies it)
     fields: str | None = None,
+    clip_length: int | None = None,
+    clip_stride: int = 1,
+    frame_step: int = 1,
+    frame_format: str = "jpg",
 ) -> PackResult:
     """Pack ``src`` into ``format`` shards under ``out`` (see the module docstring and docs/pack.md).
 
@@ -164,6 +169,10 @@ def pack(
         split=split,
         storage_options=storage_options,
         fields=fields,
+        clip_length=clip_length,
+        clip_stride=clip_stride,
+        frame_step=frame_step,
+        frame_format=frame_format,
     )
     with _worker_pool(options.workers) as pool, PackRun(out, options, pool, started) as run:
         listing = run.list_source(src, run.check())
@@ -246,8 +255,9 @@ class PackRun:
         pool = self.pool
         # With workers, an ImageFolder lists its class folders on the pool (the only source that starts it
         # this early); other sources leave it to start at writing time and so be inherited by fork.
-        source = open_source(src, split=self.options.split, map_fn=pool.map if pool is not None else None,
-                             fields=self.options.fields)
+        source = open_source(
+            src, split=self.options.split, map_fn=pool.map if pool is not None else None, options=self.options
+        )
         if source.fields and fmt.name not in FIELD_FORMATS:
             raise UsageError(f"{src}: samples with fields are packed to {', '.join(FIELD_FORMATS)}; "
                              f"--format {fmt.name} stores one image and a label")
@@ -279,6 +289,7 @@ class PackRun:
             listing.fmt.shard_name,
             classes=source.classes,
             image_shape=listing.image_shape,
+            groups=getattr(source, "groups", None),  # a clip source's sequences stay whole and in order
         )
 
     def planned(self, plan: PackPlan) -> PackResult:
@@ -340,6 +351,9 @@ class PackRun:
         opts = self.options
         source = listing.source
         todo = [s for s in plan.shards if s.name not in kept.shards]
+        if getattr(source, "encodes_frames", False):
+            # Decoded video frames were encoded with --resize/--quality already: written unchanged.
+            opts = replace(opts, resize=None, quality=None)
         if self.remote is None:
             _stripe(self.out, plan, opts)
             _check_free_space(self.out, todo, passes_through=opts.passes_through(listing.target_kind))
@@ -387,10 +401,15 @@ class PackRun:
         source = listing.source
         shards = [done[s.name] for s in plan.shards]
         skipped = [s for d in shards for s in d.skipped]
+        infos = [d.info for d in shards]
+        clips = None
+        if isinstance(source, FrameSource):
+            infos, clips = clip_shards(source, infos)
+            skipped = source.skipped + skipped
         m = Manifest(
             format=opts.format,
             classes=list(source.classes),
-            shards=[d.info for d in shards],
+            shards=infos,
             source=source.describe(),
             options=self._manifest_options(plan),
             hash_algo=opts.hash_algo,
@@ -398,6 +417,7 @@ class PackRun:
             image_shape=listing.image_shape,
             skipped=skipped,
             fields=[f.to_json() for f in source.fields],
+            clips=clips,
         )
         if self.remote is not None:
             publish_remote(self.remote, m, self.out)

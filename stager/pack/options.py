@@ -49,6 +49,13 @@ class PackOptions:
     split: str | None = None
     storage_options: dict[str, Any] = field(default_factory=dict)
     fields: str | None = None  # --fields NAME:KIND,...: the list/sidecar source's field kinds (docs/fields.md)
+    # Clips (docs/clips.md): a frame-folder or video source packed as frames of windows of
+    # clip_length frames, frame_step apart, starting every clip_stride frames; videos' frames as
+    # frame_format (jpg or png).
+    clip_length: int | None = None
+    clip_stride: int = 1
+    frame_step: int = 1
+    frame_format: str = "jpg"
 
     def __post_init__(self) -> None:
         """Raise :class:`UsageError` naming the first bad option; normalise ``resize`` to ints."""
@@ -69,6 +76,18 @@ class PackOptions:
             raise UsageError(f"unknown hash {self.hash_algo!r}; expected one of {', '.join(ALGOS)}")
         if resize is not None:
             object.__setattr__(self, "resize", (int(resize[0]), int(resize[1])))
+        if self.clip_length is not None:
+            self.clip_spec()  # checks the clip options
+        elif (self.clip_stride, self.frame_step) != (1, 1):
+            raise UsageError("--clip-stride and --frame-step need --clip-length")
+
+    def clip_spec(self) -> Any:
+        """The :class:`~stager.manifest.clips.ClipSpec` of a clip pack, or None."""
+        if self.clip_length is None:
+            return None
+        from stager.manifest.clips import ClipSpec  # noqa: PLC0415 (options stay import-light)
+
+        return ClipSpec(self.clip_length, self.clip_stride, self.frame_step, self.frame_format)
         object.__setattr__(self, "storage_options", dict(self.storage_options or {}))  # a private copy
 
     def passes_through(self, target_kind: str) -> bool:

@@ -68,10 +68,19 @@ class PackPlan:
         }
 
 
-def plan_order(n: int, *, seed: int = 0, keep_order: bool = False) -> np.ndarray:
-    """int64 permutation of ``range(n)``: identity with ``keep_order``, else seeded shuffle."""
+def plan_order(n: int, *, seed: int = 0, keep_order: bool = False, groups: np.ndarray | None = None) -> np.ndarray:
+    """int64 permutation of ``range(n)``: identity with ``keep_order``, else seeded shuffle.
+
+    ``groups`` (int (n,), each group's items contiguous, e.g. a clip source's sequences): the
+    groups are shuffled whole and each keeps its items in order (docs/clips.md).
+    """
     if keep_order:
         return np.arange(n, dtype=np.int64)
+    if groups is not None and n:
+        cuts = np.flatnonzero(np.diff(groups)) + 1
+        bounds = np.concatenate([[0], cuts, [n]]).astype(np.int64)
+        perm = streams.pack_order(seed).permutation(len(bounds) - 1)
+        return np.concatenate([np.arange(bounds[g], bounds[g + 1], dtype=np.int64) for g in perm.tolist()])
     return streams.pack_order(seed).permutation(n).astype(np.int64)
 
 
@@ -106,12 +115,16 @@ def fingerprinted_options(options: PackOptions, image_shape: tuple[int, int, int
 
     They enter every shard fingerprint, so changing any of them invalidates all completed shards.
     """
-    return {
+    out = {
         "resize": list(options.resize) if options.resize else None,
         "quality": options.quality,
         "hash_algo": options.hash_algo,
         "image_shape": list(image_shape) if image_shape else None,
     }
+    spec = options.clip_spec()
+    if spec is not None:  # only for clip packs: other packs keep their fingerprints
+        out["clip"] = spec.to_json()
+    return out
 
 
 def plan_shards(
@@ -121,6 +134,7 @@ def plan_shards(
     *,
     classes: Sequence[str],
     image_shape: tuple[int, int, int] | None,
+    groups: np.ndarray | None = None,
 ) -> PackPlan:
     """Order and cut ``refs`` into shards named ``shard_name(i)``; see the module docstring.
 
@@ -130,7 +144,7 @@ def plan_shards(
     """
     fmt_name = options.format
     fp_options = fingerprinted_options(options, image_shape)
-    order = plan_order(len(refs), seed=options.seed, keep_order=options.keep_order)
+    order = plan_order(len(refs), seed=options.seed, keep_order=options.keep_order, groups=groups)
     ordered = [refs[i] for i in order.tolist()]
     # Columns of the ordered refs, transposed at C speed (SampleRef is a tuple); the fingerprints
     # hash them per shard as whole columns rather than one formatted line per sample.

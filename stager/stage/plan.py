@@ -31,6 +31,7 @@ from stager.fs.access import source_access
 from stager.fs.info import FsInfo, detect_fs
 from stager.fs.open import is_url, join, read_bytes
 from stager.manifest import Manifest, bytes_for_copy, dataset_root, manifest_path, shard_root
+from stager.manifest.clips import shard_groups
 from stager.order.partition import assign_shards_to_nodes
 from stager.receipt import STAGING_ROOT_VARS
 from stager.stage.names import journal_name, lock_name, marker_name
@@ -199,7 +200,9 @@ def plan_stage(
         shard_indices = list(range(len(manifest.shards)))
     else:
         node, num_nodes, ranks_per_node, origin = options.node.resolve(env)
-        shard_indices = assign_shards_to_nodes(manifest.shard_bytes, num_nodes, options.seed)[node]
+        # A clip pack's sequence continued across shards stays on one node (docs/clips.md, partition).
+        groups = shard_groups(manifest)
+        shard_indices = assign_shards_to_nodes(manifest.shard_bytes, num_nodes, options.seed, groups)[node]
     src_dir = shard_root(src, manifest)  # beside the manifest, or where an index's shard_root says
     tasks = []
     for i in shard_indices:

@@ -601,8 +601,9 @@ class _ShardUnpacking:
             self.streamed_bytes += info.bytes
 
     def _unpack_by_extents(self, info: ShardInfo) -> None:
-        """Adopted TFRecord/parquet files (``stager index``): payloads by the manifest's extents, keys and
-        labels from the manifest (their containers need not follow stager's feature names)."""
+        """Adopted TFRecord/parquet/RecordIO/LMDB files (``stager index``): payloads by the manifest's extents,
+        keys and labels from the manifest (their containers need not follow stager's feature names); raw
+        LMDB Datums come as arrays and are written as PNG."""
         m = self.plan.manifest
         path = str(self.plan.dest / info.name) if self.plan.unpack != "only" else self.src_path_of[info.name]
         reader = get_format(m.format).open_reader(path, info, m)
@@ -611,6 +612,9 @@ class _ShardUnpacking:
                 pos = list(range(a, min(a + 256, info.samples)))
                 samples = []
                 for j, data in zip(pos, reader.read(pos), strict=True):
+                    if isinstance(data, np.ndarray):
+                        samples.append(Sample(info.keys[j], int(info.labels[j]), data, "png"))
+                        continue
                     b = bytes(data)
                     samples.append(Sample(info.keys[j], int(info.labels[j]), b, image_ext(b)))
                 self.progress.update(self.unpacker.unpack_samples(samples, info))

@@ -43,6 +43,11 @@ SUITE: dict[str, tuple[str, list[str], list[str], str]] = {
     "index": ("bench_index.py", ["--n", "2000", *(["--dali-scripts", os.environ["STAGER_DALI_SCRIPTS"]]
                                                   if os.environ.get("STAGER_DALI_SCRIPTS") else [])],
               ["--n", "200", "--rounds", "1"], "index.md"),
+    "footprint": ("bench_footprint.py", [], ["--n", "100000"], "footprint.md"),
+    # DALI's rec2idx.py imports MXNet: $STAGER_MXNET_PYTHON names a venv's python with mxnet==1.9.1, numpy<1.24.
+    "legacy": ("bench_legacy.py", [*(["--dali-scripts", os.environ["STAGER_DALI_SCRIPTS"]]
+                                     if os.environ.get("STAGER_DALI_SCRIPTS") else [])],
+               ["--rec", "200", "--lmdb", "2000", "--rounds", "1"], "legacy.md"),
     "objstore": ("bench_objstore.py", [], ["--shards", "4", "--shard-mb", "4", "--images", "200", "--rounds", "1"],
                  "objstore.md"),
 }

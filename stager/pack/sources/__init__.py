@@ -11,6 +11,8 @@ objects on demand with :meth:`Source.load_many`. Four kinds are recognised by :f
   Samples are (32, 32, 3) uint8 arrays; ``stager.pack`` PNG-encodes them for encoded formats.
 * ``list``: a ``.csv`` (header ``path,label``) or ``.jsonl`` (objects ``{"path", "label"}``) file;
   labels are ints or class names; relative paths resolve against the list file's directory.
+* ``recordio``/``lmdb``: MXNet ``.rec`` files and LMDBs (Caffe Datums, pickled samples), indexed in
+  memory as ``stager index`` does and read by their byte extents (raw Datums as decoded arrays).
 * ``pack``: an existing stager pack (a directory with ``manifest.json``), re-read through the format
   readers so that any format converts to any other with keys, labels and classes preserved.
 
@@ -20,6 +22,7 @@ sorted path order. Sources are picklable (loaded batches/readers are dropped on 
 workers receive them once.
 """
 
+from stager.pack.sources.adopted import AdoptedSource
 from stager.pack.sources.base import IMAGE_EXTENSIONS, SampleRef, Source, key_for, unique_keys
 from stager.pack.sources.checks import check_encoded, prepare_sample, probe_hw
 from stager.pack.sources.cifar import CIFAR_CLASSES, CifarSource, restricted_load
@@ -31,6 +34,7 @@ from stager.pack.sources.select import open_source
 __all__ = [
     "CIFAR_CLASSES",
     "IMAGE_EXTENSIONS",
+    "AdoptedSource",
     "CifarSource",
     "ImageFolderSource",
     "ListSource",

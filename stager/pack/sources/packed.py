@@ -16,7 +16,7 @@ import numpy as np
 from stager.errors import SourceError
 from stager.formats import get_format
 from stager.formats.base import Sample, ShardReader
-from stager.manifest import load_manifest, shard_root
+from stager.manifest import Manifest, load_manifest, shard_root
 from stager.pack.sources.base import SampleRef, Source, key_for, sniff_ext, unique_keys
 
 
@@ -25,9 +25,9 @@ class PackSource(Source):
 
     kind = "pack"
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, manifest: Manifest | None = None) -> None:
         super().__init__(root)
-        self.manifest = load_manifest(root)
+        self.manifest = manifest if manifest is not None else load_manifest(root)
         m = self.manifest
         self.shard_dir = Path(shard_root(root, m))  # an index's shards may live elsewhere
         self.classes = list(m.classes)

@@ -1,30 +1,46 @@
 """Which kind of source a path is: :func:`open_source`.
 
-Rules, in order: a ``.csv``/``.jsonl``/``.ndjson`` file is a list; ``manifest.json`` or a directory
-holding one is a pack; a COCO ``instances_*.json`` is COCO; a directory with CIFAR batch files is
-CIFAR; a directory holding files grouped by stem (``0001.jpg``, ``0001.mask.png``; or any directory
-with ``--fields``) is a sidecar folder; any other directory is an ImageFolder. A source that lists nothing is an error.
+With clip options (``--clip-length``) the source is a folder of videos or of frame folders
+(:mod:`~stager.pack.sources.video`, :mod:`~stager.pack.sources.frames`). Otherwise, rules, in
+order: a ``.rec`` file or a directory of them (without a manifest) is MXNet RecordIO, an LMDB (a
+directory holding ``data.mdb``, or an ``.mdb``/``.lmdb`` file) is LMDB (both indexed in memory:
+:mod:`stager.pack.sources.adopted`); a ``.csv``/``.jsonl``/``.ndjson`` file is a list;
+``manifest.json`` or a directory holding one is a pack; a COCO ``instances_*.json`` is COCO; a
+directory with CIFAR batch files is CIFAR; a directory holding files grouped by stem (``0001.jpg``,
+``0001.mask.png``; or any directory with ``--fields``) is a sidecar folder (docs/fields.md); any
+other directory is an ImageFolder. A source that lists nothing is an error.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from stager.errors import SourceError, SourceNotFoundError, UsageError
 from stager.manifest.fields import parse_fields_arg
+from stager.pack.sources.adopted import AdoptedSource, adopted_kind
 from stager.pack.sources.base import MapFn, Source
 from stager.pack.sources.cifar import CIFAR_SPLITS, CifarSource
 from stager.pack.sources.coco import CocoSource, is_coco_file
+from stager.pack.sources.frames import FrameFolderSource
 from stager.pack.sources.imagefolder import ImageFolderSource
 from stager.pack.sources.listfile import ListSource
 from stager.pack.sources.packed import PackSource
 from stager.pack.sources.sidecar import SidecarSource, is_sidecar_folder
+from stager.pack.sources.video import VideoSource, find_videos
+
+if TYPE_CHECKING:
+    from stager.manifest.clips import ClipSpec
+    from stager.pack.options import PackOptions
 
 
 def open_source(
-    src: str | os.PathLike[str], *, split: str | None = None, map_fn: MapFn | None = None,
-    fields: str | None = None,
+    src: str | os.PathLike[str],
+    *,
+    split: str | None = None,
+    map_fn: MapFn | None = None,
+    options: PackOptions | None = None,
 ) -> Source:
     """Recognise and list the source at ``src`` (see the module docstring for the kinds).
 
@@ -33,12 +49,18 @@ def open_source(
     :class:`SourceError` for an empty or unrecognisable one.
     """
     root = Path(os.path.abspath(os.fspath(src)))
-    specs = parse_fields_arg(fields) if fields else []
     if not root.exists():
         raise SourceNotFoundError(f"{root}: source does not exist")
-    if root.is_file():
+    spec = options.clip_spec() if options is not None else None
+    if spec is not None:
+        return _open_clip_source(root, spec, options, map_fn)  # type: ignore[arg-type]
+    specs = parse_fields_arg(options.fields) if options is not None and options.fields else []
+    adopted = adopted_kind(root) if not (root / "manifest.json").is_file() else None
+    if adopted is not None:
+        src_obj: Source = AdoptedSource(root, adopted)
+    elif root.is_file():
         if root.suffix.lower() in (".csv", ".jsonl", ".ndjson"):
-            src_obj: Source = ListSource(root, specs)
+            src_obj = ListSource(root, specs)
         elif root.name == "manifest.json":
             src_obj = PackSource(root.parent)
         elif is_coco_file(root):
@@ -63,3 +85,13 @@ def open_source(
     if not src_obj.refs:
         raise SourceError(f"{root}: source holds no images ({src_obj.kind}); check the path")
     return src_obj
+
+
+def _open_clip_source(root: Path, spec: ClipSpec, options: PackOptions, map_fn: MapFn | None) -> Source:
+    """A clip pack's source (``--clip-length``): video files if ``root`` holds any, else frame folders."""
+    if not root.is_dir():
+        raise SourceError(f"{root}: --clip-length needs a folder of sequences or videos")
+    skip = options.on_error == "skip"
+    if find_videos(root):
+        return VideoSource(root, spec, resize=options.resize, quality=options.quality, skip_bad=skip, map_fn=map_fn)
+    return FrameFolderSource(root, spec, resize=options.resize, skip_bad=skip)

@@ -24,6 +24,7 @@ import numpy as np
 
 from stager.errors import UsageError
 from stager.manifest import Manifest
+from stager.manifest.clips import shard_groups
 from stager.order import streams
 from stager.order.partition import assign_shards_to_nodes
 
@@ -63,7 +64,7 @@ def assign_read_shares(
     if num_nodes < 1:
         raise UsageError(f"num_nodes must be >= 1, got {num_nodes}")
     if osts is None or len(set(osts)) <= 1:
-        return assign_shards_to_nodes(manifest.shard_bytes, num_nodes, seed)
+        return assign_shards_to_nodes(manifest.shard_bytes, num_nodes, seed, shard_groups(manifest))
     if len(osts) != len(manifest.shards):
         raise UsageError(f"got {len(osts)} OST indices for {len(manifest.shards)} shards")
     sizes = manifest.shard_bytes
