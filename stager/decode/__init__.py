@@ -39,6 +39,7 @@ __all__ = [
     "decode_center_crop",
     "decode_random_resized_crop",
     "decode_rgb",
+    "default_decoder",
     "get_decoder",
     "image_size",
     "set_backend",
@@ -113,6 +114,11 @@ def set_backend(name: str) -> str:
     """
     _Default._decoder = get_decoder(name)
     return _Default._decoder.name
+
+
+def default_decoder() -> Decoder:
+    """The process-wide default decoder (what the module functions use without ``decoder=``)."""
+    return _Default.get()
 
 
 def backend() -> str:
