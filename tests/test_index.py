@@ -159,11 +159,15 @@ def test_tar_sample_split_across_shards_is_refused(tmp_path: Path) -> None:
 def test_tar_without_image_or_with_two_asks_for_image_key(tmp_path: Path) -> None:
     d = tmp_path / "two"
     d.mkdir()
-    _tar(d / "a.tar", [("s1.cls", b"1"), ("s1.jpg", _img(1)), ("s1.seg.png", _img(2, True))])
+    _tar(d / "a.tar", [("s1.cls", b"1"), ("s1.jpg", _img(1)), ("s1.png", _img(2, True))])
     with pytest.raises(CorruptSampleError, match=r"several image members.*--image-key"):
         index_dataset(d)
     r = index_dataset(d, options=IndexOptions(image_key="jpg"))
     assert r.samples == 1 and read_all(d, staged=False)["s1"] == (_img(1), 1)
+    # KEY.jpg beside KEY.seg.png: the bare extension is the image, the other a field (docs/fields.md)
+    _tar(d / "a.tar", [("s1.cls", b"1"), ("s1.jpg", _img(1)), ("s1.seg.png", _img(2, True))])
+    m = load_manifest(index_dataset(d).manifest_path)
+    assert read_all(d, staged=False)["s1"] == (_img(1), 1) and m.fields[0]["name"] == "seg"
 
 
 def test_tfrecords_from_the_tfrecord_package(tmp_path: Path) -> None:

@@ -38,6 +38,7 @@ from stager.fs.open import is_url, join
 from stager.index import remote
 from stager.index.columns import extra_columns, sample_kind
 from stager.index.discover import STATE_DIR, discover
+from stager.index.fields import compare_fields
 from stager.index.labels import resolve_labels
 from stager.index.lmdb import scan_lmdb
 from stager.index.options import MANIFEST_FORMAT, IndexOptions
@@ -127,7 +128,7 @@ def _manifest(ordered: list[ShardScan], directory: str, kind: str, opts: IndexOp
         if s.companion is not None and not is_url(directory):
             aux[s.name] = [_companion(directory, s.companion, opts.hash_algo)]
     kind_of_samples, image_shape = sample_kind(ordered, directory)
-    columns, fields = extra_columns(ordered)
+    columns, fields = extra_columns(ordered, directory)
     shards = [ShardInfo(s.name, s.bytes, s.hash, s.keys, lab, *s.arrays(), aux=aux.get(s.name, []), extents=s.extents,
                         columns=cols) for s, lab, cols in zip(ordered, labels, columns, strict=True)]
     return Manifest(format=MANIFEST_FORMAT[kind], classes=classes, shards=shards, hash_algo=opts.hash_algo,
@@ -357,4 +358,4 @@ def rescan_shard(path: str, info: ShardInfo, m: Manifest) -> str | None:
         want = -1 if v is None else (lookup.get(v, -2) if isinstance(v, str) else int(v) + off)
         if want != int(info.labels[j]):
             return f"sample {j} ({info.keys[j]}): label {want}, index says {int(info.labels[j])}"
-    return None
+    return compare_fields(scan, info.columns)

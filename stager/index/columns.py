@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from stager.errors import UsageError
+from stager.index.fields import field_columns
 from stager.index.scan import ShardScan
 from stager.manifest.table import Column, Ragged
 
@@ -27,8 +28,17 @@ LABEL_VALUES_FIELD = {"name": "label_values", "kind": "values", "dtype": "float3
                       "column": LABEL_VALUES}
 
 
-def extra_columns(scans: list[ShardScan]) -> tuple[list[dict[str, Column]], list[dict[str, Any]]]:
-    """Per shard, its extra columns; and the manifest's ``fields`` entries describing them."""
+def extra_columns(scans: list[ShardScan], directory: str = "") -> tuple[list[dict[str, Column]], list[dict[str, Any]]]:
+    """Per shard, its extra columns; and the manifest's ``fields`` entries describing them (with the
+    adopted fields of :mod:`stager.index.fields`)."""
+    out, fields = _label_columns(scans)
+    adopted, specs = field_columns(scans, directory)
+    for cols, more in zip(out, adopted, strict=True):
+        cols.update(more)
+    return out, fields + specs
+
+
+def _label_columns(scans: list[ShardScan]) -> tuple[list[dict[str, Column]], list[dict[str, Any]]]:
     arrays = any(len(v) != 1 for s in scans for v in s.columns.get("label_values", []))
     out: list[dict[str, Column]] = []
     for s in scans:

@@ -12,6 +12,8 @@ of the mapping like any stager shard. Where any image chunk of a file is compres
 costs). Labels come from ``label_key`` (ints, or strings as class names); class names from the
 Hugging Face metadata in the schema (``huggingface`` -> ``info.features.<label>.names`` of a
 ``ClassLabel``) when present. Keys are the struct's ``path`` when present and unique, else positions.
+Other columns become fields (:mod:`stager.index.parquet_fields`: uncompressed binary columns with
+their byte extents, ``boxes``/``box_labels``/per-box list columns as ragged values).
 
 pyarrow is imported lazily: it is needed only to index or read parquet.
 """
@@ -23,6 +25,7 @@ from typing import Any
 
 from stager.errors import UsageError
 from stager.index import _thrift as th
+from stager.index.parquet_fields import scan_parquet_fields
 from stager.index.scan import DamagedShardError, ShardScan, mapped
 
 
@@ -59,6 +62,8 @@ def scan_parquet(path: str, name: str, image_key: str | None, label_key: str | N
             raise DamagedShardError(f"{path}: {pf.metadata.num_rows} rows but {n} image values")
         out.labels = _labels(pf, label_key, n, path)
         out.keys = _keys(pf, col, has_path, n, name)
+        scan_parquet_fields(view, pf, out, skip={col, label_key or ""}, extents=_plain_extents,
+                            compressed=_image_chunks_compressed, path=path)
     return out
 
 

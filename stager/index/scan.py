@@ -42,7 +42,8 @@ class ShardScan:
     scan checked against it (a RecordIO ``.idx``), staged with it. ``sample_kind``: ``encoded`` image
     bytes, or ``decoded`` raw pixels (Caffe's unencoded Datums). ``columns``: extra per-sample values
     (JSON lists of length ``samples``): ``label_values`` (RecordIO array labels, float lists) and
-    ``shape`` (raw Datums, ``[C, H, W]``).
+    ``shape`` (raw Datums, ``[C, H, W]``), and the index columns of adopted fields (``field/<name>/offset``,
+    ``.../size``, ``field/<name>``: :mod:`stager.index.fields`), whose schema is ``field_specs``.
     """
 
     name: str
@@ -61,6 +62,7 @@ class ShardScan:
     companion: str | None = None
     sample_kind: str = "encoded"
     columns: dict[str, list[Any]] = field(default_factory=dict)
+    field_specs: list[dict[str, Any]] = field(default_factory=list)  # stager.index.fields: the fields' schema
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items()}

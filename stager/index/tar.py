@@ -10,8 +10,11 @@ members share. So ``n01440764_10026.JPEG.jpg`` + ``n01440764_10026.JPEG.cls`` is
 member is a sample whose key is its name without its last extension.
 
 The image is the field named by ``image_key`` (``;``-separated candidates, first present wins), else
-the one field whose last extension is an image type. The label (``label_key``): ``cls`` or any
-text field (an integer, or a class name), ``json`` (its ``label`` value) or ``json:FIELD``.
+the one field whose last extension is an image type (of several, the one bare extension: ``jpg``
+beside ``mask.png``). Every other member is a field (:mod:`stager.index.fields`: ``mask.png`` a
+mask, ``boxes.json`` boxes parsed once here, ``json`` the field ``meta``, ``.npy`` an array...).
+The label (``label_key``): ``cls`` or any text field (an integer, or a class name), ``json`` (its
+``label`` value) or ``json:FIELD``.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ from typing import Any
 
 from stager.errors import UsageError
 from stager.formats.tar import IMAGE_EXTS, walk_headers
+from stager.index.fields import FieldRows, Found, parse_ragged, tar_member_spec
 from stager.index.scan import DamagedShardError, ShardScan, mapped
+from stager.manifest.fields import FieldSpec
 
 LABEL_EXTS = ("cls", "cls2", "txt", "json", "label", "labels", "index", "idx")
 MAX_LABEL_BYTES = 1 << 20  # a label member larger than this is not a label
@@ -62,6 +67,7 @@ def scan_tar(path: str, name: str, image_key: str | None, label_key: str | None,
             nonlocal pos
             pos += n
 
+        rows = FieldRows(out, path)
         cur: _Sample | None = None
         seen: set[str] = set()
         pending: tuple[str, int, int, bytes | None] | None = None  # a first member whose key is undecided
@@ -75,6 +81,7 @@ def scan_tar(path: str, name: str, image_key: str | None, label_key: str | None,
             seen.add(s.key)
             try:
                 _emit(out, s, image_key=image_key, label_field=label_field, json_field=json_field, path=path)
+                rows.add(s.key, _fields(s, image_key=image_key, label_field=label_field, path=path))
             except NoImageError:
                 if not (first or last):
                     raise
@@ -133,6 +140,8 @@ def _image_field(s: _Sample, image_key: str | None, path: str) -> str:
         raise DamagedShardError(f"{path}: sample {s.key!r} has no {image_key!r} member (fields: "
                                  f"{', '.join(sorted(s.fields))}); pass --image-key with the image's field")
     found = [f for f in s.fields if f.rsplit(".", 1)[-1].lower() in IMAGE_EXTS]
+    if len(found) > 1:  # KEY.jpg beside KEY.mask.png: the bare extension is the primary image
+        found = [f for f in found if "." not in f] or found
     if len(found) == 1:
         return found[0]
     if not found:
@@ -150,6 +159,43 @@ def _emit(out: ShardScan, s: _Sample, *, image_key: str | None, label_field: str
     out.offsets.append(off)
     out.sizes.append(size)
     out.labels.append(_label(s, label_field, json_field, path) if label_field else None)
+
+
+def _fields(s: _Sample, *, image_key: str | None, label_field: str, path: str) -> list[Found]:
+    """The sample's members other than its image and label, as fields (:func:`tar_member_spec`); a JSON
+    member holding a ``boxes`` list (and ``box_labels``) also gives those ragged fields."""
+    img = _image_field(s, image_key, path)
+    found: dict[str, Found] = {}
+    where = f"{path}: sample {s.key!r}"
+    for member, (off, size, data) in s.fields.items():
+        if member == img or (member == label_field and not member.endswith("json")):
+            continue
+        spec = tar_member_spec(member)
+        if spec is None or spec.name in found:
+            continue
+        if spec.ragged:
+            if data is None:
+                raise DamagedShardError(f"{where}: {member!r} is too large to be a list of boxes")
+            found[spec.name] = Found(spec, values=parse_ragged(spec, data, f"{where} ({member})"))
+            continue
+        found[spec.name] = Found(spec, extent=(off, size))
+        if spec.kind == "json" and data is not None and b'"boxes"' in data:
+            _boxes_in_json(found, data, f"{where} ({member})")
+    return list(found.values())
+
+
+def _boxes_in_json(found: dict[str, Found], data: bytes, where: str) -> None:
+    """``{"boxes": [[x0, y0, x1, y1], ...], "box_labels": [...]}`` inside a JSON member: those fields."""
+    try:
+        info = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise DamagedShardError(f"{where}: bad JSON ({exc})") from exc
+    if not isinstance(info, dict):
+        return
+    for name in ("boxes", "box_labels"):
+        if name in info and name not in found:
+            spec = FieldSpec(name, name)
+            found[name] = Found(spec, values=parse_ragged(spec, info[name], where))
 
 
 def _label(s: _Sample, field: str, json_field: str, path: str) -> Any:

@@ -329,6 +329,13 @@ class ShardAccess:
             i = j
         return out, nbytes
 
+    def read_extent(self, shard: int, start: int, size: int) -> bytes:
+        """The ``size`` bytes at ``start`` of ``shard`` (a field's bytes outside its sample's payload:
+        hdf5 and parquet keep each field in its own dataset or column, :mod:`stager.loader.fields`)."""
+        if self.mapped:
+            return bytes(self.mapping(shard)[start : start + size])
+        return self._read_span(shard, start, start + size)
+
     def check_pid(self) -> None:
         if self._pid != os.getpid():  # forked: inherited descriptors are not ours to use
             self._handles.clear()

@@ -149,18 +149,28 @@ class FieldsSampleFn:
     """Per sample: its span (bytes) and global id -> a dict of decoded, jointly transformed fields."""
 
     def __init__(self, m: Manifest, specs: Sequence[FieldSpec], span_offsets: np.ndarray, *,
-                 transform: Any, size: int, kind: str) -> None:
+                 transform: Any, size: int, kind: str, side: bool = False, starts: np.ndarray | None = None) -> None:
         if kind != "encoded":
-            raise UsageError("fields are read from encoded formats (tar, record)")
+            raise UsageError("fields are read from encoded formats (tar, record, hdf5, parquet)")
         self.specs = list(specs)
         self.transform, self.size = transform, size
         self._m = m
         self._spans = span_offsets
         self._mod: Any = None
         self._cols: dict[str, Any] | None = None
+        # side: byte fields lie outside the span (hdf5, parquet); each is read at its extent through
+        # ``access`` (the worker's ShardAccess: a slice of the mapping, a pread or a ranged GET).
+        self.side = side
+        self._starts = starts
+        self.access: Any = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_mod": None, "_cols": None}
+        return {**self.__dict__, "_mod": None, "_cols": None, "access": None}
+
+    def _side_read(self, gid: int, offset: int, size: int) -> bytes:
+        assert self.access is not None and self._starts is not None
+        shard = int(np.searchsorted(self._starts, gid, side="right")) - 1
+        return bytes(self.access.read_extent(shard, offset, size))
 
     def _columns(self) -> dict[str, Any]:
         if self._cols is None:
@@ -185,6 +195,9 @@ class FieldsSampleFn:
         for s in self.specs:
             if s.ragged:
                 out[s.name] = np.array(cols[values_column(s.name)][gid])
+            elif self.side:
+                out[s.name] = self._side_read(gid, int(cols[offset_column(s.name)][gid]),
+                                              int(cols[size_column(s.name)][gid]))
             else:
                 a = int(cols[offset_column(s.name)][gid]) - base
                 out[s.name] = view[a : a + int(cols[size_column(s.name)][gid])]

@@ -58,7 +58,9 @@ from stager.world import World
 SHARED_RUN_BYTES, SHARED_MIN_RUN = 1 << 20, 4
 LOCAL_RUN_BYTES, LOCAL_MIN_RUN = 256 << 10, 2
 MAX_BUFFER_SAMPLES = 1 << 16
-SPAN_FORMATS = ("tar", "record")  # a sample's byte fields sit beside its image: one span reads them all
+# A sample's byte fields sit beside its image: one span reads them all. Elsewhere (hdf5, parquet:
+# a dataset or column per field) each field is one more read at its extent (FieldsSampleFn.access).
+SPAN_FORMATS = ("tar", "record")
 
 
 @dataclass(frozen=True)
@@ -234,14 +236,11 @@ class RankDataset:
             raise UsageError(f"{self.resolved.root}: a clip pack with fields is not supported yet (docs/fields.md)")
         specs = select_fields(m, opts.fields)
         names = tuple(s.name for s in specs if not s.ragged)
-        if names and m.format not in SPAN_FORMATS:
-            raise UsageError(f"{self.resolved.root}: the loader reads byte fields ({', '.join(names)}) from "
-                             f"{' and '.join(SPAN_FORMATS)} packs, where they sit beside their image; read this "
-                             f"{m.format} pack's fields with its own library or re-pack it (docs/fields.md)")
-        if names:
+        if names and m.format in SPAN_FORMATS:
             self.resolved = dataclasses.replace(self.resolved, index=index_from_manifest(m, names))
         idx = self.resolved.index
-        fn = FieldsSampleFn(m, specs, idx.offsets, transform=opts.transform, size=opts.image_size, kind=idx.kind)
+        fn = FieldsSampleFn(m, specs, idx.offsets, transform=opts.transform, size=opts.image_size, kind=idx.kind,
+                            side=bool(names) and m.format not in SPAN_FORMATS, starts=idx.starts)
         return fn, specs
 
     def _runtime_workers(self) -> int:
@@ -392,6 +391,8 @@ class RankDataset:
         if in_worker:
             single_threaded_cv2()
         access.check_pid()
+        if self.field_fn is not None:
+            self.field_fn.access = access  # byte fields outside the payload (hdf5, parquet) are read through it
         fetcher = self._fetcher(reads, rp, access)
         if trim:
             release_free_heap()

@@ -56,6 +56,7 @@ DEFAULT_DTYPE = {"boxes": "float32", "box_labels": "int64", "per_box": "float32"
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 _EXT_RE = re.compile(r"^[a-z0-9][a-z0-9_]{0,15}$")
 FIELD_PREFIX = "field/"
+MASK_HINTS = ("mask", "seg", "label")  # an undeclared PNG field so named holds class ids (a mask), not an image
 
 
 def offset_column(name: str) -> str:

@@ -21,10 +21,8 @@ from typing import Any
 import numpy as np
 
 from stager.errors import SourceError
-from stager.manifest.fields import FieldSpec
+from stager.manifest.fields import MASK_HINTS, FieldSpec
 from stager.pack.sources.base import IMAGE_EXTENSIONS, read_file
-
-MASK_HINTS = ("mask", "seg", "label")  # a PNG field so named is a mask (class ids), not another image
 
 
 def _as_path(value: Any, base: Path) -> Path | None:

@@ -1,0 +1,197 @@
+"""`stager index` adopts multi-field sets in place (issue 21, docs/fields.md "stager index"): webdataset
+tars with several members per key, TFRecords in the TF Object Detection API keys, parquet with
+several columns, all written by their own libraries; the fields load through make_loader and
+`verify --deep` compares them on a re-scan."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from stager.index import IndexOptions, index_dataset
+from stager.loader import make_loader
+from stager.manifest import load_manifest
+from stager.pack.api import pack
+from stager.verify import verify
+from tools.datagen import make_shapes
+
+FIELDS = "mask:mask,boxes:boxes,box_labels:box_labels"
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_shapes(tmp_path_factory.mktemp("shapes"), train=12, val=2, size=48, seed=5)
+
+
+def _rows(shapes: Path) -> list[dict]:
+    return [json.loads(line) for line in (shapes / "train.jsonl").read_text().splitlines()]
+
+
+def _check_loader(root: Path, n: int, *, mask: bool = True) -> None:
+    """Every sample once with its fields; masks follow the crop, per-box lists stay aligned."""
+    seen = 0
+    names = ["mask", "boxes", "box_labels"] if mask else ["boxes", "box_labels"]
+    for b in make_loader(str(root), 4, transform="train", image_size=32, fields=names, drop_last=False,
+                         shuffle=False):
+        seen += len(b["key"])
+        if mask:
+            assert tuple(b["mask"].shape) == (len(b["key"]), 32, 32)
+        assert len(b["boxes"]) == len(b["key"])
+        for bx, lb in zip(b["boxes"], b["box_labels"], strict=True):
+            assert bx.shape[0] == lb.shape[0] and (np.asarray(bx) >= 0).all() and (np.asarray(bx) <= 32).all()
+    assert seen == n
+
+
+def test_webdataset_tar_with_several_members_per_key(shapes: Path, tmp_path: Path) -> None:
+    import webdataset as wds
+
+    d = tmp_path / "wds"
+    d.mkdir()
+    rows = _rows(shapes)
+    with wds.ShardWriter(str(d / "shard-%06d.tar"), maxcount=5, verbose=0) as w:
+        for i, r in enumerate(rows):
+            w.write({"__key__": f"s{i:04d}", "jpg": (shapes / r["path"]).read_bytes(), "cls": str(i % 3),
+                     "mask.png": (shapes / r["mask"]).read_bytes(), "boxes.json": json.dumps(r["boxes"]),
+                     "json": json.dumps({"box_labels": r["box_labels"], "boxes": r["boxes"], "id": i})})
+    res = index_dataset(d)
+    m = load_manifest(res.manifest_path)
+    assert [(f["name"], f["kind"]) for f in m.fields] == [("box_labels", "box_labels"), ("boxes", "boxes"),
+                                                          ("mask", "mask"), ("meta", "json")]
+    cols = m.extra_columns()
+    data = {p.name: p.read_bytes() for p in d.glob("*.tar")}
+    for i, r in enumerate(rows):
+        np.testing.assert_allclose(cols["field/boxes"][i], np.asarray(r["boxes"], np.float32).reshape(-1, 4))
+        assert cols["field/box_labels"][i].tolist() == r["box_labels"]
+        shard = m.shards[i // 5]
+        o, s = int(cols["field/mask/offset"][i]), int(cols["field/mask/size"][i])
+        assert data[shard.name][o : o + s] == (shapes / r["mask"]).read_bytes()
+    assert verify(d, deep=True).ok
+    _check_loader(d, len(rows))
+    b = next(iter(make_loader(str(d), 3, transform="eval", image_size=32, fields=["meta"], shuffle=False)))
+    assert [x["id"] for x in b["meta"]] == [0, 1, 2]
+
+
+def test_tar_sample_lacking_a_field_is_one_line(shapes: Path, tmp_path: Path) -> None:
+    import webdataset as wds
+
+    d = tmp_path / "wds"
+    d.mkdir()
+    rows = _rows(shapes)[:3]
+    with wds.TarWriter(str(d / "a.tar")) as w:
+        for i, r in enumerate(rows):
+            sample = {"__key__": f"s{i}", "jpg": (shapes / r["path"]).read_bytes(), "cls": "1"}
+            if i != 1:
+                sample["mask.png"] = (shapes / r["mask"]).read_bytes()
+            w.write(sample)
+    p = subprocess.run([sys.executable, "-m", "stager", "index", str(d)], check=False, capture_output=True,
+                       text=True)
+    assert p.returncode == 3, p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "a.tar" in lines[0] and "'s1'" in lines[0] and "same fields" in lines[0]
+    assert not (d / "manifest.json").exists()
+
+
+def test_tfrecords_in_object_detection_api_keys(shapes: Path, tmp_path: Path) -> None:
+    from PIL import Image
+    from tfrecord import TFRecordWriter
+
+    d = tmp_path / "tfr"
+    d.mkdir()
+    rows = _rows(shapes)
+    w = TFRecordWriter(str(d / "train.tfrecord"))
+    for i, r in enumerate(rows):
+        img = (shapes / r["path"]).read_bytes()
+        with Image.open(shapes / r["path"]) as im:
+            wd, ht = im.size
+        bx = np.asarray(r["boxes"], np.float64).reshape(-1, 4)
+        w.write({"image/encoded": (img, "byte"), "image/format": (b"jpeg", "byte"),
+                 "image/height": (ht, "int"), "image/width": (wd, "int"),
+                 "image/filename": (f"img{i}.jpg".encode(), "byte"),
+                 "image/object/bbox/xmin": ((bx[:, 0] / wd).tolist(), "float"),
+                 "image/object/bbox/ymin": ((bx[:, 1] / ht).tolist(), "float"),
+                 "image/object/bbox/xmax": ((bx[:, 2] / wd).tolist(), "float"),
+                 "image/object/bbox/ymax": ((bx[:, 3] / ht).tolist(), "float"),
+                 "image/object/class/label": (r["box_labels"], "int"),
+                 "image/object/difficult": ([0] * len(bx), "int"),
+                 "image/segmentation/class/encoded": ((shapes / r["mask"]).read_bytes(), "byte"),
+                 "image/segmentation/class/format": (b"png", "byte")})
+    w.close()
+    m = load_manifest(index_dataset(d, options=IndexOptions(label_key="none")).manifest_path)
+    specs = {f["name"]: f for f in m.fields}
+    assert specs["boxes"]["kind"] == "boxes" and specs["box_labels"]["kind"] == "box_labels"
+    assert specs["mask"] == {"name": "mask", "kind": "mask", "ext": "png"}
+    assert specs["difficult"]["kind"] == "per_box" and specs["difficult"]["dtype"] == "int64"
+    cols = m.extra_columns()
+    raw = (d / "train.tfrecord").read_bytes()
+    for i, r in enumerate(rows):
+        np.testing.assert_allclose(cols["field/boxes"][i], np.asarray(r["boxes"], np.float32).reshape(-1, 4),
+                                   atol=1e-3)
+        assert cols["field/box_labels"][i].tolist() == r["box_labels"]
+        o, s = int(cols["field/mask/offset"][i]), int(cols["field/mask/size"][i])
+        assert raw[o : o + s] == (shapes / r["mask"]).read_bytes()
+    assert verify(d, deep=True).ok
+    _check_loader(d, len(rows))
+
+
+def test_indexing_stagers_own_record_pack_gives_its_schema(shapes: Path, tmp_path: Path) -> None:
+    """Adopting the record shards that `stager pack` wrote gives the pack's own field columns."""
+    packed = tmp_path / "packed"
+    pack(shapes / "train.jsonl", packed, "record", fields=FIELDS, samples_per_shard=5)
+    src = tmp_path / "copy"
+    src.mkdir()
+    for p in packed.glob("*.tfrecord"):
+        shutil.copy(p, src / p.name)
+    mine = load_manifest(packed / "manifest.json")
+    adopted = load_manifest(index_dataset(src, options=IndexOptions(label_key="none")).manifest_path)
+    assert {f["name"]: f["kind"] for f in adopted.fields} == {f["name"]: f["kind"] for f in mine.fields}
+    a, b = adopted.extra_columns(), mine.extra_columns()
+    order = {k: i for i, k in enumerate(mine.keys)}
+    idx = np.array([order[k] for k in adopted.keys])
+    np.testing.assert_array_equal(np.asarray(a["field/mask/offset"]), np.asarray(b["field/mask/offset"])[idx])
+    for i, j in enumerate(idx):
+        np.testing.assert_allclose(a["field/boxes"][i], b["field/boxes"][j], atol=1e-3)
+        assert a["field/box_labels"][i].tolist() == b["field/box_labels"][j].tolist()
+
+
+def test_parquet_with_several_columns(shapes: Path, tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    d = tmp_path / "pq"
+    d.mkdir()
+    rows = _rows(shapes)
+    t = pa.table({"image": pa.array([(shapes / r["path"]).read_bytes() for r in rows], pa.binary()),
+                  "mask": pa.array([(shapes / r["mask"]).read_bytes() for r in rows], pa.binary()),
+                  "boxes": [r["boxes"] for r in rows], "box_labels": [r["box_labels"] for r in rows],
+                  "caption": [f"row {i}" for i in range(len(rows))]})
+    pq.write_table(t, d / "train.parquet", row_group_size=5, compression="none")
+    m = load_manifest(index_dataset(d, options=IndexOptions(label_key="none")).manifest_path)
+    assert {f["name"]: f["kind"] for f in m.fields} == {"mask": "mask", "boxes": "boxes", "box_labels": "box_labels"}
+    cols = m.extra_columns()
+    raw = (d / "train.parquet").read_bytes()
+    for i, r in enumerate(rows):
+        o, s = int(cols["field/mask/offset"][i]), int(cols["field/mask/size"][i])
+        assert raw[o : o + s] == (shapes / r["mask"]).read_bytes()
+        np.testing.assert_allclose(cols["field/boxes"][i], np.asarray(r["boxes"], np.float32).reshape(-1, 4))
+    assert verify(d, deep=True).ok
+    _check_loader(d, len(rows))  # the mask is one more read at its extent (not beside the image)
+
+
+def test_loader_reads_hdf5_byte_fields(shapes: Path, tmp_path: Path) -> None:
+    """hdf5 keeps each field in its own dataset: the loader reads masks at their extents, and they
+    follow the image's geometry as in a tar pack (same seed: the same batches)."""
+    pack(shapes / "train.jsonl", tmp_path / "h", "hdf5", fields=FIELDS)
+    pack(shapes / "train.jsonl", tmp_path / "t", "tar", fields=FIELDS)
+    _check_loader(tmp_path / "h", len(_rows(shapes)))
+    kw = {"transform": "train", "image_size": 32, "fields": ["mask", "boxes"], "seed": 7, "drop_last": False}
+    for a, b in zip(make_loader(str(tmp_path / "h"), 4, **kw), make_loader(str(tmp_path / "t"), 4, **kw),
+                    strict=True):
+        assert a["key"] == b["key"]
+        np.testing.assert_array_equal(np.asarray(a["mask"]), np.asarray(b["mask"]))
+        np.testing.assert_array_equal(np.asarray(a["image"]), np.asarray(b["image"]))
