@@ -75,6 +75,10 @@ def test_webdataset_tar_with_several_members_per_key(shapes: Path, tmp_path: Pat
     _check_loader(d, len(rows))
     b = next(iter(make_loader(str(d), 3, transform="eval", image_size=32, fields=["meta"], shuffle=False)))
     assert [x["id"] for x in b["meta"]] == [0, 1, 2]
+    pack(d, tmp_path / "conv", "record")  # an adopted set converts with its fields
+    conv = load_manifest(tmp_path / "conv" / "manifest.json")
+    assert conv.fields == m.fields
+    _check_loader(tmp_path / "conv", len(rows))
 
 
 def test_tar_sample_lacking_a_field_is_one_line(shapes: Path, tmp_path: Path) -> None:
@@ -195,3 +199,47 @@ def test_loader_reads_hdf5_byte_fields(shapes: Path, tmp_path: Path) -> None:
         assert a["key"] == b["key"]
         np.testing.assert_array_equal(np.asarray(a["mask"]), np.asarray(b["mask"]))
         np.testing.assert_array_equal(np.asarray(a["image"]), np.asarray(b["image"]))
+
+
+@pytest.mark.parametrize("target", ["record", "hdf5", "tar"])
+def test_converting_a_pack_keeps_its_fields(shapes: Path, tmp_path: Path, target: str) -> None:
+    """`stager pack PACKDIR OUT --format F` keeps the fields (bytes read at their extents, ragged values
+    from the index), and so does converting an adopted webdataset tar."""
+    src = tmp_path / "src"
+    pack(shapes / "train.jsonl", src, "tar", fields=FIELDS, samples_per_shard=5)
+    out = tmp_path / target
+    pack(src, out, target)
+    a, b = load_manifest(src / "manifest.json"), load_manifest(out / "manifest.json")
+    assert a.fields == b.fields
+    ca, cb = a.extra_columns(), b.extra_columns()
+    order = {k: i for i, k in enumerate(a.keys)}
+    raw_a = {s.name: (src / s.name).read_bytes() for s in a.shards}
+    raw_b = {s.name: (out / s.name).read_bytes() for s in b.shards}
+
+    def mask(m, cols, raw, i):
+        shard = m.shards[int(np.searchsorted(np.cumsum([s.samples for s in m.shards]), i, side="right"))]
+        o, s = int(cols["field/mask/offset"][i]), int(cols["field/mask/size"][i])
+        return raw[shard.name][o : o + s]
+
+    for j, key in enumerate(b.keys):
+        i = order[key]
+        np.testing.assert_allclose(cb["field/boxes"][j], ca["field/boxes"][i])
+        assert cb["field/box_labels"][j].tolist() == ca["field/box_labels"][i].tolist()
+        assert mask(b, cb, raw_b, j) == mask(a, ca, raw_a, i)
+
+
+def test_tar_reader_iter_samples_yields_fields(shapes: Path, tmp_path: Path) -> None:
+    from stager.formats import get_format
+
+    pack(shapes / "train.jsonl", tmp_path / "t", "tar", fields=FIELDS)
+    m = load_manifest(tmp_path / "t" / "manifest.json")
+    rows = {str(Path(r["path"]).with_suffix("")): r for r in _rows(shapes)}
+    info = m.shards[0]
+    reader = get_format("tar").open_reader(str(tmp_path / "t" / info.name), info, m)
+    got = list(reader.iter_samples())
+    assert len(got) == info.samples
+    for s in got:
+        r = rows[s.key]
+        assert s.fields["mask"] == (shapes / r["mask"]).read_bytes()
+        np.testing.assert_allclose(s.fields["boxes"], np.asarray(r["boxes"], np.float32).reshape(-1, 4))
+        assert s.fields["box_labels"].tolist() == r["box_labels"]

@@ -35,7 +35,7 @@ from typing import Any, BinaryIO
 from stager.errors import CorruptSampleError, ShardMissingError, UnsafeArchiveError, UsageError
 from stager.formats.base import BufferedShardFile, Extent, ExtentReader, Sample, field_payload
 from stager.manifest import Manifest, ShardInfo
-from stager.manifest.fields import FieldSpec
+from stager.manifest.fields import FieldSpec, specs_from_json
 
 BLOCK = 512
 FIXED_MTIME = 946684800  # 2000-01-01T00:00:00Z: fixed for reproducibility, yet "plausible" to GNU tar
@@ -637,7 +637,14 @@ def _to_sample(key: str, members: dict[str, bytes], where: str) -> Sample:
 
 
 class TarShardReader(ExtentReader):
-    """Reads one tar shard: ``iter_samples`` parses it; ``read`` uses the manifest's extents."""
+    """Reads one tar shard: ``iter_samples`` parses it; ``read`` uses the manifest's extents.
+
+    With the manifest of a pack with fields, ``iter_samples`` yields each sample's fields too
+    (``KEY.<name>.<ext>`` members: bytes, or the ragged kinds' arrays parsed from their JSON)."""
+
+    def __init__(self, path: str, info: ShardInfo | None = None, manifest: Manifest | None = None) -> None:
+        super().__init__(path, info, manifest)
+        self._specs = specs_from_json(manifest.fields) if manifest is not None and manifest.fields else []
 
     def iter_samples(self) -> Iterator[Sample]:
         """Every sample in physical order, grouped by key (members of one sample are consecutive)."""
@@ -658,7 +665,7 @@ class TarShardReader(ExtentReader):
                 ext = ext.lower()
                 if k != key:
                     if key is not None:
-                        yield _to_sample(key, members, where)
+                        yield self._with_fields(_to_sample(key, members, where), members, where)
                     if k in seen:
                         raise CorruptSampleError(
                             f"{where}: members of sample {k!r} are not consecutive; re-pack this shard"
@@ -669,9 +676,28 @@ class TarShardReader(ExtentReader):
                     raise CorruptSampleError(f"{where}: sample {k!r} has two {ext!r} members")
                 members[ext] = data
             if key is not None:
-                yield _to_sample(key, members, where)
+                yield self._with_fields(_to_sample(key, members, where), members, where)
         finally:
             f.close()
+
+    def _with_fields(self, sample: Sample, members: dict[str, bytes], where: str) -> Sample:
+        for spec in self._specs:
+            data = members.get(spec.member_suffix)
+            if data is None:
+                raise CorruptSampleError(f"{where}: sample {sample.key!r} lacks its {spec.member_suffix!r} member")
+            if spec.ragged:
+                import numpy as np  # noqa: PLC0415 (only readers of ragged fields need it)
+
+                try:
+                    value = json.loads(data)
+                except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+                    raise CorruptSampleError(f"{where}: sample {sample.key!r}: bad JSON in "
+                                             f"{spec.member_suffix!r} ({exc})") from exc
+                arr = np.asarray(value if value else [], dtype=spec.dtype)
+                sample.fields[spec.name] = arr.reshape((-1, *spec.item))
+            else:
+                sample.fields[spec.name] = data
+        return sample
 
 
 class TarFormat:

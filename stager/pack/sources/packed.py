@@ -2,11 +2,14 @@
 
 Samples are sorted by key (unique within a pack), whatever order the pack stored them in; a
 locator is ``<shard index>#<position in shard>``, and loads are grouped per shard so that each
-format reader fetches its payloads in one call.
+format reader fetches its payloads in one call. A pack (or an indexed set) with fields keeps them
+(docs/fields.md): byte fields are read at their manifest extents in the shard file (every format
+with fields stores them as byte ranges), ragged fields come from the index columns.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -17,6 +20,7 @@ from stager.errors import SourceError
 from stager.formats import get_format
 from stager.formats.base import Sample, ShardReader
 from stager.manifest import Manifest, load_manifest, shard_root
+from stager.manifest.fields import KINDS, offset_column, size_column, specs_from_json, values_column
 from stager.pack.sources.base import SampleRef, Source, key_for, sniff_ext, unique_keys
 
 
@@ -34,6 +38,10 @@ class PackSource(Source):
         self.sample_kind = m.sample_kind
         self.image_shape = m.image_shape
         self._readers: dict[int, ShardReader] = {}
+        self._fds: dict[int, int] = {}  # shard -> descriptor, for field bytes
+        # Fields of the schema (RecordIO's label_values, no field kind of docs/fields.md, stay behind).
+        self.fields = specs_from_json([f for f in m.fields if f.get("kind") in KINDS], str(root))
+        self._starts = np.concatenate([[0], np.cumsum([s.samples for s in m.shards])]).astype(np.int64)
         refs = []
         for si, s in enumerate(m.shards):
             # An index's keys are other writers' (file names with dots, as webdataset's ShardWriter writes
@@ -73,14 +81,35 @@ class PackSource(Source):
                 for i in idxs:
                     out[i] = err
                 continue
-            for i, data in zip(idxs, payloads, strict=True):
+            for i, data, pos in zip(idxs, payloads, positions, strict=True):
                 r = refs[i]
                 meta = {"source": self.rel_of(r)}
                 if isinstance(data, np.ndarray):
                     out[i] = Sample(r.key, r.label, data, "png", meta)
                 else:
                     b = bytes(data)
-                    out[i] = Sample(r.key, r.label, b, sniff_ext(b) or "bin", meta)
+                    values = self._field_values(si, pos) if self.fields else {}
+                    out[i] = Sample(r.key, r.label, b, sniff_ext(b) or "bin", meta, values)
+        return out
+
+    def _field_values(self, si: int, pos: int) -> dict[str, Any]:
+        """The fields of sample ``pos`` of shard ``si``: bytes read at their extents, ragged index values."""
+        gid = int(self._starts[si]) + pos
+        cols = self.manifest.extra_columns()
+        out: dict[str, Any] = {}
+        path = self.shard_dir / self.manifest.shards[si].name
+        for s in self.fields:
+            if s.ragged:
+                out[s.name] = np.array(cols[values_column(s.name)][gid])
+                continue
+            off, size = int(cols[offset_column(s.name)][gid]), int(cols[size_column(s.name)][gid])
+            fd = self._fds.get(si)
+            if fd is None:
+                fd = self._fds[si] = os.open(path, os.O_RDONLY)
+            data = os.pread(fd, size, off)
+            if len(data) != size:
+                raise SourceError(f"{path}: field {s.name!r} of sample {pos} runs past the end of the file")
+            out[s.name] = data
         return out
 
     def load(self, ref: SampleRef) -> Sample:
@@ -98,9 +127,12 @@ class PackSource(Source):
         return f"{self.manifest.shards[int(si)].name}#{pos}"
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_readers": {}}
+        return {**self.__dict__, "_readers": {}, "_fds": {}}
 
     def close(self) -> None:
         for r in self._readers.values():
             r.close()
         self._readers.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
