@@ -40,7 +40,9 @@ from zarr.storage import ZipStore
 
 from stager.errors import CorruptSampleError, ShardMissingError, SourceError, StagerError
 from stager.formats.base import Extent, Sample
+from stager.formats.zarr_fields import ZarrFields, read_field
 from stager.manifest import Manifest, ShardInfo
+from stager.manifest.fields import FieldSpec
 
 FORMAT_VERSION = "stager.zarr/1"
 ZIP_DATE = (1980, 1, 1, 0, 0, 0)
@@ -63,7 +65,8 @@ def write_zip(path: str, members: MutableMapping[str, Any]) -> None:
 class ZarrWriter:
     """Collects decoded ``(H, W, C)`` uint8 images and writes one zarr-in-zip shard on close."""
 
-    def __init__(self, path: str, *, shard_name: str, classes: Sequence[str], rows_per_chunk: int = 1) -> None:
+    def __init__(self, path: str, *, shard_name: str, classes: Sequence[str], rows_per_chunk: int = 1,
+                 fields: Sequence[FieldSpec] = ()) -> None:
         if rows_per_chunk < 1:
             raise StagerError(f"rows_per_chunk must be >= 1, got {rows_per_chunk}")
         self.path = path
@@ -76,6 +79,7 @@ class ZarrWriter:
         self._keys: list[str] = []
         self._exts: list[str] = []
         self._meta: list[dict[str, Any]] = []
+        self._fields = ZarrFields(fields) if fields else None  # docs/fields.md: one array per field
         self._closed = False
 
     def write(self, sample: Sample) -> Extent:
@@ -106,7 +110,8 @@ class ZarrWriter:
         self._keys.append(sample.key)
         self._exts.append(sample.ext)
         self._meta.append(meta)
-        return Extent(row, arr.size)
+        extents = self._fields.add(sample.key, sample.fields, row, shape[:2]) if self._fields else None
+        return Extent(row, arr.size, extents)
 
     def close(self) -> list[tuple[str, str]]:
         """Build the group in memory and write the zip at ``path``; no companion files."""
@@ -153,6 +158,8 @@ class ZarrWriter:
         )
         if n:
             labels[...] = np.asarray(self._labels, dtype=np.int64)
+        if self._fields is not None:
+            self._fields.write(group, n)
         self._rows.clear()
         write_zip(self.path, members)
         return []
@@ -369,6 +376,7 @@ class ZarrReader:
         self._direct: DirectRows | None = None
         self._attrs: dict[str, Any] = {}
         self._pid = 0
+        self._group: tuple[Any, Any] | None = None  # (store, its group): fields are read through it
 
     def _open(self) -> Any:
         # A zip handle inherited through fork() shares its file position with the parent: reopen.
@@ -479,6 +487,18 @@ class ZarrReader:
             i = j
         return out
 
+    def read_field(self, kind: str, name: str, offset: int, size: int) -> Any:
+        """A sample's field by its manifest extent (:func:`stager.formats.zarr_fields.read_field`)."""
+        self._open()
+        try:
+            if self._group is None or self._group[0] is not self._store:
+                self._group = (self._store, zarr.open_group(self._store, mode="r", zarr_format=3))
+            return read_field(self._group[1], kind, name, offset, size)
+        except CorruptSampleError:
+            raise
+        except _DAMAGE as exc:
+            raise _corrupt(self.path, f"field {name!r}: {type(exc).__name__}: {exc}") from exc
+
     def close(self) -> None:
         if self._store is not None and self._pid == os.getpid():
             self._store.close()
@@ -497,7 +517,8 @@ class ZarrFormat:
 
     def open_writer(self, path: str, *, shard_name: str, classes: Sequence[str], **options: Any) -> ZarrWriter:
         rows = options.get("rows_per_chunk")
-        return ZarrWriter(path, shard_name=shard_name, classes=classes, rows_per_chunk=int(rows or 1))
+        return ZarrWriter(path, shard_name=shard_name, classes=classes, rows_per_chunk=int(rows or 1),
+                          fields=options.get("fields") or ())
 
     def open_reader(self, path: str, info: ShardInfo, manifest: Manifest) -> ZarrReader:
         return ZarrReader(path, info, manifest)

@@ -336,6 +336,13 @@ class ShardAccess:
             return bytes(self.mapping(shard)[start : start + size])
         return self._read_span(shard, start, start + size)
 
+    def read_field(self, shard: int, spec: Any, start: int, size: int) -> Any:
+        """A byte field of a sample by its manifest extent: bytes (:meth:`read_extent`), or for zarr
+        the decoded row of a mask or image field / the bytes of another (its format reader)."""
+        if self.index.kind == "decoded":
+            return self._zarr_reader(shard).read_field(spec.kind, spec.name, start, size)
+        return self.read_extent(shard, start, size)
+
     def check_pid(self) -> None:
         if self._pid != os.getpid():  # forked: inherited descriptors are not ours to use
             self._handles.clear()

@@ -123,7 +123,9 @@ def eval_geometry(h: int, w: int, size: int) -> Geometry:
 
 
 def _decode_mask(data: Any) -> np.ndarray:
-    """A PNG of class ids as (H, W) uint8 (cv2 when present: ~3x PIL on small masks)."""
+    """A PNG of class ids as (H, W) uint8 (cv2 when present: ~3x PIL on small masks); zarr's are decoded."""
+    if isinstance(data, np.ndarray):
+        return data
     buf = np.frombuffer(data, dtype=np.uint8)
     cv2 = _cv2()
     if cv2 is not None:
@@ -135,6 +137,15 @@ def _decode_mask(data: Any) -> np.ndarray:
     with Image.open(io.BytesIO(bytes(data))) as im:
         arr = np.asarray(im)
     return arr if arr.ndim == 2 else arr[..., 0]
+
+
+def _resample(image: np.ndarray, g: Geometry) -> np.ndarray:
+    """A decoded (H, W, 3) image (zarr) resized bilinearly over ``g``'s box to ``g.size``, flipped."""
+    from PIL import Image  # noqa: PLC0415 (PIL only where images are decoded or resized)
+
+    box = (g.left, g.top, g.left + g.width, g.top + g.height)
+    out = np.asarray(Image.fromarray(image).resize((g.size, g.size), Image.Resampling.BILINEAR, box=box))
+    return np.ascontiguousarray(out[:, ::-1]) if g.flip else out
 
 
 def _cv2() -> Any:
@@ -150,8 +161,8 @@ class FieldsSampleFn:
 
     def __init__(self, m: Manifest, specs: Sequence[FieldSpec], span_offsets: np.ndarray, *,
                  transform: Any, size: int, kind: str, side: bool = False, starts: np.ndarray | None = None) -> None:
-        if kind != "encoded":
-            raise UsageError("fields are read from encoded formats (tar, record, hdf5, parquet)")
+        if kind not in ("encoded", "decoded"):
+            raise UsageError(f"fields are not read from {kind!r} samples")
         self.specs = list(specs)
         self.transform, self.size = transform, size
         self._m = m
@@ -167,10 +178,10 @@ class FieldsSampleFn:
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_mod": None, "_cols": None, "access": None}
 
-    def _side_read(self, gid: int, offset: int, size: int) -> bytes:
+    def _side_read(self, gid: int, spec: FieldSpec, offset: int, size: int) -> Any:
         assert self.access is not None and self._starts is not None
         shard = int(np.searchsorted(self._starts, gid, side="right")) - 1
-        return bytes(self.access.read_extent(shard, offset, size))
+        return self.access.read_field(shard, spec, offset, size)
 
     def _columns(self) -> dict[str, Any]:
         if self._cols is None:
@@ -185,18 +196,23 @@ class FieldsSampleFn:
             self._mod = decode
         return self._mod
 
-    def raw(self, span: Any, gid: int) -> tuple[bytes, dict[str, Any]]:
-        """The image's bytes and each field's raw value (bytes slices; arrays for ragged fields)."""
+    def raw(self, span: Any, gid: int) -> tuple[Any, dict[str, Any]]:
+        """The image (bytes; a decoded (H, W, 3) array for zarr) and each field's raw value (bytes
+        slices; arrays for ragged fields and zarr's decoded masks and images)."""
         cols, base = self._columns(), int(self._spans[gid])
-        view = memoryview(span)
-        o = int(cols["offset"][gid]) - base
-        image = bytes(view[o : o + int(cols["size"][gid])])
+        if isinstance(span, np.ndarray):
+            image: Any = span
+            view = memoryview(b"")
+        else:
+            view = memoryview(span)
+            o = int(cols["offset"][gid]) - base
+            image = bytes(view[o : o + int(cols["size"][gid])])
         out: dict[str, Any] = {}
         for s in self.specs:
             if s.ragged:
                 out[s.name] = np.array(cols[values_column(s.name)][gid])
             elif self.side:
-                out[s.name] = self._side_read(gid, int(cols[offset_column(s.name)][gid]),
+                out[s.name] = self._side_read(gid, s, int(cols[offset_column(s.name)][gid]),
                                               int(cols[size_column(s.name)][gid]))
             else:
                 a = int(cols[offset_column(s.name)][gid]) - base
@@ -209,6 +225,10 @@ class FieldsSampleFn:
         t = self.transform
         if callable(t):
             return dict(t(self._decoded(image, raw), rng))
+        if isinstance(image, np.ndarray):
+            h, w = image.shape[:2]
+            g = train_geometry(h, w, self.size, rng) if t == "train" else eval_geometry(h, w, self.size)
+            return self._fields_out(_resample(image, g), raw, g)
         d = dec.default_decoder()
         probe = d.probe(image)
         h, w = probe.height, probe.width
@@ -219,6 +239,11 @@ class FieldsSampleFn:
             img = d.flip(img) if g.flip else img
         else:
             img = d.center_crop(image, probe, self.size, round(self.size / 0.875))
+        return self._fields_out(img, raw, g)
+
+    def _fields_out(self, img: np.ndarray, raw: dict[str, Any], g: Geometry) -> dict[str, Any]:
+        """The sample dict: the transformed image, and each field under geometry ``g``."""
+        dec = self._decoder()
         out: dict[str, Any] = {"image": img}
         keep: np.ndarray | None = None
         for s in self.specs:
@@ -228,7 +253,7 @@ class FieldsSampleFn:
                 rows, cols = g.sample_rows_cols(*m.shape[:2])
                 out[s.name] = np.ascontiguousarray(m[rows[:, None], cols[None, :]])
             elif s.kind == "image":
-                arr = dec.decode_rgb(bytes(v))
+                arr = v if isinstance(v, np.ndarray) else dec.decode_rgb(bytes(v))
                 rows, cols = g.sample_rows_cols(*arr.shape[:2])
                 out[s.name] = np.ascontiguousarray(arr[rows[:, None], cols[None, :]])
             elif s.kind == "boxes":
@@ -241,16 +266,16 @@ class FieldsSampleFn:
                     out[s.name] = out[s.name][keep]
         return out
 
-    def _decoded(self, image: bytes, raw: dict[str, Any]) -> dict[str, Any]:
+    def _decoded(self, image: Any, raw: dict[str, Any]) -> dict[str, Any]:
         """The whole sample, decoded and untransformed: what a callable transform receives."""
         dec = self._decoder()
-        out: dict[str, Any] = {"image": dec.decode_rgb(image)}
+        out: dict[str, Any] = {"image": image if isinstance(image, np.ndarray) else dec.decode_rgb(image)}
         for s in self.specs:
             v = raw[s.name]
             if s.kind == "mask":
                 out[s.name] = _decode_mask(v)
             elif s.kind == "image":
-                out[s.name] = dec.decode_rgb(bytes(v))
+                out[s.name] = v if isinstance(v, np.ndarray) else dec.decode_rgb(bytes(v))
             elif s.kind == "boxes":
                 out[s.name] = np.asarray(v, dtype=np.float32).reshape(-1, 4)
             else:

@@ -58,7 +58,7 @@ from stager.pack.sources.select import open_source
 from stager.pack.state import STATE_DIR, ShardDone
 from stager.progress import Progress
 
-FIELD_FORMATS = ("tar", "record", "hdf5")  # formats that store samples with fields (docs/fields.md)
+FIELD_FORMATS = ("tar", "record", "hdf5", "zarr")  # formats that store samples with fields (docs/fields.md)
 
 if TYPE_CHECKING:
     from stager.formats.base import Format
