@@ -278,3 +278,45 @@ def test_zarr_stores_fields_and_the_loader_reads_them(shapes: Path, tmp_path: Pa
                 stored = np.asarray(im.resize((40, 40), Image.Resampling.NEAREST))
             rr, cc = eval_geometry(40, 40, 40).sample_rows_cols(40, 40)  # the eval window over the stored mask
             np.testing.assert_array_equal(mk, stored[rr[:, None], cc[None, :]])
+
+
+def test_dali_reads_record_fields(shapes: Path, tmp_path: Path) -> None:
+    """DALI's fn.readers.tfrecord reads a record pack's fields with the OD API feature spec (CPU)."""
+    pytest.importorskip("nvidia.dali", reason="DALI not installed (pip install nvidia-dali-cuda120)")
+    from nvidia.dali import fn, pipeline_def, types
+    from nvidia.dali import tfrecord as tfrec
+    from PIL import Image
+
+    pack(shapes / "train.jsonl", tmp_path / "r", "record", fields=FIELDS, samples_per_shard=5)
+    m = load_manifest(tmp_path / "r" / "manifest.json")
+    paths = [str(tmp_path / "r" / s.name) for s in m.shards]
+    feats = {k: tfrec.VarLenFeature(tfrec.float32, 0.0) for k in
+             ("image/object/bbox/xmin", "image/object/bbox/ymin", "image/object/bbox/xmax", "image/object/bbox/ymax")}
+    feats.update({"image/encoded": tfrec.FixedLenFeature((), tfrec.string, ""),
+                  "image/filename": tfrec.FixedLenFeature((), tfrec.string, ""),
+                  "image/object/class/label": tfrec.VarLenFeature(tfrec.int64, -1),
+                  "image/segmentation/class/encoded": tfrec.FixedLenFeature((), tfrec.string, "")})
+
+    @pipeline_def(batch_size=m.num_samples, num_threads=1, device_id=None)
+    def pipe():
+        f = fn.readers.tfrecord(path=paths, index_path=[p + ".idx" for p in paths], features=feats,
+                                random_shuffle=False)
+        img = fn.decoders.image(f["image/encoded"], device="cpu")
+        mask = fn.decoders.image(f["image/segmentation/class/encoded"], device="cpu", output_type=types.GRAY)
+        bbox = [f[k] for k in ("image/object/bbox/xmin", "image/object/bbox/ymin", "image/object/bbox/xmax",
+                               "image/object/bbox/ymax")]
+        return (img, mask, f["image/object/class/label"], f["image/filename"], *bbox)
+
+    p = pipe()
+    p.build()
+    img, mask, labels, names, *bbox = p.run()
+    rows = {str(Path(r["path"]).with_suffix("")): r for r in _rows(shapes)}
+    assert sorted(bytes(np.array(names[i])).decode() for i in range(m.num_samples)) == sorted(rows)
+    for i in range(m.num_samples):
+        r = rows[bytes(np.array(names[i])).decode()]
+        with Image.open(shapes / r["mask"]) as im:
+            np.testing.assert_array_equal(np.array(mask[i])[..., 0], np.asarray(im))
+        h, w = np.array(img[i]).shape[:2]
+        got = np.stack([np.array(b[i]) for b in bbox], axis=1) * np.float32([w, h, w, h])
+        np.testing.assert_allclose(got, np.asarray(r["boxes"], np.float32).reshape(-1, 4), atol=1e-2)
+        assert np.array(labels[i]).tolist() == r["box_labels"]
