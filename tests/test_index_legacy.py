@@ -112,6 +112,9 @@ def test_recordio_in_place_split_records_array_labels_stage_and_pack(tmp_path: P
     assert [s.keys for s in load_manifest(tmp_path / "rec").shards] == [a.keys, b.keys] and again.samples == 14
     assert read_all(tmp_path / "rec", staged=False) == truth
     assert verify(tmp_path / "rec", deep=True).ok
+    # label_values is an index column, not a sample field: decoding loaders read the set as image + label
+    b = next(iter(make_loader(str(tmp_path / "rec"), 4, transform="eval", image_size=8, shuffle=False)))
+    assert tuple(b["image"].shape) == (4, 3, 8, 8)
     # Staged per node partition: each node holds whole files with their .idx.
     for node in (0, 1):
         stage(tmp_path / "rec", tmp_path / f"n{node}", partition=True, node=node, num_nodes=2, ranks_per_node=1)

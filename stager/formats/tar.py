@@ -35,7 +35,7 @@ from typing import Any, BinaryIO
 from stager.errors import CorruptSampleError, ShardMissingError, UnsafeArchiveError, UsageError
 from stager.formats.base import BufferedShardFile, Extent, ExtentReader, Sample, field_payload
 from stager.manifest import Manifest, ShardInfo
-from stager.manifest.fields import FieldSpec, specs_from_json
+from stager.manifest.fields import FieldSpec, sample_fields, specs_from_json
 
 BLOCK = 512
 FIXED_MTIME = 946684800  # 2000-01-01T00:00:00Z: fixed for reproducibility, yet "plausible" to GNU tar
@@ -644,7 +644,7 @@ class TarShardReader(ExtentReader):
 
     def __init__(self, path: str, info: ShardInfo | None = None, manifest: Manifest | None = None) -> None:
         super().__init__(path, info, manifest)
-        self._specs = specs_from_json(manifest.fields) if manifest is not None and manifest.fields else []
+        self._specs = specs_from_json(sample_fields(manifest.fields)) if manifest is not None else []
 
     def iter_samples(self) -> Iterator[Sample]:
         """Every sample in physical order, grouped by key (members of one sample are consecutive)."""

@@ -35,7 +35,14 @@ import numpy as np
 
 from stager.errors import UsageError
 from stager.manifest import Manifest
-from stager.manifest.fields import FieldSpec, offset_column, size_column, specs_from_json, values_column
+from stager.manifest.fields import (
+    FieldSpec,
+    offset_column,
+    sample_fields,
+    size_column,
+    specs_from_json,
+    values_column,
+)
 
 MIN_VISIBLE = 0.1  # a box keeps at least this fraction of its area inside the crop, or is dropped
 MIN_SIDE = 1.0  # ... and at least this many output pixels of width and height
@@ -43,7 +50,7 @@ MIN_SIDE = 1.0  # ... and at least this many output pixels of width and height
 
 def select_fields(m: Manifest, names: Sequence[str] | str | None) -> list[FieldSpec]:
     """The manifest's field specs that ``names`` asks for (None: all), in schema order; UsageError for unknown ones."""
-    specs = specs_from_json(m.fields)
+    specs = specs_from_json(sample_fields(m.fields))
     if names is None:
         return specs
     if isinstance(names, str):

@@ -42,7 +42,7 @@ from stager.loader.index import index_from_manifest
 from stager.loader.options import LoaderOptions
 from stager.loader.transforms import make_sample_fn
 from stager.manifest import Strings
-from stager.manifest.fields import FieldSpec
+from stager.manifest.fields import FieldSpec, sample_fields
 from stager.order import streams
 from stager.order.epoch import PlanConfig, RankPlan, WorkerPlan, batch_sizes, epoch_sequence, plan_rank, run_lengths
 from stager.order.epoch import samples_per_rank as equal_samples_per_rank
@@ -225,10 +225,11 @@ class RankDataset:
         and the fields read. The index is swapped for one whose extents span image + those fields, so
         reads, staging and streaming carry them unchanged (:mod:`stager.loader.fields`)."""
         m = self.resolved.index.manifest
-        if m is None or not m.fields or (opts.decode != "uint8" and opts.fields is None):
+        has = m is not None and bool(sample_fields(m.fields))
+        if m is None or not has or (opts.decode != "uint8" and opts.fields is None):
             if opts.fields:
                 raise UsageError(f"{self.resolved.root}: fields {list(opts.fields)} requested, but this dataset has "
-                                 "no fields" if m is None or not m.fields else "fields are read with decode='uint8'")
+                                 "no fields" if not has else "fields are read with decode='uint8'")
             return None, []
         if opts.decode != "uint8":
             raise UsageError("fields are read with decode='uint8'")

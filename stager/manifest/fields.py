@@ -135,6 +135,13 @@ def specs_from_json(entries: Iterable[Any], where: str = "manifest") -> list[Fie
     return out
 
 
+def sample_fields(entries: Iterable[Any]) -> list[Any]:
+    """The entries of a manifest's ``fields`` that are sample fields of this schema: an indexed RecordIO
+    set also lists its ``label_values`` column there (kind ``values``, :mod:`stager.index.columns`),
+    which no sample field reader reads."""
+    return [e for e in entries if isinstance(e, dict) and e.get("kind") in KINDS]
+
+
 def check_unique(specs: Sequence[FieldSpec], where: str) -> None:
     names = [s.name for s in specs]
     dup = {n for n in names if names.count(n) > 1}

@@ -20,7 +20,7 @@ from stager.errors import SourceError
 from stager.formats import get_format
 from stager.formats.base import Sample, ShardReader
 from stager.manifest import Manifest, load_manifest, shard_root
-from stager.manifest.fields import KINDS, offset_column, size_column, specs_from_json, values_column
+from stager.manifest.fields import offset_column, sample_fields, size_column, specs_from_json, values_column
 from stager.pack.sources.base import SampleRef, Source, key_for, sniff_ext, unique_keys
 
 
@@ -40,7 +40,7 @@ class PackSource(Source):
         self._readers: dict[int, ShardReader] = {}
         self._fds: dict[int, int] = {}  # shard -> descriptor, for field bytes
         # Fields of the schema (RecordIO's label_values, no field kind of docs/fields.md, stay behind).
-        self.fields = specs_from_json([f for f in m.fields if f.get("kind") in KINDS], str(root))
+        self.fields = specs_from_json(sample_fields(m.fields), str(root))
         self._starts = np.concatenate([[0], np.cumsum([s.samples for s in m.shards])]).astype(np.int64)
         refs = []
         for si, s in enumerate(m.shards):
