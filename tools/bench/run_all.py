@@ -51,7 +51,8 @@ SUITE: dict[str, tuple[str, list[str], list[str], str]] = {
                  "objstore.md"),
     # PyAV writes the H.264 videos; DALI's CPU readers.sequence is compared where nvidia-dali imports.
     "clips": ("bench_clips.py", ["--rounds", "5"],
-              ["--sequences", "3", "--frames", "60", "--rounds", "1", "--batches", "4", "--skip", "1"], "clips.md"),
+              ["--sequences", "3", "--frames", "60", "--rounds", "1", "--batches", "4", "--skip", "1",
+               "--seconds", "0"], "clips.md"),
 }
 
 
