@@ -73,6 +73,8 @@ def test_table_round_trips_plain_ragged_and_string_columns() -> None:
     np.testing.assert_array_equal(t.array("b"), cols["b"])
     assert [r.tolist() for r in t.ragged("r")] == [r.tolist() for r in cols["r"]]
     assert list(t.strings("s")) == list(cols["s"])
+    perm = [*rng.permutation(n)[:20].tolist(), 0, 0, n - 1]
+    assert t.strings("s").take(perm) == [cols["s"][i] for i in perm] and t.strings("s").take([]) == []
     # Every column starts 64-byte aligned, so any dtype maps without a copy.
     header = json.loads(data[16 : 16 + struct.unpack_from("<I", data, 12)[0]])
     assert all(c["offset"] % 64 == 0 for c in header["columns"])

@@ -10,6 +10,11 @@
   ``data`` uint8 N x 3072 in channel-major RGB order and ``labels``), and optionally the same images
   as a PNG ImageFolder.
 
+* :func:`make_shapes`: a segmentation/detection set of JPEGs with 1-3 filled shapes (class 1
+  rectangle, 2 ellipse, 3 triangle) over a noisy background, with per-pixel class-id PNG masks,
+  boxes and box labels, listed in ``train.jsonl``/``val.jsonl`` (``path, mask, boxes, box_labels``)
+  and as COCO ``annotations/instances_images.json`` (docs/fields.md).
+
 * Legacy containers, written by hand from their documented layouts (no Caffe, no MXNet):
   :func:`make_caffe_lmdb` (Caffe ``convert_imageset``: keys ``%08d_<path>``, ``Datum`` values, encoded
   JPEG/PNG bytes or raw planar BGR pixels), :func:`make_folder2lmdb` (pickled ``(image bytes, label)``
@@ -24,7 +29,8 @@
 Command line: ``python -m tools.datagen imagenet OUT --classes 10 --per-class 50``,
 ``python -m tools.datagen cifar OUT --train 5000 --test 1000 [--png]``,
 ``python -m tools.datagen caffe-lmdb|folder2lmdb|recordio OUT --n 1000 [--raw] [--size 32]`` or
-``python -m tools.datagen video OUT --sequences 8 --frames 60 --size 128``.
+``python -m tools.datagen video OUT --sequences 8 --frames 60 --size 128`` or
+``python -m tools.datagen shapes OUT --train 400 --val 100 --size 96``.
 """
 
 from __future__ import annotations
@@ -174,6 +180,76 @@ def make_cifar(
     with open(out / "batches.meta", "wb") as f:
         pickle.dump(meta, f, protocol=2)
     return out
+
+
+SHAPE_CLASSES = ["background", "rectangle", "ellipse", "triangle"]
+
+
+def render_shapes(
+    rng: np.random.Generator, h: int, w: int
+) -> tuple[np.ndarray, np.ndarray, list[list[float]], list[int]]:
+    """One image (H, W, 3) uint8 with 1-3 shapes, its class-id mask (H, W) uint8, boxes (xyxy) and labels.
+
+    Later shapes are drawn over earlier ones; a box is the extent of the shape's visible pixels
+    (shapes hidden entirely are left out)."""
+    base = rng.integers(20, 90, 3)
+    img = np.clip(base + rng.normal(0, 12, (h, w, 3)), 0, 255)
+    mask = np.zeros((h, w), np.uint8)
+    yy, xx = np.mgrid[0:h, 0:w]
+    ids = np.zeros((h, w), np.int16) - 1
+    labels = []
+    for k in range(int(rng.integers(1, 4))):
+        cls = int(rng.integers(1, 4))
+        cy, cx = rng.uniform(0.2, 0.8) * h, rng.uniform(0.2, 0.8) * w
+        ry, rx = rng.uniform(0.1, 0.3) * h, rng.uniform(0.1, 0.3) * w
+        if cls == 1:
+            inside = (abs(yy - cy) <= ry) & (abs(xx - cx) <= rx)
+        elif cls == 2:
+            inside = ((yy - cy) / ry) ** 2 + ((xx - cx) / rx) ** 2 <= 1
+        else:
+            inside = (yy <= cy + ry) & (yy >= cy - ry) & (abs(xx - cx) <= rx * (yy - (cy - ry)) / (2 * ry))
+        img[inside] = rng.integers(140, 256, 3)
+        mask[inside] = cls
+        ids[inside] = k
+        labels.append(cls)
+    boxes, box_labels = [], []
+    for k, cls in enumerate(labels):
+        ys, xs = np.nonzero(ids == k)
+        if len(ys):
+            boxes.append([float(xs.min()), float(ys.min()), float(xs.max() + 1), float(ys.max() + 1)])
+            box_labels.append(cls)
+    return img.astype(np.uint8), mask, boxes, box_labels
+
+
+def make_shapes(
+    root: str | os.PathLike[str], train: int = 200, val: int = 50, *, size: int = 96, seed: int = 0, quality: int = 92
+) -> Path:
+    """Write the shapes set under ``root`` (see the module docstring); return ``root``."""
+    root = Path(root)
+    (root / "images").mkdir(parents=True, exist_ok=True)
+    (root / "annotations").mkdir(exist_ok=True)
+    rng = np.random.default_rng(seed)
+    images, anns = [], []
+    for split, n, first in (("train", train, 0), ("val", val, train)):
+        rows = []
+        for i in range(first, first + n):
+            h = int(size * rng.uniform(0.85, 1.15))
+            w = int(size * rng.uniform(0.85, 1.15))
+            img, mask, boxes, labels = render_shapes(rng, h, w)
+            name = f"{i:06d}"
+            (root / "images" / f"{name}.jpg").write_bytes(jpeg_bytes(img, quality))
+            (root / "images" / f"{name}.mask.png").write_bytes(png_bytes(mask))
+            rows.append({"path": f"images/{name}.jpg", "mask": f"images/{name}.mask.png", "boxes": boxes,
+                         "box_labels": labels})
+            images.append({"id": i, "file_name": f"{name}.jpg", "height": h, "width": w})
+            for b, c in zip(boxes, labels, strict=True):
+                anns.append({"id": len(anns) + 1, "image_id": i, "category_id": c, "iscrowd": 0,
+                             "bbox": [b[0], b[1], b[2] - b[0], b[3] - b[1]], "area": (b[2] - b[0]) * (b[3] - b[1])})
+        (root / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cats = [{"id": i, "name": n} for i, n in enumerate(SHAPE_CLASSES) if i]
+    (root / "annotations" / "instances_images.json").write_text(
+        json.dumps({"images": images, "annotations": anns, "categories": cats}))
+    return root
 
 
 def _pb_varint(v: int) -> bytes:
@@ -388,6 +464,12 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--test", type=int, default=100)
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--png", action="store_true")
+    sh = sub.add_parser("shapes", help="segmentation/detection shapes: JPEGs, class-id PNG masks, boxes, COCO JSON")
+    sh.add_argument("out")
+    sh.add_argument("--train", type=int, default=200)
+    sh.add_argument("--val", type=int, default=50)
+    sh.add_argument("--size", type=int, default=96)
+    sh.add_argument("--seed", type=int, default=0)
     for kind in ("caffe-lmdb", "folder2lmdb", "recordio"):
         x = sub.add_parser(kind, help="legacy container (see the module docstring)")
         x.add_argument("out")
@@ -402,7 +484,10 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--size", type=int, default=128)
     v.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    if args.kind == "video":
+    if args.kind == "shapes":
+        out = make_shapes(args.out, args.train, args.val, size=args.size, seed=args.seed)
+        print(json.dumps({"root": str(out), "train": args.train, "val": args.val}))
+    elif args.kind == "video":
         root = make_videos(args.out, args.sequences, args.frames, (args.size, args.size), seed=args.seed)
         print(json.dumps({"root": str(root), "sequences": args.sequences, "frames": args.frames}))
     elif args.kind == "caffe-lmdb":

@@ -92,6 +92,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="raise",
         help="bad source image: stop (raise, default) or skip and list it in manifest.skipped",
     )
+    p.add_argument(
+        "--fields", default=None, metavar="NAME:KIND,...",
+        help="kinds of a list file's extra columns or a sidecar folder's members: image, mask, boxes, box_labels, "
+             "per_box, array, json, bytes (docs/fields.md); undeclared ones are typed by extension",
+    )
     p.add_argument("--split", choices=("train", "test"), default=None, help="CIFAR split (default train)")
     p.add_argument(
         "--overwrite", action="store_true", help="write into OUT even if it holds other files or another source's pack"
@@ -139,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
         stripe_size=args.stripe_size,
         split=args.split,
         storage_options=storage_options(args),
+        fields=args.fields,
         clip_length=args.clip_length,
         clip_stride=args.clip_stride,
         frame_step=args.frame_step,

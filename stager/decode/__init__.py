@@ -41,6 +41,7 @@ __all__ = [
     "decode_clip_random_resized_crop",
     "decode_random_resized_crop",
     "decode_rgb",
+    "default_decoder",
     "get_decoder",
     "image_size",
     "set_backend",
@@ -115,6 +116,11 @@ def set_backend(name: str) -> str:
     """
     _Default._decoder = get_decoder(name)
     return _Default._decoder.name
+
+
+def default_decoder() -> Decoder:
+    """The process-wide default decoder (what the module functions use without ``decoder=``)."""
+    return _Default.get()
 
 
 def backend() -> str:

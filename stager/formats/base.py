@@ -21,6 +21,7 @@ Contract (tested for every format by tests/test_formats.py):
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ import numpy as np
 from stager.errors import CorruptSampleError, ShardMissingError, UsageError
 from stager.fs.writeback import start_writeback
 from stager.manifest import Manifest, ShardInfo
+from stager.manifest.fields import FieldSpec
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,10 @@ class Sample:
 
     ``data`` is the encoded image file's bytes (``ext`` names its type: ``jpg``, ``png``, ...) for
     encoded formats, or an ``(H, W, C)`` uint8 array for decoded ones. ``meta`` is small
-    JSON-serialisable metadata (source path, original size).
+    JSON-serialisable metadata (source path, original size). ``fields`` holds the sample's named
+    fields (schema: :mod:`stager.manifest.fields`): encoded bytes for the byte kinds (mask, image,
+    array as ``.npy``, json as UTF-8, bytes), numpy arrays for the ragged kinds (boxes ``(n, 4)``
+    float32, box_labels ``(n,)`` int64, per_box ``(n, ...)``); empty for image + label samples.
     """
 
     key: str
@@ -47,14 +52,18 @@ class Sample:
     data: bytes | np.ndarray
     ext: str = "jpg"
     meta: dict[str, Any] = field(default_factory=dict)
+    fields: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class Extent:
-    """Where a sample's payload lives inside its shard file: ``size`` bytes at ``offset``."""
+    """Where a sample's payload lives inside its shard file: ``size`` bytes at ``offset``.
+
+    ``fields``: ``{name: (offset, size)}`` of each byte field stored in the shard (same file)."""
 
     offset: int
     size: int
+    fields: dict[str, tuple[int, int]] | None = None
 
 
 class ShardWriter(Protocol):
@@ -89,6 +98,19 @@ class Format(Protocol):
     def open_writer(self, path: str, *, shard_name: str, classes: Sequence[str], **options: Any) -> ShardWriter: ...
 
     def open_reader(self, path: str, info: ShardInfo, manifest: Manifest) -> ShardReader: ...
+
+
+def field_payload(spec: FieldSpec, value: Any) -> bytes:
+    """The bytes a file-per-field container (tar, hdf5 byte datasets) stores for ``value``: byte kinds
+    as they are, the ragged kinds (arrays) as compact JSON lists (what webdataset's ``.json`` decoder
+    reads back)."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    if spec.ragged:
+        arr = np.asarray(value)
+        rows = arr.tolist()
+        return json.dumps(rows, separators=(",", ":")).encode()
+    raise UsageError(f"field {spec.name!r}: expected encoded bytes, got {type(value).__name__}")
 
 
 _MAGIC = ((b"\xff\xd8\xff", "jpg"), (b"\x89PNG\r\n\x1a\n", "png"), (b"GIF87a", "gif"), (b"GIF89a", "gif"),

@@ -54,6 +54,7 @@ import numpy as np
 from stager.errors import CorruptSampleError, ShardMissingError, SourceError, StagerError
 from stager.formats.base import Extent, ExtentReader, Sample
 from stager.manifest import Manifest, ShardInfo
+from stager.manifest.fields import FieldSpec
 
 FORMAT_VERSION = "stager.hdf5/1"
 LAYOUT = "contiguous-uint8"
@@ -125,8 +126,12 @@ def _write_file(path: str, image: bytes) -> None:
 class Hdf5Writer:
     """Writes one HDF5 shard at ``path`` (see the module docstring for the layout)."""
 
-    def __init__(self, path: str, *, shard_name: str, classes: Sequence[str]) -> None:
+    def __init__(self, path: str, *, shard_name: str, classes: Sequence[str], fields: Sequence[FieldSpec] = ()) -> None:
         self.path = path
+        self._fields = list(fields)
+        self._field_values: dict[str, list[Any]] = {f.name: [] for f in fields}
+        self._field_ends: dict[str, int] = {f.name: 0 for f in fields}
+        self.field_bases: dict[str, int] = {}  # after close(): file offset of each byte field's data
         self.shard_name = shard_name
         self.classes = list(classes)
         self._base = images_data_offset()
@@ -160,7 +165,55 @@ class Hdf5Writer:
         self._labels.append(int(sample.label))
         self._exts.append(sample.ext)
         self._meta.append(meta)
-        return Extent(self._base + start, size)
+        extents = self._add_fields(sample) if self._fields else None
+        return Extent(self._base + start, size, extents)
+
+    def _add_fields(self, sample: Sample) -> dict[str, tuple[int, int]]:
+        """Keep the sample's fields for close(); byte fields' extents relative to their dataset
+        (``field_bases`` makes them absolute once the file is laid out)."""
+        out = {}
+        for f in self._fields:
+            if f.name not in sample.fields:
+                raise SourceError(f"{sample.key}: lacks field {f.name!r}")
+            v = sample.fields[f.name]
+            if f.ragged:
+                self._field_values[f.name].append(np.asarray(v, dtype=f.dtype).reshape((-1, *f.item)))
+            else:
+                b = bytes(v)
+                self._field_values[f.name].append(b)
+                out[f.name] = (self._field_ends[f.name], len(b))
+                self._field_ends[f.name] += len(b)
+        return out
+
+    def _write_fields(self, f: Any, opts: dict[str, Any]) -> list[tuple[str, Any]]:
+        """``/fields/<name>/data`` (uint8, contiguous) or ``/values`` (ragged: (M, *item)) plus ``/offsets``
+        (int64, n + 1) per field; returns the byte datasets to locate after the flush."""
+        h5py = _h5py()
+        located = []
+        for spec in self._fields:
+            g = f.create_group(f"fields/{spec.name}", track_order=False)
+            g.attrs["kind"] = spec.kind
+            g.attrs["ext"] = spec.ext
+            vals = self._field_values[spec.name]
+            if spec.ragged:
+                arr = np.concatenate(vals) if vals else np.zeros((0, *spec.item), dtype=spec.dtype)
+                g.create_dataset("values", data=arr, **opts)
+                lens = [len(v) for v in vals]
+            else:
+                blob = np.frombuffer(b"".join(vals), dtype=np.uint8)
+                dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+                dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+                dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+                dcpl.set_obj_track_times(False)
+                space = h5py.h5s.create_simple((max(1, len(blob)),))
+                dsid = h5py.h5d.create(g.id, b"data", h5py.h5t.STD_U8LE, space, dcpl=dcpl)
+                ds = h5py.Dataset(dsid)
+                if len(blob):
+                    ds[: len(blob)] = blob
+                located.append((spec.name, dsid))
+                lens = [len(v) for v in vals]
+            g.create_dataset("offsets", data=np.concatenate([[0], np.cumsum(lens)]).astype(np.int64), **opts)
+        return located
 
     def close(self) -> list[tuple[str, str]]:
         """Build the HDF5 file from the spooled samples; no companion files."""
@@ -194,11 +247,13 @@ class Hdf5Writer:
                 f.create_dataset("keys", shape=(n,), dtype=strings, data=self._keys, **opts)
                 f.create_dataset("exts", shape=(n,), dtype=strings, data=self._exts, **opts)
                 f.create_dataset("meta", shape=(n,), dtype=strings, data=self._meta, **opts)
+                located = self._write_fields(f, opts) if self._fields else []
                 f.attrs["stager_format"] = FORMAT_VERSION
                 f.attrs["layout"] = LAYOUT
                 f.attrs["num_samples"] = np.int64(n)
                 f.attrs["classes"] = json.dumps(self.classes)
                 f.flush()
+                self.field_bases = {name: int(dsid.get_offset()) for name, dsid in located}
                 # The image of a flushed file equals what closing it on disk writes (the open-for-
                 # write superblock flag is cleared in the copy); tests/test_formats.py checks that
                 # h5py reads it back and that identical input gives identical bytes.
@@ -303,6 +358,8 @@ class Hdf5Format:
         return f"shard-{index:05d}{self.suffix}"
 
     def open_writer(self, path: str, *, shard_name: str, classes: Sequence[str], **options: Any) -> Hdf5Writer:
+        if options.get("fields"):
+            return Hdf5Writer(path, shard_name=shard_name, classes=classes, fields=options["fields"])
         return Hdf5Writer(path, shard_name=shard_name, classes=classes)
 
     def open_reader(self, path: str, info: ShardInfo, manifest: Manifest) -> Hdf5Reader:

@@ -34,10 +34,12 @@ import numpy as np
 
 from stager.errors import CorruptSampleError, ShardMissingError, UsageError
 from stager.formats.base import BufferedShardFile, Extent, ExtentReader, Sample
-from stager.formats.example_pb import ExampleDecodeError, decode_example, varint
+from stager.formats.example_pb import ExampleDecodeError, bytes_feature, decode_example, int64_feature, varint
+from stager.formats.record_fields import encode_fields_example, field_extents
 from stager.formats.tar import FLUSH_BYTES
 from stager.fs.atomic import partial_path
 from stager.manifest import Manifest, ShardInfo
+from stager.manifest.fields import FieldSpec
 
 _crc = _crc32c.crc32c
 _MASK_DELTA = 0xA282EAD8
@@ -125,11 +127,13 @@ class RecordShardWriter(BufferedShardFile):
         fsync: bool = False,
         hasher: Any = None,
         writeback: bool = False,
+        fields: Sequence[FieldSpec] = (),
         **options: Any,
     ) -> None:
         super().__init__(path, flush_bytes=flush_bytes, fsync=fsync, hasher=hasher, writeback=writeback)
         self.shard_name = shard_name
         self.classes = list(classes)
+        self._fields = list(fields)
         self._index: list[bytes] = []
         self._idx_tmp: str | None = None
 
@@ -145,7 +149,15 @@ class RecordShardWriter(BufferedShardFile):
         if not -(1 << 63) <= label < (1 << 63):
             raise UsageError(f"{self.shard_name}: label {label} of {sample.key!r} does not fit int64")
         cls = self.classes[label] if 0 <= label < len(self.classes) else ""
-        payload, off = encode_image_example(sample.key, label, cls, data, image_format(sample.ext))
+        field_offsets: dict[str, list[int]] = {}
+        if self._fields:
+            image = {K_LABEL: int64_feature(label), K_TEXT: bytes_feature(cls.encode()), K_ENCODED: bytes_feature(data),
+                     K_FILENAME: bytes_feature(sample.key.encode()), K_FORMAT: bytes_feature(image_format(sample.ext))}
+            hw = (int(sample.meta.get("height", 0)), int(sample.meta.get("width", 0)))
+            payload, field_offsets = encode_fields_example(image, sample.fields, self._fields, hw, sample.key)
+            off = field_offsets[K_ENCODED][0]
+        else:
+            payload, off = encode_image_example(sample.key, label, cls, data, image_format(sample.ext))
         n = len(payload)
         length = _U64.pack(n)
         start = self._written + len(self._buf)
@@ -157,7 +169,8 @@ class RecordShardWriter(BufferedShardFile):
         self._index.append(b"%d %d\n" % (start, n + 16))
         if len(buf) >= self._flush_bytes:
             self._flush()
-        return Extent(start + 12 + off, len(data))
+        extents = field_extents(field_offsets, sample.fields, self._fields, start + 12) if self._fields else None
+        return Extent(start + 12 + off, len(data), extents)
 
     def close(self) -> list[tuple[str, str]]:
         """Flush the shard and write ``<shard_name>.idx`` next to it; return ``[(idx name, temp path)]``."""

@@ -33,8 +33,9 @@ from json.encoder import encode_basestring_ascii
 from typing import Any, BinaryIO
 
 from stager.errors import CorruptSampleError, ShardMissingError, UnsafeArchiveError, UsageError
-from stager.formats.base import BufferedShardFile, Extent, ExtentReader, Sample
+from stager.formats.base import BufferedShardFile, Extent, ExtentReader, Sample, field_payload
 from stager.manifest import Manifest, ShardInfo
+from stager.manifest.fields import FieldSpec
 
 BLOCK = 512
 FIXED_MTIME = 946684800  # 2000-01-01T00:00:00Z: fixed for reproducibility, yet "plausible" to GNU tar
@@ -268,11 +269,13 @@ class TarShardWriter(BufferedShardFile):
         keys_checked: bool = False,
         hasher: Any = None,
         writeback: bool = False,
+        fields: Sequence[FieldSpec] = (),
         **options: Any,
     ) -> None:
         super().__init__(path, flush_bytes=flush_bytes, fsync=fsync, hasher=hasher, writeback=writeback)
         self.shard_name = shard_name
         self.classes = list(classes)
+        self._fields = {f.name: f for f in fields}
         self._keys_checked = keys_checked
         self._keys: set[str] = set()
         self._exts_ok: dict[str, tuple[str, bytes, int]] = {}  # extension -> (lower, b".lower", byte sum)
@@ -335,9 +338,24 @@ class TarShardWriter(BufferedShardFile):
             buf += member_header(f"{key}.json", nj)
             buf += js
             buf += _PADS[-nj % BLOCK]
-        if len(buf) >= self._flush_bytes:
+        extents = self._write_fields(key, sample.fields) if sample.fields else None
+        if len(self._buf) >= self._flush_bytes:
             self._flush()
-        return Extent(offset, size)
+        return Extent(offset, size, extents)
+
+    def _write_fields(self, key: str, values: dict[str, Any]) -> dict[str, tuple[int, int]]:
+        """Append one ``KEY.<name>.<ext>`` member per field (schema order); their data extents."""
+        out: dict[str, tuple[int, int]] = {}
+        buf = self._buf
+        for name, spec in self._fields.items():
+            if name not in values:
+                raise UsageError(f"{self.shard_name}: sample {key!r} lacks field {name!r}")
+            data = field_payload(spec, values[name])
+            buf += member_header(f"{key}.{spec.member_suffix}", len(data))
+            out[name] = (self._written + len(buf), len(data))
+            buf += data
+            buf += _PADS[-len(data) % BLOCK]
+        return out
 
     def _closed(self) -> bool:
         return self._f is None
@@ -379,10 +397,12 @@ class TarFragmentWriter(TarShardWriter):
     relative to the fragment's start; :meth:`take` returns the bytes.
     """
 
-    def __init__(self, *, shard_name: str, classes: Sequence[str], keys_checked: bool = False, **options: Any) -> None:
+    def __init__(self, *, shard_name: str, classes: Sequence[str], keys_checked: bool = False,
+                 fields: Sequence[FieldSpec] = (), **options: Any) -> None:
         self.path = ""
         self.shard_name = shard_name
         self.classes = list(classes)
+        self._fields = {f.name: f for f in fields}
         self._flush_bytes = 1 << 62  # never flushed: the caller takes the bytes
         self._fsync = False
         self._keys_checked = keys_checked

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from stager.loader.options import LoaderOptions
@@ -75,6 +76,7 @@ def make_loader(
     timeout: float = 0,
     use_mmap: bool = True,
     persistent_workers: bool | None = None,
+    fields: Sequence[str] | str | None = None,
 ) -> Loader:
     """A per-rank iterable of batch dicts ``{"key", "label", "index", "image"}`` (see docs/loader.md).
 
@@ -89,7 +91,9 @@ def make_loader(
     ``use_mmap``: local shards of encoded formats are mapped and payloads are zero-copy slices of
     the mapping (``False``: one ``pread`` per run into a private buffer). ``persistent_workers``
     (default: True when ``num_workers > 0``): start the worker processes once and reuse them every
-    epoch (same batches; :meth:`Loader.close` stops them).
+    epoch (same batches; :meth:`Loader.close` stops them). ``fields``: on a dataset with fields
+    (docs/fields.md), the fields to read (None: all; unnamed fields are not decoded); the batch then
+    holds each field by name, transformed with the image (one crop and flip for image, masks, boxes).
     """
     options = LoaderOptions(
         batch_size=batch_size,
@@ -116,6 +120,7 @@ def make_loader(
         timeout=timeout,
         use_mmap=use_mmap,
         persistent_workers=persistent_workers,
+        fields=None if fields is None else ((fields,) if isinstance(fields, str) else tuple(fields)),
     )
     from stager.loader.dataset import ShardedDataset  # noqa: PLC0415 (torch only where its loader is used)
     from stager.loader.loader import Loader  # noqa: PLC0415 (as above)

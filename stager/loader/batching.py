@@ -106,4 +106,17 @@ def finish_batch(batch: dict[str, Any]) -> dict[str, Any]:
         batch["image"] = channels_first(batch.pop("image_nhwc"))
     if "data" in batch:
         batch["image"] = raw_views(batch["data"], batch["offsets"])
+    for name, kind in batch.pop("_fields", {}).items():
+        batch[name] = field_tensors(batch[name], kind)
     return batch
+
+
+def field_tensors(value: Any, kind: str) -> Any:
+    """A field's batch entry as tensors (docs/fields.md): stacked arrays -> one tensor (images (B, 3, H, W)),
+    lists of arrays -> lists of tensors; JSON objects and bytes unchanged."""
+    if isinstance(value, np.ndarray):
+        t = torch.from_numpy(value)
+        return t.permute(0, 3, 1, 2) if kind == "image" and t.ndim == 4 else t
+    if kind in ("boxes", "box_labels", "per_box", "array"):
+        return [torch.from_numpy(np.ascontiguousarray(v)) for v in value]
+    return value

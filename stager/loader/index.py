@@ -16,6 +16,7 @@ import numpy as np
 import xxhash
 
 from stager.errors import SourceError, SourceNotFoundError
+from stager.loader.fields import field_spans, select_fields
 from stager.manifest import Manifest
 
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".ppm", ".pgm", ".gif", ".tif", ".tiff")
@@ -43,12 +44,13 @@ class DatasetIndex:
     classes: list[str]
     manifest: Manifest | None = None
     image_shape: tuple[int, int, int] | None = None
+    span_fields: tuple[str, ...] = ()  # byte fields whose bytes the offsets/sizes span (stager.loader.fields)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         # A manifest-backed index travels as its manifest (which reopens the mapped sample index in
         # the receiving process); pickling the arrays would copy every per-sample column into it.
         if self.manifest is not None and self.manifest.samples_index is not None:
-            return (index_from_manifest, (self.manifest,))
+            return (index_from_manifest, (self.manifest, self.span_fields))
         return super().__reduce_ex__(protocol)
 
     @property
@@ -79,12 +81,19 @@ class DatasetIndex:
         return (csum[self.starts[1:]] - csum[self.starts[:-1]]).astype(np.int64)
 
 
-def index_from_manifest(m: Manifest) -> DatasetIndex:
+def index_from_manifest(m: Manifest, span_fields: Sequence[str] = ()) -> DatasetIndex:
     """The loader's view of ``m``: for a v2 manifest, every per-sample array is a view of the mapped
-    sample index (shared by all processes on the node, no heap copy); keys decode on access."""
+    sample index (shared by all processes on the node, no heap copy); keys decode on access.
+
+    ``span_fields``: byte fields (docs/fields.md) read with each sample: then ``offsets``/``sizes``
+    are each sample's span over its image and those fields (:func:`stager.loader.fields.field_spans`,
+    two computed int64 arrays instead of views)."""
     counts = np.array([s.samples for s in m.shards], dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     shard_bytes = np.array([s.bytes for s in m.shards], dtype=np.int64)
+    offsets, sizes = m.column("offset"), m.column("size")
+    if span_fields:
+        offsets, sizes = field_spans(m, select_fields(m, list(span_fields)))
     return DatasetIndex(
         format=m.format,
         kind=m.sample_kind,
@@ -93,11 +102,12 @@ def index_from_manifest(m: Manifest) -> DatasetIndex:
         starts=starts,
         keys=m.keys,
         labels=m.column("label"),
-        offsets=m.column("offset"),
-        sizes=m.column("size"),
+        offsets=offsets,
+        sizes=sizes,
         classes=list(m.classes),
         manifest=m,
         image_shape=m.image_shape,
+        span_fields=tuple(span_fields),
     )
 
 

@@ -222,6 +222,7 @@ class NumpyLoader(LoaderBase):
         return EpochBatches(next_batch, end)
 
     def _finish(self, batch: dict[str, Any]) -> dict[str, Any]:
+        batch.pop("_fields", None)  # field entries stay numpy arrays and lists (docs/fields.md)
         if "data" in batch:
             batch["image"] = raw_views(batch["data"], batch["offsets"])
         return batch

@@ -53,6 +53,7 @@ class LoaderOptions:
     timeout: float = 0
     use_mmap: bool = True
     persistent_workers: bool | None = None
+    fields: tuple[str, ...] | None = None  # samples with fields: which to read (None: all); docs/fields.md
 
     def __post_init__(self) -> None:
         if self.num_workers is not None and self.num_workers < 0:
@@ -69,6 +70,10 @@ class LoaderOptions:
             raise UsageError(
                 f"shuffle must be True, False or one of {', '.join(SHUFFLE_MODES)}, got {self.shuffle!r}"
             )
+        if isinstance(self.fields, str):
+            object.__setattr__(self, "fields", (self.fields,))
+        elif self.fields is not None:
+            object.__setattr__(self, "fields", tuple(self.fields))
         if self.run_bytes != "auto" and (not isinstance(self.run_bytes, int) or self.run_bytes < 1):
             raise UsageError(f"run_bytes must be a positive integer or 'auto', got {self.run_bytes!r}")
 

@@ -20,6 +20,7 @@ then a size check of the shards it will read.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -36,9 +37,12 @@ from stager.loader.access import Resolved, ShardAccess, check_shards, resolve, v
 from stager.loader.assemble import pack_raw_numpy, stack_nhwc
 from stager.loader.clips import ClipFn, clip_meta, item_shard_groups, item_space
 from stager.loader.fetch import Fetcher, MappedFetcher, PreadFetcher
+from stager.loader.fields import FieldsSampleFn, assemble_fields, select_fields
+from stager.loader.index import index_from_manifest
 from stager.loader.options import LoaderOptions
 from stager.loader.transforms import make_sample_fn
 from stager.manifest import Strings
+from stager.manifest.fields import FieldSpec
 from stager.order import streams
 from stager.order.epoch import PlanConfig, RankPlan, WorkerPlan, batch_sizes, epoch_sequence, plan_rank, run_lengths
 from stager.order.epoch import samples_per_rank as equal_samples_per_rank
@@ -54,6 +58,7 @@ from stager.world import World
 SHARED_RUN_BYTES, SHARED_MIN_RUN = 1 << 20, 4
 LOCAL_RUN_BYTES, LOCAL_MIN_RUN = 256 << 10, 2
 MAX_BUFFER_SAMPLES = 1 << 16
+SPAN_FORMATS = ("tar", "record")  # a sample's byte fields sit beside its image: one span reads them all
 
 
 @dataclass(frozen=True)
@@ -192,6 +197,8 @@ class RankDataset:
             )
         world = World.detect(opts.rank, opts.world_size)
         self.rank, self.world_size = world.rank, world.world_size
+        self.field_fn, self.field_specs = self._fields_kind(opts)
+        res = self.resolved
         self.index = res.index
         # What the plan deals out: samples, or a clip pack's windows (stager.loader.clips).
         self.items = item_space(self.index)
@@ -210,6 +217,32 @@ class RankDataset:
         # The worker's ring, kept across the epochs a persistent worker serves under one token.
         self._ring: Any = None
         self._keys: np.ndarray | None = None
+
+    def _fields_kind(self, opts: LoaderOptions) -> tuple[FieldsSampleFn | None, list[FieldSpec]]:
+        """On a dataset with fields (docs/fields.md) and ``decode="uint8"``: the fields sample function
+        and the fields read. The index is swapped for one whose extents span image + those fields, so
+        reads, staging and streaming carry them unchanged (:mod:`stager.loader.fields`)."""
+        m = self.resolved.index.manifest
+        if m is None or not m.fields or (opts.decode != "uint8" and opts.fields is None):
+            if opts.fields:
+                raise UsageError(f"{self.resolved.root}: fields {list(opts.fields)} requested, but this dataset has "
+                                 "no fields" if m is None or not m.fields else "fields are read with decode='uint8'")
+            return None, []
+        if opts.decode != "uint8":
+            raise UsageError("fields are read with decode='uint8'")
+        if m.clips:
+            raise UsageError(f"{self.resolved.root}: a clip pack with fields is not supported yet (docs/fields.md)")
+        specs = select_fields(m, opts.fields)
+        names = tuple(s.name for s in specs if not s.ragged)
+        if names and m.format not in SPAN_FORMATS:
+            raise UsageError(f"{self.resolved.root}: the loader reads byte fields ({', '.join(names)}) from "
+                             f"{' and '.join(SPAN_FORMATS)} packs, where they sit beside their image; read this "
+                             f"{m.format} pack's fields with its own library or re-pack it (docs/fields.md)")
+        if names:
+            self.resolved = dataclasses.replace(self.resolved, index=index_from_manifest(m, names))
+        idx = self.resolved.index
+        fn = FieldsSampleFn(m, specs, idx.offsets, transform=opts.transform, size=opts.image_size, kind=idx.kind)
+        return fn, specs
 
     def _runtime_workers(self) -> int:
         """The worker count of the transport running this dataset (no transport here: 0)."""
@@ -395,6 +428,8 @@ class RankDataset:
         """Rank batch ``j`` from its payloads: decoded (or raw) items, keys, labels, ids."""
         decode = self.options.decode
         skipped: list[str] = []
+        if self.field_fn is not None:
+            return self._assemble_fields(payloads, ids, j, in_worker=in_worker, ring=ring)
         if decode == "raw" and all(p is not None for p in payloads):
             items, kept = payloads, ids  # nothing to decode: no per-sample work
         else:
@@ -415,6 +450,19 @@ class RankDataset:
             batch["image"] = items
         else:
             batch.update(self._image_fields(items, in_worker=in_worker, ring=ring))
+        batch["_w"] = {"skipped": skipped, "batch": j}
+        return batch
+
+    def _assemble_fields(
+        self, payloads: list[Any], ids: np.ndarray, j: int, *, in_worker: bool, ring: Any
+    ) -> dict[str, Any]:
+        """Rank batch ``j`` of a dataset with fields: image, keys, labels, ids and the fields."""
+        items, kept, skipped = self._decode_all(payloads, ids, j)
+        batch: dict[str, Any] = {"key": self._keys_at(kept), "label": self.index.labels[kept],
+                                 "index": np.asarray(kept, dtype=np.int64)}
+        batch.update(self._image_fields([it["image"] for it in items], in_worker=in_worker, ring=ring))
+        batch.update(assemble_fields(items, self.field_specs))
+        batch["_fields"] = {s.name: s.kind for s in self.field_specs}
         batch["_w"] = {"skipped": skipped, "batch": j}
         return batch
 
@@ -441,7 +489,8 @@ class RankDataset:
             try:
                 if payload is None or (per > 1 and any(p is None for p in payload)):
                     raise CorruptSampleError("unreadable payload")
-                items.append(self.sample_fn(payload, rng))
+                fn = self.field_fn
+                items.append(self.sample_fn(payload, rng) if fn is None else fn(payload, rng, gid))
                 kept.append(gid)
             except Exception as exc:
                 gid = int(self.items.samples_of(np.array([gid]))[0, 0])

@@ -162,9 +162,18 @@ class Strings(Sequence[str]):
             yield blob[a - base : b - base].decode()
 
     def take(self, rows: Iterable[int]) -> list[str]:
-        """The strings at ``rows`` (any order), decoded."""
+        """The strings at ``rows`` (any order), decoded. One gather of their bytes into one ``bytes``
+        object, then a slice and decode each (a numpy slice and ``tobytes`` per string cost ~3x)."""
+        r = np.fromiter(rows, dtype=np.int64) if not isinstance(rows, np.ndarray) else rows.astype(np.int64)
+        if not len(r):
+            return []
         s, v = self._raw.starts, self._raw.values
-        return [v[int(s[r]) : int(s[r + 1])].tobytes().decode() for r in rows]
+        a = s[r]
+        n = s[r + 1] - a
+        ends = np.cumsum(n)
+        begins = ends - n
+        blob = v[np.arange(int(ends[-1]), dtype=np.int64) - np.repeat(begins - a, n)].tobytes()
+        return [blob[i:j].decode() for i, j in zip(begins.tolist(), ends.tolist(), strict=True)]
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, (Strings, list, tuple)):

@@ -58,6 +58,8 @@ from stager.pack.sources.select import open_source
 from stager.pack.state import STATE_DIR, ShardDone
 from stager.progress import Progress
 
+FIELD_FORMATS = ("tar", "record", "hdf5")  # formats that store samples with fields (docs/fields.md)
+
 if TYPE_CHECKING:
     from stager.formats.base import Format
     from stager.pack.plan import PlannedShard
@@ -130,6 +132,7 @@ def pack(
     stripe_size: int | None = None,
     split: str | None = None,
     storage_options: dict[str, Any] = {},  # noqa: B006 - never mutated (PackOptions copies it)
+    fields: str | None = None,
     clip_length: int | None = None,
     clip_stride: int = 1,
     frame_step: int = 1,
@@ -165,6 +168,7 @@ def pack(
         stripe_size=stripe_size,
         split=split,
         storage_options=storage_options,
+        fields=fields,
         clip_length=clip_length,
         clip_stride=clip_stride,
         frame_step=frame_step,
@@ -254,6 +258,9 @@ class PackRun:
         source = open_source(
             src, split=self.options.split, map_fn=pool.map if pool is not None else None, options=self.options
         )
+        if source.fields and fmt.name not in FIELD_FORMATS:
+            raise UsageError(f"{src}: samples with fields are packed to {', '.join(FIELD_FORMATS)}; "
+                             f"--format {fmt.name} stores one image and a label")
         if source.kind == "pack" and self.remote is None and self.out == source.root:
             raise UsageError(f"{self.out}: output is the source pack itself; choose another directory")
         # Keys are checked once for the whole plan (one pass), so writers need not check each one.
@@ -360,6 +367,7 @@ class PackRun:
                 listing.image_shape,
                 listing.keys_checked,
                 self.remote,
+                tuple(source.fields),
             )
             for s in todo
         ]
@@ -408,6 +416,7 @@ class PackRun:
             sample_kind=listing.target_kind,
             image_shape=listing.image_shape,
             skipped=skipped,
+            fields=[f.to_json() for f in source.fields],
             clips=clips,
         )
         if self.remote is not None:

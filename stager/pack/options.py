@@ -48,6 +48,7 @@ class PackOptions:
     stripe_size: int | None = None
     split: str | None = None
     storage_options: dict[str, Any] = field(default_factory=dict)
+    fields: str | None = None  # --fields NAME:KIND,...: the list/sidecar source's field kinds (docs/fields.md)
     # Clips (docs/clips.md): a frame-folder or video source packed as frames of windows of
     # clip_length frames, frame_step apart, starting every clip_stride frames; videos' frames as
     # frame_format (jpg or png).

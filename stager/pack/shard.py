@@ -27,7 +27,9 @@ from stager.errors import SourceError, StagerError
 from stager.formats import get_format
 from stager.formats.base import Sample
 from stager.fs.atomic import partial_path, space_error
-from stager.manifest import AuxFile, ShardInfo, Strings
+from stager.manifest import AuxFile, Ragged, ShardInfo, Strings
+from stager.manifest.fields import FieldSpec, offset_column, size_column, values_column
+from stager.pack.fields import prepare_fields
 from stager.pack.sources.checks import check_encoded, prepare_sample
 from stager.pack.state import ShardDone, Uploader, done_record_path, write_hint
 
@@ -80,6 +82,7 @@ class ShardJob:
     image_shape: tuple[int, int, int] | None  # the fixed (H, W, 3) of a decoded format
     keys_checked: bool = False  # the plan's keys passed the format's check_keys (writers skip it)
     remote: Uploader | None = None  # OUT is a URL: ``out`` is the local spool, each shard goes up when done
+    fields: tuple[FieldSpec, ...] = ()  # the source's field schema (empty: image + label samples)
 
 
 def fsync_and_hash(path: str | os.PathLike[str], algo: str) -> tuple[int, str]:
@@ -140,9 +143,11 @@ def write_shard(job: ShardJob, source: Source, progress: Progress | None = None)
             keys_checked=job.keys_checked,
             hasher=hasher,
             writeback=True,
+            fields=job.fields,
         )
         write_samples(writer, sh.refs, source, job, rows, progress=progress)
         companions = writer.close()
+        rows.rebase_fields(getattr(writer, "field_bases", {}))  # hdf5: field data placed at close()
         writer = None
         aux = []
         for cname, ctmp in companions:
@@ -178,7 +183,7 @@ def finish_done(job: ShardJob, companions: list[str], rows: SampleRows, *, nbyte
                 aux: list[AuxFile]) -> ShardDone:
     """After a shard's rename: upload it (companions first) when OUT is a URL, then its done-record."""
     etags = job.remote.upload_files(job.out, [*companions, job.shard.name]) if job.remote is not None else {}
-    done = record_done(Path(job.out), job.shard, rows, nbytes=nbytes, digest=digest, aux=aux)
+    done = record_done(Path(job.out), job.shard, rows, nbytes=nbytes, digest=digest, aux=aux, fields=job.fields)
     if job.remote is not None:
         job.remote.record_done(done, etags)
     return done
@@ -194,6 +199,8 @@ class SampleRows:
     sizes: list[int] = field(default_factory=list)
     skipped: list[dict[str, str]] = field(default_factory=list)
     payload: int = 0  # bytes of the samples written (for throughput)
+    # Extra per-sample columns of fields (stager.manifest.fields): offsets/sizes lists, or arrays per row.
+    columns: dict[str, list[Any]] = field(default_factory=dict)
 
     def extend(self, other: SampleRows, base: int) -> None:
         """Append ``other``'s rows, whose offsets are relative to ``base``."""
@@ -203,10 +210,42 @@ class SampleRows:
         self.sizes += other.sizes
         self.skipped += other.skipped
         self.payload += other.payload
+        for name, vals in other.columns.items():
+            shift = base if name.endswith("/offset") else 0
+            self.columns.setdefault(name, []).extend([v + shift for v in vals] if shift else vals)
+
+    def add_fields(self, specs: Sequence[FieldSpec], sample: Sample, extent: Extent) -> None:
+        """Append one sample's field columns: byte fields' extents, ragged fields' values."""
+        cols, ext = self.columns, extent.fields or {}
+        for s in specs:
+            if s.ragged:
+                cols.setdefault(values_column(s.name), []).append(sample.fields[s.name])
+            else:
+                off, size = ext[s.name]
+                cols.setdefault(offset_column(s.name), []).append(off)
+                cols.setdefault(size_column(s.name), []).append(size)
+
+    def rebase_fields(self, bases: dict[str, int]) -> None:
+        """Make byte fields' offsets absolute: ``bases[name]`` is where the writer put the field's data."""
+        for name, base in bases.items():
+            col = self.columns.get(offset_column(name))
+            if col is not None:
+                self.columns[offset_column(name)] = [o + base for o in col]
+
+    def built_columns(self, specs: Sequence[FieldSpec]) -> dict[str, Any]:
+        """The field columns as index columns (int64 arrays, :class:`Ragged`), one row per sample."""
+        out: dict[str, Any] = {}
+        for s in specs:
+            for name in s.columns():
+                vals = self.columns.get(name, [])
+                out[name] = (Ragged.from_rows(vals, s.dtype, s.item) if s.ragged
+                             else np.asarray(vals, dtype=np.int64))
+        return out
 
 
 def record_done(
-    out: Path, sh: PlannedShard, rows: SampleRows, *, nbytes: int, digest: str, aux: list[AuxFile]
+    out: Path, sh: PlannedShard, rows: SampleRows, *, nbytes: int, digest: str, aux: list[AuxFile],
+    fields: Sequence[FieldSpec] = (),
 ) -> ShardDone:
     """The finished shard's :class:`ShardDone`, also written as its done-record (for resume)."""
     info = ShardInfo(
@@ -218,6 +257,7 @@ def record_done(
         np.asarray(rows.offsets, dtype=np.int64),
         np.asarray(rows.sizes, dtype=np.int64),
         aux,
+        columns=rows.built_columns(fields) if fields else None,
     )
     done = ShardDone(info, rows.skipped, rows.payload, sh.fingerprint)
     write_hint(done_record_path(out, sh.name), done.to_bytes())
@@ -245,6 +285,7 @@ def write_samples(
     # the error message (naming the file) built only when the check fails.
     passthrough = opts.passes_through(job.target_kind)
     write = writer.write
+    specs = job.fields
     for a in range(0, len(refs), LOAD_BATCH):
         batch = refs[a : a + LOAD_BATCH]
         loaded = source.load_many(batch)
@@ -254,6 +295,8 @@ def write_samples(
             try:
                 if isinstance(res, BaseException):
                     raise _as_source_error(res, source.path_of(ref))
+                if specs:
+                    res = prepare_fields(res, specs, source.where_of(ref), opts.resize)
                 data = res.data
                 if passthrough and type(data) is bytes:
                     try:
@@ -261,7 +304,7 @@ def write_samples(
                     except SourceError:
                         check_encoded(data, source.path_of(ref))  # raises, naming the file
                         raise
-                    sample = res if ext == res.ext else Sample(res.key, res.label, data, ext, res.meta)
+                    sample = res if ext == res.ext else Sample(res.key, res.label, data, ext, res.meta, res.fields)
                 else:
                     sample = prepare_sample(
                         res,
@@ -277,6 +320,8 @@ def write_samples(
                 rows.skipped.append({"key": ref.key, "path": source.path_of(ref), "error": str(exc), "shard": sh_name})
                 continue
             ext_ = write(sample)
+            if specs:
+                rows.add_fields(specs, sample, ext_)
             keys.append(sample.key)
             labels.append(sample.label)
             offsets.append(ext_.offset)

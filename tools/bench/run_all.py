@@ -34,6 +34,7 @@ SUITE: dict[str, tuple[str, list[str], list[str], str]] = {
     "shard_writers": ("bench_shard_writers.py", [], [], "shard_writers.md"),
     "hdf5_layout": ("bench_hdf5_layout.py", [], ["--n", "100"], "hdf5_layout.md"),
     "decode": ("bench_decode.py", [], ["--n", "16", "--rounds", "1", "--seconds", "0.5"], "decode.md"),
+    "fields": ("bench_fields.py", [], ["--n", "60", "--rounds", "1"], "fields.md"),
     "loader": ("bench_loader.py", [], ["--cifar", "2000", "--imagenet", "200", "--crops", "64"], "loader.md"),
     "shuffle_quality": ("shuffle_quality.py", ["--md"], ["--scenario", "tiny", "--md"], "shuffle_quality.md"),
     "stage": ("bench_stage.py", ["--rounds", "3", "--large", "100"], ["--small"], "stage.md"),

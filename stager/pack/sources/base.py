@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 from stager.errors import SourceError
 from stager.formats.base import Sample
+from stager.manifest.fields import FieldSpec
 
 # ``map``-like: ``fn`` applied to each item, results in order (builtin ``map`` or ``PackPool.map``).
 MapFn = Callable[[Callable[[Any], Any], list[Any]], Iterable[Any]]
@@ -51,6 +52,7 @@ class Source:
         self.refs: list[SampleRef] = []
         self.classes: list[str] = []
         self.image_shape: tuple[int, int, int] | None = None  # known fixed (H, W, C), if any
+        self.fields: list[FieldSpec] = []  # the samples' field schema (stager.manifest.fields); [] = image + label
 
     def describe(self) -> dict[str, Any]:
         """JSON-able provenance for the manifest's ``source`` field."""
@@ -72,6 +74,10 @@ class Source:
     def path_of(self, ref: SampleRef) -> str:
         """A human-readable location of ``ref`` for error messages."""
         return ref.locator
+
+    def where_of(self, ref: SampleRef) -> str:
+        """Where ``ref`` is described, for error messages about its fields (a list file's row, ...)."""
+        return self.path_of(ref)
 
     def rel_of(self, ref: SampleRef) -> str:
         """Where ``ref`` came from, relative to the source (stored as the sample's ``source`` meta)."""

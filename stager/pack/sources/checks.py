@@ -147,19 +147,20 @@ def prepare_sample(
                 f"{where}: image is {arr.shape[0]}x{arr.shape[1]}, expected {image_shape[0]}x{image_shape[1]}; "
                 "zarr stores one fixed size: pass --resize HxW"
             )
-        return Sample(sample.key, sample.label, np.ascontiguousarray(arr, dtype=np.uint8), "raw", sample.meta)
+        arr = np.ascontiguousarray(arr, dtype=np.uint8)
+        return Sample(sample.key, sample.label, arr, "raw", sample.meta, sample.fields)
     if isinstance(data, np.ndarray):
         arr = _resize(data, resize) if resize else data
         ext = "jpg" if quality else "png"
-        return Sample(sample.key, sample.label, _encode(arr, ext, quality), ext, sample.meta)
+        return Sample(sample.key, sample.label, _encode(arr, ext, quality), ext, sample.meta, sample.fields)
     ext = check_encoded(data, where)
     if not resize and not quality:
-        return Sample(sample.key, sample.label, data, ext, sample.meta)
+        return Sample(sample.key, sample.label, data, ext, sample.meta, sample.fields)
     arr = decode_rgb_array(data, where)
     if resize:
         arr = _resize(arr, resize)
     out_ext = "jpg" if (quality or ext == "jpg") else "png"
-    return Sample(sample.key, sample.label, _encode(arr, out_ext, quality), out_ext, sample.meta)
+    return Sample(sample.key, sample.label, _encode(arr, out_ext, quality), out_ext, sample.meta, sample.fields)
 
 
 def probe_hw(source: Source, refs: Sequence[SampleRef], *, skip_bad: bool = False) -> tuple[int, int]:

@@ -5,8 +5,10 @@ With clip options (``--clip-length``) the source is a folder of videos or of fra
 order: a ``.rec`` file or a directory of them (without a manifest) is MXNet RecordIO, an LMDB (a
 directory holding ``data.mdb``, or an ``.mdb``/``.lmdb`` file) is LMDB (both indexed in memory:
 :mod:`stager.pack.sources.adopted`); a ``.csv``/``.jsonl``/``.ndjson`` file is a list;
-``manifest.json`` or a directory holding one is a pack; a directory with CIFAR batch files is
-CIFAR; any other directory is an ImageFolder. A source that lists nothing is an error.
+``manifest.json`` or a directory holding one is a pack; a COCO ``instances_*.json`` is COCO; a
+directory with CIFAR batch files is CIFAR; a directory holding files grouped by stem (``0001.jpg``,
+``0001.mask.png``; or any directory with ``--fields``) is a sidecar folder (docs/fields.md); any
+other directory is an ImageFolder. A source that lists nothing is an error.
 """
 
 from __future__ import annotations
@@ -16,13 +18,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from stager.errors import SourceError, SourceNotFoundError, UsageError
+from stager.manifest.fields import parse_fields_arg
 from stager.pack.sources.adopted import AdoptedSource, adopted_kind
 from stager.pack.sources.base import MapFn, Source
 from stager.pack.sources.cifar import CIFAR_SPLITS, CifarSource
+from stager.pack.sources.coco import CocoSource, is_coco_file
 from stager.pack.sources.frames import FrameFolderSource
 from stager.pack.sources.imagefolder import ImageFolderSource
 from stager.pack.sources.listfile import ListSource
 from stager.pack.sources.packed import PackSource
+from stager.pack.sources.sidecar import SidecarSource, is_sidecar_folder
 from stager.pack.sources.video import VideoSource, find_videos
 
 if TYPE_CHECKING:
@@ -49,25 +54,32 @@ def open_source(
     spec = options.clip_spec() if options is not None else None
     if spec is not None:
         return _open_clip_source(root, spec, options, map_fn)  # type: ignore[arg-type]
+    specs = parse_fields_arg(options.fields) if options is not None and options.fields else []
     adopted = adopted_kind(root) if not (root / "manifest.json").is_file() else None
     if adopted is not None:
         src_obj: Source = AdoptedSource(root, adopted)
     elif root.is_file():
         if root.suffix.lower() in (".csv", ".jsonl", ".ndjson"):
-            src_obj = ListSource(root)
+            src_obj = ListSource(root, specs)
         elif root.name == "manifest.json":
             src_obj = PackSource(root.parent)
+        elif is_coco_file(root):
+            src_obj = CocoSource(root)
         else:
             raise SourceError(
-                f"{root}: unsupported source file; expected a .csv/.jsonl list, an ImageFolder or CIFAR "
-                "batches directory, or a stager pack"
+                f"{root}: unsupported source file; expected a .csv/.jsonl list, a COCO instances_*.json, an "
+                "ImageFolder, sidecar or CIFAR batches directory, or a stager pack"
             )
     elif (root / "manifest.json").is_file():
         src_obj = PackSource(root)
     elif any((root / b).is_file() for names in CIFAR_SPLITS.values() for b in names):
         src_obj = CifarSource(root, split or "train")
+    elif specs or is_sidecar_folder(root):
+        src_obj = SidecarSource(root, specs)
     else:
         src_obj = ImageFolderSource(root, map_fn=map_fn)
+    if specs and src_obj.kind not in ("list", "sidecar"):
+        raise UsageError(f"--fields applies to list files and sidecar folders; {root} is a {src_obj.kind} source")
     if split is not None and src_obj.kind != "cifar":
         raise UsageError(f"--split applies to CIFAR batch directories only; {root} is a {src_obj.kind} source")
     if not src_obj.refs:
