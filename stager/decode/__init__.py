@@ -7,6 +7,7 @@ Public API (the loader calls these per sample)::
     decode_random_resized_crop(data, size, rng, scale=(0.08, 1.0), ratio=(3/4, 4/3), flip=True)
         -> (size, size, 3) uint8                    # torchvision RandomResizedCrop + RandomHorizontalFlip
     decode_center_crop(data, size, resize=None) -> (size, size, 3) uint8   # Resize(round(size/0.875)) + CenterCrop
+    decode_clip_random_resized_crop(frames, size, rng, ...) -> (T, size, size, 3) uint8   # one crop + flip for T frames
     backend() -> str                                # the backend in use, e.g. "simplejpeg+cv2"
 
 All arrays are C-contiguous RGB uint8 whatever the input (gray, CMYK, palette, alpha). Undecodable
@@ -29,7 +30,7 @@ import numpy as np
 
 from stager.decode.base import Decoder, Probe
 from stager.decode.crop import check_crop_args, default_resize, random_resized_crop_box
-from stager.errors import UsageError
+from stager.errors import CorruptSampleError, UsageError
 
 __all__ = [
     "BACKENDS",
@@ -37,6 +38,7 @@ __all__ = [
     "Probe",
     "backend",
     "decode_center_crop",
+    "decode_clip_random_resized_crop",
     "decode_random_resized_crop",
     "decode_rgb",
     "default_decoder",
@@ -165,6 +167,44 @@ def decode_random_resized_crop(  # noqa: PLR0917 (positional signature fixed by 
     do_flip = flip and rng.random() < 0.5
     out = dec.crop_resize(data, probe, box, int(size))
     return dec.flip(out) if do_flip else out
+
+
+def decode_clip_random_resized_crop(  # noqa: PLR0917 (the same positional signature as decode_random_resized_crop)
+    frames: Sequence[bytes | bytearray | memoryview],
+    size: int,
+    rng: np.random.Generator,
+    scale: Sequence[float] = (0.08, 1.0),
+    ratio: Sequence[float] = (3 / 4, 4 / 3),
+    flip: bool = True,
+    *,
+    decoder: Decoder | None = None,
+) -> np.ndarray:
+    """:func:`decode_random_resized_crop` for a clip: one box and one flip coin, drawn from ``rng``
+    exactly as there (so frame 0 is what that function gives for the same generator state), applied
+    to every frame. Returns ``(T, size, size, 3)`` uint8, C-contiguous.
+
+    All frames must have the first frame's size (a pack's sequence does): raises
+    :class:`~stager.errors.CorruptSampleError` otherwise. Each frame still has its own header probed
+    (its layout, not its size, may differ) and is decoded only as far as the box needs.
+    """
+    check_crop_args(size, scale, ratio)
+    dec = decoder or _Default.get()
+    datas = [_as_bytes(d) for d in frames]
+    if not datas:
+        raise UsageError("a clip needs at least one frame")
+    first = dec.probe(datas[0])
+    box = random_resized_crop_box(first.height, first.width, rng, scale, ratio)
+    do_flip = flip and rng.random() < 0.5
+    out = np.empty((len(datas), int(size), int(size), 3), np.uint8)
+    for i, data in enumerate(datas):
+        probe = first if i == 0 else dec.probe(data)
+        if (probe.height, probe.width) != (first.height, first.width):
+            raise CorruptSampleError(f"frame {i} is {probe.height}x{probe.width} but frame 0 is "
+                                     f"{first.height}x{first.width}: a clip's frames share one size")
+        out[i] = dec.crop_resize(data, probe, box, int(size))
+    if do_flip:  # the T frames' rows as one (T*size, size, 3) image: one mirror call for the clip
+        out = dec.flip(out.reshape(-1, int(size), 3)).reshape(out.shape)
+    return out
 
 
 def decode_center_crop(

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import mmap
 import os
+import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -365,6 +366,10 @@ class ShardAccess:
         return buf
 
     def close(self) -> None:
+        if os is None or sys.meta_path is None:
+            # A generator finalised at interpreter exit (an unfinished iterator without workers):
+            # module globals are already gone, and the OS releases the files and mappings anyway.
+            return
         if self._pid == os.getpid():
             for h in self._handles.values():
                 _close_handle(h)  # a mapping is unmapped when the last payload slice handed out dies

@@ -5,8 +5,8 @@
 from its ``clip/seq`` and ``clip/frame`` columns (:class:`~stager.order.windows.Windows`). A worker
 then reads frames and hands each window's T payloads, in frame order, to :class:`ClipFn`, which
 returns one ``(T, H, W, 3)`` uint8 array: ``transform="train"`` draws one random-resized crop and one
-flip per clip and applies them to every frame (each frame's draw replays the same seeded
-generator, so the fast decoder's crop path is used as is); ``"eval"`` center-crops every frame;
+flip per clip and applies them to every frame (``stager.decode.decode_clip_random_resized_crop``:
+one draw, each frame decoded only as far as the box needs); ``"eval"`` center-crops every frame;
 ``None`` gives the frames at their stored size; a callable gets the ``(T, H, W, 3)`` array and the
 generator. :func:`clip_meta` adds ``sequence`` (list[str]) and ``start_frame`` (int64 (B,)) to a batch.
 """
@@ -57,8 +57,12 @@ class ClipFn:
     def __call__(self, payloads: list[Any], rng: np.random.Generator) -> np.ndarray:
         t = self.transform
         if t == "train":
-            # One crop and flip for the clip: every frame replays the same generator state.
-            state = int(rng.integers(0, 2**63 - 1))
+            # One crop geometry and one flip for the whole clip, drawn once (decoded frame by frame
+            # as far as the box needs, straight into one (T, S, S, 3) array).
+            mod = self.train_fn._decoder()
+            if mod and self.train_fn.kind == "encoded":
+                return mod.decode_clip_random_resized_crop(payloads, self.train_fn.size, rng)
+            state = int(rng.integers(0, 2**63 - 1))  # fallbacks: every frame replays one generator state
             frames = [self.train_fn(p, np.random.default_rng(state)) for p in payloads]
         elif t == "eval":
             frames = [self.frame_fn(p, rng) for p in payloads]

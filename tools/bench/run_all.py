@@ -50,6 +50,10 @@ SUITE: dict[str, tuple[str, list[str], list[str], str]] = {
                ["--rec", "200", "--lmdb", "2000", "--rounds", "1"], "legacy.md"),
     "objstore": ("bench_objstore.py", [], ["--shards", "4", "--shard-mb", "4", "--images", "200", "--rounds", "1"],
                  "objstore.md"),
+    # PyAV writes the H.264 videos; DALI's CPU readers.sequence is compared where nvidia-dali imports.
+    "clips": ("bench_clips.py", ["--rounds", "5"],
+              ["--sequences", "3", "--frames", "60", "--rounds", "1", "--batches", "4", "--skip", "1",
+               "--seconds", "0"], "clips.md"),
 }
 
 

@@ -24,6 +24,8 @@ open(sys.argv[1], "w").write("\n".join(pins) + "\n")
 PY
 echo "setup_peers: constraints: $(tr '\n' ' ' < "$CON")"
 "$PY" -m pip install -q --no-deps "mosaicml-streaming" "litdata" "webdataset>=0.2.90"
+# bench_clips: PyAV (H.264 writing, the seeking baseline) and DALI's CPU readers.sequence (~0.4 GB).
+"$PY" -m pip install -q -c "$CON" "av>=12" "nvidia-dali-cuda120>=1.30"
 # Runtime needs found with trial imports (`import streaming; from streaming import MDSWriter`,
 # `from litdata import optimize`); network/cloud clients are imported lazily by both and skipped.
 "$PY" -m pip install -q -c "$CON" zstd brotli python-snappy tqdm catalogue lightning-utilities filelock \
