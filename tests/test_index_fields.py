@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 
 from stager.index import IndexOptions, index_dataset
+from stager.index.api import rescan_shard
 from stager.loader import make_loader
 from stager.loader.fields import eval_geometry
-from stager.manifest import load_manifest
+from stager.manifest import Ragged, ShardInfo, load_manifest
 from stager.pack.api import pack
 from stager.verify import verify
 from tools.datagen import make_shapes
@@ -73,6 +74,16 @@ def test_webdataset_tar_with_several_members_per_key(shapes: Path, tmp_path: Pat
         o, s = int(cols["field/mask/offset"][i]), int(cols["field/mask/size"][i])
         assert data[shard.name][o : o + s] == (shapes / r["mask"]).read_bytes()
     assert verify(d, deep=True).ok
+    # verify --deep's re-scan compares the field columns: an index whose boxes differ from the shard's
+    info = m.shards[0]
+    cols = dict(info.columns)
+    boxes = cols["field/boxes"]
+    assert isinstance(boxes, Ragged)
+    cols["field/boxes"] = Ragged(boxes.values + 1, boxes.starts)
+    tampered = ShardInfo(info.name, info.bytes, info.hash, list(info.keys), info.labels, info.offsets, info.sizes,
+                         columns=cols)
+    assert rescan_shard(str(d / info.name), info, m) is None
+    assert "field/boxes differs" in (rescan_shard(str(d / info.name), tampered, m) or "")
     _check_loader(d, len(rows))
     b = next(iter(make_loader(str(d), 3, transform="eval", image_size=32, fields=["meta"], shuffle=False)))
     assert [x["id"] for x in b["meta"]] == [0, 1, 2]
@@ -320,3 +331,27 @@ def test_dali_reads_record_fields(shapes: Path, tmp_path: Path) -> None:
         got = np.stack([np.array(b[i]) for b in bbox], axis=1) * np.float32([w, h, w, h])
         np.testing.assert_allclose(got, np.asarray(r["boxes"], np.float32).reshape(-1, 4), atol=1e-2)
         assert np.array(labels[i]).tolist() == r["box_labels"]
+
+
+def test_zarr_pack_converts_with_its_fields(shapes: Path, tmp_path: Path) -> None:
+    """zarr -> tar: the decoded masks come back as PNG members equal to the stored rows."""
+    import zarr
+    from PIL import Image
+    from zarr.storage import ZipStore
+
+    pack(shapes / "train.jsonl", tmp_path / "z", "zarr", fields=FIELDS, resize=(40, 40), samples_per_shard=7)
+    pack(tmp_path / "z", tmp_path / "t", "tar")
+    z, t = load_manifest(tmp_path / "z" / "manifest.json"), load_manifest(tmp_path / "t" / "manifest.json")
+    assert t.fields == z.fields
+    stored = {}
+    for info in z.shards:
+        g = zarr.open_group(ZipStore(str(tmp_path / "z" / info.name), mode="r"), mode="r")
+        stored.update(zip(g.attrs["keys"], g["fields/mask/rows"][:], strict=True))
+    cols = t.extra_columns()
+    raw = {s.name: (tmp_path / "t" / s.name).read_bytes() for s in t.shards}
+    ends = np.cumsum([s.samples for s in t.shards])
+    for i, key in enumerate(t.keys):
+        shard = t.shards[int(np.searchsorted(ends, i, side="right"))]
+        o, s = int(cols["field/mask/offset"][i]), int(cols["field/mask/size"][i])
+        with Image.open(__import__("io").BytesIO(raw[shard.name][o : o + s])) as im:
+            np.testing.assert_array_equal(np.asarray(im), stored[key])

@@ -84,11 +84,11 @@ class PackSource(Source):
             for i, data, pos in zip(idxs, payloads, positions, strict=True):
                 r = refs[i]
                 meta = {"source": self.rel_of(r)}
+                values = self._field_values(si, pos) if self.fields else {}
                 if isinstance(data, np.ndarray):
-                    out[i] = Sample(r.key, r.label, data, "png", meta)
+                    out[i] = Sample(r.key, r.label, data, "png", meta, values)
                 else:
                     b = bytes(data)
-                    values = self._field_values(si, pos) if self.fields else {}
                     out[i] = Sample(r.key, r.label, b, sniff_ext(b) or "bin", meta, values)
         return out
 
@@ -103,6 +103,10 @@ class PackSource(Source):
                 out[s.name] = np.array(cols[values_column(s.name)][gid])
                 continue
             off, size = int(cols[offset_column(s.name)][gid]), int(cols[size_column(s.name)][gid])
+            if self.manifest.sample_kind == "decoded":  # zarr: a decoded row, or bytes of its data array
+                reader: Any = self._reader(si)  # a ZarrReader
+                out[s.name] = _encoded(reader.read_field(s.kind, s.name, off, size))
+                continue
             fd = self._fds.get(si)
             if fd is None:
                 fd = self._fds[si] = os.open(path, os.O_RDONLY)
@@ -136,3 +140,16 @@ class PackSource(Source):
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+
+
+def _encoded(value: Any) -> bytes:
+    """A field value as the bytes writers store: a zarr pack's decoded mask or image row as PNG."""
+    if not isinstance(value, np.ndarray):
+        return bytes(value)
+    import io  # noqa: PLC0415 (only here)
+
+    from PIL import Image  # noqa: PLC0415 (PIL only where a decoded field is re-encoded)
+
+    buf = io.BytesIO()
+    Image.fromarray(value).save(buf, format="PNG", compress_level=1)
+    return buf.getvalue()
