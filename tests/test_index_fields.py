@@ -186,14 +186,19 @@ def test_parquet_with_several_columns(shapes: Path, tmp_path: Path) -> None:
                   "mask": pa.array([(shapes / r["mask"]).read_bytes() for r in rows], pa.binary()),
                   "boxes": [r["boxes"] for r in rows], "box_labels": [r["box_labels"] for r in rows],
                   "caption": [f"row {i}" for i in range(len(rows))]})
-    pq.write_table(t, d / "train.parquet", row_group_size=5, compression="none")
+    pq.write_table(t.slice(0, 7), d / "a.parquet", row_group_size=5, compression="none")
+    # b: images snappy-compressed (read by rows through pyarrow), the mask column stored plain
+    pq.write_table(t.slice(7), d / "b.parquet", row_group_size=3,
+                   compression={"image": "snappy", "mask": "none", "boxes": "snappy", "box_labels": "snappy",
+                                "caption": "snappy"})
     m = load_manifest(index_dataset(d, options=IndexOptions(label_key="none")).manifest_path)
     assert {f["name"]: f["kind"] for f in m.fields} == {"mask": "mask", "boxes": "boxes", "box_labels": "box_labels"}
     cols = m.extra_columns()
-    raw = (d / "train.parquet").read_bytes()
+    assert [s.extents for s in m.shards] == ["bytes", "rows"]
+    raw = {s.name: (d / s.name).read_bytes() for s in m.shards}
     for i, r in enumerate(rows):
         o, s = int(cols["field/mask/offset"][i]), int(cols["field/mask/size"][i])
-        assert raw[o : o + s] == (shapes / r["mask"]).read_bytes()
+        assert raw["a.parquet" if i < 7 else "b.parquet"][o : o + s] == (shapes / r["mask"]).read_bytes()
         np.testing.assert_allclose(cols["field/boxes"][i], np.asarray(r["boxes"], np.float32).reshape(-1, 4))
     assert verify(d, deep=True).ok
     _check_loader(d, len(rows))  # the mask is one more read at its extent (not beside the image)

@@ -335,6 +335,19 @@ class ShardAccess:
         hdf5 and parquet keep each field in its own dataset or column, :mod:`stager.loader.fields`)."""
         if self.mapped:
             return bytes(self.mapping(shard)[start : start + size])
+        held = self._handles.get(shard)
+        if self._local is not None and held is not None and not isinstance(held, int):
+            # The shard is held as a format reader (compressed parquet image pages, read by rows):
+            # the field's bytes, stored uncompressed, are one pread on a descriptor of their own.
+            fd = self._open_fd(shard)
+            try:
+                buf = os.pread(fd, size, start)
+            finally:
+                os.close(fd)
+            if len(buf) != size:
+                raise VerificationError(f"{self._path(shard)}: short read ({len(buf)} of {size} bytes at offset "
+                                        f"{start}); the shard is truncated: run `stager verify`")
+            return buf
         return self._read_span(shard, start, start + size)
 
     def read_field(self, shard: int, spec: Any, start: int, size: int) -> Any:
