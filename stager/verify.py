@@ -36,6 +36,7 @@ from stager.fs.open import filesystem, local_path_of
 from stager.fs.remote import RemoteFile, stream_to
 from stager.index import rescan_shard
 from stager.manifest import Manifest, ShardInfo, dataset_root, load_manifest, shard_root
+from stager.manifest.fields import offset_column, size_column, values_column
 
 READ_BATCH = 256  # samples compared per reader.read() call in deep mode
 REMOTE_BLOCK = 8 << 20  # bytes per ranged GET when hashing a remote file
@@ -122,6 +123,10 @@ def _deep_check(root: str, info: ShardInfo, m: Manifest) -> str | None:
             size = s.data.size if isinstance(s.data, np.ndarray) else len(s.data)
             if size != int(info.sizes[n]):
                 return f"sample {n} ({s.key}): {size} bytes, index says {int(info.sizes[n])}"
+            if s.fields:
+                err = _check_fields(s.fields, n, info, os.path.join(root, info.name))
+                if err:
+                    return f"sample {n} ({s.key}): {err}"
             pending.append(s.data)
             n += 1
             if len(pending) == READ_BATCH:
@@ -139,6 +144,25 @@ def _deep_check(root: str, info: ShardInfo, m: Manifest) -> str | None:
         return f"unreadable sample ({exc})"
     finally:
         reader.close()
+    return None
+
+
+def _check_fields(fields: dict[str, Any], n: int, info: ShardInfo, path: str) -> str | None:
+    """The fields a reader parsed (tar members) against the index: byte fields' bytes at their extents,
+    ragged fields' values (docs/fields.md)."""
+    cols = info.columns
+    for name, value in fields.items():
+        ragged = cols.get(values_column(name))
+        if ragged is not None:
+            want = np.asarray(ragged[n])
+            if want.shape != np.shape(value) or not np.allclose(want, value, rtol=1e-6, atol=1e-4):
+                return f"field {name!r} differs from the index"
+            continue
+        off, size = int(cols[offset_column(name)][n]), int(cols[size_column(name)][n])
+        with open(path, "rb") as f:
+            at = os.pread(f.fileno(), size, off)
+        if at != bytes(value):
+            return f"field {name!r}: the index's extent {off}+{size} does not hold the parsed bytes"
     return None
 
 

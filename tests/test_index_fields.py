@@ -360,3 +360,18 @@ def test_zarr_pack_converts_with_its_fields(shapes: Path, tmp_path: Path) -> Non
         o, s = int(cols["field/mask/offset"][i]), int(cols["field/mask/size"][i])
         with Image.open(__import__("io").BytesIO(raw[shard.name][o : o + s])) as im:
             np.testing.assert_array_equal(np.asarray(im), stored[key])
+
+
+def test_verify_deep_checks_a_tar_packs_fields(shapes: Path, tmp_path: Path) -> None:
+    """verify --deep parses the tar and compares each sample's field members with the index."""
+    pack(shapes / "train.jsonl", tmp_path / "t", "tar", fields=FIELDS, samples_per_shard=6)
+    assert verify(tmp_path / "t", deep=True).ok
+    m = load_manifest(tmp_path / "t" / "manifest.json")
+    info = m.shards[0]
+    cols = dict(info.columns)
+    cols["field/mask/offset"] = np.asarray(cols["field/mask/offset"]) + 1
+    bad = ShardInfo(info.name, info.bytes, info.hash, list(info.keys), info.labels, info.offsets, info.sizes,
+                    columns=cols)
+    from stager.verify import _deep_check
+
+    assert "field 'mask'" in (_deep_check(str(tmp_path / "t"), bad, m) or "")
