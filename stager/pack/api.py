@@ -128,6 +128,7 @@ def pack(
     stripe_count: int | None = None,
     stripe_size: int | None = None,
     split: str | None = None,
+    tar_json: bool = False,
     storage_options: dict[str, Any] = {},  # noqa: B006 - never mutated (PackOptions copies it)
 ) -> PackResult:
     """Pack ``src`` into ``format`` shards under ``out`` (see the module docstring and docs/pack.md).
@@ -159,6 +160,7 @@ def pack(
         stripe_count=stripe_count,
         stripe_size=stripe_size,
         split=split,
+        tar_json=tar_json,
         storage_options=storage_options,
     )
     with _worker_pool(options.workers) as pool, PackRun(out, options, pool, started) as run:

@@ -2,15 +2,18 @@
 
 The source's samples are ordered by a seeded permutation (``stager.order.streams.pack_order(seed)``)
 unless ``keep_order``, and cut into shards by ``samples_per_shard`` and/or ``shard_size`` bytes
-(estimated from source sizes; a shard ends before the sample that would exceed either limit, and
-holds at least one). Each shard gets a fingerprint over its index, name, samples' keys, labels,
-source sizes and mtimes, the format, the classes and the output-affecting options
-(:func:`fingerprinted_options`); the plan fingerprint covers them all, so a rerun knows which
-completed shards it may keep.
+(a shard ends before the sample that would exceed either limit, and holds at least one). Bytes are
+shard *file* bytes: each format that implements :class:`~stager.formats.base.SizedFormat` says what a
+sample takes on disk (headers, padding, framing, metadata) and what every shard file has besides
+(:func:`shard_costs`); files that pass through unchanged give exact sizes for tar and record.
+
+Each shard gets a fingerprint over its index, name, samples' keys, labels, source sizes and mtimes,
+the format, the classes and the output-affecting options (:func:`fingerprinted_options`); the plan
+fingerprint covers them all, so a rerun knows which completed shards it may keep.
 
 Shapes: ``PackPlan.shards`` in shard order (``index`` 0..n-1), each ``PlannedShard.refs`` in write
-order; every listed sample is in exactly one shard; ``est_bytes`` sums source sizes (the exact
-payload when files pass through unchanged).
+order; every listed sample is in exactly one shard; ``est_bytes`` is the shard file's estimated
+bytes (exact for tar/record when files pass through unchanged).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import xxhash
 
+from stager.formats import get_format
+from stager.formats.base import SizeInputs
 from stager.order import streams
 
 if TYPE_CHECKING:
@@ -97,6 +102,45 @@ def cut_shards(sizes: np.ndarray, *, samples_per_shard: int | None, shard_size: 
     return runs
 
 
+def _ext_of_suffix(suffix: str) -> str:
+    """The extension a file with the text after its last ``.`` as ``suffix`` is stored under."""
+    if not suffix or "/" in suffix or len(suffix) > 16:  # no extension at all
+        return "jpg"
+    ext = suffix.lower()
+    return "jpg" if ext == "jpeg" else ext
+
+
+def shard_costs(
+    keys: Sequence[str],
+    labels: np.ndarray,
+    sizes: np.ndarray,
+    locators: Sequence[Any],
+    options: PackOptions,
+    *,
+    classes: Sequence[str],
+    image_shape: tuple[int, int, int] | None,
+) -> tuple[np.ndarray, int]:
+    """``(each sample's bytes in a shard file, fixed bytes per shard file)`` for ``options.format``.
+
+    From the format's :meth:`~stager.formats.base.SizedFormat.disk_bytes` where it has one, else the
+    source sizes and nothing fixed (payload bytes, the old estimate).
+    """
+    fmt = get_format(options.format)
+    disk_bytes = getattr(fmt, "disk_bytes", None)
+    if disk_bytes is None:
+        return sizes, 0
+    cache: dict[str, str] = {}
+    exts = []
+    for loc in locators:  # one lower() per distinct suffix, not per sample
+        suffix = loc.rpartition(".")[2] if isinstance(loc, str) else ""
+        ext = cache.get(suffix)
+        if ext is None:
+            ext = cache[suffix] = _ext_of_suffix(suffix)
+        exts.append(ext)
+    inputs = SizeInputs(keys, labels, sizes, exts, classes, image_shape, {"json_member": options.tar_json})
+    return disk_bytes(inputs)
+
+
 def _digest(obj: Any) -> str:
     return xxhash.xxh3_128_hexdigest(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode())
 
@@ -111,6 +155,8 @@ def fingerprinted_options(options: PackOptions, image_shape: tuple[int, int, int
         "quality": options.quality,
         "hash_algo": options.hash_algo,
         "image_shape": list(image_shape) if image_shape else None,
+        "tar_json": options.tar_json,
+        "cut": "file-bytes",  # shards are cut at file bytes (shard_costs), no longer at payload bytes
     }
 
 
@@ -134,13 +180,16 @@ def plan_shards(
     ordered = [refs[i] for i in order.tolist()]
     # Columns of the ordered refs, transposed at C speed (SampleRef is a tuple); the fingerprints
     # hash them per shard as whole columns rather than one formatted line per sample.
-    keys, labels, _, sizes_t, mtimes = zip(*ordered, strict=True) if ordered else ((),) * 5
+    keys, labels, locators, sizes_t, mtimes = zip(*ordered, strict=True) if ordered else ((),) * 5
     sizes = np.asarray(sizes_t, dtype=np.int64)
     labels_a = np.asarray(labels, dtype=np.int64)
     mtimes_a = np.asarray(mtimes, dtype=np.int64)
     base = _digest({"format": fmt_name, "classes": list(classes), "options": fp_options})
     shards = []
-    cuts = cut_shards(sizes, samples_per_shard=options.samples_per_shard, shard_size=options.shard_size)
+    costs, fixed = shard_costs(keys, labels_a, sizes, locators, options, classes=classes, image_shape=image_shape)
+    limit = None if options.shard_size is None else max(options.shard_size - fixed, 1)
+    cuts = cut_shards(costs, samples_per_shard=options.samples_per_shard, shard_size=limit)
+    cum = np.concatenate(([0], np.cumsum(costs)))
     for idx, (a, b) in enumerate(cuts):
         name = shard_name(idx)
         h = xxhash.xxh3_128()
@@ -148,7 +197,7 @@ def plan_shards(
         h.update(json.dumps(keys[a:b]).encode())
         for col in (labels_a, sizes, mtimes_a):
             h.update(col[a:b].tobytes())
-        shards.append(PlannedShard(idx, name, tuple(ordered[a:b]), int(sizes[a:b].sum()), h.hexdigest()))
+        shards.append(PlannedShard(idx, name, tuple(ordered[a:b]), int(cum[b] - cum[a]) + fixed, h.hexdigest()))
     fp = _digest({"base": base, "shards": [s.fingerprint for s in shards]})
     return PackPlan(fmt_name, shards, fp, fp_options)
 
@@ -158,7 +207,7 @@ def format_plan(plan: PackPlan, out: str, limit: int = 20) -> str:
     buf = io.StringIO()
     buf.write(
         f"plan: {len(plan.shards)} {plan.format} shards, {plan.samples} samples, "
-        f"~{plan.est_bytes / 1e6:,.1f} MB (source sizes) -> {out} [plan {plan.fingerprint[:16]}]\n"
+        f"~{plan.est_bytes / 1e6:,.1f} MB (shard files) -> {out} [plan {plan.fingerprint[:16]}]\n"
     )
     for s in plan.shards[:limit]:
         buf.write(f"  {s.name:<28} {len(s.refs):>8} samples {s.est_bytes / 1e6:>10,.1f} MB\n")

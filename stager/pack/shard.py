@@ -140,6 +140,7 @@ def write_shard(job: ShardJob, source: Source, progress: Progress | None = None)
             keys_checked=job.keys_checked,
             hasher=hasher,
             writeback=True,
+            json_member=opts.tar_json,
         )
         write_samples(writer, sh.refs, source, job, rows, progress=progress)
         companions = writer.close()

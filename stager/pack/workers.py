@@ -316,7 +316,12 @@ def _run_segment(task: SegmentTask) -> SegmentDone:
     rows = SampleRows()
     published = False
     try:
-        w = fmt.open_fragment(shard_name=job.shard.name, classes=list(job.classes), keys_checked=job.keys_checked)
+        w = fmt.open_fragment(
+            shard_name=job.shard.name,
+            classes=list(job.classes),
+            keys_checked=job.keys_checked,
+            json_member=job.options.tar_json,
+        )
         write_samples(w, refs, _WORKER.source_for(jf), job, rows, progress=None)
         buf = w.take()
         start = _wait_slot(slots, slot)
