@@ -129,19 +129,24 @@ def sample_disk_bytes(inputs: SizeInputs) -> tuple[np.ndarray, int]:
     plus the 16 bytes of framing."""
     sizes = inputs.sizes.astype(np.int64, copy=False)
     classes = inputs.classes
-    heads: dict[int, int] = {}
-    for label in np.unique(inputs.labels).tolist():
+    uniq, which = np.unique(inputs.labels, return_inverse=True)
+    heads = []
+    for label in uniq.tolist():  # the label and class-name entries, once per label
         cls = classes[label] if 0 <= label < len(classes) else ""
         packed = varint(label & 0xFFFFFFFFFFFFFFFF)
-        heads[label] = len(_entry(K_LABEL, 0x1A, b"\x0a" + varint(len(packed)) + packed)) + len(
-            _bytes_entry(K_TEXT, cls.encode()))
-    head = np.asarray([heads[x] for x in inputs.labels.tolist()], dtype=np.int64)
+        heads.append(len(_entry(K_LABEL, 0x1A, b"\x0a" + varint(len(packed)) + packed)) + len(
+            _bytes_entry(K_TEXT, cls.encode())))
+    head = np.asarray(heads, dtype=np.int64)[which.reshape(-1)]
     blist = 1 + varint_lengths(sizes) + sizes
     feat = 1 + varint_lengths(blist) + blist
     inner = 2 + len(varint(len(K_ENCODED))) + len(K_ENCODED) + varint_lengths(feat) + feat
     encoded = 1 + varint_lengths(inner) + inner
-    fmts = {e: len(image_format(e)) for e in set(inputs.exts)}
-    fmt_len = np.asarray([fmts[e] for e in inputs.exts], dtype=np.int64)
+    kinds = set(inputs.exts)
+    if len(kinds) == 1:
+        fmt_len = np.full(len(sizes), len(image_format(kinds.pop())), dtype=np.int64)
+    else:
+        fmts = {e: len(image_format(e)) for e in kinds}
+        fmt_len = np.asarray([fmts[e] for e in inputs.exts], dtype=np.int64)
     tail = _bytes_entry_lengths(len(K_FILENAME), ascii_lengths(inputs.keys)) + _bytes_entry_lengths(
         len(K_FORMAT), fmt_len)
     body = head + encoded + tail

@@ -265,9 +265,12 @@ def sample_disk_bytes(inputs: SizeInputs) -> tuple[np.ndarray, int]:
     sizes = inputs.sizes.astype(np.int64, copy=False)
     keys = inputs.keys
     out = 3 * BLOCK + _padded(sizes)  # image header, .cls header + data block
-    nk = ascii_lengths(keys)
-    plain = "".join(keys).isascii()
-    odd = np.flatnonzero(nk > 95).tolist() if plain else range(len(keys))
+    if not "".join(keys).isascii():
+        odd: Sequence[int] = range(len(keys))
+    elif max(map(len, keys), default=0) <= 95:  # every name fits the name field (the usual case)
+        odd = []
+    else:
+        odd = np.flatnonzero(ascii_lengths(keys) > 95).tolist()
     for i in odd:  # names too long for the name field, or not ASCII: exact headers
         key, ext, size = keys[i], inputs.exts[i], int(sizes[i])
         out[i] = len(member_header(f"{key}.{ext}", size)) + -(-size // BLOCK) * BLOCK

@@ -21,7 +21,9 @@ from __future__ import annotations
 import io
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import repeat
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -43,6 +45,9 @@ class PlannedShard:
     refs: tuple[SampleRef, ...]
     est_bytes: int
     fingerprint: str
+    # Where ``refs`` sit in the source's listing (int64, write order), so that the pack workers get
+    # the listing as columns in source order plus these positions, not millions of shuffled tuples.
+    positions: np.ndarray | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass
@@ -86,28 +91,50 @@ def cut_shards(sizes: np.ndarray, *, samples_per_shard: int | None, shard_size: 
     A run ends before the item that would make it exceed ``samples_per_shard`` items or
     ``shard_size`` bytes; every run holds at least one item (an oversized item is a shard alone).
     """
+    n = len(sizes)
+    cum = np.cumsum(sizes, dtype=np.int64)
     runs: list[tuple[int, int]] = []
-    start, acc = 0, 0
-    for i, sz in enumerate(sizes.tolist()):
-        n = i - start
-        if n and (
-            (samples_per_shard is not None and n >= samples_per_shard)
-            or (shard_size is not None and acc + sz > shard_size)
-        ):
-            runs.append((start, i))
-            start, acc = i, 0
-        acc += sz
-    if start < len(sizes):
-        runs.append((start, len(sizes)))
+    start, base = 0, 0
+    while start < n:  # one binary search per run, not one Python step per item
+        stop = n
+        if shard_size is not None:  # items [start, stop) while their sum stays <= shard_size
+            stop = int(np.searchsorted(cum, base + shard_size, side="right"))
+        if samples_per_shard is not None:
+            stop = min(stop, start + samples_per_shard)
+        stop = max(stop, start + 1)
+        runs.append((start, stop))
+        base = int(cum[stop - 1])
+        start = stop
     return runs
 
 
 def _ext_of_suffix(suffix: str) -> str:
     """The extension a file with the text after its last ``.`` as ``suffix`` is stored under."""
-    if not suffix or "/" in suffix or len(suffix) > 16:  # no extension at all
+    if not suffix.isalnum() or len(suffix) > 16:  # no extension at all (a CIFAR/pack locator, a dir)
         return "jpg"
     ext = suffix.lower()
     return "jpg" if ext == "jpeg" else ext
+
+
+def _exts_of(locators: Sequence[Any]) -> list[str]:
+    """The extension each locator's file is stored under (:func:`_ext_of_suffix`), at C speed when
+    they all share one suffix (the usual case: ~0.05 s for 1.28M paths instead of ~0.6 s)."""
+    if not locators:
+        return []
+    first = locators[0]
+    if isinstance(first, str):
+        suffix = first.rpartition(".")[2]
+        if suffix.isalnum() and all(map(str.endswith, locators, repeat("." + suffix))):
+            return [_ext_of_suffix(suffix)] * len(locators)
+    cache: dict[str, str] = {}
+    exts = []
+    for loc in locators:  # one lower() per distinct suffix, not per sample
+        suffix = loc.rpartition(".")[2] if isinstance(loc, str) else ""
+        ext = cache.get(suffix)
+        if ext is None:
+            ext = cache[suffix] = _ext_of_suffix(suffix)
+        exts.append(ext)
+    return exts
 
 
 def shard_costs(
@@ -129,14 +156,7 @@ def shard_costs(
     disk_bytes = getattr(fmt, "disk_bytes", None)
     if disk_bytes is None:
         return sizes, 0
-    cache: dict[str, str] = {}
-    exts = []
-    for loc in locators:  # one lower() per distinct suffix, not per sample
-        suffix = loc.rpartition(".")[2] if isinstance(loc, str) else ""
-        ext = cache.get(suffix)
-        if ext is None:
-            ext = cache[suffix] = _ext_of_suffix(suffix)
-        exts.append(ext)
+    exts = _exts_of(locators)
     inputs = SizeInputs(keys, labels, sizes, exts, classes, image_shape, {"json_member": options.tar_json})
     return disk_bytes(inputs)
 
@@ -177,16 +197,23 @@ def plan_shards(
     fmt_name = options.format
     fp_options = fingerprinted_options(options, image_shape)
     order = plan_order(len(refs), seed=options.seed, keep_order=options.keep_order)
-    ordered = [refs[i] for i in order.tolist()]
-    # Columns of the ordered refs, transposed at C speed (SampleRef is a tuple); the fingerprints
-    # hash them per shard as whole columns rather than one formatted line per sample.
-    keys, labels, locators, sizes_t, mtimes = zip(*ordered, strict=True) if ordered else ((),) * 5
-    sizes = np.asarray(sizes_t, dtype=np.int64)
-    labels_a = np.asarray(labels, dtype=np.int64)
-    mtimes_a = np.asarray(mtimes, dtype=np.int64)
+    order_l = order.tolist()
+    ordered = [refs[i] for i in order_l]
+    # Columns taken at C speed in source order (walking the refs in listing order is ~8x faster
+    # than in shuffled order, and itemgetter ~9x faster than zip(*refs)), then permuted: numbers as
+    # arrays, keys as a list; the fingerprints hash them per shard as whole columns.
+    keys_s, locators_s = (list(map(itemgetter(k), refs)) for k in (0, 2))
+    labels_src, sizes_src, mtimes_src = (
+        np.fromiter(map(itemgetter(k), refs), dtype=np.int64, count=len(refs)) for k in (1, 3, 4)
+    )
+    keys = [keys_s[i] for i in order_l]
+    sizes, labels_a, mtimes_a = sizes_src[order], labels_src[order], mtimes_src[order]
+    costs_src, fixed = shard_costs(
+        keys_s, labels_src, sizes_src, locators_s, options, classes=classes, image_shape=image_shape
+    )
+    costs = costs_src[order]
     base = _digest({"format": fmt_name, "classes": list(classes), "options": fp_options})
     shards = []
-    costs, fixed = shard_costs(keys, labels_a, sizes, locators, options, classes=classes, image_shape=image_shape)
     limit = None if options.shard_size is None else max(options.shard_size - fixed, 1)
     cuts = cut_shards(costs, samples_per_shard=options.samples_per_shard, shard_size=limit)
     cum = np.concatenate(([0], np.cumsum(costs)))
@@ -194,10 +221,13 @@ def plan_shards(
         name = shard_name(idx)
         h = xxhash.xxh3_128()
         h.update(f"{base}\0{idx}\0{name}\0{b - a}\0".encode())
-        h.update(json.dumps(keys[a:b]).encode())
+        part = keys[a:b]
+        h.update("\0".join(part).encode())
+        h.update(np.fromiter(map(len, part), dtype=np.int64, count=len(part)).tobytes())  # unambiguous
         for col in (labels_a, sizes, mtimes_a):
             h.update(col[a:b].tobytes())
-        shards.append(PlannedShard(idx, name, tuple(ordered[a:b]), int(cum[b] - cum[a]) + fixed, h.hexdigest()))
+        est = int(cum[b] - cum[a]) + fixed
+        shards.append(PlannedShard(idx, name, tuple(ordered[a:b]), est, h.hexdigest(), order[a:b]))
     fp = _digest({"base": base, "shards": [s.fingerprint for s in shards]})
     return PackPlan(fmt_name, shards, fp, fp_options)
 
