@@ -28,6 +28,7 @@ from stager.formats import get_format
 from stager.formats.base import Sample
 from stager.fs.atomic import partial_path, space_error
 from stager.manifest import AuxFile, ShardInfo, Strings
+from stager.pack.read_order import load_batches, load_in_fs_order
 from stager.pack.sources.checks import check_encoded, prepare_sample
 from stager.pack.state import ShardDone, Uploader, done_record_path, write_hint
 
@@ -38,7 +39,6 @@ if TYPE_CHECKING:
     from stager.pack.sources.base import SampleRef, Source
     from stager.progress import Progress
 
-LOAD_BATCH = 64  # samples materialised per source call (lets pack sources coalesce reads)
 
 
 class SampleSink(Protocol):
@@ -246,9 +246,9 @@ def write_samples(
     # the error message (naming the file) built only when the check fails.
     passthrough = opts.passes_through(job.target_kind)
     write = writer.write
-    for a in range(0, len(refs), LOAD_BATCH):
-        batch = refs[a : a + LOAD_BATCH]
-        loaded = source.load_many(batch)
+    for a, b in load_batches(refs):  # read in file-system order, written in plan order (read_order.py)
+        batch = refs[a:b]
+        loaded = load_in_fs_order(source, batch)
         nbytes = 0
         before = len(keys)
         for ref, res in zip(batch, loaded, strict=True):
