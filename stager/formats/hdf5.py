@@ -47,12 +47,14 @@ import json
 import os
 import tempfile
 from collections.abc import Iterator, Sequence
-from typing import Any
+from json.encoder import encode_basestring_ascii
+from typing import Any, BinaryIO
 
 import numpy as np
 
 from stager.errors import CorruptSampleError, ShardMissingError, SourceError, StagerError
 from stager.formats.base import Extent, ExtentReader, Sample, SizeInputs, ascii_lengths
+from stager.fs.writeback import start_writeback
 from stager.manifest import Manifest, ShardInfo
 
 FORMAT_VERSION = "stager.hdf5/1"
@@ -117,7 +119,9 @@ def _write_file(path: str, image: bytes) -> None:
         while pos < len(view):
             # os.write may write less than asked (e.g. up to a file size limit); the next call
             # then raises the error.
-            pos += os.write(fd, view[pos : pos + COPY_BLOCK])
+            n = os.write(fd, view[pos : pos + COPY_BLOCK])
+            start_writeback(fd, pos, n)  # the disk starts now, so the caller's fsync is short
+            pos += n
     finally:
         os.close(fd)
 
@@ -149,6 +153,60 @@ def sample_disk_bytes(inputs: SizeInputs) -> tuple[np.ndarray, int]:
     return per, FIXED_BYTES + len(json.dumps(list(inputs.classes)))
 
 
+class _Spool:
+    """Image bytes in write order: a bytearray up to ``SPOOL_MEMORY``, then an anonymous temp file.
+
+    ``SpooledTemporaryFile`` does the same through two Python layers per ``write`` (~4 us a sample,
+    a tenth of the per-sample budget on CIFAR-sized images); this appends in one call.
+    """
+
+    def __init__(self) -> None:
+        self.mem: bytearray | None = bytearray()
+        self.file: BinaryIO | None = None
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        if self.mem is not None:
+            self.mem += data
+            if len(self.mem) > SPOOL_MEMORY:  # roll over: the rest goes to $TMPDIR
+                self.file = tempfile.TemporaryFile(prefix="stager-h5-", suffix=".spool")  # noqa: SIM115
+                self.file.write(self.mem)
+                self.mem = None
+            return len(data)
+        assert self.file is not None
+        return self.file.write(data) or 0
+
+    def blocks(self, total: int) -> Iterator[memoryview | bytes]:
+        """The spooled bytes, in pieces of at most ``COPY_BLOCK``."""
+        if self.mem is not None:
+            view = memoryview(self.mem)
+            for pos in range(0, total, COPY_BLOCK):
+                yield view[pos : pos + COPY_BLOCK]
+            return
+        assert self.file is not None
+        self.file.seek(0)
+        pos = 0
+        while pos < total:
+            block = self.file.read(min(COPY_BLOCK, total - pos))
+            if not block:
+                raise StagerError("hdf5 spool: the temporary file ended early")
+            pos += len(block)
+            yield block
+
+    def close(self) -> None:
+        self.mem = None
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
+def _meta_json(meta: dict[str, Any]) -> str:
+    """``json.dumps(meta, sort_keys=True, separators=(",", ":"))``, directly for ``{"source": str}``
+    (what ``stager pack`` writes: ~8x cheaper)."""
+    if len(meta) == 1 and type(meta.get("source")) is str:
+        return '{"source":' + encode_basestring_ascii(meta["source"]) + "}"
+    return json.dumps(meta, sort_keys=True, separators=(",", ":"))
+
+
 class Hdf5Writer:
     """Writes one HDF5 shard at ``path`` (see the module docstring for the layout)."""
 
@@ -157,9 +215,7 @@ class Hdf5Writer:
         self.shard_name = shard_name
         self.classes = list(classes)
         self._base = images_data_offset()
-        self._spool: tempfile.SpooledTemporaryFile[bytes] | None = tempfile.SpooledTemporaryFile(  # noqa: SIM115
-            max_size=SPOOL_MEMORY, prefix="stager-h5-", suffix=".spool"
-        )
+        self._spool: _Spool | None = _Spool()
         self._bounds: list[int] = [0]
         self._keys: list[str] = []
         self._labels: list[int] = []
@@ -177,7 +233,7 @@ class Hdf5Writer:
                 "use --format zarr for decoded arrays"
             )
         try:
-            meta = json.dumps(sample.meta, sort_keys=True, separators=(",", ":"))
+            meta = _meta_json(sample.meta)
         except (TypeError, ValueError) as exc:
             raise SourceError(f"{sample.key}: sample metadata is not JSON-serialisable ({exc})") from exc
         start = self._bounds[-1]
@@ -207,10 +263,8 @@ class Hdf5Writer:
                         "this HDF5 build lays files out differently: report it with `h5py.version.info`"
                     )
                 images = h5py.Dataset(dsid)
-                spool.seek(0)
                 pos = 0
-                while pos < total:
-                    block = spool.read(min(COPY_BLOCK, total - pos))
+                for block in spool.blocks(total):
                     images[pos : pos + len(block)] = np.frombuffer(block, dtype=np.uint8)
                     pos += len(block)
                 spool.close()  # the image bytes now live in the core buffer: do not hold them twice
