@@ -15,9 +15,11 @@ Two granularities:
   only lists (through the pool), plans, schedules and writes the manifest.
 * **Shards** (other formats): one process writes one whole shard (:func:`stager.pack.shard.write_shard`).
 
-The jobs reach the workers through one pickle file (:class:`JobsFile`, samples as columns) and the
-offsets through a shared memory-mapped file (:class:`Slots`), both in ``.stager-pack/``, so that a
-pool started before the plan existed (to list an ImageFolder) serves the writing as well.
+The jobs reach the workers through one pickle file (:class:`JobsFile`: the jobs and each one's
+samples as positions in the listing), the listing through memory-mapped column files
+(:mod:`stager.pack.columns`) and the offsets through a shared memory-mapped file (:class:`Slots`), all
+in ``.stager-pack/``, so that a pool started before the plan existed (to list an ImageFolder) serves
+the writing as well.
 
 Segmentation depends on ``workers`` only through scheduling: a shard's bytes are the concatenation
 of its samples' members whatever the cut, so the output does not depend on ``workers``.
@@ -38,11 +40,9 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
-from itertools import repeat
-from operator import itemgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, cast
 
@@ -52,6 +52,7 @@ from stager.errors import StagerError
 from stager.formats import get_format
 from stager.fs.atomic import partial_path, space_error
 from stager.fs.writeback import start_writeback
+from stager.pack.columns import Columns
 from stager.pack.plan import cut_shards
 from stager.pack.shard import (
     SampleRows,
@@ -85,70 +86,30 @@ class SegmentAbortedError(Exception):
     """A segment stopped because an earlier one failed (never the error reported to the user)."""
 
 
-class StrColumn:
-    """A column of strings packed as one UTF-8 blob and int64 end offsets: pickling it is two buffer
-    copies, where a list of 1.28M strings costs ~1.5 s to pickle and ~0.4 s to load in each worker."""
-
-    def __init__(self, texts: Sequence[str]) -> None:
-        parts = [t.encode() for t in texts]
-        self.blob = b"".join(parts)
-        self.ends = np.cumsum(np.fromiter(map(len, parts), dtype=np.int64, count=len(parts)))
-
-    def take(self, positions: np.ndarray) -> list[str]:
-        """The strings at ``positions``, in that order."""
-        ends = self.ends
-        starts = np.where(positions > 0, ends[np.maximum(positions - 1, 0)], 0).tolist()
-        blob = self.blob
-        return [blob[a:b].decode() for a, b in zip(starts, ends[positions].tolist(), strict=True)]
-
-
-class Listing(NamedTuple):
-    """A source's samples as the five SampleRef columns, in listing order (see :class:`JobsFile`)."""
-
-    keys: StrColumn
-    labels: np.ndarray
-    locators: StrColumn
-    sizes: np.ndarray
-    mtimes: np.ndarray
-
-    @classmethod
-    def of(cls, refs: Sequence[SampleRef]) -> Listing:
-        n = len(refs)
-        keys, locs = (list(map(itemgetter(k), refs)) for k in (0, 2))
-        labels, sizes, mtimes = (np.fromiter(map(itemgetter(k), refs), dtype=np.int64, count=n) for k in (1, 3, 4))
-        return cls(StrColumn(keys), labels, StrColumn(locs), sizes, mtimes)
-
-    def refs(self, positions: np.ndarray) -> tuple[SampleRef, ...]:
-        """The SampleRefs at ``positions`` (int64), in that order."""
-        cols = (
-            self.keys.take(positions),
-            self.labels[positions].tolist(),
-            self.locators.take(positions),
-            self.sizes[positions].tolist(),
-            self.mtimes[positions].tolist(),
-        )
-        return tuple(map(tuple.__new__, repeat(SampleRef), zip(*cols, strict=True)))
-
-
 @dataclass
 class JobsFile:
     """The jobs as the workers see them, pickled once into ``.stager-pack/workers-<id>.pkl``.
 
-    ``jobs`` have no samples (``shard.refs == ()``); ``listing`` holds every sample once as columns in
-    the source's listing order (a few buffers to pickle, not millions of objects: ~0.3 s for 1.28M
-    samples where shuffled SampleRef tuples took ~4 s) and ``positions[i]`` job ``i``'s samples in
-    write order. ``source`` (without its listing) is there for workers started before the source
-    existed, else None.
+    ``jobs`` have no samples (``shard.refs == ()``); ``listing`` is the stem of the listing's column
+    files (:mod:`stager.pack.columns`: every sample once, in the source's order, memory-mapped by the
+    workers) and ``positions[i]`` job ``i``'s samples in write order, as indices into it. ``source``
+    (without its listing) is there for workers started before the source existed, else None.
     """
 
     jobs: list[ShardJob]
-    listing: Listing
+    listing: str
     positions: list[np.ndarray]
     source: Source | None
+    _columns: Columns | None = field(default=None, repr=False, compare=False)
+
+    def columns(self) -> Columns:
+        if self._columns is None:
+            self._columns = Columns.open(self.listing)
+        return self._columns
 
     def job(self, ji: int, a: int = 0, b: int | None = None) -> tuple[ShardJob, tuple[SampleRef, ...]]:
         """Job ``ji`` and the SampleRefs of its samples ``[a, b)``, rebuilt from the columns."""
-        return self.jobs[ji], self.listing.refs(self.positions[ji][a:b])
+        return self.jobs[ji], self.columns().refs(self.positions[ji][a:b])
 
     def whole_job(self, ji: int) -> ShardJob:
         """Job ``ji`` with all its samples."""
@@ -264,18 +225,20 @@ def _publish_jobs(state_dir: Path, jobs: list[ShardJob], source: Source, *, ship
     light = [dataclasses.replace(j, shard=dataclasses.replace(j.shard, refs=(), positions=None)) for j in jobs]
     planned = [j.shard.positions for j in jobs]
     if all(p is not None and len(p) == len(j.shard.refs) for p, j in zip(planned, jobs, strict=True)):
-        listing = Listing.of(source.refs)
+        columns = Columns.of(source.refs)
         positions = [np.asarray(p, dtype=np.int64) for p in planned]
     else:  # shards planned elsewhere: their own samples, concatenated, are the listing
-        listing = Listing.of([r for j in jobs for r in j.shard.refs])
+        columns = Columns.of([r for j in jobs for r in j.shard.refs])
         ends = np.cumsum([len(j.shard.refs) for j in jobs]).tolist()
         positions = [np.arange(e - len(j.shard.refs), e, dtype=np.int64) for j, e in zip(jobs, ends, strict=True)]
+    stem = str(state_dir / f"listing-{uuid.uuid4().hex[:12]}")
+    columns.save(stem)
     src = None
     if ship_source:
         src = copy.copy(source)
         src.refs = []
     path = state_dir / f"workers-{uuid.uuid4().hex[:12]}.pkl"
-    path.write_bytes(pickle.dumps(JobsFile(light, listing, positions, src), protocol=pickle.HIGHEST_PROTOCOL))
+    path.write_bytes(pickle.dumps(JobsFile(light, stem, positions, src), protocol=pickle.HIGHEST_PROTOCOL))
     return str(path)
 
 
