@@ -21,23 +21,24 @@ Determinism: no object timestamps (``track_times=False``), fixed ``libver=("v110
 open with HDF5 >= 1.10), and the writer lays the file out in a fixed order, so identical samples
 give byte-identical files.
 
-The writer spools image bytes (memory up to 64 MiB, then ``$TMPDIR``) and builds the file in
+The writer writes each image's bytes straight to where they end up in the file, a few MB at a time
+(``pwrite`` at ``images_data_offset() + offset``, with the kernel's writeback started so the disk
+works while samples are read and the final fsync is short), and writes the metadata around them in
 ``close()``: ``write()`` must return each sample's final file offset before the dataset's size is
 known. That works because ``/images`` is created first with early allocation, so its data always
 starts at the same file offset whatever its size; :func:`images_data_offset` measures that offset
 once on an in-memory file and ``close()`` checks the built file agrees.
 
-HDF5 never writes to the shard path. ``close()`` builds the whole file in memory with the "core"
-driver (no backing store), takes its image (``H5Fget_file_image``) and writes that to ``path``
-with plain ``os.write``. Reason: when libhdf5 itself hits a write error (EFBIG under
+HDF5 never writes to the shard path. ``close()`` builds the file's metadata in memory with the
+"core" driver (no backing store; ``/images`` allocated but never written there), takes its image
+(``H5Fget_file_image``) and writes what precedes ``/images`` and everything after it to ``path``
+with plain ``os.pwrite``. Reason: when libhdf5 itself hits a write error (EFBIG under
 ``RLIMIT_FSIZE``, ENOSPC, EDQUOT), h5py/libhdf5 can crash with SIGSEGV while closing the file, so
-a full disk killed ``stager pack`` instead of giving exit 4. Our own ``os.write`` raises a plain
+a full disk killed ``stager pack`` instead of giving exit 4. Our own writes raise a plain
 ``OSError`` that ``stager.pack`` turns into :class:`~stager.errors.OutOfSpaceError`. The core
 driver lays files out exactly like the default POSIX driver, so shards are byte-identical to the
-ones HDF5 wrote directly. Cost: ``close()`` briefly holds about twice the shard file's size in
-memory (the core buffer plus the image copy; the spool is released first), e.g. ~512 MiB for a
-256 MiB shard, and it is released before ``close()`` returns. Use a smaller ``--shard-size`` where
-pack workers are memory-bound.
+ones HDF5 wrote directly. Cost: ``close()`` briefly holds about the shard file's size in memory
+(the core buffer's unwritten ``/images`` region and its image copy), released before it returns.
 """
 
 from __future__ import annotations
@@ -45,10 +46,9 @@ from __future__ import annotations
 import functools
 import json
 import os
-import tempfile
 from collections.abc import Iterator, Sequence
 from json.encoder import encode_basestring_ascii
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 
@@ -60,7 +60,7 @@ from stager.manifest import Manifest, ShardInfo
 FORMAT_VERSION = "stager.hdf5/1"
 LAYOUT = "contiguous-uint8"
 LIBVER = ("v110", "v110")
-SPOOL_MEMORY = 64 << 20  # spool this much image data in memory before using $TMPDIR
+FLUSH_BYTES = 4 << 20  # image bytes buffered before one pwrite
 COPY_BLOCK = 8 << 20  # bytes moved per h5py write / read when building or scanning a shard
 
 
@@ -105,27 +105,6 @@ def images_data_offset() -> int:
     return int(offset)
 
 
-def _write_file(path: str, image: bytes) -> None:
-    """Write ``image`` to ``path`` (created or truncated) with ``os.write``, in COPY_BLOCK pieces.
-
-    Errors (EFBIG, ENOSPC, EDQUOT, EIO) propagate as ``OSError`` for the caller to translate; the
-    caller owns ``path`` (a ``.partial`` name) and removes it on failure. No fsync here: the caller
-    fsyncs while hashing.
-    """
-    view = memoryview(image)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o666)
-    try:
-        pos = 0
-        while pos < len(view):
-            # os.write may write less than asked (e.g. up to a file size limit); the next call
-            # then raises the error.
-            n = os.write(fd, view[pos : pos + COPY_BLOCK])
-            start_writeback(fd, pos, n)  # the disk starts now, so the caller's fsync is short
-            pos += n
-    finally:
-        os.close(fd)
-
-
 def _heap_object(n: np.ndarray) -> np.ndarray:
     """Bytes of a variable-length string of ``n`` bytes: a 16-byte reference in its dataset plus a
     global-heap object (16-byte header, data padded to 8)."""
@@ -153,52 +132,6 @@ def sample_disk_bytes(inputs: SizeInputs) -> tuple[np.ndarray, int]:
     return per, FIXED_BYTES + len(json.dumps(list(inputs.classes)))
 
 
-class _Spool:
-    """Image bytes in write order: a bytearray up to ``SPOOL_MEMORY``, then an anonymous temp file.
-
-    ``SpooledTemporaryFile`` does the same through two Python layers per ``write`` (~4 us a sample,
-    a tenth of the per-sample budget on CIFAR-sized images); this appends in one call.
-    """
-
-    def __init__(self) -> None:
-        self.mem: bytearray | None = bytearray()
-        self.file: BinaryIO | None = None
-
-    def write(self, data: bytes | bytearray | memoryview) -> int:
-        if self.mem is not None:
-            self.mem += data
-            if len(self.mem) > SPOOL_MEMORY:  # roll over: the rest goes to $TMPDIR
-                self.file = tempfile.TemporaryFile(prefix="stager-h5-", suffix=".spool")  # noqa: SIM115
-                self.file.write(self.mem)
-                self.mem = None
-            return len(data)
-        assert self.file is not None
-        return self.file.write(data) or 0
-
-    def blocks(self, total: int) -> Iterator[memoryview | bytes]:
-        """The spooled bytes, in pieces of at most ``COPY_BLOCK``."""
-        if self.mem is not None:
-            view = memoryview(self.mem)
-            for pos in range(0, total, COPY_BLOCK):
-                yield view[pos : pos + COPY_BLOCK]
-            return
-        assert self.file is not None
-        self.file.seek(0)
-        pos = 0
-        while pos < total:
-            block = self.file.read(min(COPY_BLOCK, total - pos))
-            if not block:
-                raise StagerError("hdf5 spool: the temporary file ended early")
-            pos += len(block)
-            yield block
-
-    def close(self) -> None:
-        self.mem = None
-        if self.file is not None:
-            self.file.close()
-            self.file = None
-
-
 def _meta_json(meta: dict[str, Any]) -> str:
     """``json.dumps(meta, sort_keys=True, separators=(",", ":"))``, directly for ``{"source": str}``
     (what ``stager pack`` writes: ~8x cheaper)."""
@@ -215,7 +148,12 @@ class Hdf5Writer:
         self.shard_name = shard_name
         self.classes = list(classes)
         self._base = images_data_offset()
-        self._spool: _Spool | None = _Spool()
+        # Image bytes go straight to their final place in the file (base + offset), a few MB at a
+        # time with the kernel's writeback started, so the disk works while samples are read; close()
+        # adds the metadata around them.
+        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o666)
+        self._buf = bytearray()
+        self._flushed = 0  # image bytes already written to the file
         self._bounds: list[int] = [0]
         self._keys: list[str] = []
         self._labels: list[int] = []
@@ -224,7 +162,7 @@ class Hdf5Writer:
 
     def write(self, sample: Sample) -> Extent:
         """Append ``sample`` (encoded bytes); return where its bytes will sit in the final file."""
-        if self._spool is None:
+        if self._fd is None:
             raise StagerError(f"{self.shard_name}: write() after close()")
         data = sample.data
         if isinstance(data, np.ndarray) or not isinstance(data, (bytes, bytearray, memoryview)):
@@ -237,7 +175,10 @@ class Hdf5Writer:
         except (TypeError, ValueError) as exc:
             raise SourceError(f"{sample.key}: sample metadata is not JSON-serialisable ({exc})") from exc
         start = self._bounds[-1]
-        size = self._spool.write(data)
+        size = len(data)
+        self._buf += data
+        if len(self._buf) >= FLUSH_BYTES:
+            self._flush()
         self._bounds.append(start + size)
         self._keys.append(sample.key)
         self._labels.append(int(sample.label))
@@ -245,11 +186,24 @@ class Hdf5Writer:
         self._meta.append(meta)
         return Extent(self._base + start, size)
 
+    def _flush(self) -> None:
+        """Write the buffered image bytes at their place in the file and start their writeback."""
+        assert self._fd is not None
+        view = memoryview(self._buf)
+        at = self._base + self._flushed
+        done = 0
+        while done < len(view):  # a short write is followed by one that raises the error
+            done += os.pwrite(self._fd, view[done:], at + done)
+        view.release()
+        start_writeback(self._fd, at, done)
+        self._flushed += done
+        self._buf = bytearray()
+
     def close(self) -> list[tuple[str, str]]:
-        """Build the HDF5 file from the spooled samples; no companion files."""
-        if self._spool is None:
+        """Write the HDF5 metadata around the image bytes already in the file; no companion files."""
+        if self._fd is None:
             raise StagerError(f"{self.shard_name}: close() called twice")
-        spool, self._spool = self._spool, None
+        self._flush()
         h5py = _h5py()
         total = self._bounds[-1]
         strings = h5py.string_dtype("utf-8")
@@ -262,12 +216,7 @@ class Hdf5Writer:
                         f"{self.path}: HDF5 placed /images at byte {offset}, expected {self._base}; "
                         "this HDF5 build lays files out differently: report it with `h5py.version.info`"
                     )
-                images = h5py.Dataset(dsid)
-                pos = 0
-                for block in spool.blocks(total):
-                    images[pos : pos + len(block)] = np.frombuffer(block, dtype=np.uint8)
-                    pos += len(block)
-                spool.close()  # the image bytes now live in the core buffer: do not hold them twice
+                # /images is allocated but never written here: its bytes are already in the file.
                 n = len(self._keys)
                 opts: dict[str, Any] = {"track_times": False}
                 f.create_dataset("offsets", data=np.asarray(self._bounds, dtype=np.int64), **opts)
@@ -284,15 +233,29 @@ class Hdf5Writer:
                 # write superblock flag is cleared in the copy); tests/test_formats.py checks that
                 # h5py reads it back and that identical input gives identical bytes.
                 image = f.id.get_file_image()
+            # Everything but the image bytes: what precedes /images and the metadata after it.
+            _write_at(self._fd, memoryview(image)[: self._base if total else len(image)], 0)
+            if total:
+                _write_at(self._fd, memoryview(image)[self._base + total :], self._base + total)
         finally:
-            spool.close()
-        _write_file(self.path, image)
+            os.close(self._fd)
+            self._fd = None
         return []
 
     def abort(self) -> None:
-        if self._spool is not None:
-            self._spool.close()
-            self._spool = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        self._buf = bytearray()
+
+
+def _write_at(fd: int, view: memoryview, offset: int) -> None:
+    """``pwrite`` all of ``view`` at ``offset``, in COPY_BLOCK pieces (errors propagate as OSError)."""
+    done = 0
+    while done < len(view):
+        n = os.pwrite(fd, view[done : done + COPY_BLOCK], offset + done)
+        start_writeback(fd, offset + done, n)
+        done += n
 
 
 def _corrupt(path: str, what: str) -> CorruptSampleError:
