@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -47,14 +48,15 @@ def make_samples(fmt: str, n: int, seed: int = 0) -> list[Sample]:
     return out
 
 
-def write_dataset(fmt: str, out: Path, samples: Sequence[Sample]) -> tuple[Manifest, list[Extent]]:
-    """Write one shard of ``samples`` the way ``stager pack`` does; return the reloaded manifest."""
+def write_dataset(fmt: str, out: Path, samples: Sequence[Sample], **options: Any) -> tuple[Manifest, list[Extent]]:
+    """Write one shard of ``samples`` the way ``stager pack`` does (writer ``options``, e.g. tar's
+    ``json_member``); return the reloaded manifest."""
     f = get_format(fmt)
     out.mkdir(parents=True, exist_ok=True)
     name = f.shard_name(0)
     final = out / name
     tmp = partial_path(final)
-    w = f.open_writer(str(tmp), shard_name=name, classes=CLASSES)
+    w = f.open_writer(str(tmp), shard_name=name, classes=CLASSES, **options)
     try:
         extents = [w.write(s) for s in samples]
         companions = w.close()
@@ -325,10 +327,22 @@ def test_encoded_round_trip_property(fmt: str, samples: list[Sample], tmp_path_f
 def test_tar_metadata_round_trips(tmp_path: Path) -> None:
     meta = {"source": "n01/ü.JPEG", "orig_size": [500, 375], "ratio": 0.75, "flag": True, "none": None}
     samples = [Sample("a", 1, b"x", "jpg", meta), Sample("b", -1, b"y", "png", {})]
-    m, _ = write_dataset("tar", tmp_path, samples)
+    m, _ = write_dataset("tar", tmp_path, samples, json_member=True)
     got = iter_all("tar", tmp_path, m)
     assert got[0].meta == meta and got[1].meta == {}
     assert [g.label for g in got] == [1, -1]
+
+
+def test_tar_without_json_member_keeps_keys_and_labels(tmp_path: Path) -> None:
+    """The default tar sample is KEY.<ext> + KEY.cls: the reader gets key, label and bytes back, no
+    metadata (the manifest holds the rest)."""
+    samples = [Sample("d/a", 1, b"x", "jpg", {"source": "d/a.JPEG"}), Sample("b", -1, b"y" * 600, "png", {})]
+    m, _ = write_dataset("tar", tmp_path, samples)
+    got = iter_all("tar", tmp_path, m)
+    want = [(s.key, s.label, s.data, s.ext, {}) for s in samples]
+    assert [(g.key, g.label, g.data, g.ext, g.meta) for g in got] == want
+    # Each sample: image header + data blocks, .cls header + one data block; then two end blocks.
+    assert m.shards[0].bytes == (512 + 512 + 1024) + (512 + 1024 + 1024) + 1024
 
 
 @pytest.mark.parametrize(
@@ -446,3 +460,18 @@ def test_tar_json_metadata_equals_json_dumps(meta: dict, key: str, label: int, c
 
     expect = {**meta, "class": cls, "key": key, "label": label}
     assert _json_meta(key, label, cls, meta) == json.dumps(expect, sort_keys=True, separators=(",", ":")).encode()
+
+
+def test_hdf5_written_in_pieces_gives_the_same_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Image bytes written to the file in many small pieces (pwrite at their final offsets) build a
+    shard byte-identical to one written in a single piece, and h5py reads every image back."""
+    import stager.formats.hdf5 as h5fmt
+
+    samples = [Sample(f"k{i}", i % 3, bytes([i]) * (700 + 37 * i), "jpg", {"source": f"k{i}.jpg"}) for i in range(40)]
+    m1, _ = write_dataset("hdf5", tmp_path / "one", samples)
+    monkeypatch.setattr(h5fmt, "FLUSH_BYTES", 1000)
+    monkeypatch.setattr(h5fmt, "COPY_BLOCK", 4096)
+    m2, _ = write_dataset("hdf5", tmp_path / "many", samples)
+    a = (tmp_path / "one" / m1.shards[0].name).read_bytes()
+    assert a == (tmp_path / "many" / m2.shards[0].name).read_bytes()
+    assert [s.data for s in iter_all("hdf5", tmp_path / "many", m2)] == [s.data for s in samples]

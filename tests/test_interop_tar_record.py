@@ -57,31 +57,38 @@ def samples(imagenet_tiny: Path, cifar_tiny: Path) -> list[Sample]:
 
 
 # ---- tar ----------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tar_shard(samples: list[Sample], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Manifest]:
+@pytest.fixture(scope="module", params=[False, True], ids=["lean", "tar-json"])
+def tar_shard(
+    request: pytest.FixtureRequest, samples: list[Sample], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Manifest, bool]:
+    """A tar shard as `stager pack` writes it by default (KEY.<ext> + KEY.cls) and with --tar-json."""
     out = tmp_path_factory.mktemp("tar")
-    m, _ = write_dataset("tar", out, samples)
-    return out / m.shards[0].name, m
+    m, _ = write_dataset("tar", out, samples, json_member=request.param)
+    return out / m.shards[0].name, m, request.param
 
 
-def test_webdataset_reads_every_sample_unchanged(samples: list[Sample], tar_shard: tuple[Path, Manifest]) -> None:
+def test_webdataset_reads_every_sample_unchanged(
+    samples: list[Sample], tar_shard: tuple[Path, Manifest, bool]
+) -> None:
     import webdataset as wds
 
-    path, _ = tar_shard
+    path, _, with_json = tar_shard
     got = list(wds.WebDataset(str(path), shardshuffle=False, empty_check=False))
     assert [g["__key__"] for g in got] == [s.key for s in samples]
     for g, s in zip(got, samples, strict=True):
         assert g[s.ext.lower()] == s.data
         assert int(g["cls"]) == s.label
-        meta = json.loads(g["json"])
-        assert meta == {**s.meta, "key": s.key, "label": s.label, "class": CLASSES[s.label]}
-        assert set(g) == {"__key__", "__url__", "__local_path__", s.ext.lower(), "cls", "json"}
+        extra = {"json"} if with_json else set()
+        assert set(g) == {"__key__", "__url__", "__local_path__", s.ext.lower(), "cls", *extra}
+        if with_json:
+            meta = json.loads(g["json"])
+            assert meta == {**s.meta, "key": s.key, "label": s.label, "class": CLASSES[s.label]}
 
 
-def test_webdataset_decodes_the_images(samples: list[Sample], tar_shard: tuple[Path, Manifest]) -> None:
+def test_webdataset_decodes_the_images(samples: list[Sample], tar_shard: tuple[Path, Manifest, bool]) -> None:
     import webdataset as wds
 
-    path, _ = tar_shard
+    path, _, _ = tar_shard
     ds = wds.WebDataset(str(path), shardshuffle=False, empty_check=False).decode("rgb8").to_tuple("__key__", "cls")
     assert [(k, int(c)) for k, c in ds] == [(s.key, s.label) for s in samples]
     ds = wds.WebDataset(str(path), shardshuffle=False, empty_check=False).decode("rgb8")
@@ -90,17 +97,21 @@ def test_webdataset_decodes_the_images(samples: list[Sample], tar_shard: tuple[P
         assert np.array_equal(g[s.ext.lower()], expect)
 
 
-def test_tarfile_sees_deterministic_regular_members(samples: list[Sample], tar_shard: tuple[Path, Manifest]) -> None:
-    path, m = tar_shard
+def test_tarfile_sees_deterministic_regular_members(
+    samples: list[Sample], tar_shard: tuple[Path, Manifest, bool]
+) -> None:
+    path, m, with_json = tar_shard
+    per = 3 if with_json else 2
     with tarfile.open(path) as t:
         members = t.getmembers()
-        assert len(members) == 3 * len(samples)
+        assert len(members) == per * len(samples)
         for mem in members:
             assert mem.isreg() and mem.mode == 0o644 and mem.uid == 0 and mem.gid == 0
             assert mem.uname == "" and mem.gname == "" and mem.mtime == 946684800
         for i, s in enumerate(samples):
-            img, cls, js = members[3 * i : 3 * i + 3]
-            assert [img.name, cls.name, js.name] == [f"{s.key}.{s.ext.lower()}", f"{s.key}.cls", f"{s.key}.json"]
+            img, cls, *js = members[per * i : per * i + per]
+            names = [f"{s.key}.{s.ext.lower()}", f"{s.key}.cls", *([f"{s.key}.json"] if with_json else [])]
+            assert [img.name, cls.name, *(j.name for j in js)] == names
             f = t.extractfile(img)
             assert f is not None and f.read() == s.data
             # The manifest extent is exactly where tarfile finds the member's data.
@@ -109,15 +120,17 @@ def test_tarfile_sees_deterministic_regular_members(samples: list[Sample], tar_s
 
 
 @pytest.mark.skipif(shutil.which("tar") is None, reason="no tar executable")
-def test_gnu_tar_extracts_every_file(samples: list[Sample], tar_shard: tuple[Path, Manifest], tmp_path: Path) -> None:
-    path, _ = tar_shard
+def test_gnu_tar_extracts_every_file(
+    samples: list[Sample], tar_shard: tuple[Path, Manifest, bool], tmp_path: Path
+) -> None:
+    path, _, with_json = tar_shard
     res = subprocess.run(["tar", "-xf", str(path), "-C", str(tmp_path)], capture_output=True, text=True, check=False)
     assert res.returncode == 0 and res.stderr == "", res.stderr  # no warnings (e.g. implausible mtimes)
     for s in samples:
         assert (tmp_path / f"{s.key}.{s.ext.lower()}").read_bytes() == s.data
         assert (tmp_path / f"{s.key}.cls").read_text() == str(s.label)
     listing = subprocess.run(["tar", "-tvf", str(path)], capture_output=True, text=True, check=True).stdout
-    assert listing.count("0/0") == 3 * len(samples)
+    assert listing.count("0/0") == (3 if with_json else 2) * len(samples)
 
 
 # ---- record -------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ Invariants: the output is byte-identical whatever the number of workers and howe
 into segments (including one shard cut into many segments, with skipped samples); a bad sample in a
 middle segment stops the pack with the error naming that file and leaves no partial file; the
 parallel listing equals the serial one; the one-pass key check agrees with the per-key check;
-every tar sample's ``.json`` names its source file.
+with ``tar_json`` every tar sample's ``.json`` names its source file.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def test_parallel_listing_equals_serial(imagenet_tiny: Path, tmp_path: Path) -> 
 
 def test_tar_json_names_the_source_file(imagenet_tiny: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    pack(imagenet_tiny, out, "tar", workers=2)
+    pack(imagenet_tiny, out, "tar", workers=2, tar_json=True)
     m = load_manifest(out)
     seen = 0
     for info in m.shards:
@@ -171,20 +171,24 @@ def test_shard_level_formats_on_a_pool_started_for_listing(imagenet_tiny: Path, 
     size=st.integers(0, 1500),
     label=st.integers(-1, 12),
     ext=st.sampled_from(["jpg", "png", "jpeg", "webp"]),
+    with_json=st.booleans(),
 )
-def test_tar_fast_path_equals_generic_headers(key: str, size: int, label: int, ext: str) -> None:
-    """The one-join member builder gives the bytes of the generic ustar/PAX header code."""
+def test_tar_fast_path_equals_generic_headers(key: str, size: int, label: int, ext: str, with_json: bool) -> None:
+    """The one-join member builder gives the bytes of the generic ustar/PAX header code, and
+    sample_disk_bytes (the plan's shard cut) gives exactly the bytes written."""
     import tempfile
 
-    from stager.formats.base import Sample
-    from stager.formats.tar import BLOCK, TarShardWriter, _json_meta, member_header
+    import numpy as np
+
+    from stager.formats.base import Sample, SizeInputs
+    from stager.formats.tar import BLOCK, TarShardWriter, _json_meta, member_header, sample_disk_bytes
 
     classes = [f"c{i}" for i in range(10)]
     data = bytes(range(256)) * (size // 256) + bytes(size % 256)
     meta = {"source": f"{key}.{ext}"}
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "s.tar")
-        w = TarShardWriter(path, shard_name="s.tar", classes=classes)
+        w = TarShardWriter(path, shard_name="s.tar", classes=classes, json_member=with_json)
         ext_ = w.write(Sample(key, label, data, ext, meta))
         w.close()
         got = Path(path).read_bytes()
@@ -193,10 +197,15 @@ def test_tar_fast_path_equals_generic_headers(key: str, size: int, label: int, e
         return bytes(-n % BLOCK)
 
     cls = b"%d" % label
-    js = _json_meta(key, label, classes[label] if 0 <= label < 10 else "", meta)
     head = member_header(f"{key}.{ext}", size)
     members = [head, data, pad(size), member_header(f"{key}.cls", len(cls)), cls, pad(len(cls))]
-    members += [member_header(f"{key}.json", len(js)), js, pad(len(js)), bytes(2 * BLOCK)]
-    want = b"".join(members)
+    if with_json:
+        js = _json_meta(key, label, classes[label] if 0 <= label < 10 else "", meta)
+        members += [member_header(f"{key}.json", len(js)), js, pad(len(js))]
+    want = b"".join([*members, bytes(2 * BLOCK)])
     assert got == want
     assert (ext_.offset, ext_.size) == (len(head), size)
+    per, fixed = sample_disk_bytes(
+        SizeInputs([key], np.array([label]), np.array([size]), [ext], classes, None, {"json_member": with_json})
+    )
+    assert int(per[0]) + fixed == len(got)

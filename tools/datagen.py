@@ -9,6 +9,10 @@
   (``cifar-10-batches-py/data_batch_1..5``, ``test_batch``, ``batches.meta``: pickled dicts with
   ``data`` uint8 N x 3072 in channel-major RGB order and ``labels``), and optionally the same images
   as a PNG ImageFolder.
+* :func:`make_tiny_imagefolder`: an ImageFolder tree at ImageNet's *count* (1,000 classes x 1,281
+  files by default) of tiny (~1 KB) photo-like JPEGs, fast enough to write 1.28M files in a couple of
+  minutes: each class renders a few dozen variants once, and every file is one of them with its own
+  JPEG comment segment (its name), so no two files are byte-identical.
 
 * :func:`make_shapes`: a segmentation/detection set of JPEGs with 1-3 filled shapes (class 1
   rectangle, 2 ellipse, 3 triangle) over a noisy background, with per-pixel class-id PNG masks,
@@ -28,9 +32,10 @@
 
 Command line: ``python -m tools.datagen imagenet OUT --classes 10 --per-class 50``,
 ``python -m tools.datagen cifar OUT --train 5000 --test 1000 [--png]``,
-``python -m tools.datagen caffe-lmdb|folder2lmdb|recordio OUT --n 1000 [--raw] [--size 32]`` or
-``python -m tools.datagen video OUT --sequences 8 --frames 60 --size 128`` or
-``python -m tools.datagen shapes OUT --train 400 --val 100 --size 96``.
+``python -m tools.datagen caffe-lmdb|folder2lmdb|recordio OUT --n 1000 [--raw] [--size 32]``,
+``python -m tools.datagen video OUT --sequences 8 --frames 60 --size 128``,
+``python -m tools.datagen shapes OUT --train 400 --val 100 --size 96`` or
+``python -m tools.datagen tiny OUT --classes 1000 --per-class 1281 [--jobs 2]``.
 """
 
 from __future__ import annotations
@@ -449,6 +454,56 @@ def make_videos(
     return out
 
 
+def _tiny_variant(rng: np.random.Generator, label: int, side: int) -> bytes:
+    """A ``side`` x ``side`` JPEG (~1 KB at 36 px): a class-coloured gradient, sensor noise, one patch."""
+    pal = np.random.default_rng((7919, label)).uniform(30, 225, size=(2, 3))
+    t = np.linspace(0, 1, side)[None, :, None]
+    img = np.broadcast_to(pal[0] * (1 - t) + pal[1] * t, (side, side, 3)) + rng.normal(0, 12, (side, side, 3))
+    y, x = rng.integers(0, side - 8, size=2)
+    img[y : y + 8, x : x + 8] = rng.uniform(0, 255, 3)
+    return jpeg_bytes(np.clip(img, 0, 255).astype(np.uint8), quality=75)
+
+
+def _tiny_classes(job: tuple[str, list[int], int, int, int]) -> int:
+    """Write the files of classes ``labels`` (one job of :func:`make_tiny_imagefolder`); their bytes."""
+    root, labels, per_class, side, seed = job
+    total = 0
+    for c in labels:
+        rng = np.random.default_rng((seed, c))
+        variants = [_tiny_variant(rng, c, side) for _ in range(32)]
+        d = Path(root) / f"n{c:08d}"
+        d.mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            name = f"n{c:08d}_{i:05d}"
+            v = variants[int(rng.integers(0, len(variants)))]
+            comment = name.encode()
+            # SOI, then a COM segment (0xFFFE, big-endian length counting itself) naming the file.
+            data = v[:2] + b"\xff\xfe" + (len(comment) + 2).to_bytes(2, "big") + comment + v[2:]
+            with open(d / f"{name}.JPEG", "wb") as f:
+                f.write(data)
+            total += len(data)
+    return total
+
+
+def make_tiny_imagefolder(
+    root: str | os.PathLike[str], num_classes: int = 1000, per_class: int = 1281, *, seed: int = 0, side: int = 36,
+    jobs: int = 1,
+) -> Path:
+    """Write ``num_classes * per_class`` tiny JPEGs (``side`` px square, ~1 KB at 36) under
+    ``root/<class>/``, on ``jobs`` processes; return ``root``. Deterministic for a ``seed``."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    work = [(str(root), list(range(k, num_classes, jobs)), per_class, side, seed) for k in range(jobs)]
+    if jobs > 1:
+        import multiprocessing as mp
+
+        with mp.get_context("fork").Pool(jobs) as pool:
+            pool.map(_tiny_classes, work)
+    else:
+        _tiny_classes(work[0])
+    return root
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.datagen", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="kind", required=True)
@@ -483,8 +538,17 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--frames", type=int, default=60)
     v.add_argument("--size", type=int, default=128)
     v.add_argument("--seed", type=int, default=0)
+    t = sub.add_parser("tiny", help="ImageFolder tree at ImageNet's count of ~1 KB JPEGs")
+    t.add_argument("out")
+    t.add_argument("--classes", type=int, default=1000)
+    t.add_argument("--per-class", type=int, default=1281)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--jobs", type=int, default=1)
     args = p.parse_args(argv)
-    if args.kind == "shapes":
+    if args.kind == "tiny":
+        root = make_tiny_imagefolder(args.out, args.classes, args.per_class, seed=args.seed, jobs=args.jobs)
+        print(json.dumps({"root": str(root), "files": args.classes * args.per_class}))
+    elif args.kind == "shapes":
         out = make_shapes(args.out, args.train, args.val, size=args.size, seed=args.seed)
         print(json.dumps({"root": str(out), "train": args.train, "val": args.val}))
     elif args.kind == "video":

@@ -102,6 +102,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--overwrite", action="store_true", help="write into OUT even if it holds other files or another source's pack"
     )
     p.add_argument("--dry-run", action="store_true", help="print the plan and write nothing")
+    p.add_argument(
+        "--tar-json",
+        action="store_true",
+        help="tar: also write a KEY.json member per sample (class, key, label, source path); "
+        "by default a sample is KEY.<ext> + KEY.cls and the manifest holds the rest",
+    )
     p.add_argument("--hash", dest="hash_algo", choices=("xxh3_128", "blake2b"), default="xxh3_128")
     p.add_argument("--stripe-count", type=int, default=None, metavar="N", help="Lustre stripe count for OUT")
     p.add_argument("--stripe-size", type=parse_size, default=None, metavar="BYTES", help="Lustre stripe size")
@@ -143,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
         stripe_count=args.stripe_count,
         stripe_size=args.stripe_size,
         split=args.split,
+        tar_json=args.tar_json,
         storage_options=storage_options(args),
         fields=args.fields,
         clip_length=args.clip_length,

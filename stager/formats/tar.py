@@ -1,10 +1,17 @@
 """tar shards, laid out as webdataset expects them (docs/formats.md, section "tar").
 
-Each sample is three consecutive regular-file members::
+Each sample is two consecutive regular-file members, three with the writer option ``json_member``
+(``stager pack --tar-json``)::
 
     <key>.<ext>    the image file's bytes, unchanged (ext lower-cased: jpg, png, ...)
     <key>.cls      the label as ASCII decimal (``-1`` when unlabeled)
-    <key>.json     {"class": ..., "key": ..., "label": ..., **meta} with sorted keys, compact
+    <key>.json     only with json_member: {"class": ..., "key": ..., "label": ..., **meta} with sorted
+                   keys, compact
+
+Without ``.json`` (the default) a sample of a ~1 KB image takes 2.5 KB on disk instead of 3.6 KB; what
+it held stays in the manifest (keys, labels, class names) and in the key itself (the source's relative
+path without its extension). :func:`sample_disk_bytes` gives a sample's exact footprint, which the pack
+plan uses to cut shards at ``--shard-size`` file bytes.
 
 Headers are POSIX ustar written by hand (``tarfile`` costs ~30 us per member): fixed mtime, mode
 0644, uid/gid 0, empty uname/gname, so identical samples give identical bytes. A name longer than
@@ -32,8 +39,18 @@ from collections.abc import Callable, Iterator, Sequence
 from json.encoder import encode_basestring_ascii
 from typing import Any, BinaryIO
 
+import numpy as np
+
 from stager.errors import CorruptSampleError, ShardMissingError, UnsafeArchiveError, UsageError
-from stager.formats.base import BufferedShardFile, Extent, ExtentReader, Sample, field_payload
+from stager.formats.base import (
+    BufferedShardFile,
+    Extent,
+    ExtentReader,
+    Sample,
+    SizeInputs,
+    ascii_lengths,
+    field_payload,
+)
 from stager.manifest import Manifest, ShardInfo
 from stager.manifest.fields import FieldSpec, sample_fields, specs_from_json
 
@@ -242,6 +259,43 @@ def _json_plan(meta_keys: tuple[Any, ...], key: str) -> tuple[tuple[str, str], .
     return plan
 
 
+def _padded(n: np.ndarray) -> np.ndarray:
+    return (n + (BLOCK - 1)) // BLOCK * BLOCK
+
+
+def sample_disk_bytes(inputs: SizeInputs) -> tuple[np.ndarray, int]:
+    """``(bytes of each sample's members, the two end blocks)`` in a tar shard: exact for image files
+    that pass through unchanged (see :class:`~stager.formats.base.SizedFormat`).
+
+    A sample is a 512-byte header per member, its image padded to 512 and one block of ``.cls`` data
+    (+ the padded ``.json`` with ``json_member``). Keys too long for the name field (or not ASCII) get
+    their exact PAX/prefix headers from :func:`member_header`.
+    """
+    sizes = inputs.sizes.astype(np.int64, copy=False)
+    keys = inputs.keys
+    out = 3 * BLOCK + _padded(sizes)  # image header, .cls header + data block
+    if not "".join(keys).isascii():
+        odd: Sequence[int] = range(len(keys))
+    elif max(map(len, keys), default=0) <= 95:  # every name fits the name field (the usual case)
+        odd = []
+    else:
+        odd = np.flatnonzero(ascii_lengths(keys) > 95).tolist()
+    for i in odd:  # names too long for the name field, or not ASCII: exact headers
+        key, ext, size = keys[i], inputs.exts[i], int(sizes[i])
+        out[i] = len(member_header(f"{key}.{ext}", size)) + -(-size // BLOCK) * BLOCK
+        out[i] += len(member_header(f"{key}.cls", 1)) + BLOCK
+    if inputs.options.get("json_member"):
+        classes = inputs.classes
+        labels = inputs.labels.tolist()
+        for i, (key, ext) in enumerate(zip(keys, inputs.exts, strict=True)):
+            label = labels[i]
+            cls = classes[label] if 0 <= label < len(classes) else ""
+            # The meta `stager pack` writes: {"source": <relative path>}, i.e. the key plus the extension.
+            js = len(_json_meta(key, label, cls, {"source": f"{key}.{ext}"}))
+            out[i] += len(member_header(f"{key}.json", js)) + -(-js // BLOCK) * BLOCK
+    return out, 2 * BLOCK
+
+
 class TarShardWriter(BufferedShardFile):
     """Writes one tar shard; see the module docstring for the layout.
 
@@ -255,7 +309,8 @@ class TarShardWriter(BufferedShardFile):
     ``update(bytes)``, e.g. an xxh3 hasher: every byte of the shard is fed to it as it is written, so
     the caller need not read the file back to hash it), ``writeback`` (start the kernel's writeback
     of each chunk as it is written, see :mod:`stager.writeback`, so that the caller's fsync is
-    short). Unknown options are ignored so that one option set can be passed to every format.
+    short), ``json_member`` (also write each sample's ``<key>.json`` member). Unknown options are
+    ignored so that one option set can be passed to every format.
     """
 
     def __init__(
@@ -269,6 +324,7 @@ class TarShardWriter(BufferedShardFile):
         keys_checked: bool = False,
         hasher: Any = None,
         writeback: bool = False,
+        json_member: bool = False,
         fields: Sequence[FieldSpec] = (),
         **options: Any,
     ) -> None:
@@ -277,6 +333,7 @@ class TarShardWriter(BufferedShardFile):
         self.classes = list(classes)
         self._fields = {f.name: f for f in fields}
         self._keys_checked = keys_checked
+        self._json = json_member
         self._keys: set[str] = set()
         self._exts_ok: dict[str, tuple[str, bytes, int]] = {}  # extension -> (lower, b".lower", byte sum)
         self._labels: dict[Any, tuple[int, str, tuple[bytes, bytes], bytes, int]] = {}
@@ -306,17 +363,14 @@ class TarShardWriter(BufferedShardFile):
             self._keys.add(key)  # only once the sample is known to be writable
 
         size = len(data)
-        js = _json_meta(key, label, cls, sample.meta)
-        nj = len(js)
         kb = key.encode()
         nk = len(kb)
         buf = self._buf
-        if nk <= 95 and nk + len(dot_ext) <= 100 and kb.isascii():  # all three names fit the name field
-            # One join builds the sample's three members, headers from constant pieces with the key's
-            # byte sum computed once for the three checksums (the checksum field counts as spaces).
+        if nk <= 95 and nk + len(dot_ext) <= 100 and kb.isascii():  # all the names fit the name field
+            # One join builds the sample's members, headers from constant pieces with the key's byte
+            # sum computed once for every checksum (the checksum field counts as spaces).
             ks = _REG_SUM + sum(kb)
             sz = b"%011o\0" % size
-            jz, jzs = _SIZE_FIELDS.get(nj) or _size_field(nj)
             offset = self._written + len(buf) + BLOCK
             buf += b"".join(
                 (
@@ -324,10 +378,16 @@ class TarShardWriter(BufferedShardFile):
                     b"%06o\0 " % (ks + ext_sum + sum(sz)), _REG_TAIL, data, _PADS[-size % BLOCK],
                     kb, b".cls", _NULS[96 - nk], _MID1, cls_sz, _MID2, b"%06o\0 " % (ks + 368 + cls_zs), _REG_TAIL,
                     cls_member[0],
-                    kb, b".json", _NULS[95 - nk], _MID1, jz, _MID2, b"%06o\0 " % (ks + 488 + jzs), _REG_TAIL,
-                    js, _PADS[-nj % BLOCK],
                 )
             )  # fmt: skip
+            if self._json:
+                js = _json_meta(key, label, cls, sample.meta)
+                nj = len(js)
+                jz, jzs = _SIZE_FIELDS.get(nj) or _size_field(nj)
+                buf += b"".join(
+                    (kb, b".json", _NULS[95 - nk], _MID1, jz, _MID2, b"%06o\0 " % (ks + 488 + jzs), _REG_TAIL,
+                     js, _PADS[-nj % BLOCK])
+                )  # fmt: skip
         else:
             buf += member_header(f"{key}.{ext}", size)
             offset = self._written + len(buf)
@@ -335,9 +395,11 @@ class TarShardWriter(BufferedShardFile):
             buf += _PADS[-size % BLOCK]
             buf += member_header(f"{key}.cls", len(cls_member[1]))
             buf += cls_member[0]
-            buf += member_header(f"{key}.json", nj)
-            buf += js
-            buf += _PADS[-nj % BLOCK]
+            if self._json:
+                js = _json_meta(key, label, cls, sample.meta)
+                buf += member_header(f"{key}.json", len(js))
+                buf += js
+                buf += _PADS[-len(js) % BLOCK]
         extents = self._write_fields(key, sample.fields) if sample.fields else None
         if len(self._buf) >= self._flush_bytes:
             self._flush()
@@ -397,11 +459,14 @@ class TarFragmentWriter(TarShardWriter):
     relative to the fragment's start; :meth:`take` returns the bytes.
     """
 
-    def __init__(self, *, shard_name: str, classes: Sequence[str], keys_checked: bool = False,
-                 fields: Sequence[FieldSpec] = (), **options: Any) -> None:
+    def __init__(
+        self, *, shard_name: str, classes: Sequence[str], keys_checked: bool = False, json_member: bool = False,
+        fields: Sequence[FieldSpec] = (), **options: Any,
+    ) -> None:
         self.path = ""
         self.shard_name = shard_name
         self.classes = list(classes)
+        self._json = json_member
         self._fields = {f.name: f for f in fields}
         self._flush_bytes = 1 << 62  # never flushed: the caller takes the bytes
         self._fsync = False
@@ -719,6 +784,10 @@ class TarFormat:
 
     def shard_name(self, index: int) -> str:
         return f"shard-{index:05d}.tar"
+
+    def disk_bytes(self, inputs: SizeInputs) -> tuple[np.ndarray, int]:
+        """Each sample's bytes in a shard file, and the end blocks (:func:`sample_disk_bytes`)."""
+        return sample_disk_bytes(inputs)
 
     def open_writer(self, path: str, *, shard_name: str, classes: Sequence[str], **options: Any) -> TarShardWriter:
         return TarShardWriter(path, shard_name=shard_name, classes=classes, **options)

@@ -131,6 +131,7 @@ def pack(
     stripe_count: int | None = None,
     stripe_size: int | None = None,
     split: str | None = None,
+    tar_json: bool = False,
     storage_options: dict[str, Any] = {},  # noqa: B006 - never mutated (PackOptions copies it)
     fields: str | None = None,
     clip_length: int | None = None,
@@ -167,6 +168,7 @@ def pack(
         stripe_count=stripe_count,
         stripe_size=stripe_size,
         split=split,
+        tar_json=tar_json,
         storage_options=storage_options,
         fields=fields,
         clip_length=clip_length,

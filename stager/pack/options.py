@@ -25,7 +25,9 @@ class PackOptions:
 
     Output-affecting: ``format``, ``samples_per_shard``/``shard_size`` (a shard ends at whichever
     limit comes first), ``seed``/``keep_order`` (the sample order), ``resize`` (H, W) and ``quality``
-    (re-encode), ``on_error`` (``raise`` or ``skip`` a bad sample), ``hash_algo``. Run-only:
+    (re-encode), ``on_error`` (``raise`` or ``skip`` a bad sample), ``hash_algo``, ``tar_json`` (tar
+    shards also hold a ``KEY.json`` member per sample; off by default: the manifest has what it
+    held). Run-only:
     ``workers``, ``overwrite``, ``dry_run``, ``quiet``, ``stripe_count``/``stripe_size`` (Lustre
     layout of OUT), ``split`` (which CIFAR split to read), ``storage_options`` (opening a URL OUT,
     stager/fs/open.py).
@@ -47,6 +49,7 @@ class PackOptions:
     stripe_count: int | None = None
     stripe_size: int | None = None
     split: str | None = None
+    tar_json: bool = False
     storage_options: dict[str, Any] = field(default_factory=dict)
     fields: str | None = None  # --fields NAME:KIND,...: the list/sidecar source's field kinds (docs/fields.md)
     # Clips (docs/clips.md): a frame-folder or video source packed as frames of windows of

@@ -2,15 +2,18 @@
 
 The source's samples are ordered by a seeded permutation (``stager.order.streams.pack_order(seed)``)
 unless ``keep_order``, and cut into shards by ``samples_per_shard`` and/or ``shard_size`` bytes
-(estimated from source sizes; a shard ends before the sample that would exceed either limit, and
-holds at least one). Each shard gets a fingerprint over its index, name, samples' keys, labels,
-source sizes and mtimes, the format, the classes and the output-affecting options
-(:func:`fingerprinted_options`); the plan fingerprint covers them all, so a rerun knows which
-completed shards it may keep.
+(a shard ends before the sample that would exceed either limit, and holds at least one). Bytes are
+shard *file* bytes: each format that implements :class:`~stager.formats.base.SizedFormat` says what a
+sample takes on disk (headers, padding, framing, metadata) and what every shard file has besides
+(:func:`shard_costs`); files that pass through unchanged give exact sizes for tar and record.
+
+Each shard gets a fingerprint over its index, name, samples' keys, labels, source sizes and mtimes,
+the format, the classes and the output-affecting options (:func:`fingerprinted_options`); the plan
+fingerprint covers them all, so a rerun knows which completed shards it may keep.
 
 Shapes: ``PackPlan.shards`` in shard order (``index`` 0..n-1), each ``PlannedShard.refs`` in write
-order; every listed sample is in exactly one shard; ``est_bytes`` sums source sizes (the exact
-payload when files pass through unchanged).
+order; every listed sample is in exactly one shard; ``est_bytes`` is the shard file's estimated
+bytes (exact for tar/record when files pass through unchanged).
 """
 
 from __future__ import annotations
@@ -18,12 +21,16 @@ from __future__ import annotations
 import io
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import repeat
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import xxhash
 
+from stager.formats import get_format
+from stager.formats.base import SizeInputs
 from stager.order import streams
 
 if TYPE_CHECKING:
@@ -38,6 +45,9 @@ class PlannedShard:
     refs: tuple[SampleRef, ...]
     est_bytes: int
     fingerprint: str
+    # Where ``refs`` sit in the source's listing (int64, write order), so that the pack workers get
+    # the listing as columns in source order plus these positions, not millions of shuffled tuples.
+    positions: np.ndarray | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass
@@ -90,20 +100,74 @@ def cut_shards(sizes: np.ndarray, *, samples_per_shard: int | None, shard_size: 
     A run ends before the item that would make it exceed ``samples_per_shard`` items or
     ``shard_size`` bytes; every run holds at least one item (an oversized item is a shard alone).
     """
+    n = len(sizes)
+    cum = np.cumsum(sizes, dtype=np.int64)
     runs: list[tuple[int, int]] = []
-    start, acc = 0, 0
-    for i, sz in enumerate(sizes.tolist()):
-        n = i - start
-        if n and (
-            (samples_per_shard is not None and n >= samples_per_shard)
-            or (shard_size is not None and acc + sz > shard_size)
-        ):
-            runs.append((start, i))
-            start, acc = i, 0
-        acc += sz
-    if start < len(sizes):
-        runs.append((start, len(sizes)))
+    start, base = 0, 0
+    while start < n:  # one binary search per run, not one Python step per item
+        stop = n
+        if shard_size is not None:  # items [start, stop) while their sum stays <= shard_size
+            stop = int(np.searchsorted(cum, base + shard_size, side="right"))
+        if samples_per_shard is not None:
+            stop = min(stop, start + samples_per_shard)
+        stop = max(stop, start + 1)
+        runs.append((start, stop))
+        base = int(cum[stop - 1])
+        start = stop
     return runs
+
+
+def _ext_of_suffix(suffix: str) -> str:
+    """The extension a file with the text after its last ``.`` as ``suffix`` is stored under."""
+    if not suffix.isalnum() or len(suffix) > 16:  # no extension at all (a CIFAR/pack locator, a dir)
+        return "jpg"
+    ext = suffix.lower()
+    return "jpg" if ext == "jpeg" else ext
+
+
+def _exts_of(locators: Sequence[Any]) -> list[str]:
+    """The extension each locator's file is stored under (:func:`_ext_of_suffix`), at C speed when
+    they all share one suffix (the usual case: ~0.05 s for 1.28M paths instead of ~0.6 s)."""
+    if not locators:
+        return []
+    first = locators[0]
+    if isinstance(first, str):
+        suffix = first.rpartition(".")[2]
+        if suffix.isalnum() and all(map(str.endswith, locators, repeat("." + suffix))):
+            return [_ext_of_suffix(suffix)] * len(locators)
+    cache: dict[str, str] = {}
+    exts = []
+    for loc in locators:  # one lower() per distinct suffix, not per sample
+        suffix = loc.rpartition(".")[2] if isinstance(loc, str) else ""
+        ext = cache.get(suffix)
+        if ext is None:
+            ext = cache[suffix] = _ext_of_suffix(suffix)
+        exts.append(ext)
+    return exts
+
+
+def shard_costs(
+    keys: Sequence[str],
+    labels: np.ndarray,
+    sizes: np.ndarray,
+    locators: Sequence[Any],
+    options: PackOptions,
+    *,
+    classes: Sequence[str],
+    image_shape: tuple[int, int, int] | None,
+) -> tuple[np.ndarray, int]:
+    """``(each sample's bytes in a shard file, fixed bytes per shard file)`` for ``options.format``.
+
+    From the format's :meth:`~stager.formats.base.SizedFormat.disk_bytes` where it has one, else the
+    source sizes and nothing fixed (payload bytes, the old estimate).
+    """
+    fmt = get_format(options.format)
+    disk_bytes = getattr(fmt, "disk_bytes", None)
+    if disk_bytes is None:
+        return sizes, 0
+    exts = _exts_of(locators)
+    inputs = SizeInputs(keys, labels, sizes, exts, classes, image_shape, {"json_member": options.tar_json})
+    return disk_bytes(inputs)
 
 
 def _digest(obj: Any) -> str:
@@ -120,6 +184,8 @@ def fingerprinted_options(options: PackOptions, image_shape: tuple[int, int, int
         "quality": options.quality,
         "hash_algo": options.hash_algo,
         "image_shape": list(image_shape) if image_shape else None,
+        "tar_json": options.tar_json,
+        "cut": "file-bytes",  # shards are cut at file bytes (shard_costs), no longer at payload bytes
     }
     spec = options.clip_spec()
     if spec is not None:  # only for clip packs: other packs keep their fingerprints
@@ -145,24 +211,37 @@ def plan_shards(
     fmt_name = options.format
     fp_options = fingerprinted_options(options, image_shape)
     order = plan_order(len(refs), seed=options.seed, keep_order=options.keep_order, groups=groups)
-    ordered = [refs[i] for i in order.tolist()]
-    # Columns of the ordered refs, transposed at C speed (SampleRef is a tuple); the fingerprints
-    # hash them per shard as whole columns rather than one formatted line per sample.
-    keys, labels, _, sizes_t, mtimes = zip(*ordered, strict=True) if ordered else ((),) * 5
-    sizes = np.asarray(sizes_t, dtype=np.int64)
-    labels_a = np.asarray(labels, dtype=np.int64)
-    mtimes_a = np.asarray(mtimes, dtype=np.int64)
+    order_l = order.tolist()
+    ordered = [refs[i] for i in order_l]
+    # Columns taken at C speed in source order (walking the refs in listing order is ~8x faster
+    # than in shuffled order, and itemgetter ~9x faster than zip(*refs)), then permuted: numbers as
+    # arrays, keys as a list; the fingerprints hash them per shard as whole columns.
+    keys_s, locators_s = (list(map(itemgetter(k), refs)) for k in (0, 2))
+    labels_src, sizes_src, mtimes_src = (
+        np.fromiter(map(itemgetter(k), refs), dtype=np.int64, count=len(refs)) for k in (1, 3, 4)
+    )
+    keys = [keys_s[i] for i in order_l]
+    sizes, labels_a, mtimes_a = sizes_src[order], labels_src[order], mtimes_src[order]
+    costs_src, fixed = shard_costs(
+        keys_s, labels_src, sizes_src, locators_s, options, classes=classes, image_shape=image_shape
+    )
+    costs = costs_src[order]
     base = _digest({"format": fmt_name, "classes": list(classes), "options": fp_options})
     shards = []
-    cuts = cut_shards(sizes, samples_per_shard=options.samples_per_shard, shard_size=options.shard_size)
+    limit = None if options.shard_size is None else max(options.shard_size - fixed, 1)
+    cuts = cut_shards(costs, samples_per_shard=options.samples_per_shard, shard_size=limit)
+    cum = np.concatenate(([0], np.cumsum(costs)))
     for idx, (a, b) in enumerate(cuts):
         name = shard_name(idx)
         h = xxhash.xxh3_128()
         h.update(f"{base}\0{idx}\0{name}\0{b - a}\0".encode())
-        h.update(json.dumps(keys[a:b]).encode())
+        part = keys[a:b]
+        h.update("\0".join(part).encode())
+        h.update(np.fromiter(map(len, part), dtype=np.int64, count=len(part)).tobytes())  # unambiguous
         for col in (labels_a, sizes, mtimes_a):
             h.update(col[a:b].tobytes())
-        shards.append(PlannedShard(idx, name, tuple(ordered[a:b]), int(sizes[a:b].sum()), h.hexdigest()))
+        est = int(cum[b] - cum[a]) + fixed
+        shards.append(PlannedShard(idx, name, tuple(ordered[a:b]), est, h.hexdigest(), order[a:b]))
     fp = _digest({"base": base, "shards": [s.fingerprint for s in shards]})
     return PackPlan(fmt_name, shards, fp, fp_options)
 
@@ -172,7 +251,7 @@ def format_plan(plan: PackPlan, out: str, limit: int = 20) -> str:
     buf = io.StringIO()
     buf.write(
         f"plan: {len(plan.shards)} {plan.format} shards, {plan.samples} samples, "
-        f"~{plan.est_bytes / 1e6:,.1f} MB (source sizes) -> {out} [plan {plan.fingerprint[:16]}]\n"
+        f"~{plan.est_bytes / 1e6:,.1f} MB (shard files) -> {out} [plan {plan.fingerprint[:16]}]\n"
     )
     for s in plan.shards[:limit]:
         buf.write(f"  {s.name:<28} {len(s.refs):>8} samples {s.est_bytes / 1e6:>10,.1f} MB\n")

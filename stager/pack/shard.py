@@ -30,6 +30,7 @@ from stager.fs.atomic import partial_path, space_error
 from stager.manifest import AuxFile, Ragged, ShardInfo, Strings
 from stager.manifest.fields import FieldSpec, offset_column, size_column, values_column
 from stager.pack.fields import prepare_fields
+from stager.pack.read_order import load_batches, load_in_fs_order
 from stager.pack.sources.checks import check_encoded, prepare_sample
 from stager.pack.state import ShardDone, Uploader, done_record_path, write_hint
 
@@ -40,7 +41,6 @@ if TYPE_CHECKING:
     from stager.pack.sources.base import SampleRef, Source
     from stager.progress import Progress
 
-LOAD_BATCH = 64  # samples materialised per source call (lets pack sources coalesce reads)
 
 
 class SampleSink(Protocol):
@@ -144,6 +144,7 @@ def write_shard(job: ShardJob, source: Source, progress: Progress | None = None)
             hasher=hasher,
             writeback=True,
             fields=job.fields,
+            json_member=opts.tar_json,
         )
         write_samples(writer, sh.refs, source, job, rows, progress=progress)
         companions = writer.close()
@@ -286,9 +287,9 @@ def write_samples(
     passthrough = opts.passes_through(job.target_kind)
     write = writer.write
     specs = job.fields
-    for a in range(0, len(refs), LOAD_BATCH):
-        batch = refs[a : a + LOAD_BATCH]
-        loaded = source.load_many(batch)
+    for a, b in load_batches(refs):  # read in file-system order, written in plan order (read_order.py)
+        batch = refs[a:b]
+        loaded = load_in_fs_order(source, batch)
         nbytes = 0
         before = len(keys)
         for ref, res in zip(batch, loaded, strict=True):

@@ -15,9 +15,11 @@ Two granularities:
   only lists (through the pool), plans, schedules and writes the manifest.
 * **Shards** (other formats): one process writes one whole shard (:func:`stager.pack.shard.write_shard`).
 
-The jobs reach the workers through one pickle file (:class:`JobsFile`, samples as columns) and the
-offsets through a shared memory-mapped file (:class:`Slots`), both in ``.stager-pack/``, so that a
-pool started before the plan existed (to list an ImageFolder) serves the writing as well.
+The jobs reach the workers through one pickle file (:class:`JobsFile`: the jobs and each one's
+samples as positions in the listing), the listing through memory-mapped column files
+(:mod:`stager.pack.columns`) and the offsets through a shared memory-mapped file (:class:`Slots`), all
+in ``.stager-pack/``, so that a pool started before the plan existed (to list an ImageFolder) serves
+the writing as well.
 
 Segmentation depends on ``workers`` only through scheduling: a shard's bytes are the concatenation
 of its samples' members whatever the cut, so the output does not depend on ``workers``.
@@ -38,10 +40,9 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
-from itertools import repeat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, cast
 
@@ -51,6 +52,7 @@ from stager.errors import StagerError
 from stager.formats import get_format
 from stager.fs.atomic import partial_path, space_error
 from stager.fs.writeback import start_writeback
+from stager.pack.columns import Columns
 from stager.pack.plan import cut_shards
 from stager.pack.shard import (
     SampleRows,
@@ -88,20 +90,26 @@ class SegmentAbortedError(Exception):
 class JobsFile:
     """The jobs as the workers see them, pickled once into ``.stager-pack/workers-<id>.pkl``.
 
-    ``jobs`` have no samples (``shard.refs == ()``); ``cols[i]`` holds job ``i``'s samples as the
-    five SampleRef columns (~18x cheaper to pickle than SampleRef tuples). ``source`` (without its
-    listing) is there for workers started before the source existed, else None.
+    ``jobs`` have no samples (``shard.refs == ()``); ``listing`` is the stem of the listing's column
+    files (:mod:`stager.pack.columns`: every sample once, in the source's order, memory-mapped by the
+    workers) and ``positions[i]`` job ``i``'s samples in write order, as indices into it. ``source``
+    (without its listing) is there for workers started before the source existed, else None.
     """
 
     jobs: list[ShardJob]
-    cols: list[tuple[Sequence[Any], ...]]
+    listing: str
+    positions: list[np.ndarray]
     source: Source | None
+    _columns: Columns | None = field(default=None, repr=False, compare=False)
+
+    def columns(self) -> Columns:
+        if self._columns is None:
+            self._columns = Columns.open(self.listing)
+        return self._columns
 
     def job(self, ji: int, a: int = 0, b: int | None = None) -> tuple[ShardJob, tuple[SampleRef, ...]]:
         """Job ``ji`` and the SampleRefs of its samples ``[a, b)``, rebuilt from the columns."""
-        sl = slice(a, b)
-        refs = tuple(map(tuple.__new__, repeat(SampleRef), zip(*(c[sl] for c in self.cols[ji]), strict=True)))
-        return self.jobs[ji], refs
+        return self.jobs[ji], self.columns().refs(self.positions[ji][a:b])
 
     def whole_job(self, ji: int) -> ShardJob:
         """Job ``ji`` with all its samples."""
@@ -191,7 +199,7 @@ class PackPool:
         """Write ``jobs`` (segments where the format allows, else whole shards); see the module doc."""
         inherited = self._ex is None  # started now, with the loaded source
         ex = self._executor(source)
-        jobs_file = _publish_jobs(state_dir, jobs, None if inherited else source)
+        jobs_file = _publish_jobs(state_dir, jobs, source, ship_source=not inherited)
         if fragmentable(get_format(jobs[0].options.format)):
             return _run_segments(ex, self.workers, jobs, jobs_file, progress=progress, state_dir=state_dir)
         return _run_shards(ex, jobs, jobs_file, progress)
@@ -211,21 +219,26 @@ class PackPool:
 # ---- the jobs, as the workers see them -------------------------------------------------------------
 
 
-def _publish_jobs(state_dir: Path, jobs: list[ShardJob], source: Source | None) -> str:
-    """Write the :class:`JobsFile` of ``jobs`` (with ``source``, for workers that did not inherit
-    it); return its path."""
-    light = []
-    cols: list[tuple[Sequence[Any], ...]] = []
-    for j in jobs:
-        refs = j.shard.refs
-        cols.append(tuple(list(c) for c in zip(*refs, strict=True)) if refs else ((),) * 5)
-        light.append(dataclasses.replace(j, shard=dataclasses.replace(j.shard, refs=())))
+def _publish_jobs(state_dir: Path, jobs: list[ShardJob], source: Source, *, ship_source: bool) -> str:
+    """Write the :class:`JobsFile` of ``jobs`` (with ``source`` when ``ship_source``, for workers that
+    did not inherit it); return its path."""
+    light = [dataclasses.replace(j, shard=dataclasses.replace(j.shard, refs=(), positions=None)) for j in jobs]
+    planned = [j.shard.positions for j in jobs]
+    if all(p is not None and len(p) == len(j.shard.refs) for p, j in zip(planned, jobs, strict=True)):
+        columns = Columns.of(source.refs)
+        positions = [np.asarray(p, dtype=np.int64) for p in planned]
+    else:  # shards planned elsewhere: their own samples, concatenated, are the listing
+        columns = Columns.of([r for j in jobs for r in j.shard.refs])
+        ends = np.cumsum([len(j.shard.refs) for j in jobs]).tolist()
+        positions = [np.arange(e - len(j.shard.refs), e, dtype=np.int64) for j, e in zip(jobs, ends, strict=True)]
+    stem = str(state_dir / f"listing-{uuid.uuid4().hex[:12]}")
+    columns.save(stem)
     src = None
-    if source is not None:
+    if ship_source:
         src = copy.copy(source)
         src.refs = []
     path = state_dir / f"workers-{uuid.uuid4().hex[:12]}.pkl"
-    path.write_bytes(pickle.dumps(JobsFile(light, cols, src), protocol=pickle.HIGHEST_PROTOCOL))
+    path.write_bytes(pickle.dumps(JobsFile(light, stem, positions, src), protocol=pickle.HIGHEST_PROTOCOL))
     return str(path)
 
 
@@ -316,8 +329,13 @@ def _run_segment(task: SegmentTask) -> SegmentDone:
     rows = SampleRows()
     published = False
     try:
-        w = fmt.open_fragment(shard_name=job.shard.name, classes=list(job.classes), keys_checked=job.keys_checked,
-                              fields=job.fields)
+        w = fmt.open_fragment(
+            shard_name=job.shard.name,
+            classes=list(job.classes),
+            keys_checked=job.keys_checked,
+            json_member=job.options.tar_json,
+            fields=job.fields,
+        )
         write_samples(w, refs, _WORKER.source_for(jf), job, rows, progress=None)
         buf = w.take()
         start = _wait_slot(slots, slot)

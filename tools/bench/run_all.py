@@ -31,6 +31,8 @@ BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 # topic -> (script, full-size args, quick args, markdown file it writes)
 SUITE: dict[str, tuple[str, list[str], list[str], str]] = {
     "pack": ("bench_pack.py", [], ["--imagenet", "200", "--cifar", "2000", "--repeat", "1"], "pack.md"),
+    # ImageNet count (1.28M ~1 KB JPEGs): stager vs MDSWriter vs webdataset, loader start-up; ~25 min.
+    "scale": ("bench_scale.py", [], ["--counts", "2000", "--repeat", "1"], "scale.md"),
     "shard_writers": ("bench_shard_writers.py", [], [], "shard_writers.md"),
     "hdf5_layout": ("bench_hdf5_layout.py", [], ["--n", "100"], "hdf5_layout.md"),
     "decode": ("bench_decode.py", [], ["--n", "16", "--rounds", "1", "--seconds", "0.5"], "decode.md"),

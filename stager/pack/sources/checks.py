@@ -8,6 +8,7 @@ through unchanged never loads it.
 from __future__ import annotations
 
 import io
+import struct
 from collections.abc import Sequence
 
 import numpy as np
@@ -23,30 +24,35 @@ _PNG_END = b"\x00\x00\x00\x00IEND\xaeB`\x82"
 RESAMPLE = 2  # PIL.Image.Resampling.BILINEAR (antialiased when downscaling)
 
 
+_SEGMENT = struct.Struct(">BBH").unpack_from  # 0xFF, marker, segment length: one call per segment
+_SOF = frozenset(SOF_MARKERS)
+
+
 def _jpeg_header_problem(data: bytes) -> str | None:
     """Walk the JPEG marker segments from SOI to SOS; describe the first inconsistency, else None."""
     i, n, sof = 2, len(data), False
-    while i + 4 <= n:
-        if data[i] != 0xFF:
-            return f"no marker at byte {i}"
-        marker = data[i + 1]
-        if marker == 0xFF:  # fill byte
-            i += 1
-            continue
-        if marker == 0x01 or 0xD0 <= marker <= 0xD8:  # standalone markers
-            i += 2
-            continue
-        length = (data[i + 2] << 8) | data[i + 3]
-        if length < 2:
-            return f"bad segment length at byte {i}"
-        if marker in SOF_MARKERS:
-            if i + 9 > n or not (data[i + 5] | data[i + 6]) or not (data[i + 7] | data[i + 8]):
-                return "zero image size in the frame header"
-            sof = True
-        if marker == 0xDA:  # start of scan: entropy-coded data follows
-            return None if sof else "no frame header before the scan"
-        i += 2 + length
-    return "header ends before the image data"
+    try:
+        while True:
+            ff, marker, length = _SEGMENT(data, i)  # struct.error past the end: no scan found
+            if ff != 0xFF:
+                return f"no marker at byte {i}"
+            if marker == 0xFF:  # fill byte
+                i += 1
+                continue
+            if marker == 0x01 or 0xD0 <= marker <= 0xD8:  # standalone markers
+                i += 2
+                continue
+            if length < 2:
+                return f"bad segment length at byte {i}"
+            if marker in _SOF:
+                if i + 9 > n or not (data[i + 5] | data[i + 6]) or not (data[i + 7] | data[i + 8]):
+                    return "zero image size in the frame header"
+                sof = True
+            elif marker == 0xDA:  # start of scan: entropy-coded data follows
+                return None if sof else "no frame header before the scan"
+            i += 2 + length
+    except struct.error:
+        return "header ends before the image data"
 
 
 def check_encoded(data: bytes, where: str) -> str:
