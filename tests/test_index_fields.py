@@ -111,6 +111,12 @@ def test_tar_sample_lacking_a_field_is_one_line(shapes: Path, tmp_path: Path) ->
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "a.tar" in lines[0] and "'s1'" in lines[0] and "same fields" in lines[0]
     assert not (d / "manifest.json").exists()
+    # --no-fields indexes images and labels only (a set whose extra members are not fields)
+    p = subprocess.run([sys.executable, "-m", "stager", "index", str(d), "--no-fields", "--json"], check=False,
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    m = load_manifest(d / "manifest.json")
+    assert m.fields == [] and m.num_samples == 3 and verify(d, deep=True).ok
 
 
 def test_tfrecords_in_object_detection_api_keys(shapes: Path, tmp_path: Path) -> None:

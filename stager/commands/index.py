@@ -38,6 +38,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="added to integer labels (-1 for TensorFlow's 1-based ImageNet TFRecords)")
     p.add_argument("-j", "--workers", type=int, default=1, metavar="N", help="shards indexed in parallel")
     p.add_argument("--hash", dest="hash_algo", default="xxh3_128", choices=("xxh3_128", "blake2b"))
+    p.add_argument("--no-fields", action="store_true",
+                   help="index images and labels only: do not adopt the other tar members, TFRecord features or "
+                   "parquet columns as fields (docs/fields.md)")
     p.add_argument("--no-dali-index", action="store_true",
                    help="do not write DALI .idx files for TFRecords (nor MXNet .idx files for .rec files without one)")
     add_storage_options(p)
@@ -51,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     opts = IndexOptions(format=args.format, image_key=args.image_key, label_key=args.label_key,
                         label_offset=args.label_offset, workers=args.workers, hash_algo=args.hash_algo,
                         dali_index=not args.no_dali_index, storage_options=storage_options(args) or None,
-                        lmdb_layout=args.lmdb_layout)
+                        lmdb_layout=args.lmdb_layout, fields=not args.no_fields)
     r = index_dataset(args.src, args.out, opts, quiet=args.quiet)
     where = f" (shards in {r.shard_root})" if r.shard_root else ""
     human = (f"{r.manifest_path}: {r.kind} index of {r.shards} shards, {r.samples:,} samples, {r.classes} classes, "

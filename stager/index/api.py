@@ -203,7 +203,7 @@ class _Job:
     algo: str
     spool: str  # where an object is copied down to be scanned
     storage_options: dict[str, Any] | None
-    extra: dict[str, str] = field(default_factory=dict)  # IndexOptions.scan_extras(kind)
+    extra: dict[str, Any] = field(default_factory=dict)  # IndexOptions.scan_extras(kind)
 
 
 def _scan_one(job: _Job) -> ShardScan:
@@ -341,7 +341,9 @@ def rescan_shard(path: str, info: ShardInfo, m: Manifest) -> str | None:
     kind = str(o.get("kind") or m.source.get("input") or m.format)
     if kind not in SCANNERS:
         return f"unknown indexed input kind {kind!r}"
-    extra = {"layout": str(o["layout"])} if "layout" in o else {}
+    extra: dict[str, Any] = {"layout": str(o["layout"])} if "layout" in o else {}
+    if o.get("fields") is False:
+        extra["fields"] = False
     try:
         scan = SCANNERS[kind](path, info.name, o.get("image_key"), o.get("label_key"), m.hash_algo, **extra)
     except (CorruptSampleError, UsageError, OSError) as exc:

@@ -115,8 +115,9 @@ class FieldRows:
         elif specs != self.specs:
             have = ", ".join(s.name for s in specs) or "none"
             want = ", ".join(s.name for s in self.specs) or "none"
-            raise DamagedShardError(f"{self.path}: sample {key!r} has fields ({have}) but the shard's first sample "
-                                    f"has ({want}); every sample must carry the same fields")
+            raise DamagedShardError(f"{self.path}: sample {key!r} has fields ({have}) but the shard's first "
+                                    f"sample has ({want}); every sample must carry the same fields (or index "
+                                    "with --no-fields)")
         else:
             _check_lengths(found, f"{self.path}: sample {key!r}")
         cols = self.scan.columns
@@ -150,7 +151,8 @@ def field_columns(scans: list[ShardScan], directory: str) -> tuple[list[dict[str
             have = ", ".join(d["name"] for d in s.field_specs) or "none"
             want = ", ".join(d["name"] for d in schema) or "none"
             raise UsageError(f"{directory}/{s.name}: its samples have fields ({have}), those of "
-                             f"{with_keys[0].name} ({want}); every shard must carry the same fields")
+                             f"{with_keys[0].name} ({want}); every shard must carry the same fields (or index with "
+                             "--no-fields)")
     specs = _specs(schema)
     return [_shard_columns(s, specs) for s in scans], [sp.to_json() for sp in specs]
 

@@ -23,6 +23,7 @@ DEFAULT_IMAGE_KEY: dict[str, str | None] = {"tar": None, "record": "image/encode
                                             "recordio": None, "lmdb": None}
 DEFAULT_LABEL_KEY = {"tar": "cls", "record": "image/class/label", "parquet": "label", "recordio": "label",
                      "lmdb": "label"}
+FIELD_KINDS = ("tar", "record", "parquet")  # inputs whose scanners adopt fields (stager.index.fields)
 LMDB_LAYOUTS = ("auto", "caffe", "pickle")  # stager.formats.lmdb_values.LAYOUTS
 
 
@@ -37,8 +38,10 @@ class IndexOptions:
     unlabeled data. ``dali_index``: write DALI's ``<file>.idx`` for TFRecord files, and MXNet's
     ``x.idx`` for a RecordIO ``x.rec`` without one (beside the file, or into OUT when ``out`` is
     given). ``lmdb_layout``: what LMDB values hold, ``caffe`` Datums or ``pickle``d ``(image, label)``
-    tuples; ``auto`` sniffs. ``storage_options`` open a URL SRC
-    (fsspec's options of its backend; not part of what a scan depends on).
+    tuples; ``auto`` sniffs. ``fields``: adopt the members / features / columns beside the image as
+    fields (docs/fields.md; tar, TFRecord, parquet); False indexes images and labels only.
+    ``storage_options`` open a URL SRC (fsspec's options of its backend; not part of what a scan
+    depends on).
     """
 
     format: str = "auto"
@@ -50,6 +53,7 @@ class IndexOptions:
     dali_index: bool = True
     overwrite: bool = False
     lmdb_layout: str = "auto"
+    fields: bool = True
     storage_options: dict[str, Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -74,6 +78,9 @@ class IndexOptions:
         return {"kind": kind, "image_key": self.image_key_for(kind), "label_key": self.label_key_for(kind),
                 "hash": self.hash_algo, **self.scan_extras(kind)}
 
-    def scan_extras(self, kind: str) -> dict[str, str]:
-        """Keyword options of ``kind``'s scanner beyond the common ones (LMDB: ``layout``)."""
-        return {"layout": self.lmdb_layout} if kind == "lmdb" else {}
+    def scan_extras(self, kind: str) -> dict[str, Any]:
+        """Keyword options of ``kind``'s scanner beyond the common ones (LMDB: ``layout``; tar, TFRecord,
+        parquet: ``fields=False`` when fields are not adopted)."""
+        if kind == "lmdb":
+            return {"layout": self.lmdb_layout}
+        return {"fields": False} if not self.fields and kind in FIELD_KINDS else {}

@@ -37,7 +37,8 @@ def import_pyarrow() -> Any:
     return pq
 
 
-def scan_parquet(path: str, name: str, image_key: str | None, label_key: str | None, algo: str) -> ShardScan:
+def scan_parquet(path: str, name: str, image_key: str | None, label_key: str | None, algo: str, *,
+              fields: bool = True) -> ShardScan:
     """Index one parquet file (see the module docstring)."""
     pq = import_pyarrow()
     col = image_key or "image"
@@ -62,8 +63,9 @@ def scan_parquet(path: str, name: str, image_key: str | None, label_key: str | N
             raise DamagedShardError(f"{path}: {pf.metadata.num_rows} rows but {n} image values")
         out.labels = _labels(pf, label_key, n, path)
         out.keys = _keys(pf, col, has_path, n, name)
-        scan_parquet_fields(view, pf, out, skip={col, label_key or ""}, extents=_plain_extents,
-                            compressed=_image_chunks_compressed, path=path)
+        if fields:
+            scan_parquet_fields(view, pf, out, skip={col, label_key or ""}, extents=_plain_extents,
+                                compressed=_image_chunks_compressed, path=path)
     return out
 
 

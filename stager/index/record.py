@@ -28,7 +28,8 @@ _U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
 
 
-def scan_record(path: str, name: str, image_key: str | None, label_key: str | None, algo: str) -> ShardScan:
+def scan_record(path: str, name: str, image_key: str | None, label_key: str | None, algo: str, *,
+              fields: bool = True) -> ShardScan:
     """Index one TFRecord file; raises CorruptSampleError naming the file and the record's byte."""
     image_key = image_key or "image/encoded"
     with mapped(path, algo) as (view, digest, st):
@@ -50,8 +51,9 @@ def scan_record(path: str, name: str, image_key: str | None, label_key: str | No
             if masked_crc(payload) != _U32.unpack_from(view, pos + 12 + n)[0]:
                 raise DamagedShardError(f"{path}: record data CRC mismatch at byte {pos}; the file is damaged")
             feats = _sample(out, payload, pos, image_key=image_key, label_key=label_key, path=path)
-            where = f"{path}: record {len(out.keys) - 1}"
-            rows.add(out.keys[-1], _fields(feats, pos + 12, image_key, label_key, where))
+            if fields:
+                where = f"{path}: record {len(out.keys) - 1}"
+                rows.add(out.keys[-1], _fields(feats, pos + 12, image_key, label_key, where))
             del payload
             out.records.append((pos, n + 16))  # type: ignore[union-attr]
             pos += 16 + n

@@ -50,7 +50,8 @@ class _Sample:
         self.fields: dict[str, tuple[int, int, bytes | None]] = {}  # field -> (offset, size, data)
 
 
-def scan_tar(path: str, name: str, image_key: str | None, label_key: str | None, algo: str) -> ShardScan:
+def scan_tar(path: str, name: str, image_key: str | None, label_key: str | None, algo: str, *,
+              fields: bool = True) -> ShardScan:
     """Index one tar shard (see the module docstring); raises CorruptSampleError naming the shard."""
     label_field, _, json_field = (label_key or "").partition(":")
     with mapped(path, algo) as (view, digest, st):
@@ -81,7 +82,8 @@ def scan_tar(path: str, name: str, image_key: str | None, label_key: str | None,
             seen.add(s.key)
             try:
                 _emit(out, s, image_key=image_key, label_field=label_field, json_field=json_field, path=path)
-                rows.add(s.key, _fields(s, image_key=image_key, label_field=label_field, path=path))
+                if fields:
+                    rows.add(s.key, _fields(s, image_key=image_key, label_field=label_field, path=path))
             except NoImageError:
                 if not (first or last):
                     raise
