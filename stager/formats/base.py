@@ -151,6 +151,24 @@ class Format(Protocol):
     def open_reader(self, path: str, info: ShardInfo, manifest: Manifest) -> ShardReader: ...
 
 
+class AdoptedFormat:
+    """A container stager reads in place but never writes (parquet, MXNet RecordIO, LMDB): ``stager
+    index`` adopts it, and ``stager pack`` converts it to a format stager writes. Subclasses set
+    ``name``, ``suffix``, ``what`` (the container's name in messages) and ``open_reader``."""
+
+    name: str
+    suffix: str
+    what: str
+    sample_kind = "encoded"
+
+    def shard_name(self, index: int) -> str:
+        return f"shard-{index:05d}{self.suffix}"
+
+    def open_writer(self, path: str, *, shard_name: str, classes: Sequence[str], **options: Any) -> Any:
+        raise UsageError(f"stager does not write {self.what}; `stager index` adopts it in place, and `stager pack` "
+                         "converts it to tar, record, hdf5 or zarr")
+
+
 def field_payload(spec: FieldSpec, value: Any) -> bytes:
     """The bytes a file-per-field container (tar, hdf5 byte datasets) stores for ``value``: byte kinds
     as they are, the ragged kinds (arrays) as compact JSON lists (what webdataset's ``.json`` decoder

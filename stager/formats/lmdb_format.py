@@ -20,7 +20,7 @@ import numpy as np
 
 from stager.decode.planar import planar_batch_to_hwc, planar_rows_to_hwc
 from stager.errors import CorruptSampleError, UsageError
-from stager.formats.base import ExtentReader, Sample, image_ext
+from stager.formats.base import AdoptedFormat, ExtentReader, Sample, image_ext
 from stager.manifest import Manifest, ShardInfo
 
 GAP = 64 << 10  # values further apart than this are read separately (as the loader's MAX_GAP)
@@ -104,19 +104,16 @@ class LmdbShardReader(ExtentReader):
                     yield Sample(info.keys[j], int(info.labels[j]), b, image_ext(b))
 
 
-class LmdbFormat:
+class LmdbFormat(AdoptedFormat):
     """LMDB ``data.mdb`` files adopted by ``stager index`` (reader only)."""
 
     name = "lmdb"
     suffix = ".mdb"
+    what = "LMDB"
     sample_kind = "encoded"  # raw Datums: "decoded" (the manifest says which)
 
     def shard_name(self, index: int) -> str:
         return "data.mdb"
-
-    def open_writer(self, path: str, *, shard_name: str, classes: Sequence[str], **options: Any) -> Any:
-        raise UsageError("stager does not write LMDB; `stager index` adopts LMDBs, and `stager pack` converts them "
-                         "to tar, record, hdf5 or zarr")
 
     def open_reader(self, path: str, info: ShardInfo, manifest: Manifest) -> LmdbShardReader:
         return LmdbShardReader(path, info, manifest)

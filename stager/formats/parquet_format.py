@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from stager.errors import CorruptSampleError, ShardMissingError, UsageError
-from stager.formats.base import ExtentReader, Sample, image_ext
+from stager.formats.base import AdoptedFormat, ExtentReader, Sample, image_ext
 from stager.manifest import Manifest, ShardInfo
 
 CACHED = 4  # decoded row groups kept per reader (a worker holds one reader per open shard)
@@ -100,19 +100,12 @@ class ParquetShardReader(ExtentReader):
         self._cached = {}
 
 
-class ParquetFormat:
+class ParquetFormat(AdoptedFormat):
     """parquet files adopted by ``stager index`` (reader only)."""
 
     name = "parquet"
     suffix = ".parquet"
-    sample_kind = "encoded"
-
-    def shard_name(self, index: int) -> str:
-        return f"shard-{index:05d}.parquet"
-
-    def open_writer(self, path: str, *, shard_name: str, classes: Sequence[str], **options: Any) -> Any:
-        raise UsageError("stager does not write parquet; use `stager index` to adopt parquet files, or pack "
-                         "to tar, record, hdf5 or zarr")
+    what = "parquet"
 
     def open_reader(self, path: str, info: ShardInfo, manifest: Manifest) -> ParquetShardReader:
         return ParquetShardReader(path, info, manifest)

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from stager.errors import CorruptSampleError, UsageError
-from stager.formats.base import ExtentReader, Sample, image_ext, pread_runs
+from stager.formats.base import AdoptedFormat, ExtentReader, Sample, image_ext, pread_runs
 from stager.manifest import Manifest, ShardInfo
 
 MAGIC = 0xCED7230A
@@ -233,19 +233,12 @@ class RecordIOShardReader(ExtentReader):
                 yield Sample(info.keys[j], int(info.labels[j]), b, image_ext(b))
 
 
-class RecordIOFormat:
+class RecordIOFormat(AdoptedFormat):
     """MXNet RecordIO files adopted by ``stager index`` (reader only)."""
 
     name = "recordio"
     suffix = ".rec"
-    sample_kind = "encoded"
-
-    def shard_name(self, index: int) -> str:
-        return f"shard-{index:05d}.rec"
-
-    def open_writer(self, path: str, *, shard_name: str, classes: Sequence[str], **options: Any) -> Any:
-        raise UsageError("stager does not write MXNet RecordIO; `stager index` adopts .rec files, and `stager pack` "
-                         "converts them to tar, record, hdf5 or zarr")
+    what = "MXNet RecordIO"
 
     def open_reader(self, path: str, info: ShardInfo, manifest: Manifest) -> RecordIOShardReader:
         return RecordIOShardReader(path, info, manifest)
