@@ -432,8 +432,9 @@ class RankDataset:
         skipped: list[str] = []
         if self.field_fn is not None:
             return self._assemble_fields(payloads, ids, j, in_worker=in_worker, ring=ring)
-        if decode == "raw" and all(p is not None for p in payloads):
-            items, kept = payloads, ids  # nothing to decode: no per-sample work
+        passes = self.items.per_item == 1 and getattr(self.sample_fn, "passes_through", False)
+        if passes and all(p is not None for p in payloads):
+            items, kept = payloads, ids  # raw bytes or stored arrays as they are: no per-sample work
         else:
             items, kept, skipped = self._decode_all(payloads, ids, j)
         first = self.items.samples_of(kept)[:, 0]  # each item's (first) sample

@@ -106,6 +106,12 @@ class SampleFn:
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_mod": None}
 
+    @property
+    def passes_through(self) -> bool:
+        """Whether every payload comes out unchanged (raw bytes; stored arrays without a transform),
+        so that a batch needs no per-sample call at all."""
+        return self.decode == "raw" or (self.kind == "decoded" and self.decode == "uint8" and self.transform is None)
+
     def _decoder(self) -> Any:
         if self._mod is None:
             self._mod = _decode_module() or False
