@@ -94,4 +94,5 @@ def _open_clip_source(root: Path, spec: ClipSpec, options: PackOptions, map_fn: 
     skip = options.on_error == "skip"
     if find_videos(root):
         return VideoSource(root, spec, resize=options.resize, quality=options.quality, skip_bad=skip, map_fn=map_fn)
-    return FrameFolderSource(root, spec, resize=options.resize, skip_bad=skip)
+    specs = parse_fields_arg(options.fields) if options.fields else []
+    return FrameFolderSource(root, spec, resize=options.resize, skip_bad=skip, fields=specs)
