@@ -145,3 +145,12 @@ def test_frame_missing_a_sidecar_is_one_line_naming_it(frames: Path, tmp_path: P
     assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1
     assert str(root / "seq_1" / "000004.png") in r.stderr and "mask" in r.stderr
     assert not (tmp_path / "o" / "manifest.json").exists()
+
+
+def test_fields_on_video_files_are_refused(tmp_path: Path) -> None:
+    from tools.datagen import make_videos
+
+    make_videos(tmp_path, sequences=1, frames=4, size=(16, 16), folders=False)
+    r = stager("pack", tmp_path / "videos", tmp_path / "o", "--format", "tar", "--clip-length", 2,
+               "--fields", "mask:mask")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--fields" in r.stderr
