@@ -116,7 +116,11 @@ def field_tensors(value: Any, kind: str) -> Any:
     lists of arrays -> lists of tensors; JSON objects and bytes unchanged."""
     if isinstance(value, np.ndarray):
         t = torch.from_numpy(value)
-        return t.permute(0, 3, 1, 2) if kind == "image" and t.ndim == 4 else t
+        if kind == "image" and t.ndim in (4, 5):  # (B, H, W, 3), or a clip's (B, T, H, W, 3)
+            return t.movedim(-1, -3)
+        return t
     if kind in ("boxes", "box_labels", "per_box", "array"):
-        return [torch.from_numpy(np.ascontiguousarray(v)) for v in value]
+        # A clip pack's per-frame values are a list of B lists of T arrays (docs/clips.md).
+        return [field_tensors(v, kind) if isinstance(v, list) else torch.from_numpy(np.ascontiguousarray(v))
+                for v in value]
     return value

@@ -229,19 +229,31 @@ class FieldsSampleFn:
 
     def __call__(self, span: Any, rng: np.random.Generator, gid: int) -> dict[str, Any]:
         image, raw = self.raw(span, gid)
-        dec = self._decoder()
-        t = self.transform
-        if callable(t):
-            return dict(t(self._decoded(image, raw), rng))
+        if callable(self.transform):
+            return dict(self.transform(self._decoded(image, raw), rng))
+        g, probe = self.geometry(image, rng)
+        return self.with_geometry(image, raw, g, probe)
+
+    def geometry(self, image: Any, rng: np.random.Generator) -> tuple[Geometry, Any]:
+        """The sample's geometry from its image's size, and the image's header probe (None for zarr's
+        decoded arrays): ``transform="train"`` draws it from ``rng``, otherwise the resize + center crop."""
+        probe = None
         if isinstance(image, np.ndarray):
             h, w = image.shape[:2]
-            g = train_geometry(h, w, self.size, rng) if t == "train" else eval_geometry(h, w, self.size)
+        else:
+            probe = self._decoder().default_decoder().probe(image)
+            h, w = probe.height, probe.width
+        g = train_geometry(h, w, self.size, rng) if self.transform == "train" else eval_geometry(h, w, self.size)
+        return g, probe
+
+    def with_geometry(self, image: Any, raw: dict[str, Any], g: Geometry, probe: Any = None) -> dict[str, Any]:
+        """The sample dict with the image and every field under geometry ``g`` (a clip applies one
+        geometry to all its frames: :class:`stager.loader.clipfields.ClipFieldsFn`)."""
+        if isinstance(image, np.ndarray):
             return self._fields_out(_resample(image, g), raw, g)
-        d = dec.default_decoder()
-        probe = d.probe(image)
-        h, w = probe.height, probe.width
-        g = train_geometry(h, w, self.size, rng) if t == "train" else eval_geometry(h, w, self.size)
-        if t == "train":
+        d = self._decoder().default_decoder()
+        probe = d.probe(image) if probe is None else probe
+        if self.transform == "train":
             box = (int(g.top), int(g.left), int(g.height), int(g.width))
             img = d.crop_resize(image, probe, box, self.size)
             img = d.flip(img) if g.flip else img

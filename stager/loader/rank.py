@@ -35,6 +35,7 @@ from stager.fs.info import detect_fs
 from stager.fs.kernel import release_free_heap
 from stager.loader.access import Resolved, ShardAccess, check_shards, resolve, validate_partition
 from stager.loader.assemble import pack_raw_numpy, stack_nhwc
+from stager.loader.clipfields import ClipFieldsFn
 from stager.loader.clips import ClipFn, clip_meta, item_shard_groups, item_space
 from stager.loader.fetch import Fetcher, MappedFetcher, PreadFetcher
 from stager.loader.fields import FieldsSampleFn, assemble_fields, select_fields
@@ -206,6 +207,8 @@ class RankDataset:
         self.items = item_space(self.index)
         sample_fn = make_sample_fn(opts.decode, opts.transform, opts.image_size, self.index.kind)
         self.sample_fn: Any = ClipFn(sample_fn) if self.items.per_item > 1 else sample_fn
+        # A clip pack with fields: each window's frames with their fields, one geometry per clip.
+        self.clip_field_fn = ClipFieldsFn(self.field_fn) if self.field_fn and self.items.per_item > 1 else None
         payload = self.items.shard_bytes(self.index.sizes)
         self.run_bytes, self.min_run = run_size(opts, res)
         self.run_len = run_lengths(np.diff(self.items.starts), payload, self.run_bytes, self.min_run)
@@ -233,8 +236,6 @@ class RankDataset:
             return None, []
         if opts.decode != "uint8":
             raise UsageError("fields are read with decode='uint8'")
-        if m.clips:
-            raise UsageError(f"{self.resolved.root}: a clip pack with fields is not supported yet (docs/fields.md)")
         specs = select_fields(m, opts.fields)
         names = tuple(s.name for s in specs if not s.ragged)
         if names and m.format in SPAN_FORMATS:
@@ -461,8 +462,11 @@ class RankDataset:
     ) -> dict[str, Any]:
         """Rank batch ``j`` of a dataset with fields: image, keys, labels, ids and the fields."""
         items, kept, skipped = self._decode_all(payloads, ids, j)
-        batch: dict[str, Any] = {"key": self._keys_at(kept), "label": self.index.labels[kept],
+        first = self.items.samples_of(kept)[:, 0]  # each item's (first) sample
+        batch: dict[str, Any] = {"key": self._keys_at(first), "label": self.index.labels[first],
                                  "index": np.asarray(kept, dtype=np.int64)}
+        if self.items.per_item > 1:
+            batch.update(clip_meta(self.index, first))
         batch.update(self._image_fields([it["image"] for it in items], in_worker=in_worker, ring=ring))
         batch.update(assemble_fields(items, self.field_specs))
         batch["_fields"] = {s.name: s.kind for s in self.field_specs}
@@ -493,7 +497,10 @@ class RankDataset:
                 if payload is None or (per > 1 and any(p is None for p in payload)):
                     raise CorruptSampleError("unreadable payload")
                 fn = self.field_fn
-                items.append(self.sample_fn(payload, rng) if fn is None else fn(payload, rng, gid))
+                if self.clip_field_fn is not None:
+                    items.append(self.clip_field_fn(payload, rng, self.items.samples_of(np.array([gid]))[0].tolist()))
+                else:
+                    items.append(self.sample_fn(payload, rng) if fn is None else fn(payload, rng, gid))
                 kept.append(gid)
             except Exception as exc:
                 gid = int(self.items.samples_of(np.array([gid]))[0, 0])

@@ -8,6 +8,14 @@ grouped by sequence in frame order) so that sequences are shuffled whole and the
 contiguous and in order, and :meth:`FrameSource.clip_rows` the ``clip/seq`` and ``clip/frame``
 columns of written keys.
 
+Fields per frame (docs/clips.md, "Fields per frame"): a frame ``000000.png`` may have sidecars
+grouped by stem as in the sidecar source (:mod:`~stager.pack.sources.sidecar`): ``000000.mask.png``,
+``000000.boxes.json``, ... A file is a sidecar when the part of its name before the first dot is the
+stem of a frame in the same folder and the rest is more than an image extension; a sidecar is never a
+frame. Fields are named by their member (``mask.png`` -> ``mask``) and declared with ``--fields`` or
+typed by extension (:func:`~stager.pack.sources.fieldvalues.infer_spec`). Every frame of every
+sequence must have the same fields (a :class:`SourceError` names the first frame that differs).
+
 Bad input, checked at listing: an empty root or sequence folder, a sequence shorter than one
 window (``(T - 1) * D + 1`` frames), frames of different sizes in one sequence without ``--resize``
 (read from the image headers). With ``on_error="skip"`` such a sequence is left out and listed in
@@ -27,7 +35,10 @@ from stager.errors import SourceError
 from stager.formats.base import Sample
 from stager.manifest import ShardInfo
 from stager.manifest.clips import FRAME_COLUMN, SEQ_COLUMN, ClipSpec
+from stager.manifest.fields import FieldSpec, check_unique
 from stager.pack.sources.base import IMAGE_EXTENSIONS, SampleRef, Source, file_ext, read_file, sniff_ext
+from stager.pack.sources.fieldvalues import infer_spec, load_value
+from stager.pack.sources.sidecar import member_field
 
 FRAME_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg"})
 
@@ -45,6 +56,7 @@ class FrameSource(Source):
         self.sequences: list[str] = []  # sequence names (key prefixes), by sequence number
         self.skipped: list[dict[str, str]] = []  # sequences left out under on_error="skip"
         self.encodes_frames = False  # frames already carry --resize/--quality (a decoded video)
+        self.sidecars: dict[str, dict[str, str]] = {}  # frame path -> {field name: sidecar path}
 
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind, "path": str(self.root), "sequences": len(self.sequences)}
@@ -82,7 +94,12 @@ class FrameSource(Source):
 
     def load(self, ref: SampleRef) -> Sample:
         data = read_file(ref.locator, ref.size)
-        return Sample(ref.key, ref.label, data, sniff_ext(data) or file_ext(ref.locator), {"source": ref.locator})
+        values: dict[str, Any] = {}
+        if self.fields:
+            side = self.sidecars[ref.locator]
+            values = {s.name: load_value(s, side[s.name], self.root, ref.locator) for s in self.fields}
+        return Sample(ref.key, ref.label, data, sniff_ext(data) or file_ext(ref.locator), {"source": ref.locator},
+                      values)
 
     def rel_of(self, ref: SampleRef) -> str:
         return os.path.relpath(ref.locator, self.root)
@@ -92,12 +109,13 @@ class FrameFolderSource(FrameSource):
     """``root/<sequence>/<frame>`` or ``root/<class>/<sequence>/<frame>`` (see the module docstring)."""
 
     def __init__(self, root: Path, spec: ClipSpec, *, resize: tuple[int, int] | None = None,
-                 skip_bad: bool = False) -> None:
+                 skip_bad: bool = False, fields: Sequence[FieldSpec] = ()) -> None:
         super().__init__(root, spec)
+        self._declared = {s.name: s for s in fields}
         top = _subdirs(str(root))
         if not top:
             raise SourceError(f"{root}: empty folder: no sequence folders (expected {root}/<sequence>/<frame>.png)")
-        nested = not _frame_files(os.path.join(root, top[0])) and bool(_subdirs(os.path.join(root, top[0])))
+        nested = not _frame_files(os.path.join(root, top[0]), {}) and bool(_subdirs(os.path.join(root, top[0])))
         if nested:
             self.classes = top
             pairs = [(f"{c}/{s}", label) for label, c in enumerate(top) for s in _subdirs(os.path.join(root, c))]
@@ -107,7 +125,7 @@ class FrameFolderSource(FrameSource):
         seqs = []
         for name, label in pairs:
             folder = os.path.join(root, name)
-            frames = _frame_files(folder)
+            frames = _frame_files(folder, self.sidecars)
             if not frames:
                 self.refuse(folder, "empty sequence folder (no .png/.jpg frames)", skip_bad)
                 continue
@@ -124,6 +142,21 @@ class FrameFolderSource(FrameSource):
         if not seqs:
             raise SourceError(f"{root}: no usable sequence ({len(self.skipped)} skipped)")
         self._add_sequences(seqs)
+        self._field_schema()
+
+    def _field_schema(self) -> None:
+        """``fields`` from the frames' sidecars: declared, or typed by the first frame's files; every
+        frame must have the same ones (SourceError naming the first frame that differs)."""
+        sides = [self.sidecars.get(r.locator, {}) for r in self.refs]
+        names = set(sides[0]) if sides else set()
+        for ref, side in zip(self.refs, sides, strict=True):
+            if set(side) != names:
+                lacks, extra = sorted(names - set(side)), sorted(set(side) - names)
+                what = f"lacks field(s) {', '.join(lacks)}" if lacks else f"has field(s) {', '.join(extra)}"
+                raise SourceError(f"{ref.locator}: frame {what} that other frames do not; give every frame the "
+                                  "same sidecar files")
+        self.fields = [self._declared.get(n) or infer_spec(n, sides[0][n], self.root) for n in sorted(names)]
+        check_unique(self.fields, str(self.root))
 
 
 def _subdirs(folder: str) -> list[str]:
@@ -131,16 +164,27 @@ def _subdirs(folder: str) -> list[str]:
         return sorted(e.name for e in it if e.is_dir() and not e.name.startswith("."))
 
 
-def _frame_files(folder: str) -> list[tuple[str, str, int, int]]:
-    """``(stem, path, size, mtime_ns)`` of the image files in ``folder``, in name order."""
-    out = []
+def _frame_files(folder: str, sidecars: dict[str, dict[str, str]]) -> list[tuple[str, str, int, int]]:
+    """``(stem, path, size, mtime_ns)`` of the frames in ``folder``, in name order; each frame's
+    sidecar files (``<stem>.<member>`` beside ``<stem>.<image ext>``) go to ``sidecars[frame path]``
+    as ``{field name: path}`` and are not frames."""
     with os.scandir(folder) as it:
-        for e in sorted(it, key=lambda e: e.name):
-            ext = os.path.splitext(e.name)[1].lower()
-            if e.name.startswith(".") or ext not in IMAGE_EXTENSIONS or not e.is_file():
-                continue
-            st = e.stat()
-            out.append((e.name[: -len(ext)].replace(".", "_"), e.path, st.st_size, st.st_mtime_ns))
+        files = sorted((e for e in it if not e.name.startswith(".") and e.is_file()), key=lambda e: e.name)
+    # A frame proper: <stem>.<image ext> with no other dot; its stem claims <stem>.<anything else>.
+    stems = {e.name.split(".", 1)[0]: e.path for e in files
+             if e.name.count(".") == 1 and os.path.splitext(e.name)[1].lower() in IMAGE_EXTENSIONS}
+    out = []
+    for e in files:
+        stem, _, member = e.name.partition(".")
+        frame = stems.get(stem)
+        if frame is not None and frame != e.path:
+            sidecars.setdefault(frame, {})[member_field(member)] = e.path
+            continue
+        ext = os.path.splitext(e.name)[1].lower()
+        if ext not in IMAGE_EXTENSIONS:
+            continue
+        st = e.stat()
+        out.append((e.name[: -len(ext)].replace(".", "_"), e.path, st.st_size, st.st_mtime_ns))
     return out
 
 

@@ -93,5 +93,8 @@ def _open_clip_source(root: Path, spec: ClipSpec, options: PackOptions, map_fn: 
         raise SourceError(f"{root}: --clip-length needs a folder of sequences or videos")
     skip = options.on_error == "skip"
     if find_videos(root):
+        if options.fields:
+            raise UsageError(f"{root}: --fields applies to frame folders with sidecar files, not to video files")
         return VideoSource(root, spec, resize=options.resize, quality=options.quality, skip_bad=skip, map_fn=map_fn)
-    return FrameFolderSource(root, spec, resize=options.resize, skip_bad=skip)
+    specs = parse_fields_arg(options.fields) if options.fields else []
+    return FrameFolderSource(root, spec, resize=options.resize, skip_bad=skip, fields=specs)

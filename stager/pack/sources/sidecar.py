@@ -27,7 +27,7 @@ from stager.pack.sources.fieldvalues import infer_spec, load_value
 _IMAGE_EXTS = {e.lstrip(".") for e in IMAGE_EXTENSIONS}
 
 
-def _member_field(member: str) -> str:
+def member_field(member: str) -> str:
     """The field name of a member suffix (``mask.png`` -> ``mask``, ``json`` -> ``meta``)."""
     if "." in member:
         return member.split(".", 1)[0]
@@ -77,7 +77,7 @@ class SidecarSource(Source):
                 if not text.lstrip("-").isdigit():
                     raise SourceError(f"{members['cls']}: expected an integer label, got {text[:40]!r}")
                 labels[key] = int(text)
-            rest = {_member_field(m): p for m, p in members.items() if m not in (prim, "cls")}
+            rest = {member_field(m): p for m, p in members.items() if m not in (prim, "cls")}
             for name, path in rest.items():
                 if name not in specs:
                     specs[name] = declared.get(name) or infer_spec(name, path, root)
