@@ -53,6 +53,7 @@ from stager.pack.remote import (
 from stager.pack.resume import Kept, check_destination, clear_out, find_reusable, holds_complete_pack, survey_out
 from stager.pack.shard import ShardJob, fragmentable, write_shard
 from stager.pack.sources.checks import probe_hw
+from stager.pack.sources.columns import ListingRefs
 from stager.pack.sources.frames import FrameSource, clip_shards
 from stager.pack.sources.select import open_source
 from stager.pack.state import STATE_DIR, ShardDone
@@ -268,7 +269,13 @@ class PackRun:
         # Keys are checked once for the whole plan (one pass), so writers need not check each one.
         check_keys = getattr(fmt, "check_keys", None)
         if check_keys is not None:
-            check_keys([r.key for r in source.refs], f"{source.root}: ")
+            if isinstance(source.refs, ListingRefs):
+                # A chunk at a time, so that the keys never all exist as Python strings; a columnar
+                # listing's keys are unique by construction (the source contract), across chunks too.
+                for chunk in source.refs.key_chunks():
+                    check_keys(chunk, f"{source.root}: ")
+            else:
+                check_keys([r.key for r in source.refs], f"{source.root}: ")
         image_shape = self._image_shape(source) if fmt.sample_kind == "decoded" else None
         return Listing(source, fmt, fmt.sample_kind, image_shape, keys_checked=check_keys is not None)
 

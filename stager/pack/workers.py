@@ -17,7 +17,7 @@ Two granularities:
 
 The jobs reach the workers through one pickle file (:class:`JobsFile`: the jobs and each one's
 samples as positions in the listing), the listing through memory-mapped column files
-(:mod:`stager.pack.columns`) and the offsets through a shared memory-mapped file (:class:`Slots`), all
+(:mod:`stager.pack.sources.columns`) and the offsets through a shared memory-mapped file (:class:`Slots`), all
 in ``.stager-pack/``, so that a pool started before the plan existed (to list an ImageFolder) serves
 the writing as well.
 
@@ -52,7 +52,6 @@ from stager.errors import StagerError
 from stager.formats import get_format
 from stager.fs.atomic import partial_path, space_error
 from stager.fs.writeback import start_writeback
-from stager.pack.columns import Columns
 from stager.pack.plan import cut_shards
 from stager.pack.shard import (
     SampleRows,
@@ -64,6 +63,7 @@ from stager.pack.shard import (
     write_shard,
 )
 from stager.pack.sources.base import SampleRef
+from stager.pack.sources.columns import Columns, sizes_of
 from stager.pack.state import ShardDone
 
 if TYPE_CHECKING:
@@ -91,7 +91,7 @@ class JobsFile:
     """The jobs as the workers see them, pickled once into ``.stager-pack/workers-<id>.pkl``.
 
     ``jobs`` have no samples (``shard.refs == ()``); ``listing`` is the stem of the listing's column
-    files (:mod:`stager.pack.columns`: every sample once, in the source's order, memory-mapped by the
+    files (:mod:`stager.pack.sources.columns`: every sample once, in the source's order, memory-mapped by the
     workers) and ``positions[i]`` job ``i``'s samples in write order, as indices into it. ``source``
     (without its listing) is there for workers started before the source existed, else None.
     """
@@ -271,8 +271,7 @@ def _run_shards(ex: ProcessPoolExecutor, jobs: list[ShardJob], jobs_file: str, p
 
 def plan_segments(job: ShardJob) -> list[tuple[int, int]]:
     """``[start, stop)`` runs of ``job``'s planned samples, one per segment."""
-    sizes = np.asarray([r[3] for r in job.shard.refs], dtype=np.int64)  # r[3] is r.size
-    return cut_shards(sizes, samples_per_shard=SEG_SAMPLES, shard_size=SEG_BYTES)
+    return cut_shards(sizes_of(job.shard.refs), samples_per_shard=SEG_SAMPLES, shard_size=SEG_BYTES)
 
 
 class Slots:

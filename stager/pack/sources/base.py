@@ -49,7 +49,7 @@ class Source:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.refs: list[SampleRef] = []
+        self.refs: Sequence[SampleRef] = []  # a list, or a lazy columnar view (ImageFolder's)
         self.classes: list[str] = []
         self.image_shape: tuple[int, int, int] | None = None  # known fixed (H, W, C), if any
         self.fields: list[FieldSpec] = []  # the samples' field schema (stager.manifest.fields); [] = image + label
