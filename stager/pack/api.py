@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import time
+import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -36,6 +37,7 @@ from stager.errors import OutOfSpaceError, UsageError
 from stager.formats import get_writer_format
 from stager.fs import lustre
 from stager.fs.atomic import fsync_dir, remove_partials
+from stager.fs.kernel import release_free_heap
 from stager.fs.open import join, local_path_of
 from stager.manifest import MANIFEST_NAME, Manifest
 from stager.pack.options import PackOptions
@@ -292,7 +294,7 @@ class PackRun:
     def plan(self, listing: Listing) -> PackPlan:
         """Plan (pure): order and cut the listed samples into shards (:func:`plan_shards`)."""
         source = listing.source
-        return plan_shards(
+        plan = plan_shards(
             source.refs,
             self.options,
             listing.fmt.shard_name,
@@ -300,6 +302,8 @@ class PackRun:
             image_shape=listing.image_shape,
             groups=getattr(source, "groups", None),  # a clip source's sequences stay whole and in order
         )
+        release_free_heap()  # the plan's temporaries (whole-listing arrays) would otherwise stay resident
+        return plan
 
     def planned(self, plan: PackPlan) -> PackResult:
         """The result of a dry run: the plan and its estimated size; nothing was written."""
@@ -366,6 +370,9 @@ class PackRun:
         if self.remote is None:
             _stripe(self.out, plan, opts)
             _check_free_space(self.out, todo, passes_through=opts.passes_through(listing.target_kind))
+        if isinstance(source.refs, ListingRefs) and todo:
+            # From here on the listing is read from a mapped file (workers map the same one), not the heap.
+            source.refs.spill(str(self.out / STATE_DIR / f"listing-{uuid.uuid4().hex[:12]}"))
         jobs = [
             ShardJob(
                 str(self.out),
@@ -391,6 +398,7 @@ class PackRun:
         finally:
             source.close()
         progress.close()
+        release_free_heap()  # the written samples' rows, freed: publishing needs the room
         return done
 
     def _write_jobs(self, jobs: list[ShardJob], listing: Listing, progress: Progress) -> Iterable[ShardDone]:

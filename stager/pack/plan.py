@@ -235,7 +235,8 @@ def plan_shards(
     shards = []
     limit = None if options.shard_size is None else max(options.shard_size - fixed, 1)
     cuts = cut_shards(costs, samples_per_shard=options.samples_per_shard, shard_size=limit)
-    cum = np.concatenate(([0], np.cumsum(costs)))
+    cum = np.zeros(len(costs) + 1, dtype=np.int64)
+    np.cumsum(costs, out=cum[1:])
     del costs
     for idx, (a, b) in enumerate(cuts):
         name = shard_name(idx)
@@ -255,7 +256,7 @@ def plan_shards(
     return PackPlan(fmt_name, shards, fp, fp_options)
 
 
-_COST_CHUNK = 65536  # samples whose keys and locators are decoded at once to size a columnar listing
+_COST_CHUNK = 16384  # samples whose keys and locators are decoded at once to size a columnar listing
 
 
 def _listing_costs(
@@ -265,18 +266,18 @@ def _listing_costs(
     that its keys and locators exist as Python strings only a chunk at a time (each sample's cost
     depends on that sample alone)."""
     n = len(cols.sizes)
-    parts = []
+    costs = np.empty(n, dtype=np.int64)
     fixed = 0
     for a in range(0, max(n, 1), _COST_CHUNK):
         b = min(a + _COST_CHUNK, n)
         pos = np.arange(a, b, dtype=np.int64)
         locators = list(map(cols.prefix.__add__, cols.locators.take(pos)))
         part, fixed = shard_costs(
-            cols.keys.take(pos), cols.labels[a:b], cols.sizes[a:b], locators, options,
+            cols.keys.take(pos), cols.labels[a:b].astype(np.int64), cols.sizes[a:b], locators, options,
             classes=classes, image_shape=image_shape,
         )
-        parts.append(np.asarray(part, dtype=np.int64))
-    return np.concatenate(parts), fixed
+        costs[a:b] = part
+    return costs, fixed
 
 
 class ShardRefs(Sequence[SampleRef]):

@@ -29,6 +29,7 @@ from typing import NamedTuple, overload
 
 import numpy as np
 
+from stager.fs.kernel import release_free_heap
 from stager.pack.sources.base import SampleRef
 
 _INT_COLUMNS = ("labels", "sizes", "mtimes")  # SampleRef fields 1, 3, 4
@@ -38,7 +39,7 @@ _STR_COLUMNS = ("keys", "locators")  # SampleRef fields 0, 2
 class StrColumn(NamedTuple):
     """Strings as one UTF-8 ``blob`` (bytes or a read-only map) and their int64 ``ends``."""
 
-    blob: bytes | mmap.mmap
+    blob: bytes | bytearray | mmap.mmap
     ends: np.ndarray
 
     @classmethod
@@ -132,10 +133,19 @@ class ListingRefs(Sequence[SampleRef]):
     once, iteration a few thousand at a time). ``columns`` are the listing itself: the planner and
     the pack workers use them directly."""
 
-    __slots__ = ("columns",)
+    __slots__ = ("columns", "stem")
 
     def __init__(self, columns: Columns) -> None:
         self.columns = columns
+        self.stem: str | None = None  # where the columns are saved and mapped from, once spilled
+
+    def spill(self, stem: str) -> None:
+        """Save the columns at ``stem`` and map them from there: their pages become the page cache's
+        (shared, reclaimable) instead of this process's heap; the freed heap goes back to the kernel."""
+        self.columns.save(stem)
+        self.columns = Columns.open(stem)
+        self.stem = stem
+        release_free_heap()
 
     @property
     def sizes(self) -> np.ndarray:
@@ -159,7 +169,7 @@ class ListingRefs(Sequence[SampleRef]):
         loc = c.prefix + c.locators.at(i)
         return SampleRef(c.keys.at(i), int(c.labels[i]), loc, int(c.sizes[i]), int(c.mtimes[i]))
 
-    def key_chunks(self, step: int = 65536) -> Iterator[list[str]]:
+    def key_chunks(self, step: int = 16384) -> Iterator[list[str]]:
         """The keys in listing order, ``step`` at a time (never all of them as Python strings)."""
         for a in range(0, len(self), step):
             yield self.columns.keys.take(np.arange(a, min(a + step, len(self)), dtype=np.int64))
@@ -180,7 +190,7 @@ class ListingRefs(Sequence[SampleRef]):
     __hash__ = None  # type: ignore[assignment]  # mutable-looking sequence semantics, like a list
 
 
-def _write(path: str, data: bytes | mmap.mmap) -> None:
+def _write(path: str, data: bytes | bytearray | mmap.mmap) -> None:
     with open(path, "wb") as f:
         f.write(data)
 

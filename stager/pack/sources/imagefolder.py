@@ -10,14 +10,14 @@ ImageNet's 1.28M files fit the pack driver's 200 MB.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from stager.errors import SourceError
 from stager.formats.base import Sample
+from stager.fs.kernel import release_free_heap
 from stager.pack.sources.base import (
     IMAGE_EXTENSIONS,
     MapFn,
@@ -49,8 +49,9 @@ class ImageFolderSource(Source):
         self.classes = classes
         base = str(root)
         self._cut = len(base) + 1
-        parts = list((map_fn or map)(list_class_folder, [(base, c, i) for i, c in enumerate(classes)]))
+        parts = (map_fn or map)(list_class_folder, [(base, c, i) for i, c in enumerate(classes)])
         self.refs = ListingRefs(_join_folders(parts, prefix=f"{base}/"))
+        release_free_heap()  # the folders' pieces, freed, would otherwise stay resident
 
     def load(self, ref: SampleRef) -> Sample:
         data = read_file(ref.locator, ref.size)
@@ -104,22 +105,22 @@ def list_class_folder(job: tuple[str, str, int]) -> FolderListing:
     )
 
 
-def _join_folders(parts: list[FolderListing], *, prefix: str) -> Columns:
+def _join_folders(parts: Iterable[FolderListing], *, prefix: str) -> Columns:
     """The class folders' listings (label = position in ``parts``) as one listing in relative-path
-    order; ``parts`` is emptied on the way so that no column is held twice for long."""
-    counts = [len(p[1]) for p in parts]
-    labels = np.repeat(np.arange(len(parts), dtype=np.int64), counts)
-    cols: list[list[Any]] = [list(c) for c in zip(*parts, strict=True)] if parts else [[]] * 6
-    parts.clear()
-    joined: list[Any] = []
-    for k in range(6):  # one column at a time: its pieces are dropped once joined
-        pieces, cols[k] = cols[k], []
-        if k in (0, 2):
-            joined.append(b"".join(pieces))
-        else:
-            joined.append(np.cumsum(np.concatenate(pieces)) if k in (1, 3) else np.concatenate(pieces))
-        del pieces
-    rel_blob, rel_ends, key_blob, key_ends, sizes, mtimes = joined
+    order. ``parts`` is consumed one folder at a time into growing buffers (large ones are mapped
+    and grow in place), so the whole listing never exists twice: its peak is its final size."""
+    bufs = [bytearray() for _ in range(6)]
+    counts: list[int] = []
+    for part in parts:
+        counts.append(len(part[1]))
+        for buf, col in zip(bufs, part, strict=True):
+            buf += col if isinstance(col, bytes) else np.asarray(col, dtype="<i8").tobytes()
+        del part
+    rel_blob, key_blob = bufs[0], bufs[2]
+    rel_ends, key_ends, sizes, mtimes = (np.frombuffer(bufs[k], dtype="<i8") for k in (1, 3, 4, 5))
+    rel_ends, key_ends = np.cumsum(rel_ends), np.cumsum(key_ends)  # lengths -> end offsets
+    del bufs
+    labels = np.repeat(np.arange(len(counts), dtype=np.int32), counts)  # int32: 5 MB less at 1.28M
     out = Columns(StrColumn(key_blob, key_ends), labels, StrColumn(rel_blob, rel_ends), sizes, mtimes, prefix)
     # Class folders concatenated in name order are almost always in relative-path order ("a b/x"
     # sorts before "a/x" although "a" < "a b"); if not, sort the whole listing by relative path.
