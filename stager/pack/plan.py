@@ -13,7 +13,10 @@ fingerprint covers them all, so a rerun knows which completed shards it may keep
 
 Shapes: ``PackPlan.shards`` in shard order (``index`` 0..n-1), each ``PlannedShard.refs`` in write
 order; every listed sample is in exactly one shard; ``est_bytes`` is the shard file's estimated
-bytes (exact for tar/record when files pass through unchanged).
+bytes (exact for tar/record when files pass through unchanged). Of a columnar listing
+(:class:`~stager.pack.sources.columns.ListingRefs`) the plan keeps only the shuffled order, an int64
+array: each shard's refs are a :class:`ShardRefs` view of its ``positions`` (a slice of it), so
+planning 1.28M samples holds ~8 bytes a sample, not a list of refs.
 """
 
 from __future__ import annotations
