@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import time
+import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -36,6 +37,7 @@ from stager.errors import OutOfSpaceError, UsageError
 from stager.formats import get_writer_format
 from stager.fs import lustre
 from stager.fs.atomic import fsync_dir, remove_partials
+from stager.fs.kernel import release_free_heap
 from stager.fs.open import join, local_path_of
 from stager.manifest import MANIFEST_NAME, Manifest
 from stager.pack.options import PackOptions
@@ -53,6 +55,7 @@ from stager.pack.remote import (
 from stager.pack.resume import Kept, check_destination, clear_out, find_reusable, holds_complete_pack, survey_out
 from stager.pack.shard import ShardJob, fragmentable, write_shard
 from stager.pack.sources.checks import probe_hw
+from stager.pack.sources.columns import ListingRefs
 from stager.pack.sources.frames import FrameSource, clip_shards
 from stager.pack.sources.select import open_source
 from stager.pack.state import STATE_DIR, ShardDone
@@ -268,7 +271,13 @@ class PackRun:
         # Keys are checked once for the whole plan (one pass), so writers need not check each one.
         check_keys = getattr(fmt, "check_keys", None)
         if check_keys is not None:
-            check_keys([r.key for r in source.refs], f"{source.root}: ")
+            if isinstance(source.refs, ListingRefs):
+                # A chunk at a time, so that the keys never all exist as Python strings; a columnar
+                # listing's keys are unique by construction (the source contract), across chunks too.
+                for chunk in source.refs.key_chunks():
+                    check_keys(chunk, f"{source.root}: ")
+            else:
+                check_keys([r.key for r in source.refs], f"{source.root}: ")
         image_shape = self._image_shape(source) if fmt.sample_kind == "decoded" else None
         return Listing(source, fmt, fmt.sample_kind, image_shape, keys_checked=check_keys is not None)
 
@@ -285,7 +294,7 @@ class PackRun:
     def plan(self, listing: Listing) -> PackPlan:
         """Plan (pure): order and cut the listed samples into shards (:func:`plan_shards`)."""
         source = listing.source
-        return plan_shards(
+        plan = plan_shards(
             source.refs,
             self.options,
             listing.fmt.shard_name,
@@ -293,6 +302,8 @@ class PackRun:
             image_shape=listing.image_shape,
             groups=getattr(source, "groups", None),  # a clip source's sequences stay whole and in order
         )
+        release_free_heap()  # the plan's temporaries (whole-listing arrays) would otherwise stay resident
+        return plan
 
     def planned(self, plan: PackPlan) -> PackResult:
         """The result of a dry run: the plan and its estimated size; nothing was written."""
@@ -359,6 +370,9 @@ class PackRun:
         if self.remote is None:
             _stripe(self.out, plan, opts)
             _check_free_space(self.out, todo, passes_through=opts.passes_through(listing.target_kind))
+        if isinstance(source.refs, ListingRefs) and todo:
+            # From here on the listing is read from a mapped file (workers map the same one), not the heap.
+            source.refs.spill(str(self.out / STATE_DIR / f"listing-{uuid.uuid4().hex[:12]}"))
         jobs = [
             ShardJob(
                 str(self.out),
@@ -384,6 +398,7 @@ class PackRun:
         finally:
             source.close()
         progress.close()
+        release_free_heap()  # the written samples' rows, freed: publishing needs the room
         return done
 
     def _write_jobs(self, jobs: list[ShardJob], listing: Listing, progress: Progress) -> Iterable[ShardDone]:

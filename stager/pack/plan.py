@@ -13,18 +13,21 @@ fingerprint covers them all, so a rerun knows which completed shards it may keep
 
 Shapes: ``PackPlan.shards`` in shard order (``index`` 0..n-1), each ``PlannedShard.refs`` in write
 order; every listed sample is in exactly one shard; ``est_bytes`` is the shard file's estimated
-bytes (exact for tar/record when files pass through unchanged).
+bytes (exact for tar/record when files pass through unchanged). Of a columnar listing
+(:class:`~stager.pack.sources.columns.ListingRefs`) the plan keeps only the shuffled order, an int64
+array: each shard's refs are a :class:`ShardRefs` view of its ``positions`` (a slice of it), so
+planning 1.28M samples holds ~8 bytes a sample, not a list of refs.
 """
 
 from __future__ import annotations
 
 import io
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from operator import itemgetter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 import xxhash
@@ -32,17 +35,18 @@ import xxhash
 from stager.formats import get_format
 from stager.formats.base import SizeInputs
 from stager.order import streams
+from stager.pack.sources.base import SampleRef
+from stager.pack.sources.columns import Columns, ListingRefs
 
 if TYPE_CHECKING:
     from stager.pack.options import PackOptions
-    from stager.pack.sources.base import SampleRef
 
 
 @dataclass(frozen=True)
 class PlannedShard:
     index: int
     name: str
-    refs: tuple[SampleRef, ...]
+    refs: Sequence[SampleRef]  # a tuple, or a ShardRefs view of a columnar listing
     est_bytes: int
     fingerprint: str
     # Where ``refs`` sit in the source's listing (int64, write order), so that the pack workers get
@@ -211,39 +215,113 @@ def plan_shards(
     fmt_name = options.format
     fp_options = fingerprinted_options(options, image_shape)
     order = plan_order(len(refs), seed=options.seed, keep_order=options.keep_order, groups=groups)
-    order_l = order.tolist()
-    ordered = [refs[i] for i in order_l]
-    # Columns taken at C speed in source order (walking the refs in listing order is ~8x faster
-    # than in shuffled order, and itemgetter ~9x faster than zip(*refs)), then permuted: numbers as
-    # arrays, keys as a list; the fingerprints hash them per shard as whole columns.
-    keys_s, locators_s = (list(map(itemgetter(k), refs)) for k in (0, 2))
-    labels_src, sizes_src, mtimes_src = (
-        np.fromiter(map(itemgetter(k), refs), dtype=np.int64, count=len(refs)) for k in (1, 3, 4)
-    )
-    keys = [keys_s[i] for i in order_l]
-    sizes, labels_a, mtimes_a = sizes_src[order], labels_src[order], mtimes_src[order]
-    costs_src, fixed = shard_costs(
-        keys_s, labels_src, sizes_src, locators_s, options, classes=classes, image_shape=image_shape
-    )
+    if isinstance(refs, ListingRefs):  # a columnar listing: no Python object per sample (columns.py)
+        cols = refs.columns
+        labels_src, sizes_src, mtimes_src = cols.labels, cols.sizes, cols.mtimes
+        costs_src, fixed = _listing_costs(cols, options, classes=classes, image_shape=image_shape)
+        keys_at: Callable[[np.ndarray], list[str]] = cols.keys.take
+    else:
+        # Columns taken at C speed in source order (walking the refs in listing order is ~8x faster
+        # than in shuffled order, and itemgetter ~9x faster than zip(*refs)).
+        keys_s, locators_s = (list(map(itemgetter(k), refs)) for k in (0, 2))
+        labels_src, sizes_src, mtimes_src = (
+            np.fromiter(map(itemgetter(k), refs), dtype=np.int64, count=len(refs)) for k in (1, 3, 4)
+        )
+        costs_src, fixed = shard_costs(
+            keys_s, labels_src, sizes_src, locators_s, options, classes=classes, image_shape=image_shape
+        )
+        del locators_s
+        keys_at = lambda pos: [keys_s[i] for i in pos.tolist()]  # noqa: E731
     costs = costs_src[order]
+    del costs_src
     base = _digest({"format": fmt_name, "classes": list(classes), "options": fp_options})
     shards = []
     limit = None if options.shard_size is None else max(options.shard_size - fixed, 1)
     cuts = cut_shards(costs, samples_per_shard=options.samples_per_shard, shard_size=limit)
-    cum = np.concatenate(([0], np.cumsum(costs)))
+    cum = np.zeros(len(costs) + 1, dtype=np.int64)
+    np.cumsum(costs, out=cum[1:])
+    del costs
     for idx, (a, b) in enumerate(cuts):
         name = shard_name(idx)
+        pos = order[a:b]
         h = xxhash.xxh3_128()
         h.update(f"{base}\0{idx}\0{name}\0{b - a}\0".encode())
-        part = keys[a:b]
+        part = keys_at(pos)
         h.update("\0".join(part).encode())
         h.update(np.fromiter(map(len, part), dtype=np.int64, count=len(part)).tobytes())  # unambiguous
-        for col in (labels_a, sizes, mtimes_a):
-            h.update(col[a:b].tobytes())
+        for col in (labels_src, sizes_src, mtimes_src):
+            h.update(col[pos].astype(np.int64, copy=False).tobytes())
         est = int(cum[b] - cum[a]) + fixed
-        shards.append(PlannedShard(idx, name, tuple(ordered[a:b]), est, h.hexdigest(), order[a:b]))
+        # A columnar listing's shards view it through their positions; a list's get their refs.
+        srefs = ShardRefs(refs, pos) if isinstance(refs, ListingRefs) else tuple(refs[i] for i in pos.tolist())
+        shards.append(PlannedShard(idx, name, srefs, est, h.hexdigest(), pos))
     fp = _digest({"base": base, "shards": [s.fingerprint for s in shards]})
     return PackPlan(fmt_name, shards, fp, fp_options)
+
+
+_COST_CHUNK = 16384  # samples whose keys and locators are decoded at once to size a columnar listing
+
+
+def _listing_costs(
+    cols: Columns, options: PackOptions, *, classes: Sequence[str], image_shape: tuple[int, int, int] | None
+) -> tuple[np.ndarray, int]:
+    """:func:`shard_costs` of a columnar listing, in listing order, a chunk of samples at a time so
+    that its keys and locators exist as Python strings only a chunk at a time (each sample's cost
+    depends on that sample alone)."""
+    n = len(cols.sizes)
+    costs = np.empty(n, dtype=np.int64)
+    fixed = 0
+    for a in range(0, max(n, 1), _COST_CHUNK):
+        b = min(a + _COST_CHUNK, n)
+        pos = np.arange(a, b, dtype=np.int64)
+        locators = list(map(cols.prefix.__add__, cols.locators.take(pos)))
+        part, fixed = shard_costs(
+            cols.keys.take(pos), cols.labels[a:b].astype(np.int64), cols.sizes[a:b], locators, options,
+            classes=classes, image_shape=image_shape,
+        )
+        costs[a:b] = part
+    return costs, fixed
+
+
+class ShardRefs(Sequence[SampleRef]):
+    """A planned shard's samples in write order, as ``positions`` into a columnar ``listing``
+    (:class:`~stager.pack.sources.columns.ListingRefs`): refs are built when asked for (a slice, or each
+    few thousand when iterated, at once), so a plan of millions of samples holds only its order."""
+
+    __slots__ = ("listing", "positions")
+
+    def __init__(self, listing: ListingRefs, positions: np.ndarray) -> None:
+        self.listing = listing
+        self.positions = positions
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """Each sample's ``size`` (int64), without building the refs."""
+        return self.listing.columns.sizes[self.positions]
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    @overload
+    def __getitem__(self, i: int) -> SampleRef: ...
+    @overload
+    def __getitem__(self, i: slice) -> tuple[SampleRef, ...]: ...
+    def __getitem__(self, i: int | slice) -> SampleRef | tuple[SampleRef, ...]:
+        if isinstance(i, slice):
+            return self.listing.take(self.positions[i])
+        return self.listing[int(self.positions[i])]
+
+    def __iter__(self) -> Iterator[SampleRef]:
+        step = 4096
+        for a in range(0, len(self), step):
+            yield from self.listing.take(self.positions[a : a + step])
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, str):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 def format_plan(plan: PackPlan, out: str, limit: int = 20) -> str:

@@ -17,9 +17,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from stager.pack.plan import cut_shards
+from stager.pack.sources.columns import sizes_of
 
 if TYPE_CHECKING:
     from stager.formats.base import Sample
@@ -32,7 +31,7 @@ PATH_SOURCES = frozenset({"imagefolder", "list"})  # sources whose locators are 
 
 def load_batches(refs: Sequence[SampleRef]) -> list[tuple[int, int]]:
     """``[start, stop)`` runs of ``refs`` to load at once (see the module docstring)."""
-    sizes = np.fromiter((r[3] for r in refs), dtype=np.int64, count=len(refs))  # r[3] is r.size
+    sizes = sizes_of(refs)
     return cut_shards(sizes, samples_per_shard=BATCH_SAMPLES, shard_size=BATCH_BYTES)
 
 

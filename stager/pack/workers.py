@@ -17,7 +17,7 @@ Two granularities:
 
 The jobs reach the workers through one pickle file (:class:`JobsFile`: the jobs and each one's
 samples as positions in the listing), the listing through memory-mapped column files
-(:mod:`stager.pack.columns`) and the offsets through a shared memory-mapped file (:class:`Slots`), all
+(:mod:`stager.pack.sources.columns`) and the offsets through a shared memory-mapped file (:class:`Slots`), all
 in ``.stager-pack/``, so that a pool started before the plan existed (to list an ImageFolder) serves
 the writing as well.
 
@@ -40,7 +40,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,7 +52,6 @@ from stager.errors import StagerError
 from stager.formats import get_format
 from stager.fs.atomic import partial_path, space_error
 from stager.fs.writeback import start_writeback
-from stager.pack.columns import Columns
 from stager.pack.plan import cut_shards
 from stager.pack.shard import (
     SampleRows,
@@ -64,6 +63,7 @@ from stager.pack.shard import (
     write_shard,
 )
 from stager.pack.sources.base import SampleRef
+from stager.pack.sources.columns import Columns, sizes_of
 from stager.pack.state import ShardDone
 
 if TYPE_CHECKING:
@@ -91,7 +91,7 @@ class JobsFile:
     """The jobs as the workers see them, pickled once into ``.stager-pack/workers-<id>.pkl``.
 
     ``jobs`` have no samples (``shard.refs == ()``); ``listing`` is the stem of the listing's column
-    files (:mod:`stager.pack.columns`: every sample once, in the source's order, memory-mapped by the
+    files (:mod:`stager.pack.sources.columns`: every sample once, in the source's order, memory-mapped by the
     workers) and ``positions[i]`` job ``i``'s samples in write order, as indices into it. ``source``
     (without its listing) is there for workers started before the source existed, else None.
     """
@@ -187,13 +187,14 @@ class PackPool:
             )
         return self._ex
 
-    def map(self, fn: Callable[[T], R], items: list[T]) -> list[R]:
-        """``list(map(fn, items))`` on the workers (in order)."""
+    def map(self, fn: Callable[[T], R], items: list[T]) -> Iterator[R]:
+        """``map(fn, items)`` on the workers: results in order, each held only until consumed."""
         if len(items) < 2:
-            return list(map(fn, items))
+            return map(fn, items)
         # Several items per task (fewer round trips), yet enough tasks to balance uneven ones.
-        chunk = max(1, len(items) // (self.workers * 4))
-        return list(self._executor().map(fn, items, chunksize=chunk))
+        # At most 16: a task's results arrive as one message, and the caller holds them until taken.
+        chunk = max(1, min(16, len(items) // (self.workers * 4)))
+        return self._executor().map(fn, items, chunksize=chunk)
 
     def run(self, jobs: list[ShardJob], source: Source, progress: Progress, state_dir: Path) -> list[ShardDone]:
         """Write ``jobs`` (segments where the format allows, else whole shards); see the module doc."""
@@ -224,15 +225,18 @@ def _publish_jobs(state_dir: Path, jobs: list[ShardJob], source: Source, *, ship
     did not inherit it); return its path."""
     light = [dataclasses.replace(j, shard=dataclasses.replace(j.shard, refs=(), positions=None)) for j in jobs]
     planned = [j.shard.positions for j in jobs]
+    stem = None
     if all(p is not None and len(p) == len(j.shard.refs) for p, j in zip(planned, jobs, strict=True)):
         columns = Columns.of(source.refs)
+        stem = getattr(source.refs, "stem", None)  # a spilled ListingRefs is on disk already
         positions = [np.asarray(p, dtype=np.int64) for p in planned]
     else:  # shards planned elsewhere: their own samples, concatenated, are the listing
         columns = Columns.of([r for j in jobs for r in j.shard.refs])
         ends = np.cumsum([len(j.shard.refs) for j in jobs]).tolist()
         positions = [np.arange(e - len(j.shard.refs), e, dtype=np.int64) for j, e in zip(jobs, ends, strict=True)]
-    stem = str(state_dir / f"listing-{uuid.uuid4().hex[:12]}")
-    columns.save(stem)
+    if stem is None:
+        stem = str(state_dir / f"listing-{uuid.uuid4().hex[:12]}")
+        columns.save(stem)
     src = None
     if ship_source:
         src = copy.copy(source)
@@ -271,8 +275,7 @@ def _run_shards(ex: ProcessPoolExecutor, jobs: list[ShardJob], jobs_file: str, p
 
 def plan_segments(job: ShardJob) -> list[tuple[int, int]]:
     """``[start, stop)`` runs of ``job``'s planned samples, one per segment."""
-    sizes = np.asarray([r[3] for r in job.shard.refs], dtype=np.int64)  # r[3] is r.size
-    return cut_shards(sizes, samples_per_shard=SEG_SAMPLES, shard_size=SEG_BYTES)
+    return cut_shards(sizes_of(job.shard.refs), samples_per_shard=SEG_SAMPLES, shard_size=SEG_BYTES)
 
 
 class Slots:
@@ -416,7 +419,9 @@ class _SegmentRun:
         self.parts: list[list[tuple[int, SampleRows]]] = [[] for _ in jobs]
         self.segments: set[Future[SegmentDone]] = set()
         self.finishing: set[Future[ShardDone]] = set()
-        self.submitted: list[Future[SegmentDone] | Future[ShardDone]] = []  # in order, to report errors
+        # Tasks not yet done with, in submission order, to report errors in plan order; a task whose
+        # result was taken leaves it, so that its rows (Python objects per sample) are not kept.
+        self.submitted: dict[Future[Any], None] = {}
 
     def run(self, progress: Progress) -> list[ShardDone]:
         out: list[ShardDone] = []
@@ -427,6 +432,7 @@ class _SegmentRun:
             self.finishing -= finished
             for f in finished:
                 res = f.result()  # re-raises the worker's exception
+                del self.submitted[f]
                 if isinstance(res, ShardDone):
                     out.append(res)
                     continue
@@ -447,13 +453,14 @@ class _SegmentRun:
         while self.queue and len(self.segments) < self.in_flight:
             f = self.ex.submit(_run_segment, self.queue.popleft())
             self.segments.add(f)
-            self.submitted.append(f)
+            self.submitted[f] = None
 
     def _finish(self, ji: int) -> None:
         end = int(self.slots.offsets[self.bases[ji + 1] - 1])
         g = self.ex.submit(_finish_shard, self.jobs_file, ji, str(self.tmps[ji]), end, self.parts[ji])
+        self.parts[ji] = []  # rebound, not cleared: the task still holds its list until it is sent
         self.finishing.add(g)
-        self.submitted.append(g)
+        self.submitted[g] = None
 
     def abort(self, exc: BaseException) -> None:
         """Stop after ``exc``: release every waiting segment, drain the pool, and raise instead the

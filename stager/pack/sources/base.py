@@ -1,10 +1,12 @@
 """The source protocol: :class:`Source` lists :class:`SampleRef` rows and loads samples; keys.
 
-Contract of every source: after construction ``refs`` lists every sample once, in an order that
-depends only on the source's contents (never on the file system's listing order), with unique keys
-(:func:`unique_keys`); ``classes[label]`` names each label. ``load_many(refs)`` returns one result
-per ref, in order: the :class:`~stager.formats.base.Sample` or the exception that stopped it
-(the writer applies ``on_error``). Sources pickle without their caches, so workers can receive them.
+Contract of every source: after construction ``refs`` (a ``Sequence[SampleRef]``: a list, or a lazy
+columnar view such as ImageFolder's :class:`~stager.pack.sources.columns.ListingRefs`) lists every
+sample once, in an order that depends only on the source's contents (never on the file system's
+listing order), with unique keys (:func:`unique_keys`); ``classes[label]`` names each label.
+``load_many(refs)`` returns one result per ref, in order: the :class:`~stager.formats.base.Sample`
+or the exception that stopped it (the writer applies ``on_error``). Sources pickle without their
+caches, so workers can receive them.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class Source:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.refs: list[SampleRef] = []
+        self.refs: Sequence[SampleRef] = []  # a list, or a lazy columnar view (ImageFolder's)
         self.classes: list[str] = []
         self.image_shape: tuple[int, int, int] | None = None  # known fixed (H, W, C), if any
         self.fields: list[FieldSpec] = []  # the samples' field schema (stager.manifest.fields); [] = image + label
