@@ -47,6 +47,7 @@ SHARD_BYTES = 256 << 20  # stager's default --shard-size, used by every writer
 CLASSES = 1000
 WRITERS = ("stager tar w2", "stager tar w1", "mds MDSWriter", "webdataset ShardWriter")
 SLOW = {"webdataset ShardWriter"}  # one round only at the largest count
+SELECTED: list[str] = []  # --writers: a subset of WRITERS (empty: all)
 
 CHILD = """
 import json, resource, sys, time
@@ -70,6 +71,8 @@ print(json.dumps([n, dt, rss * 1024]))
 LOADER_CHILD = """
 import json, resource, sys, time
 sys.path.insert(0, {root!r})
+import torch  # a training script has torch loaded before it builds its loader: not part of the timing
+import stager.loader.dataset
 from stager.loader import make_loader
 t = time.perf_counter()
 ld = make_loader({out!r}, 256, rank=0, world_size=1, decode="raw", staged=False)
@@ -133,11 +136,12 @@ def bench_count(count: int, work: Path, repeat: int, keep: bool) -> dict[str, An
     src_bytes = tree_bytes(src)
     warm(src)
     runs: dict[str, list[dict[str, Any]]] = {w: [] for w in WRITERS}
+    chosen = set(SELECTED or WRITERS)
     errors: dict[str, str] = {}
     largest = count >= 1_000_000
     for rnd in range(repeat):
         for label in WRITERS:
-            if label in errors or (label in SLOW and largest and rnd > 0):
+            if label in errors or label not in chosen or (label in SLOW and largest and rnd > 0):
                 continue
             out = work / f"out-{label.split()[0]}-{label.split()[-1]}"
             shutil.rmtree(out, ignore_errors=True)
@@ -283,7 +287,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the trees and the stager output in --work")
     p.add_argument("--markdown", default=str(ROOT / "docs" / "bench" / "scale.md"))
     p.add_argument("--plot", default=str(ROOT / "docs" / "bench" / "scale.png"))
+    p.add_argument("--writers", nargs="+", choices=WRITERS, default=None,
+                   help="measure only these writers (default: all)")
     args = p.parse_args(argv)
+    SELECTED[:] = args.writers or []
     work = Path(args.work or tempfile.mkdtemp(prefix="stager-bench-scale-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
