@@ -225,6 +225,23 @@ def pread_runs(fd: int, offsets: np.ndarray, sizes: np.ndarray, max_gap: int = 1
     return out
 
 
+def indexed_samples(reader: Any, what: str) -> Iterator[Sample]:
+    """``iter_samples`` of a reader whose samples are known only through their manifest entry (an adopted
+    container: parquet, RecordIO, LMDB): keys and labels from the index, payloads by ``reader.read``
+    256 at a time. A decoded payload (an array) is yielded as it is, an encoded one as bytes."""
+    info = reader.info
+    if info is None:
+        raise UsageError(f"{reader.path}: {what} files are read through their manifest entry")
+    for a in range(0, info.samples, 256):
+        pos = np.arange(a, min(a + 256, info.samples))
+        for j, data in zip(pos.tolist(), reader.read(pos), strict=True):
+            if isinstance(data, np.ndarray):
+                yield Sample(info.keys[j], int(info.labels[j]), data, "png")
+            else:
+                b = bytes(data)
+                yield Sample(info.keys[j], int(info.labels[j]), b, image_ext(b))
+
+
 class ExtentReader:
     """Shared plumbing of readers whose payloads sit at the manifest's byte extents (tar, record, hdf5).
 

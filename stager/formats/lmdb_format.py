@@ -20,7 +20,7 @@ import numpy as np
 
 from stager.decode.planar import planar_batch_to_hwc, planar_rows_to_hwc
 from stager.errors import CorruptSampleError, UsageError
-from stager.formats.base import AdoptedFormat, ExtentReader, Sample, image_ext
+from stager.formats.base import AdoptedFormat, ExtentReader, Sample, indexed_samples
 from stager.manifest import Manifest, ShardInfo
 
 GAP = 64 << 10  # values further apart than this are read separately (as the loader's MAX_GAP)
@@ -91,17 +91,8 @@ class LmdbShardReader(ExtentReader):
 
     def iter_samples(self) -> Iterator[Sample]:
         """The indexed samples in order, payloads read by :meth:`read` (keys and labels from the index)."""
-        if self.info is None:
-            raise UsageError(f"{self.path}: LMDB files are read through their manifest entry")
-        info = self.info
-        for a in range(0, info.samples, 256):
-            pos = np.arange(a, min(a + 256, info.samples))
-            for j, data in zip(pos.tolist(), self.read(pos), strict=True):
-                if isinstance(data, np.ndarray):
-                    yield Sample(info.keys[j], int(info.labels[j]), data, "png")
-                else:
-                    b = bytes(data)
-                    yield Sample(info.keys[j], int(info.labels[j]), b, image_ext(b))
+        return indexed_samples(self, "LMDB")
+
 
 
 class LmdbFormat(AdoptedFormat):

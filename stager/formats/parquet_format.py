@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from stager.errors import CorruptSampleError, ShardMissingError, UsageError
-from stager.formats.base import AdoptedFormat, ExtentReader, Sample, image_ext
+from stager.formats.base import AdoptedFormat, ExtentReader, Sample, indexed_samples
 from stager.manifest import Manifest, ShardInfo
 
 CACHED = 4  # decoded row groups kept per reader (a worker holds one reader per open shard)
@@ -85,14 +85,7 @@ class ParquetShardReader(ExtentReader):
 
     def iter_samples(self) -> Iterator[Sample]:
         """The indexed samples in order, payloads read by :meth:`read` (keys and labels from the index)."""
-        if self.info is None:
-            raise UsageError(f"{self.path}: parquet shards are read through their manifest entry")
-        info = self.info
-        for a in range(0, info.samples, 256):
-            pos = np.arange(a, min(a + 256, info.samples))
-            for j, data in zip(pos.tolist(), self.read(pos), strict=True):
-                b = bytes(data)
-                yield Sample(info.keys[j], int(info.labels[j]), b, image_ext(b))
+        return indexed_samples(self, "parquet")
 
     def close(self) -> None:
         super().close()

@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from stager.errors import CorruptSampleError, UsageError
-from stager.formats.base import AdoptedFormat, ExtentReader, Sample, image_ext, pread_runs
+from stager.errors import CorruptSampleError
+from stager.formats.base import AdoptedFormat, ExtentReader, Sample, indexed_samples, pread_runs
 from stager.manifest import Manifest, ShardInfo
 
 MAGIC = 0xCED7230A
@@ -223,14 +223,8 @@ class RecordIOShardReader(ExtentReader):
 
     def iter_samples(self) -> Iterator[Sample]:
         """The indexed samples in order, payloads read by :meth:`read` (keys and labels from the index)."""
-        if self.info is None:
-            raise UsageError(f"{self.path}: RecordIO files are read through their manifest entry")
-        info = self.info
-        for a in range(0, info.samples, 256):
-            pos = np.arange(a, min(a + 256, info.samples))
-            for j, data in zip(pos.tolist(), self.read(pos), strict=True):
-                b = bytes(data)
-                yield Sample(info.keys[j], int(info.labels[j]), b, image_ext(b))
+        return indexed_samples(self, "RecordIO")
+
 
 
 class RecordIOFormat(AdoptedFormat):

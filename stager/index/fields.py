@@ -28,6 +28,7 @@ from stager.manifest.fields import (
     FIELD_PREFIX,
     MASK_HINTS,
     FieldSpec,
+    build_field_columns,
     check_unique,
     offset_column,
     size_column,
@@ -163,13 +164,7 @@ def _specs(schema: list[dict[str, Any]]) -> list[FieldSpec]:
 
 
 def _shard_columns(scan: ShardScan, specs: list[FieldSpec]) -> dict[str, Column]:
-    cols: dict[str, Column] = {}
-    for spec in specs:
-        for c in spec.columns():
-            rows = scan.columns.get(c, [])
-            cols[c] = (Ragged.from_rows(rows, spec.dtype, spec.item) if spec.ragged
-                       else np.asarray(rows, dtype=np.int64))
-    return cols
+    return build_field_columns(specs, scan.columns)
 
 
 def compare_fields(scan: ShardScan, columns: dict[str, Column]) -> str | None:

@@ -39,7 +39,7 @@ import them from here (other issues, e.g. RecordIO array labels, reuse the ``arr
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -165,3 +165,19 @@ def parse_fields_arg(text: str) -> list[FieldSpec]:
         specs.append(FieldSpec(bits[0].strip(), bits[1].strip(), bits[2].strip() if len(bits) == 3 else ""))
     check_unique(specs, "--fields")
     return specs
+
+
+def build_field_columns(specs: Sequence[FieldSpec], rows: Mapping[str, Sequence[Any]]) -> dict[str, Any]:
+    """Per-sample lists of the fields' index columns (``rows``: column name -> one entry per sample) as
+    index columns: :class:`~stager.manifest.table.Ragged` for ragged fields, int64 arrays otherwise.
+    A column absent from ``rows`` is empty (a shard with no samples)."""
+    import numpy as np  # noqa: PLC0415 (the schema module itself stays numpy-free for the CLI parser)
+
+    from stager.manifest.table import Ragged  # noqa: PLC0415 (table imports nothing of ours; kept lazy with numpy)
+
+    out: dict[str, Any] = {}
+    for spec in specs:
+        for name in spec.columns():
+            vals = rows.get(name, [])
+            out[name] = Ragged.from_rows(vals, spec.dtype, spec.item) if spec.ragged else np.asarray(vals, np.int64)
+    return out

@@ -27,8 +27,8 @@ from stager.errors import SourceError, StagerError
 from stager.formats import get_format
 from stager.formats.base import Sample
 from stager.fs.atomic import partial_path, space_error
-from stager.manifest import AuxFile, Ragged, ShardInfo, Strings
-from stager.manifest.fields import FieldSpec, offset_column, size_column, values_column
+from stager.manifest import AuxFile, ShardInfo, Strings
+from stager.manifest.fields import FieldSpec, build_field_columns, offset_column, size_column, values_column
 from stager.pack.fields import prepare_fields
 from stager.pack.read_order import load_batches, load_in_fs_order
 from stager.pack.sources.checks import check_encoded, prepare_sample
@@ -235,13 +235,7 @@ class SampleRows:
 
     def built_columns(self, specs: Sequence[FieldSpec]) -> dict[str, Any]:
         """The field columns as index columns (int64 arrays, :class:`Ragged`), one row per sample."""
-        out: dict[str, Any] = {}
-        for s in specs:
-            for name in s.columns():
-                vals = self.columns.get(name, [])
-                out[name] = (Ragged.from_rows(vals, s.dtype, s.item) if s.ragged
-                             else np.asarray(vals, dtype=np.int64))
-        return out
+        return build_field_columns(specs, self.columns)
 
 
 def record_done(
