@@ -227,7 +227,9 @@ class Manifest:
     # ---- serialisation -------------------------------------------------------------------
     def _body(self) -> dict[str, Any]:
         if self.index is None:
-            raise ManifestError("the sample index must be written before the manifest (Manifest.write_index)")
+            # A caller's bug, never bad input: not a StagerError, so no CLI reports it as the user's error.
+            raise RuntimeError("internal error: a manifest's body (digest, dataset_id, to_bytes) needs its sample "
+                               "index written first (Manifest.write_index)")
         return {
             "schema": SCHEMA,
             "stager_version": self.stager_version,

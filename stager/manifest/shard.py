@@ -96,7 +96,9 @@ class ShardInfo:
 
     def _slice(self) -> slice:
         if self._rows is None:
-            raise ManifestError(f"{self.name}: the manifest's sample index is not attached (use load_manifest)")
+            # A caller's bug (a shard built without rows or arrays), not bad data: never a StagerError.
+            raise RuntimeError(f"internal error: {self.name}: the manifest's sample index is not attached "
+                               "(use load_manifest)")
         start = self._rows[1]
         return slice(start, start + self._samples)
 
