@@ -18,6 +18,14 @@ from tools.datagen import make_cifar, make_imagefolder  # noqa: E402
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """SIGTERM (``make`` passing on its own, a CI time limit) and SIGHUP end the run as Ctrl-C does, so
+    session fixtures are torn down (the cluster above all: tools/cluster/session.py)."""
+    from tools.cluster.session import signals_interrupt
+
+    signals_interrupt()
+
+
 @pytest.fixture(scope="session")
 def imagenet_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """ImageFolder of 4 classes x 6 JPEGs at ~1/4 ImageNet size (fast to generate and decode)."""

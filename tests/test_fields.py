@@ -59,7 +59,7 @@ def test_manifest_schema_and_ragged_columns(packed: Path, shapes: Path) -> None:
 def test_tar_reads_with_webdataset(packed: Path, shapes: Path) -> None:
     if load_manifest(packed / "manifest.json").format != "tar":
         pytest.skip("tar only")
-    wds = pytest.importorskip("webdataset")
+    wds = pytest.importorskip("webdataset", reason="webdataset is not installed (pip install 'stager[test]')")
     urls = sorted(str(p) for p in packed.glob("*.tar"))
     ds = wds.WebDataset(urls, shardshuffle=False).decode("l8").to_tuple("__key__", "jpg", "mask.png", "boxes.json",
                                                                         "box_labels.json")
