@@ -34,6 +34,17 @@ def imagenet_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def imagenet_tiny_tar(imagenet_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``imagenet_tiny`` packed once per session: 12 tar shards of 2 JPEGs (~250 KB). Shared by the
+    modules that stage, stream and prefetch it: read it, never change it (copy it to damage it)."""
+    from stager.pack import pack
+
+    out = tmp_path_factory.mktemp("imagenet-tar") / "packed"
+    pack(imagenet_tiny, out, "tar", samples_per_shard=2)
+    return out
+
+
+@pytest.fixture(scope="session")
 def cifar_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """CIFAR-10 python batches with 60 train / 20 test images; returns the batches directory."""
     return make_cifar(tmp_path_factory.mktemp("cifar"), n_train=60, n_test=20, seed=2, png_folder=True)

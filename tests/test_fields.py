@@ -56,9 +56,8 @@ def test_manifest_schema_and_ragged_columns(packed: Path, shapes: Path) -> None:
     assert m.classes == [] and (m.column("label") == -1).all()  # a list without labels is allowed
 
 
+@pytest.mark.parametrize("packed", ["tar"], indirect=True)
 def test_tar_reads_with_webdataset(packed: Path, shapes: Path) -> None:
-    if load_manifest(packed / "manifest.json").format != "tar":
-        pytest.skip("tar only")
     wds = pytest.importorskip("webdataset", reason="webdataset is not installed (pip install 'stager[test]')")
     urls = sorted(str(p) for p in packed.glob("*.tar"))
     ds = wds.WebDataset(urls, shardshuffle=False).decode("l8").to_tuple("__key__", "jpg", "mask.png", "boxes.json",
@@ -74,9 +73,8 @@ def test_tar_reads_with_webdataset(packed: Path, shapes: Path) -> None:
     assert n == 24
 
 
+@pytest.mark.parametrize("packed", ["record"], indirect=True)
 def test_record_reads_with_tfrecord_in_od_api_keys(packed: Path, shapes: Path) -> None:
-    if load_manifest(packed / "manifest.json").format != "record":
-        pytest.skip("record only")
     from tfrecord.reader import tfrecord_loader
 
     rows = _rows(shapes)
