@@ -1,11 +1,12 @@
 """A test run that is stopped from outside tears its cluster down, and the next ``up`` clears what a run
 killed outright left behind (tools/cluster/session.py, tools/cluster/lifecycle.py).
 
-Each case starts a real inner run, ``make test TESTS=tests/cluster/hold_session.py`` (a one-node
-cluster in a checkout root of its own, so the suite's cluster is untouched), waits until its cluster
-is up, and stops it as a user or CI would: SIGTERM to make (a CI time limit, ``kill``), SIGINT to the
-process group (Ctrl-C), SIGKILL to pytest (its reaper takes over), SIGKILL to pytest and its reaper
-(nothing can clean up: the next ``up`` of the same checkout, or of any other, must). Afterwards
+Each case starts a real inner run, ``make test TESTS=tests/cluster/hold_session.py`` (or ``.ci/run``
+with TESTS in its environment; a one-node cluster in a checkout root of its own, so the suite's cluster
+is untouched), waits until its cluster is up, and stops it as a user or CI would: SIGTERM to make
+(``kill``), SIGTERM to ``.ci/run`` (a CI time limit), SIGINT to the process group (Ctrl-C in a
+terminal), SIGKILL to pytest (its reaper takes over), SIGKILL to pytest and its reaper (nothing can
+clean up: the next ``up`` of the same checkout, or of any other, must). Afterwards
 nothing of that cluster may remain: no process in its namespaces, no recorded daemon, no mount under
 the checkout (a busy ``node1.net`` is what kept a killed CI clone from being removed), no /run
 directory, no .cluster/.
@@ -45,15 +46,19 @@ def inner_env(root: Path, **extra: str) -> dict[str, str]:
     return {**os.environ, "CLUSTER_ROOT": str(root), "STAGER_TEST_CLUSTER_NODES": "1", **extra}
 
 
-def start_inner_run(tmp: Path, root: Path) -> tuple[subprocess.Popen[bytes], int, dict[str, Any]]:
-    """``make test`` of the hold session with its cluster in ``root``; returns make, the pytest pid and
-    the cluster's record once it is up."""
+def start_inner_run(tmp: Path, root: Path, via: str = "make") -> tuple[subprocess.Popen[bytes], int, dict[str, Any]]:
+    """``make test`` (or ``.ci/run``) of the hold session with its cluster in ``root``; returns the
+    process, the pytest pid and the cluster's record once it is up."""
     ready = tmp / "ready"
     tests = f"-p no:cacheprovider --basetemp={tmp / 'basetemp'} tests/cluster/hold_session.py"
+    cmd = (["make", "-C", str(ROOT), "-o", ".venv/.stager-installed", "test"] if via == "make"
+           else ["bash", str(ROOT / ".ci" / "run")])
+    # As started from a terminal, where Ctrl-C reaches the job: this suite may itself run with SIGINT
+    # ignored (.ci/run starts make in the background), and children inherit that. env execs: same pid.
+    cmd = ["env", "--default-signal=INT", *cmd]
     log = open(tmp / "inner.log", "wb")  # noqa: SIM115 (the run outlives this function)
-    make = subprocess.Popen(["make", "-C", str(ROOT), "-o", ".venv/.stager-installed", "test", f"TESTS={tests}"],
-                            env=inner_env(root, STAGER_HOLD_READY=str(ready)), stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+    make = subprocess.Popen(cmd, env=inner_env(root, STAGER_HOLD_READY=str(ready), TESTS=tests), stdout=log,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     log.close()
     wait_until("the inner run's cluster", lambda: ready.exists() or make.poll() is not None)
     assert ready.exists(), (tmp / "inner.log").read_text()[-4000:]
@@ -77,19 +82,24 @@ def cluster_cli(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
         root, CLUSTER_NODES="1"), capture_output=True, text=True, timeout=600, check=False)
 
 
-@pytest.mark.parametrize("stop", ["sigterm-to-make", "ctrl-c", "sigkill-to-pytest"])
+@pytest.mark.parametrize("stop", ["sigterm-to-make", "sigterm-to-ci-run", "ctrl-c", "sigkill-to-pytest"])
 def test_a_stopped_run_takes_its_cluster_down(cluster: Cluster, tmp_path: Path, stop: str) -> None:
     root = tmp_path / "checkout"
     root.mkdir()
-    make, pytest_pid, record = start_inner_run(tmp_path, root)
+    make, pytest_pid, record = start_inner_run(tmp_path, root, via="ci" if stop == "sigterm-to-ci-run" else "make")
     reaper = int(record["reaper"])
-    if stop == "sigterm-to-make":
-        os.kill(make.pid, signal.SIGTERM)
-    elif stop == "ctrl-c":
-        os.killpg(make.pid, signal.SIGINT)
-    else:
-        os.kill(pytest_pid, signal.SIGKILL)
-    assert make.wait(timeout=300) != 0
+    try:
+        if stop.startswith("sigterm"):
+            os.kill(make.pid, signal.SIGTERM)
+        elif stop == "ctrl-c":
+            os.killpg(make.pid, signal.SIGINT)
+        else:
+            os.kill(pytest_pid, signal.SIGKILL)
+        assert make.wait(timeout=240) != 0
+    finally:
+        if make.poll() is None:  # a failed case must not leave its run (and cluster) behind: the reaper's turn
+            os.killpg(make.pid, signal.SIGKILL)
+            make.wait()
     wait_until("the reaper's end", lambda: not alive(reaper))
     log = (tmp_path / "inner.log").read_text()
     if stop != "sigkill-to-pytest":

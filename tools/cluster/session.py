@@ -43,11 +43,23 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt(f"{signal.Signals(signum).name}")
 
 
+def _ctrl_c(signum: int, frame: FrameType | None) -> None:
+    # Python's own Ctrl-C (a second one still interrupts), but a SIGTERM that follows (make or .ci/run
+    # passing the same stop on) must not cut short the teardown the first one started.
+    for sig in ENDING_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.default_int_handler(signum, frame)
+
+
 def signals_interrupt() -> None:
     """SIGTERM and SIGHUP end this process as Ctrl-C does (KeyboardInterrupt in the main thread), so
-    ``finally`` blocks and pytest's session teardown run. Main thread only."""
+    ``finally`` blocks and pytest's session teardown run. Main thread only. A SIGINT that this process
+    inherited as ignored (a background job of a non-interactive shell, as ``.ci/run`` starts make)
+    stays ignored: such a parent passes the stop on as SIGTERM."""
     for sig in ENDING_SIGNALS:
         signal.signal(sig, _interrupt)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _ctrl_c)
 
 
 def reusable(cfg: Config) -> bool:
