@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from stager.errors import SourceNotFoundError, UsageError
+from stager.errors import ShardMissingError, SourceNotFoundError, UsageError
 from stager.loader import Stream, make_loader, make_numpy_loader
 from stager.mix import Mix
 
@@ -176,7 +176,7 @@ def test_torch_numpy_and_keras_transports_agree(mix_sets: dict[str, Path], monke
     from stager.loader.keras import KerasBatches
 
     kb = KerasBatches(make_numpy_loader(mix, 5, **{**kw, "num_workers": 0}), x="image", y=("label", "stream"))
-    x, (y, s) = kb[0]
+    x, (_, s) = kb[0]
     assert x.shape == (5, 8, 8, 3) and s.dtype == np.int64 and len(kb) == len(tl)
     for ld in (tl, nl, nl2, tl2):
         ld.close()
@@ -228,7 +228,7 @@ def test_staged_copies_are_found_and_a_missing_one_warns(mix_sets: dict[str, Pat
     assert not st["streams"]["hdf5"]["staged"] and not st["staged"]
     assert any(r.levelno == logging.WARNING and "'hdf5' has no staged copy" in r.message for r in caplog.records)
     assert tally(stream_ids(ld)) == draws(ld, 0)
-    with pytest.raises(Exception, match="stream 'hdf5'.*no staged copy"):
+    with pytest.raises(Exception, match=r"stream 'hdf5'.*no staged copy"):
         make_loader(mix, 8, rank=0, world_size=1, staging_roots=(str(root),), staged=True)
 
 
@@ -262,7 +262,7 @@ def test_common_fields_and_a_schema_mismatch(mix_sets: dict[str, Path],
     assert "mask" not in next(iter(plain)) and plain.fields[-1] == "stream"
     with pytest.raises(UsageError, match="field 'mask' is not in stream 'tar'"):
         make_loader([str(base / "seg"), str(mix_sets["tar"])], 4, rank=0, world_size=1, fields=["mask"])
-    with pytest.raises(UsageError, match="field 'mask' differs between streams 'seg' \\(mask.*and 'odd' \\(image"):
+    with pytest.raises(UsageError, match=r"field 'mask' differs between streams 'seg' \(mask.*and 'odd' \(image"):
         make_loader([str(base / "seg"), str(base / "odd")], 4, rank=0, world_size=1)
 
 
@@ -303,5 +303,5 @@ def test_bad_mixes_are_one_line_errors(mix_sets: dict[str, Path], tmp_path: Path
     with pytest.raises(UsageError, match="composition='stratified' applies to a mix"):
         make_loader(tar, 4, rank=0, world_size=1, composition="stratified")
     (tmp_path / "bad.yaml").write_text("streams:\n  - path: tar\n    weight: [1\n")
-    with pytest.raises(UsageError, match="bad.yaml: not valid YAML at line"):
+    with pytest.raises(UsageError, match=r"bad\.yaml: not valid YAML at line"):
         make_loader(tmp_path / "bad.yaml", 4, rank=0, world_size=1)

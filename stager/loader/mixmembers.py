@@ -25,18 +25,9 @@ from stager.loader.clips import item_space
 from stager.loader.options import LoaderOptions
 from stager.loader.rank import RankDataset
 from stager.manifest.fields import FieldSpec, sample_fields, specs_from_json
-from stager.mix import Mix, Stream
+from stager.mix import Mix, Stream, named_error
 
 log = logging.getLogger("stager.loader")
-
-
-def _named(stream: Stream, exc: StagerError) -> StagerError:
-    """``exc`` with the stream's name in front (same class, so the same exit code)."""
-    try:
-        out = type(exc)(f"stream {stream.name!r}: {exc}")
-    except TypeError:
-        return exc
-    return out
 
 
 def stream_options(stream: Stream, options: LoaderOptions, fields: tuple[str, ...] | None) -> LoaderOptions:
@@ -54,7 +45,7 @@ def _resolve_all(mix: Mix, options: LoaderOptions) -> list[Resolved]:
             out.append(resolve(s.path, storage_options=opts.storage_options, staged=opts.staged,
                                staging_roots=opts.staging_roots))
         except StagerError as exc:
-            raise _named(s, exc) from exc
+            raise named_error(s.name, exc) from exc
     staged = [s.name for s, r in zip(mix.streams, out, strict=True) if r.staged]
     if staged and options.staged == "auto":
         for s, r in zip(mix.streams, out, strict=True):
@@ -149,7 +140,7 @@ def open_members(mix: Mix, options: LoaderOptions, rank: int, world_size: int) -
         try:
             members.append(RankDataset(s.path, opts, resolved=r))
         except StagerError as exc:
-            raise _named(s, exc) from exc
+            raise named_error(s.name, exc) from exc
         n = members[-1].items.count
         if n < world_size:
             raise UsageError(f"stream {s.name!r} has {n} samples, fewer than the {world_size} ranks; drop it from the "

@@ -10,7 +10,7 @@ the loader's side is :mod:`stager.loader.mixing` (docs/loader.md, "Mixing datase
 from __future__ import annotations
 
 from stager.mix.file import as_mix, is_mix, is_mix_path, load_mix_file
-from stager.mix.spec import COMPOSITIONS, Mix, Stream, mix_of, stream_of
+from stager.mix.spec import COMPOSITIONS, Mix, Stream, mix_of, named_error, stream_of
 
 __all__ = ["COMPOSITIONS", "Mix", "Stream", "as_mix", "is_mix", "is_mix_path", "load_mix_file", "mix_of",
-           "stream_of"]
+           "named_error", "stream_of"]

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from stager.errors import UsageError
+from stager.errors import StagerError, UsageError
 
 COMPOSITIONS = ("random", "stratified", "per_stream")
 STREAM_KEYS = ("name", "path", "weight", "samples", "repeat", "storage_options")
@@ -148,6 +148,14 @@ class Mix:
         if self.epoch_samples is not None:
             out["epoch_samples"] = self.epoch_samples
         return out
+
+
+def named_error(name: str, exc: StagerError) -> StagerError:
+    """``exc`` with ``stream 'name': `` in front: the same class (so the same exit code), one line."""
+    try:
+        return type(exc)(f"stream {name!r}: {exc}")
+    except TypeError:
+        return exc
 
 
 def _same_place(path: str) -> str:
