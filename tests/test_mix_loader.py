@@ -228,7 +228,7 @@ def test_staged_copies_are_found_and_a_missing_one_warns(mix_sets: dict[str, Pat
     assert not st["streams"]["hdf5"]["staged"] and not st["staged"]
     assert any(r.levelno == logging.WARNING and "'hdf5' has no staged copy" in r.message for r in caplog.records)
     assert tally(stream_ids(ld)) == draws(ld, 0)
-    with pytest.raises(Exception, match=r"stream 'hdf5'.*no staged copy"):
+    with pytest.raises(ShardMissingError, match=r"stream 'hdf5'.*no staged copy"):
         make_loader(mix, 8, rank=0, world_size=1, staging_roots=(str(root),), staged=True)
 
 
@@ -305,3 +305,29 @@ def test_bad_mixes_are_one_line_errors(mix_sets: dict[str, Path], tmp_path: Path
     (tmp_path / "bad.yaml").write_text("streams:\n  - path: tar\n    weight: [1\n")
     with pytest.raises(UsageError, match=r"bad\.yaml: not valid YAML at line"):
         make_loader(tmp_path / "bad.yaml", 4, rank=0, world_size=1)
+
+
+def test_a_mix_of_clip_packs(mix_sets: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Streams of windows (docs/clips.md) mix like streams of images; another window length does not."""
+    from stager.pack import pack
+    from tools.datagen import make_videos
+
+    base = tmp_path_factory.mktemp("mixclips")
+    for i, (fmt, t) in enumerate((("tar", 4), ("record", 4), ("tar", 3))):
+        make_videos(base / f"src{i}", sequences=2, frames=10, size=(16, 20), seed=i)
+        pack(base / f"src{i}" / "frames", base / f"c{i}", fmt, clip_length=t, samples_per_shard=7)
+    ld = make_loader([(str(base / "c0"), 1), (str(base / "c1"), 2)], 3, rank=1, world_size=2, image_size=8,
+                     transform="eval", staged=False, num_workers=2, composition="stratified")
+    got: Counter[tuple[int, int]] = Counter()
+    for b in ld:
+        assert b["image"].shape[1:] == (4, 3, 8, 8) and len(b["sequence"]) == len(b["start_frame"]) == len(b["key"])
+        got.update(zip(b["stream"].tolist(), b["index"].tolist(), strict=True))
+    other = make_loader([(str(base / "c0"), 1), (str(base / "c1"), 2)], 3, rank=0, world_size=2, image_size=8,
+                        staged=False, composition="stratified")
+    got += tally(stream_ids(other))
+    assert not (draws(ld, 0) - got)
+    with pytest.raises(UsageError, match="stream 'c2' holds clips of 3 frames, stream 'c0' clips of 4 frames"):
+        make_loader([str(base / "c0"), str(base / "c2")], 3, rank=0, world_size=1)
+    with pytest.raises(UsageError, match="stream 'tar' holds images, stream 'c0' clips of 4 frames"):
+        make_loader([str(base / "c0"), str(mix_sets["tar"])], 3, rank=0, world_size=1)
+    ld.close()
