@@ -41,6 +41,7 @@ from stager.loader.mixmembers import open_members
 from stager.loader.options import LoaderOptions
 from stager.loader.rank import MAX_BUFFER_SAMPLES, PlanGroup, RankDataset, _options_of, single_threaded_cv2
 from stager.loader.state import LoaderState
+from stager.manifest import Strings
 from stager.mix import Mix, Stream, as_mix
 from stager.order import streams
 from stager.order.composition import batch_layout
@@ -59,6 +60,7 @@ from stager.order.reads import ReadSchedule, worker_reads
 from stager.world import World
 
 log = logging.getLogger("stager.loader")
+KEY_WINDOW = 16  # batches of a stream whose keys are decoded at once (_StreamFeed.keys)
 _LOGGED: set[str] = set()  # the epoch table is logged once per process and mix
 
 
@@ -96,6 +98,27 @@ def _node_layout(member: RankDataset) -> NodeLayout | None:
     return NodeLayout(node_of, int(part["node"]), num_nodes, rpn, member.group.rank)
 
 
+def _gather_order(slots: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """Per place of a worker's batches (int64, shape of ``slots``): its index among its batch's places
+    sorted by stream (stably), i.e. where its item is once each stream's items are concatenated in
+    stream order. Computed once per pass for all the worker's batches."""
+    batch = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
+    order = np.lexsort((slots, batch))
+    inv = np.empty(len(order), dtype=np.int64)
+    inv[order] = np.arange(len(order), dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    return inv - starts[batch]
+
+
+def _stream_counts(wp: MixWorkerPlan) -> np.ndarray:
+    """Items of each stream in each of the worker's batches (int64 (batches, streams))."""
+    out = np.zeros((len(wp.batches), len(wp.parts)), dtype=np.int64)
+    for i, (part, step) in enumerate(zip(wp.parts, wp.steps, strict=True)):
+        has = step >= 0
+        out[has, i] = part.sizes[step[has]]
+    return out
+
+
 def _subsequence_mask(ids: np.ndarray, kept: np.ndarray) -> np.ndarray:
     """Which entries of ``ids`` the ordered subsequence ``kept`` keeps (bool, shape of ``ids``)."""
     mask = np.zeros(len(ids), dtype=bool)
@@ -123,15 +146,33 @@ class _StreamFeed:
             self.fetcher = MappedFetcher(reads, self.reading, access)
         else:
             self.fetcher = PreadFetcher(reads, self.reading, access, on_error=member.options.on_error, owned=owned)
-        self.cum = np.concatenate([[0], np.cumsum(part.sizes)]).astype(np.int64)
-        self.rcum = self.cum * member.items.per_item
+        cum = np.concatenate([[0], np.cumsum(part.sizes)]).astype(np.int64)
+        self.cum, self.rcum = cum.tolist(), (cum * member.items.per_item).tolist()
+        self._ids = np.zeros(0, dtype=np.int64)
+        self._keys: list[str] = []
+        self._labels = np.zeros(0, dtype=np.int64)
+        self._window = (0, 0)  # the steps whose ids, keys and labels the window holds
 
-    def take(self, step: int) -> tuple[list[Any], np.ndarray, int]:
-        """The stream's part of its ``step``-th batch: ``(payloads, item ids, payload bytes read)``."""
+    def take(self, step: int) -> tuple[list[Any], int, np.ndarray, list[str], np.ndarray]:
+        """The stream's part of its ``step``-th batch: ``(payloads, payload bytes read, item ids, keys,
+        labels)``. Ids, keys and labels are looked up :data:`KEY_WINDOW` batches at a time: one gather of
+        the stream's key strings and labels per window, not one per batch (its fixed cost is what a
+        stream's few items per batch would otherwise pay most of)."""
         positions = self.reading.emit[self.rcum[step] : self.rcum[step + 1]]
         payloads, nbytes = self.fetcher.batch(step, positions)
-        ids = self.part.stream[self.part.emit[self.cum[step] : self.cum[step + 1]]]
-        return payloads, ids, nbytes
+        lo, hi = self._window
+        if not lo <= step < hi:
+            lo, hi = step, min(step + KEY_WINDOW, len(self.part.sizes))
+            ids = self.part.stream[self.part.emit[self.cum[lo] : self.cum[hi]]]
+            m = self.member
+            first = ids if m.items.per_item == 1 else m.items.samples_of(ids)[:, 0]
+            keys = m.index.keys
+            self._ids = ids.astype(np.int64, copy=False)
+            self._keys = keys.take(first) if isinstance(keys, Strings) else m._keys_at(first)
+            self._labels = np.asarray(m.index.labels[first], dtype=np.int64)
+            self._window = (lo, hi)
+        a, b = self.cum[step] - self.cum[lo], self.cum[step + 1] - self.cum[lo]
+        return payloads, nbytes, self._ids[a:b], self._keys[a:b], self._labels[a:b]
 
 
 class MixDataset(RankDataset):
@@ -161,6 +202,9 @@ class MixDataset(RankDataset):
         self.nodes = [_node_layout(m) for m in self.members]
         self.group = PlanGroup(self.rank, self.world_size)
         self.per_item = self.members[0].items.per_item
+        # Streams whose payloads pass through unchanged (raw bytes, stored arrays with no transform).
+        self._passes = [m.items.per_item == 1 and m.field_fn is None and bool(getattr(m.sample_fn, "passes_through",
+                                                                                      False)) for m in self.members]
         self.field_specs = self.members[0].field_specs
         self.epoch = 0
         self.start_batch = 0
@@ -359,74 +403,87 @@ class MixDataset(RankDataset):
         if in_worker:
             single_threaded_cv2()
         release_free_heap()
-        starts = np.concatenate([[0], np.cumsum(wp.sizes)]).astype(np.int64)
-        for b in range(int(np.searchsorted(wp.batches, self.start_batch)), len(wp.batches)):
+        starts = np.concatenate([[0], np.cumsum(wp.sizes)]).astype(np.int64).tolist()
+        gather = _gather_order(wp.slots, wp.sizes)
+        steps = [st.tolist() for st in wp.steps]
+        counts = _stream_counts(wp).tolist()
+        batches = wp.batches.tolist()
+        for b in range(int(np.searchsorted(wp.batches, self.start_batch)), len(batches)):
             t = time.perf_counter()
-            got: dict[int, tuple[list[Any], np.ndarray]] = {}
+            got: list[tuple[int, list[Any], np.ndarray, list[str], np.ndarray]] = []
             nbytes = [0] * len(feeds)
             for i, feed in enumerate(feeds):
-                step = int(wp.steps[i][b])
+                step = steps[i][b]
                 if step >= 0:
-                    payloads, ids, nbytes[i] = feed.take(step)
-                    got[i] = (payloads, ids)
+                    payloads, nbytes[i], ids, keys, labels = feed.take(step)
+                    got.append((i, payloads, ids, keys, labels))
             io_s = time.perf_counter() - t
             t = time.perf_counter()
-            batch = self._assemble_mix(got, wp.slots[starts[b] : starts[b + 1]], int(wp.batches[b]),
-                                       in_worker=in_worker, ring=ring)
+            lo, hi = starts[b], starts[b + 1]
+            batch = self._assemble_mix(got, wp.slots[lo:hi], gather[lo:hi], batches[b], in_worker=in_worker,
+                                       ring=ring, counts=counts[b])
             batch["_w"].update(bytes=sum(nbytes), io_s=io_s, decode_s=time.perf_counter() - t, stream_bytes=nbytes)
             yield batch
 
     def _decode_stream(self, i: int, payloads: list[Any], ids: np.ndarray, j: int,
-                       rng: np.random.Generator) -> tuple[list[Any], np.ndarray, list[str]]:
+                       rng: list[np.random.Generator]) -> tuple[list[Any], np.ndarray, list[str]]:
+        """Stream ``i``'s items of rank batch ``j``: ``(items, kept ids, skipped keys)``. ``rng``: the batch's
+        one augmentation generator, made on first use (raw payloads that pass through need none)."""
         m = self.members[i]
-        passes = m.items.per_item == 1 and m.field_fn is None and getattr(m.sample_fn, "passes_through", False)
-        if passes and all(p is not None for p in payloads):
+        if self._passes[i] and (m.options.on_error == "raise" or all(p is not None for p in payloads)):
             return payloads, ids, []  # raw bytes or stored arrays as they are: no per-sample work
-        return m._decode_all(payloads, ids, j, rng=rng)
+        if not rng:
+            rng.append(streams.augment(self.seed, self.epoch, self.world_size, self.rank, j))
+        return m._decode_all(payloads, ids, j, rng=rng[0])
 
-    def _assemble_mix(self, got: dict[int, tuple[list[Any], np.ndarray]], slots: np.ndarray, j: int, *,
-                      in_worker: bool, ring: Any) -> dict[str, Any]:
+    def _assemble_mix(self, got: list[tuple[int, list[Any], np.ndarray, list[str], np.ndarray]], slots: np.ndarray,
+                      gather: np.ndarray, j: int, *, in_worker: bool, ring: Any, counts: list[int]) -> dict[str, Any]:
         """Rank batch ``j`` from each stream's payloads: decoded items in the layout's places, with keys,
-        labels, item ids, streams (and a clip pack's sequence/start frame, the common fields)."""
-        rng = streams.augment(self.seed, self.epoch, self.world_size, self.rank, j)
-        keep = np.ones(len(slots), dtype=bool)
-        placed = []
+        labels, item ids, streams (and a clip pack's sequence/start frame, the common fields).
+
+        Each stream's items are gathered stream after stream, then put in the layout's order with one
+        gather (``gather``: per place, its index among the batch's places sorted by stream,
+        :func:`_gather_order`), so the per-item work is a list lookup."""
+        rng: list[np.random.Generator] = []
+        keys: list[Any] = []
+        items: list[Any] = []
+        index, label, meta = [], [], []
         skipped: list[str] = []
-        for i in sorted(got):
-            payloads, ids = got[i]
-            where = np.flatnonzero(slots == i)
-            items, kept, lost = self._decode_stream(i, payloads, ids, j, rng)
+        keep: np.ndarray | None = None
+        for i, payloads, ids, their_keys, their_labels in got:
+            out, kept, lost = self._decode_stream(i, payloads, ids, j, rng)
             if lost:
                 skipped += lost
                 mask = _subsequence_mask(ids, kept)
-                keep[where[~mask]] = False
-                where = where[mask]
-            placed.append((i, where, items, kept))
-        dest = np.cumsum(keep) - 1
-        n = int(keep.sum())
-        stream = slots[keep].astype(np.int64)
-        index, label = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
-        keys: list[Any] = [None] * n
-        items_out: list[Any] = [None] * n
-        meta: dict[str, Any] = {}
-        for i, where, items, kept in placed:
-            m, at = self.members[i], dest[where]
-            first = m.items.samples_of(kept)[:, 0]  # each item's (first) sample
-            index[at], label[at] = kept, m.index.labels[first]
-            for d, key, item in zip(at.tolist(), m._keys_at(first), items, strict=True):
-                keys[d], items_out[d] = key, item
+                keep = np.ones(len(slots), dtype=bool) if keep is None else keep
+                keep[np.flatnonzero(slots == i)[~mask]] = False
+                their_keys = [k for k, ok in zip(their_keys, mask.tolist(), strict=True) if ok]
+                their_labels = their_labels[mask]
+            keys += their_keys
+            items += out
+            index.append(kept)
+            label.append(their_labels)
             if self.per_item > 1:
-                for name, value in clip_meta(m.index, first).items():
-                    meta.setdefault(name, [None] * n)
-                    for d, v in zip(at.tolist(), list(value), strict=True):
-                        meta[name][d] = v
-        batch: dict[str, Any] = {"key": keys, "label": label, "index": index, "stream": stream}
-        if "start_frame" in meta:
-            meta["start_frame"] = np.asarray(meta["start_frame"], dtype=np.int64)
-        batch.update(meta)
-        batch.update(self._payload_fields(items_out, in_worker=in_worker, ring=ring))
-        batch["_w"] = {"skipped": skipped, "batch": j,
-                       "stream_samples": np.bincount(stream, minlength=len(self.members)).tolist()}
+                m = self.members[i]
+                meta.append(clip_meta(m.index, m.items.samples_of(kept)[:, 0]))
+        stream = slots
+        if keep is not None:  # skipped items (on_error="skip"): the places left, re-sorted by stream
+            stream = slots[keep]
+            counts = np.bincount(stream, minlength=len(self.members)).tolist()
+            gather = np.empty(len(stream), dtype=np.int64)
+            gather[np.argsort(stream, kind="stable")] = np.arange(len(stream), dtype=np.int64)
+        batch: dict[str, Any] = {"label": np.concatenate(label)[gather], "index": np.concatenate(index)[gather],
+                                 "stream": stream}
+        if len(got) > 1:
+            at = gather.tolist()
+            keys, items = list(map(keys.__getitem__, at)), list(map(items.__getitem__, at))
+        batch["key"] = keys
+        if meta:
+            seq = [x for md in meta for x in md["sequence"]]
+            batch["sequence"] = [seq[k] for k in gather.tolist()]
+            batch["start_frame"] = np.concatenate([md["start_frame"] for md in meta]).astype(np.int64)[gather]
+        batch.update(self._payload_fields(items, in_worker=in_worker, ring=ring))
+        batch["_w"] = {"skipped": skipped, "batch": j, "stream_samples": counts}
         return batch
 
     def _payload_fields(self, items: list[Any], *, in_worker: bool, ring: Any) -> dict[str, Any]:

@@ -7,6 +7,7 @@ adds how long it waited for each batch. Seconds are summed over workers, so with
 
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,9 +60,8 @@ class LoaderStats:
             if not self.stream_samples:
                 self.stream_samples = [0] * len(self.streams)
                 self.stream_bytes = [0] * len(self.streams)
-            for i, (n, b) in enumerate(zip(w["stream_samples"], w["stream_bytes"], strict=True)):
-                self.stream_samples[i] += int(n)
-                self.stream_bytes[i] += int(b)
+            self.stream_samples = list(map(operator.add, self.stream_samples, w["stream_samples"]))
+            self.stream_bytes = list(map(operator.add, self.stream_bytes, w["stream_bytes"]))
         skipped = list(w.get("skipped", ()))
         self.skipped += len(skipped)
         self.skipped_keys += skipped[: max(0, 100 - len(self.skipped_keys))]
