@@ -103,7 +103,7 @@ def _gather_order(slots: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     sorted by stream (stably), i.e. where its item is once each stream's items are concatenated in
     stream order. Computed once per pass for all the worker's batches."""
     batch = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
-    order = np.lexsort((slots, batch))
+    order = np.argsort(batch * (int(slots.max(initial=0)) + 1) + slots, kind="stable")
     inv = np.empty(len(order), dtype=np.int64)
     inv[order] = np.arange(len(order), dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)

@@ -170,7 +170,10 @@ def stream_share(se: StreamEpoch) -> StreamShare:
         raise UsageError(f"rank {r} out of range for a group of {se.group_size}")
     if per and n == 0:
         raise UsageError("cannot pad a stream with no item in this epoch to a non-zero share per rank")
-    slot = np.arange(r * per, (r + 1) * per, dtype=np.int64)
+    lo, hi = r * per, (r + 1) * per
+    if se.local is None and hi <= n:  # no padding: a slice of the epoch's order (no copy)
+        return StreamShare(se.seq[lo:hi], np.arange(lo, hi, dtype=np.int64), np.zeros(per, dtype=bool))
+    slot = np.arange(lo, hi, dtype=np.int64)
     pos = cand[slot % n] if n else np.zeros(0, dtype=np.int64)
     return StreamShare(se.seq[pos].astype(np.int64), pos, slot >= n)
 

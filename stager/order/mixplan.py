@@ -138,8 +138,9 @@ def _layout_rng(cfg: MixConfig, rank: int, epoch: int) -> np.random.Generator:
     return streams.mix_layout(cfg.seed, epoch, cfg.world_size, rank)
 
 
-def _chunks(counts: np.ndarray, nw: int, mode: str) -> list[np.ndarray]:
-    """Per worker: the indices into the rank's share of one stream that worker reads (int64)."""
+def _chunks(counts: np.ndarray, nw: int, mode: str) -> list[np.ndarray | slice]:
+    """Per worker: the indices into the rank's share of one stream that worker reads (int64), or the slice
+    of them (shuffled modes: one contiguous piece each, no copy)."""
     nb = len(counts)
     if mode == "none":  # exact order on the rank: each worker takes the pieces of its own batches
         cum = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
@@ -148,15 +149,15 @@ def _chunks(counts: np.ndarray, nw: int, mode: str) -> list[np.ndarray]:
             pieces = [np.arange(cum[j], cum[j + 1], dtype=np.int64) for j in range(k, nb, nw)]
             out.append(np.concatenate(pieces) if pieces else np.zeros(0, np.int64))
         return out
-    lo, out = 0, []
+    lo, pieces = 0, []
     for k in range(nw):
         q = int(counts[k::nw].sum())
-        out.append(np.arange(lo, lo + q, dtype=np.int64))
+        pieces.append(slice(lo, lo + q))
         lo += q
-    return out
+    return list(pieces)
 
 
-def _worker_plan(layout: BatchLayout, shares: Sequence[StreamShare], chunks: list[list[np.ndarray]],
+def _worker_plan(layout: BatchLayout, shares: Sequence[StreamShare], chunks: list[list[np.ndarray | slice]],
                  cfg: MixConfig, *, rank: int, epoch: int, k: int) -> MixWorkerPlan:
     nw = cfg.streams
     mine = np.arange(k, len(layout.sizes), nw, dtype=np.int64)
@@ -170,7 +171,7 @@ def _worker_plan(layout: BatchLayout, shares: Sequence[StreamShare], chunks: lis
         holds = per_batch > 0
         rng = streams.mix_buffer(cfg.seed, epoch, cfg.world_size, rank, workers=nw, worker=k, stream=i)
         buf = cfg.buffers[i] if cfg.mode in ("runs", "shards") and i < len(cfg.buffers) else 0
-        emit = buffer_shuffle(len(chunk), buf, rng)
+        emit = buffer_shuffle(int(per_batch.sum()), buf, rng)
         parts.append(WorkerPlan(k, share.ids[chunk], emit, mine[holds], per_batch[holds], share.is_pad[chunk]))
         step = np.full(len(mine), -1, dtype=np.int64)
         step[holds] = np.arange(int(holds.sum()), dtype=np.int64)
