@@ -80,6 +80,15 @@ def test_stage_a_mix_and_the_loader_reads_every_staged_stream(
     assert any(r.levelno == logging.WARNING and "stream 'record' has no staged copy" in r.message
                for r in caplog.records)
     assert read_all(ld) == draws(ld)
+    # `stager clean DEST` removes every stream's copy (each by its receipt) and the mix receipt; a user's file stays
+    (dest / "notes.txt").write_text("mine")
+    assert main(["clean", str(dest), "--json"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["ok"] and MIX_RECEIPT_NAME in res["removed"] and any(r.startswith("tar/") for r in res["removed"])
+    assert sorted(p.name for p in dest.iterdir()) == ["notes.txt"]
+    from stager.commands import clean as clean_cmd
+
+    assert clean_cmd.MIX_RECEIPT_NAME == MIX_RECEIPT_NAME
 
 
 def test_stage_a_mix_partitioned_over_two_nodes(mix_sets: dict[str, Path], tmp_path: Path,
