@@ -142,19 +142,19 @@ def _chunks(counts: np.ndarray, nw: int, mode: str) -> list[np.ndarray | slice]:
     """Per worker: the indices into the rank's share of one stream that worker reads (int64), or the slice
     of them (shuffled modes: one contiguous piece each, no copy)."""
     nb = len(counts)
+    out: list[np.ndarray | slice] = []
     if mode == "none":  # exact order on the rank: each worker takes the pieces of its own batches
         cum = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        out = []
         for k in range(nw):
             pieces = [np.arange(cum[j], cum[j + 1], dtype=np.int64) for j in range(k, nb, nw)]
             out.append(np.concatenate(pieces) if pieces else np.zeros(0, np.int64))
         return out
-    lo, pieces = 0, []
+    lo = 0
     for k in range(nw):
         q = int(counts[k::nw].sum())
-        pieces.append(slice(lo, lo + q))
+        out.append(slice(lo, lo + q))
         lo += q
-    return list(pieces)
+    return out
 
 
 def _worker_plan(layout: BatchLayout, shares: Sequence[StreamShare], chunks: list[list[np.ndarray | slice]],
