@@ -156,7 +156,7 @@ def test_torch_numpy_and_keras_transports_agree(mix_sets: dict[str, Path], monke
     kw: dict[str, Any] = {"rank": 0, "world_size": 2, "decode": "uint8", "image_size": 8, "staged": False,
                           "num_workers": 2, "multiprocessing_context": "fork", "composition": "stratified"}
     tl = make_loader(mix, 5, **kw)
-    nl = make_numpy_loader(mix, 5, **kw)
+    nl = make_numpy_loader(mix, 5, **{**kw, "multiprocessing_context": "spawn"})  # the mix pickles into workers
     tb, nb = list(tl), list(nl)
     assert len(tb) == len(nb) == len(tl)
     for a, b in zip(tb, nb, strict=True):
@@ -331,3 +331,16 @@ def test_a_mix_of_clip_packs(mix_sets: dict[str, Path], tmp_path_factory: pytest
     with pytest.raises(UsageError, match="stream 'tar' holds images, stream 'c0' clips of 4 frames"):
         make_loader([str(base / "c0"), str(mix_sets["tar"])], 3, rank=0, world_size=1)
     ld.close()
+
+
+def test_tf_data_over_a_mix(mix_sets: dict[str, Path]) -> None:
+    tf = pytest.importorskip("tensorflow", reason="tensorflow is not installed here (docs/training.md)")
+    from stager.loader.tfdata import tf_dataset
+
+    ld = make_numpy_loader([str(mix_sets["tar"]), str(mix_sets["hdf5"])], 8, rank=0, world_size=1, image_size=8,
+                           staged=False)
+    n = 0
+    for x, s in tf_dataset(ld, x="image", y="stream"):
+        assert x.shape[1:] == (8, 8, 3) and s.dtype == tf.int64
+        n += int(x.shape[0])
+    assert n == 60 + 26

@@ -45,7 +45,7 @@ from stager.manifest import Strings
 from stager.mix import Mix, Stream, as_mix
 from stager.order import streams
 from stager.order.composition import batch_layout
-from stager.order.epoch import RankPlan, WorkerPlan, batch_sizes
+from stager.order.epoch import RankPlan, WorkerPlan, batch_sizes, samples_per_rank
 from stager.order.mix import (
     StreamEpoch,
     partitioned_per_rank,
@@ -60,7 +60,8 @@ from stager.order.reads import ReadSchedule, worker_reads
 from stager.world import World
 
 log = logging.getLogger("stager.loader")
-KEY_WINDOW = 16  # batches of a stream whose keys are decoded at once (_StreamFeed.keys)
+KEY_WINDOW = 16  # batches of a stream whose ids, keys and labels are looked up at once (_StreamFeed.take)
+GATHER_WINDOW = 64  # a worker's batches whose gather order is computed at once (bounded memory, few calls)
 _LOGGED: set[str] = set()  # the epoch table is logged once per process and mix
 
 
@@ -107,7 +108,7 @@ def _gather_order(slots: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     inv = np.empty(len(order), dtype=np.int64)
     inv[order] = np.arange(len(order), dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    return inv - starts[batch]
+    return (inv - starts[batch]).astype(np.int32)
 
 
 def _stream_counts(wp: MixWorkerPlan) -> np.ndarray:
@@ -212,11 +213,13 @@ class MixDataset(RankDataset):
         self.shm_token: str | None = None
         self._ring: Any = None
         self._keys = None
-        self._cached: tuple[Any, list[StreamEpoch]] | None = None
+        # Per-rank counts of the current position (key: epoch, explicit order): a partitioned stream's
+        # needs the epoch's draw; the draws themselves are made where the plan is (and then dropped).
+        self._counts_at: tuple[Any, np.ndarray] | None = None
         self._log_epoch()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**super().__getstate__(), "_cached": None}
+        return {**super().__getstate__(), "_counts_at": None}
 
     # ---- the mix's epoch ------------------------------------------------------------------------
     def epoch_table(self) -> list[dict[str, Any]]:
@@ -256,22 +259,19 @@ class MixDataset(RankDataset):
     def _split(self, remaining: np.ndarray) -> list[np.ndarray]:
         return [remaining[1][remaining[0] == i].astype(np.int64) for i in range(len(self.members))]
 
+    def _explicit(self, epoch: int) -> bool:
+        return self._remaining is not None and epoch == self.epoch
+
     def stream_epochs(self, epoch: int | None = None) -> list[StreamEpoch]:
-        """Each stream's epoch as this rank's group plans it (an elastic resume's remaining items, or the
-        epoch's draws), cached for the current position."""
+        """Each stream's epoch as this rank's group plans it: an elastic resume's remaining items, or the
+        epoch's draws. Made afresh on each call (O(samples)): the plan keeps what it needs of them."""
         e = self.epoch if epoch is None else epoch
-        explicit = self._remaining is not None and e == self.epoch
-        key = (e, id(self._remaining) if explicit else None)
-        if self._cached is not None and self._cached[0] == key:
-            return self._cached[1]
-        if explicit:
+        if self._explicit(e):
             assert self._remaining is not None
             seqs = self._split(self._remaining)
         else:
             seqs = [self.stream_sequence(i, e) for i in range(len(self.members))]
-        out = [self._stream_epoch(i, seq) for i, seq in enumerate(seqs)]
-        self._cached = (key, out)
-        return out
+        return [self._stream_epoch(i, seq) for i, seq in enumerate(seqs)]
 
     def _stream_epoch(self, i: int, seq: np.ndarray) -> StreamEpoch:
         layout = self.nodes[i]
@@ -281,6 +281,10 @@ class MixDataset(RankDataset):
         node_of = layout.node_of_shard[np.searchsorted(starts, seq, side="right") - 1]
         per = partitioned_per_rank(node_of, layout.num_nodes, layout.ranks_per_node, self.drop_last)
         local = np.flatnonzero(node_of == layout.node).astype(np.int64)
+        if per and not len(local):
+            raise UsageError(f"stream {self.names[i]!r}: this node's partition holds none of the {len(seq)} samples "
+                             "the stream draws this epoch; raise the stream's share or stage it in full (without "
+                             "--partition)")
         return StreamEpoch(seq, per, layout.local_rank, layout.ranks_per_node, local)
 
     # ---- the plan's arguments -------------------------------------------------------------------
@@ -318,11 +322,28 @@ class MixDataset(RankDataset):
         raise UsageError("stage --follow and the prefetcher follow one dataset, not a mix; stage the mix's streams "
                          "with `stager stage MIX.yaml DEST`")
 
+    def _lengths(self) -> list[int]:
+        """Items of each stream's epoch at the current position: its take, or what an elastic resume left."""
+        if self._remaining is not None:
+            return np.bincount(self._remaining[0], minlength=len(self.members)).tolist()
+        return self.takes.tolist()
+
     def samples_in_epoch(self) -> int:
-        return int(sum(len(se.seq) for se in self.stream_epochs()))
+        return int(sum(self._lengths()))
 
     def _counts(self) -> np.ndarray:
-        return np.array([se.per_rank for se in self.stream_epochs()], dtype=np.int64)
+        """Items of each stream per rank this epoch (the same on every rank). Without a node-partitioned
+        stream this needs no draw: ``ceil`` (``floor`` with ``drop_last``) of the take over the ranks."""
+        key = (self.epoch, id(self._remaining))
+        if self._counts_at is not None and self._counts_at[0] == key:
+            return self._counts_at[1]
+        if any(layout is not None for layout in self.nodes):
+            counts = np.array([se.per_rank for se in self.stream_epochs()], dtype=np.int64)
+        else:
+            counts = np.array([samples_per_rank(n, self.world_size, self.drop_last) for n in self._lengths()],
+                              dtype=np.int64)
+        self._counts_at = (key, counts)
+        return counts
 
     def batch_sizes(self) -> np.ndarray:
         counts = self._counts()
@@ -404,11 +425,15 @@ class MixDataset(RankDataset):
             single_threaded_cv2()
         release_free_heap()
         starts = np.concatenate([[0], np.cumsum(wp.sizes)]).astype(np.int64).tolist()
-        gather = _gather_order(wp.slots, wp.sizes)
         steps = [st.tolist() for st in wp.steps]
         counts = _stream_counts(wp).tolist()
         batches = wp.batches.tolist()
+        gather, window = np.zeros(0, dtype=np.int32), (0, 0)  # the gather order of GATHER_WINDOW batches
         for b in range(int(np.searchsorted(wp.batches, self.start_batch)), len(batches)):
+            if not window[0] <= b < window[1]:
+                window = (b, min(b + GATHER_WINDOW, len(batches)))
+                lo, hi = starts[window[0]], starts[window[1]]
+                gather = _gather_order(wp.slots[lo:hi], wp.sizes[window[0] : window[1]])
             t = time.perf_counter()
             got: list[tuple[int, list[Any], np.ndarray, list[str], np.ndarray]] = []
             nbytes = [0] * len(feeds)
@@ -419,9 +444,9 @@ class MixDataset(RankDataset):
                     got.append((i, payloads, ids, keys, labels))
             io_s = time.perf_counter() - t
             t = time.perf_counter()
-            lo, hi = starts[b], starts[b + 1]
-            batch = self._assemble_mix(got, wp.slots[lo:hi], gather[lo:hi], batches[b], in_worker=in_worker,
-                                       ring=ring, counts=counts[b])
+            lo, hi, base = starts[b], starts[b + 1], starts[window[0]]
+            batch = self._assemble_mix(got, wp.slots[lo:hi], gather[lo - base : hi - base], batches[b],
+                                       in_worker=in_worker, ring=ring, counts=counts[b])
             batch["_w"].update(bytes=sum(nbytes), io_s=io_s, decode_s=time.perf_counter() - t, stream_bytes=nbytes)
             yield batch
 
@@ -466,9 +491,9 @@ class MixDataset(RankDataset):
             if self.per_item > 1:
                 m = self.members[i]
                 meta.append(clip_meta(m.index, m.items.samples_of(kept)[:, 0]))
-        stream = slots
+        stream = slots.astype(np.int64)
         if keep is not None:  # skipped items (on_error="skip"): the places left, re-sorted by stream
-            stream = slots[keep]
+            stream = stream[keep]
             counts = np.bincount(stream, minlength=len(self.members)).tolist()
             gather = np.empty(len(stream), dtype=np.int64)
             gather[np.argsort(stream, kind="stable")] = np.arange(len(stream), dtype=np.int64)

@@ -34,8 +34,8 @@ COMPOSITIONS = ("random", "stratified", "per_stream")
 @dataclass(frozen=True)
 class BatchLayout:
     """A rank's batches of one epoch: ``sizes`` (int64 (nb,)), ``counts`` (int64 (nb, S): items of each
-    stream in each batch) and ``slots`` (int64 (sum(sizes),): the stream of every place, batch after
-    batch, in the order the batch hands its items out)."""
+    stream in each batch) and ``slots`` ((sum(sizes),): the stream of every place, batch after batch, in
+    the order the batch hands its items out; int8, or int16 beyond 127 streams: one byte per place)."""
 
     sizes: np.ndarray
     counts: np.ndarray
@@ -47,9 +47,20 @@ class BatchLayout:
         return self.counts.sum(axis=0).astype(np.int64)
 
 
+def stream_dtype(streams: int) -> type:
+    """The smallest signed integer type that numbers ``streams`` streams (slots, :class:`BatchLayout`)."""
+    return np.int8 if streams <= 127 else np.int16 if streams <= 32767 else np.int32
+
+
+def _stream_ids(counts: np.ndarray) -> np.ndarray:
+    """``np.repeat(arange(S), counts)`` in :func:`stream_dtype`."""
+    ids: np.ndarray = np.arange(len(counts), dtype=stream_dtype(len(counts)))
+    return np.repeat(ids, counts)
+
+
 def _counts_of(slots: np.ndarray, sizes: np.ndarray, streams: int) -> np.ndarray:
     batch = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
-    flat = np.bincount(batch * streams + slots, minlength=len(sizes) * streams)
+    flat = np.bincount(batch * streams + slots.astype(np.int64), minlength=len(sizes) * streams)
     return flat.reshape(len(sizes), streams).astype(np.int64)
 
 
@@ -103,8 +114,8 @@ def random_layout(counts: np.ndarray, batch_size: int, drop_last: bool, rng: np.
     total = int(sizes.sum())
     # What drop_last drops is spread over the streams in proportion, so every rank holds the same mixture.
     used = counts if total == int(counts.sum()) else apportion(total, counts)
-    slots = rng.permutation(np.repeat(np.arange(len(counts), dtype=np.int64), used))
-    return BatchLayout(sizes, _counts_of(slots, sizes, len(counts)), slots.astype(np.int64))
+    slots = rng.permutation(_stream_ids(used))
+    return BatchLayout(sizes, _counts_of(slots, sizes, len(counts)), slots)
 
 
 def stratified_layout(counts: np.ndarray, batch_size: int, drop_last: bool,
@@ -114,7 +125,8 @@ def stratified_layout(counts: np.ndarray, batch_size: int, drop_last: bool,
     total = int(sizes.sum())
     used = counts if total == int(counts.sum()) else apportion(total, counts)
     per_batch = stratify(used, sizes, rng)
-    slots = np.repeat(np.tile(np.arange(len(counts), dtype=np.int64), len(sizes)), per_batch.ravel())
+    ids: np.ndarray = np.arange(len(counts), dtype=stream_dtype(len(counts)))
+    slots = np.repeat(np.tile(ids, len(sizes)), per_batch.ravel())
     return BatchLayout(sizes, per_batch, _shuffle_within(slots, sizes, rng))
 
 
@@ -123,13 +135,13 @@ def per_stream_layout(counts: np.ndarray, batch_size: int, drop_last: bool,
     counts = np.asarray(counts, dtype=np.int64)
     used = counts - counts % batch_size if drop_last else counts
     nbs = -(-used // batch_size)
-    order = rng.permutation(np.repeat(np.arange(len(counts), dtype=np.int64), nbs))
+    order = rng.permutation(np.repeat(np.arange(len(counts), dtype=np.int64), nbs))  # one entry per batch
     sizes = np.full(len(order), batch_size, dtype=np.int64)
     for i in np.flatnonzero(used % batch_size).tolist():  # each stream's last batch is its short one
         sizes[np.flatnonzero(order == i)[-1]] = int(used[i] % batch_size)
     per_batch = np.zeros((len(order), len(counts)), dtype=np.int64)
     per_batch[np.arange(len(order)), order] = sizes
-    return BatchLayout(sizes, per_batch, np.repeat(order, sizes).astype(np.int64))
+    return BatchLayout(sizes, per_batch, np.repeat(order.astype(stream_dtype(len(counts))), sizes))
 
 
 LAYOUTS = {"random": random_layout, "stratified": stratified_layout, "per_stream": per_stream_layout}

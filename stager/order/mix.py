@@ -153,12 +153,21 @@ class StreamEpoch:
 
 @dataclass(frozen=True)
 class StreamShare:
-    """A rank's share of one stream's epoch: ``ids`` (int64 (c,), the stream's item ids), ``pos`` (int64
-    (c,), their positions in the stream's epoch order) and ``is_pad`` (bool (c,), padding repeats)."""
+    """A rank's share of one stream's epoch: ``ids`` (int64 (c,), the stream's item ids), ``pos`` (their
+    positions in the stream's epoch order: an int64 array, or a ``range`` when they are consecutive, as
+    without padding: no per-item memory) and ``is_pad`` (bool (c,), padding repeats; a read-only view
+    of False when there are none)."""
 
     ids: np.ndarray
-    pos: np.ndarray
+    pos: np.ndarray | range
     is_pad: np.ndarray
+
+
+def positions(pos: np.ndarray | range, idx: np.ndarray) -> np.ndarray:
+    """``pos[idx]`` (int64) for an array or a ``range`` of positions (:class:`StreamShare`)."""
+    if isinstance(pos, range):
+        return (pos.start + np.asarray(idx, dtype=np.int64) * pos.step).astype(np.int64)
+    return np.asarray(pos[idx], dtype=np.int64)
 
 
 def stream_share(se: StreamEpoch) -> StreamShare:
@@ -172,7 +181,7 @@ def stream_share(se: StreamEpoch) -> StreamShare:
         raise UsageError("cannot pad a stream with no item in this epoch to a non-zero share per rank")
     lo, hi = r * per, (r + 1) * per
     if se.local is None and hi <= n:  # no padding: a slice of the epoch's order (no copy)
-        return StreamShare(se.seq[lo:hi], np.arange(lo, hi, dtype=np.int64), np.zeros(per, dtype=bool))
+        return StreamShare(se.seq[lo:hi], range(lo, hi), np.broadcast_to(np.False_, (per,)))
     slot = np.arange(lo, hi, dtype=np.int64)
     pos = cand[slot % n] if n else np.zeros(0, dtype=np.int64)
     return StreamShare(se.seq[pos].astype(np.int64), pos, slot >= n)

@@ -29,7 +29,7 @@ from stager.errors import UsageError
 from stager.order import streams
 from stager.order.composition import COMPOSITIONS, BatchLayout, batch_layout
 from stager.order.epoch import PlanConfig, WorkerPlan, buffer_shuffle
-from stager.order.mix import StreamEpoch, StreamShare, plain_epoch, stream_share
+from stager.order.mix import StreamEpoch, StreamShare, plain_epoch, positions, stream_share
 
 
 @dataclass(frozen=True)
@@ -51,11 +51,12 @@ class MixWorkerPlan:
     """One worker's share of a rank's mixed epoch.
 
     ``batches``/``sizes``: the rank batches this worker produces (``k, k + W, ...``) and their sizes;
-    ``slots``: int64 (sum(sizes),), the stream of every place of those batches, batch after batch.
-    Per stream ``i``: ``parts[i]`` (a :class:`~stager.order.epoch.WorkerPlan` over stream ``i``'s item
-    ids; its batches are those of this worker that hold stream ``i``), ``steps[i]`` (int64
-    (len(batches),): for each of this worker's batches, the index of that batch in ``parts[i]``, or -1)
-    and ``pos[i]`` (int64: each ``parts[i].stream`` entry's position in the stream's epoch order).
+    ``slots``: (sum(sizes),), the stream of every place of those batches, batch after batch (the
+    layout's small integer dtype). Per stream ``i``: ``parts[i]`` (a
+    :class:`~stager.order.epoch.WorkerPlan` over stream ``i``'s item ids; its batches are those of
+    this worker that hold stream ``i``), ``steps[i]`` (int64 (len(batches),): for each of this
+    worker's batches, the index of that batch in ``parts[i]``, or -1) and ``pos[i]`` (each
+    ``parts[i].stream`` entry's position in the stream's epoch order: an array, or a ``range``).
     """
 
     worker: int
@@ -64,7 +65,7 @@ class MixWorkerPlan:
     slots: np.ndarray
     parts: tuple[WorkerPlan, ...]
     steps: tuple[np.ndarray, ...]
-    pos: tuple[np.ndarray, ...]
+    pos: tuple[np.ndarray | range, ...]
 
     def batch_slots(self, b: int) -> np.ndarray:
         """The stream of each place of this worker's ``b``-th batch."""
@@ -79,7 +80,7 @@ class MixWorkerPlan:
             step = int(self.steps[i][b])
             if step >= 0:
                 ids[slots == i] = part.stream[part.batch_positions(step)]
-        return slots.copy(), ids
+        return slots.astype(np.int64), ids
 
     def consumed(self, stream: int, batches_done: int) -> np.ndarray:
         """Positions in stream ``stream``'s epoch order of the items this worker's rank batches below
@@ -87,7 +88,7 @@ class MixWorkerPlan:
         part = self.parts[stream]
         mine = int(np.searchsorted(part.batches, batches_done))
         lo = int(part.sizes[:mine].sum())
-        return self.pos[stream][part.emit[:lo]]
+        return positions(self.pos[stream], part.emit[:lo])
 
 
 @dataclass(frozen=True)
@@ -162,9 +163,13 @@ def _worker_plan(layout: BatchLayout, shares: Sequence[StreamShare], chunks: lis
     nw = cfg.streams
     mine = np.arange(k, len(layout.sizes), nw, dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(layout.sizes)]).astype(np.int64)
-    pieces = [layout.slots[starts[j] : starts[j + 1]] for j in mine.tolist()]
-    slots = np.concatenate(pieces) if pieces else np.zeros(0, np.int64)
-    parts, steps, pos = [], [], []
+    if nw == 1:
+        slots = layout.slots
+    else:
+        pieces = [layout.slots[starts[j] : starts[j + 1]] for j in mine.tolist()]
+        slots = np.concatenate(pieces) if pieces else np.zeros(0, layout.slots.dtype)
+    parts, steps = [], []
+    pos: list[np.ndarray | range] = []
     for i, share in enumerate(shares):
         chunk = chunks[i][k]
         per_batch = layout.counts[mine, i]
@@ -176,7 +181,10 @@ def _worker_plan(layout: BatchLayout, shares: Sequence[StreamShare], chunks: lis
         step = np.full(len(mine), -1, dtype=np.int64)
         step[holds] = np.arange(int(holds.sum()), dtype=np.int64)
         steps.append(step)
-        pos.append(share.pos[chunk])
+        if isinstance(chunk, slice):
+            pos.append(share.pos[chunk])
+        else:
+            pos.append(positions(share.pos, chunk))
     return MixWorkerPlan(k, mine, layout.sizes[mine], slots, tuple(parts), tuple(steps), tuple(pos))
 
 
