@@ -558,7 +558,8 @@ class Trainer:
         )
         if isinstance(self.train_source, StagerSource):
             ls = self.train_source.loader_stats()
-            summary["data_source"] = {k: ls[k] for k in ("source", "reading_from", "staged", "staged_mode")}
+            summary["data_source"] = {k: ls[k] for k in ("source", "reading_from", "staged", "staged_mode", "streams")
+                                      if k in ls}
             summary["loader"] = {k: ls[k] for k in ("samples_per_s", "io_seconds", "decode_seconds", "wait_seconds")}
         if self.keys_file is not None:
             self.keys_file.close()
