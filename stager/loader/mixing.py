@@ -35,17 +35,16 @@ from stager.errors import UsageError
 from stager.fs.kernel import release_free_heap
 from stager.loader.access import ShardAccess
 from stager.loader.clips import clip_meta, item_shard_groups
-from stager.loader.fetch import Fetcher, MappedFetcher, PreadFetcher
 from stager.loader.fields import assemble_fields
+from stager.loader.mixfeed import GATHER_WINDOW, StreamFeed, gather_order, stream_counts, subsequence_mask
 from stager.loader.mixmembers import open_members
 from stager.loader.options import LoaderOptions
 from stager.loader.rank import MAX_BUFFER_SAMPLES, PlanGroup, RankDataset, _options_of, single_threaded_cv2
 from stager.loader.state import LoaderState
-from stager.manifest import Strings
 from stager.mix import Mix, Stream, as_mix
 from stager.order import streams
 from stager.order.composition import batch_layout
-from stager.order.epoch import RankPlan, WorkerPlan, batch_sizes, samples_per_rank
+from stager.order.epoch import RankPlan, batch_sizes, samples_per_rank
 from stager.order.mix import (
     StreamEpoch,
     partitioned_per_rank,
@@ -56,12 +55,10 @@ from stager.order.mix import (
 )
 from stager.order.mixplan import MixConfig, MixRankPlan, MixWorkerPlan, plan_mix_rank, unconsumed_mix
 from stager.order.partition import assign_shards_to_nodes
-from stager.order.reads import ReadSchedule, worker_reads
+from stager.order.reads import ReadSchedule
 from stager.world import World
 
 log = logging.getLogger("stager.loader")
-KEY_WINDOW = 16  # batches of a stream whose ids, keys and labels are looked up at once (_StreamFeed.take)
-GATHER_WINDOW = 64  # a worker's batches whose gather order is computed at once (bounded memory, few calls)
 _LOGGED: set[str] = set()  # the epoch table is logged once per process and mix
 
 
@@ -97,83 +94,6 @@ def _node_layout(member: RankDataset) -> NodeLayout | None:
     for n, shards in enumerate(nodes):
         node_of[shards] = n
     return NodeLayout(node_of, int(part["node"]), num_nodes, rpn, member.group.rank)
-
-
-def _gather_order(slots: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """Per place of a worker's batches (int64, shape of ``slots``): its index among its batch's places
-    sorted by stream (stably), i.e. where its item is once each stream's items are concatenated in
-    stream order. Computed once per pass for all the worker's batches."""
-    batch = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
-    order = np.argsort(batch * (int(slots.max(initial=0)) + 1) + slots, kind="stable")
-    inv = np.empty(len(order), dtype=np.int64)
-    inv[order] = np.arange(len(order), dtype=np.int64)
-    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    return (inv - starts[batch]).astype(np.int32)
-
-
-def _stream_counts(wp: MixWorkerPlan) -> np.ndarray:
-    """Items of each stream in each of the worker's batches (int64 (batches, streams))."""
-    out = np.zeros((len(wp.batches), len(wp.parts)), dtype=np.int64)
-    for i, (part, step) in enumerate(zip(wp.parts, wp.steps, strict=True)):
-        has = step >= 0
-        out[has, i] = part.sizes[step[has]]
-    return out
-
-
-def _subsequence_mask(ids: np.ndarray, kept: np.ndarray) -> np.ndarray:
-    """Which entries of ``ids`` the ordered subsequence ``kept`` keeps (bool, shape of ``ids``)."""
-    mask = np.zeros(len(ids), dtype=bool)
-    k = 0
-    for i, x in enumerate(ids.tolist()):
-        if k < len(kept) and x == int(kept[k]):
-            mask[i] = True
-            k += 1
-    return mask
-
-
-class _StreamFeed:
-    """One stream of one worker's plan: its reads, as the stream's read schedule says, and its items per batch."""
-
-    def __init__(self, member: RankDataset, part: WorkerPlan, access: ShardAccess, *, start_batch: int,
-                 owned: bool) -> None:
-        self.member, self.part = member, part
-        self.reading = member.items.reading_plan(part)
-        reads = worker_reads(self.reading, member.index.starts, member.index.sizes, start_batch=start_batch)
-        access.check_pid()
-        if member.field_fn is not None:
-            member.field_fn.access = access  # byte fields outside the payload (hdf5, parquet) are read through it
-        self.fetcher: Fetcher
-        if access.mapped:
-            self.fetcher = MappedFetcher(reads, self.reading, access)
-        else:
-            self.fetcher = PreadFetcher(reads, self.reading, access, on_error=member.options.on_error, owned=owned)
-        cum = np.concatenate([[0], np.cumsum(part.sizes)]).astype(np.int64)
-        self.cum, self.rcum = cum.tolist(), (cum * member.items.per_item).tolist()
-        self._ids = np.zeros(0, dtype=np.int64)
-        self._keys: list[str] = []
-        self._labels = np.zeros(0, dtype=np.int64)
-        self._window = (0, 0)  # the steps whose ids, keys and labels the window holds
-
-    def take(self, step: int) -> tuple[list[Any], int, np.ndarray, list[str], np.ndarray]:
-        """The stream's part of its ``step``-th batch: ``(payloads, payload bytes read, item ids, keys,
-        labels)``. Ids, keys and labels are looked up :data:`KEY_WINDOW` batches at a time: one gather of
-        the stream's key strings and labels per window, not one per batch (its fixed cost is what a
-        stream's few items per batch would otherwise pay most of)."""
-        positions = self.reading.emit[self.rcum[step] : self.rcum[step + 1]]
-        payloads, nbytes = self.fetcher.batch(step, positions)
-        lo, hi = self._window
-        if not lo <= step < hi:
-            lo, hi = step, min(step + KEY_WINDOW, len(self.part.sizes))
-            ids = self.part.stream[self.part.emit[self.cum[lo] : self.cum[hi]]]
-            m = self.member
-            first = ids if m.items.per_item == 1 else m.items.samples_of(ids)[:, 0]
-            keys = m.index.keys
-            self._ids = ids.astype(np.int64, copy=False)
-            self._keys = keys.take(first) if isinstance(keys, Strings) else m._keys_at(first)
-            self._labels = np.asarray(m.index.labels[first], dtype=np.int64)
-            self._window = (lo, hi)
-        a, b = self.cum[step] - self.cum[lo], self.cum[step + 1] - self.cum[lo]
-        return payloads, nbytes, self._ids[a:b], self._keys[a:b], self._labels[a:b]
 
 
 class MixDataset(RankDataset):
@@ -418,7 +338,7 @@ class MixDataset(RankDataset):
         """Worker ``wp``'s batches from ``start_batch`` on: each stream read as its schedule says, decoded
         by its member, placed where the layout says."""
         shuffled = self.mode in ("runs", "shards")
-        feeds = [_StreamFeed(m, wp.parts[i], accesses[i], start_batch=self.start_batch,
+        feeds = [StreamFeed(m, wp.parts[i], accesses[i], start_batch=self.start_batch,
                              owned=shuffled and cfg.buffers[i] > 1) for i, m in enumerate(self.members)]
         ring = self._worker_ring() if in_worker else None
         if in_worker:
@@ -426,14 +346,14 @@ class MixDataset(RankDataset):
         release_free_heap()
         starts = np.concatenate([[0], np.cumsum(wp.sizes)]).astype(np.int64).tolist()
         steps = [st.tolist() for st in wp.steps]
-        counts = _stream_counts(wp).tolist()
+        counts = stream_counts(wp).tolist()
         batches = wp.batches.tolist()
         gather, window = np.zeros(0, dtype=np.int32), (0, 0)  # the gather order of GATHER_WINDOW batches
         for b in range(int(np.searchsorted(wp.batches, self.start_batch)), len(batches)):
             if not window[0] <= b < window[1]:
                 window = (b, min(b + GATHER_WINDOW, len(batches)))
                 lo, hi = starts[window[0]], starts[window[1]]
-                gather = _gather_order(wp.slots[lo:hi], wp.sizes[window[0] : window[1]])
+                gather = gather_order(wp.slots[lo:hi], wp.sizes[window[0] : window[1]])
             t = time.perf_counter()
             got: list[tuple[int, list[Any], np.ndarray, list[str], np.ndarray]] = []
             nbytes = [0] * len(feeds)
@@ -468,7 +388,7 @@ class MixDataset(RankDataset):
 
         Each stream's items are gathered stream after stream, then put in the layout's order with one
         gather (``gather``: per place, its index among the batch's places sorted by stream,
-        :func:`_gather_order`), so the per-item work is a list lookup."""
+        :func:`gather_order`), so the per-item work is a list lookup."""
         rng: list[np.random.Generator] = []
         keys: list[Any] = []
         items: list[Any] = []
@@ -479,7 +399,7 @@ class MixDataset(RankDataset):
             out, kept, lost = self._decode_stream(i, payloads, ids, j, rng)
             if lost:
                 skipped += lost
-                mask = _subsequence_mask(ids, kept)
+                mask = subsequence_mask(ids, kept)
                 keep = np.ones(len(slots), dtype=bool) if keep is None else keep
                 keep[np.flatnonzero(slots == i)[~mask]] = False
                 their_keys = [k for k, ok in zip(their_keys, mask.tolist(), strict=True) if ok]
