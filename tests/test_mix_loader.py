@@ -119,6 +119,11 @@ def test_resume_mid_epoch_is_exact(mix_sets: dict[str, Path], composition: str, 
     assert head + stream_ids(resumed) == ref
     # the next epoch follows as if never interrupted
     assert stream_ids(resumed)[:3] != ref[:3]
+    # a state of another mix (other weights: other epoch takes) is refused, naming what differs
+    other = make_loader([(str(mix_sets["tar"]), 1), *mix[1:]], 6, **kw)
+    with pytest.raises(UsageError, match="dataset_id: state 'mix-"):
+        other.load_state_dict(state)
+    other.close()
     for ld in (full, part, resumed):
         ld.close()
 

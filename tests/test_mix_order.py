@@ -232,11 +232,12 @@ def test_composition_does_not_depend_on_workers_and_order_differs_per_epoch() ->
     assert not np.array_equal(later.layout.slots, plans[0].layout.slots)
 
 
-@pytest.mark.parametrize("composition", ["random", "stratified", "per_stream"])
-def test_unconsumed_is_what_no_rank_has_read(composition: str) -> None:
+@pytest.mark.parametrize(("composition", "mode"), [("random", "runs"), ("stratified", "none"), ("per_stream", "shards"),
+                                                   ("stratified", "random")])
+def test_unconsumed_is_what_no_rank_has_read(composition: str, mode: str) -> None:
     takes = stream_takes(SIZES, [("weight", 2), ("weight", 1), ("repeat", 3)])
-    cfg = MixConfig(batch_size=12, world_size=2, num_workers=2, composition=composition, buffers=(8, 8, 8))
-    seqs = draws(takes, "runs", 4)
+    cfg = MixConfig(batch_size=12, world_size=2, num_workers=2, composition=composition, buffers=(8, 8, 8), mode=mode)
+    seqs = draws(takes, mode, 4)
     done = 5
     left = unconsumed_mix(seqs, cfg, epoch=4, batches_done=done)
     read = [np.zeros(n, dtype=np.int64) for n in SIZES]
@@ -249,7 +250,7 @@ def test_unconsumed_is_what_no_rank_has_read(composition: str) -> None:
         want = np.bincount(seqs[i], minlength=SIZES[i]) - read[i]
         assert np.array_equal(np.bincount(left[i], minlength=SIZES[i]), want)
     # re-planned over 3 ranks, the rest is read exactly once more (no padding beyond world - 1 per stream)
-    cfg3 = MixConfig(batch_size=8, world_size=3, num_workers=1, composition=composition, buffers=(8, 8, 8))
+    cfg3 = MixConfig(batch_size=8, world_size=3, num_workers=1, composition=composition, buffers=(8, 8, 8), mode=mode)
     again = [np.zeros(n, dtype=np.int64) for n in SIZES]
     for batches in world_batches(left, cfg3, 4):
         for slots, ids in batches:
