@@ -81,10 +81,22 @@ def split_streams(src: Path, work: Path) -> list[Path]:
 def write_mds(src: Path, out: Path) -> None:
     from streaming import MDSWriter
 
+    if (out / "index.json").is_file():  # kept from an earlier run with --work
+        return
     with MDSWriter(out=str(out), columns={"image": "bytes", "label": "int", "idx": "int"},
                    size_limit=SHARD_BYTES) as w:
         for i, (path, label) in enumerate(list_folder(src)):
             w.write({"image": path.read_bytes(), "label": label, "idx": i})
+
+
+def sources(work: Path, n_cifar: int, n_imagenet: int) -> dict[str, Path]:
+    """bench_loader's CIFAR-like and ImageNet-like ImageFolder trees (reused when ``work`` has them)."""
+    done = work / f".made-{n_cifar}-{n_imagenet}"
+    if done.exists():
+        return {name: Path(p) for name, p in json.loads(done.read_text()).items()}
+    sets = make_sets(work, n_cifar, n_imagenet)
+    done.write_text(json.dumps({k: str(v) for k, v in sets.items()}))
+    return sets
 
 
 def prepare(name: str, src: Path, work: Path) -> dict[str, Any]:
@@ -93,9 +105,9 @@ def prepare(name: str, src: Path, work: Path) -> dict[str, Any]:
     streams = split_streams(src, base / "src")
     sets: dict[str, Any] = {"whole": base / "stager-whole", "streams": [base / f"stager-s{i}" for i in range(3)],
                             "sizes": [len(list_folder(s)) for s in streams]}
-    pack(src, sets["whole"], "tar", shard_size=SHARD_BYTES)
-    for s, out in zip(streams, sets["streams"], strict=True):
-        pack(s, out, "tar", shard_size=SHARD_BYTES)
+    for s, out in [(src, sets["whole"]), *zip(streams, sets["streams"], strict=True)]:
+        if not (out / "manifest.json").is_file():  # kept from an earlier run with --work
+            pack(s, out, "tar", shard_size=SHARD_BYTES)
     try:
         write_mds(src, base / "mds-whole")
         for i, s in enumerate(streams):
@@ -376,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
 
     multiprocessing.set_start_method("fork", force=True)
     try:
-        srcs = make_sets(work / "src", args.cifar, args.imagenet)
+        srcs = sources(work / "src", args.cifar, args.imagenet)
         res: dict[str, Any] = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, Python "
                                f"{platform.python_version()}", "rounds": args.rounds,
                                "load_before": [round(x, 2) for x in os.getloadavg()], "sets": {}}
