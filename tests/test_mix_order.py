@@ -220,6 +220,20 @@ def test_per_stream_batches_are_one_stream_the_same_on_every_rank() -> None:
     assert steps[0] == steps[1] == steps[2]
 
 
+def test_a_workers_plan_alone_is_its_part_of_the_rank_plan() -> None:
+    from stager.order.mixplan import plan_mix_worker
+
+    seqs = draws(np.array(SIZES), "runs", 1)
+    cfg = MixConfig(batch_size=8, world_size=2, num_workers=3, composition="stratified", buffers=(8, 8, 8))
+    epochs = [plain_epoch(s, 1, 2, False) for s in seqs]
+    rank_plan = plan_mix_rank(epochs, cfg, 1, epoch=1)
+    for k in range(3):
+        alone, part = plan_mix_worker(epochs, cfg, 1, epoch=1, worker=k), rank_plan.workers[k]
+        assert np.array_equal(alone.slots, part.slots) and all(
+            np.array_equal(a.stream, b.stream) and np.array_equal(a.emit, b.emit)
+            for a, b in zip(alone.parts, part.parts, strict=True))
+
+
 def test_composition_does_not_depend_on_workers_and_order_differs_per_epoch() -> None:
     takes = np.array(SIZES)
     seqs = draws(takes, "runs", 0)

@@ -53,7 +53,7 @@ from stager.order.mix import (
     stream_sequence,
     stream_takes,
 )
-from stager.order.mixplan import MixConfig, MixRankPlan, MixWorkerPlan, plan_mix_rank, unconsumed_mix
+from stager.order.mixplan import MixConfig, MixRankPlan, MixWorkerPlan, plan_mix_rank, plan_mix_worker, unconsumed_mix
 from stager.order.partition import assign_shards_to_nodes
 from stager.order.reads import ReadSchedule
 from stager.world import World
@@ -325,7 +325,8 @@ class MixDataset(RankDataset):
     # ---- iteration ------------------------------------------------------------------------------
     def worker_batches(self, worker: int, *, in_worker: bool) -> Iterator[dict[str, Any]]:
         cfg = self.config()
-        wp = self.mix_plan().workers[(worker + self.start_batch) % cfg.streams]
+        wp = plan_mix_worker(self.stream_epochs(), cfg, self.rank, epoch=self.epoch,
+                             worker=(worker + self.start_batch) % cfg.streams)
         accesses = [ShardAccess(m.resolved, use_mmap=self.options.use_mmap) for m in self.members]
         try:
             yield from self._mix_batches(wp, accesses, cfg, in_worker=in_worker)

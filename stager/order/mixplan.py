@@ -188,18 +188,33 @@ def _worker_plan(layout: BatchLayout, shares: Sequence[StreamShare], chunks: lis
     return MixWorkerPlan(k, mine, layout.sizes[mine], slots, tuple(parts), tuple(steps), tuple(pos))
 
 
-def plan_mix_rank(epochs: Sequence[StreamEpoch], cfg: MixConfig, rank: int, *, epoch: int) -> MixRankPlan:
-    """Plan rank ``rank``'s mixed epoch ``epoch`` from each stream's :class:`~stager.order.mix.StreamEpoch`
-    (module docstring). Every rank of the same config gets the same batch sizes, and the same count of
-    every stream."""
+def _rank_layout(epochs: Sequence[StreamEpoch], cfg: MixConfig, rank: int, epoch: int
+                 ) -> tuple[BatchLayout, tuple[StreamShare, ...], list[list[np.ndarray | slice]]]:
+    """The rank's layout, its share of each stream (cut to what its batches hold) and every worker's chunks."""
     shares = tuple(stream_share(se) for se in epochs)
     counts = np.array([len(s.ids) for s in shares], dtype=np.int64)
     layout = batch_layout(counts, cfg.batch_size, cfg.drop_last, cfg.composition, _layout_rng(cfg, rank, epoch))
     used = layout.used
     shares = tuple(StreamShare(s.ids[:u], s.pos[:u], s.is_pad[:u]) for s, u in zip(shares, used.tolist(), strict=True))
-    nw = cfg.streams
-    chunks = [_chunks(layout.counts[:, i], nw, cfg.mode) for i in range(len(shares))]
-    workers = tuple(_worker_plan(layout, shares, chunks, cfg, rank=rank, epoch=epoch, k=k) for k in range(nw))
+    chunks = [_chunks(layout.counts[:, i], cfg.streams, cfg.mode) for i in range(len(shares))]
+    return layout, shares, chunks
+
+
+def plan_mix_worker(epochs: Sequence[StreamEpoch], cfg: MixConfig, rank: int, *, epoch: int,
+                    worker: int) -> MixWorkerPlan:
+    """Worker stream ``worker``'s plan of :func:`plan_mix_rank`, without the other workers' (what a worker
+    process needs: their shuffle buffers are not simulated)."""
+    layout, shares, chunks = _rank_layout(epochs, cfg, rank, epoch)
+    return _worker_plan(layout, shares, chunks, cfg, rank=rank, epoch=epoch, k=worker)
+
+
+def plan_mix_rank(epochs: Sequence[StreamEpoch], cfg: MixConfig, rank: int, *, epoch: int) -> MixRankPlan:
+    """Plan rank ``rank``'s mixed epoch ``epoch`` from each stream's :class:`~stager.order.mix.StreamEpoch`
+    (module docstring). Every rank of the same config gets the same batch sizes, and the same count of
+    every stream."""
+    layout, shares, chunks = _rank_layout(epochs, cfg, rank, epoch)
+    used = layout.used
+    workers = tuple(_worker_plan(layout, shares, chunks, cfg, rank=rank, epoch=epoch, k=k) for k in range(cfg.streams))
     padded = int(sum(int(s.is_pad.sum()) for s in shares))
     # Items of the streams' epochs no rank's batches hold (over the whole world; a node-partitioned
     # stream's count needs every node's share and is left to the loader's epoch count).
