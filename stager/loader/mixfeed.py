@@ -24,6 +24,8 @@ from stager.order.reads import worker_reads
 
 KEY_WINDOW = 16  # batches of a stream whose ids, keys and labels are looked up at once (StreamFeed.take)
 GATHER_WINDOW = 64  # a worker's batches whose gather order is computed at once (bounded memory, few calls)
+# The first window of a pass is short (what the first batch waits for), the next ones full.
+FIRST_WINDOW = 2
 
 
 def gather_order(slots: np.ndarray, sizes: np.ndarray) -> np.ndarray:
@@ -90,7 +92,8 @@ class StreamFeed:
         payloads, nbytes = self.fetcher.batch(step, positions)
         lo, hi = self._window
         if not lo <= step < hi:
-            lo, hi = step, min(step + KEY_WINDOW, len(self.part.sizes))
+            span = FIRST_WINDOW if self._window == (0, 0) else KEY_WINDOW
+            lo, hi = step, min(step + span, len(self.part.sizes))
             ids = self.part.stream[self.part.emit[self.cum[lo] : self.cum[hi]]]
             m = self.member
             first = ids if m.items.per_item == 1 else m.items.samples_of(ids)[:, 0]

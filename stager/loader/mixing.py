@@ -36,7 +36,14 @@ from stager.fs.kernel import release_free_heap
 from stager.loader.access import ShardAccess
 from stager.loader.clips import clip_meta, item_shard_groups
 from stager.loader.fields import assemble_fields
-from stager.loader.mixfeed import GATHER_WINDOW, StreamFeed, gather_order, stream_counts, subsequence_mask
+from stager.loader.mixfeed import (
+    FIRST_WINDOW,
+    GATHER_WINDOW,
+    StreamFeed,
+    gather_order,
+    stream_counts,
+    subsequence_mask,
+)
 from stager.loader.mixmembers import open_members
 from stager.loader.options import LoaderOptions
 from stager.loader.rank import MAX_BUFFER_SAMPLES, PlanGroup, RankDataset, _options_of, single_threaded_cv2
@@ -352,7 +359,7 @@ class MixDataset(RankDataset):
         gather, window = np.zeros(0, dtype=np.int32), (0, 0)  # the gather order of GATHER_WINDOW batches
         for b in range(int(np.searchsorted(wp.batches, self.start_batch)), len(batches)):
             if not window[0] <= b < window[1]:
-                window = (b, min(b + GATHER_WINDOW, len(batches)))
+                window = (b, min(b + (GATHER_WINDOW if window[1] else FIRST_WINDOW), len(batches)))
                 lo, hi = starts[window[0]], starts[window[1]]
                 gather = gather_order(wp.slots[lo:hi], wp.sizes[window[0] : window[1]])
             t = time.perf_counter()

@@ -14,9 +14,11 @@ of the same total size"). Each is packed by stager (tar) and written by MosaicML
   stager's three-stream mix (each sample once an epoch: weights = sizes; ``random`` and ``stratified``
   batches), Streaming's ``StreamingDataset(local=...)`` over the whole set and
   ``StreamingDataset(streams=[Stream(local=..., proportion=...)])`` over the three with the same
-  proportions (``shuffle=True``, ``batching_method="random"``). Rounds interleave the readers;
-  medians over rounds are reported, with the CPU time per sample (the load-robust second figure)
-  and the load average.
+  proportions (``shuffle=True``, ``batching_method="random"``). stager's three loaders run in one
+  process per mode, epochs alternating among them (so they meet the same load); Streaming's readers
+  each in a process of their own (their shared memory); rounds interleave all of these; medians over
+  rounds are reported, with the CPU time per sample (the load-robust second figure) and the load
+  average.
 
 Usage: ``python -m tools.bench.bench_mix [--cifar 30000] [--imagenet 3000] [--rounds 5] [--batch 256]``
 (``make bench-setup`` installs Streaming); prints JSON and writes docs/bench/mix.md. The memory figures
@@ -174,92 +176,116 @@ def _samples(ds: Any) -> Callable[[], int]:
     return one
 
 
-def readers(sets: dict[str, Any], batch: int) -> dict[str, Callable[[], tuple[Any, Callable[[], int]]]]:
-    """Reader name -> a factory of ``(object, one pass)``; each is measured in its own process."""
-    def stager(make: Callable[[], Any]) -> Callable[[], tuple[Any, Callable[[], int]]]:
+GROUPS = {"in-process": {}, "2 workers": {"num_workers": 2, "multiprocessing_context": "fork"}}
+EPOCHS_PER_ROUND = 15
+
+
+def stager_group(mode: str, sets: dict[str, Any], batch: int) -> dict[str, dict[str, float]]:
+    """stager's one dataset and its mixes (random, stratified), in one process, epochs alternating among
+    them (``EPOCHS_PER_ROUND`` each, after a warm-up epoch): the medians of samples/s and CPU us/sample.
+    Alternating epoch by epoch exposes the readers to the same load, which a shared machine varies."""
+    kw = GROUPS[mode]
+    suffix = "" if mode == "in-process" else f", {mode}"
+    loaders = {f"stager one dataset{suffix}": stager_whole(sets, batch, **kw),
+               f"stager mix, random{suffix}": stager_mix(sets, batch, "random", **kw),
+               f"stager mix, stratified{suffix}": stager_mix(sets, batch, "stratified", **kw)}
+    n = sum(sets["sizes"])
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in loaders}
+    try:
+        for ld in loaders.values():
+            _batches(ld)()
+        for _ in range(EPOCHS_PER_ROUND):
+            for name, ld in loaders.items():
+                t, c = time.perf_counter(), _cpu()
+                got = _batches(ld)()
+                if got < n:
+                    raise RuntimeError(f"{name}: an epoch of {got} samples, expected {n}")
+                runs[name].append((n / (time.perf_counter() - t), (_cpu() - c) / n * 1e6))
+    finally:
+        for ld in loaders.values():
+            ld.close()
+    return {name: {"sps": statistics.median(r[0] for r in rs), "cpu_us": statistics.median(r[1] for r in rs)}
+            for name, rs in runs.items()}
+
+
+def peers(sets: dict[str, Any], batch: int) -> dict[str, Callable[[], tuple[Any, Callable[[], int]]]]:
+    """Streaming's readers: name -> a factory of ``(object, one pass)``; each measured in its own process
+    (its shared memory and workers never meet another reader's)."""
+    if "mds" not in sets:
+        return {}
+
+    def peer(mixed: bool) -> Callable[[], tuple[Any, Callable[[], int]]]:
         def build() -> tuple[Any, Callable[[], int]]:
-            ld = make()
-            return ld, _batches(ld)
+            ds = streaming_dataset(sets, batch, mixed=mixed)
+            return ds, _samples(ds)
         return build
 
-    fork = {"num_workers": 2, "multiprocessing_context": "fork"}
-    out: dict[str, Callable[[], tuple[Any, Callable[[], int]]]] = {
-        "stager one dataset": stager(lambda: stager_whole(sets, batch)),
-        "stager mix, random": stager(lambda: stager_mix(sets, batch, "random")),
-        "stager mix, stratified": stager(lambda: stager_mix(sets, batch, "stratified")),
-        "stager one dataset, 2 workers": stager(lambda: stager_whole(sets, batch, **fork)),
-        "stager mix, random, 2 workers": stager(lambda: stager_mix(sets, batch, "random", **fork)),
-    }
-    if "mds" in sets:
-        def peer(mixed: bool) -> Callable[[], tuple[Any, Callable[[], int]]]:
-            def build() -> tuple[Any, Callable[[], int]]:
-                ds = streaming_dataset(sets, batch, mixed=mixed)
-                return ds, _samples(ds)
-            return build
+    def peer_dl() -> tuple[Any, Callable[[], int]]:
+        # Streaming's own way: the dataset made once in the main process, its workers coordinated by it.
+        from torch.utils.data import DataLoader
 
-        def peer_dl() -> tuple[Any, Callable[[], int]]:
-            # Streaming's own way: the dataset made once in the main process, its workers coordinated by it.
-            from torch.utils.data import DataLoader
+        dl = DataLoader(streaming_dataset(sets, batch, mixed=True), batch_size=batch, num_workers=2,
+                        collate_fn=_images, multiprocessing_context="fork", persistent_workers=True, timeout=120)
+        return dl, lambda: sum(_count_list(b) for b in dl)
 
-            dl = DataLoader(streaming_dataset(sets, batch, mixed=True), batch_size=batch, num_workers=2,
-                            collate_fn=_images, multiprocessing_context="fork", persistent_workers=True, timeout=120)
-            return dl, lambda: sum(_count_list(b) for b in dl)
-
-        out["streaming one dataset"] = peer(False)
-        out["streaming mix (streams=)"] = peer(True)
-        out["streaming mix (streams=), 2 workers"] = peer_dl
-    return out
+    return {"streaming one dataset": peer(False), "streaming mix (streams=)": peer(True),
+            "streaming mix (streams=), 2 workers": peer_dl}
 
 
-def measure(name: str, sets: dict[str, Any], batch: int) -> dict[str, float]:
-    """One reader's rate, in this process (``--measure``): built, one warm-up pass, then timed passes."""
-    obj, one = readers(sets, batch)[name]()
+def measure(name: str, sets: dict[str, Any], batch: int) -> dict[str, dict[str, float]]:
+    """In this process (``--measure``): a stager group (:func:`stager_group`), or one peer reader (built,
+    one warm-up pass, then timed passes for at least ``MIN_SECONDS``)."""
+    if name in GROUPS:
+        return stager_group(name, sets, batch)
+    obj, one = peers(sets, batch)[name]()
     try:
-        return _rate(one, sum(sets["sizes"]))
+        return {name: _rate(one, sum(sets["sizes"]))}
     finally:
-        if hasattr(obj, "close"):
-            obj.close()
         it = getattr(obj, "_iterator", None)
         if it is not None and hasattr(it, "_shutdown_workers"):
             it._shutdown_workers()
 
 
-def _measure_in_child(name: str, sets: dict[str, Any], batch: int) -> dict[str, float]:
+def _measure_in_child(name: str, sets: dict[str, Any], batch: int) -> dict[str, dict[str, float]]:
     import subprocess
 
-    doc = json.dumps({k: v for k, v in sets.items()}, default=str)
+    doc = json.dumps(sets, default=str)
     out = subprocess.run([sys.executable, "-m", "tools.bench.bench_mix", "--measure", name, "--sets", doc,
-                          "--batch", str(batch)], capture_output=True, text=True, cwd=ROOT, timeout=600, check=False)
+                          "--batch", str(batch)], capture_output=True, text=True, cwd=ROOT, timeout=1200, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"{name}: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def bench_speed(sets: dict[str, Any], batch: int, rounds: int) -> dict[str, Any]:
-    """Every reader once per round, rounds interleaved, each measurement in a fresh process (so one
-    reader's workers and shared memory never meet another's); medians over the rounds."""
+    """Rounds of: stager in-process, stager with 2 workers (each a group alternating epochs), then each
+    Streaming reader, each measurement in a fresh process; medians over the rounds."""
     n = sum(sets["sizes"])
-    names = list(readers(sets, batch))
-    runs: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+    runs: dict[str, list[dict[str, float]]] = {}
     for _ in range(rounds):
-        for name in names:
-            runs[name].append(_measure_in_child(name, sets, batch))
+        for name in [*GROUPS, *peers(sets, batch)]:
+            for reader, r in _measure_in_child(name, sets, batch).items():
+                runs.setdefault(reader, []).append(r)
     med = {name: {k: statistics.median(r[k] for r in rs) for k in ("sps", "cpu_us")} for name, rs in runs.items()}
-    out: dict[str, Any] = {"samples": n, "batch": batch, "rounds": rounds, "median": med,
-                           "all_sps": {k: [round(r["sps"]) for r in v] for k, v in runs.items()}}
+    out: dict[str, Any] = {"samples": n, "batch": batch, "rounds": rounds, "epochs_per_round": EPOCHS_PER_ROUND,
+                           "median": med, "all_sps": {k: [round(r["sps"]) for r in v] for k, v in runs.items()}}
+    def paired(a: str, b: str) -> dict[str, float] | None:
+        """Median over the rounds of each round's ratio ``a / b`` (CPU: ``b / a``: higher is better for ``a``)."""
+        if a not in runs or b not in runs:
+            return None
+        pairs = list(zip(runs[a], runs[b], strict=True))
+        return {"sps": statistics.median(x["sps"] / y["sps"] for x, y in pairs),
+                "cpu": statistics.median(y["cpu_us"] / x["cpu_us"] for x, y in pairs)}
+
     ratios = {}
     for mode in ("", ", 2 workers"):
-        one = med.get(f"stager one dataset{mode}")
         for comp in ("random", "stratified"):
-            mix = med.get(f"stager mix, {comp}{mode}")
-            if one and mix:
-                ratios[f"mix {comp}{mode} / one dataset"] = {"sps": mix["sps"] / one["sps"],
-                                                            "cpu": one["cpu_us"] / mix["cpu_us"]}
-        peer = med.get(f"streaming mix (streams=){mode}")
-        mix = med.get(f"stager mix, random{mode}")
-        if peer and mix:
-            ratios[f"mix random{mode} / streaming mix"] = {"sps": mix["sps"] / peer["sps"],
-                                                         "cpu": peer["cpu_us"] / mix["cpu_us"]}
+            r = paired(f"stager mix, {comp}{mode}", f"stager one dataset{mode}")
+            if r:
+                ratios[f"mix {comp}{mode} / one dataset"] = r
+        r = paired(f"stager mix, random{mode}", f"streaming mix (streams=){mode}")
+        if r:
+            ratios[f"mix random{mode} / streaming mix"] = r
     out["ratios"] = ratios
     return out
 
@@ -337,14 +363,15 @@ def coverage(sets: dict[str, Any], fraction: float = 0.3, limit: int = 20) -> di
 def to_markdown(res: dict[str, Any]) -> str:
     lines = ["# Mixing benchmark (tools/bench/bench_mix.py)", "",
              f"{res['machine']}; load average {res['load_before']} before, {res['load_after']} after; "
-             f"medians of {res['rounds']} interleaved rounds.", ""]
+             f"medians of {res['rounds']} interleaved rounds (stager's loaders: each round the median of "
+             f"{EPOCHS_PER_ROUND} epochs, alternating among them in one process).", ""]
     for name, s in res["sets"].items():
         sp = s["speed"]
         lines += [f"## {name}: {sp['samples']} samples in 3 streams ({s['sizes']}), batch {sp['batch']}", "",
-                  "| reader | samples/s (median) | CPU us/sample | all rounds |", "| --- | --- | --- | --- |"]
+                  "| reader | samples/s (median) | CPU us/sample | per round |", "| --- | --- | --- | --- |"]
         for reader, m in sp["median"].items():
             lines.append(f"| {reader} | {m['sps']:,.0f} | {m['cpu_us']:.2f} | {sp['all_sps'][reader]} |")
-        lines += ["", "| ratio | samples/s | CPU/sample |", "| --- | --- | --- |"]
+        lines += ["", "| ratio (median of the rounds' ratios) | samples/s | CPU/sample |", "| --- | --- | --- |"]
         for k, v in sp["ratios"].items():
             lines.append(f"| {k} | {v['sps']:.2f}x | {v['cpu']:.2f}x |")
         lines.append("")
