@@ -73,11 +73,12 @@ def copy_as_other_dataset(base: Path, out: Path, tag: int) -> Path:
 def prepare(work: Path, samples: int, streams: int) -> dict[str, Any]:
     sets: dict[str, Any] = {}
     for label, n in (("big", samples), ("small", samples // 10)):
-        src = make_source(work / f"src-{label}", n)
         base = work / f"{label}-0"
-        pack(src, base, "tar", samples_per_shard=max(1000, n // 50))
-        sets[label] = [str(base)] + [str(copy_as_other_dataset(base, work / f"{label}-{i}", i))
-                                     for i in range(1, streams)]
+        if not (base / MANIFEST_NAME).is_file():  # else kept from an earlier run with --work
+            pack(make_source(work / f"src-{label}", n), base, "tar", samples_per_shard=max(1000, n // 50))
+        copies = [work / f"{label}-{i}" for i in range(1, streams)]
+        sets[label] = [str(base)] + [str(d if (d / MANIFEST_NAME).is_file() else copy_as_other_dataset(base, d, i))
+                                     for i, d in enumerate(copies, 1)]
     return sets
 
 
