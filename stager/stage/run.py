@@ -111,6 +111,8 @@ def run_stage(src: str | os.PathLike[str], dest: str | os.PathLike[str] | None, 
     manifest, manifest_bytes = read_src_manifest(src, options.storage_options)
     plan = plan_stage(src, manifest, manifest_bytes, dest, options)
     result = _new_result(plan)
+    if plan.dest_note:
+        result.warnings.append(plan.dest_note)
     if plan.mode == "shared" and not options.fsync:
         options = replace(options, fsync=True)
         result.warnings.append("--no-fsync ignored: a shared DEST is always fsynced (other nodes read it)")
