@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from stager.manifest import Manifest, ShardInfo, load_manifest
-from tests.asuser import ATTACKER, VICTIM, Node, popen_as, python_argv, python_as, run_as, stager_as
+from tests.asuser import ACCOUNT_VICTIM, ATTACKER, VICTIM, Node, popen_as, python_argv, python_as, run_as, stager_as
 from tests.test_stage_support import make_dataset
 from tools.datagen import make_imagefolder
 
@@ -208,6 +208,24 @@ def test_stage_refuses_a_destination_that_is_not_the_users(node: Node, shards: P
     one_line_refusal(victim(node, "stage", shards, theirs / "sub"), f"lies in {theirs}")
     assert not any(theirs.iterdir()) and not any(open_dir.iterdir())
     assert not [p for p in node.home(VICTIM).iterdir() if p.name.startswith(("shard", "manifest"))]
+
+
+def test_a_users_private_group_may_write(node: Node, shards: Path) -> None:
+    """Sites that give each user a private group set ``umask 002``: a DEST the user made by hand is
+    then group-writable, and that group is only theirs, so it is accepted; a shared group's write bit
+    is not."""
+    user = ACCOUNT_VICTIM
+    if user.name == VICTIM.name or __import__("grp").getgrgid(user.gid).gr_name != user.name:
+        pytest.skip("needs an account with a private group of its name")
+    home = node.home(user)
+    dest = home / "dest"
+    r = run_as(user, ["sh", "-c", f"umask 002 && mkdir {dest}"])
+    assert r.returncode == 0 and stat.S_IMODE(os.stat(dest).st_mode) == 0o775, r.stderr
+    r = stager_as(user, "stage", shards, dest, "--json", env=node.env(user))
+    assert r.returncode == 0, r.stderr
+    os.chown(dest, user.uid, ATTACKER.gid)  # the same mode with a group others are in
+    r = stager_as(user, "stage", shards, dest, env=node.env(user))
+    one_line_refusal(r, "writable by its group (mode 0775)")
 
 
 def test_bookkeeping_files_that_are_not_the_users_are_refused(node: Node, shards: Path) -> None:

@@ -12,8 +12,10 @@ file is expected, files of their own. The rules, each enforced here and nowhere 
    what we decide about is what we hold, not what a path named a moment earlier.
 2. **Owner and mode.** A directory we write into or trust the content of, and a file we trust or
    write into, is owned by a trusted uid (:func:`trusted_uids`: ours, or root) and not writable by
-   group or others. Refusals are :class:`~stager.errors.UnsafePathError` (exit 2): one line naming
-   the path, the owner and mode found, what was expected and what to do (:func:`require`).
+   group or others (group write is fine when the group is the user's private group, the convention
+   under which sites set ``umask 002``: :func:`private_group`). Refusals are
+   :class:`~stager.errors.UnsafePathError` (exit 2): one line naming the path, the owner and mode
+   found, what was expected and what to do (:func:`require`).
 3. **Work relative to a directory handle.** Once a directory is opened and checked (:class:`SafeDir`),
    every name inside it is reached with ``*at()`` calls on its descriptor, never by a path string again,
    so swapping a path component for a symlink after the check changes nothing.
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import stat
 import uuid
@@ -86,6 +89,23 @@ def describe(st: os.stat_result) -> str:
     return f"a {kind_of(st)} owned by {owner_name(st.st_uid)}, mode {stat.S_IMODE(st.st_mode):04o}"
 
 
+@functools.lru_cache(maxsize=16)
+def private_group(gid: int) -> bool:
+    """Whether ``gid`` is the effective user's private group: the user's primary group, named like the
+    user, with no other members (the user-private-group convention; RHEL's profile sets ``umask 002``
+    exactly then). Its group write bit lets nobody else in."""
+    if gid != os.getegid():
+        return False
+    try:
+        import grp  # noqa: PLC0415 (only when a group-writable path is met)
+        import pwd  # noqa: PLC0415
+
+        g, u = grp.getgrgid(gid), pwd.getpwuid(os.geteuid())
+    except (ImportError, KeyError):
+        return False
+    return g.gr_name == u.pw_name and set(g.gr_mem) <= {u.pw_name}
+
+
 # ---- checks on what is held -------------------------------------------------------------------------
 def problem(st: os.stat_result, *, expect: str = "file", owners: frozenset[int] | None = None,
             sticky_ok: bool = False, single_link: bool = False) -> str | None:
@@ -102,7 +122,10 @@ def problem(st: os.stat_result, *, expect: str = "file", owners: frozenset[int] 
         return f"{kind_of(st)}, expected a {'directory' if want_dir else 'regular file'}"
     if st.st_uid not in owners:
         return f"owned by {owner_name(st.st_uid)}"
-    if st.st_mode & WRITABLE_BY_OTHERS and not (sticky_ok and want_dir and st.st_mode & stat.S_ISVTX):
+    writable = st.st_mode & WRITABLE_BY_OTHERS
+    if writable == 0o020 and private_group(st.st_gid):
+        writable = 0  # the user's private group: nobody else is in it
+    if writable and not (sticky_ok and want_dir and st.st_mode & stat.S_ISVTX):
         return f"writable by {'others' if st.st_mode & 0o002 else 'its group'} (mode {stat.S_IMODE(st.st_mode):04o})"
     if single_link and not want_dir and st.st_nlink != 1:
         return f"a file with {st.st_nlink} hard links"
@@ -586,6 +609,7 @@ __all__ = [
     "open_trusted",
     "owner_name",
     "private_dir",
+    "private_group",
     "problem",
     "read_regular",
     "read_trusted",

@@ -117,9 +117,9 @@ def run_stage(src: str | os.PathLike[str], dest: str | os.PathLike[str] | None, 
         options = replace(options, fsync=True)
         result.warnings.append("--no-fsync ignored: a shared DEST is always fsynced (other nodes read it)")
     result.durable = options.fsync
+    make_dest_dir(plan)  # first: a DEST that is not the user's is refused even when it looks staged
     if _already_staged(plan, options, result, t0, locked=False):
         return result
-    make_dest_dir(plan)
     with NodeLock(plan.lock_path, timeout=options.timeout) as lock:
         result.waited_s = lock.waited
         result.lock_takeover = lock.took_over
