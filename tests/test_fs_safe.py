@@ -62,6 +62,8 @@ def test_modes_and_links_are_judged_on_what_is_held(tmp_path: Path) -> None:
     f.chmod(0o644)
     assert problem(os.lstat(f)) is None
     f.chmod(0o664)
+    if os.geteuid() == 0:
+        os.chown(f, -1, ATTACKER.gid)  # a group that is not the user's private one (root's is)
     assert "writable by its group" in (problem(os.lstat(f)) or "")
     f.chmod(0o646)
     assert "writable by others" in (problem(os.lstat(f)) or "")
