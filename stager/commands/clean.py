@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
@@ -82,7 +83,7 @@ def _unpacked_stems(d: SafeDir) -> set[str] | None:
     return stems
 
 
-def _not_staged(stems: set[str] | None) -> Any:
+def _not_staged(stems: set[str] | None) -> Callable[[str], bool]:
     """``keep(relative path)`` for the unpacked tree: files stage did not write (all, without stems)."""
     def keep(rel: str) -> bool:
         if stems is None:
