@@ -85,7 +85,7 @@ def slurm_conf(cfg: Config) -> str:
         f"Prolog={etc / 'prolog.d'}/*",
         f"Epilog={etc / 'epilog.d'}/*",
         f"TaskProlog={etc / 'task-prolog'}",
-        "PrologFlags=Alloc",
+        "PrologFlags=Alloc,DeferBatch",  # the batch script waits for every node's prolog, not only the first
         "PrologEpilogTimeout=900",
         f"TmpFS={cfg.local}",
     ]
