@@ -148,7 +148,7 @@ def why_not() -> str | None:
     return None
 
 
-requires_users = pytest.mark.skipif("os.geteuid() != 0 or __import__('shutil').which('setpriv') is None",
+requires_users = pytest.mark.skipif(os.geteuid() != 0 or SETPRIV is None,
                                     reason="needs root and setpriv to run attacks as unprivileged uids")
 
 
