@@ -92,6 +92,9 @@ def main() -> None:
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-trust-"))
     sets = make_sets(work)
     codes = {"before": args.before.resolve(), "after": args.after.resolve()}
+    for code in codes.values():  # both sides start from compiled bytecode (PYTHONDONTWRITEBYTECODE may be set)
+        subprocess.run([sys.executable, "-m", "compileall", "-q", str(code / "stager")], check=True,
+                       env={**os.environ, "PYTHONDONTWRITEBYTECODE": ""})
     results: dict[str, list[tuple[float, float]]] = {}
     roots = {}
     for side in codes:
