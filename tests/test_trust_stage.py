@@ -446,3 +446,19 @@ def test_documented_cleanup_with_several_copies(node: Node, shards: Path, images
     r = run_as(VICTIM, ["sh", "-c", loop, *python_argv()], env=node.env(VICTIM))
     assert not any(p.exists() for p in ours), r.stderr
     assert (taken / "keep").read_text() == "theirs\n" and f"refused: {taken}/" in r.stderr
+
+
+def test_a_held_lock_is_never_waited_on_silently(tmp_path: Path) -> None:
+    """Row 6's "waits forever, silently": a stage that waits for the node lock says who holds it
+    (once, after a few seconds of waiting), and --timeout ends the wait with exit 5."""
+    from stager.fs.lock import NodeLock
+    from tests.test_stage_support import stager
+
+    src = tmp_path / "src"
+    make_dataset(src, n=1, size=4 << 10)
+    dest = tmp_path / "dest"
+    dest.mkdir(mode=0o700)
+    with NodeLock(dest / ".stager-lock"):
+        r = stager("stage", str(src), str(dest), "--timeout", "8")  # the notice comes at 5 s, the same clock
+    assert r.returncode == 5, r.stderr
+    assert f"waiting for {dest / '.stager-lock'}, held by pid {os.getpid()}" in r.stderr
