@@ -162,3 +162,32 @@ def test_bad_mixes_on_the_command_line(mix_sets: dict[str, Path], tmp_path: Path
     assert rc == 2 and res["ok"] is False and "unknown key" in res["error"]
     assert not (tmp_path / "d").exists(), "nothing half-written"
     assert sys.modules.get("stager.stage.mix") is not None
+
+
+def test_a_staged_mix_follows_the_trust_rules(
+    mix_sets: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/security.md for a mix: the mix receipt is written only into a DEST of the user's that others
+    cannot write (exit 2, one line, nothing written), and ``clean`` never follows a stream directory
+    that was swapped for a symlink (the file it points at survives)."""
+    mix = write_mix(tmp_path / "mix.json", [{"path": str(mix_sets["tar"]), "weight": 1},
+                                           {"path": str(mix_sets["record"]), "weight": 1}])
+    open_dest = tmp_path / "open"
+    open_dest.mkdir()
+    open_dest.chmod(0o777)
+    rc, res, err = cli(capsys, str(mix), str(open_dest), "--json")
+    assert rc == 2 and not res["ok"] and "writable" in res["error"] and str(open_dest) in res["error"]
+    assert not (open_dest / MIX_RECEIPT_NAME).exists()
+
+    dest = tmp_path / "mixdest"
+    rc, res, _ = cli(capsys, str(mix), str(dest), "--json")
+    assert rc == 0
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious").write_bytes(b"keep me")
+    shutil.rmtree(dest / "record")
+    (dest / "record").symlink_to(outside)
+    assert main(["clean", str(dest), "--json"]) == 0
+    capsys.readouterr()
+    assert (outside / "precious").read_bytes() == b"keep me"
+    assert not (dest / "tar").exists() and not (dest / MIX_RECEIPT_NAME).exists()

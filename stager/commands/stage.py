@@ -9,10 +9,9 @@ cannot honour is a :class:`~stager.errors.UsageError` (exit 2, and the error obj
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import TYPE_CHECKING
 
-from stager.cli import add_common, add_storage_options, emit, storage_options
+from stager.cli import add_common, add_storage_options, emit, storage_options, warn
 from stager.errors import UsageError
 
 if TYPE_CHECKING:
@@ -90,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
 
     res = run_stage(args.src, args.dest, _stage_options(args))
     for w in res.warnings:
-        print(f"stager stage: warning: {w}", file=sys.stderr)
+        warn("stage", w)
     emit(args, res.to_json(), res.summary())
     return 0
 
@@ -133,7 +132,7 @@ def _run_mix(args: argparse.Namespace) -> int:
 
         res = run_stage_mix(mix, args.dest, _stage_options(args))
     for w in res.warnings:
-        print(f"stager stage: warning: {w}", file=sys.stderr)
+        warn("stage", w)
     emit(args, res.to_json(), res.summary())
     return 0
 
@@ -159,7 +158,7 @@ def _run_collective(args: argparse.Namespace) -> int:
 
     res = run_collective(args.src, args.dest, _collective_options(args))
     for w in res.warnings:
-        print(f"stager stage: warning: {w}", file=sys.stderr)
+        warn("stage", w)
     emit(args, res.to_json(), res.summary())
     return 0
 
@@ -255,6 +254,6 @@ def _run_follow(args: argparse.Namespace) -> int:
         res = follow(args.src, args.dest, budget=args.budget, loader_kwargs=loader_kwargs, ranks=ranks,
                      watch_pid=args.pid, epochs=args.epochs, poll=args.poll, chunk_bytes=args.chunk_size,
                      stop=stop, lock_timeout=args.timeout if args.timeout is not None else 0.0,
-                     on_warning=lambda w: print(f"stager stage: warning: {w}", file=sys.stderr, flush=True))
+                     on_warning=lambda w: warn("stage", w))
     emit(args, res.to_json(), res.summary())
     return 0

@@ -63,6 +63,7 @@ from stager.order.mix import (
 from stager.order.mixplan import MixConfig, MixRankPlan, MixWorkerPlan, plan_mix_rank, plan_mix_worker, unconsumed_mix
 from stager.order.partition import assign_shards_to_nodes
 from stager.order.reads import ReadSchedule
+from stager.redact import redact
 from stager.world import World
 
 log = logging.getLogger("stager.loader")
@@ -297,9 +298,9 @@ class MixDataset(RankDataset):
         return h.hexdigest()
 
     def origin(self) -> dict[str, Any]:
-        infos = [{"name": n, "source": m.resolved.source, "reading_from": m.resolved.root,
+        infos = [{"name": n, "source": redact(m.resolved.source), "reading_from": redact(m.resolved.root),
                   "staged": m.resolved.staged} for n, m in zip(self.names, self.members, strict=True)]
-        return {"source": self.mix.source or self.mix.describe(),
+        return {"source": redact(self.mix.source or self.mix.describe()),
                 "reading_from": "; ".join(f"{i['name']}: {i['reading_from']}" for i in infos),
                 "staged": all(i["staged"] for i in infos), "staged_mode": None, "streams": infos}
 

@@ -26,6 +26,7 @@ from stager.loader.options import LoaderOptions
 from stager.loader.rank import RankDataset
 from stager.manifest.fields import FieldSpec, sample_fields, specs_from_json
 from stager.mix import Mix, Stream, named_error
+from stager.redact import redact
 
 log = logging.getLogger("stager.loader")
 
@@ -51,7 +52,7 @@ def _resolve_all(mix: Mix, options: LoaderOptions) -> list[Resolved]:
         for s, r in zip(mix.streams, out, strict=True):
             if not r.staged:
                 log.warning("stager.loader: stream %r has no staged copy (streams %s do); reading it from its source "
-                            "%s", s.name, ", ".join(map(repr, staged)), r.source)
+                            "%s", s.name, ", ".join(map(repr, staged)), redact(r.source))
     return out
 
 

@@ -61,6 +61,7 @@ from stager.order.epoch import samples_per_rank as equal_samples_per_rank
 from stager.order.items import ItemSpace
 from stager.order.partition import partition_samples_per_rank
 from stager.order.reads import ReadSchedule, WorkerReads, worker_reads
+from stager.redact import redact
 from stager.world import World
 
 # Run size by storage (run_bytes="auto"): on a shared/network file system (Lustre, GPFS, BeeGFS,
@@ -394,7 +395,7 @@ class RankDataset:
     def origin(self) -> dict[str, Any]:
         """Where the batches come from, for ``stats()``: source, the directory read, staged or not."""
         res = self.resolved
-        return {"source": res.source, "reading_from": res.root, "staged": res.staged,
+        return {"source": redact(res.source), "reading_from": redact(res.root), "staged": res.staged,
                 "staged_mode": res.receipt.mode if res.receipt is not None else None}
 
     def batch_fields(self) -> tuple[str, ...]:

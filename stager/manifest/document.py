@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as _dt
+import io
 import json
 import os
 import re
@@ -42,8 +43,9 @@ import xxhash
 from stager import __version__
 from stager.checksum import ALGOS, DEFAULT_ALGO, new_hasher
 from stager.errors import ManifestError, ShardMissingError, UnsafeArchiveError
-from stager.fs.atomic import atomic_write_bytes, partial_path
+from stager.fs.atomic import PARTIAL_SUFFIX, atomic_write_bytes, partial_path
 from stager.fs.open import is_url, join, read_bytes
+from stager.fs.safe import open_regular
 from stager.manifest.samples import (
     INDEX_PARTIAL_BASE,
     LABEL,
@@ -55,6 +57,7 @@ from stager.manifest.samples import (
 )
 from stager.manifest.shard import AuxFile, ShardInfo, table_columns
 from stager.manifest.table import Column, Ragged, Strings, Table, open_table, parse_table, write_table
+from stager.redact import redact
 
 SCHEMA = "stager.manifest/2"
 SCHEMA_V1 = "stager.manifest/1"  # read, never written: the per-sample index inline as JSON lists
@@ -68,6 +71,14 @@ _UNDIGESTED = ("digest", "shard_root")
 MAX_MANIFEST_BYTES = 4 << 30  # refuse absurd manifests before parsing them
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,254}$")
+RECEIPT_NAME = "stager-receipt.json"  # a staged copy's receipt (stager.receipt), reserved here
+UNPACK_DIR_NAME = "unpacked"  # the default directory of `stage --unpack` (stager.stage.options)
+# Names stager itself writes beside a manifest's files, so a manifest may not list them: a shard
+# called ``stager-receipt.json`` would be a forged receipt once staged. Hidden names (the journal,
+# the lock, done markers, ``.stager-pack``) are already refused by the plain-name rule, and
+# ``<name>.<12 hex>.partial`` by :data:`stager.fs.atomic.PARTIAL_SUFFIX`.
+MIX_RECEIPT_NAME = "stager-mix.json"  # a staged mix's receipt (stager.stage.mix): DEST/<stream> per stream
+RESERVED_NAMES = frozenset({MANIFEST_NAME, MIX_RECEIPT_NAME, RECEIPT_NAME, UNPACK_DIR_NAME})
 
 
 def check_safe_name(name: object, what: str = "shard name") -> str:
@@ -78,6 +89,29 @@ def check_safe_name(name: object, what: str = "shard name") -> str:
     if not isinstance(name, str) or not _SAFE_NAME.match(name) or name in (".", "..") or ".." in name:
         raise UnsafeArchiveError(
             f"unsafe {what} {name!r}: expected a plain file name (letters, digits, '._+-', no path separators)"
+        )
+    return name
+
+
+def _redacted(value: Any) -> Any:
+    """``value`` (JSON-like) with every string location passed through :func:`stager.redact.redact`."""
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, dict):
+        return {k: _redacted(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_redacted(v) for v in value]
+    return value
+
+
+def check_file_name(name: object, what: str = "shard name") -> str:
+    """:func:`check_safe_name`, and not one of stager's own names (:data:`RESERVED_NAMES`, ``*.partial``):
+    the rule for every file a manifest lists (shards, companion files, the sample index)."""
+    name = check_safe_name(name, what)
+    if name in RESERVED_NAMES or name.endswith(PARTIAL_SUFFIX):
+        raise UnsafeArchiveError(
+            f"{what} {name!r} is reserved for stager's own files ({', '.join(sorted(RESERVED_NAMES))}, "
+            "*.partial); rename the file and re-pack or re-index"
         )
     return name
 
@@ -262,6 +296,11 @@ class Manifest:
         """The manifest v2 JSON. The sample index must have been written (:meth:`write_index`)."""
         if not self.created:
             self.created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+        # What is stored never carries a URL's credentials or query values (stager.redact): where the
+        # data came from is kept for people, and readers take credentials from storage options.
+        self.source = _redacted(self.source)
+        if self.shard_root:
+            self.shard_root = redact(self.shard_root)
         body = self._body()
         self.digest = _digest_of(body)
         self.schema = SCHEMA
@@ -475,7 +514,7 @@ def _parse(body: Any, where: str) -> Manifest:
     seen: set[str] = set()
     for i, sj in enumerate(body["shards"]):
         sw = f"{where}: shard {i}"
-        name = check_safe_name(sj["name"])
+        name = check_file_name(sj["name"])
         n = sj["samples"]
         nbytes = sj["bytes"]
         if not (isinstance(n, int) and isinstance(nbytes, int)) or n < 0 or nbytes < 0:
@@ -483,7 +522,7 @@ def _parse(body: Any, where: str) -> Manifest:
         extents = sj.get("extents", "bytes")
         if fmt not in EXTENTS.get(extents, ()):
             raise ManifestError(f"{sw} ({name}): unknown extents {extents!r} for format {fmt}")
-        aux = [AuxFile(check_safe_name(a["name"], "companion file name"), int(a["bytes"]), str(a["hash"]))
+        aux = [AuxFile(check_file_name(a["name"], "companion file name"), int(a["bytes"]), str(a["hash"]))
                for a in sj.get("aux", [])]
         for fname in [name, *(a.name for a in aux)]:
             if fname in seen or fname == MANIFEST_NAME:
@@ -498,7 +537,7 @@ def _parse(body: Any, where: str) -> Manifest:
     index = None
     if not v1:
         ij = body["index"]
-        index = IndexRef(check_safe_name(ij["name"], "sample index name"), int(ij["bytes"]), str(ij["hash"]))
+        index = IndexRef(check_file_name(ij["name"], "sample index name"), int(ij["bytes"]), str(ij["hash"]))
         if index.name in seen or not is_index_file_name(index.name):
             raise ManifestError(f"{where}: sample index name {index.name!r} must be index-<hex>.sidx and not a shard's")
     fields = body.get("fields") or []
@@ -562,7 +601,8 @@ def load_manifest(path: str | os.PathLike[str], storage_options: dict[str, Any] 
             raise ShardMissingError(f"{mp}: no manifest; run `stager pack SRC OUT` first") from exc
     else:
         try:
-            with open(mp, "rb") as f:
+            # open_regular: a FIFO or a device planted as manifest.json never blocks, it is refused.
+            with io.FileIO(open_regular(mp), "rb") as f:
                 # Check the size first: read(MAX + 1) asks for a 4 GiB buffer up front, a MemoryError
                 # under `ulimit -v` or strict overcommit (common on HPC nodes).
                 if os.fstat(f.fileno()).st_size > MAX_MANIFEST_BYTES:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stager.errors import StagerError, UsageError
+from stager.redact import redact
 
 COMPOSITIONS = ("random", "stratified", "per_stream")
 STREAM_KEYS = ("name", "path", "weight", "samples", "repeat", "storage_options")
@@ -101,7 +102,7 @@ class Stream:
         return "repeat 1"
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"name": self.name, "path": self.path}
+        out: dict[str, Any] = {"name": self.name, "path": redact(self.path)}  # printed and stored: no secrets
         for k in ("weight", "samples", "repeat"):
             if getattr(self, k) is not None:
                 out[k] = getattr(self, k)

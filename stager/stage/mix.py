@@ -22,9 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from stager.errors import StagerError, UsageError
-from stager.fs.atomic import atomic_write_bytes
+from stager.fs.access import URL_FILE_MODE, current_umask
+from stager.fs.safe import private_dir
 from stager.mix import Mix, Stream, named_error
 from stager.receipt import MIX_RECEIPT_NAME, MIX_RECEIPT_SCHEMA
+from stager.redact import has_secret, redact
+from stager.stage.dest import DEST_FIX
 from stager.stage.options import StageOptions
 from stager.stage.plan import read_src_manifest
 from stager.stage.run import run_stage
@@ -99,14 +102,24 @@ def stage_streams(mix: Mix, dest: str | os.PathLike[str] | None,
             raise named_error(s.name, exc) from exc
         res.streams.append({"name": s.name, **got.to_json()})
         res.warnings += [f"stream {s.name!r}: {w}" for w in got.warnings]
-        entries.append({"name": s.name, "path": s.path, "dir": s.name, "dataset_id": got.dataset_id})
+        entries.append({"name": s.name, "path": redact(s.path), "dir": s.name, "dataset_id": got.dataset_id})
     if dest is not None:
-        doc = {"schema": MIX_RECEIPT_SCHEMA, "source": mix.source, "mix": mix.to_json(), "streams": entries}
-        path = Path(dest) / MIX_RECEIPT_NAME
-        atomic_write_bytes(path, (json.dumps(doc, indent=1) + "\n").encode())
-        res.mix_receipt = str(path)
+        doc = {"schema": MIX_RECEIPT_SCHEMA, "source": None if mix.source is None else redact(mix.source),
+               "mix": mix.to_json(), "streams": entries}
+        res.mix_receipt = write_mix_receipt(dest, doc, secret=any(has_secret(s.path) for s in mix.streams))
     res.seconds = time.perf_counter() - t0
     return res
+
+
+def write_mix_receipt(dest: str | os.PathLike[str], doc: dict[str, Any], *, secret: bool) -> str:
+    """Write ``DEST/stager-mix.json`` atomically, relative to a checked handle on DEST (the user's, not
+    writable by others: docs/security.md); its mode follows the umask, 0600 when a stream's URL hid a secret."""
+    d = Path(os.path.abspath(dest))
+    handle, _ = private_dir(d.parent, d.name, what="staging destination", fix=DEST_FIX)
+    with handle:
+        mode = URL_FILE_MODE if secret else 0o666 & ~current_umask()
+        handle.write_atomic(MIX_RECEIPT_NAME, (json.dumps(doc, indent=1) + "\n").encode(), mode)
+    return str(d / MIX_RECEIPT_NAME)
 
 
 def run_stage_mix(mix: Mix, dest: str | os.PathLike[str] | None, options: StageOptions) -> MixStageResult:

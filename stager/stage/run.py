@@ -28,8 +28,10 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -111,19 +113,30 @@ def run_stage(src: str | os.PathLike[str], dest: str | os.PathLike[str] | None, 
     manifest, manifest_bytes = read_src_manifest(src, options.storage_options)
     plan = plan_stage(src, manifest, manifest_bytes, dest, options)
     result = _new_result(plan)
+    if plan.dest_note:
+        result.warnings.append(plan.dest_note)
     if plan.mode == "shared" and not options.fsync:
         options = replace(options, fsync=True)
         result.warnings.append("--no-fsync ignored: a shared DEST is always fsynced (other nodes read it)")
     result.durable = options.fsync
+    make_dest_dir(plan)  # first: a DEST that is not the user's is refused even when it looks staged
     if _already_staged(plan, options, result, t0, locked=False):
         return result
-    make_dest_dir(plan)
-    with NodeLock(plan.lock_path, timeout=options.timeout) as lock:
+    with NodeLock(plan.lock_path, timeout=options.timeout, on_wait=None if options.quiet else _waiting(plan)) as lock:
         result.waited_s = lock.waited
         result.lock_takeover = lock.took_over
         if not _already_staged(plan, options, result, t0, locked=True):
             _stage_locked(plan, options, result, t0)
     return result
+
+
+def _waiting(plan: StagePlan) -> Callable[[dict[str, Any]], None]:
+    """Said once on stderr when the node lock is still held after a few seconds: never wait silently."""
+    def tell(holder: dict[str, Any]) -> None:
+        print(f"stager stage: waiting for {plan.lock_path}, held by pid {holder.get('pid', '?')} on "
+              f"{holder.get('host', '?')} (another stage of this DEST; --timeout bounds the wait)",
+              file=sys.stderr, flush=True)
+    return tell
 
 
 def _ignore_sigxfsz() -> None:

@@ -1,6 +1,6 @@
 """The prolog service (tools/slurm/stager-prolog, -taskprolog, -epilog) under the real slurmctld and
 slurmd: a job asks for datasets with ``sbatch --comment=stager:SRC[,SRC]``; the prolog stages them on
-every allocated node before the first task (PrologFlags=Alloc); a failure on any node fails the job
+every allocated node before the first task (PrologFlags=Alloc,DeferBatch); a failure on any node fails the job
 with stage's exit code and a message in the job's output, draining nothing; the epilog removes the
 copies whether the job completed, failed or was cancelled."""
 

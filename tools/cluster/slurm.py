@@ -85,7 +85,7 @@ def slurm_conf(cfg: Config) -> str:
         f"Prolog={etc / 'prolog.d'}/*",
         f"Epilog={etc / 'epilog.d'}/*",
         f"TaskProlog={etc / 'task-prolog'}",
-        "PrologFlags=Alloc",
+        "PrologFlags=Alloc,DeferBatch",  # the batch script waits for every node's prolog, not only the first
         "PrologEpilogTimeout=900",
         f"TmpFS={cfg.local}",
     ]
@@ -121,6 +121,7 @@ exit 0
     conf.write_text(f"""# stager prolog service configuration (tools/slurm/stager-prolog; docs/staging.md)
 STAGER={ROOT / '.venv' / 'bin' / 'stager'}
 STAGER_PROLOG_ROOT={cfg.prolog_root}
+STAGER_PROLOG_STATE={cfg.prolog_state}
 STAGER_PROLOG_ARGS="--workers 2"
 STAGER_PROLOG_POLL=1
 """)
