@@ -11,8 +11,10 @@ Receipt fields (schema ``stager.receipt/1``): ``dataset_id``, ``manifest_digest`
 "ranks_per_node"}`` or null), ``shards`` (names of the shards present), ``unpacked`` (path of an
 ImageFolder tree written by ``--unpack`` or null), ``files`` (every path stager created, relative
 to DEST: what ``stager clean`` may remove), ``stats``, ``durable`` (false after ``stage --no-fsync``:
-the files may not have reached the disk) and ``boot_id`` (the boot that wrote a non-durable copy; the
-copy is ignored, and staged again, once the node has rebooted).
+the files may not have reached the disk), ``boot_id`` (the boot that wrote a non-durable copy; the
+copy is ignored, and staged again, once the node has rebooted) and ``cache`` (null, or ``{"dir",
+"kind", "links"}`` when the shards are links to a shard cache's objects, ``stage --cache``: the loader
+then reads them through the cache, with its checks).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class Receipt:
     stats: dict[str, Any] = field(default_factory=dict)
     durable: bool = True
     boot_id: str = ""
+    cache: dict[str, Any] | None = None
     schema: str = RECEIPT_SCHEMA
 
     def trusted(self) -> bool:
@@ -107,6 +110,8 @@ def _wrong_types(rec: Receipt) -> str | None:
         return "durable"
     if not isinstance(rec.boot_id, str):
         return "boot_id"
+    if rec.cache is not None and not (isinstance(rec.cache, dict) and isinstance(rec.cache.get("dir"), str)):
+        return "cache"
     return None
 
 

@@ -48,6 +48,7 @@ from stager.fs.lock import NodeLock
 from stager.fs.open import is_url
 from stager.progress import Progress
 from stager.receipt import RECEIPT_NAME
+from stager.stage import cached
 from stager.stage.collective.exchange import Exchange
 from stager.stage.collective.group import Group, RendezvousError, resolve_endpoint
 from stager.stage.collective.io import IoCounters, ShareReader, StreamSink
@@ -164,6 +165,7 @@ def _record_plain_stage(res: CollectiveResult, sr: StageResult) -> None:
     res.files_written, res.files_kept = sr.files_copied, sr.files_kept
     res.src_bytes = res.written_bytes = sr.bytes_copied
     res.warnings += sr.warnings
+    res.cache = sr.cache
 
 
 def _form_group(options: CollectiveOptions, node: int, num_nodes: int, res: CollectiveResult) -> Group | None:
@@ -193,7 +195,11 @@ def _stage_full(plan: StagePlan, group: Group, res: CollectiveResult, options: C
     """Phases 1 to 4 of the module docstring, with the node lock held."""
     claim_dest(plan, keep_receipt=receipt_done(plan) is not None)
     journal = Journal(plan.journal_path, plan.manifest.digest)
+    cache_run, lease = None, None
     try:
+        if options.stage.cache is not None:
+            # Cached files are linked into DEST and journaled first: the exchange then counts them as held.
+            cache_run, lease = cached.link_hits(plan, options.stage, journal, res.warnings)
         have = kept_files(plan, journal)  # grows as the sinks verify files
         res.files_kept = len(have)
         files = [FileEntry(t.name, t.bytes, t.hash, t.shard) for t in plan.tasks]
@@ -209,17 +215,22 @@ def _stage_full(plan: StagePlan, group: Group, res: CollectiveResult, options: C
         res.src_bytes, res.local_bytes = counters.src_bytes, counters.local_bytes
         res.exchange_bytes, res.written_bytes = counters.received_bytes, counters.written_bytes
         res.files_written = counters.files_written
+        if cache_run is not None:
+            res.cache = cached.adopt(cache_run)  # what this node received, into its cache
         manifest = StagedManifest(plan)
         manifest.prepare()
         if manifest.publish():
             fsync_dir(plan.dest)
     finally:
+        if lease is not None:
+            lease.release()
         journal.close()
     stats = {"collective": True, "num_nodes": res.num_nodes, "node": res.node, "src_bytes": res.src_bytes,
              "exchange_bytes": res.exchange_bytes, "files_written": res.files_written,
              "files_kept": res.files_kept, "chunk_bytes": res.chunk_bytes, "steps": res.steps,
              "created_dest": not plan.explicit_dest}
-    write_receipt(plan, verified=f"{plan.manifest.hash_algo} while copying (collective)", stats=stats)
+    cache = res.cache and {k: res.cache[k] for k in ("dir", "kind", "links")}
+    write_receipt(plan, verified=f"{plan.manifest.hash_algo} while copying (collective)", stats=stats, cache=cache)
 
 
 def _held_by_every_node(group: Group, files: list[FileEntry], have: set[str]) -> set[str]:
