@@ -23,12 +23,13 @@ LAYERS: list[set[str]] = [
     {"stager", "errors"},  # the version and the exception family
     {"checksum", "progress", "world", "order", "decode"},  # pure helpers: no file-system policy
     {"fs"},  # OS mechanics, no dataset concepts
-    {"manifest", "receipt", "formats"},  # the on-disk contracts
+    {"manifest", "receipt", "formats", "cache"},  # the on-disk contracts (cache: the shard cache's layout and rules)
     {"pack", "index", "stage", "loader", "verify", "summary", "advice"},  # the stages of the data flow, siblings
     {"prefetch"},  # beside training: the loader's schedule + stage's verified streaming copy
     {"commands", "cli", "__main__"},  # the command line
 ]
-SAME_LAYER = {("receipt", "manifest"), ("formats", "manifest"), ("commands", "cli"), ("__main__", "cli"),
+SAME_LAYER = {("receipt", "manifest"), ("formats", "manifest"), ("cache", "manifest"), ("commands", "cli"),
+              ("__main__", "cli"),
               ("verify", "index"),  # deep verify of an indexed set indexes the shard again
               ("pack", "index")}  # pack converts a RecordIO/LMDB source indexed in memory
 LAYER_OF = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}

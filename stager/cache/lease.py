@@ -91,6 +91,7 @@ class Lease:
         self.what = what
         self.path: Path | None = None
         self.fd: int | None = None
+        self.pid = os.getpid()
 
     def acquire(self) -> Lease:
         self.path, self.fd = _create(self.cache.leases_dir, _lease_body("process", self.keys, self.what), lock=True)
@@ -107,8 +108,13 @@ class Lease:
             _drop(old_path, old_fd)
 
     def release(self) -> None:
+        """Remove the lease (in the process that took it; a forked child only closes its copy of the
+        descriptor: the lock stays while the parent holds it)."""
         if self.fd is not None and self.path is not None:
-            _drop(self.path, self.fd)
+            if os.getpid() == self.pid:
+                _drop(self.path, self.fd)
+            else:
+                os.close(self.fd)
         self.path = self.fd = None
 
     def __enter__(self) -> Lease:

@@ -66,7 +66,7 @@ class LoaderBase:
             source=res.source,
             reading_from=res.root,
             staged=res.staged,
-            staged_mode=res.receipt.mode if res.receipt is not None else None,
+            staged_mode=res.staged_mode,
         )
         self._log_plan()
 
