@@ -24,6 +24,8 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
+from stager.redact import redact_text
+
 _reporters: list[Callable[[StagerError], None]] = []
 
 
@@ -41,7 +43,7 @@ def exit_now(exc: StagerError) -> NoReturn:
     every buffer, so the registered reporters run first and the streams are flushed.
     """
     if not _reporters:
-        sys.stderr.write(f"stager: error: {exc}\n")
+        sys.stderr.write(f"stager: error: {redact_text(str(exc))}\n")
     for report in _reporters:
         with contextlib.suppress(Exception):
             report(exc)
@@ -52,9 +54,15 @@ def exit_now(exc: StagerError) -> NoReturn:
 
 
 class StagerError(Exception):
-    """Base of all stager errors."""
+    """Base of all stager errors. The message is passed through :func:`stager.redact.redact_text`,
+    so no error carries a URL's credentials or query values."""
 
     exit_code = 1
+
+    def __init__(self, *args: object) -> None:
+        if args and isinstance(args[0], str):
+            args = (redact_text(args[0]), *args[1:])
+        super().__init__(*args)
 
 
 class UsageError(StagerError, ValueError):
@@ -105,6 +113,15 @@ class UnsafeArchiveError(StagerError, ValueError):
     """An archive member or manifest entry would escape the destination or is not a regular file."""
 
     exit_code = 3
+
+
+class UnsafePathError(StagerError, PermissionError):
+    """A path someone else could have planted or can change: a symlink, hard link, FIFO or other
+    non-regular file where stager reads or writes, or a file or directory not owned by the user (or
+    root) or writable by others. The message names the path, the owner and mode found, and what to do
+    (:mod:`stager.fs.safe`)."""
+
+    exit_code = 2
 
 
 class StagerTimeoutError(StagerError, TimeoutError):

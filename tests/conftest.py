@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from tests.asuser import node  # noqa: E402, F401 (the fixture of the trust-boundary tests)
 from tools.datagen import make_cifar, make_imagefolder  # noqa: E402
 
 # Subprocesses started by tests must import this checkout and find tools/.

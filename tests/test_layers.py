@@ -20,7 +20,7 @@ PKG = ROOT / "stager"
 
 # Lowest first (docs/architecture.md, "Layers").
 LAYERS: list[set[str]] = [
-    {"stager", "errors"},  # the version and the exception family
+    {"stager", "errors", "redact"},  # the version, the exception family, the one redaction of locations
     {"checksum", "progress", "world", "order", "decode"},  # pure helpers: no file-system policy
     {"fs"},  # OS mechanics, no dataset concepts
     {"manifest", "receipt", "formats", "cache"},  # the on-disk contracts (cache: the shard cache's layout and rules)
@@ -28,8 +28,9 @@ LAYERS: list[set[str]] = [
     {"prefetch"},  # beside training: the loader's schedule + stage's verified streaming copy
     {"commands", "cli", "__main__"},  # the command line
 ]
-SAME_LAYER = {("receipt", "manifest"), ("formats", "manifest"), ("cache", "manifest"), ("commands", "cli"),
-              ("__main__", "cli"),
+SAME_LAYER = {("errors", "redact"),  # every error message is redacted
+              ("receipt", "manifest"), ("formats", "manifest"), ("commands", "cli"), ("__main__", "cli"),
+              ("cache", "manifest"),  # the cache reads a manifest to pin a dataset by its source
               ("verify", "index"),  # deep verify of an indexed set indexes the shard again
               ("pack", "index")}  # pack converts a RecordIO/LMDB source indexed in memory
 LAYER_OF = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}

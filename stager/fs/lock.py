@@ -14,6 +14,14 @@ at once; exactly one must copy. The lock is a file ``DEST/<name>`` holding ``{"p
   same host and (different boot id or no such pid) means dead.
 * Release: unlink the path, then close (dropping the flock). A waiter that opened the old inode
   notices that the path no longer points to it and retries.
+
+Safety (:mod:`stager.fs.safe`): every step is relative to a handle on the lock's directory; the
+partial is created with ``O_EXCL|O_NOFOLLOW`` and published with ``link``, the existing lock is
+opened with ``O_NOFOLLOW|O_NONBLOCK`` and must be a regular file owned by us or root and not
+writable by others (else :class:`~stager.errors.UnsafePathError`, exit 2): a symlink planted at the
+lock's name is never written through, a FIFO never blocks, a file of another user is never taken
+over. The lock file is ``0600``: nobody else can open it, so nobody else can hold its ``flock``.
+A waiter is told who holds the lock once it has waited ``notice`` seconds (``on_wait``).
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import json
 import os
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -32,6 +41,7 @@ from typing import Any
 from stager.errors import StagerTimeoutError
 from stager.fs.atomic import partial_path
 from stager.fs.kernel import boot_id
+from stager.fs.safe import SafeDir
 
 
 def pid_alive(pid: int) -> bool:
@@ -64,29 +74,42 @@ class NodeLock:
 
     ``waited`` (seconds spent waiting), ``took_over`` (the previous holder record when a dead
     holder's lock was taken over) are set after entry. ``timeout`` None waits forever; on expiry
-    :class:`StagerTimeoutError` names the holder.
+    :class:`StagerTimeoutError` names the holder. ``on_wait(holder record)`` is called once when
+    the lock is still held by another process after ``notice`` seconds. ``directory``: an already
+    checked handle on the lock's directory (else the directory is created if missing and opened,
+    not following a symlink at its last component).
     """
 
-    def __init__(self, path: str | os.PathLike[str], timeout: float | None = None, poll: float = 0.05) -> None:
+    def __init__(self, path: str | os.PathLike[str], timeout: float | None = None, poll: float = 0.05, *,
+                 directory: SafeDir | None = None, on_wait: Callable[[dict[str, Any]], None] | None = None,
+                 notice: float = 5.0) -> None:
         self.path = Path(path)
         self.timeout = timeout
         self.poll = poll
+        self.on_wait = on_wait
+        self.notice = notice
         self.fd: int | None = None
         self.waited = 0.0
         self.took_over: dict[str, Any] | None = None
+        self._given_dir = directory
+        self._dir: SafeDir | None = None
+
+    @property
+    def name(self) -> str:
+        return self.path.name
 
     def _record(self) -> bytes:
         rec = {"pid": os.getpid(), "host": socket.gethostname(), "boot_id": boot_id(), "time": time.time()}
         return (json.dumps(rec) + "\n").encode()
 
-    def _try_create(self) -> bool:
-        tmp = partial_path(self.path)
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    def _try_create(self, d: SafeDir) -> bool:
+        tmp = partial_path(self.path).name
+        fd = d.create_file(tmp, 0o600, os.O_RDWR)
         try:
             os.write(fd, self._record())
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             try:
-                os.link(tmp, self.path)
+                d.link(tmp, self.name)
             except FileExistsError:
                 os.close(fd)
                 return False
@@ -97,12 +120,12 @@ class NodeLock:
                 os.close(fd)
             raise
         finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+            d.unlink(tmp)
 
-    def _try_takeover(self) -> bool:
+    def _try_takeover(self, d: SafeDir) -> bool:
         try:
-            fd = os.open(self.path, os.O_RDWR)
+            fd, st = d.open_file(self.name, os.O_RDWR, what="stage lock",
+                                 fix="remove it (only the user who runs stage should own it) and rerun")
         except FileNotFoundError:
             return False
         keep = False
@@ -114,11 +137,8 @@ class NodeLock:
                 if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     return False  # a live holder
                 flocked = False  # no flock support here: fall back to the record
-            try:
-                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
-            except FileNotFoundError:
-                same = False
-            if not same:
+            now = d.lstat(self.name)
+            if now is None or now.st_ino != st.st_ino or now.st_dev != st.st_dev:
                 return False  # released and replaced meanwhile
             try:
                 record = json.loads(os.pread(fd, 4096, 0) or b"{}")
@@ -131,6 +151,7 @@ class NodeLock:
             data = self._record()
             os.ftruncate(fd, 0)
             os.pwrite(fd, data, 0)
+            os.fchmod(fd, 0o600)
             self.took_over = record
             self.fd = fd
             keep = True
@@ -140,34 +161,58 @@ class NodeLock:
                 os.close(fd)
 
     def holder(self) -> dict[str, Any]:
+        """The holder record (``pid``, ``host``, ``boot_id``, ``time``), or {} when unreadable."""
         try:
-            rec = json.loads(self.path.read_bytes() or b"{}")
+            data = (self._dir.read_bytes(self.name, what="stage lock", limit=4096) if self._dir is not None
+                    else None)
+            rec = json.loads(data or b"{}")
         except (OSError, ValueError, RecursionError):
             return {}
         return rec if isinstance(rec, dict) else {}
 
+    def _open_dir(self) -> SafeDir:
+        if self._given_dir is not None:
+            return self._given_dir
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        return SafeDir.open(self.path.parent, check=False)
+
     def acquire(self) -> NodeLock:
         start = time.monotonic()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        while True:
-            if self._try_create() or self._try_takeover():
-                self.waited = time.monotonic() - start
-                return self
-            if self.timeout is not None and time.monotonic() - start >= self.timeout:
-                h = self.holder()
-                raise StagerTimeoutError(
-                    f"{self.path}: still locked after {self.timeout:g}s by pid {h.get('pid', '?')} on "
-                    f"{h.get('host', '?')}; wait longer (--timeout) or, if that process is gone, rerun"
-                )
-            time.sleep(self.poll)
+        d = self._dir = self._open_dir()
+        told = self.on_wait is None
+        try:
+            while True:
+                if self._try_create(d) or self._try_takeover(d):
+                    self.waited = time.monotonic() - start
+                    return self
+                waited = time.monotonic() - start
+                if not told and waited >= self.notice and self.on_wait is not None:
+                    told = True
+                    self.on_wait(self.holder())
+                if self.timeout is not None and waited >= self.timeout:
+                    h = self.holder()
+                    raise StagerTimeoutError(
+                        f"{self.path}: still locked after {self.timeout:g}s by pid {h.get('pid', '?')} on "
+                        f"{h.get('host', '?')}; wait longer (--timeout) or, if that process is gone, rerun"
+                    )
+                time.sleep(self.poll)
+        except BaseException:
+            self._close_dir()
+            raise
 
     def release(self) -> None:
         if self.fd is None:
             return
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        if self._dir is not None:
+            self._dir.unlink(self.name)
         os.close(self.fd)
         self.fd = None
+        self._close_dir()
+
+    def _close_dir(self) -> None:
+        if self._dir is not None and self._dir is not self._given_dir:
+            self._dir.close()
+        self._dir = None
 
     def __enter__(self) -> NodeLock:
         return self.acquire()
@@ -176,3 +221,6 @@ class NodeLock:
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.release()
+
+
+__all__ = ["NodeLock", "holder_is_dead", "pid_alive"]

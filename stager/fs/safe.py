@@ -1,0 +1,536 @@
+"""Safety in one place: every open, create, lock, rename and remove of a path someone else could have planted.
+
+Who is trusted (docs/security.md): the effective user and root. Anyone else who can write a directory
+(another user on the node in a shared ``/tmp`` or ``$TMPDIR``; the job's user, seen from root-run
+code) may have put anything at any name in it beforehand, and may change it between our check and
+our use: a symlink to a file of ours, a hard link, a FIFO that blocks ``open``, a directory where a
+file is expected, files of their own. The rules, each enforced here and nowhere else:
+
+1. **Never follow a link at the last component.** Names are opened with ``O_NOFOLLOW`` (and a
+   directory with ``O_DIRECTORY``); files for reading also with ``O_NONBLOCK``, so a FIFO or a
+   device never blocks. The type, owner and mode are then read with ``fstat`` from the descriptor:
+   what we decide about is what we hold, not what a path named a moment earlier.
+2. **Owner and mode.** A directory we write into or trust the content of, and a file we trust or
+   write into, is owned by a trusted uid (:func:`trusted_uids`: ours, or root) and not writable by
+   group or others. Refusals are :class:`~stager.errors.UnsafePathError` (exit 2): one line naming
+   the path, the owner and mode found, what was expected and what to do (:func:`require`).
+3. **Work relative to a directory handle.** Once a directory is opened and checked (:class:`SafeDir`),
+   every name inside it is reached with ``*at()`` calls on its descriptor, never by a path string again,
+   so swapping a path component for a symlink after the check changes nothing.
+4. **Create exclusively.** Files with ``O_CREAT|O_EXCL``, directories with ``mkdir`` (neither follows a
+   planted name); published with ``rename``/``link`` inside the same handle (:meth:`SafeDir.write_atomic`).
+5. **A stable path.** Path-based code (the copy streams, libraries that take a file name) may use a
+   path under a directory only when every ancestor of it is trusted or sticky (:func:`check_chain`):
+   then nobody else can rename or replace any component of it, and the checks above stay true.
+
+Callers in ``stage/``, ``loader/``, ``commands/``, the receipt and the node lock use these functions
+instead of re-checking. ``shutil.rmtree``'s fd-based walk and ``tarfile``'s extraction filters show
+the shape: one vetted mechanism, many callers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Final
+
+from stager.errors import UnsafePathError
+
+O_NOFOLLOW: Final = getattr(os, "O_NOFOLLOW", 0)
+O_DIRECTORY: Final = getattr(os, "O_DIRECTORY", 0)
+O_CLOEXEC: Final = getattr(os, "O_CLOEXEC", 0)
+O_NONBLOCK: Final = getattr(os, "O_NONBLOCK", 0)
+_DIR_FLAGS: Final = os.O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC
+WRITABLE_BY_OTHERS: Final = 0o022  # group or others may write
+MAX_SMALL_FILE: Final = 64 << 20  # receipts, journals, lock records: refuse absurd sizes before reading
+
+
+# ---- who is trusted ------------------------------------------------------------------------------
+def trusted_uids() -> frozenset[int]:
+    """The uids whose files and directories we trust: the effective user's, and root's."""
+    return frozenset((os.geteuid(), 0))
+
+
+def owner_name(uid: int) -> str:
+    """``uid 1001 (alice)`` for messages (just the number where the name is unknown)."""
+    try:
+        import pwd  # noqa: PLC0415 (only for an error message)
+
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except (ImportError, KeyError):
+        return f"uid {uid}"
+
+
+def kind_of(st: os.stat_result) -> str:
+    """``directory``, ``regular file``, ``symlink``, ``FIFO``, ``socket``, ``device`` for messages."""
+    m = st.st_mode
+    if stat.S_ISDIR(m):
+        return "directory"
+    if stat.S_ISREG(m):
+        return "regular file"
+    if stat.S_ISLNK(m):
+        return "symlink"
+    if stat.S_ISFIFO(m):
+        return "FIFO"
+    if stat.S_ISSOCK(m):
+        return "socket"
+    return "device"
+
+
+def describe(st: os.stat_result) -> str:
+    """What was found, for messages: ``a FIFO owned by uid 1001 (bob), mode 0666``."""
+    return f"a {kind_of(st)} owned by {owner_name(st.st_uid)}, mode {stat.S_IMODE(st.st_mode):04o}"
+
+
+# ---- checks on what is held -------------------------------------------------------------------------
+def problem(st: os.stat_result, *, expect: str = "file", owners: frozenset[int] | None = None,
+            sticky_ok: bool = False, single_link: bool = False) -> str | None:
+    """Why ``st`` may not be trusted, or None when it may.
+
+    ``expect``: ``"file"`` (a regular file) or ``"dir"``. ``owners``: trusted uids (default
+    :func:`trusted_uids`). ``sticky_ok``: a directory writable by others is fine when sticky (``/tmp``:
+    nobody can rename or remove what is not theirs). ``single_link``: a file with more than one hard
+    link is refused (for files we write into: a hard link could make the write land elsewhere).
+    """
+    owners = trusted_uids() if owners is None else owners
+    want_dir = expect == "dir"
+    if (stat.S_ISDIR(st.st_mode) if want_dir else stat.S_ISREG(st.st_mode)) is False:
+        return f"{kind_of(st)}, expected a {'directory' if want_dir else 'regular file'}"
+    if st.st_uid not in owners:
+        return f"owned by {owner_name(st.st_uid)}"
+    if st.st_mode & WRITABLE_BY_OTHERS and not (sticky_ok and want_dir and st.st_mode & stat.S_ISVTX):
+        return f"writable by {'others' if st.st_mode & 0o002 else 'its group'} (mode {stat.S_IMODE(st.st_mode):04o})"
+    if single_link and not want_dir and st.st_nlink != 1:
+        return f"a file with {st.st_nlink} hard links"
+    return None
+
+
+def expected(owners: frozenset[int] | None = None) -> str:
+    """The rule in words: ``owned by you (uid 1000) or root, not writable by group or others``."""
+    owners = trusted_uids() if owners is None else owners
+    me = os.geteuid()
+    who = [f"you ({owner_name(me)})" if u == me else ("root" if u == 0 else owner_name(u))
+           for u in sorted(owners, key=lambda u: (u != me, u))]
+    return f"owned by {' or '.join(who)}, not writable by group or others"
+
+
+def require(st: os.stat_result, path: str | os.PathLike[str], what: str, fix: str, *, expect: str = "file",
+            owners: frozenset[int] | None = None, sticky_ok: bool = False, single_link: bool = False) -> None:
+    """Raise :class:`UnsafePathError` (one line) when :func:`problem` finds ``st`` untrustworthy.
+
+    ``what`` names the role (``"staging destination"``), ``fix`` says what to do; the keywords are
+    :func:`problem`'s. The message: ``PATH: WHAT is <found> (<why>); expected <rule>; FIX``.
+    """
+    why = problem(st, expect=expect, owners=owners, sticky_ok=sticky_ok, single_link=single_link)
+    if why is not None:
+        raise UnsafePathError(f"{os.fspath(path)}: {what} is {describe(st)} ({why}); "
+                              f"expected {expected(owners)}; {fix}")
+
+
+def check_chain(path: str | os.PathLike[str], *, owners: frozenset[int] | None = None,
+                what: str = "directory", fix: str = "choose a path whose directories only you or root can change"
+                ) -> str:
+    """Check that nobody untrusted can rename or replace ``path`` or any directory above it; return
+    its real path (symlinks resolved: use that from then on).
+
+    Every existing directory from ``/`` down to ``path`` must be owned by a trusted uid and not
+    writable by others, or be sticky (``/tmp``). A symlink on the way is resolved, and its target is
+    what is checked. Components that do not exist yet are not checked (the caller creates them with
+    :meth:`SafeDir.mkdir`). Raises :class:`UnsafePathError` naming the first offending directory.
+    """
+    real = os.path.realpath(os.fspath(path))
+    cur = "/"
+    parts = [p for p in real.split("/") if p]
+    for i in range(len(parts) + 1):
+        try:
+            st = os.lstat(cur)
+        except FileNotFoundError:
+            break
+        if not stat.S_ISDIR(st.st_mode):
+            break  # the caller's open or mkdir reports it
+        why = problem(st, expect="dir", owners=owners, sticky_ok=True)
+        if why is not None:
+            raise UnsafePathError(f"{real}: {what} lies in {cur}, which is {describe(st)} ({why}); {fix}")
+        if i < len(parts):
+            cur = os.path.join(cur, parts[i])
+    return real
+
+
+# ---- opening --------------------------------------------------------------------------------------
+def open_regular(path: str | os.PathLike[str], flags: int = os.O_RDONLY, *, dir_fd: int | None = None,
+                 follow: bool = True) -> int:
+    """Open an existing regular file without blocking on a FIFO or a device; return the descriptor.
+
+    For data someone else wrote (a dataset's shards on shared storage): the owner is not checked
+    (the user's permissions decide what can be read), but anything other than a regular file is
+    :class:`UnsafePathError` naming what it is. ``follow=False`` also refuses a symlink. The
+    descriptor is blocking again when returned.
+    """
+    fd = os.open(path, flags | O_NONBLOCK | O_CLOEXEC | (0 if follow else O_NOFOLLOW), dir_fd=dir_fd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafePathError(f"{os.fspath(path)}: is {describe(st)}, expected a regular file; "
+                                  "replace it with the file the manifest lists")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _no_follow_error(exc: OSError, display: str, name: str, dir_fd: int | None, *, what: str, fix: str,
+                     want: str) -> UnsafePathError | None:
+    """ELOOP/ENOTDIR from an ``O_NOFOLLOW`` open: a symlink (or a non-directory) where ``what`` goes."""
+    if exc.errno in (errno.ELOOP, errno.EMLINK, errno.ENOTDIR):
+        try:
+            found = describe(os.stat(name, dir_fd=dir_fd, follow_symlinks=False))
+        except OSError:
+            found = "a symlink"
+        return UnsafePathError(f"{display}: {what} is {found}, expected a {want} (links are not followed); {fix}")
+    return None
+
+
+def open_trusted(path: str | os.PathLike[str], flags: int = os.O_RDONLY, *, what: str = "file",
+                 fix: str = "remove it and rerun", dir_fd: int | None = None, display: str | None = None,
+                 single_link: bool = False, owners: frozenset[int] | None = None) -> tuple[int, os.stat_result]:
+    """Open an existing file we must trust (a receipt, a journal, a lock) and check what we hold.
+
+    ``O_NOFOLLOW|O_NONBLOCK``; then ``fstat``: a regular file, owned by a trusted uid, not writable
+    by group or others (and, with ``single_link``, not hard-linked). ``path`` is relative to
+    ``dir_fd`` when given (``display`` then names it in messages). Returns ``(fd, stat)``; raises
+    FileNotFoundError when absent and :class:`UnsafePathError` otherwise.
+    """
+    p = os.fspath(path)
+    shown = display or p
+    try:
+        fd = os.open(p, flags | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as exc:
+        err = _no_follow_error(exc, shown, p, dir_fd, what=what, fix=fix, want="regular file")
+        if err is not None:
+            raise err from exc
+        raise
+    try:
+        st = os.fstat(fd)
+        require(st, shown, what, fix, expect="file", owners=owners, single_link=single_link)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def read_trusted(path: str | os.PathLike[str], *, what: str = "file", limit: int = MAX_SMALL_FILE,
+                 dir_fd: int | None = None, display: str | None = None, owners: frozenset[int] | None = None
+                 ) -> bytes | None:
+    """The bytes of a small file we must trust (:func:`open_trusted`), or None when it is absent.
+
+    More than ``limit`` bytes is :class:`UnsafePathError`.
+    """
+    shown = display or os.fspath(path)
+    try:
+        fd, st = open_trusted(path, what=what, dir_fd=dir_fd, display=shown, owners=owners)
+    except FileNotFoundError:
+        return None
+    try:
+        if st.st_size > limit:
+            raise UnsafePathError(f"{shown}: {what} is {st.st_size} bytes, more than {limit}; remove it")
+        chunks = []
+        while True:
+            b = os.read(fd, 1 << 20)
+            if not b:
+                break
+            chunks.append(b)
+            if sum(map(len, chunks)) > limit:
+                raise UnsafePathError(f"{shown}: {what} grew past {limit} bytes while read; remove it")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+# ---- a checked directory handle ------------------------------------------------------------------
+class SafeDir:
+    """An open, checked directory; every name inside it is reached relative to its descriptor.
+
+    Open one with :meth:`open` (an existing directory) or :meth:`create` (exclusively, or reuse one
+    that passes the checks). ``path`` is for messages and for path-based code (valid while
+    :func:`check_chain` holds for it); ``fd`` is the handle. Names passed to the methods are single
+    components (no ``/``): :class:`ValueError` otherwise. Use as a context manager, or :meth:`close`.
+    """
+
+    def __init__(self, fd: int, path: str, st: os.stat_result) -> None:
+        self.fd = fd
+        self.path = path
+        self.st = st
+
+    # -- opening -----------------------------------------------------------------------------------
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], *, what: str = "directory", fix: str = "choose another directory",
+             check: bool = True, owners: frozenset[int] | None = None, sticky_ok: bool = False,
+             dir_fd: int | None = None, display: str | None = None) -> SafeDir:
+        """Open the existing directory ``path`` (``O_NOFOLLOW``: a symlink there is refused) and, with
+        ``check``, require it trusted (:func:`problem` with ``sticky_ok``). FileNotFoundError if absent.
+        ``path`` is relative to ``dir_fd`` when given; ``display`` is the path the handle reports."""
+        p = os.fspath(path)
+        shown = display or p
+        try:
+            fd = os.open(p, _DIR_FLAGS, dir_fd=dir_fd)
+        except OSError as exc:
+            err = _no_follow_error(exc, shown, p, dir_fd, what=what, fix=fix, want="directory")
+            if err is not None:
+                raise err from exc
+            raise
+        try:
+            st = os.fstat(fd)
+            if check:
+                require(st, shown, what, fix, expect="dir", owners=owners, sticky_ok=sticky_ok)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(fd, shown, st)
+
+    @classmethod
+    def create(cls, path: str | os.PathLike[str], mode: int = 0o700, *, what: str = "directory",
+               fix: str = "choose another directory", exist_ok: bool = True, owners: frozenset[int] | None = None
+               ) -> tuple[SafeDir, bool]:
+        """Create ``path`` with ``mode`` (less the umask) exclusively, or, with ``exist_ok``, open an
+        existing one that passes the checks. Returns ``(handle, created)``. The parent is not checked
+        here (see :func:`check_chain`); ``mkdir`` never follows a name planted at ``path``."""
+        p = os.fspath(path)
+        created = True
+        try:
+            os.mkdir(p, mode)
+        except FileExistsError:
+            if not exist_ok:
+                raise
+            created = False
+        return cls.open(p, what=what, fix=fix, owners=owners), created
+
+    # -- names inside --------------------------------------------------------------------------------
+    @staticmethod
+    def _name(name: str) -> str:
+        if not name or "/" in name or name in (".", ".."):
+            raise ValueError(f"{name!r}: expected one file name inside the directory")
+        return name
+
+    def join(self, name: str) -> str:
+        """``path/name``, for messages (and for path-based code under :func:`check_chain`)."""
+        return os.path.join(self.path, self._name(name))
+
+    def lstat(self, name: str) -> os.stat_result | None:
+        """``lstat`` of ``name`` (a symlink itself, never its target), or None when absent."""
+        try:
+            return os.stat(self._name(name), dir_fd=self.fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+
+    def entries(self) -> Iterator[tuple[str, os.stat_result]]:
+        """Every name in the directory with its ``lstat`` (names that vanish meanwhile are skipped)."""
+        for name in os.listdir(self.fd):
+            st = self.lstat(name)
+            if st is not None:
+                yield name, st
+
+    def check(self, name: str, *, expect: str = "file", what: str = "file", fix: str = "remove it and rerun",
+              owners: frozenset[int] | None = None, single_link: bool = False) -> os.stat_result | None:
+        """``lstat`` ``name`` and :func:`require` it trusted; None when absent (nothing to refuse)."""
+        st = self.lstat(name)
+        if st is not None:
+            require(st, self.join(name), what, fix, expect=expect, owners=owners, single_link=single_link)
+        return st
+
+    def subdir(self, name: str, *, what: str = "directory", fix: str = "remove it and rerun",
+               check: bool = True, owners: frozenset[int] | None = None) -> SafeDir:
+        """Open the existing subdirectory ``name`` (no symlink), checked like :meth:`open`."""
+        return SafeDir.open(self._name(name), what=what, fix=fix, check=check, owners=owners, dir_fd=self.fd,
+                            display=self.join(name))
+
+    def mkdir(self, name: str, mode: int = 0o700, *, exist_ok: bool = True, what: str = "directory",
+              fix: str = "remove it and rerun", owners: frozenset[int] | None = None) -> tuple[SafeDir, bool]:
+        """:meth:`create` for ``name`` inside this directory; returns ``(handle, created)``."""
+        created = True
+        try:
+            os.mkdir(self._name(name), mode, dir_fd=self.fd)
+        except FileExistsError:
+            if not exist_ok:
+                raise
+            created = False
+        return self.subdir(name, what=what, fix=fix, owners=owners), created
+
+    def open_file(self, name: str, flags: int = os.O_RDONLY, *, what: str = "file", fix: str = "remove it and rerun",
+                  single_link: bool = False, owners: frozenset[int] | None = None) -> tuple[int, os.stat_result]:
+        """:func:`open_trusted` of ``name`` inside this directory."""
+        return open_trusted(self._name(name), flags, what=what, fix=fix, dir_fd=self.fd, display=self.join(name),
+                            single_link=single_link, owners=owners)
+
+    def create_file(self, name: str, mode: int = 0o600, flags: int = os.O_WRONLY) -> int:
+        """Create ``name`` exclusively (``O_CREAT|O_EXCL|O_NOFOLLOW``) with ``mode`` less the umask;
+        FileExistsError when any entry (a symlink included) is there already."""
+        return os.open(self._name(name), flags | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode,
+                       dir_fd=self.fd)
+
+    def read_bytes(self, name: str, *, what: str = "file", limit: int = MAX_SMALL_FILE,
+                   owners: frozenset[int] | None = None) -> bytes | None:
+        """:func:`read_trusted` of ``name`` inside this directory (None when absent)."""
+        return read_trusted(self._name(name), what=what, limit=limit, dir_fd=self.fd, display=self.join(name),
+                            owners=owners)
+
+    def write_atomic(self, name: str, data: bytes, mode: int = 0o600, *, fsync: bool = True) -> None:
+        """Write ``data`` to ``<name>.<12 hex>.partial`` (created exclusively), fsync, ``fchmod`` to
+        ``mode``, rename over ``name`` inside this handle, fsync the directory. On failure the
+        partial file is removed and ``name`` is untouched. Renaming replaces whatever entry ``name``
+        was (a planted symlink is replaced, never followed)."""
+        tmp = f"{self._name(name)}.{uuid.uuid4().hex[:12]}.partial"
+        fd = self.create_file(tmp, 0o600)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fchmod(fd, mode)
+            if fsync:
+                os.fsync(fd)
+            os.close(fd)
+            fd = -1
+            os.rename(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            self.unlink(tmp)
+            raise
+        if fsync:
+            self.fsync()
+
+    def replace(self, src: str, dst: str) -> None:
+        """Rename ``src`` over ``dst``, both inside this directory."""
+        os.rename(self._name(src), self._name(dst), src_dir_fd=self.fd, dst_dir_fd=self.fd)
+
+    def link(self, src: str, dst: str) -> None:
+        """Hard-link ``src`` to the new name ``dst`` (FileExistsError when taken): an atomic publish."""
+        os.link(self._name(src), self._name(dst), src_dir_fd=self.fd, dst_dir_fd=self.fd, follow_symlinks=False)
+
+    def unlink(self, name: str, *, missing_ok: bool = True) -> bool:
+        """Remove the entry ``name`` (a symlink itself, never its target); True if it was there."""
+        try:
+            os.unlink(self._name(name), dir_fd=self.fd)
+        except FileNotFoundError:
+            if not missing_ok:
+                raise
+            return False
+        return True
+
+    def rmdir(self, name: str) -> bool:
+        """Remove the empty subdirectory ``name``; False when absent or not empty."""
+        try:
+            os.rmdir(self._name(name), dir_fd=self.fd)
+        except OSError:
+            return False
+        return True
+
+    def remove(self, name: str, *, keep: Callable[[str], bool] | None = None) -> tuple[int, int]:
+        """Remove ``name`` without following links: a file or symlink is unlinked; a directory is
+        walked through descriptors (``O_NOFOLLOW``, the same device) and emptied, then removed.
+
+        ``keep(relative path)``: files for which it returns True stay, with the directories that hold
+        them (``stager clean`` keeps what a user added to an unpacked tree). Returns ``(entries
+        removed, bytes freed)``. Entries that vanish meanwhile are skipped.
+        """
+        st = self.lstat(name)
+        if st is None:
+            return 0, 0
+        if not stat.S_ISDIR(st.st_mode):
+            return (1, st.st_size) if self.unlink(name) else (0, 0)
+        try:
+            sub = self.subdir(name, check=False)
+        except (FileNotFoundError, UnsafePathError):
+            return 0, 0  # replaced by something else meanwhile: leave it
+        with sub:
+            if sub.st.st_dev != self.st.st_dev:
+                return 0, 0  # a mount point: never cross it
+            n, freed = sub._empty("", keep)
+        if self.rmdir(name):
+            n += 1
+        return n, freed
+
+    def _empty(self, prefix: str, keep: Callable[[str], bool] | None) -> tuple[int, int]:
+        n = freed = 0
+        for name, st in list(self.entries()):
+            rel = f"{prefix}{name}"
+            if stat.S_ISDIR(st.st_mode):
+                try:
+                    sub = self.subdir(name, check=False)
+                except (FileNotFoundError, UnsafePathError):
+                    continue
+                with sub:
+                    if sub.st.st_dev != self.st.st_dev or sub.st.st_ino != st.st_ino:
+                        continue
+                    dn, df = sub._empty(rel + "/", keep)
+                n, freed = n + dn, freed + df
+                if self.rmdir(name):
+                    n += 1
+            elif (keep is None or not keep(rel)) and self.unlink(name):
+                n, freed = n + 1, freed + st.st_size
+        return n, freed
+
+    def fsync(self) -> None:
+        """fsync the directory (renames inside it survive a crash); ignored where unsupported."""
+        with contextlib.suppress(OSError):
+            os.fsync(self.fd)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> SafeDir:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"SafeDir({self.path!r}, fd={self.fd})"
+
+
+def private_dir(parent: str | os.PathLike[str], name: str, mode: int = 0o700, *, what: str = "directory",
+                fix: str = "choose another directory") -> tuple[SafeDir, bool]:
+    """A directory ``parent/name`` that is ours: created exclusively (``mode`` less the umask), or an
+    existing one that is trusted, after :func:`check_chain` of ``parent`` (created with ``mode`` when
+    missing, one level at a time). Returns ``(handle, created)``; the handle's ``path`` is real (no
+    symlinks). Raises :class:`UnsafePathError` for a ``name`` or an ancestor someone else controls."""
+    real_parent = check_chain(parent, what=what, fix=fix)
+    missing = []
+    cur = real_parent
+    while not os.path.lexists(cur):
+        missing.append(cur)
+        cur = os.path.dirname(cur)
+    for d in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(d, mode)
+        SafeDir.open(d, what=what, fix=fix, sticky_ok=True).close()
+    return SafeDir.create(os.path.join(real_parent, name), mode, what=what, fix=fix)
+
+
+__all__ = [
+    "MAX_SMALL_FILE",
+    "O_CLOEXEC",
+    "O_DIRECTORY",
+    "O_NOFOLLOW",
+    "O_NONBLOCK",
+    "SafeDir",
+    "check_chain",
+    "describe",
+    "expected",
+    "kind_of",
+    "open_regular",
+    "open_trusted",
+    "owner_name",
+    "private_dir",
+    "problem",
+    "read_trusted",
+    "require",
+    "trusted_uids",
+]

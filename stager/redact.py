@@ -1,0 +1,79 @@
+"""The one redaction of locations: what stager prints or stores never carries a URL's secrets.
+
+A URL may carry credentials in its userinfo (``https://user:password@host/...``) or its query and
+fragment (``?token=...``, a presigned ``X-Amz-Signature=...``). Every location that is printed (the
+CLI's text and ``--json``, error messages, log lines, ``stager inspect``) or stored (receipts,
+manifests, journals, state files) passes through :func:`redact` (one location) or
+:func:`redact_text` (free text that may contain URLs) first. :class:`~stager.errors.StagerError`
+applies :func:`redact_text` to its message, so no error can leak one.
+
+The contract, for any string ``s``: ``redact(redact(s)) == redact(s)``; a string without ``://`` is
+returned unchanged (local paths are never altered); in a URL, the scheme, host, port and path are
+kept, userinfo becomes ``***`` and every query or fragment value becomes ``***`` (keys are kept: they
+say which parameter was given, not its value).
+
+This module is pure string handling with no imports from stager: it sits at the bottom layer so that
+:mod:`stager.errors` can use it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+MASK = "***"
+_URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://(?P<auth>[^/?#]*)(?P<path>[^?#]*)"
+                  r"(?:\?(?P<query>[^#]*))?(?:#(?P<frag>.*))?$", re.S)
+# A URL inside free text: up to whitespace or a quote/bracket; trailing punctuation is not part of it.
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>`]*[^\s'\"<>`.,;:)\]}]")
+
+
+def _mask_pairs(text: str) -> str:
+    """``a=1&b=2`` -> ``a=***&b=***``; an item without ``=`` is masked whole."""
+    out = []
+    for item in re.split(r"([&;])", text):
+        if item in ("&", ";", ""):
+            out.append(item)
+        elif "=" in item:
+            out.append(item.split("=", 1)[0] + "=" + MASK)
+        else:
+            out.append(MASK)
+    return "".join(out)
+
+
+def redact(location: str | os.PathLike[str]) -> str:
+    """``location`` with a URL's userinfo and query/fragment values masked (see the module docstring).
+
+    ``https://u:pw@h:8080/d/x.tar?token=abc&v=1`` -> ``https://***@h:8080/d/x.tar?token=***&v=***``;
+    ``/lustre/proj/data`` -> unchanged.
+    """
+    s = os.fspath(location)
+    if "://" not in s:
+        return s
+    m = _URL.match(s)
+    if m is None:
+        return s
+    auth = m.group("auth")
+    if "@" in auth:
+        auth = MASK + "@" + auth.rsplit("@", 1)[1]
+    out = f"{m.group('scheme')}://{auth}{m.group('path')}"
+    if m.group("query") is not None:
+        out += "?" + _mask_pairs(m.group("query"))
+    if m.group("frag") is not None:
+        out += "#" + _mask_pairs(m.group("frag"))
+    return out
+
+
+def redact_text(text: str) -> str:
+    """``text`` with every URL in it passed through :func:`redact` (free text: messages, logs)."""
+    if "://" not in text:
+        return text
+    return _URL_IN_TEXT.sub(lambda m: redact(m.group(0)), text)
+
+
+def has_secret(location: str | os.PathLike[str]) -> bool:
+    """Whether ``location`` is a URL whose redaction hides something (userinfo, query or fragment)."""
+    return redact(location) != os.fspath(location)
+
+
+__all__ = ["MASK", "has_secret", "redact", "redact_text"]

@@ -1,0 +1,40 @@
+"""stager.redact: the one redaction of locations. A URL's userinfo and query/fragment values never
+survive it, anything else is untouched, and it is idempotent; every StagerError message goes through it."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from stager.errors import SourceNotFoundError
+from stager.redact import MASK, has_secret, redact, redact_text
+
+SECRET = st.text(alphabet="abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.~%+", min_size=6,
+                 max_size=20)
+
+
+def test_examples() -> None:
+    assert redact("https://alice:pw@host:8080/d/x.tar?token=abc&v=1#frag") == \
+        "https://***@host:8080/d/x.tar?token=***&v=***#***"
+    assert redact("s3://bucket/data/manifest.json") == "s3://bucket/data/manifest.json"
+    assert redact("/lustre/proj/a b?c=d@e") == "/lustre/proj/a b?c=d@e"
+    assert redact("http://h/x?sig") == "http://h/x?***"
+    assert not has_secret("s3://b/k") and has_secret("http://u@h/")
+    assert redact_text("stager stage http://u:p@h/d?X-Amz-Signature=zz: failed, see s3://b/k.") == \
+        "stager stage http://***@h/d?X-Amz-Signature=***: failed, see s3://b/k."
+
+
+@given(user=SECRET, password=SECRET, token=SECRET, path=st.sampled_from(["/", "/d/manifest.json", "/a/b.tar"]),
+       scheme=st.sampled_from(["http", "https", "s3", "gs", "az"]))
+def test_secrets_never_survive(user: str, password: str, token: str, path: str, scheme: str) -> None:
+    url = f"{scheme}://{user}:{password}@host.example{path}?token={token}&X-Amz-Credential={token}"
+    for out in (redact(url), redact_text(f"{url}: no such object"), str(SourceNotFoundError(f"{url}: gone")),
+                redact_text(f'{{"source": "{url}"}}')):
+        assert password not in out and token not in out and f"{user}:" not in out, out
+        assert f"host.example{path}" in out and MASK in out
+    assert redact(redact(url)) == redact(url)
+
+
+@given(st.text(max_size=60).filter(lambda s: "://" not in s))
+def test_everything_else_is_untouched(text: str) -> None:
+    assert redact(text) == text and redact_text(text) == text
