@@ -29,7 +29,6 @@ import fcntl
 import json
 import os
 import socket
-import stat
 import time
 import uuid
 from collections.abc import Iterable
@@ -40,8 +39,11 @@ from typing import TYPE_CHECKING, Any
 
 from stager.cache.config import DEFAULT_DEST_LEASE_DAYS
 from stager.cache.layout import LEASE_SUFFIX, is_object_name
+from stager.errors import UnsafePathError
 from stager.fs.atomic import partial_base, partial_path
 from stager.fs.kernel import boot_id
+from stager.fs.safe import O_CLOEXEC, O_NOFOLLOW, open_regular
+from stager.redact import redact_text
 
 if TYPE_CHECKING:
     from stager.cache.store import Cache
@@ -52,7 +54,7 @@ DEST_CHAIN = 3  # the destination and two directories above it
 
 
 def _lease_body(kind: str, keys: Iterable[str], what: str, **extra: Any) -> bytes:
-    body = {"schema": LEASE_SCHEMA, "kind": kind, "what": what, "pid": os.getpid(), "uid": os.geteuid(),
+    body = {"schema": LEASE_SCHEMA, "kind": kind, "what": redact_text(what), "pid": os.getpid(), "uid": os.geteuid(),
             "host": socket.gethostname(), "boot_id": boot_id(), "time": time.time(), "keys": sorted(set(keys)),
             **extra}
     return (json.dumps(body) + "\n").encode()
@@ -63,7 +65,7 @@ def _create(dirpath: Path, data: bytes, *, lock: bool) -> tuple[Path, int]:
     fresh ``<id>.lease``; return its path and the open fd."""
     final = dirpath / f"{uuid.uuid4().hex}{LEASE_SUFFIX}"
     tmp = partial_path(final)
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0o644)
     try:
         os.fchmod(fd, 0o644)  # past the umask: a site cache's eviction (another uid) must read it
         view = memoryview(data)
@@ -185,13 +187,15 @@ def _judge(path: Path, now: float) -> LeaseInfo:
     base = partial_base(name)
     kind = "partial" if base is not None else "?"
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd = open_regular(path, follow=False)  # never through a link, never blocked by a FIFO
+    except UnsafePathError:
+        return LeaseInfo(name, kind, False, "not a regular file: protects nothing")
     except OSError as exc:
         return LeaseInfo(name, kind, False, f"cannot be opened ({exc.strerror}): protects nothing")
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > LEASE_MAX_BYTES:
-            return LeaseInfo(name, kind, False, "not a small regular file: protects nothing", uid=st.st_uid)
+        if st.st_size > LEASE_MAX_BYTES:
+            return LeaseInfo(name, kind, False, "too large: protects nothing", uid=st.st_uid)
         held = _flock_held(fd)
         if base is not None:
             # Being written: its keys are not readable yet; it is live while its writer holds it.

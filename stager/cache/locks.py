@@ -13,12 +13,12 @@ import contextlib
 import errno
 import fcntl
 import os
-import stat
 import time
 from pathlib import Path
 from types import TracebackType
 
-from stager.errors import DestinationError
+from stager.errors import UnsafePathError
+from stager.fs.safe import O_CLOEXEC, O_NOFOLLOW, O_NONBLOCK, require
 
 
 class FillLock:
@@ -30,19 +30,19 @@ class FillLock:
         self.fd: int | None = None
 
     def try_acquire(self) -> bool:
+        fix = "the cache's lock files are its own: its owner runs `stager cache verify` on the cache"
         while True:
             try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK, 0o600)
             except OSError as exc:
                 if exc.errno == errno.ELOOP:
-                    raise DestinationError(f"{self.path}: is a symbolic link; the cache's locks are its own files: "
-                                           "run `stager cache verify` on the cache") from exc
+                    raise UnsafePathError(f"{self.path}: fill lock is a symlink (links are not followed); "
+                                          f"{fix}") from exc
                 raise
             try:
                 st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-                    raise DestinationError(f"{self.path}: not a lock file of yours (uid {st.st_uid}); run "
-                                           "`stager cache verify` on the cache")
+                require(st, self.path, "fill lock", fix, expect="file", owners=frozenset({os.geteuid()}),
+                        single_link=True)
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except OSError as exc:
@@ -93,7 +93,7 @@ def lock_held(path: Path) -> bool:
     """True when someone holds an ``flock`` on ``path`` now (a live filler); False when nobody does or
     the file is gone."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd = os.open(path, os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK)
     except OSError:
         return False
     try:

@@ -21,6 +21,7 @@ from stager.cache.store import RECORD_SCHEMA, Cache, now_iso
 from stager.errors import UsageError
 from stager.fs.open import join
 from stager.manifest import dataset_root, load_manifest, shard_root
+from stager.redact import redact
 
 
 def _present(cache: Cache, rec: dict[str, Any]) -> tuple[int, int, int]:
@@ -121,7 +122,7 @@ def _record_of_source(cache: Cache, src: str) -> dict[str, Any]:
     rec = cache.read_record(digest) or {"schema": RECORD_SCHEMA, "digest": digest, "dataset_id": m.dataset_id,
                                         "first_cached": now_iso(), "uses": 0, "stages": [], "hit_bytes": 0,
                                         "filled_bytes": 0}
-    rec.update(source=src, algo=m.hash_algo, files=sorted(files), bytes=sum(int(f[3]) for f in files))
+    rec.update(source=redact(src), algo=m.hash_algo, files=sorted(files), bytes=sum(int(f[3]) for f in files))
     return rec
 
 

@@ -28,7 +28,6 @@ import datetime as _dt
 import fcntl
 import json
 import os
-import pwd
 import socket
 import stat
 import time
@@ -52,20 +51,14 @@ from stager.cache.layout import (
     object_relpath,
     record_name,
 )
-from stager.errors import DestinationError, ManifestError, UsageError
+from stager.errors import ManifestError, UnsafePathError, UsageError
 from stager.fs.atomic import atomic_write_bytes, fsync_dir, partial_base, partial_path, remove_partials
 from stager.fs.info import detect_fs
+from stager.fs.safe import check_chain, owner_name, problem, read_trusted, require, trusted_uids
 
 RECORD_SCHEMA = "stager.cache.dataset/1"
 LOG_MAX_BYTES = 1 << 20  # log.jsonl is halved when it grows past this
 RECORD_STAGES_KEPT = 32  # stage times kept per dataset (stager hints: staged again within a day)
-
-
-def _user(uid: int) -> str:
-    try:
-        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
-    except KeyError:
-        return f"uid {uid}"
 
 
 def now_iso(t: float | None = None) -> str:
@@ -112,41 +105,34 @@ class Cache:
         may not use it (module docstring). ``read_only`` skips resolving the quota (the loader)."""
         if kind not in KINDS:
             raise UsageError(f"cache kind must be one of {', '.join(KINDS)}, got {kind!r}")
-        root = Path(os.path.abspath(os.fspath(path)))
         site = site if site is not None else site_config()
+        allowed = trusted_uids() | site.trusted_owners
+        fix = "use a cache directory of your own (--cache DIR) or the site cache"
+        # Nobody else may rename or replace the cache or a directory above it (fs/safe.py, rule 5): then
+        # paths under it are as good as handles, for the copy streams and the loader's maps.
+        root = Path(check_chain(os.path.abspath(os.fspath(path)), owners=allowed, what="shard cache", fix=fix))
         st = _lstat(root)
         if st is None:
             if not create:
                 raise UsageError(f"{root}: no such cache; stage with --cache {root} to create it")
             _make_root(root, kind)
             st = os.lstat(root)
-        if stat.S_ISLNK(st.st_mode):
-            raise DestinationError(f"{root}: is a symbolic link; give the cache's real directory")
-        if not stat.S_ISDIR(st.st_mode):
-            raise DestinationError(f"{root}: exists and is not a directory; choose another cache directory")
+        require(st, root, "shard cache", fix, expect="dir", owners=allowed)
         me = os.geteuid()
         mine = st.st_uid == me
         if not mine and st.st_uid not in site.trusted_owners:
-            raise DestinationError(
-                f"{root}: cache owned by {_user(st.st_uid)}, not by you ({_user(me)}); a cache is written only by "
-                "its owner: use your own (--cache DIR of yours) or the site cache")
-        if not mine and me == 0:
-            raise DestinationError(f"{root}: cache owned by {_user(st.st_uid)}; root uses only root's caches "
-                                   "(run as the cache's owner)")
-        if st.st_mode & 0o022:
-            raise DestinationError(
-                f"{root}: cache directory is writable by others (mode {stat.S_IMODE(st.st_mode):04o}); a cache is "
-                f"writable only by its owner: chmod go-w {root}")
+            require(st, root, "shard cache", fix, expect="dir", owners=frozenset({me}))  # root and a user's cache
         marker = _read_marker(root, st.st_uid)
         if marker is None:
             if not mine:
-                raise DestinationError(f"{root}: not a stager cache (no {MARKER}); give a cache directory")
+                raise UsageError(f"{root}: not a stager cache (no {MARKER}); give a cache directory")
             marker = _init(root, kind, quota)
         cache_kind = marker.get("kind")
         if cache_kind not in KINDS:
-            raise DestinationError(f"{root}/{MARKER}: unknown cache kind {cache_kind!r}; not a cache of this stager")
+            raise ManifestError(f"{root}/{MARKER}: unknown cache kind {cache_kind!r}; not a cache of this stager")
         if not mine and cache_kind != "site":
-            raise DestinationError(f"{root}: a user's cache of {_user(st.st_uid)}; only a site cache is shared")
+            raise UnsafePathError(f"{root}: a user's shard cache of {owner_name(st.st_uid)}, not yours; only a site "
+                                  f"cache is shared; {fix}")
         chosen = quota or quota_from_env() or _marker_quota(root, marker) or site.quota or Quota.parse(DEFAULT_QUOTA)
         sv = os.statvfs(root)
         disk = sv.f_blocks * sv.f_frsize
@@ -170,25 +156,16 @@ class Cache:
             p = self.root / name
             st = _lstat(p)
             if st is None and create:
-                _mkdir(p, self._dir_mode(name))
+                _mkdir(p, self._dir_mode(name), self.kind)
                 st = os.lstat(p)
             if st is None:
                 if name == LOCKS:
                     continue  # a reader never takes fill locks
-                raise DestinationError(f"{p}: missing; the cache is damaged: run `stager cache verify {self.root}`")
-            self._check_dir(p, st, sticky_ok=name == LEASES and self.kind == "site")
-
-    def _check_dir(self, p: Path, st: os.stat_result, *, sticky_ok: bool = False) -> None:
-        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-            raise DestinationError(f"{p}: not a directory of the cache (a link or a file); run "
-                                   f"`stager cache verify {self.root}`")
-        if st.st_uid != self.owner:
-            raise DestinationError(f"{p}: owned by {_user(st.st_uid)}, not by the cache's owner "
-                                   f"({_user(self.owner)}); the cache was tampered with: remove it")
-        writable_by_others = st.st_mode & 0o022
-        if writable_by_others and not (sticky_ok and st.st_mode & stat.S_ISVTX):
-            raise DestinationError(f"{p}: writable by others (mode {stat.S_IMODE(st.st_mode):04o}); "
-                                   f"chmod go-w {p}")
+                raise UsageError(f"{p}: missing; the cache is damaged: its owner runs `stager cache verify "
+                                 f"{self.root}`")
+            require(st, p, "cache directory", f"the cache was tampered with: its owner runs `stager cache verify "
+                    f"{self.root}` or removes it", expect="dir", owners=frozenset({self.owner}),
+                    sticky_ok=name == LEASES and self.kind == "site")
 
     def _dir_mode(self, name: str = "") -> int:
         if self.kind == "site":
@@ -214,7 +191,7 @@ class Cache:
         reports it) and counts as absent."""
         p = self.object_path(algo, key)
         st = _lstat(p)
-        if st is None or not stat.S_ISREG(st.st_mode) or st.st_uid != self.owner or st.st_mode & 0o222:
+        if st is None or problem(st, expect="file", owners=frozenset({self.owner})) or st.st_mode & 0o222:
             return None
         if st.st_size != nbytes or not self._parents_ok(p):
             return None
@@ -228,8 +205,7 @@ class Cache:
             if d in self._dirs_ok:
                 continue
             st = _lstat(d)
-            if st is None or stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != self.owner \
-                    or st.st_mode & 0o022:
+            if st is None or problem(st, expect="dir", owners=frozenset({self.owner})):
                 return False
             self._dirs_ok.add(d)
         return True
@@ -239,7 +215,7 @@ class Cache:
         final = self.object_path(algo, key)
         for d in (final.parent.parent, final.parent):
             if _lstat(d) is None:
-                _mkdir(d, self._dir_mode())
+                _mkdir(d, self._dir_mode(), self.kind)
         return partial_path(final)
 
     def remove_partials(self, algo: str, key: str) -> list[str]:
@@ -254,10 +230,14 @@ class Cache:
                     removed.append(e.name)
         return removed
 
-    def object_mode(self, copy_mode: int) -> int:
-        """An object's mode: the copy's (:func:`stager.fs.access.copy_mode`: never more than the source
-        grants) without any write bit."""
-        return copy_mode & 0o7555 & ~0o222
+    def object_mode(self, source_mode: int | None) -> int:
+        """An object's mode: the read bits its source grants (owner read always), no write or execute
+        bit: so a group-only (licensed) dataset stays group-only in a site cache. A source without
+        POSIX modes (an object store, ``None``) gives an owner-only object: its readers' credentials
+        are not the cache's to share."""
+        if source_mode is None:
+            return 0o400
+        return (stat.S_IMODE(source_mode) & 0o444) | 0o400
 
     def scan(self) -> Iterator[ObjectInfo]:
         """Every object file (not partial files), in directory order."""
@@ -312,7 +292,7 @@ class Cache:
         """``stager cache``'s guard: refuse a cache that holds anything but its own files."""
         bad = self.foreign()
         if bad:
-            raise DestinationError(
+            raise UsageError(
                 f"{self.root}: holds files that are not the cache's own (first: {bad[0]}); a cache holds only its "
                 "own files and `stager cache` deletes only those: move them out, or give the right directory")
 
@@ -399,19 +379,20 @@ def _lstat(p: Path) -> os.stat_result | None:
         return None
 
 
-def _mkdir(p: Path, mode: int) -> None:
+def _mkdir(p: Path, mode: int, kind: str) -> None:
+    """Make a directory of the cache. A user's: ``mode`` less the umask (0700). A site cache's modes
+    are its contract with every reader (0755, a sticky 1777 ``leases/``), set past the service
+    account's umask."""
     with contextlib.suppress(FileExistsError):
         os.mkdir(p, mode & 0o777)
-    os.chmod(p, mode, follow_symlinks=False)  # past the umask; the sticky bit of a site cache's leases/
+    if kind == "site":
+        os.chmod(p, mode, follow_symlinks=False)
 
 
 def _make_root(root: Path, kind: str) -> None:
     root.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.mkdir(root, 0o700)
-    except FileExistsError:
-        return  # made meanwhile by a concurrent stage: checked as usual
-    os.chmod(root, 0o755 if kind == "site" else 0o700)
+    with contextlib.suppress(FileExistsError):  # made meanwhile by a concurrent stage: checked as usual
+        _mkdir(root, 0o755 if kind == "site" else 0o700, kind)
 
 
 def _init(root: Path, kind: str, quota: Quota | None) -> dict[str, Any]:
@@ -426,7 +407,7 @@ def _init(root: Path, kind: str, quota: Quota | None) -> dict[str, Any]:
             return got  # made meanwhile by a concurrent stage
         others = sorted(n for n in os.listdir(root) if partial_base(n) != MARKER)
         if others:
-            raise DestinationError(
+            raise UsageError(
                 f"{root}: not a stager cache: it holds other files (first: {others[0]}) and no {MARKER}; a cache "
                 "holds only its own files: give an empty or new directory")
         remove_partials(root, {MARKER})
@@ -462,25 +443,19 @@ def set_marker_quota(cache: Cache, quota: Quota) -> None:
 
 
 def _read_json(p: Path, owner: int, limit: int = 64 << 20) -> dict[str, Any] | None:
-    """A JSON object from a regular file of ``owner`` (never through a link); None if absent or bad."""
+    """A JSON object from a regular file of ``owner`` that nobody else may write (never through a
+    link); None if absent or unreadable."""
     try:
-        fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError:
+        data = read_trusted(p, what="cache file", limit=limit, owners=frozenset({owner}))
+    except (OSError, UnsafePathError):
+        return None
+    if data is None:
         return None
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != owner or st.st_size > limit:
-            return None
-        chunks = []
-        while chunk := os.read(fd, 1 << 20):
-            chunks.append(chunk)
-    finally:
-        os.close(fd)
-    try:
-        data = json.loads(b"".join(chunks))
+        obj = json.loads(data)
     except (ValueError, RecursionError):
         return None
-    return data if isinstance(data, dict) else None
+    return obj if isinstance(obj, dict) else None
 
 
 def fsync_dirs(paths: Iterable[Path]) -> None:

@@ -50,6 +50,7 @@ from stager.fs.access import size_or_missing
 from stager.fs.atomic import fsync_dir, partial_path
 from stager.fs.copy import copy_hashed
 from stager.progress import Progress
+from stager.redact import redact
 from stager.stage.copier import Copier
 from stager.stage.dest import check_free_space
 from stager.stage.journal import Journal
@@ -143,8 +144,8 @@ class _Fill:
     def final(self, task: FileTask) -> Path:
         return self.cache.object_path(self.algo, self.keys[task.name])
 
-    def mode(self, mode: int) -> int:
-        return self.cache.object_mode(mode)
+    def mode(self, source_mode: int | None) -> int:
+        return self.cache.object_mode(source_mode)
 
     def placed(self, task: FileTask) -> None:
         obj = self.final(task)
@@ -321,7 +322,8 @@ class _Run:
     def note(self, tasks: list[FileTask]) -> None:
         m = self.plan.manifest
         files = [(t.name, m.hash_algo, self.keys[t.name], t.bytes) for t in tasks]
-        self.cache.note_stage(digest=m.digest or m.compute_digest(), dataset_id=m.dataset_id, source=self.plan.src,
+        self.cache.note_stage(digest=m.digest or m.compute_digest(), dataset_id=m.dataset_id,
+                              source=redact(self.plan.src),
                               algo=m.hash_algo, files=files, hit_bytes=self.stats.bytes_hit,
                               filled_bytes=self.stats.bytes_filled + self.stats.bytes_from_peer)
 

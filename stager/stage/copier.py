@@ -44,12 +44,12 @@ THROTTLE_ENV = "STAGER_TEST_THROTTLE_BPS"
 
 class Placement(Protocol):
     """Where verified copies go instead of DEST (a shard cache, :mod:`stager.stage.cached`): ``final``
-    names the file a copy is renamed to, ``mode`` turns the copy's mode (the source's, by the one
-    copy-mode rule) into the placed file's, and ``placed`` runs once the copy is renamed (before its
+    names the file a copy is renamed to, ``mode`` gives the placed file's mode from the source file's
+    ``st_mode`` (None for an object store), and ``placed`` runs once the copy is renamed (before its
     journal line). Called from the copy and finisher threads."""
 
     def final(self, task: FileTask) -> Path: ...
-    def mode(self, mode: int) -> int: ...
+    def mode(self, source_mode: int | None) -> int: ...
     def placed(self, task: FileTask) -> None: ...
 
 
@@ -180,6 +180,8 @@ class Copier:
         try:
             with open_src_file(task.src_path, self.plan.storage_options) as f:
                 mode, gid = self._copy_access(task, f)
+                if self.placement is not None:
+                    mode = self.placement.mode(None if is_url(task.src_path) else os.fstat(f.fileno()).st_mode)
                 on_block = self._on_block()
                 if direct:
                     total = copy_hashed_direct(f, fd, buf, hasher, limit=task.bytes, on_block=on_block)
@@ -201,8 +203,6 @@ class Copier:
                 )
         except BaseException as exc:
             discard_partial(fd, tmp, final, exc)
-        if self.placement is not None:
-            mode = self.placement.mode(mode)
         done = _Verified(task, fd, tmp, final, mode, gid)
         if self._finishers is None:
             self._finish(done)

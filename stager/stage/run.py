@@ -44,6 +44,7 @@ from stager.fs.open import is_url
 from stager.manifest import Manifest
 from stager.progress import Progress
 from stager.receipt import RECEIPT_NAME
+from stager.redact import redact
 from stager.stage import cached
 from stager.stage.copier import Copier
 from stager.stage.dest import (
@@ -150,7 +151,7 @@ def _fill_cache_only(src: str | os.PathLike[str], manifest: Manifest, manifest_b
 
 def _remember(plan: StagePlan, result: StageResult) -> None:
     """One line of this user's staging history (``stager hints``: would a cache pay?)."""
-    record_stage({"dataset_id": plan.manifest.dataset_id, "source": plan.src, "bytes_total": result.bytes_total,
+    record_stage({"dataset_id": plan.manifest.dataset_id, "source": redact(plan.src), "bytes_total": result.bytes_total,
                   "bytes_copied": result.bytes_copied, "seconds": round(result.seconds, 3),
                   "already_staged": result.already_staged, "cache": (result.cache or {}).get("dir")})
 
