@@ -131,8 +131,8 @@ def foreign_entries(root: Path, limit: int = 5) -> list[str]:
         try:
             with os.scandir(root / rel) as it:
                 return list(it)
-        except FileNotFoundError:
-            return []
+        except (FileNotFoundError, PermissionError):
+            return []  # absent, or not for this reader to list (a site cache's locks/)
 
     def bad(rel: str) -> bool:
         out.append(rel)

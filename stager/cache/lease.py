@@ -10,8 +10,8 @@ A lease is a small JSON file in the cache's ``leases/`` naming object keys. Two 
 * **destination** (:func:`write_dest_lease`): written by a stage that left symbolic links to objects
   in a job's destination. It lives as long as that destination does: eviction ``lstat``\\ s the
   destination, else its parent, else its grandparent (the first one it may look at; a job's
-  directory is private), and the lease is dead once that directory is gone or is another
-  directory. One that cannot be checked at all expires after ``max_age`` days. Hard links need no
+  directory is private), and the lease is dead once that directory is gone, is another directory,
+  or is not the lease writer's. One that cannot be checked at all expires after ``max_age`` days. Hard links need no
   lease: an object linked into a destination has a link count above one and is never evicted.
 
 Liveness is judged by :func:`read_leases`. In a site cache ``leases/`` is the one directory its
@@ -219,7 +219,7 @@ def _judge(path: Path, now: float) -> LeaseInfo:
         info.live = held
         info.why = "its holder is running" if held else "its holder exited (no lock held)"
     elif info.kind == "dest":
-        info.live, info.why = _dest_alive(body, now)
+        info.live, info.why = _dest_alive(body, now, st.st_uid)
     else:
         info.why = f"unknown kind {info.kind!r}: protects nothing"
     return info
@@ -238,7 +238,10 @@ def _flock_held(fd: int) -> bool:
     return False
 
 
-def _dest_alive(body: dict[str, Any], now: float) -> tuple[bool, str]:
+def _dest_alive(body: dict[str, Any], now: float, writer: int) -> tuple[bool, str]:
+    """A destination lease is live while the first directory of its chain that can be looked at is
+    the same directory and belongs to whoever wrote the lease (a job's destination and its job
+    directory are the user's: a lease naming a directory of someone else's, ``/`` say, keeps nothing)."""
     if _num(body.get("expires")) < now:
         return False, "expired"
     chain = body.get("dest")
@@ -256,6 +259,8 @@ def _dest_alive(body: dict[str, Any], now: float) -> tuple[bool, str]:
             continue  # not ours to look at: try the directory above
         if (st.st_dev, st.st_ino) != (dev, ino):
             return False, f"{path} is another directory now"
+        if st.st_uid != writer:
+            return False, f"{path} is not the lease writer's (uid {writer}): protects nothing"
         if i == 0:
             return True, f"{path} exists"
         return True, f"{path} (above the destination) exists"

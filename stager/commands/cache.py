@@ -89,6 +89,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     cache = Cache.open(args.dir, read_only=cmd in ("ls", "verify"))
     _warn(cache.warnings)
+    if cmd in ("gc", "pin", "unpin") and not cache.writable:
+        from stager.errors import UsageError
+
+        raise UsageError(f"{cache.root}: only the cache's owner (uid {cache.owner}) may {cmd}; ask them (or the "
+                         "site's administrators)")
     cache.require_own_files()
     result: dict[str, Any]
     if cmd == "ls":
@@ -120,10 +125,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _gc(args: argparse.Namespace, cache: Any) -> int:
     from stager.cache.evict import collect
-    from stager.errors import UsageError
 
-    if not cache.writable:
-        raise UsageError(f"{cache.root}: only the cache's owner (uid {cache.owner}) evicts from it")
     rep = collect(cache, target_bytes=args.max_bytes, dry_run=args.dry_run, timeout=args.timeout)
     emit(args, rep.to_json(), rep.summary())
     return 0
