@@ -209,6 +209,30 @@ def test_a_filler_killed_mid_copy_leaves_a_consistent_cache_and_the_next_stage_r
     assert not list(cache.rglob("*.partial")), "the next filler removes a dead filler's partial files"
 
 
+def test_a_waiting_stage_takes_over_from_a_killed_filler(ds, tmp_path: Path) -> None:
+    """A second stage waits for the first one's objects; the first is killed mid-copy; the kernel drops
+    its fill locks and the waiter copies what is missing: both-or-nothing per object, DEST verifies."""
+    src, m = ds
+    cache = tmp_path / "cache"
+    first = spawn("stage", str(src), str(tmp_path / "d1"), "--cache", str(cache), "-q", "--workers", "1",
+                  env={"STAGER_TEST_THROTTLE_BPS": "60000"})
+    deadline = time.monotonic() + 60
+    while not list(cache.rglob("*.partial")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    second = spawn("stage", str(src), str(tmp_path / "d2"), "--cache", str(cache), "--json", "-q", "--timeout", "120")
+    time.sleep(0.5)  # the second is waiting on the first's claims (nothing else to take)
+    first.send_signal(signal.SIGKILL)
+    first.communicate()
+    out, err = second.communicate(timeout=120)
+    assert second.returncode == 0, err
+    res = last_json(out)["cache"]
+    assert res["files_filled"] + res["files_from_peer"] + res["files_hit"] == len(_all_files(m))
+    assert res["files_filled"] >= 1
+    assert_verified_copy(m, tmp_path / "d2")
+    assert stager("cache", "verify", str(cache), "--no-repair", "-q").returncode == 0
+    assert not list(cache.rglob("*.partial"))
+
+
 # ---- eviction -----------------------------------------------------------------------------------------
 def _three(tmp_path: Path) -> list[tuple[Path, object]]:
     out = []
