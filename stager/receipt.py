@@ -15,24 +15,37 @@ the files may not have reached the disk), ``boot_id`` (the boot that wrote a non
 copy is ignored, and staged again, once the node has rebooted) and ``cache`` (null, or ``{"dir",
 "kind", "links"}`` when the shards are links to a shard cache's objects, ``stage --cache``: the loader
 then reads them through the cache, with its checks).
+
+Trust (docs/security.md): a staging root is often shared (``/tmp``), so anyone may plant a directory
+with a receipt there. :func:`find_staged_copy` takes a copy only when its directory, receipt and
+shards are the user's (or root's), regular or real directories (no links, FIFOs), not writable by
+others, under directories nobody else can change; when the receipt names that very directory and a
+non-empty list of the manifest's shards, each present with the manifest's size. Every candidate of
+the same dataset that fails is logged as a warning saying why. ``source`` is stored redacted
+(:func:`stager.redact.redact`); a receipt about a URL source is ``0600``.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stager.errors import ManifestError
-from stager.fs.access import chgrp_quiet, size_or_missing
+from stager.errors import ManifestError, StagerError
+from stager.fs.access import chgrp_quiet
 from stager.fs.atomic import atomic_write_bytes
 from stager.fs.kernel import boot_id
-from stager.manifest import Manifest
+from stager.fs.safe import check_chain, describe, problem, read_regular, read_trusted, trusted_size
+from stager.manifest import RECEIPT_NAME, Manifest
+from stager.redact import redact
 
-RECEIPT_NAME = "stager-receipt.json"
+log = logging.getLogger("stager.receipt")
+MAX_RECEIPT_BYTES = 64 << 20
+
 RECEIPT_SCHEMA = "stager.receipt/1"
 STAGING_ROOT_VARS = ("STAGER_DEST", "SLURM_TMPDIR", "TMPDIR")
 
@@ -64,24 +77,32 @@ class Receipt:
     def write(self, dest: str | os.PathLike[str], mode: int | None = None, gid: int | None = None) -> Path:
         """Write DEST/stager-receipt.json atomically with ``mode``, then give it group ``gid`` (if allowed)."""
         path = Path(dest) / RECEIPT_NAME
-        atomic_write_bytes(path, (json.dumps(asdict(self), indent=1) + "\n").encode(), mode=mode)
+        body = asdict(self)
+        body["source"] = redact(self.source)
+        atomic_write_bytes(path, (json.dumps(body, indent=1) + "\n").encode(), mode=mode)
         chgrp_quiet(path, gid)
         return path
 
 
 def load_receipt(dest: str | os.PathLike[str]) -> Receipt | None:
-    """Read ``DEST/stager-receipt.json``; None if absent. A damaged receipt raises ManifestError."""
+    """Read ``DEST/stager-receipt.json``; None if absent. A damaged receipt raises ManifestError; one
+    that is not a regular file of the user's (or root's), or is writable by others, UnsafePathError."""
     path = Path(dest) / RECEIPT_NAME
+    data = read_trusted(path, what="staging receipt", limit=MAX_RECEIPT_BYTES,
+                        fix="remove it (or the whole copy: see `stager clean`) and stage again")
+    return None if data is None else parse_receipt(data, path)
+
+
+def parse_receipt(data: bytes, path: str | os.PathLike[str]) -> Receipt:
+    """A :class:`Receipt` from the bytes of ``path``; ManifestError (one line) when damaged."""
     try:
-        data = json.loads(path.read_bytes())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, RecursionError) as exc:
+        doc = json.loads(data)
+    except (ValueError, RecursionError) as exc:
         raise ManifestError(f"{path}: unreadable receipt ({exc}); run `stager clean` and stage again") from exc
-    if not isinstance(data, dict) or data.get("schema") != RECEIPT_SCHEMA:
+    if not isinstance(doc, dict) or doc.get("schema") != RECEIPT_SCHEMA:
         raise ManifestError(f"{path}: unknown receipt schema; run `stager clean` and stage again")
     try:
-        rec = Receipt(**data)
+        rec = Receipt(**doc)
     except TypeError as exc:
         raise ManifestError(f"{path}: malformed receipt ({exc})") from exc
     bad = _wrong_types(rec)
@@ -129,31 +150,77 @@ def staging_roots(extra: Iterable[str | os.PathLike[str]] = ()) -> list[Path]:
 
 
 def find_staged_copy(
-    manifest: Manifest, extra_roots: Iterable[str | os.PathLike[str]] = ()
+    manifest: Manifest, extra_roots: Iterable[str | os.PathLike[str]] = (),
+    warn: Callable[[str], None] | None = None,
 ) -> tuple[Path, Receipt] | None:
     """Find a complete node-local copy of ``manifest``'s dataset; return ``(dest dir, receipt)``.
 
-    A candidate counts only if its receipt names the same manifest digest, every shard it lists
-    exists with the manifest's size (a cheap stat, no hashing: stage verified them while copying),
-    and it is not a ``--no-fsync`` copy from before a reboot.
+    Candidates are each staging root and its direct subdirectories (never through a symlink) that
+    hold a receipt naming the same manifest digest. One counts only if :func:`untrusted_because`
+    finds nothing wrong: the trust rules of the module docstring, every shard it lists present with
+    the manifest's size (a cheap ``lstat``, no hashing: stage verified them while copying), not a
+    ``--no-fsync`` copy from before a reboot. Each candidate skipped is reported with ``warn``
+    (default: a warning on the ``stager.receipt`` logger) saying why.
     """
     digest = manifest.digest or manifest.compute_digest()
     sizes = {s.name: s.bytes for s in manifest.shards}
+    say = warn or log.warning
     for root in staging_roots(extra_roots):
-        candidates = [root]
         try:
-            candidates += sorted(p for p in root.iterdir() if p.is_dir())
+            real_root = os.path.realpath(root)
+            subdirs = sorted(e.name for e in os.scandir(real_root) if e.is_dir(follow_symlinks=False))
         except OSError:
             continue
-        for d in candidates:
-            try:
-                rec = load_receipt(d)
-            except ManifestError:
+        for d in [Path(real_root), *(Path(real_root) / n for n in subdirs)]:
+            rec = _candidate(d, digest)
+            if rec is None:
                 continue
-            if rec is None or rec.manifest_digest != digest or not rec.trusted():
-                continue
-            if all(size_or_missing(d / name) == sizes.get(name, -2) for name in rec.shards):
+            why = untrusted_because(d, rec, sizes)
+            if why is None:
                 return d, rec
+            say(f"stager: skipped the staged copy at {d}: {why}")
     return None
 
 
+def _candidate(d: Path, digest: str) -> Receipt | None:
+    """The receipt in ``d`` when it is about ``digest`` (read without trusting it yet: no link is
+    followed, a FIFO never blocks, the size is bounded), else None."""
+    try:
+        data = read_regular(d / RECEIPT_NAME, limit=MAX_RECEIPT_BYTES)
+        rec = parse_receipt(data, d / RECEIPT_NAME) if data is not None else None
+    except (OSError, StagerError):
+        return None
+    return rec if rec is not None and rec.manifest_digest == digest else None
+
+
+def untrusted_because(d: Path, rec: Receipt, sizes: dict[str, int]) -> str | None:
+    """Why the copy in ``d`` (whose receipt ``rec`` names the right digest) may not be used, or None.
+
+    ``sizes``: the manifest's shard name -> bytes.
+    """
+    try:
+        check_chain(d.parent)
+        st = os.lstat(d)
+        rst = os.lstat(d / RECEIPT_NAME)
+    except (OSError, StagerError) as exc:
+        return str(exc)
+    for what, s, expect in (("the directory", st, "dir"), ("its receipt", rst, "file")):
+        why = problem(s, expect=expect)
+        if why is not None:
+            return f"{what} is {describe(s)} ({why}); only copies of your own (or root's) are used"
+    if os.path.realpath(rec.dest) != os.path.realpath(d):
+        return f"its receipt was written for {rec.dest}, not for this directory"
+    if not rec.shards:
+        return "its receipt lists no shards"
+    unknown = [n for n in rec.shards if n not in sizes]
+    if unknown:
+        return f"its receipt lists {unknown[0]!r}, which is not a shard of this dataset"
+    if not rec.trusted():
+        return "a --no-fsync copy from before the last reboot"
+    if rec.cache is not None:
+        return None  # links into a shard cache: each shard is checked through the cache (stager.loader.cached)
+    for name in rec.shards:
+        if trusted_size(d / name) != sizes[name]:
+            return (f"{name} is missing, not a regular file of yours, writable by others, or not the manifest's "
+                    f"{sizes[name]} bytes")
+    return None

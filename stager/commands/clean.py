@@ -3,8 +3,15 @@
 Only the paths the receipt's ``files`` list names are removed (shards, companion files,
 ``manifest.json``, journals, shared-mode markers, the unpacked tree, the receipt itself, last),
 plus stale ``.partial`` files of those names. A DEST without a receipt is refused, as is a receipt
-naming a path outside DEST (absolute, ``..``, or resolving elsewhere through a symlink): then
-nothing at all is removed. The node lock is held so a concurrent ``stage`` is not undercut.
+naming anything but a plain name inside DEST (absolute, ``..``, a subdirectory): then nothing at all
+is removed.
+
+Order and safety (docs/security.md): DEST is opened once, without following a link, and must be
+the user's (or root's) and not writable by others (else exit 2: someone else could swap what is in
+it). Then the node lock is taken, so a concurrent ``stage`` is not undercut, and only then is the
+receipt read and checked: what is removed is decided with the lock held. Every removal is relative
+to the DEST handle (:class:`stager.fs.safe.SafeDir`): a name that became a symlink is removed as a
+link, never followed; the unpacked tree is walked through directory handles, never leaving it.
 """
 
 from __future__ import annotations
@@ -12,17 +19,21 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import stat
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stager.cli import add_common, emit
 from stager.errors import DestinationError, StagerError, UnsafeArchiveError
-from stager.fs.atomic import partial_base
-from stager.fs.lock import NodeLock
+
+if TYPE_CHECKING:
+    from stager.fs.safe import SafeDir
+    from stager.receipt import Receipt
 
 # stager.receipt.RECEIPT_NAME, spelled out so that registering the command does not import numpy
 # (stager.receipt and stager.stage are imported in clean(); a test holds them equal).
 RECEIPT_NAME = "stager-receipt.json"
+DEST_FIX = "run clean as the user who staged it; if it is yours, chmod go-w it first"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -36,46 +47,32 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _checked_targets(dest: Path, names: list[str]) -> list[Path]:
-    real_dest = os.path.realpath(dest)
-    out = []
+def _checked_names(dest: Path, rec: Receipt) -> list[str]:
+    """The receipt's entries (less the receipt itself) as plain names inside DEST; refuses anything else."""
+    names = [n for n in rec.files if n != RECEIPT_NAME]
+    if rec.unpacked:
+        rel = os.path.relpath(rec.unpacked, dest) if os.path.isabs(rec.unpacked) else rec.unpacked
+        if rel not in names:
+            names.append(rel)
     for rel in names:
         pp = PurePosixPath(rel)
-        if not rel or pp.is_absolute() or ".." in pp.parts or rel in (".", "./"):
+        if not rel or pp.is_absolute() or len(pp.parts) != 1 or rel in (".", "..") or pp.name != rel:
             raise UnsafeArchiveError(
-                f"{dest / RECEIPT_NAME}: lists {rel!r}, which is not inside DEST; removing nothing"
+                f"{dest / RECEIPT_NAME}: lists {rel!r}, which is not a plain name inside DEST; removing nothing"
             )
-        p = dest / rel
-        parent = os.path.realpath(p.parent)
-        if parent != real_dest and not parent.startswith(real_dest + os.sep):
-            raise UnsafeArchiveError(f"{dest / RECEIPT_NAME}: {rel!r} resolves outside {dest}; removing nothing")
-        out.append(p)
-    return out
+    return names
 
 
-def _size_of(p: Path) -> int:
-    try:
-        if p.is_symlink() or not p.is_dir():
-            return p.lstat().st_size
-        total = 0
-        for root, _dirs, files in os.walk(p):
-            for f in files:
-                with contextlib.suppress(OSError):
-                    total += os.lstat(os.path.join(root, f)).st_size
-        return total
-    except OSError:
-        return 0
-
-
-def _unpacked_stems(d: Path) -> set[str] | None:
+def _unpacked_stems(d: SafeDir) -> set[str] | None:
     """``<class>/<stem>`` of every file ``stage --unpack`` writes for DEST's manifest (the
-    extension comes from the shard, so files are matched without it); None if the manifest is unreadable."""
+    extension comes from the shard, so files are matched without it); None if the manifest is unreadable.
+    The manifest is read through the DEST handle."""
     from stager.manifest import load_manifest
     from stager.stage.unpack import class_dir_name, unpacked_stem
 
     try:
-        m = load_manifest(d)
-    except StagerError:
+        m = load_manifest(d.via_handle())
+    except (StagerError, OSError):
         return None
     stems = set()
     for s in m.shards:
@@ -85,70 +82,87 @@ def _unpacked_stems(d: Path) -> set[str] | None:
     return stems
 
 
-def _remove_unpacked(tree: Path, stems: set[str] | None) -> None:
-    """Remove the files of an unpacked tree that stage wrote, then the directories left empty.
+def _not_staged(stems: set[str] | None) -> Any:
+    """``keep(relative path)`` for the unpacked tree: files stage did not write (all, without stems)."""
+    def keep(rel: str) -> bool:
+        if stems is None:
+            return True
+        head, _, base = rel.rpartition("/")
+        return f"{head}/{base.split('.', 1)[0]}" not in stems
+    return keep
 
-    Anything else (a file a user added) stays, with the directories that hold it. Without a readable
-    manifest (``stems`` None) nothing in the tree is removed.
-    """
-    if stems is None:
-        return
-    for dirpath, _dirs, files in os.walk(tree, topdown=False):
-        for f in files:
-            rel = os.path.relpath(os.path.join(dirpath, f), tree)
-            head, _, base = rel.rpartition("/")
-            if f"{head}/{base.split('.', 1)[0]}" in stems:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(dirpath, f))
-        with contextlib.suppress(OSError):
-            os.rmdir(dirpath)  # only when empty
+
+def _read_receipt(d: SafeDir) -> Receipt:
+    from stager.receipt import parse_receipt
+
+    data = d.read_bytes(RECEIPT_NAME, what="staging receipt")
+    if data is None:
+        raise DestinationError(
+            f"{d.path}: no {RECEIPT_NAME}; refusing to delete anything (stager clean only removes what stager staged)"
+        )
+    return parse_receipt(data, d.join(RECEIPT_NAME))
+
+
+def _lock_name(rec: Receipt) -> str:
+    from stager.stage.names import lock_name
+
+    return lock_name(rec.partition["node"] if rec.mode == "shared" and rec.partition else None)
 
 
 def clean(dest: str | os.PathLike[str], *, dry_run: bool = False, timeout: float | None = 600.0) -> dict[str, Any]:
     """Remove the staged copy in ``dest``; return ``{"dest", "removed", "bytes_freed", "dry_run"}``."""
-    from stager.receipt import load_receipt
-    from stager.stage.names import lock_name
+    from stager.fs.lock import NodeLock
+    from stager.fs.safe import SafeDir
 
     d = Path(os.path.abspath(dest))
-    if not d.is_dir():
-        raise DestinationError(f"{d}: no such directory")
-    rec = load_receipt(d)
-    if rec is None:
-        raise DestinationError(
-            f"{d}: no {RECEIPT_NAME}; refusing to delete anything (stager clean only removes what stager staged)"
-        )
-    names = [n for n in rec.files if n != RECEIPT_NAME]
-    if rec.unpacked:
-        rel = os.path.relpath(rec.unpacked, d) if os.path.isabs(rec.unpacked) else rec.unpacked
-        if rel not in names:
-            names.append(rel)
-    targets = _checked_targets(d, names)
-    base = {p.name for p in targets}
-    removed: list[str] = []
-    freed = 0
-    shared_node = rec.partition["node"] if rec.mode == "shared" and rec.partition else None
-    stems = _unpacked_stems(d) if rec.unpacked else None  # before manifest.json goes
-    with NodeLock(d / lock_name(shared_node), timeout=timeout):
-        partials = [d / e.name for e in os.scandir(d) if partial_base(e.name) in base]
-        for p in [*targets, *partials, d / RECEIPT_NAME]:
-            if not os.path.lexists(p):
-                continue
-            freed += _size_of(p)
-            removed.append(str(p.relative_to(d)))
-            if dry_run:
-                continue
-            if p.is_dir() and not p.is_symlink():
-                _remove_unpacked(p, stems)
-            else:
-                with contextlib.suppress(FileNotFoundError):
-                    p.unlink()
-    dir_removed = False
-    if not dry_run and rec.stats.get("created_dest"):
-        with contextlib.suppress(OSError):
-            d.rmdir()  # only when empty
-            dir_removed = True
+    try:
+        handle = SafeDir.open(d, what="staging destination", fix=DEST_FIX)
+    except FileNotFoundError:
+        raise DestinationError(f"{d}: no such directory") from None
+    with handle:
+        lock = _lock_name(_read_receipt(handle))  # which lock to take; decided on again below
+        with NodeLock(d / lock, timeout=timeout, directory=handle):
+            rec = _read_receipt(handle)  # with the lock held: what is removed is decided now
+            if _lock_name(rec) != lock:
+                raise DestinationError(f"{d}: the receipt changed while waiting for the lock; rerun")
+            removed, freed = _remove(handle, rec, dry_run=dry_run)
+        dir_removed = not dry_run and bool(rec.stats.get("created_dest")) and _rmdir_if_empty(handle)
     return {"ok": True, "dest": str(d), "removed": removed, "files_removed": len(removed), "bytes_freed": freed,
             "dry_run": dry_run, "dest_removed": dir_removed}
+
+
+def _remove(handle: SafeDir, rec: Receipt, *, dry_run: bool) -> tuple[list[str], int]:
+    """Remove the receipt's entries, their stale partials and the receipt, relative to ``handle``."""
+    from stager.fs.atomic import partial_base
+
+    d = Path(handle.path)
+    names = _checked_names(d, rec)
+    base = set(names)
+    partials = sorted(n for n, st in handle.entries() if partial_base(n) in base and not stat.S_ISDIR(st.st_mode))
+    stems = _unpacked_stems(handle) if rec.unpacked else None  # before manifest.json goes
+    removed: list[str] = []
+    freed = 0
+    for name in [*names, *partials, RECEIPT_NAME]:
+        st = handle.lstat(name)
+        if st is None:
+            continue
+        keep = _not_staged(stems) if stat.S_ISDIR(st.st_mode) else None
+        _, nbytes = handle.remove(name, keep=keep, dry_run=dry_run)
+        freed += nbytes
+        removed.append(name)
+    return removed, freed
+
+
+def _rmdir_if_empty(handle: SafeDir) -> bool:
+    """Remove DEST itself when stage created it and it is now empty, checked to be the directory we hold."""
+    from stager.fs.safe import SafeDir
+
+    with contextlib.suppress(OSError), SafeDir.open(os.path.dirname(handle.path), check=False) as parent:
+        name = os.path.basename(handle.path)
+        st = parent.lstat(name)
+        if st is not None and (st.st_dev, st.st_ino) == (handle.st.st_dev, handle.st.st_ino):
+            return parent.rmdir(name)
+    return False
 
 
 def run(args: argparse.Namespace) -> int:

@@ -4,7 +4,12 @@ A copy never grants more than its source: owner read/write always, group and oth
 read/write bits the source grants (never execute), and the source's group where we may set it. So a
 group-only (licensed) dataset never becomes world-readable on node-local disk, and a world-readable
 one stays readable for the job's other users. Directories get the source directory's read and
-search bits for group and others (``0o055``), the owner everything.
+search bits for group and others (``0o055``), the owner everything. Never write: a copy is never
+writable by group or others, which is what :mod:`stager.fs.safe` requires of a file it trusts.
+
+The umask applies on top, everywhere (shards, manifest, index, receipt, DEST, unpacked files):
+it can only take group and other bits away (``umask 077`` makes every copy private), never the
+owner's. A copy of an object-store file (which has no POSIX modes) is private: ``0600``.
 """
 
 from __future__ import annotations
@@ -13,23 +18,40 @@ import contextlib
 import os
 import stat
 
-URL_FILE_MODE = 0o644  # what a copy of an object-store file gets: the store has no POSIX modes
+URL_FILE_MODE = 0o600  # what a copy of an object-store file gets: the store has no POSIX modes
 
 
-def copy_mode(source_mode: int) -> int:
+def current_umask() -> int:
+    """This process's umask, read without changing it (``/proc/self/status``; elsewhere the
+    set-and-restore dance, which is not thread-safe but is only the fallback)."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def copy_mode(source_mode: int, umask: int | None = None) -> int:
     """The mode for a copy of a file with ``source_mode`` (``st_mode``): see the module docstring."""
-    return (stat.S_IMODE(source_mode) & 0o644) | 0o600
+    mask = current_umask() if umask is None else umask
+    return (stat.S_IMODE(source_mode) & 0o644 & ~mask) | 0o600
 
 
-def dir_mode(source_mode: int) -> int:
-    """The mode for a directory made for a copy of a directory with ``source_mode``."""
-    return 0o700 | (stat.S_IMODE(source_mode) & 0o055)
+def dir_mode(source_mode: int, umask: int | None = None) -> int:
+    """The mode for a directory made for a copy of a directory with ``source_mode`` (less the umask)."""
+    mask = current_umask() if umask is None else umask
+    return 0o700 | (stat.S_IMODE(source_mode) & 0o055 & ~mask)
 
 
 def source_access(source: str | os.PathLike[str]) -> tuple[int, int | None]:
     """``(mode, gid)`` for a file written about ``source`` (a copy, the receipt, unpacked images).
 
-    URLs give ``(0o644, None)``; an unreadable path ``(0o600, None)``.
+    URLs give ``(0o600, None)``; an unreadable path ``(0o600, None)``. The umask applies.
     """
     if "://" in os.fspath(source):
         return URL_FILE_MODE, None
@@ -44,7 +66,7 @@ def chgrp_quiet(path: str | os.PathLike[str], gid: int | None) -> None:
     """Give ``path`` group ``gid`` when it differs from ours; skipped where we may not (EPERM)."""
     if gid is not None and gid != os.getegid():
         with contextlib.suppress(PermissionError):
-            os.chown(path, -1, gid)
+            os.chown(path, -1, gid, follow_symlinks=False)
 
 
 def size_or_missing(path: str | os.PathLike[str]) -> int:

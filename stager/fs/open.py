@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.util
+import io
 import json
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -35,6 +36,7 @@ from typing import Any
 from stager.errors import MissingBackendError, UsageError
 from stager.fs.remote import RemoteFile, object_size, read_range
 from stager.fs.retry import with_retries
+from stager.fs.safe import open_regular
 
 
 def _s3_env(env: Mapping[str, str], given: Mapping[str, Any]) -> dict[str, Any]:
@@ -158,14 +160,18 @@ def open_read(path: str | os.PathLike[str], storage_options: Mapping[str, Any] |
     A binary file object with ``read``/``readinto``: ``io.FileIO`` locally (unbuffered: callers
     read big blocks with ``readinto``; with ``sequential``, advised ``POSIX_FADV_SEQUENTIAL``), a
     :class:`~stager.fs.remote.RemoteFile` for URLs (each ``readinto`` one retried ranged GET; its
-    size is asked once unless ``size`` is given). Raises FileNotFoundError when it does not exist.
+    size is asked once unless ``size`` is given). Raises FileNotFoundError when it does not exist,
+    IsADirectoryError for a directory and :class:`~stager.errors.UnsafePathError` for anything else
+    that is not a regular file (a FIFO never blocks: :func:`stager.fs.safe.open_regular`).
     """
     p = os.fspath(path)
     local = local_path_of(p)
     if local is None:
         fs, fp = filesystem(p, storage_options)
         return RemoteFile(fs, fp, p, size=size)
-    f = open(local, "rb", buffering=0)  # noqa: SIM115 - returned to the caller, who closes it
+    # Not a bare open(): a FIFO or a device planted as a shard would block it or never end.
+    f = io.FileIO(open_regular(local), "rb", closefd=True)
+    f.name = local
     if sequential:
         with contextlib.suppress(OSError, AttributeError):
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)

@@ -160,6 +160,17 @@ def check_chain(path: str | os.PathLike[str], *, owners: frozenset[int] | None =
     return real
 
 
+def trusted_size(path: str | os.PathLike[str], *, owners: frozenset[int] | None = None) -> int:
+    """The size of ``path`` when it is a regular file we may trust (``lstat``: not a symlink, owned
+    by a trusted uid, not writable by group or others), else -1 (absent, or untrustworthy). The cheap
+    check of a file a journal or a receipt vouches for."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return -1
+    return st.st_size if problem(st, owners=owners) is None else -1
+
+
 # ---- opening --------------------------------------------------------------------------------------
 def open_regular(path: str | os.PathLike[str], flags: int = os.O_RDONLY, *, dir_fd: int | None = None,
                  follow: bool = True) -> int:
@@ -167,12 +178,14 @@ def open_regular(path: str | os.PathLike[str], flags: int = os.O_RDONLY, *, dir_
 
     For data someone else wrote (a dataset's shards on shared storage): the owner is not checked
     (the user's permissions decide what can be read), but anything other than a regular file is
-    :class:`UnsafePathError` naming what it is. ``follow=False`` also refuses a symlink. The
-    descriptor is blocking again when returned.
+    :class:`UnsafePathError` naming what it is (a directory: IsADirectoryError, as ``open`` says).
+    ``follow=False`` also refuses a symlink. The descriptor is blocking again when returned.
     """
     fd = os.open(path, flags | O_NONBLOCK | O_CLOEXEC | (0 if follow else O_NOFOLLOW), dir_fd=dir_fd)
     try:
         st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), os.fspath(path))
         if not stat.S_ISREG(st.st_mode):
             raise UnsafePathError(f"{os.fspath(path)}: is {describe(st)}, expected a regular file; "
                                   "replace it with the file the manifest lists")
@@ -225,31 +238,56 @@ def open_trusted(path: str | os.PathLike[str], flags: int = os.O_RDONLY, *, what
 
 
 def read_trusted(path: str | os.PathLike[str], *, what: str = "file", limit: int = MAX_SMALL_FILE,
-                 dir_fd: int | None = None, display: str | None = None, owners: frozenset[int] | None = None
-                 ) -> bytes | None:
+                 fix: str = "remove it and rerun", dir_fd: int | None = None, display: str | None = None,
+                 owners: frozenset[int] | None = None) -> bytes | None:
     """The bytes of a small file we must trust (:func:`open_trusted`), or None when it is absent.
 
     More than ``limit`` bytes is :class:`UnsafePathError`.
     """
     shown = display or os.fspath(path)
     try:
-        fd, st = open_trusted(path, what=what, dir_fd=dir_fd, display=shown, owners=owners)
+        fd, st = open_trusted(path, what=what, fix=fix, dir_fd=dir_fd, display=shown, owners=owners)
     except FileNotFoundError:
         return None
     try:
-        if st.st_size > limit:
-            raise UnsafePathError(f"{shown}: {what} is {st.st_size} bytes, more than {limit}; remove it")
-        chunks = []
-        while True:
-            b = os.read(fd, 1 << 20)
-            if not b:
-                break
-            chunks.append(b)
-            if sum(map(len, chunks)) > limit:
-                raise UnsafePathError(f"{shown}: {what} grew past {limit} bytes while read; remove it")
-        return b"".join(chunks)
+        return _read_bounded(fd, st.st_size, limit, shown, what)
     finally:
         os.close(fd)
+
+
+def read_regular(path: str | os.PathLike[str], *, limit: int = MAX_SMALL_FILE, dir_fd: int | None = None
+                 ) -> bytes | None:
+    """The bytes of a small regular file whatever its owner (to look at before deciding to trust it),
+    or None when absent: a symlink is not followed, a FIFO never blocks, more than ``limit`` bytes
+    is :class:`UnsafePathError`."""
+    try:
+        fd = open_regular(path, dir_fd=dir_fd, follow=False)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EMLINK):
+            raise UnsafePathError(f"{os.fspath(path)}: is a symlink, expected a regular file") from exc
+        raise
+    try:
+        return _read_bounded(fd, os.fstat(fd).st_size, limit, os.fspath(path), "file")
+    finally:
+        os.close(fd)
+
+
+def _read_bounded(fd: int, size: int, limit: int, shown: str, what: str) -> bytes:
+    """All of ``fd`` (``size`` by ``fstat``), refusing more than ``limit`` bytes (also if it grows)."""
+    if size > limit:
+        raise UnsafePathError(f"{shown}: {what} is {size} bytes, more than {limit}; remove it")
+    chunks: list[bytes] = []
+    total = 0
+    while True:
+        b = os.read(fd, max(size - total, 0) + 1 if total <= size else 1 << 16)
+        if not b:
+            return b"".join(chunks)
+        chunks.append(b)
+        total += len(b)
+        if total > limit:
+            raise UnsafePathError(f"{shown}: {what} grew past {limit} bytes while read; remove it")
 
 
 # ---- a checked directory handle ------------------------------------------------------------------
@@ -430,50 +468,69 @@ class SafeDir:
             return False
         return True
 
-    def remove(self, name: str, *, keep: Callable[[str], bool] | None = None) -> tuple[int, int]:
+    def remove(self, name: str, *, keep: Callable[[str], bool] | None = None, dry_run: bool = False
+               ) -> tuple[int, int]:
         """Remove ``name`` without following links: a file or symlink is unlinked; a directory is
         walked through descriptors (``O_NOFOLLOW``, the same device) and emptied, then removed.
 
         ``keep(relative path)``: files for which it returns True stay, with the directories that hold
-        them (``stager clean`` keeps what a user added to an unpacked tree). Returns ``(entries
-        removed, bytes freed)``. Entries that vanish meanwhile are skipped.
+        them (``stager clean`` keeps what a user added to an unpacked tree). ``dry_run``: remove
+        nothing, count what would go. Returns ``(entries removed, bytes of files removed)``. Entries
+        that vanish meanwhile are skipped.
         """
         st = self.lstat(name)
         if st is None:
             return 0, 0
         if not stat.S_ISDIR(st.st_mode):
-            return (1, st.st_size) if self.unlink(name) else (0, 0)
+            return (1, st.st_size) if dry_run or self.unlink(name) else (0, 0)
         try:
             sub = self.subdir(name, check=False)
         except (FileNotFoundError, UnsafePathError):
             return 0, 0  # replaced by something else meanwhile: leave it
         with sub:
-            if sub.st.st_dev != self.st.st_dev:
-                return 0, 0  # a mount point: never cross it
-            n, freed = sub._empty("", keep)
-        if self.rmdir(name):
+            if (sub.st.st_dev, sub.st.st_ino) != (st.st_dev, st.st_ino) or sub.st.st_dev != self.st.st_dev:
+                return 0, 0  # swapped meanwhile, or a mount point: never cross it
+            n, freed, kept = sub._empty("", keep, dry_run)
+        if not kept and (dry_run or self.rmdir(name)):
             n += 1
         return n, freed
 
-    def _empty(self, prefix: str, keep: Callable[[str], bool] | None) -> tuple[int, int]:
+    def _empty(self, prefix: str, keep: Callable[[str], bool] | None, dry_run: bool) -> tuple[int, int, bool]:
+        """Remove what is inside (see :meth:`remove`); ``(removed, bytes, anything kept)``."""
         n = freed = 0
+        kept = False
         for name, st in list(self.entries()):
             rel = f"{prefix}{name}"
             if stat.S_ISDIR(st.st_mode):
                 try:
                     sub = self.subdir(name, check=False)
                 except (FileNotFoundError, UnsafePathError):
+                    kept = True
                     continue
                 with sub:
-                    if sub.st.st_dev != self.st.st_dev or sub.st.st_ino != st.st_ino:
+                    if (sub.st.st_dev, sub.st.st_ino) != (st.st_dev, st.st_ino) or sub.st.st_dev != self.st.st_dev:
+                        kept = True
                         continue
-                    dn, df = sub._empty(rel + "/", keep)
+                    dn, df, dk = sub._empty(rel + "/", keep, dry_run)
                 n, freed = n + dn, freed + df
-                if self.rmdir(name):
+                if not dk and (dry_run or self.rmdir(name)):
                     n += 1
-            elif (keep is None or not keep(rel)) and self.unlink(name):
+                else:
+                    kept = True
+            elif keep is not None and keep(rel):
+                kept = True
+            elif dry_run or self.unlink(name):
                 n, freed = n + 1, freed + st.st_size
-        return n, freed
+        return n, freed, kept
+
+    def via_handle(self, name: str = "") -> str:
+        """A path that reaches ``name`` (or the directory itself) through this handle, for libraries
+        that only take a path: ``/proc/self/fd/<fd>/<name>`` on Linux (immune to a renamed or swapped
+        component), else :meth:`join`."""
+        if os.path.isdir(f"/proc/self/fd/{self.fd}"):
+            base = f"/proc/self/fd/{self.fd}"
+            return base if not name else os.path.join(base, self._name(name))
+        return self.path if not name else self.join(name)
 
     def fsync(self) -> None:
         """fsync the directory (renames inside it survive a crash); ignored where unsupported."""
@@ -530,7 +587,9 @@ __all__ = [
     "owner_name",
     "private_dir",
     "problem",
+    "read_regular",
     "read_trusted",
     "require",
+    "trusted_size",
     "trusted_uids",
 ]

@@ -14,7 +14,7 @@ from stager.formats.recordio import MAGIC_BYTES
 from stager.fs.open import is_url, join
 from stager.index import remote
 from stager.index.options import KINDS, SUFFIXES
-from stager.manifest import INDEX_SUFFIX, MANIFEST_NAME, check_safe_name
+from stager.manifest import INDEX_SUFFIX, MANIFEST_NAME, check_file_name
 
 STATE_DIR = ".stager-index"  # per-shard scan results of an unfinished run (resume)
 _IGNORED_SUFFIXES = (".idx", ".json", ".txt", ".md", ".partial", ".lock", ".csv", INDEX_SUFFIX, "-lock", ".lst")
@@ -87,5 +87,5 @@ def discover(src: str, fmt: str, storage_options: Mapping[str, Any] | None = Non
                          "(put them in separate directories or pass --format)")
     kind, found = next(iter(kinds.items()))
     for n in found:
-        check_safe_name(n, "shard file name")
+        check_file_name(n, "shard file name")
     return directory, found, kind

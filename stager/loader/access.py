@@ -27,15 +27,24 @@ from stager.errors import ShardMissingError, SourceNotFoundError, UsageError, Ve
 from stager.formats import get_format
 from stager.fs.open import exists, filesystem, join, local_path_of
 from stager.fs.remote import RemoteFile, read_range
+from stager.fs.safe import open_regular
 from stager.loader.cached import CachedShards, in_caches, through_receipt
 from stager.loader.index import DatasetIndex, index_from_folder, index_from_manifest
 from stager.manifest import MANIFEST_NAME, load_manifest, shard_root
 from stager.order.reads import MAX_OPEN_FILES, HeldFiles
 from stager.receipt import Receipt, find_staged_copy
+from stager.redact import redact
 
 log = logging.getLogger("stager.loader")
 
-_LOGGED: set[str] = set()  # "staged copy used" is logged once per process and dataset
+_LOGGED: set[str] = set()  # "staged copy used" and each skipped candidate are logged once per process
+
+
+def _warn_once(message: str) -> None:
+    """A skipped staged-copy candidate (stager.receipt.find_staged_copy): one warning per process."""
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        log.warning("%s", message)
 # Payloads separated by less than this many bytes (tar headers, record framing) share one read.
 MAX_GAP = 64 << 10
 # ...but one read stays below this size (a long sequential stretch, e.g. shuffle=False, is read in
@@ -125,7 +134,7 @@ def resolve(
     res = Resolved(index, root, p, so)
     if staged is False:
         return res
-    found = find_staged_copy(m, staging_roots)
+    found = find_staged_copy(m, staging_roots, warn=_warn_once)
     via: CachedShards | None = None
     if found is not None and found[1].cache is not None:
         via = through_receipt(m, root, found[0], found[1])
@@ -136,7 +145,7 @@ def resolve(
         if via is not None:
             res.root, res.staged, res.storage_options = via.cache, True, {}
             res.shard_paths, res.cache = via.paths, via.cache
-            _log_once(m.dataset_id, via.cache, f"reading cached copy at {via.cache} instead of {p}")
+            _log_once(m.dataset_id, via.cache, f"reading cached copy at {via.cache} instead of {redact(p)}")
             return res
         if staged is True:
             raise ShardMissingError(
@@ -159,7 +168,7 @@ def resolve(
         else "full copy"
     )
     through = f" (linked from the cache {res.cache})" if res.cache else ""
-    _log_once(m.dataset_id, str(dest), f"reading staged {what} at {dest}{through} instead of {p}")
+    _log_once(m.dataset_id, str(dest), f"reading staged {what} at {dest}{through} instead of {redact(p)}")
     return res
 
 
@@ -260,7 +269,7 @@ class ShardAccess:
     def _open_fd(self, shard: int) -> int:
         path = self._path(shard)
         try:
-            return os.open(path, os.O_RDONLY)
+            return open_regular(path)  # a FIFO or a device in a shard's place never blocks a worker
         except FileNotFoundError:
             raise ShardMissingError(f"{path}: shard missing; re-stage the dataset or re-run `stager pack`") from None
 

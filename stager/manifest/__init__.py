@@ -7,14 +7,18 @@ from stager.manifest.document import (
     FORMATS,
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
+    RECEIPT_NAME,
+    RESERVED_NAMES,
     SCHEMA,
     SCHEMA_V1,
+    UNPACK_DIR_NAME,
     AuxFile,
     IndexRef,
     Manifest,
     ShardInfo,
     _digest_of,
     bytes_for_copy,
+    check_file_name,
     check_safe_name,
     dataset_root,
     load_manifest,
@@ -34,9 +38,9 @@ from stager.manifest.samples import (
 from stager.manifest.table import Column, Ragged, Strings, Table, open_table, parse_table, write_table
 
 __all__ = [
-    "CORE", "FORMATS", "INDEX_PARTIAL_BASE", "INDEX_SUFFIX", "MANIFEST_NAME", "MAX_MANIFEST_BYTES", "SCHEMA",
-    "SCHEMA_V1", "AuxFile", "Column", "IndexRef", "Manifest", "Ragged", "SampleIndex", "ShardInfo", "Strings",
-    "Table", "_digest_of", "bytes_for_copy", "check_safe_name", "dataset_root", "index_file_name",
-    "is_index_file_name", "load_manifest", "manifest_path", "open_table", "parse_table", "remove_stale_indexes",
-    "shard_index_arrays", "shard_root", "write_table",
+    "CORE", "FORMATS", "INDEX_PARTIAL_BASE", "INDEX_SUFFIX", "MANIFEST_NAME", "MAX_MANIFEST_BYTES", "RECEIPT_NAME",
+    "RESERVED_NAMES", "SCHEMA", "SCHEMA_V1", "UNPACK_DIR_NAME", "AuxFile", "Column", "IndexRef", "Manifest",
+    "Ragged", "SampleIndex", "ShardInfo", "Strings", "Table", "_digest_of", "bytes_for_copy", "check_file_name",
+    "check_safe_name", "dataset_root", "index_file_name", "is_index_file_name", "load_manifest", "manifest_path",
+    "open_table", "parse_table", "remove_stale_indexes", "shard_index_arrays", "shard_root", "write_table",
 ]

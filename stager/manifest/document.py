@@ -42,7 +42,7 @@ import xxhash
 from stager import __version__
 from stager.checksum import ALGOS, DEFAULT_ALGO, new_hasher
 from stager.errors import ManifestError, ShardMissingError, UnsafeArchiveError
-from stager.fs.atomic import atomic_write_bytes, partial_path
+from stager.fs.atomic import PARTIAL_SUFFIX, atomic_write_bytes, partial_path
 from stager.fs.open import is_url, join, read_bytes
 from stager.manifest.samples import (
     INDEX_PARTIAL_BASE,
@@ -68,6 +68,13 @@ _UNDIGESTED = ("digest", "shard_root")
 MAX_MANIFEST_BYTES = 4 << 30  # refuse absurd manifests before parsing them
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,254}$")
+RECEIPT_NAME = "stager-receipt.json"  # a staged copy's receipt (stager.receipt), reserved here
+UNPACK_DIR_NAME = "unpacked"  # the default directory of `stage --unpack` (stager.stage.options)
+# Names stager itself writes beside a manifest's files, so a manifest may not list them: a shard
+# called ``stager-receipt.json`` would be a forged receipt once staged. Hidden names (the journal,
+# the lock, done markers, ``.stager-pack``) are already refused by the plain-name rule, and
+# ``<name>.<12 hex>.partial`` by :data:`stager.fs.atomic.PARTIAL_SUFFIX`.
+RESERVED_NAMES = frozenset({MANIFEST_NAME, RECEIPT_NAME, UNPACK_DIR_NAME})
 
 
 def check_safe_name(name: object, what: str = "shard name") -> str:
@@ -78,6 +85,18 @@ def check_safe_name(name: object, what: str = "shard name") -> str:
     if not isinstance(name, str) or not _SAFE_NAME.match(name) or name in (".", "..") or ".." in name:
         raise UnsafeArchiveError(
             f"unsafe {what} {name!r}: expected a plain file name (letters, digits, '._+-', no path separators)"
+        )
+    return name
+
+
+def check_file_name(name: object, what: str = "shard name") -> str:
+    """:func:`check_safe_name`, and not one of stager's own names (:data:`RESERVED_NAMES`, ``*.partial``):
+    the rule for every file a manifest lists (shards, companion files, the sample index)."""
+    name = check_safe_name(name, what)
+    if name in RESERVED_NAMES or name.endswith(PARTIAL_SUFFIX):
+        raise UnsafeArchiveError(
+            f"{what} {name!r} is reserved for stager's own files ({', '.join(sorted(RESERVED_NAMES))}, "
+            "*.partial); rename the file and re-pack or re-index"
         )
     return name
 
@@ -615,7 +634,7 @@ def _parse(body: Any, where: str) -> Manifest:
     seen: set[str] = set()
     for i, sj in enumerate(body["shards"]):
         sw = f"{where}: shard {i}"
-        name = check_safe_name(sj["name"])
+        name = check_file_name(sj["name"])
         n = sj["samples"]
         nbytes = sj["bytes"]
         if not (isinstance(n, int) and isinstance(nbytes, int)) or n < 0 or nbytes < 0:
@@ -623,7 +642,7 @@ def _parse(body: Any, where: str) -> Manifest:
         extents = sj.get("extents", "bytes")
         if fmt not in EXTENTS.get(extents, ()):
             raise ManifestError(f"{sw} ({name}): unknown extents {extents!r} for format {fmt}")
-        aux = [AuxFile(check_safe_name(a["name"], "companion file name"), int(a["bytes"]), str(a["hash"]))
+        aux = [AuxFile(check_file_name(a["name"], "companion file name"), int(a["bytes"]), str(a["hash"]))
                for a in sj.get("aux", [])]
         for fname in [name, *(a.name for a in aux)]:
             if fname in seen or fname == MANIFEST_NAME:
@@ -638,7 +657,7 @@ def _parse(body: Any, where: str) -> Manifest:
     index = None
     if not v1:
         ij = body["index"]
-        index = IndexRef(check_safe_name(ij["name"], "sample index name"), int(ij["bytes"]), str(ij["hash"]))
+        index = IndexRef(check_file_name(ij["name"], "sample index name"), int(ij["bytes"]), str(ij["hash"]))
         if index.name in seen or not is_index_file_name(index.name):
             raise ManifestError(f"{where}: sample index name {index.name!r} must be index-<hex>.sidx and not a shard's")
     fields = body.get("fields") or []

@@ -8,10 +8,17 @@ journal lists and DEST still holds), :func:`check_free_space`, :class:`StagedMan
 mode: wait for every node's done marker), and :func:`write_receipt`, always last; or
 :func:`make_durable` for a ``--no-fsync`` copy asked for again durably.
 
-Contract: everything stage writes about SRC gets SRC's manifest's access
+Contract: everything stage writes about SRC gets SRC's manifest's access, less the umask
 (:attr:`~stager.stage.plan.StagePlan.src_access`); nothing appears under its final name before it
 is complete (:mod:`stager.fs.atomic`); the receipt's ``files`` name every path stage created, which
 is what ``stager clean`` removes.
+
+Trust (docs/security.md): DEST is the user's. :func:`make_dest_dir` creates it exclusively, or
+accepts an existing one only when it is a real directory owned by the user (or root), not writable
+by others, under directories nobody else can change (:func:`stager.fs.safe.private_dir`); anything
+else is a one-line :class:`~stager.errors.UnsafePathError` (exit 2). Inside such a DEST only the
+user can create names, so the path-based copy is safe; what the journal or a receipt vouches for
+still counts only when it is a regular file of the user's (:func:`stager.fs.safe.trusted_size`).
 
 ``$STAGER_TEST_FREE_BYTES`` (test-only) overrides the free-space figure.
 """
@@ -36,11 +43,12 @@ from stager.errors import (
     StagerTimeoutError,
     VerificationError,
 )
-from stager.fs.access import chgrp_quiet, dir_mode, size_or_missing
+from stager.fs.access import chgrp_quiet, dir_mode
 from stager.fs.atomic import atomic_write_bytes, partial_path, remove_partials, space_error
 from stager.fs.copy import copy_hashed, write_all
 from stager.fs.kernel import boot_id, syncfs
 from stager.fs.open import is_url, open_read
+from stager.fs.safe import SafeDir, private_dir, trusted_size
 from stager.manifest import MANIFEST_NAME
 from stager.receipt import RECEIPT_NAME, Receipt, load_receipt
 from stager.stage.copier import discard_partial
@@ -65,30 +73,44 @@ def receipt_done(plan: StagePlan) -> Receipt | None:
         return None
     if plan.unpack and (rec.unpacked != str(plan.dest / plan.unpack_dir) or not (plan.dest / plan.unpack_dir).is_dir()):
         return None
-    if any(size_or_missing(plan.dest / n) != b for n, b in plan.expected_files().items()):
+    if any(trusted_size(plan.dest / n) != b for n, b in plan.expected_files().items()):
         return None
     return rec
 
 
+DEST_FIX = "choose another DEST (if it is yours: chmod go-w it, or remove it)"
+
+
 def make_dest_dir(plan: StagePlan) -> None:
-    """Create DEST (with SRC's directory access, 0700 for a URL) unless it is a directory already."""
+    """Create DEST exclusively (SRC's directory access less the umask, 0700 for a URL), or accept an
+    existing directory that is the user's (see the module docstring); check the unpack directory,
+    journal and lock it already holds. Raises :class:`~stager.errors.UnsafePathError` (exit 2)."""
     dest = plan.dest
-    if dest.is_dir():
-        return
-    if dest.exists():
-        raise DestinationError(f"{dest}: exists and is not a directory; choose another DEST")
     mode = 0o700
     if not is_url(plan.src_dir):
         with contextlib.suppress(OSError):
             mode = dir_mode(os.stat(plan.src_dir).st_mode)
     try:
-        dest.mkdir(parents=True, exist_ok=True)
-        os.chmod(dest, mode)
+        handle, _created = private_dir(dest.parent, dest.name, mode, what="staging destination", fix=DEST_FIX)
+    except StagerError:
+        raise
     except OSError as exc:
         err = space_error(exc, dest)
         if err is not None:
             raise err from exc
         raise DestinationError(f"{dest}: cannot create the destination ({exc.strerror}); choose another DEST") from exc
+    with handle:
+        check_own_files(plan, handle)
+
+
+def check_own_files(plan: StagePlan, dest: SafeDir) -> None:
+    """Refuse a journal, lock or unpack directory in DEST that is not the user's (a link, a FIFO,
+    another owner, writable by others): stage would otherwise trust or write through it."""
+    fix = f"remove it (stage writes it anew) or {DEST_FIX}"
+    dest.check(plan.journal_path.name, what="staging journal", fix=fix, single_link=True)
+    dest.check(plan.lock_path.name, what="staging lock", fix=fix)
+    if plan.unpack:
+        dest.check(plan.unpack_dir, expect="dir", what="unpack directory", fix=fix)
 
 
 def claim_dest(plan: StagePlan, *, keep_receipt: bool) -> list[str]:
@@ -122,7 +144,7 @@ def claim_dest(plan: StagePlan, *, keep_receipt: bool) -> list[str]:
 def kept_files(plan: StagePlan, journal: Journal) -> set[str]:
     """The plan's files a resumed run keeps: journaled as verified, and still of the manifest's size."""
     return {t.name for t in plan.tasks
-            if journal.files.get(t.name) == t.bytes and size_or_missing(plan.dest / t.name) == t.bytes}
+            if journal.files.get(t.name) == t.bytes and trusted_size(plan.dest / t.name) == t.bytes}
 
 
 def free_bytes(dest: Path) -> int:
@@ -173,7 +195,7 @@ class StagedManifest:
         plan = self.plan
         mode, gid = plan.src_access
         task = plan.index_task
-        if task is not None and self._index_partial is None and size_or_missing(plan.dest / task.name) != task.bytes:
+        if task is not None and self._index_partial is None and trusted_size(plan.dest / task.name) != task.bytes:
             self._index_partial = copy_verified(task, plan.dest / task.name, mode, plan.storage_options,
                                                 plan.manifest.hash_algo)
             chgrp_quiet(self._index_partial, gid)
@@ -277,7 +299,7 @@ def shared_barrier(plan: StagePlan, timeout: float | None) -> float:
             )
         time.sleep(0.1)
     waited = time.monotonic() - start
-    bad = [n for n, b in plan.expected_files().items() if size_or_missing(dest / n) != b]
+    bad = [n for n, b in plan.expected_files().items() if trusted_size(dest / n) != b]
     if bad:
         raise VerificationError(f"{dest}: every node reported done but {bad[0]} is missing or has the wrong size; "
                                 "rerun stage on all nodes")

@@ -20,6 +20,9 @@ from typing import Any
 
 from stager.fs.atomic import atomic_write_bytes
 from stager.fs.kernel import boot_id
+from stager.fs.safe import open_trusted, read_trusted
+
+_FIX = "remove it (stage writes it anew) and rerun"
 
 
 class Journal:
@@ -30,6 +33,8 @@ class Journal:
     Appends are single ``write`` calls on an ``O_APPEND`` fd, so a kill -9 loses at most a line.
     ``volatile`` (``--no-fsync``): the files were not fsynced, so each line also carries
     ``"v": <boot id>`` and is ignored after a reboot (the file is copied again).
+    The journal is read and appended to only when it is a regular file of the user's with one link,
+    not writable by others (:func:`stager.fs.safe.open_trusted`; else UnsafePathError, exit 2).
     """
 
     def __init__(self, path: Path, digest: str, *, volatile: bool = False) -> None:
@@ -41,8 +46,9 @@ class Journal:
         self.has_volatile = False  # a trusted line came from a --no-fsync run of this boot
         self._lock = threading.Lock()
         valid = False
-        with contextlib.suppress(FileNotFoundError):
-            lines = path.read_bytes().splitlines()
+        data = read_trusted(path, what="staging journal", limit=1 << 30)
+        if data is not None:
+            lines = data.splitlines()
             if lines:
                 with contextlib.suppress(ValueError, RecursionError):
                     head = json.loads(lines[0])
@@ -64,7 +70,12 @@ class Journal:
         # A fresh header is written (atomically, fsynced) by the first append or by close(), not here:
         # during a copy that is a finisher thread, so its two fsyncs overlap the copy streams. Until
         # then an old journal stays as it was; it does not match the digest, so it is ignored.
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND) if valid else -1
+        self._fd = self._open_append() if valid else -1
+
+    def _open_append(self) -> int:
+        fd, _ = open_trusted(self.path, os.O_WRONLY | os.O_APPEND, what="staging journal", fix=_FIX,
+                             single_link=True)
+        return fd
 
     def _open(self) -> int:
         """The append fd, writing a fresh header first if needed (call with ``_lock`` held)."""
@@ -73,7 +84,7 @@ class Journal:
         if self._fd < 0:
             header = (json.dumps({"journal": 1, "digest": self._digest}) + "\n").encode()
             atomic_write_bytes(self.path, header, mode=0o600)
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+            self._fd = self._open_append()
         return self._fd
 
     def _append(self, rec: dict[str, Any]) -> None:

@@ -20,9 +20,10 @@ from typing import Any
 from stager.cache.config import CacheOptions
 from stager.errors import UsageError
 from stager.fs.copy import CopyTuning
+from stager.manifest import UNPACK_DIR_NAME
 from stager.world import NodeIdentity, resolve_node
 
-DEFAULT_UNPACK_DIR = "unpacked"
+DEFAULT_UNPACK_DIR = UNPACK_DIR_NAME
 UNPACK_MODES = ("also", "only")
 FALLBACKS = ("direct", "none")
 BACKENDS = ("gloo", "nccl")

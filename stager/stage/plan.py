@@ -4,9 +4,10 @@ The plan is decided before anything is written and does not change during a run:
 node holds (all; its :func:`~stager.order.partition.assign_shards_to_nodes` share with
 ``--partition``; its share of a shared BeeOND DEST in ``shared`` mode, where the other nodes write
 the rest), the files that makes (:class:`FileTask`: each shard and its companion files), DEST (given,
-or ``stager-<dataset id>`` under the first staging root set), the mode, and the names of the
+or :func:`default_dest` under the first staging root set), the mode, and the names of the
 bookkeeping files. Its only I/O: SRC's manifest is read by :func:`read_src_manifest` beforehand,
-``shared=None`` asks whether DEST is on BeeGFS, and node identity may come from the environment.
+``shared=None`` asks whether DEST is on BeeGFS, node identity may come from the environment, and
+the default DEST looks at what its name holds.
 :func:`order_for_streams` then orders the files still to copy for the parallel copy streams.
 
 Names: SRC is what the user named (a packed directory or its ``manifest.json``, a path or an fsspec
@@ -17,7 +18,9 @@ place in it is :attr:`FileTask.src_path`.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import uuid
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -25,11 +28,12 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from stager.errors import ShardMissingError, SourceNotFoundError, UsageError
+from stager.errors import ShardMissingError, SourceNotFoundError, UnsafeArchiveError, UsageError
 from stager.fs import lustre
 from stager.fs.access import source_access
 from stager.fs.info import FsInfo, detect_fs
 from stager.fs.open import is_url, join, read_bytes
+from stager.fs.safe import check_chain, describe, problem
 from stager.manifest import Manifest, bytes_for_copy, dataset_root, manifest_path, shard_root
 from stager.manifest.clips import shard_groups
 from stager.order.partition import assign_shards_to_nodes
@@ -83,6 +87,8 @@ class StagePlan:
     unpack_dir: str
     explicit_dest: bool
     storage_options: dict[str, Any] = field(default_factory=dict)  # for every open of SRC
+    # Why the default DEST is not ``stager-<id>`` (another user holds that name), for the run's warnings.
+    dest_note: str | None = None
     # The sample index (manifest v2): every node copies it with the manifest, from beside SRC's manifest.
     index_task: FileTask | None = None
 
@@ -161,6 +167,37 @@ def default_dest_root(env: Mapping[str, str] | None = None) -> Path:
     )
 
 
+def default_dest(root: Path, dataset_id: str) -> tuple[Path, str | None]:
+    """DEST when none is given: ``root/stager-<dataset id>``, unless someone else holds that name.
+
+    A staging root is often shared (``/tmp``), so the predictable name may have been taken by another
+    user (a directory of theirs, a symlink, a file). Then an earlier copy of ours
+    (``stager-<id>.<8 hex>``, owned by us) is reused, else a fresh unpredictable name is chosen, and
+    the returned note says why; the loader finds any of them by their receipts. Never blocks, never
+    uses what is not ours. Returns ``(DEST, note or None)``; raises
+    :class:`~stager.errors.UnsafePathError` when the root itself can be changed by others (not sticky).
+    """
+    name = f"stager-{dataset_id}"
+    check_chain(root, what="staging root", fix="set $STAGER_DEST to a directory only you can write, or give DEST")
+    try:
+        st = os.lstat(root / name)
+    except FileNotFoundError:
+        return root / name, None
+    except NotADirectoryError:
+        return root / name, None  # the root is not a directory: creating DEST reports it
+    if problem(st, expect="dir") is None:
+        return root / name, None
+    with contextlib.suppress(OSError):
+        for other in sorted(os.listdir(root)):
+            if other.startswith(name + ".") and len(other) == len(name) + 9:
+                ost = os.lstat(root / other)
+                if problem(ost, expect="dir") is None:
+                    return root / other, None
+    fresh = root / f"{name}.{uuid.uuid4().hex[:8]}"
+    return fresh, (f"{root / name} is {describe(st)}, not a directory of yours: staged into {fresh} instead "
+                   "(the loader finds it)")
+
+
 def read_src_manifest(src: str | os.PathLike[str], storage_options: dict[str, Any] | None = None
                       ) -> tuple[Manifest, bytes]:
     """Load SRC's manifest and return it with its exact bytes (DEST gets a verbatim copy)."""
@@ -189,8 +226,11 @@ def plan_stage(
     """Decide what this node stages where. ``options.shared`` None means: detect (DEST on BeeGFS)."""
     options = options or StageOptions()
     src = os.fspath(src)
-    dest_path = Path(dest) if dest is not None else default_dest_root(env) / f"stager-{manifest.dataset_id}"
-    dest_path = Path(os.path.abspath(dest_path))
+    note = None
+    if dest is not None:
+        dest_path = Path(os.path.abspath(dest))
+    else:
+        dest_path, note = default_dest(Path(os.path.abspath(default_dest_root(env))), manifest.dataset_id)
     if not is_url(src):
         src = os.path.abspath(src)
     shared = detect_fs(dest_path).is_beegfs if options.shared is None else options.shared
@@ -213,12 +253,18 @@ def plan_stage(
     if manifest.index is not None:
         ix = manifest.index
         index_task = FileTask(ix.name, ix.bytes, ix.hash, join(dataset_root(src), ix.name), -1)
+    listed = {s.name for s in manifest.shards} | {a.name for s in manifest.shards for a in s.aux}
+    if manifest.index is not None:
+        listed.add(manifest.index.name)
+    if options.unpack and options.unpack_dir in listed:
+        raise UnsafeArchiveError(f"{manifest_path(src)}: lists a file named {options.unpack_dir!r}, the unpack "
+                                 "directory; choose another --unpack-dir")
     return StagePlan(
         src=src, src_dir=src_dir, dest=dest_path, manifest=manifest, index_task=index_task,
         manifest_bytes=bytes_for_copy(manifest, manifest_bytes), mode=mode,
         node=node, num_nodes=num_nodes, ranks_per_node=ranks_per_node, node_origin=origin, seed=options.seed,
         shard_indices=shard_indices, tasks=tasks, unpack=options.unpack, unpack_dir=options.unpack_dir,
-        explicit_dest=dest is not None, storage_options=dict(options.storage_options),
+        explicit_dest=dest is not None, storage_options=dict(options.storage_options), dest_note=note,
     )
 
 

@@ -60,6 +60,7 @@ from stager.formats.tar import (  # one tar header parser for pack, verify and u
 from stager.fs.access import chgrp_quiet
 from stager.fs.atomic import space_error
 from stager.fs.kernel import syncfs
+from stager.fs.safe import SafeDir
 from stager.manifest import Manifest, ShardInfo, check_safe_name
 from stager.progress import Progress
 from stager.stage.copier import open_src_file
@@ -282,12 +283,14 @@ class Unpacker:
         self.gid = gid if gid is not None and gid != os.getegid() else None
         self.on_write = on_write
         self.chunk_size = 1 << 20  # read buffer of unpack_tar: stays in the CPU cache from read to write
-        self.root.mkdir(parents=True, exist_ok=True)
-        if self.root.is_symlink():
-            raise UnsafeArchiveError(f"{self.root}: unpack directory is a symlink; refusing to write through it")
-        os.chmod(self.root, dir_mode)
-        chgrp_quiet(self.root, gid)
-        self._root_fd = os.open(self.root, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC)
+        self.root.parent.mkdir(parents=True, exist_ok=True)
+        # Created with dir_mode less the umask, or an existing one of the user's (never a link, never
+        # another user's, never writable by others: stager.fs.safe); its handle is what we work under.
+        self._root, created = SafeDir.create(self.root, dir_mode, what="unpack directory",
+                                             fix="remove it (stage writes it anew) and rerun")
+        if created:
+            chgrp_quiet(self.root, gid)
+        self._root_fd = self._root.fd
         # label -> (class dir fd, class dir path, group state: 0 inherits/none needed, 1 check first file, 2 fchown)
         self._dirs: dict[int, tuple[int, str, int]] = {}
         self._targets: dict[tuple[int, str], tuple[str, str]] = {}
@@ -299,7 +302,7 @@ class Unpacker:
         for fd, _, _ in self._dirs.values():
             os.close(fd)
         self._dirs.clear()
-        os.close(self._root_fd)
+        self._root.close()
 
     # ---- paths -----------------------------------------------------------------------------------
     def _class_dir(self, label: int, where: str) -> tuple[int, str, int]:
