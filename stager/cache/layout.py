@@ -28,6 +28,7 @@ manifest's hash can never name a path outside the cache.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
@@ -58,14 +59,22 @@ TAG_DIGITS = 16
 
 
 def canonical_source(src_path: str) -> str:
-    """The identity of a source file for :func:`source_tag`: a local path resolved (symbolic links,
-    ``..``), a URL without user info, query or fragment (credentials never reach the cache)."""
+    """The identity of a source file for :func:`source_tag`: a local path with its directory resolved
+    (symbolic links, ``..``), a URL without user info, query or fragment (credentials never reach the
+    cache). The directory is resolved once per process (:func:`_real_dir`): on a network file system
+    every component of a path costs a round trip, and a dataset's files share one directory."""
     if "://" in src_path and not src_path.startswith("file://"):
         u = urlsplit(src_path)
         host = u.hostname or ""
         netloc = host + (f":{u.port}" if u.port else "")
         return urlunsplit((u.scheme, netloc, u.path, "", ""))
-    return os.path.realpath(src_path.removeprefix("file://"))
+    local = os.path.abspath(src_path.removeprefix("file://"))
+    return os.path.join(_real_dir(os.path.dirname(local)), os.path.basename(local))
+
+
+@functools.lru_cache(maxsize=256)
+def _real_dir(directory: str) -> str:
+    return os.path.realpath(directory)
 
 
 def source_tag(src_path: str) -> str:

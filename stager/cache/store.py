@@ -314,9 +314,22 @@ class Cache:
         return out
 
     def write_record(self, rec: dict[str, Any]) -> None:
-        if self.writable:
-            atomic_write_bytes(self.record_path(rec["digest"]), (json.dumps(rec) + "\n").encode(),
-                               mode=0o600 if self.kind == "user" else 0o644)
+        """Replace a dataset's record (atomically; not fsynced: a record is what ``ls`` and pins read,
+        the objects are the cache, and a record a crash lost is written again by the next stage;
+        a pin is fsynced, :func:`set_pinned`)."""
+        if not self.writable:
+            return
+        final = self.record_path(rec["digest"])
+        tmp = partial_path(final)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600 if self.kind == "user" else 0o644)
+        try:
+            os.write(fd, (json.dumps(rec) + "\n").encode())
+            if rec.get("pinned"):
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, final)
 
     def note_stage(self, *, digest: str, dataset_id: str, source: str, algo: str,
                    files: list[tuple[str, str, str, int]], hit_bytes: int, filled_bytes: int) -> None:

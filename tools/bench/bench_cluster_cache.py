@@ -136,9 +136,16 @@ def _keys_of(record_dir: Path) -> dict[str, set[str]]:
     return out
 
 
-def eviction(b: Bench, srcs: list[tuple[str, Path, float]], factor: float) -> dict:
-    cache, host = b.cache_dir(f"bench-cache-evict-{factor}")
+def eviction(b: Bench, srcs: list[tuple[str, Path, float]], factor: float, pin: str | None = None) -> dict:
+    cache, host = b.cache_dir(f"bench-cache-evict-{factor}{'-pin' if pin else ''}")
     quota = int(factor * srcs[0][2])
+    if pin is not None:  # on the node: the record's keys are computed from SRC as the node sees it
+        py = str(ROOT / ".venv" / "bin" / "python")
+        pinned = next(p for n, p, _ in srcs if n == pin)
+        for cmd in (["init", str(cache)], ["pin", str(cache), str(b.c.shared_path(pinned))]):
+            r = b.c.on(NODE, [py, "-m", "stager", "cache", *cmd, "-q"])
+            if r.returncode != 0:
+                raise SystemExit(f"stager cache {cmd[0]} on {NODE} failed: {r.stderr}")
     order = [s for _ in range(2) for s in srcs]
     live: list[tuple[int, str]] = []  # (job id, dataset id) of jobs still holding their DEST
     rows = []
@@ -163,7 +170,8 @@ def eviction(b: Bench, srcs: list[tuple[str, Path, float]], factor: float) -> di
                      (cs["eviction"] or {}).get("in_use_bytes", 0),
                      "hit_rate": cs["bytes_hit"] / d, "evicted_while_in_use": len(evicted_live),
                      "stage_s": res["seconds"]})
-        print(f"evict x{factor} {name}: hit {cs['bytes_hit'] / d:.2f}, evicted {cs['evicted_bytes'] / 1e6:.0f} MB, "
+        tag = f"x{factor}{' pin ' + pin if pin else ''}"
+        print(f"evict {tag} {name}: hit {cs['bytes_hit'] / d:.2f}, evicted {cs['evicted_bytes'] / 1e6:.0f} MB, "
               f"uncached {cs['bytes_uncached'] / 1e6:.0f} MB, evicted while in use: {len(evicted_live)}", flush=True)
         for old, _ in live:  # the previous job ends once this one has staged (its DEST goes with it)
             (b.out / f"release{old}").touch()
@@ -174,7 +182,7 @@ def eviction(b: Bench, srcs: list[tuple[str, Path, float]], factor: float) -> di
         b.result(old)
     total = sum(r["hit_bytes"] for r in rows)
     allb = sum(d for _, _, d in order)
-    return {"quota_bytes": quota, "factor": factor, "jobs": rows, "hit_rate": total / allb,
+    return {"quota_bytes": quota, "factor": factor, "pinned": pin, "jobs": rows, "hit_rate": total / allb,
             "second_pass_hit_rate": sum(r["hit_bytes"] for r in rows[len(srcs):]) / sum(d for _, _, d in srcs),
             "evicted_while_in_use": sum(r["evicted_while_in_use"] for r in rows)}
 
@@ -205,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             srcs.append((name, p, float(mm.copy_bytes)))
         result = {"dataset_bytes": d, "storage_mbit": c.env["CLUSTER_STORAGE_MBIT"],
                   "chain": chain(b, src, d, a.chain), "concurrent": concurrent(b, src, d),
-                  "eviction": [eviction(b, srcs, f) for f in (1.5, 3.5)]}
+                  "eviction": [eviction(b, srcs, 1.5), eviction(b, srcs, 1.5, pin="A"), eviction(b, srcs, 3.5)]}
         write_md(Path(a.out), result)
         if a.png:
             plot(result, a.png)
@@ -213,8 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for p in [c.export / "bench-cache-src", *(s[1] for s in srcs)]:
             shutil.rmtree(p, ignore_errors=True)
-        for name in ("bench-cache-chain", "bench-cache-conc", "bench-cache-evict-1.5", "bench-cache-evict-3.5",
-                     "bench-cache-jobs"):
+        for name in ("bench-cache-chain", "bench-cache-conc", "bench-cache-evict-1.5", "bench-cache-evict-1.5-pin",
+                     "bench-cache-evict-3.5", "bench-cache-jobs"):
             shutil.rmtree(c.node_path(NODE, c.local / name), ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
     return 0
@@ -278,7 +286,9 @@ def write_md(path: Path, r: dict) -> None:
                      f"{j['waited_s']:.2f} |")
     lines += [""]
     for ev in r["eviction"]:
-        lines += [f"## Eviction: quota {ev['factor']}x one dataset ({ev['quota_bytes'] / 1e6:.0f} MB), A B C A B C", "",
+        pinned = f", dataset {ev['pinned']} pinned" if ev["pinned"] else ""
+        lines += [f"## Eviction: quota {ev['factor']}x one dataset ({ev['quota_bytes'] / 1e6:.0f} MB){pinned}, "
+                  "A B C A B C", "",
                   "Each job keeps its DEST (hard links to the objects) until the next job has staged.", "",
                   "| job | dataset | hit rate | copied into the cache MB | not cached MB | evicted MB | "
                   "in use at eviction MB | evicted while in use |",
