@@ -215,12 +215,12 @@ def _stage_full(plan: StagePlan, group: Group, res: CollectiveResult, options: C
         res.src_bytes, res.local_bytes = counters.src_bytes, counters.local_bytes
         res.exchange_bytes, res.written_bytes = counters.received_bytes, counters.written_bytes
         res.files_written = counters.files_written
-        if cache_run is not None:
-            res.cache = cached.adopt(cache_run)  # what this node received, into its cache
         manifest = StagedManifest(plan)
         manifest.prepare()
         if manifest.publish():
             fsync_dir(plan.dest)
+        if cache_run is not None:
+            res.cache = cached.adopt(cache_run)  # what this node received (and the sample index), into its cache
     finally:
         if lease is not None:
             lease.release()
