@@ -16,6 +16,7 @@ from typing import Any
 
 from stager import __version__
 from stager.errors import StagerError, on_fatal
+from stager.redact import redact_text
 
 # Each module defines ``register(subparsers)`` which adds its parser and sets ``func=run``, where
 # ``run(args) -> dict`` returns the JSON-able result (printed with --json) and raises StagerError.
@@ -68,21 +69,34 @@ def storage_options(args: argparse.Namespace) -> dict[str, Any]:
     return parse_storage_options(getattr(args, "storage_options", None) or [])
 
 
+def _redacted(value: Any) -> Any:
+    """``value`` (a command's JSON-able result) with every string passed through :func:`redact_text`."""
+    if isinstance(value, str):
+        return redact_text(value)
+    if isinstance(value, dict):
+        return {k: _redacted(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_redacted(v) for v in value]
+    return value
+
+
 def emit(args: argparse.Namespace, result: dict[str, Any], human: str | None = None) -> None:
-    """Print a command's result: JSON on stdout with --json, else the human summary."""
+    """Print a command's result: JSON on stdout with --json, else the human summary. Every location
+    in either is redacted (stager.redact): no URL credentials or query values are ever printed."""
     if getattr(args, "json", False):
-        sys.stdout.write(json.dumps(result, default=str) + "\n")
+        sys.stdout.write(json.dumps(_redacted(result), default=lambda o: redact_text(str(o))) + "\n")
     elif human is not None:
-        sys.stdout.write(human.rstrip("\n") + "\n")
+        sys.stdout.write(redact_text(human.rstrip("\n")) + "\n")
     sys.stdout.flush()
 
 
-def report_error(args: argparse.Namespace, exc: StagerError) -> None:
+def report_error(args: argparse.Namespace, exc: BaseException) -> None:
     """A failed command's report: with --json one JSON object on stdout; always one line on stderr."""
+    text = redact_text(str(exc)).splitlines()[0] if str(exc) else type(exc).__name__
     if getattr(args, "json", False):
-        sys.stdout.write(json.dumps({"ok": False, "error": str(exc), "type": type(exc).__name__}) + "\n")
+        sys.stdout.write(json.dumps({"ok": False, "error": text, "type": type(exc).__name__}) + "\n")
         sys.stdout.flush()
-    print(f"stager {args.command}: error: {exc}", file=sys.stderr)
+    print(f"stager {args.command}: error: {text}", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -95,6 +109,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except StagerError as exc:
         report_error(args, exc)
         return exc.exit_code
+    except OSError as exc:  # an I/O failure we did not translate: still one line, never a traceback
+        report_error(args, exc)
+        return 1
     except KeyboardInterrupt:
         print(f"stager {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -54,6 +54,27 @@ ATTACKER = User("attacker", 64102, 64102)
 OTHER = User("other", 64103, 64103)
 
 
+def account(names: Sequence[str], fallback: User) -> User:
+    """The first of ``names`` that is an existing account (base-passwd's unprivileged system
+    accounts), as a :class:`User`; ``fallback`` when none exists. For code that looks the user up
+    (``setpriv --init-groups``, as the prolog service did before it learnt numeric uids)."""
+    import pwd
+
+    for name in names:
+        try:
+            pw = pwd.getpwnam(name)
+        except KeyError:
+            continue
+        if pw.pw_uid != 0:
+            return User(name, pw.pw_uid, pw.pw_gid)
+    return fallback
+
+
+# Two accounts with entries in /etc/passwd (read, never changed) for the prolog service's tests.
+ACCOUNT_ATTACKER = account(("nobody",), ATTACKER)
+ACCOUNT_VICTIM = account(("irc", "list", "games", "news"), VICTIM)
+
+
 # ---- an interpreter another uid can run -------------------------------------------------------------
 @functools.lru_cache(maxsize=1)
 def _bootstrap_dir() -> Path:
@@ -105,8 +126,10 @@ def interpreter() -> str | None:
         return None
     for exe in _candidates():
         try:
-            res = subprocess.run([*VICTIM.setpriv(), exe, "-c", "import numpy, stager"], env=base_env(), cwd="/",
-                                 capture_output=True, text=True, timeout=120, check=False)
+            # Through a shell's exec, as scripts run it (setpriv's own exec may find its way where execve
+            # does not).
+            res = subprocess.run([*VICTIM.setpriv(), "sh", "-c", 'exec "$0" -c "import numpy, stager"', exe],
+                                 env=base_env(), cwd="/", capture_output=True, text=True, timeout=120, check=False)
         except (OSError, subprocess.TimeoutExpired):
             continue
         if res.returncode == 0:

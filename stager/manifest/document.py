@@ -55,6 +55,7 @@ from stager.manifest.samples import (
     table_columns,
 )
 from stager.manifest.table import Column, Ragged, Strings, Table, open_table, parse_table, write_table
+from stager.redact import redact
 
 SCHEMA = "stager.manifest/2"
 SCHEMA_V1 = "stager.manifest/1"  # read, never written: the per-sample index inline as JSON lists
@@ -87,6 +88,17 @@ def check_safe_name(name: object, what: str = "shard name") -> str:
             f"unsafe {what} {name!r}: expected a plain file name (letters, digits, '._+-', no path separators)"
         )
     return name
+
+
+def _redacted(value: Any) -> Any:
+    """``value`` (JSON-like) with every string location passed through :func:`stager.redact.redact`."""
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, dict):
+        return {k: _redacted(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_redacted(v) for v in value]
+    return value
 
 
 def check_file_name(name: object, what: str = "shard name") -> str:
@@ -421,6 +433,11 @@ class Manifest:
         """The manifest v2 JSON. The sample index must have been written (:meth:`write_index`)."""
         if not self.created:
             self.created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+        # What is stored never carries a URL's credentials or query values (stager.redact): where the
+        # data came from is kept for people, and readers take credentials from storage options.
+        self.source = _redacted(self.source)
+        if self.shard_root:
+            self.shard_root = redact(self.shard_root)
         body = self._body()
         self.digest = _digest_of(body)
         self.schema = SCHEMA

@@ -179,6 +179,11 @@ class Config:
         """Where tools/slurm/stager-prolog stages (node-local: a directory of CLUSTER_LOCAL)."""
         return self.local / "stager-prolog"
 
+    @property
+    def prolog_state(self) -> Path:
+        """Root's own files of the prolog service (node-local: the nodes share the host's /run)."""
+        return self.local / "stager-prolog-state"
+
     def served_bytes_command(self) -> str:
         """Transmitted bytes of the storage host's link (its /proc/net/dev, read inside its namespace)."""
         return (f"nsenter --net={self.netns('storage')} awk -F'[: ]+' "
@@ -199,6 +204,7 @@ class Config:
             "CLUSTER_BEEOND": str(self.beeond),
             "CLUSTER_NODE_DIRS": str(self.state / "nodes"),
             "CLUSTER_PROLOG_ROOT": str(self.prolog_root),
+            "CLUSTER_PROLOG_STATE": str(self.prolog_state),
             "CLUSTER_STORAGE_MBIT": str(self.storage_mbit),
             "CLUSTER_NETNS_DIR": str(self.nsdir),
             "CLUSTER_SERVED_BYTES": self.served_bytes_command(),

@@ -121,6 +121,7 @@ exit 0
     conf.write_text(f"""# stager prolog service configuration (tools/slurm/stager-prolog; docs/staging.md)
 STAGER={ROOT / '.venv' / 'bin' / 'stager'}
 STAGER_PROLOG_ROOT={cfg.prolog_root}
+STAGER_PROLOG_STATE={cfg.prolog_state}
 STAGER_PROLOG_ARGS="--workers 2"
 STAGER_PROLOG_POLL=1
 """)
