@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from stager.cache.config import site_config
 from stager.cache.evict import collect
 from stager.cache.layout import object_key
 from stager.cache.lease import Lease, write_dest_lease
@@ -168,8 +169,12 @@ class _Fill:
 
 # ---- the phases ---------------------------------------------------------------------------------
 def open_cache(options: StageOptions) -> Cache:
+    """The cache of ``options`` (made when missing: a site cache when the caller is the site's cache
+    service account, :mod:`stager.cache.config`, else the caller's own)."""
     assert options.cache is not None
-    return Cache.open(options.cache.dir, create=True, quota=options.cache.quota)
+    site = site_config()
+    kind = "site" if site.service_uid is not None and site.service_uid == os.geteuid() else "user"
+    return Cache.open(options.cache.dir, create=True, kind=kind, quota=options.cache.quota, site=site)
 
 
 def keys_for(plan: StagePlan, tasks: list[FileTask]) -> dict[str, str]:
