@@ -15,6 +15,7 @@ Invariants, with real files and real processes:
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -506,6 +507,45 @@ def test_loader_never_follows_destination_links(packed: Path, tmp_path: Path) ->
     obj.path.unlink()
     keys, st = _epoch(packed, staging_roots=(str(tmp_path / "jobs"),))
     assert sorted(keys) == sorted(m.keys)
+
+
+def test_a_loaders_lease_keeps_what_it_reads(packed: Path, tmp_path: Path) -> None:
+    """A loader reading objects straight from the cache (no DEST) holds a lease for as long as its
+    process lives: eviction leaves those objects alone, and takes them once the loader is gone."""
+    cache = tmp_path / "cache"
+    _stage(packed, None, cache, cache_only=True)
+    code = ("import sys, time; from stager.loader.numpy_loader import make_numpy_loader; "
+            "ld = make_numpy_loader(sys.argv[1], 4, decode='raw'); n = sum(len(b['key']) for b in ld); "
+            "print(ld.stats()['staged_mode'], n, flush=True); time.sleep(600)")
+    env = {**os.environ, "STAGER_CACHE": str(cache)}
+    reader = subprocess.Popen([sys.executable, "-c", code, str(packed)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert reader.stdout is not None
+        mode, n = reader.stdout.readline().split()
+        assert mode == "cache" and int(n) == load_manifest(packed).num_samples
+        rep = collect(Cache.open(cache), target_bytes=0)
+        shards = len(load_manifest(packed).shards)
+        assert rep.in_use.objects == shards and rep.live_leases == 1  # the index is not read from the cache
+    finally:
+        reader.kill()
+        reader.wait()
+    rep = collect(Cache.open(cache), target_bytes=0)
+    assert rep.in_use.objects == 0 and not list(Cache.open(cache).scan())
+
+
+def test_partition_stages_fill_the_cache_with_their_share(ds, tmp_path: Path) -> None:
+    src, m = ds
+    cache = tmp_path / "cache"
+    filled = 0
+    for node in (0, 1):
+        r = _stage(src, tmp_path / f"p{node}", cache, partition=True, node=node, num_nodes=2)
+        assert r["mode"] == "partition" and r["cache"]["files_hit"] == (0 if node == 0 else 1)  # the shared index
+        filled += r["cache"]["files_filled"]
+    assert filled == len(_all_files(m))
+    full = _stage(src, tmp_path / "full", cache)
+    assert full["bytes_copied"] == 0 and full["cache"]["files_hit"] == len(_all_files(m))
+    du = last_json(stager("cache", "du", str(cache), "--json").stdout)
+    assert du["bytes"] == sum(b for _, b, _ in m.files()) and du["linked_bytes"] == du["bytes"]
 
 
 def test_hints_say_when_a_cache_would_pay(ds, tmp_path: Path) -> None:
