@@ -347,6 +347,23 @@ def test_symbolic_links_hold_a_destination_lease_until_dest_is_gone(ds, tmp_path
     assert rep.freed_bytes == _bytes(m) and rep.dead_leases_removed == 2
 
 
+def test_dead_leases_do_not_pile_up(ds, tmp_path: Path) -> None:
+    from stager.cache.evict import prune_leases
+    from stager.cache.lease import write_dest_lease
+
+    src, _m = ds
+    cache = tmp_path / "cache"
+    _stage(src, tmp_path / "d", cache)
+    c = Cache.open(cache)
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    for _ in range(5):
+        write_dest_lease(c, ["ab" * 16], gone)
+    assert prune_leases(c, threshold=10) == 0  # few: left for eviction
+    shutil.rmtree(gone)
+    assert prune_leases(c, threshold=3) == 5 and not list((cache / "leases").iterdir())
+
+
 def test_eviction_racing_a_new_lease_restores_the_object(ds, tmp_path: Path) -> None:
     """The race of evict.py's docstring, forced: a lease published after eviction's first look at
     the leases but before its second keeps the object."""

@@ -41,6 +41,7 @@ from stager.errors import StagerTimeoutError
 from stager.fs.atomic import partial_base, partial_path
 
 BATCH = 64  # victims moved aside before the leases are read again
+PRUNE_AT = 256  # dead leases are cleared by a fill once leases/ holds more entries than this
 
 
 @dataclass
@@ -219,6 +220,20 @@ def _settle(cache: Cache, batch: list[tuple[ObjectInfo, Path]], report: GcReport
         if lock.try_acquire():
             lock.release(remove=True)
     return restored
+
+
+def prune_leases(cache: Cache, threshold: int = PRUNE_AT) -> int:
+    """Fold the use times of dead leases into the LRU clock and remove them, once ``leases/`` holds more
+    than ``threshold`` entries (destination leases of finished jobs pile up in a cache that never
+    reaches its quota); return how many were removed. The owner's fills call it."""
+    try:
+        if len(os.listdir(cache.root / LEASES)) <= threshold:
+            return 0
+    except OSError:
+        return 0
+    leases = read_leases(cache)
+    _fold_use_times(cache, [le for le in leases if not le.live])
+    return _remove_dead(cache, leases)
 
 
 def _fold_use_times(cache: Cache, leases: list[LeaseInfo]) -> None:

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from stager.cache.config import site_config
-from stager.cache.evict import collect
+from stager.cache.evict import collect, prune_leases
 from stager.cache.layout import object_key
 from stager.cache.lease import Lease, write_dest_lease
 from stager.cache.locks import FillLock
@@ -229,6 +229,7 @@ class _Run:
             return misses
         if not options.fsync:
             warnings.append("--no-fsync ignored for the cache: its copies outlive the job (and a reboot)")
+        prune_leases(cache)
         fillable, uncached = self.make_room(misses)
         if uncached:
             warnings.append(
