@@ -34,7 +34,7 @@ from stager.errors import UsageError
 from stager.manifest import load_manifest
 from stager.pack import pack
 from stager.receipt import load_receipt
-from stager.stage import StageOptions, run_stage
+from stager.stage import NodeOptions, StageOptions, run_stage
 from tests.test_stage_support import assert_verified_copy, last_json, make_dataset, spawn, stager
 
 
@@ -42,13 +42,13 @@ def _all_files(m) -> list[tuple[str, int, str]]:
     return list(m.files())
 
 
-def _stage(src: Path, dest: Path | None, cache: Path, **kw) -> dict:
-    args = ["stage", str(src), *([str(dest)] if dest is not None else []), "--cache", str(cache), "--json", "-q"]
-    for k, v in kw.items():
-        args += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
-    r = stager(*args)
-    assert r.returncode == 0, r.stderr
-    return last_json(r.stdout)
+def _stage(src: Path, dest: Path | None, cache: Path, *, cache_quota: int | None = None, cache_only: bool = False,
+           partition: bool = False, node: int | None = None, num_nodes: int | None = None) -> dict:
+    """``stager stage SRC DEST --cache CACHE`` in this process (the CLI's own tests run it as a command)."""
+    quota = Quota.parse(str(cache_quota)) if cache_quota is not None else None
+    options = StageOptions(cache=CacheOptions(str(cache), quota=quota, only=cache_only), partition=partition,
+                           node=NodeOptions(node, num_nodes), workers=2)
+    return run_stage(src, dest, options).to_json()
 
 
 @pytest.fixture
@@ -64,7 +64,9 @@ def _objects(cache: Path) -> list[Path]:
 def test_second_stage_links_every_file_and_copies_nothing(ds, tmp_path: Path) -> None:
     src, m = ds
     cache = tmp_path / "cache"
-    first = _stage(src, tmp_path / "d1", cache)
+    r = stager("stage", str(src), str(tmp_path / "d1"), "--cache", str(cache), "--json", "-q")
+    assert r.returncode == 0, r.stderr
+    first = last_json(r.stdout)
     files = _all_files(m)
     assert first["cache"]["files_filled"] == len(files) and first["bytes_copied"] == sum(b for _, b, _ in files)
     assert (cache.stat().st_mode & 0o777) == 0o700, "a user's cache is private"
