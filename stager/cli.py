@@ -90,6 +90,11 @@ def emit(args: argparse.Namespace, result: dict[str, Any], human: str | None = N
     sys.stdout.flush()
 
 
+def warn(command: str, text: str) -> None:
+    """A warning of a running command on stderr, one line, redacted: ``stager <command>: warning: ...``."""
+    print(f"stager {command}: warning: {redact_text(text)}", file=sys.stderr, flush=True)
+
+
 def report_error(args: argparse.Namespace, exc: BaseException) -> None:
     """A failed command's report: with --json one JSON object on stdout; always one line on stderr."""
     text = redact_text(str(exc)).splitlines()[0] if str(exc) else type(exc).__name__

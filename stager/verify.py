@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Mapping
@@ -34,6 +35,7 @@ from stager.errors import StagerError
 from stager.formats import get_format
 from stager.fs.open import filesystem, local_path_of
 from stager.fs.remote import RemoteFile, stream_to
+from stager.fs.safe import kind_of
 from stager.index import rescan_shard
 from stager.manifest import Manifest, ShardInfo, dataset_root, load_manifest, shard_root
 from stager.manifest.fields import offset_column, size_column, values_column
@@ -76,11 +78,14 @@ class VerifyResult:
 def _check_file(root: str, name: str, nbytes: int, digest: str, algo: str) -> str | None:
     path = os.path.join(root, name)
     try:
-        size = os.stat(path).st_size
+        st = os.stat(path)
     except FileNotFoundError:
         return "missing"
     except OSError as exc:
         return f"unreadable ({exc.strerror})"
+    if not stat.S_ISREG(st.st_mode):
+        return f"is a {kind_of(st)}, expected a regular file"  # never opened: a FIFO would block
+    size = st.st_size
     if size != nbytes:
         return f"size {size} bytes, expected {nbytes}"
     try:

@@ -5,7 +5,9 @@ real files of another uid (tests/asuser.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import stat
 import threading
 from pathlib import Path
@@ -13,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from stager.errors import UnsafePathError
+from stager.fs.lock import NodeLock
 from stager.fs.safe import SafeDir, check_chain, open_regular, open_trusted, private_dir, problem, read_trusted
 from tests.asuser import ATTACKER, requires_users
 
@@ -125,6 +128,91 @@ def test_remove_walks_handles_and_never_leaves_the_directory(tmp_path: Path) -> 
     with SafeDir.open(dest) as d:
         d.remove("tree")
     assert not (dest / "tree").exists() and (outside / "keep.jpg").exists()
+
+
+def test_the_lock_itself_never_follows_or_blocks(tmp_path: Path) -> None:
+    """The lock's own rules, whatever the directory: a symlink or FIFO at its name is refused."""
+    target = tmp_path / "target"
+    target.write_text("keep\n")
+    os.symlink(target, tmp_path / ".stager-lock")
+    with pytest.raises(UnsafePathError, match="stage lock is a symlink"), NodeLock(tmp_path / ".stager-lock"):
+        pass
+    assert target.read_text() == "keep\n"
+    os.unlink(tmp_path / ".stager-lock")
+    os.mkfifo(tmp_path / ".stager-lock")
+    with pytest.raises(UnsafePathError, match="stage lock is a FIFO"), NodeLock(tmp_path / ".stager-lock"):
+        pass
+
+
+def test_removal_never_follows_a_component_swapped_during_the_walk(tmp_path: Path) -> None:
+    """The race a review tries on any recursive delete: while the tree is walked, a directory in it is
+    replaced by a symlink to outside, over and over. Whatever the interleaving, nothing outside goes."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    for i in range(20):
+        (outside / f"{i}.jpg").write_bytes(b"x")
+    dest = tmp_path / "dest"
+    for _ in range(30):
+        for c in range(8):
+            (dest / "tree" / f"c{c}").mkdir(parents=True, exist_ok=True)
+            for i in range(5):
+                (dest / "tree" / f"c{c}" / f"{i}.jpg").write_bytes(b"y")
+        stop = threading.Event()
+
+        def swap(stop: threading.Event = stop) -> None:
+            while not stop.is_set():
+                for c in range(8):
+                    p = dest / "tree" / f"c{c}"
+                    try:
+                        os.rename(p, dest / f"aside{c}")
+                        os.symlink(outside, p)
+                    except OSError:
+                        pass
+
+        t = threading.Thread(target=swap)
+        t.start()
+        try:
+            with SafeDir.open(dest) as d:
+                d.remove("tree")
+        finally:
+            stop.set()
+            t.join()
+        assert sorted(p.name for p in outside.iterdir()) == sorted(f"{i}.jpg" for i in range(20))
+        shutil.rmtree(dest)
+
+
+def test_lock_never_writes_through_a_link_swapped_in_meanwhile(tmp_path: Path) -> None:
+    """The lock's check-then-use: its name flips between a symlink to a file and nothing while locks are
+    taken and released; the file is never written."""
+    target = tmp_path / "target"
+    target.write_text("keep\n")
+    lock = tmp_path / ".stager-lock"
+    stop = threading.Event()
+
+    def flip() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(FileExistsError):
+                os.symlink(target, lock)
+            try:
+                if os.path.islink(lock):
+                    os.unlink(lock)
+            except FileNotFoundError:
+                pass
+
+    t = threading.Thread(target=flip)
+    t.start()
+    taken = refused = 0
+    try:
+        for _ in range(300):
+            try:
+                with NodeLock(lock, timeout=5):
+                    taken += 1
+            except UnsafePathError:
+                refused += 1
+    finally:
+        stop.set()
+        t.join()
+    assert target.read_text() == "keep\n" and taken + refused == 300
 
 
 def _umask() -> int:

@@ -10,10 +10,9 @@ found by ``verify``.
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
-from stager.cli import add_common, emit
+from stager.cli import add_common, emit, warn
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -133,4 +132,4 @@ def _gc(args: argparse.Namespace, cache: Any) -> int:
 
 def _warn(warnings: list[str]) -> None:
     for w in warnings:
-        print(f"stager cache: warning: {w}", file=sys.stderr)
+        warn("cache", w)

@@ -9,10 +9,9 @@ cannot honour is a :class:`~stager.errors.UsageError` (exit 2, and the error obj
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import TYPE_CHECKING
 
-from stager.cli import add_common, add_storage_options, emit, storage_options
+from stager.cli import add_common, add_storage_options, emit, storage_options, warn
 from stager.errors import UsageError
 
 if TYPE_CHECKING:
@@ -117,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
 
     res = run_stage(args.src, args.dest, _stage_options(args))
     for w in res.warnings:
-        print(f"stager stage: warning: {w}", file=sys.stderr)
+        warn("stage", w)
     emit(args, res.to_json(), res.summary())
     return 0
 
@@ -163,7 +162,7 @@ def _run_collective(args: argparse.Namespace) -> int:
     res = run_collective(args.src, args.dest, CollectiveOptions(stage=common, fallback=args.fallback,
                                                                 chunk_bytes=args.chunk_size))
     for w in res.warnings:
-        print(f"stager stage: warning: {w}", file=sys.stderr)
+        warn("stage", w)
     emit(args, res.to_json(), res.summary())
     return 0
 
@@ -261,6 +260,6 @@ def _run_follow(args: argparse.Namespace) -> int:
         res = follow(args.src, args.dest, budget=args.budget, loader_kwargs=loader_kwargs, ranks=ranks,
                      watch_pid=args.pid, epochs=args.epochs, poll=args.poll, chunk_bytes=args.chunk_size,
                      stop=stop, lock_timeout=args.timeout if args.timeout is not None else 0.0,
-                     on_warning=lambda w: print(f"stager stage: warning: {w}", file=sys.stderr, flush=True))
+                     on_warning=lambda w: warn("stage", w))
     emit(args, res.to_json(), res.summary())
     return 0

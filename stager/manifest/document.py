@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as _dt
+import io
 import json
 import os
 import re
@@ -44,6 +45,7 @@ from stager.checksum import ALGOS, DEFAULT_ALGO, new_hasher
 from stager.errors import ManifestError, ShardMissingError, UnsafeArchiveError
 from stager.fs.atomic import PARTIAL_SUFFIX, atomic_write_bytes, partial_path
 from stager.fs.open import is_url, join, read_bytes
+from stager.fs.safe import open_regular
 from stager.manifest.samples import (
     INDEX_PARTIAL_BASE,
     LABEL,
@@ -738,7 +740,8 @@ def load_manifest(path: str | os.PathLike[str], storage_options: dict[str, Any] 
             raise ShardMissingError(f"{mp}: no manifest; run `stager pack SRC OUT` first") from exc
     else:
         try:
-            with open(mp, "rb") as f:
+            # open_regular: a FIFO or a device planted as manifest.json never blocks, it is refused.
+            with io.FileIO(open_regular(mp), "rb") as f:
                 # Check the size first: read(MAX + 1) asks for a 4 GiB buffer up front, a MemoryError
                 # under `ulimit -v` or strict overcommit (common on HPC nodes).
                 if os.fstat(f.fileno()).st_size > MAX_MANIFEST_BYTES:

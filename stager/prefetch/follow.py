@@ -52,7 +52,7 @@ from typing import Any
 
 from stager.errors import UsageError
 from stager.fs.lock import NodeLock, pid_alive
-from stager.prefetch.prefetcher import Prefetcher, PrefetchStats, prepare_dest, remove_fetch_partials
+from stager.prefetch.prefetcher import Prefetcher, PrefetchStats, own_dest, prepare_dest, remove_fetch_partials
 from stager.prefetch.reports import DONE_MARKER, PROGRESS_DIR, read_reports
 
 LOCK_NAME = ".stager-follow.lock"
@@ -223,7 +223,7 @@ class Follower:
         on_warning: Callable[[str], None] | None,
     ) -> None:
         self.src, self.dest = src, Path(dest)
-        self.dest.mkdir(parents=True, exist_ok=True)
+        own_dest(self.dest)
         self.budget, self.loader_kwargs = budget, loader_kwargs
         self.fixed_ranks = sorted(set(ranks)) if ranks else None
         self.watch_pid, self.epochs, self.poll = watch_pid, epochs, poll

@@ -51,7 +51,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from stager.errors import UsageError
+from stager.fs.access import source_access
 from stager.fs.atomic import atomic_write, atomic_write_bytes, fsync_dir, partial_path, remove_partials
+from stager.fs.safe import private_dir
 from stager.manifest import (
     MANIFEST_NAME,
     Manifest,
@@ -72,7 +74,7 @@ if TYPE_CHECKING:
     from stager.loader import ShardedDataset
     from stager.loader.access import Resolved
 
-__all__ = ["NEVER", "EpochReads", "PrefetchStats", "Prefetcher", "Read", "prepare_dest", "rank_reads",
+__all__ = ["NEVER", "EpochReads", "PrefetchStats", "Prefetcher", "Read", "own_dest", "prepare_dest", "rank_reads",
            "remove_fetch_partials"]
 
 
@@ -163,16 +165,17 @@ def prepare_dest(src: str | os.PathLike[str], dest: str | os.PathLike[str]) -> M
     m = load_manifest(src_s)
     root = Path(os.path.abspath(shard_root(src_s, m)))  # an index's shards may live elsewhere
     d = Path(dest)
-    d.mkdir(parents=True, exist_ok=True)
+    own_dest(d)
+    mode = source_access(manifest_path(src_s))[0]  # the source's access less the umask, as stage gives
     mbytes = bytes_for_copy(m, Path(manifest_path(src_s)).read_bytes())
     mpath = d / MANIFEST_NAME
     if m.index is not None:  # a local copy of the sample index, before the manifest that names it
         ipath = d / m.index.name
         if not ipath.is_file() or ipath.is_symlink() or ipath.stat().st_size != m.index.bytes:
-            with atomic_write(ipath, mode=0o644) as out, open(Path(dataset_root(src_s)) / m.index.name, "rb") as inp:
+            with atomic_write(ipath, mode=mode) as out, open(Path(dataset_root(src_s)) / m.index.name, "rb") as inp:
                 shutil.copyfileobj(inp, out, 1 << 20)
     if not mpath.exists() or mpath.read_bytes() != mbytes:
-        atomic_write_bytes(mpath, mbytes, mode=0o644)
+        atomic_write_bytes(mpath, mbytes, mode=mode)
     for f in files_of_shards(m, range(len(m.shards))):
         p = d / f.name
         if p.is_symlink() and _links_to(p, root / f.name):
@@ -197,6 +200,14 @@ def _link(target: Path, at: Path) -> None:
     tmp = partial_path(at)
     os.symlink(target, tmp)
     os.replace(tmp, at)
+
+
+def own_dest(dest: Path) -> None:
+    """Create the prefetch DEST exclusively, or accept an existing directory only when it is the
+    user's (docs/security.md; :func:`stager.fs.safe.private_dir`): exit 2 otherwise."""
+    handle, _ = private_dir(dest.parent, dest.name, 0o755, what="prefetch destination",
+                            fix="choose another DEST (if it is yours: chmod go-w it, or remove it)")
+    handle.close()
 
 
 def remove_fetch_partials(dest: str | os.PathLike[str], manifest: Manifest) -> list[str]:

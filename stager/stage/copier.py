@@ -30,7 +30,7 @@ from typing import Any, NoReturn, Protocol
 
 from stager.checksum import new_hasher
 from stager.errors import ShardMissingError, StagerError, VerificationError
-from stager.fs.access import copy_mode
+from stager.fs.access import copy_mode, current_umask
 from stager.fs.atomic import partial_path, space_error
 from stager.fs.copy import DIRECT_ALIGN, CopyTuning, aligned_buffer, copy_hashed, copy_hashed_direct, open_partial
 from stager.fs.open import is_url, open_read
@@ -79,6 +79,7 @@ class Copier:
                  placement: Placement | None = None) -> None:
         self.plan = plan
         self.placement = placement
+        self.umask = current_umask()  # read once per run (a /proc read), applied to every copy's mode
         self.fsync = fsync
         self.tuning = tuning or CopyTuning()
         self.block = block
@@ -141,14 +142,13 @@ class Copier:
                 self._fail(exc)
                 return
 
-    @staticmethod
-    def _copy_access(task: FileTask, src: Any) -> tuple[int, int | None]:
+    def _copy_access(self, task: FileTask, src: Any) -> tuple[int, int | None]:
         """``(mode, gid or None)`` for the copy of ``task`` from its open source file ``src``: the
         source's, by the one copy-mode rule (an object-store file has no owner or mode: 0600)."""
         if is_url(task.src_path):
             return 0o600, None
         st = os.fstat(src.fileno())  # of the file opened: a missing one already failed, naming it
-        return copy_mode(st.st_mode), st.st_gid
+        return copy_mode(st.st_mode, self.umask), st.st_gid
 
     def _on_block(self) -> Callable[[int], None]:
         """The copy engine's per-block callback for one file: stops the copy once another stream

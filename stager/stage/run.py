@@ -120,6 +120,8 @@ def run_stage(src: str | os.PathLike[str], dest: str | os.PathLike[str] | None, 
     result = _new_result(plan)
     if plan.mode == "shared" and options.cache is not None:
         raise UsageError(f"{plan.dest}: a shared (BeeOND) DEST is not node-local: stage it without --cache")
+    if plan.dest_note:
+        result.warnings.append(plan.dest_note)
     if plan.mode == "shared" and not options.fsync:
         options = replace(options, fsync=True)
         result.warnings.append("--no-fsync ignored: a shared DEST is always fsynced (other nodes read it)")

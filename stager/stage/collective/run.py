@@ -115,6 +115,8 @@ def run_collective(src: str | os.PathLike[str], dest: str | os.PathLike[str] | N
         num_nodes=identity.num_nodes, dataset_id=manifest.dataset_id, dataset_bytes=manifest.num_bytes,
         backend=options.backend, receipt=str(plan.dest / RECEIPT_NAME),
     )
+    if plan.dest_note:
+        res.warnings.append(plan.dest_note)
     if identity.num_nodes == 1:
         return _without_peers(src, dest, options.stage, res, t0=t0, reason="single node")
     group = _form_group(options, identity.node, identity.num_nodes, res)
