@@ -19,9 +19,27 @@ Staging through a cache is :mod:`stager.stage.cached`; reading from one is the l
 rules.
 """
 
-from stager.cache.config import CacheOptions, Quota, SiteConfig, site_config
-from stager.cache.layout import object_key
-from stager.cache.lease import Lease
-from stager.cache.store import Cache
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from stager.cache.config import CacheOptions, Quota, SiteConfig, site_config
+    from stager.cache.layout import object_key
+    from stager.cache.lease import Lease
+    from stager.cache.store import Cache
+
+# The public names load on first use: `stager stage` without --cache imports only the options
+# (stager.cache.config), not the engine (docs/benchmarks.md, CLI start-up).
+_HOMES = {"CacheOptions": "config", "Quota": "config", "SiteConfig": "config", "site_config": "config",
+          "object_key": "layout", "Lease": "lease", "Cache": "store"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOMES:
+        return getattr(importlib.import_module(f"stager.cache.{_HOMES[name]}"), name)
+    raise AttributeError(f"module 'stager.cache' has no attribute {name!r}")
+
 
 __all__ = ["Cache", "CacheOptions", "Lease", "Quota", "SiteConfig", "object_key", "site_config"]

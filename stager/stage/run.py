@@ -45,7 +45,6 @@ from stager.manifest import Manifest
 from stager.progress import Progress
 from stager.receipt import RECEIPT_NAME
 from stager.redact import redact
-from stager.stage import cached
 from stager.stage.copier import Copier
 from stager.stage.dest import (
     StagedManifest,
@@ -141,6 +140,8 @@ def run_stage(src: str | os.PathLike[str], dest: str | os.PathLike[str] | None, 
 def _fill_cache_only(src: str | os.PathLike[str], manifest: Manifest, manifest_bytes: bytes,
                      options: StageOptions, t0: float) -> StageResult:
     """``--cache-only``: fill the cache with the plan's files, no DEST (:func:`stager.stage.cached.fill_only`)."""
+    from stager.stage import cached  # noqa: PLC0415 (only with --cache)
+
     assert options.cache is not None
     plan = plan_stage(src, manifest, manifest_bytes, options.cache.dir, options)
     result = _new_result(plan)
@@ -200,6 +201,8 @@ def _stage_locked(plan: StagePlan, options: StageOptions, result: StageResult, t
         todo = [t for t in plan.tasks if t.name not in kept]
         result.files_kept = len(plan.tasks) - len(todo)
         if options.cache is not None:
+            from stager.stage import cached  # noqa: PLC0415 (only with --cache: a plain stage does not load the cache)
+
             todo = cached.place(plan, options, journal, todo, result)  # links and fills; the rest is copied below
         check_free_space(plan.dest, _space_needed(plan, journal, todo))
         _copy(plan, options, journal, todo, result)

@@ -48,7 +48,6 @@ from stager.fs.lock import NodeLock
 from stager.fs.open import is_url
 from stager.progress import Progress
 from stager.receipt import RECEIPT_NAME
-from stager.stage import cached
 from stager.stage.collective.exchange import Exchange
 from stager.stage.collective.group import Group, RendezvousError, resolve_endpoint
 from stager.stage.collective.io import IoCounters, ShareReader, StreamSink
@@ -200,6 +199,8 @@ def _stage_full(plan: StagePlan, group: Group, res: CollectiveResult, options: C
     cache_run, lease = None, None
     try:
         if options.stage.cache is not None:
+            from stager.stage import cached  # noqa: PLC0415 (only with --cache)
+
             # Cached files are linked into DEST and journaled first: the exchange then counts them as held.
             cache_run, lease = cached.link_hits(plan, options.stage, journal, res.warnings)
         have = kept_files(plan, journal)  # grows as the sinks verify files
@@ -222,6 +223,8 @@ def _stage_full(plan: StagePlan, group: Group, res: CollectiveResult, options: C
         if manifest.publish():
             fsync_dir(plan.dest)
         if cache_run is not None:
+            from stager.stage import cached  # noqa: PLC0415 (only with --cache)
+
             res.cache = cached.adopt(cache_run)  # what this node received (and the sample index), into its cache
     finally:
         if lease is not None:
