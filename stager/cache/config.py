@@ -14,13 +14,11 @@
 from __future__ import annotations
 
 import os
-import pwd
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from stager.errors import UnsafePathError, UsageError
-from stager.fs.safe import read_trusted
 
 CACHE_ENV = "STAGER_CACHE"
 QUOTA_ENV = "STAGER_CACHE_QUOTA"
@@ -114,6 +112,8 @@ def _shell_value(raw: str) -> str:
 
 
 def _uid_of(name: str) -> int | None:
+    import pwd  # noqa: PLC0415 (only when a configuration names the service account)
+
     if name.isdigit():
         return int(name)
     try:
@@ -127,6 +127,9 @@ def site_config(env: dict[str, str] | None = None) -> SiteConfig:
     empty configuration, an untrustworthy one is ignored with a warning."""
     env = dict(os.environ) if env is None else env
     path = env.get(SITE_CONF_ENV) or SITE_CONF
+    # Imported here: every `stager stage` imports these options, only --cache and the loader read the site's.
+    from stager.fs.safe import read_trusted  # noqa: PLC0415
+
     try:
         data = read_trusted(path, what="site configuration", limit=1 << 20)  # root's or yours, nobody else's
     except UnsafePathError as exc:

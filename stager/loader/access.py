@@ -19,7 +19,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -28,12 +28,15 @@ from stager.formats import get_format
 from stager.fs.open import exists, filesystem, join, local_path_of
 from stager.fs.remote import RemoteFile, read_range
 from stager.fs.safe import open_regular
-from stager.loader.cached import CachedShards, in_caches, through_receipt
 from stager.loader.index import DatasetIndex, index_from_folder, index_from_manifest
 from stager.manifest import MANIFEST_NAME, load_manifest, shard_root
 from stager.order.reads import MAX_OPEN_FILES, HeldFiles
 from stager.receipt import Receipt, find_staged_copy
 from stager.redact import redact
+
+if TYPE_CHECKING:
+    from stager.loader.cached import CachedShards
+    from stager.manifest import Manifest
 
 log = logging.getLogger("stager.loader")
 
@@ -137,11 +140,13 @@ def resolve(
     found = find_staged_copy(m, staging_roots, warn=_warn_once)
     via: CachedShards | None = None
     if found is not None and found[1].cache is not None:
+        from stager.loader.cached import through_receipt  # noqa: PLC0415 (only for a copy linked from a cache)
+
         via = through_receipt(m, root, found[0], found[1])
         if via is None:
             found = None  # its links cannot be trusted now: read SRC (or the reader's own cache)
     if found is None:
-        via = in_caches(m, root) if local is not None else None
+        via = _from_reader_caches(m, root) if local is not None else None
         if via is not None:
             res.root, res.staged, res.storage_options = via.cache, True, {}
             res.shard_paths, res.cache = via.paths, via.cache
@@ -170,6 +175,17 @@ def resolve(
     through = f" (linked from the cache {res.cache})" if res.cache else ""
     _log_once(m.dataset_id, str(dest), f"reading staged {what} at {dest}{through} instead of {redact(p)}")
     return res
+
+
+def _from_reader_caches(m: Manifest, root: str) -> CachedShards | None:
+    """The dataset from a cache of ``$STAGER_CACHE`` or the site's, when one is configured and holds it."""
+    from stager.cache.config import reader_caches  # noqa: PLC0415 (the loader loads the cache only when one is set)
+
+    if not reader_caches():
+        return None
+    from stager.loader.cached import in_caches  # noqa: PLC0415 (as above)
+
+    return in_caches(m, root)
 
 
 def _log_once(dataset_id: str, where: str, message: str) -> None:
