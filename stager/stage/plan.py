@@ -33,7 +33,7 @@ from stager.fs import lustre
 from stager.fs.access import source_access
 from stager.fs.info import FsInfo, detect_fs
 from stager.fs.open import is_url, join, read_bytes
-from stager.fs.safe import check_chain, describe, problem
+from stager.fs.safe import check_chain, describe, problem, trusted_uids
 from stager.manifest import Manifest, bytes_for_copy, dataset_root, manifest_path, shard_root
 from stager.manifest.clips import shard_groups
 from stager.order.partition import assign_shards_to_nodes
@@ -185,8 +185,8 @@ def default_dest(root: Path, dataset_id: str) -> tuple[Path, str | None]:
         return root / name, None
     except NotADirectoryError:
         return root / name, None  # the root is not a directory: creating DEST reports it
-    if problem(st, expect="dir") is None:
-        return root / name, None
+    if st.st_uid in trusted_uids():
+        return root / name, None  # ours (or root's): used if it is a fit DEST, else a refusal saying why
     with contextlib.suppress(OSError):
         for other in sorted(os.listdir(root)):
             if other.startswith(name + ".") and len(other) == len(name) + 9:
