@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -97,6 +98,14 @@ def test_partly_cached_dataset_copies_only_the_rest(ds, tmp_path: Path) -> None:
                                                                              if p.name in {g.name for g in gone})
     assert res["cache"]["files_hit"] == len(_all_files(m)) - 3
     assert_verified_copy(m, tmp_path / "d2")
+
+
+def test_a_users_cache_follows_the_umask(ds, tmp_path: Path) -> None:
+    src, m = ds
+    r = stager("stage", str(src), str(tmp_path / "d"), "--cache", str(tmp_path / "cache"), "-q",
+               preexec_fn=lambda: os.umask(0o077))
+    assert r.returncode == 0, r.stderr
+    assert {stat.S_IMODE((tmp_path / "d" / s.name).stat().st_mode) for s in m.shards} == {0o400}
 
 
 def test_datasets_sharing_shard_files_share_objects_and_sources_are_scoped(tmp_path: Path) -> None:

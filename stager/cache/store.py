@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import fcntl
+import functools
 import json
 import os
 import socket
@@ -52,6 +53,7 @@ from stager.cache.layout import (
     record_name,
 )
 from stager.errors import ManifestError, UnsafePathError, UsageError
+from stager.fs.access import current_umask
 from stager.fs.atomic import atomic_write_bytes, fsync_dir, partial_base, partial_path, remove_partials
 from stager.fs.info import detect_fs
 from stager.fs.safe import check_chain, owner_name, problem, read_trusted, require, trusted_uids
@@ -232,12 +234,21 @@ class Cache:
 
     def object_mode(self, source_mode: int | None) -> int:
         """An object's mode: the read bits its source grants (owner read always), no write or execute
-        bit: so a group-only (licensed) dataset stays group-only in a site cache. A source without
-        POSIX modes (an object store, ``None``) gives an owner-only object: its readers' credentials
-        are not the cache's to share."""
+        bit: so a group-only (licensed) dataset stays group-only in a site cache. In a user's cache
+        the umask applies too, as to every copy of theirs (its hard links are their DEST's files); a
+        site cache's modes are its contract with its readers, not its service account's umask. A
+        source without POSIX modes (an object store, ``None``) gives an owner-only object: its
+        readers' credentials are not the cache's to share."""
         if source_mode is None:
             return 0o400
-        return (stat.S_IMODE(source_mode) & 0o444) | 0o400
+        mode = stat.S_IMODE(source_mode) & 0o444
+        if self.kind == "user":
+            mode &= ~self._umask
+        return mode | 0o400
+
+    @functools.cached_property
+    def _umask(self) -> int:
+        return current_umask()
 
     def scan(self) -> Iterator[ObjectInfo]:
         """Every object file (not partial files), in directory order."""
