@@ -83,10 +83,11 @@ class CacheStats:
     eviction: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "hit_rate": round(self.hit_rate, 4)}
 
     @property
     def hit_rate(self) -> float:
+        """Bytes this stage found in the cache / bytes it needed from it or SRC (1.0 when it needed none)."""
         total = self.bytes_hit + self.bytes_filled + self.bytes_from_peer + self.bytes_uncached
         return self.bytes_hit / total if total else 1.0
 
