@@ -20,7 +20,7 @@ from stager.redact import redact_text
 
 # Each module defines ``register(subparsers)`` which adds its parser and sets ``func=run``, where
 # ``run(args) -> dict`` returns the JSON-able result (printed with --json) and raises StagerError.
-COMMAND_MODULES = ("pack", "index", "inspect", "verify", "stage", "clean", "hints")
+COMMAND_MODULES = ("pack", "index", "inspect", "verify", "stage", "clean", "hints", "cache")
 
 
 def build_parser() -> argparse.ArgumentParser:

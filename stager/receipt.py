@@ -11,8 +11,10 @@ Receipt fields (schema ``stager.receipt/1``): ``dataset_id``, ``manifest_digest`
 "ranks_per_node"}`` or null), ``shards`` (names of the shards present), ``unpacked`` (path of an
 ImageFolder tree written by ``--unpack`` or null), ``files`` (every path stager created, relative
 to DEST: what ``stager clean`` may remove), ``stats``, ``durable`` (false after ``stage --no-fsync``:
-the files may not have reached the disk) and ``boot_id`` (the boot that wrote a non-durable copy; the
-copy is ignored, and staged again, once the node has rebooted).
+the files may not have reached the disk), ``boot_id`` (the boot that wrote a non-durable copy; the
+copy is ignored, and staged again, once the node has rebooted) and ``cache`` (null, or ``{"dir",
+"kind", "links"}`` when the shards are links to a shard cache's objects, ``stage --cache``: the loader
+then reads them through the cache, with its checks).
 
 Trust (docs/security.md): a staging root is often shared (``/tmp``), so anyone may plant a directory
 with a receipt there. :func:`find_staged_copy` takes a copy only when its directory, receipt and
@@ -69,6 +71,7 @@ class Receipt:
     stats: dict[str, Any] = field(default_factory=dict)
     durable: bool = True
     boot_id: str = ""
+    cache: dict[str, Any] | None = None
     schema: str = RECEIPT_SCHEMA
 
     def trusted(self) -> bool:
@@ -132,6 +135,8 @@ def _wrong_types(rec: Receipt) -> str | None:
         return "durable"
     if not isinstance(rec.boot_id, str):
         return "boot_id"
+    if rec.cache is not None and not (isinstance(rec.cache, dict) and isinstance(rec.cache.get("dir"), str)):
+        return "cache"
     return None
 
 
@@ -234,6 +239,8 @@ def untrusted_because(d: Path, rec: Receipt, sizes: dict[str, int]) -> str | Non
         return f"its receipt lists {unknown[0]!r}, which is not a shard of this dataset"
     if not rec.trusted():
         return "a --no-fsync copy from before the last reboot"
+    if rec.cache is not None:
+        return None  # links into a shard cache: each shard is checked through the cache (stager.loader.cached)
     for name in rec.shards:
         if trusted_size(d / name) != sizes[name]:
             return (f"{name} is missing, not a regular file of yours, writable by others, or not the manifest's "

@@ -16,6 +16,9 @@ if str(ROOT) not in sys.path:
 from tests.asuser import node  # noqa: E402, F401 (the fixture of the trust-boundary tests)
 from tools.datagen import make_cifar, make_imagefolder  # noqa: E402
 
+# Stages in tests do not add to the staging history in the real home (stager/cache/history.py); the
+# tests of `stager hints` point $STAGER_HISTORY at a file of their own.
+os.environ.setdefault("STAGER_HISTORY", "off")
 # Subprocesses started by tests must import this checkout and find tools/.
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 

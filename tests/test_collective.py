@@ -380,3 +380,27 @@ def test_stream_layouts_skips_files_everyone_has(packed: Path) -> None:
     names = [f.name for lay in lays for f in lay.files]
     assert sorted(names) == sorted(s.name for s in m.shards if s.name not in skip)
     assert sum(lay.length for lay in lays) == m.num_bytes - sum(m.shards[i].bytes for i in (0, 5))
+
+
+def test_collective_fills_the_cache_and_a_rerun_links_everything(packed: Path, tmp_path: Path) -> None:
+    """`--collective --cache`: what the nodes received goes into the cache (each object once); a later
+    collective stage links it all into new DESTs, and nothing is read from SRC or exchanged."""
+    m = load_manifest(packed)
+    n = 2
+    cache = tmp_path / "cache"
+    files = len(list(m.files()))
+    results = _finish(_launch(tmp_path, str(packed), n, extra=["--cache", str(cache)]))
+    for rc, res, err in results:
+        assert rc == 0, err
+        assert res["collective"] and res["cache"]["dir"] == str(cache)
+    assert sum(res["cache"]["files_filled"] for _, res, _ in results) == files
+    again = tmp_path / "again"
+    again.mkdir()
+    results = _finish(_launch(again, str(packed), n, extra=["--cache", str(cache)]))
+    for i, (rc, res, err) in enumerate(results):
+        assert rc == 0, err
+        assert res["src_bytes"] == 0 and res["exchange_bytes"] == 0, res
+        assert res["cache"]["files_hit"] == files
+        assert verify(again / f"dest{i}").ok
+        rec = load_receipt(again / f"dest{i}")
+        assert rec is not None and rec.cache is not None and rec.cache["dir"] == str(cache)

@@ -175,7 +175,7 @@ def test_a_staged_mix_follows_the_trust_rules(
     open_dest = tmp_path / "open"
     open_dest.mkdir()
     open_dest.chmod(0o777)
-    rc, res, err = cli(capsys, str(mix), str(open_dest), "--json")
+    rc, res, _ = cli(capsys, str(mix), str(open_dest), "--json")
     assert rc == 2 and not res["ok"] and "writable" in res["error"] and str(open_dest) in res["error"]
     assert not (open_dest / MIX_RECEIPT_NAME).exists()
 
@@ -191,3 +191,23 @@ def test_a_staged_mix_follows_the_trust_rules(
     capsys.readouterr()
     assert (outside / "precious").read_bytes() == b"keep me"
     assert not (dest / "tar").exists() and not (dest / MIX_RECEIPT_NAME).exists()
+
+
+def test_a_mix_staged_through_a_shard_cache(
+    mix_sets: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``stager stage MIX.yaml DEST --cache C`` (issues 31 and 32 together): every stream fills the cache
+    once; a second DEST of the same mix copies nothing; the loader reads every stream through the cache
+    (``staged_mode: "cache"``) and each epoch still draws each stream's share exactly."""
+    mix = write_mix(tmp_path / "mix.json", [{"path": str(mix_sets["tar"]), "weight": 2},
+                                           {"path": str(mix_sets["record"]), "weight": 1}])
+    cache = tmp_path / "cache"
+    rc, res, _ = cli(capsys, str(mix), str(tmp_path / "node" / "a"), "--cache", str(cache), "--json")
+    assert rc == 0 and all(s["cache"]["bytes_filled"] > 0 for s in res["streams"])
+    rc, res, _ = cli(capsys, str(mix), str(tmp_path / "node" / "b"), "--cache", str(cache), "--json")
+    assert rc == 0 and all(s["bytes_copied"] == 0 and s["cache"]["hit_rate"] == 1.0 for s in res["streams"])
+    ld = make_loader(mix, 8, rank=0, world_size=1, decode="raw", staging_roots=(str(tmp_path / "node" / "b"),))
+    st = ld.stats()
+    assert st["staged"] and st["staged_mode"] == "cache"
+    assert {s["staged_mode"] for s in st["streams"].values()} == {"cache"}
+    assert read_all(ld) == draws(ld)

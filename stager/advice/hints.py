@@ -4,7 +4,8 @@ Reports the file system (Lustre/BeeGFS/...), file count and size distribution, a
 warning with the ``stager pack`` command that fixes it, the current Lustre striping
 (``lfs getstripe -d``), whether the data fits the node-local staging destination and RAM, and the
 recommended ``lfs setstripe`` for a pack output directory (rules in :mod:`stager.fs.lustre`,
-sources in docs/staging.md).
+sources in docs/staging.md), and, for a packed dataset this user staged again within a day without a
+cache, that a node-local shard cache would pay (:mod:`stager.cache.history`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from stager.advice.scaling import strategy_for
+from stager.cache.history import repeat_advice
 from stager.errors import SourceNotFoundError, UsageError
 from stager.fs import lustre
 from stager.fs.info import detect_fs
@@ -161,6 +163,11 @@ def hints(path: str | os.PathLike[str], *, dest: str | None = None, nodes: int |
 
     report["strategy"] = strategy_for(need, nodes=nodes, local_capacity=fit["dest_free"], osts=osts,
                                       files=num_shards)
+    if packed:
+        # Staged again within a day without a cache (this user's staging history): a node-local cache pays.
+        report["cache"] = repeat_advice(m.dataset_id, need)
+        if report["cache"]["pays"]:
+            report["warnings"].append(f"{report['cache']['reason']}: stager stage {p} --cache DIR")
     return report
 
 
@@ -193,6 +200,9 @@ def human(report: dict[str, Any]) -> str:
     if fit["ram_available"]:
         lines.append(f"  RAM available {fit['ram_available'] / 1e9:.1f} GB -> "
                      f"{'fits in page cache' if fit['fits_ram'] else 'does not fit in RAM'}")
+    cache = report.get("cache")
+    if cache:
+        lines.append(f"  node-local cache: {'would pay' if cache['pays'] else 'not needed yet'} ({cache['reason']})")
     st = report.get("strategy")
     if st:
         lines.append(f"  staging strategy for {st['nodes']} node(s): {st['strategy']} ({st['reason']}): "

@@ -15,6 +15,7 @@ from stager.cli import add_common, add_storage_options, emit, storage_options, w
 from stager.errors import UsageError
 
 if TYPE_CHECKING:
+    from stager.cache.config import CacheOptions
     from stager.stage import StageOptions
     from stager.stage.collective import CollectiveOptions
 
@@ -70,10 +71,42 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chunk-size", type=int, default=8 << 20, metavar="BYTES",
                    help="--collective: bytes per node per exchange step; --follow: bytes per read of a fetch "
                    "(default 8 MiB)")
+    _add_cache_args(p)
     _add_follow_args(p)
     add_storage_options(p)
     add_common(p)
     p.set_defaults(func=run)
+
+
+def _add_cache_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "shard cache (--cache; docs/staging.md, The shard cache)",
+        "A node-local cache that outlives the job: shards and index files kept under their verified hash. A stage "
+        "whose files are cached copies nothing and links them into DEST; concurrent stages of one dataset copy it "
+        "once; least recently used files are evicted under the quota, never those a live job uses.")
+    g.add_argument("--cache", metavar="DIR", default=None,
+                   help="stage through the shard cache DIR (default: $STAGER_CACHE; created, 0700, when missing)")
+    g.add_argument("--no-cache", action="store_true", help="ignore $STAGER_CACHE")
+    g.add_argument("--cache-quota", metavar="SIZE", default=None,
+                   help="most bytes the cache keeps (200G, 500GB) or a fraction of its disk (0.5, 50%%) "
+                   "(default: $STAGER_CACHE_QUOTA, else the cache's own, else 50%%)")
+    g.add_argument("--cache-only", action="store_true",
+                   help="fill the cache only, no DEST (a site cache's service account in the prolog)")
+
+
+def _cache_options(args: argparse.Namespace) -> CacheOptions | None:
+    """``--cache``/``$STAGER_CACHE``, ``--cache-quota``, ``--cache-only`` as one object (None: no cache)."""
+    from stager.cache.config import CacheOptions, Quota, cache_from_env
+
+    where = None if args.no_cache else (args.cache or cache_from_env())
+    if where is None:
+        if args.cache_only or args.cache_quota:
+            raise UsageError("--cache-only and --cache-quota need --cache DIR (or $STAGER_CACHE)")
+        return None
+    if args.cache_only and args.dest is not None:
+        raise UsageError("--cache-only fills the cache only: give no DEST")
+    quota = Quota.parse(args.cache_quota) if args.cache_quota else None
+    return CacheOptions(dir=where, quota=quota, only=args.cache_only)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -112,6 +145,7 @@ def _stage_options(args: argparse.Namespace) -> StageOptions:
         fsync=args.fsync,
         tuning=CopyTuning(direct=True) if args.direct else None,
         storage_options=storage_options(args),
+        cache=_cache_options(args),
     )
 
 
@@ -147,9 +181,13 @@ def _collective_options(args: argparse.Namespace) -> CollectiveOptions:
     if given:
         raise UsageError(f"--collective cannot be combined with {', '.join(given)} (it stages every shard "
                          "durably into a node-local DEST)")
+    cache = _cache_options(args)
+    if cache is not None and cache.only:
+        raise UsageError("--collective cannot be combined with --cache-only (every node fills its own cache as it "
+                         "stages: give --cache DIR and DEST)")
     common = StageOptions(partition=args.partition, node=NodeOptions(args.node, args.num_nodes, args.ranks_per_node),
                           seed=args.seed, timeout=args.timeout, quiet=args.quiet or args.json,
-                          storage_options=storage_options(args))
+                          storage_options=storage_options(args), cache=cache)
     return CollectiveOptions(stage=common, fallback=args.fallback, chunk_bytes=args.chunk_size)
 
 
@@ -228,6 +266,8 @@ def _run_follow(args: argparse.Namespace) -> int:
                          "(plain, --partition or --collective) or let the loader stream it")
     if args.budget is None:
         raise UsageError("--follow needs --budget SIZE (bytes of local copies to keep, e.g. 40G)")
+    if args.cache or args.cache_only:
+        raise UsageError("--follow cannot be combined with --cache (it keeps a window of the dataset, not a copy)")
     if args.collective or args.unpack or args.partition or args.shared or not args.fsync or args.direct:
         raise UsageError("--follow cannot be combined with --collective, --unpack, --partition, --shared, "
                          "--no-fsync or --direct")

@@ -19,7 +19,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -33,6 +33,10 @@ from stager.manifest import MANIFEST_NAME, load_manifest, shard_root
 from stager.order.reads import MAX_OPEN_FILES, HeldFiles
 from stager.receipt import Receipt, find_staged_copy
 from stager.redact import redact
+
+if TYPE_CHECKING:
+    from stager.loader.cached import CachedShards
+    from stager.manifest import Manifest
 
 log = logging.getLogger("stager.loader")
 
@@ -62,7 +66,9 @@ class Resolved:
     """The dataset to read and how: ``root`` is a local directory or an fsspec URL prefix.
 
     ``local_shards`` lists the shard indices this node may read (all of them unless the staged copy
-    is a node partition); ``partition`` is the receipt's partition dict in that case.
+    is a node partition); ``partition`` is the receipt's partition dict in that case. ``shard_paths``
+    (reads through a shard cache, :mod:`stager.loader.cached`): the file of each shard, which need
+    not be ``root/<name>``; ``cache``: that cache's directory.
     """
 
     index: DatasetIndex
@@ -73,12 +79,23 @@ class Resolved:
     receipt: Receipt | None = None
     local_shards: np.ndarray | None = None
     partition: dict[str, int] | None = None
+    shard_paths: list[str | None] | None = None
+    cache: str | None = None
 
     @property
     def is_local(self) -> bool:
         return _local_of(self.root) is not None
 
+    @property
+    def staged_mode(self) -> str | None:
+        """``"cache"`` when shards come through a shard cache, else the receipt's mode (or None)."""
+        if self.cache is not None:
+            return "cache"
+        return self.receipt.mode if self.receipt is not None else None
+
     def shard_path(self, shard: int) -> str:
+        if self.shard_paths is not None and self.shard_paths[shard] is not None:
+            return str(self.shard_paths[shard])
         return self.root.rstrip("/") + "/" + self.index.shard_names[shard]
 
 
@@ -121,7 +138,20 @@ def resolve(
     if staged is False:
         return res
     found = find_staged_copy(m, staging_roots, warn=_warn_once)
+    via: CachedShards | None = None
+    if found is not None and found[1].cache is not None:
+        from stager.loader.cached import through_receipt  # noqa: PLC0415 (only for a copy linked from a cache)
+
+        via = through_receipt(m, root, found[0], found[1])
+        if via is None:
+            found = None  # its links cannot be trusted now: read SRC (or the reader's own cache)
     if found is None:
+        via = _from_reader_caches(m, root) if local is not None else None
+        if via is not None:
+            res.root, res.staged, res.storage_options = via.cache, True, {}
+            res.shard_paths, res.cache = via.paths, via.cache
+            _log_once(m.dataset_id, via.cache, f"reading cached copy at {via.cache} instead of {redact(p)}")
+            return res
         if staged is True:
             raise ShardMissingError(
                 f"{p}: no staged copy found under $STAGER_DEST/$SLURM_TMPDIR/$TMPDIR; run `stager stage` first"
@@ -129,22 +159,40 @@ def resolve(
         return res
     dest, rec = found
     res.root, res.staged, res.receipt, res.storage_options = str(dest), True, rec, {}
+    if via is not None:
+        res.shard_paths, res.cache = via.paths, via.cache
     if rec.mode == "partition":
         part = rec.partition or {}
         names = {n: i for i, n in enumerate(index.shard_names)}
         res.local_shards = np.array(sorted(names[n] for n in rec.shards if n in names), dtype=np.int64)
         res.partition = {k: int(v) for k, v in part.items()}
-    key = f"{m.dataset_id}:{dest}"
+    what = (
+        f"node partition {res.partition.get('node')}/{res.partition.get('num_nodes')} "
+        f"({len(rec.shards)} of {index.num_shards} shards)"
+        if res.partition is not None
+        else "full copy"
+    )
+    through = f" (linked from the cache {res.cache})" if res.cache else ""
+    _log_once(m.dataset_id, str(dest), f"reading staged {what} at {dest}{through} instead of {redact(p)}")
+    return res
+
+
+def _from_reader_caches(m: Manifest, root: str) -> CachedShards | None:
+    """The dataset from a cache of ``$STAGER_CACHE`` or the site's, when one is configured and holds it."""
+    from stager.cache.config import reader_caches  # noqa: PLC0415 (the loader loads the cache only when one is set)
+
+    if not reader_caches():
+        return None
+    from stager.loader.cached import in_caches  # noqa: PLC0415 (as above)
+
+    return in_caches(m, root)
+
+
+def _log_once(dataset_id: str, where: str, message: str) -> None:
+    key = f"{dataset_id}:{where}"
     if key not in _LOGGED:
         _LOGGED.add(key)
-        what = (
-            f"node partition {res.partition.get('node')}/{res.partition.get('num_nodes')} "
-            f"({len(rec.shards)} of {index.num_shards} shards)"
-            if res.partition is not None
-            else "full copy"
-        )
-        log.info("stager.loader: reading staged %s at %s instead of %s", what, dest, redact(p))
-    return res
+        log.info("stager.loader: %s", message)
 
 
 def check_shards(res: Resolved, shards: np.ndarray) -> None:
@@ -156,7 +204,7 @@ def check_shards(res: Resolved, shards: np.ndarray) -> None:
     if local is None or res.index.format == "folder":
         return
     for s in shards.tolist():
-        path = os.path.join(local, res.index.shard_names[s])
+        path = res.shard_path(s)
         try:
             size = os.stat(path).st_size
         except FileNotFoundError:
@@ -230,6 +278,8 @@ class ShardAccess:
 
     def _path(self, shard: int) -> str:
         assert self._local is not None
+        if self.res.shard_paths is not None and self.res.shard_paths[shard] is not None:
+            return str(self.res.shard_paths[shard])
         return os.path.join(self._local, self.index.shard_names[shard])
 
     def _open_fd(self, shard: int) -> int:

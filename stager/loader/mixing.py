@@ -299,10 +299,13 @@ class MixDataset(RankDataset):
 
     def origin(self) -> dict[str, Any]:
         infos = [{"name": n, "source": redact(m.resolved.source), "reading_from": redact(m.resolved.root),
-                  "staged": m.resolved.staged} for n, m in zip(self.names, self.members, strict=True)]
+                  "staged": m.resolved.staged, "staged_mode": m.resolved.staged_mode}
+                 for n, m in zip(self.names, self.members, strict=True)]
         return {"source": redact(self.mix.source or self.mix.describe()),
                 "reading_from": "; ".join(f"{i['name']}: {i['reading_from']}" for i in infos),
-                "staged": all(i["staged"] for i in infos), "staged_mode": None, "streams": infos}
+                "staged": all(i["staged"] for i in infos),
+                "staged_mode": modes.pop() if len(modes := {i["staged_mode"] for i in infos}) == 1 else None,
+                "streams": infos}
 
     def batch_fields(self) -> tuple[str, ...]:
         return (*super().batch_fields(), "stream", *(s.name for s in self.field_specs))

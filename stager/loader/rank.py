@@ -396,7 +396,7 @@ class RankDataset:
         """Where the batches come from, for ``stats()``: source, the directory read, staged or not."""
         res = self.resolved
         return {"source": redact(res.source), "reading_from": redact(res.root), "staged": res.staged,
-                "staged_mode": res.receipt.mode if res.receipt is not None else None}
+                "staged_mode": res.staged_mode}
 
     def batch_fields(self) -> tuple[str, ...]:
         """The keys every batch has (raw batches from workers add ``data``/``offsets``)."""

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 from stager.checksum import new_hasher
 from stager.errors import ShardMissingError, StagerError, VerificationError
@@ -40,6 +40,17 @@ from stager.stage.journal import Journal
 from stager.stage.plan import FileTask, StagePlan
 
 THROTTLE_ENV = "STAGER_TEST_THROTTLE_BPS"
+
+
+class Placement(Protocol):
+    """Where verified copies go instead of DEST (a shard cache, :mod:`stager.stage.cached`): ``final``
+    names the file a copy is renamed to, ``mode`` gives the placed file's mode from the source file's
+    ``st_mode`` (None for an object store), and ``placed`` runs once the copy is renamed (before its
+    journal line). Called from the copy and finisher threads."""
+
+    def final(self, task: FileTask) -> Path: ...
+    def mode(self, source_mode: int | None) -> int: ...
+    def placed(self, task: FileTask) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -63,9 +74,11 @@ class Copier:
     stream goes on with its next file while the disk absorbs the last one; 0 finishes inline.
     """
 
-    def __init__(self, plan: StagePlan, *, block: int, workers: int, journal: Journal, progress: Progress,
-                 warnings: list[str], tuning: CopyTuning | None = None, fsync: bool = True) -> None:
+    def __init__(self, plan: StagePlan, *, block: int, workers: int, journal: Journal | None, progress: Progress,
+                 warnings: list[str], tuning: CopyTuning | None = None, fsync: bool = True,
+                 placement: Placement | None = None) -> None:
         self.plan = plan
+        self.placement = placement
         self.umask = current_umask()  # read once per run (a /proc read), applied to every copy's mode
         self.fsync = fsync
         self.tuning = tuning or CopyTuning()
@@ -157,7 +170,7 @@ class Copier:
 
     def _copy(self, task: FileTask, buf: memoryview) -> None:
         """Copy and verify ``task`` into a partial file, then finish it (inline or on a finisher)."""
-        final = self.plan.dest / task.name
+        final = self.placement.final(task) if self.placement is not None else self.plan.dest / task.name
         tmp = partial_path(final)
         hasher = new_hasher(self.plan.manifest.hash_algo)
         fd, direct = open_partial(tmp, direct=self.tuning.direct and self.block % DIRECT_ALIGN == 0)
@@ -167,6 +180,8 @@ class Copier:
         try:
             with open_src_file(task.src_path, self.plan.storage_options) as f:
                 mode, gid = self._copy_access(task, f)
+                if self.placement is not None:
+                    mode = self.placement.mode(None if is_url(task.src_path) else os.fstat(f.fileno()).st_mode)
                 on_block = self._on_block()
                 if direct:
                     total = copy_hashed_direct(f, fd, buf, hasher, limit=task.bytes, on_block=on_block)
@@ -229,7 +244,10 @@ class Copier:
             os.replace(tmp, final)
         except BaseException as exc:
             discard_partial(fd, tmp, final, exc)
-        self.journal.add_file(task.name, task.bytes)
+        if self.placement is not None:
+            self.placement.placed(task)
+        if self.journal is not None:
+            self.journal.add_file(task.name, task.bytes)
         with self._lock:
             self.copied += 1
             self.bytes += task.bytes

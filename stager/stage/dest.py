@@ -328,11 +328,13 @@ def receipt_files(plan: StagePlan) -> list[str]:
     return files
 
 
-def write_receipt(plan: StagePlan, *, verified: str, stats: dict[str, Any], durable: bool = True) -> None:
+def write_receipt(plan: StagePlan, *, verified: str, stats: dict[str, Any], durable: bool = True,
+                  cache: dict[str, Any] | None = None) -> None:
     """Write DEST's receipt for ``plan`` (the run's last write), with SRC's access.
 
     ``verified`` says how (``"<algo> while copying"``); ``stats`` are the run's figures; a
-    non-``durable`` receipt carries this boot's id and is not trusted after a reboot.
+    non-``durable`` receipt carries this boot's id and is not trusted after a reboot; ``cache`` says
+    which shard cache DEST's links point into (``stage --cache``).
     """
     dest = plan.dest
     rec = Receipt(
@@ -351,6 +353,7 @@ def write_receipt(plan: StagePlan, *, verified: str, stats: dict[str, Any], dura
         stats=stats,
         durable=durable,
         boot_id="" if durable else boot_id(),
+        cache=cache,
     )
     rec.write(dest, *plan.src_access)
 

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from stager.cache.config import CacheOptions
 from stager.errors import UsageError
 from stager.fs.copy import CopyTuning
 from stager.manifest import UNPACK_DIR_NAME
@@ -65,7 +66,8 @@ class StageOptions:
     ``workers``: copy streams, None or 0 for :attr:`copy_streams`' default; ``shared``: None detects a
     BeeGFS DEST; ``timeout``: seconds for the node lock and for peers (None: no limit);
     ``storage_options``: passed to every open of SRC (fsspec URLs); ``tuning``: the copy engine's
-    knobs; ``fsync=False``: ``--no-fsync``.
+    knobs; ``fsync=False``: ``--no-fsync``; ``cache``: stage through a shard cache (``--cache DIR``,
+    :mod:`stager.stage.cached`).
     """
 
     workers: int | None = None
@@ -80,8 +82,12 @@ class StageOptions:
     storage_options: dict[str, Any] = field(default_factory=dict)
     tuning: CopyTuning | None = None
     fsync: bool = True
+    cache: CacheOptions | None = None
 
     def __post_init__(self) -> None:
+        if self.cache is not None and (self.unpack == "only" or self.shared):
+            raise UsageError("--cache cannot be combined with --unpack only (no shard is kept) or --shared (a "
+                             "BeeOND DEST lives as long as the job): the cache is node-local")
         if self.unpack is not None and self.unpack not in UNPACK_MODES:
             raise UsageError(f"--unpack must be 'also' or 'only', got {self.unpack!r}")
         if self.unpack_dir in ("", ".", "..") or "/" in self.unpack_dir:

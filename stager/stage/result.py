@@ -51,6 +51,7 @@ class StageResult:
     dest_fs: str = ""
     source_fs: str = ""
     warnings: list[str] = field(default_factory=list)
+    cache: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -65,6 +66,16 @@ class StageResult:
              f"[mode {self.mode}]")
         if self.files_kept:
             s += f"; kept {self.files_kept} verified files from an earlier run"
+        if self.cache:
+            c = self.cache
+            s += (f"; cache {c['dir']}: {c['files_hit']} files ({c['bytes_hit'] / 1e9:.3f} GB) linked from it"
+                  f" ({c['links'] or 'no'} links), {c['files_filled']} copied into it")
+            if c["files_from_peer"]:
+                s += f", {c['files_from_peer']} filled by another stage meanwhile"
+            if c["files_uncached"]:
+                s += f", {c['files_uncached']} not cached"
+            if c["evicted_files"]:
+                s += f", {c['evicted_files']} evicted ({c['evicted_bytes'] / 1e9:.3f} GB freed)"
         if self.unpacked:
             s += f"; unpacked {self.unpacked_files} files to {self.unpacked}"
         return s

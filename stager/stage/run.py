@@ -35,14 +35,18 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from stager.cache.history import record_stage
+from stager.errors import UsageError
 from stager.fs.atomic import fsync_dir
 from stager.fs.copy import CopyTuning
 from stager.fs.info import detect_fs
 from stager.fs.kernel import syncfs
 from stager.fs.lock import NodeLock
 from stager.fs.open import is_url
+from stager.manifest import Manifest
 from stager.progress import Progress
 from stager.receipt import RECEIPT_NAME
+from stager.redact import redact
 from stager.stage.copier import Copier
 from stager.stage.dest import (
     StagedManifest,
@@ -111,8 +115,12 @@ def run_stage(src: str | os.PathLike[str], dest: str | os.PathLike[str] | None, 
     t0 = time.perf_counter()
     _ignore_sigxfsz()
     manifest, manifest_bytes = read_src_manifest(src, options.storage_options)
+    if options.cache is not None and options.cache.only:
+        return _fill_cache_only(src, manifest, manifest_bytes, options, t0)
     plan = plan_stage(src, manifest, manifest_bytes, dest, options)
     result = _new_result(plan)
+    if plan.mode == "shared" and options.cache is not None:
+        raise UsageError(f"{plan.dest}: a shared (BeeOND) DEST is not node-local: stage it without --cache")
     if plan.dest_note:
         result.warnings.append(plan.dest_note)
     if plan.mode == "shared" and not options.fsync:
@@ -127,6 +135,7 @@ def run_stage(src: str | os.PathLike[str], dest: str | os.PathLike[str] | None, 
         result.lock_takeover = lock.took_over
         if not _already_staged(plan, options, result, t0, locked=True):
             _stage_locked(plan, options, result, t0)
+    _remember(plan, result)
     return result
 
 
@@ -137,6 +146,28 @@ def _waiting(plan: StagePlan) -> Callable[[dict[str, Any]], None]:
               f"{holder.get('host', '?')} (another stage of this DEST; --timeout bounds the wait)",
               file=sys.stderr, flush=True)
     return tell
+
+
+def _fill_cache_only(src: str | os.PathLike[str], manifest: Manifest, manifest_bytes: bytes,
+                     options: StageOptions, t0: float) -> StageResult:
+    """``--cache-only``: fill the cache with the plan's files, no DEST (:func:`stager.stage.cached.fill_only`)."""
+    from stager.stage import cached  # noqa: PLC0415 (only with --cache)
+
+    assert options.cache is not None
+    plan = plan_stage(src, manifest, manifest_bytes, options.cache.dir, options)
+    result = _new_result(plan)
+    result.dest, result.receipt, result.mode = "", "", "cache-only"
+    cached.fill_only(plan, options, result)
+    result.seconds = time.perf_counter() - t0
+    result.gbps = result.bytes_copied / max(result.seconds, 1e-9) / 1e9
+    return result
+
+
+def _remember(plan: StagePlan, result: StageResult) -> None:
+    """One line of this user's staging history (``stager hints``: would a cache pay?)."""
+    record_stage({"dataset_id": plan.manifest.dataset_id, "source": redact(plan.src), "bytes_total": result.bytes_total,
+                  "bytes_copied": result.bytes_copied, "seconds": round(result.seconds, 3),
+                  "already_staged": result.already_staged, "cache": (result.cache or {}).get("dir")})
 
 
 def _ignore_sigxfsz() -> None:
@@ -180,6 +211,10 @@ def _stage_locked(plan: StagePlan, options: StageOptions, result: StageResult, t
         kept = kept_files(plan, journal)
         todo = [t for t in plan.tasks if t.name not in kept]
         result.files_kept = len(plan.tasks) - len(todo)
+        if options.cache is not None:
+            from stager.stage import cached  # noqa: PLC0415 (only with --cache: a plain stage does not load the cache)
+
+            todo = cached.place(plan, options, journal, todo, result)  # links and fills; the rest is copied below
         check_free_space(plan.dest, _space_needed(plan, journal, todo))
         _copy(plan, options, journal, todo, result)
         if plan.unpack:
@@ -235,7 +270,8 @@ def _copy(plan: StagePlan, options: StageOptions, journal: Journal, todo: list[F
         if copier.copied and options.fsync:
             fsync_dir(plan.dest)  # one directory fsync for every rename above
         progress.close()
-    result.files_copied, result.bytes_copied = copier.copied, copier.bytes
+    result.files_copied += copier.copied
+    result.bytes_copied += copier.bytes
     result.io = ("direct" if copier.direct_files == len(ordered) else
                  "buffered" if copier.direct_files == 0 else "mixed")
 
@@ -275,7 +311,9 @@ def _seal(plan: StagePlan, options: StageOptions, journal: Journal, result: Stag
         "seconds": round(result.seconds, 3),
         "created_dest": not plan.explicit_dest,
     }
-    write_receipt(plan, verified=f"{plan.manifest.hash_algo} while copying", stats=stats, durable=result.durable)
+    cache = result.cache and {k: result.cache[k] for k in ("dir", "kind", "links")}
+    write_receipt(plan, verified=f"{plan.manifest.hash_algo} while copying", stats=stats, durable=result.durable,
+                  cache=cache)
 
 
 __all__ = ["run_stage", "stage"]

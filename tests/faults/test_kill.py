@@ -18,6 +18,9 @@ from tools.faults import kill
 FULL_PACK = {"tar": 6, "record": 4, "hdf5": 3, "zarr": 3}
 TRAIN_ROW = "kill -9 during training (tools/train.py, checkpoint + --resume)"
 TRAIN_NOTE = "--resume completes; every key exactly once per epoch; replayed steps repeat the same keys"
+CACHE_ROW = "kill -9 during `stager stage --cache` (and during `stager cache gc`)"
+CACHE_NOTE = ("rerun completes, DEST and `stager cache verify` pass, no partial file anywhere, a second stage "
+              "copies nothing")
 
 
 def test_kill_pack_fast(work: Path) -> None:
@@ -38,6 +41,11 @@ def test_kill_stage_unpack_fast(work: Path) -> None:
 def test_kill_stage_no_fsync_fast(work: Path) -> None:
     st = kill.stage_trials(work, 2, seed=15, flags=("--no-fsync",))
     record_kills("kill -9 during `stager stage --no-fsync` (rerun in the same boot)", st, minimum=2)
+
+
+def test_kill_stage_cache_fast(work: Path) -> None:
+    st = kill.cache_trials(work, 3, seed=16)
+    record_kills(CACHE_ROW, st, minimum=3, note=CACHE_NOTE)
 
 
 def test_kill_train_fast(work: Path) -> None:
@@ -69,6 +77,12 @@ def test_kill_stage_unpack_full(work: Path, mode: str, n: int) -> None:
 def test_kill_stage_no_fsync_full(work: Path) -> None:
     st = kill.stage_trials(work, 6, seed=25, flags=("--no-fsync",))
     record_kills("kill -9 during `stager stage --no-fsync` (rerun in the same boot)", st, minimum=6)
+
+
+@pytest.mark.faults
+def test_kill_stage_cache_full(work: Path) -> None:
+    st = kill.cache_trials(work, 12, seed=26)
+    record_kills(CACHE_ROW, st, minimum=12, note=CACHE_NOTE)
 
 
 @pytest.mark.faults

@@ -264,6 +264,86 @@ def stage_trials(work: Path, n: int, *, seed: int = 0, unpack: str | None = None
     return st
 
 
+# ---- stage --cache --------------------------------------------------------------------------------------
+def cache_trials(work: Path, n: int, *, seed: int = 0, images: int = 192, throttle_bps: int = 400_000,
+                 gc_every: int = 3) -> KillStats:
+    """``n`` mid-run kills of ``stager stage SRC DEST --cache CACHE`` (at most ``2n`` attempts), each with
+    a fresh cache, at the stage trials' kill points plus the cache's own: N objects or N partial files
+    in the cache. Every ``gc_every``-th trial also kills a ``stager cache gc --max-bytes 0`` run
+    against the killed cache (eviction's own kill point) before the rerun.
+
+    Invariant per kill: the rerun completes and DEST verifies with a receipt; ``stager cache verify``
+    passes; no partial file is left in the cache or DEST, no lock in DEST; and a second stage of the
+    dataset into another DEST copies nothing (the cache holds every file, whole).
+    """
+    st = KillStats("stage --cache")
+    rng = np.random.default_rng((seed, 404))
+    src, m = staged_source(work, images=images)
+    env = {"STAGER_TEST_THROTTLE_BPS": str(throttle_bps)}
+    nfiles = len(list(m.files()))
+    ref_cache, ref = work / "cache-ref-cache", work / "cache-ref"
+    shutil.rmtree(ref_cache, ignore_errors=True)
+    shutil.rmtree(ref, ignore_errors=True)
+    clean_s = _timed(h.stager_argv("stage", str(src), str(ref), "--cache", str(ref_cache), "--workers", "2", "-q"),
+                     env)
+    shutil.rmtree(ref, ignore_errors=True)
+    shutil.rmtree(ref_cache, ignore_errors=True)
+    for i in range(2 * n):
+        if st.kills >= n:
+            break
+        dest, cache = work / f"cache-dest-{i}", work / f"cache-{i}"
+        for d in (dest, cache, work / f"cache-again-{i}"):
+            shutil.rmtree(d, ignore_errors=True)
+        k = int(rng.integers(1, nfiles))
+        objects = cache / "objects"
+        if i % 4 == 2:
+            def cond(objects: Path = objects) -> bool:
+                return objects.is_dir() and len(h.partials(objects)) >= 1
+
+            what = "a partial file in the cache"
+        else:
+            def cond(objects: Path = objects, k: int = k) -> bool:
+                if not objects.is_dir():
+                    return False
+                return sum(1 for p in h.files_under(objects) if not p.name.endswith(h.PARTIAL)) >= k
+
+            what = f"{k} objects in the cache"
+        point = _point(rng, i, clean_s, cond, what)
+        argv = h.stager_argv("stage", str(src), str(dest), "--cache", str(cache), "--workers", "2", "-q")
+        st.attempts += 1
+        proc = h.spawn(argv, env=env)
+        if not h.kill_at(proc, point):
+            continue
+        st.kills += 1
+        st.points.append(point.describe)
+        st.partials_after_kill += len(h.partials(cache)) if cache.exists() else 0
+        if i % gc_every == gc_every - 1 and cache.exists():
+            gc = h.spawn(h.stager_argv("cache", "gc", str(cache), "--max-bytes", "0", "-q"))
+            h.kill_at(gc, h.KillPoint(delay=float(rng.uniform(0.0, 0.4)), describe="during gc"))
+        r = h.run_stager("stage", str(src), str(dest), "--cache", str(cache), "-q", "--timeout", "60")
+        if r.returncode != 0:
+            st.fail(f"stage --cache rerun after kill ({point.describe}) exit {r.returncode}: {r.stderr.strip()[-400:]}")
+            continue
+        st.rerun_ok += 1
+        ok = (h.run_stager("verify", str(dest), "-q").returncode == 0) if st.kills == 1 else h.verify_ok(dest)[0]
+        cache_ok = h.run_stager("cache", "verify", str(cache), "--no-repair", "-q").returncode == 0
+        again = h.run_stager("stage", str(src), str(work / f"cache-again-{i}"), "--cache", str(cache), "--json", "-q")
+        copied = json.loads(again.stdout.strip().splitlines()[-1])["bytes_copied"] if again.returncode == 0 else -1
+        leftovers = len(h.partials(cache)) + len(h.partials(dest)) + int((dest / ".stager-lock").exists())
+        st.leftovers += leftovers
+        if not ok:
+            st.lost += sum(s.samples for s in m.shards)
+        receipt = (dest / "stager-receipt.json").exists()
+        if not ok or not cache_ok or copied != 0 or leftovers or not receipt:
+            st.fail(f"stage --cache after kill ({point.describe}): verified {ok}, cache verified {cache_ok}, "
+                    f"copied again {copied}, leftovers {leftovers}, receipt {receipt}")
+            continue
+        st.verified += 1
+        for d in (dest, cache, work / f"cache-again-{i}"):
+            shutil.rmtree(d, ignore_errors=True)
+    return st
+
+
 # ---- training -------------------------------------------------------------------------------------------
 TRAIN_ARGS = ["--arch", "resnet18", "--width", "8", "--image-size", "32", "--batch-size", "8", "--epochs", "2",
               "--workers", "0", "--checkpoint-every", "2", "--eval-every", "0", "--holdout", "0",

@@ -72,3 +72,15 @@ stager_root_dir() {
 stager_redact() {
     printf '%s\n' "$1" | sed -E 's#([A-Za-z][A-Za-z0-9+.-]*://)[^/@ ]*@#\1***@#g; s#(://[^ ?]*)\?[^ ]*#\1?***#g'
 }
+
+# stager_cache_dir PATH SERVICE_UID: the site cache's directory, made for the service account when missing
+# (exclusively, 0755, then given to it) under directories only root can change; prints why not and
+# returns 1 when it is not a real directory of SERVICE_UID's that others cannot write. Root does nothing
+# else with it: the service account fills it (stager/cache/, docs/security.md).
+stager_cache_dir() {
+    stager_chain_problem "$1" || return 1
+    if [ ! -e "$1" ] && [ ! -L "$1" ]; then
+        mkdir -m 0755 -- "$1" 2>/dev/null && chown -h "$2" -- "$1"
+    fi
+    stager_dir_problem "$1" "$2"
+}

@@ -47,6 +47,7 @@ class CollectiveResult:
     receipt: str = ""
     totals: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    cache: dict[str, Any] | None = None  # what the shard cache did (--cache), as StageResult.cache
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

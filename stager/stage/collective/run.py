@@ -183,6 +183,7 @@ def _record_plain_stage(res: CollectiveResult, sr: StageResult) -> None:
     res.files_written, res.files_kept = sr.files_copied, sr.files_kept
     res.src_bytes = res.written_bytes = sr.bytes_copied
     res.warnings += sr.warnings
+    res.cache = sr.cache
 
 
 def _form_group(options: CollectiveOptions, node: int, num_nodes: int, res: CollectiveResult) -> Group | None:
@@ -212,7 +213,13 @@ def _stage_full(plan: StagePlan, group: Group, res: CollectiveResult, options: C
     """Phases 1 to 4 of the module docstring, with the node lock held."""
     claim_dest(plan, keep_receipt=receipt_done(plan) is not None)
     journal = Journal(plan.journal_path, plan.manifest.digest)
+    cache_run, lease = None, None
     try:
+        if options.stage.cache is not None:
+            from stager.stage import cached  # noqa: PLC0415 (only with --cache)
+
+            # Cached files are linked into DEST and journaled first: the exchange then counts them as held.
+            cache_run, lease = cached.link_hits(plan, options.stage, journal, res.warnings)
         have = kept_files(plan, journal)  # grows as the sinks verify files
         res.files_kept = len(have)
         files = [FileEntry(t.name, t.bytes, t.hash, t.shard) for t in plan.tasks]
@@ -232,13 +239,20 @@ def _stage_full(plan: StagePlan, group: Group, res: CollectiveResult, options: C
         manifest.prepare()
         if manifest.publish():
             fsync_dir(plan.dest)
+        if cache_run is not None:
+            from stager.stage import cached  # noqa: PLC0415 (only with --cache)
+
+            res.cache = cached.adopt(cache_run)  # what this node received (and the sample index), into its cache
     finally:
+        if lease is not None:
+            lease.release()
         journal.close()
     stats = {"collective": True, "num_nodes": res.num_nodes, "node": res.node, "src_bytes": res.src_bytes,
              "exchange_bytes": res.exchange_bytes, "files_written": res.files_written,
              "files_kept": res.files_kept, "chunk_bytes": res.chunk_bytes, "steps": res.steps,
              "created_dest": not plan.explicit_dest}
-    write_receipt(plan, verified=f"{plan.manifest.hash_algo} while copying (collective)", stats=stats)
+    cache = res.cache and {k: res.cache[k] for k in ("dir", "kind", "links")}
+    write_receipt(plan, verified=f"{plan.manifest.hash_algo} while copying (collective)", stats=stats, cache=cache)
 
 
 def _held_by_every_node(group: Group, files: list[FileEntry], have: set[str]) -> set[str]:

@@ -1,0 +1,94 @@
+"""``stager cache verify DIR``: every object's bytes against its name, and the cache's own rules.
+
+Each object is hashed again with its algorithm and compared with the hash its name carries; it must
+also be read-only and the owner's. A damaged one is removed (the owner's run; a reader only reports),
+so the next stage copies it again: a repair, never a deletion of anything but the cache's own copy.
+Partial files whose filler is gone are removed too. Exit code 3 when anything was damaged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+from dataclasses import dataclass, field
+from typing import Any
+
+from stager.cache.layout import key_hash
+from stager.cache.locks import lock_held
+from stager.cache.store import Cache
+from stager.checksum import hash_file
+from stager.fs.atomic import partial_base
+from stager.progress import Progress
+
+
+@dataclass
+class VerifyReport:
+    dir: str
+    objects: int = 0
+    bytes: int = 0
+    damaged: list[dict[str, Any]] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    partials_removed: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.damaged
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ok": self.ok, "dir": self.dir, "objects": self.objects, "bytes": self.bytes, "damaged": self.damaged,
+                "removed": self.removed, "partials_removed": self.partials_removed}
+
+    def summary(self) -> str:
+        head = (f"{self.dir}: {self.objects} objects, {self.bytes / 1e9:.3f} GB verified"
+                if self.ok else f"{self.dir}: {len(self.damaged)} of {self.objects} objects DAMAGED")
+        lines = [head]
+        lines += [f"  {d['object']}: {d['problem']}" for d in self.damaged[:20]]
+        if self.removed:
+            lines.append(f"  removed {len(self.removed)} damaged objects: the next stage copies them again")
+        return "\n".join(lines)
+
+
+def verify_cache(cache: Cache, *, quiet: bool = True, repair: bool = True) -> VerifyReport:
+    """Hash every object of ``cache``; with ``repair`` (and ownership) remove damaged ones and dead
+    fillers' partial files."""
+    rep = VerifyReport(dir=str(cache.root))
+    objects = list(cache.scan())
+    progress = Progress("cache verify", total_items=len(objects), total_bytes=sum(o.bytes for o in objects),
+                        unit="objects", quiet=quiet)
+    try:
+        for o in objects:
+            rel = f"{o.algo}/{o.key}"
+            problem = None
+            if o.uid != cache.owner:
+                problem = f"owned by uid {o.uid}, not the cache's owner {cache.owner}"
+            elif o.mode & 0o222:
+                problem = f"writable (mode {o.mode:04o}): an object is read-only"
+            else:
+                try:
+                    n, got = hash_file(o.path, o.algo)
+                except OSError as exc:
+                    problem = f"unreadable ({exc.strerror})"
+                else:
+                    if got != key_hash(o.key):
+                        problem = f"{o.algo} of its {n} bytes is {got[:16]}..., its name says {key_hash(o.key)[:16]}..."
+            rep.objects += 1
+            rep.bytes += o.bytes
+            progress.update(1, o.bytes)
+            if problem is None:
+                continue
+            rep.damaged.append({"object": rel, "bytes": o.bytes, "problem": problem})
+            if repair and cache.writable:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(o.path)
+                    rep.removed.append(rel)
+        if repair and cache.writable:
+            for p in cache.partial_files():
+                key = partial_base(p.name) or ""
+                with contextlib.suppress(OSError):
+                    if not lock_held(cache.locks_dir / key) and stat.S_ISREG(os.lstat(p).st_mode):
+                        os.unlink(p)
+                        rep.partials_removed += 1
+    finally:
+        progress.close()
+    return rep
