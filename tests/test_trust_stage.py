@@ -343,7 +343,7 @@ def test_stagers_own_names_are_reserved_in_manifests(tmp_path: Path, name: str) 
 def test_url_secrets_never_printed_or_stored(node: Node, images: Path, tmp_path: Path) -> None:
     """Row 10 (medium): ``http://user:password@host/...`` and ``?token=`` appeared in --json, receipts
     (0644), error messages, inspect and the loader's log."""
-    pytest.importorskip("aiohttp")
+    pytest.importorskip("aiohttp", reason="aiohttp is not installed (pip install -e .[http]; make venv)")
     from tests.test_stage_support import stager
     from tools.objstore_servers import RangeHTTPServer
 
