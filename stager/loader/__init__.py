@@ -122,7 +122,7 @@ def make_loader(
         persistent_workers=persistent_workers,
         fields=None if fields is None else ((fields,) if isinstance(fields, str) else tuple(fields)),
     )
-    from stager.loader.dataset import ShardedDataset  # noqa: PLC0415 (torch only where its loader is used)
+    from stager.loader.dataset import TorchRankDataset  # noqa: PLC0415 (torch only where its loader is used)
     from stager.loader.loader import Loader  # noqa: PLC0415 (as above)
 
-    return Loader(ShardedDataset(path, options))
+    return Loader(TorchRankDataset(path, options))

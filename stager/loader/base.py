@@ -108,6 +108,7 @@ class LoaderBase:
         return self.dataset.epoch
 
     def set_epoch(self, epoch: int) -> None:
+        self._check_world()
         if self._resume_pending and epoch == self.dataset.epoch:
             return
         self._resume_pending = False
@@ -117,15 +118,53 @@ class LoaderBase:
         self.dataset.set_epoch(epoch)
 
     @property
+    def batches_done(self) -> int:
+        """Batches of the current epoch handed out (``len(self)`` once the epoch is complete)."""
+        return self._done
+
+    def skip_to(self, batch: int) -> None:
+        """Start the next pass at batch ``batch`` of its epoch, without reading the batches before it.
+
+        Absolute: after :meth:`load_state_dict` at that same batch nothing more is skipped. The epoch is
+        the one the next ``iter()`` would make (the next one after a complete pass). Accelerate's
+        ``skip_first_batches`` calls this (:mod:`stager.loader.frameworks.accelerate`).
+        """
+        self._check_world()
+        if self._completed and not self._resume_pending:
+            self.set_epoch(self.dataset.epoch + 1)
+        if not 0 <= batch <= len(self.dataset):
+            raise UsageError(f"cannot skip to batch {batch} of an epoch of {len(self.dataset)} batches")
+        self._resume_at(batch, self._parent)
+
+    @property
     def fields(self) -> tuple[str, ...]:
         """The keys every batch has, in every decode mode (raw batches from workers add ``data``/``offsets``)."""
         return ("image", "index", "key", "label")
 
     def __len__(self) -> int:
+        self._check_world()
         return len(self.dataset)
+
+    def _check_world(self) -> None:
+        """Follow the initialised process group when the dataset's detected world no longer matches it
+        (:meth:`~stager.loader.rank.RankDataset.rebind_world`): new stats, the workers restarted. A state
+        loaded for the old world is refused: load it once the process group is up."""
+        if not self.dataset.rebind_world():
+            return
+        self.close()
+        self._stats.rank, self._stats.world_size = self.dataset.rank, self.dataset.world_size
+        if self._resume_pending:
+            self._resume_pending = False
+            raise UsageError(
+                "stager.loader: a loader state was loaded before the process group was initialised and the world "
+                f"changed to rank {self.dataset.rank} of {self.dataset.world_size}: load the state after "
+                "init_process_group (in the rank's own process)"
+            )
+        self._log_plan()
 
     # ---- iteration ----------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        self._check_world()
         if not self._begin_epoch():
             return
         padding = self._padded_positions()
@@ -210,6 +249,7 @@ class LoaderBase:
 
     def state_dict(self) -> dict[str, Any]:
         """The position between batches: a plain dict (see :class:`~stager.loader.state.LoaderState`)."""
+        self._check_world()
         ds = self.dataset
         st = LoaderState(
             dataset_id=ds.index.dataset_id,
@@ -238,6 +278,7 @@ class LoaderBase:
         everyone's), and the rest of the epoch, in the old epoch order, is re-planned over the new
         world. Other changes are refused.
         """
+        self._check_world()
         st = LoaderState.from_dict(state)
         self._check_same_order(st)
         ds = self.dataset
