@@ -227,7 +227,7 @@ def _claim(env: Mapping[str, str], source: str, rank_var: str, size_var: str, lo
 
 
 def _torchrun(env: Mapping[str, str]) -> Claim | None:
-    if _int(env, "RANK") is None and _int(env, "LOCAL_RANK") is not None and (_int(env, "WORLD_SIZE") or 0) > 1:
+    if _int(env, "RANK") is None and _int(env, "LOCAL_RANK") is not None and _int(env, "WORLD_SIZE") is not None:
         return _node_local(env)
     c = _claim(env, "torchrun", "RANK", "WORLD_SIZE", ("LOCAL_RANK", "LOCAL_WORLD_SIZE"))
     if c is not None and _int(env, "GROUP_RANK") is not None:

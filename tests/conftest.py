@@ -29,3 +29,15 @@ def imagenet_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def cifar_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """CIFAR-10 python batches with 60 train / 20 test images; returns the batches directory."""
     return make_cifar(tmp_path_factory.mktemp("cifar"), n_train=60, n_test=20, seed=2, png_folder=True)
+
+
+@pytest.fixture(scope="session")
+def frameworks_pack(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tar pack of 203 tiny JPEGs (7 classes, 11 shards) for the framework tests (tests/test_frameworks_*.py):
+    odd, so two ranks get one padding repeat; 13 batches of 8 per rank and epoch."""
+    from stager.pack import pack
+
+    base = tmp_path_factory.mktemp("frameworks")
+    make_imagefolder(base / "src", num_classes=7, per_class=29, seed=5, size=(10, 8))
+    pack(base / "src", base / "tar", "tar", samples_per_shard=20)
+    return base / "tar"

@@ -34,12 +34,14 @@ if TYPE_CHECKING:
     from stager.loader.dataset import ShardedDataset
     from stager.loader.loader import Loader
     from stager.loader.numpy_loader import NumpyLoader, make_numpy_loader
+    from stager.loader.samples import SampleDataset
 
-__all__ = ["Loader", "LoaderOptions", "LoaderState", "NumpyLoader", "ShardedDataset", "make_loader",
+__all__ = ["Loader", "LoaderOptions", "LoaderState", "NumpyLoader", "SampleDataset", "ShardedDataset", "make_loader",
            "make_numpy_loader"]
 
 # The names whose modules import torch (or, for the numpy loader, multiprocessing), loaded on first use.
 _LAZY = {"Loader": "stager.loader.loader", "ShardedDataset": "stager.loader.dataset",
+         "SampleDataset": "stager.loader.samples",
          "NumpyLoader": "stager.loader.numpy_loader", "make_numpy_loader": "stager.loader.numpy_loader"}
 
 

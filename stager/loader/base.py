@@ -48,7 +48,9 @@ class LoaderBase:
 
     ``len(loader)`` is the number of batches per rank in the current epoch, equal on every rank.
     After a complete pass the next ``iter()`` moves to the next epoch unless ``set_epoch`` is
-    called; ``set_epoch(e)`` with the epoch of a just-loaded state keeps the resume position.
+    called; ``set_epoch(e)`` with the epoch of a just-loaded state keeps the resume position. A state
+    loaded at an epoch's end makes the next ``iter()`` the next epoch (unless ``set_epoch`` pins it).
+    A world detected rather than passed follows the initialised process group (:meth:`_check_world`).
     """
 
     num_workers: int
@@ -58,6 +60,8 @@ class LoaderBase:
         self._done = 0
         self._resume_pending = False
         self._completed = False
+        # A loaded state at an epoch's end: the next pass is the next epoch, unless set_epoch pins this one.
+        self._at_end = False
         self._parent: dict[str, Any] | None = None
         res = dataset.resolved
         self._stats = LoaderStats(
@@ -110,7 +114,9 @@ class LoaderBase:
     def set_epoch(self, epoch: int) -> None:
         self._check_world()
         if self._resume_pending and epoch == self.dataset.epoch:
+            self._at_end = False  # the loop pinned the epoch it resumes: keep the position
             return
+        self._at_end = False
         self._resume_pending = False
         self._completed = False
         self._done = 0
@@ -130,8 +136,7 @@ class LoaderBase:
         ``skip_first_batches`` calls this (:mod:`stager.loader.frameworks.accelerate`).
         """
         self._check_world()
-        if self._completed and not self._resume_pending:
-            self.set_epoch(self.dataset.epoch + 1)
+        self._advance_if_done()
         if not 0 <= batch <= len(self.dataset):
             raise UsageError(f"cannot skip to batch {batch} of an epoch of {len(self.dataset)} batches")
         self._resume_at(batch, self._parent)
@@ -184,10 +189,15 @@ class LoaderBase:
             st.stop()
             batches.end(clean_end)
 
+    def _advance_if_done(self) -> None:
+        """Move to the next epoch when this one is done: a complete pass, or a loaded state at its end (a loop
+        without ``set_epoch``, as Accelerate's and Fabric's tutorials write it, goes on with the next epoch)."""
+        if (self._completed and not self._resume_pending) or self._at_end:
+            self.set_epoch(self.dataset.epoch + 1)
+
     def _begin_epoch(self) -> bool:
         """Move to the pass to make (the next epoch after a finished one, else the position); False: none left."""
-        if self._completed and not self._resume_pending:
-            self.set_epoch(self.dataset.epoch + 1)
+        self._advance_if_done()
         if not self._resume_pending:
             self._done = 0
         self._resume_pending = False
@@ -293,6 +303,7 @@ class LoaderBase:
             if st.batches_done > len(ds):
                 raise UsageError(f"loader state is at batch {st.batches_done} of an epoch of {len(ds)} batches")
             self._resume_at(st.batches_done, st.parent)
+            self._at_end = st.batches_done == len(ds)
             return
         if st.batch_size * st.world_size != ds.batch_size * ds.world_size:
             raise UsageError(
@@ -306,6 +317,7 @@ class LoaderBase:
         remaining = self._remaining(st.to_dict())
         ds.resume(st.epoch, remaining)
         self._resume_at(0, st.to_dict())
+        self._at_end = len(ds) == 0
         log.info(
             "stager.loader: elastic resume of epoch %d: %d samples left, re-planned over world size %d",
             st.epoch,

@@ -28,6 +28,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from stager.errors import UsageError
 from stager.loader.batching import pack_raw, stack_images
+from stager.loader.frameworks import install_present
 from stager.loader.frameworks.accelerate import refuse_second_split
 from stager.loader.rank import (
     LOCAL_MIN_RUN,
@@ -139,6 +140,10 @@ class ShardedDataset(TorchRankDataset, IterableDataset):
     installed, :mod:`stager.loader.frameworks.accelerate`).
     """
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        install_present()  # a framework imported after stager: its set-up calls then know this dataset
+
     def __len__(self) -> int:
         self.rebind_world()
         return super().__len__()
@@ -149,6 +154,7 @@ class ShardedDataset(TorchRankDataset, IterableDataset):
         super().set_epoch(epoch)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        if get_worker_info() is None:
-            self.rebind_world()
+        # In a forked DataLoader worker too: it inherits the initialised group (spawned workers do not;
+        # their copy was made when the main process last measured or moved the dataset).
+        self.rebind_world()
         yield from self.dataloader_batches()
