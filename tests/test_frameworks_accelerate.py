@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.frameworks.common import N, PER_RANK_BATCHES, assert_epoch, free_port, load, python, run, script
+from tests.frameworks.common import PER_RANK_BATCHES, N, assert_epoch, free_port, load, python, run, script
 
 pytest.importorskip("accelerate")
 

@@ -33,7 +33,8 @@ def _ids(loader: Any) -> list[list[int]]:
     return [b["index"].tolist() for b in loader]
 
 
-def _rank_main(rank: int, port: int, data: str, out: str, parent: Loader, state: dict[str, Any]) -> None:
+def _rank_main(rank: int, port: int, data: str, out: str, parent: Loader,  # noqa: PLR0917 (mp.spawn's args)
+               state: dict[str, Any]) -> None:
     res: dict[str, Any] = {}
     os.environ["WORLD_SIZE"] = "2"  # a launcher's size without its RANK (and no LOCAL_RANK)
     try:

@@ -49,7 +49,9 @@ class LoaderBase:
     ``len(loader)`` is the number of batches per rank in the current epoch, equal on every rank.
     After a complete pass the next ``iter()`` moves to the next epoch unless ``set_epoch`` is
     called; ``set_epoch(e)`` with the epoch of a just-loaded state keeps the resume position. A state
-    loaded at an epoch's end makes the next ``iter()`` the next epoch (unless ``set_epoch`` pins it).
+    saved at an epoch's end makes the next ``iter()`` the next epoch (``epoch`` says so), unless
+    ``set_epoch(e)`` pins the saved one (then its pass is empty), so loops with and without
+    ``set_epoch`` resume alike.
     A world detected rather than passed follows the initialised process group (:meth:`_check_world`).
     """
 
@@ -109,7 +111,8 @@ class LoaderBase:
     # ---- epoch / length ---------------------------------------------------------------------------
     @property
     def epoch(self) -> int:
-        return self.dataset.epoch
+        """The epoch the next pass makes or continues (after loading a state saved at an epoch's end: the next)."""
+        return self.dataset.epoch + int(self._at_end)
 
     def set_epoch(self, epoch: int) -> None:
         self._check_world()
@@ -190,8 +193,8 @@ class LoaderBase:
             batches.end(clean_end)
 
     def _advance_if_done(self) -> None:
-        """Move to the next epoch when this one is done: a complete pass, or a loaded state at its end (a loop
-        without ``set_epoch``, as Accelerate's and Fabric's tutorials write it, goes on with the next epoch)."""
+        """Move to the next epoch when this one is done: after a complete pass, or after loading a state saved
+        at its end (unless ``set_epoch`` pinned that epoch)."""
         if (self._completed and not self._resume_pending) or self._at_end:
             self.set_epoch(self.dataset.epoch + 1)
 

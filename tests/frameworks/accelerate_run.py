@@ -1,6 +1,6 @@
-"""Hugging Face Accelerate over stager loaders, as Accelerate's tutorials write it (tests/test_frameworks_accelerate.py).
+"""Hugging Face Accelerate over stager loaders, as its tutorials write it (tests/test_frameworks_accelerate.py).
 
-``torchrun --nproc-per-node 2 accelerate_run.py DATA OUT`` (what ``accelerate launch --multi_gpu`` runs).
+``accelerate launch --multi_gpu --num_processes 2 accelerate_run.py DATA OUT`` (torchrun underneath).
 Phases, each rank writing ``OUT/<phase>-rank<r>.json``:
 
 * ``train``: ``prepare(model, optimizer, make_loader(...))``, ``gradient_accumulation_steps=3`` with

@@ -26,7 +26,7 @@ def free_port() -> int:
 def run(cmd: Sequence[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 300) -> None:
     """Run a launcher command; its output (last lines) becomes the failure message."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    p = subprocess.run(list(cmd), cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    p = subprocess.run(list(cmd), check=False, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
     if p.returncode != 0:
         raise AssertionError(f"{' '.join(cmd[:4])}... exited {p.returncode}:\n{(p.stdout + p.stderr)[-6000:]}")
 

@@ -24,7 +24,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import lightning as L
+import lightning as L  # noqa: N812 (Lightning's own spelling)
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 

@@ -18,14 +18,21 @@ from __future__ import annotations
 from collections.abc import Generator, Iterator
 from typing import TYPE_CHECKING, Any
 
+from torch.utils.data import SequentialSampler
+
 if TYPE_CHECKING:
     from stager.loader.loader import Loader
 
 
-class EpochHook:
-    """Sampler-like: ``set_epoch(epoch)`` sets the loader's epoch. ``len()`` is the loader's batches per epoch."""
+class EpochHook(SequentialSampler):
+    """Sampler-like: ``set_epoch(epoch)`` sets the loader's epoch; ``len()`` and ``iter()``: its batch positions.
 
-    def __init__(self, loader: Loader) -> None:
+    A ``SequentialSampler`` to Lightning: the loader's order is its own (no sampler to swap in), so
+    Lightning leaves it as it is (``overfit_batches`` would otherwise try to rebuild the loader as a
+    DataLoader; for overfitting build it with ``shuffle=False``).
+    """
+
+    def __init__(self, loader: Loader) -> None:  # no data_source: the loader is the source
         self.loader = loader
 
     def set_epoch(self, epoch: int) -> None:
@@ -33,6 +40,9 @@ class EpochHook:
 
     def __len__(self) -> int:
         return len(self.loader)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(len(self.loader)))
 
 
 def to_device(batch: Any, device: Any, non_blocking: bool = False) -> Any:
