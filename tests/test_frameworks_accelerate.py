@@ -120,3 +120,19 @@ def test_gather_remainder_counts_the_real_rows_of_the_last_gathered_batch(framew
     assert gather_remainder(dropping) == 0
     shuffled = make_loader(frameworks_pack, 8, rank=0, world_size=2, decode="raw", staged=False, seed=1)
     assert gather_remainder(shuffled) in (0, 11)  # 11 only when the shuffle left the repeat at the tail
+
+
+def test_prepare_turns_a_sharded_dataloader_into_the_loader_or_refuses_a_batched_one(frameworks_pack: Path,
+                                                                                     accelerator: Any) -> None:
+    from torch.utils.data import DataLoader
+
+    from stager.errors import UsageError
+    from stager.loader import Loader, ShardedDataset
+
+    ds = ShardedDataset(frameworks_pack, 8, rank=1, world_size=2, decode="raw", staged=False, num_workers=None)
+    loader = accelerator.prepare(DataLoader(ds, batch_size=None))
+    assert isinstance(loader, Loader) and loader.dataset is ds and len(loader) == 13
+    assert loader in accelerator._custom_objects, "registered for save_state/load_state"
+    with pytest.raises(UsageError, match="SampleDataset") as e:  # what the HF Trainer would build over it
+        accelerator.prepare(DataLoader(ds, batch_size=8))
+    assert "\n" not in str(e.value)

@@ -41,7 +41,8 @@ def _loader_over(dl: Any) -> Loader:
     if dl.batch_size is not None:
         raise UsageError(
             f"DataLoader(ShardedDataset, batch_size={dl.batch_size}) would collate {dl.batch_size} of its batches "
-            "into one: pass batch_size=None (the dataset's batch_size sets the batch)"
+            "into one: pass batch_size=None (the dataset's batch_size sets the batch); code that batches samples "
+            "itself, such as the Hugging Face Trainer, takes stager.loader.SampleDataset"
         )
     workers = ds.options.num_workers
     if workers is not None and workers != dl.num_workers:
