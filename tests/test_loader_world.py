@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -33,8 +34,9 @@ def _ids(loader: Any) -> list[list[int]]:
     return [b["index"].tolist() for b in loader]
 
 
-def _rank_main(rank: int, port: int, data: str, out: str, parent: Loader,  # noqa: PLR0917 (mp.spawn's args)
+def _rank_main(rank: int, port: int, data: str, out: str, pickled: bytes,  # noqa: PLR0917 (start_processes' args)
                state: dict[str, Any]) -> None:
+    parent: Loader = pickle.loads(pickled)  # as ddp_spawn hands a DataModule's loader to its ranks
     res: dict[str, Any] = {}
     os.environ["WORLD_SIZE"] = "2"  # a launcher's size without its RANK (and no LOCAL_RANK)
     try:
@@ -82,7 +84,9 @@ def test_the_process_group_decides_wherever_the_loader_was_built(frameworks_pack
         next(it)
     state = mid.state_dict()
     out = tmp_path / "out.json"
-    mp.spawn(_rank_main, args=(free_port(), str(frameworks_pack), str(out), parent, state), nprocs=2, join=True)
+    # Forked (cheap: torch is imported) but with the parent's loader pickled, as a spawned rank receives it.
+    mp.start_processes(_rank_main, args=(free_port(), str(frameworks_pack), str(out), pickle.dumps(parent), state),
+                       nprocs=2, join=True, start_method="fork")
     ranks = json.loads(out.read_text())
     msg = ranks[0]["before_init"]
     assert "WORLD_SIZE=2" in msg and "RANK" in msg and "\n" not in msg, msg

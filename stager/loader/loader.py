@@ -81,6 +81,10 @@ class Loader(LoaderBase):
         super().__init__(dataset)
         frameworks.install_present()
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled into other processes (a DataModule into ddp_spawn's ranks): the workers stay here.
+        return {**self.__dict__, "_pool": None, "_pool_finalizer": None}
+
     @property
     def sampler(self) -> frameworks.EpochHook:
         """The epoch hook Lightning and Fabric call each epoch (``sampler.set_epoch(e)`` is ``set_epoch(e)``)."""
