@@ -19,6 +19,7 @@ rank writes ``OUT/<phase>-rank<r>.json``: per epoch the ``index`` lists of the b
 from __future__ import annotations
 
 import json
+import socket
 import sys
 import warnings
 from pathlib import Path
@@ -55,7 +56,7 @@ class Recorder(L.LightningModule):
 
     def on_train_end(self) -> None:
         loader = self.trainer.train_dataloader
-        out = {"seen": self.seen, "early_world": EARLY_WORLD, "len": len(loader),
+        out = {"seen": self.seen, "early_world": EARLY_WORLD, "len": len(loader), "host": socket.gethostname(),
                "world": [loader.dataset.rank, loader.dataset.world_size]}
         (OUT / f"{self.phase}-rank{self.global_rank}.json").write_text(json.dumps(out))
 
