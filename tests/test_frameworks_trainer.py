@@ -64,3 +64,27 @@ def test_sample_dataset_in_dataloader_workers_covers_every_index(frameworks_pack
     assert sorted(seen.tolist()) == list(range(N))
     b = next(iter(dl))
     assert b["image"].shape == (10, 3, 8, 8) and b["image"].dtype == torch.uint8 and len(b["key"]) == 10
+
+
+def test_sample_dataset_of_fields_and_clips_matches_the_loaders_batches(tmp_path: Path) -> None:
+    from stager.pack import pack
+    from tools.datagen import make_shapes, make_videos
+
+    shapes = make_shapes(tmp_path / "shapes", train=10, val=2, size=48, seed=3)
+    pack(shapes / "train.jsonl", tmp_path / "fields", "tar", fields="mask:mask,boxes:boxes,box_labels:box_labels",
+         samples_per_shard=4)
+    make_videos(tmp_path / "vid", sequences=2, frames=9, size=(24, 32), seed=1)
+    pack(tmp_path / "vid" / "frames", tmp_path / "clips", "tar", clip_length=4, samples_per_shard=5)
+    for name, size in (("fields", 32), ("clips", 16)):
+        kw = {"image_size": size, "transform": "eval", "staged": False}
+        ds = SampleDataset(tmp_path / name, **kw)
+        batch = next(iter(make_loader(tmp_path / name, 64, rank=0, world_size=1, shuffle=False, **kw)))
+        assert len(ds) == len(batch["index"])
+        for j in range(len(ds)):
+            s = ds[j]
+            assert torch.equal(s["image"], batch["image"][j].contiguous()), (name, j)
+            for k, v in s.items():
+                if k != "image":
+                    want = batch[k][j]
+                    got = v.tolist() if hasattr(v, "tolist") else v
+                    assert got == (want.tolist() if hasattr(want, "tolist") else want), (name, k)
