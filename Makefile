@@ -15,8 +15,12 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python tools/demo.py
 
+# TESTS narrows the run (make test TESTS=tests/test_pack.py). `exec`: make passes SIGTERM to its recipe's
+# process, which must be pytest itself (a shell in between would die and leave pytest running), so that
+# an interrupted run still tears down what it brought up (tests/conftest.py, tools/cluster/session.py).
+TESTS ?= tests
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow and not gpu and not faults" tests
+	exec $(BIN)/python -m pytest -q -m "not slow and not gpu and not faults" $(TESTS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check stager tools tests
@@ -35,7 +39,8 @@ faults: $(STAMP)
 clean-venv:
 	rm -rf $(VENV)
 
-# A real Slurm cluster on this machine (root; installs slurm-wlm, munge, sshfs, openmpi-bin with apt when missing):
+# A real Slurm cluster on this machine (root; installs slurm-wlm, munge, sshfs, openssh-sftp-server, openmpi-bin,
+# libpmix-dev with apt when missing):
 # CLUSTER_NODES (4) nodes, a storage host behind a CLUSTER_STORAGE_MBIT (400) link, slurmctld. Writes
 # .cluster/env; tools/cluster/README.md. cluster-down removes everything it made, at any time.
 cluster: $(STAMP)

@@ -18,11 +18,30 @@ from tools.datagen import make_cifar, make_imagefolder  # noqa: E402
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """SIGTERM (``make`` passing on its own, a CI time limit) and SIGHUP end the run as Ctrl-C does, so
+    session fixtures are torn down (the cluster above all: tools/cluster/session.py)."""
+    from tools.cluster.session import signals_interrupt
+
+    signals_interrupt()
+
+
 @pytest.fixture(scope="session")
 def imagenet_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """ImageFolder of 4 classes x 6 JPEGs at ~1/4 ImageNet size (fast to generate and decode)."""
     root = tmp_path_factory.mktemp("imagenet") / "train"
     return make_imagefolder(root, num_classes=4, per_class=6, seed=1, size=(128, 96))
+
+
+@pytest.fixture(scope="session")
+def imagenet_tiny_tar(imagenet_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``imagenet_tiny`` packed once per session: 12 tar shards of 2 JPEGs (~250 KB). Shared by the
+    modules that stage, stream and prefetch it: read it, never change it (copy it to damage it)."""
+    from stager.pack import pack
+
+    out = tmp_path_factory.mktemp("imagenet-tar") / "packed"
+    pack(imagenet_tiny, out, "tar", samples_per_shard=2)
+    return out
 
 
 @pytest.fixture(scope="session")

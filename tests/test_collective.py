@@ -24,7 +24,6 @@ from hypothesis import strategies as st
 from stager.errors import UsageError, VerificationError
 from stager.manifest import load_manifest
 from stager.order.partition import assign_shards_to_nodes
-from stager.pack import pack
 from stager.receipt import load_receipt
 from stager.stage import stage
 from stager.stage.collective.group import resolve_endpoint
@@ -64,12 +63,10 @@ sys.exit(main(sys.argv[1:]))
 '''
 
 
-@pytest.fixture(scope="module")
-def packed(imagenet_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """12 tar shards of 2 JPEGs (~20 KB each, ~250 KB in all)."""
-    out = tmp_path_factory.mktemp("coll") / "packed"
-    pack(imagenet_tiny, out, samples_per_shard=2)
-    return out
+@pytest.fixture
+def packed(imagenet_tiny_tar: Path) -> Path:
+    """12 tar shards of 2 JPEGs (~20 KB each, ~250 KB in all): the session's pack (read-only)."""
+    return imagenet_tiny_tar
 
 
 def _free_port() -> int:

@@ -28,7 +28,8 @@ try:
 except ImportError:  # pragma: no cover - the test extra installs it
     HAVE_FAST = False
 
-BACKENDS = ["pil", pytest.param("fast", marks=pytest.mark.skipif(not HAVE_FAST, reason="simplejpeg missing"))]
+NO_FAST = "simplejpeg is not installed (a dependency of stager: pip install simplejpeg; make venv installs it)"
+BACKENDS = ["pil", pytest.param("fast", marks=pytest.mark.skipif(not HAVE_FAST, reason=NO_FAST))]
 
 
 def _rgb(h: int = 150, w: int = 200, seed: int = 0) -> np.ndarray:
@@ -322,7 +323,7 @@ def _photos(n: int = 6) -> list[bytes]:
     return out
 
 
-@pytest.mark.skipif(not HAVE_FAST, reason="simplejpeg missing")
+@pytest.mark.skipif(not HAVE_FAST, reason=NO_FAST)
 def test_fast_path_close_to_reference() -> None:
     fast, ref = dc.get_decoder("fast"), dc.get_decoder("pil")
     rrc, cc = [], []
@@ -345,7 +346,7 @@ def test_fast_path_close_to_reference() -> None:
     assert np.abs(a.astype(np.int16) - b).mean() < 5.0
 
 
-@pytest.mark.skipif(not HAVE_FAST, reason="simplejpeg missing")
+@pytest.mark.skipif(not HAVE_FAST, reason=NO_FAST)
 @pytest.mark.parametrize("kind", ["jpeg420", "jpeg444", "jpeg422", "jpeg_gray", "jpeg_odd_size", "jpeg_progressive"])
 def test_row_truncation_is_bit_exact(kind: str) -> None:
     from stager.decode.fast_backend import FastJpegDecoder
@@ -361,7 +362,7 @@ def test_row_truncation_is_bit_exact(kind: str) -> None:
             assert np.array_equal(a, b), (kind, dct_scale, seed)
 
 
-@pytest.mark.skipif(not HAVE_FAST, reason="simplejpeg missing")
+@pytest.mark.skipif(not HAVE_FAST, reason=NO_FAST)
 def test_header_parser_agrees_with_pillow_and_simplejpeg() -> None:
     import simplejpeg as sj
 
@@ -384,7 +385,7 @@ def test_decoders_pickle_for_spawned_workers(decoder: dc.Decoder) -> None:
     assert clone.name == decoder.name and np.array_equal(a, b)
 
 
-@pytest.mark.skipif(not HAVE_FAST, reason="simplejpeg missing")
+@pytest.mark.skipif(not HAVE_FAST, reason=NO_FAST)
 def test_scratch_reuse_does_not_leak_between_calls() -> None:
     fast = dc.get_decoder("fast")
     first = dc.decode_center_crop(INPUTS["jpeg420"], 64, decoder=fast)

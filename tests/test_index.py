@@ -37,6 +37,8 @@ from stager.stage import stage
 from stager.verify import verify
 from tools.datagen import jpeg_bytes, png_bytes
 
+NO_PYARROW = "pyarrow is not installed (pip install 'stager[parquet]'; make venv installs it)"
+
 
 def _img(i: int, png: bool = False) -> bytes:
     arr = np.random.default_rng(i).integers(0, 255, (12, 10, 3), dtype=np.uint8)
@@ -79,8 +81,8 @@ def write_tfrecords(d: Path, n: int = 20, files: int = 2) -> dict[str, tuple[byt
 
 def write_hf_parquet(d: Path, n: int = 25) -> dict[str, tuple[bytes, int]]:
     """Hugging Face `datasets`: an in-memory Dataset with Image and ClassLabel features, to_parquet (offline)."""
-    pytest.importorskip("pyarrow")
-    datasets = pytest.importorskip("datasets")
+    pytest.importorskip("pyarrow", reason=NO_PYARROW)
+    datasets = pytest.importorskip("datasets", reason="datasets is not installed (pip install 'stager[test]')")
     d.mkdir(parents=True)
     names = ["tench", "goldfish", "shark"]
     feats = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=names)})
@@ -93,8 +95,8 @@ def write_hf_parquet(d: Path, n: int = 25) -> dict[str, tuple[bytes, int]]:
 def write_pyarrow(d: Path, n: int = 30) -> dict[int, tuple[bytes, str]]:
     """pyarrow: a plain binary column with string labels; one file snappy-compressed (pyarrow's default),
     one uncompressed with dictionary pages (pyarrow's default dictionary encoding)."""
-    pa = pytest.importorskip("pyarrow")
-    pq = pytest.importorskip("pyarrow.parquet")
+    pa = pytest.importorskip("pyarrow", reason=NO_PYARROW)
+    pq = pytest.importorskip("pyarrow.parquet", reason=NO_PYARROW)
     d.mkdir(parents=True)
     images = [_img(300 + i) for i in range(n)]
     labels = [f"k{i % 3}" for i in range(n)]

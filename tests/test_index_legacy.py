@@ -50,7 +50,7 @@ from tools.datagen import (
     write_recordio,
 )
 
-lmdb = pytest.importorskip("lmdb")
+lmdb = pytest.importorskip("lmdb", reason="lmdb is not installed (pip install 'stager[lmdb]'; make venv does)")
 MAGIC = struct.pack("<I", RECORDIO_MAGIC)
 
 

@@ -119,7 +119,7 @@ def test_tarfile_sees_deterministic_regular_members(
             assert t.extractfile(cls).read() == str(s.label).encode()  # type: ignore[union-attr]
 
 
-@pytest.mark.skipif(shutil.which("tar") is None, reason="no tar executable")
+@pytest.mark.skipif(shutil.which("tar") is None, reason="no tar executable (apt-get install -y tar)")
 def test_gnu_tar_extracts_every_file(
     samples: list[Sample], tar_shard: tuple[Path, Manifest, bool], tmp_path: Path
 ) -> None:
@@ -219,7 +219,7 @@ def test_tfrecord_reads_through_our_index(samples: list[Sample], record_shard: t
 
 @pytest.mark.slow
 def test_tensorflow_reads_record_shard(samples: list[Sample], record_shard: tuple[Path, Path, Manifest]) -> None:
-    tf = pytest.importorskip("tensorflow")
+    tf = pytest.importorskip("tensorflow", reason="tensorflow is not installed here (pip install tensorflow-cpu)")
     path, _, _ = record_shard
     spec = {
         "image/encoded": tf.io.FixedLenFeature([], tf.string),

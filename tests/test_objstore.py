@@ -29,8 +29,8 @@ from stager.stage import stage
 from stager.verify import verify
 from tools.objstore_servers import CREDENTIALS, AzuriteServer, FaultProxy, MotoServer, RangeHTTPServer, azurite_path
 
-pytest.importorskip("s3fs")
-pytest.importorskip("moto")
+pytest.importorskip("s3fs", reason="s3fs is not installed (pip install 'stager[test]'; make venv does)")
+pytest.importorskip("moto", reason="moto is not installed (pip install 'stager[test]'; make venv does)")
 
 FAST_RETRIES = {"STAGER_RETRIES": "4", "STAGER_RETRY_BASE": "0.01", "STAGER_RETRY_CAP": "0.05",
                 "STAGER_REQUEST_TIMEOUT": "3"}
@@ -528,7 +528,7 @@ def test_index_over_http_a_listed_directory_and_one_object(tmp_path: Path) -> No
 # ---- Azure Blob (azurite) ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def azurite() -> AzuriteServer:
-    pytest.importorskip("adlfs")
+    pytest.importorskip("adlfs", reason="adlfs is not installed (pip install 'stager[azure]')")
     exe = azurite_path()
     if exe is None:
         pytest.skip("azurite not installed (tools/setup_venv.sh installs it with npm)")
@@ -576,7 +576,7 @@ def test_azure_pack_verify_stage_and_load_through_faults(imagenet_tiny: Path, lo
 
 def test_index_recordio_and_lmdb_in_a_bucket(moto: MotoServer, bucket: str, s3env: dict, tmp_path: Path) -> None:
     """MXNet .rec files and an LMDB's data.mdb as objects: each copied down once, scanned, read in the bucket."""
-    pytest.importorskip("lmdb")
+    pytest.importorskip("lmdb", reason="lmdb is not installed (pip install 'stager[lmdb]')")
     from tests.test_index_legacy import _lmdb_truth, write_rec_pair
     from tools.datagen import make_caffe_lmdb
 

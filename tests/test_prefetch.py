@@ -57,11 +57,10 @@ print(json.dumps(out))
 '''
 
 
-@pytest.fixture(scope="module")
-def packed(imagenet_tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("pf") / "packed"
-    pack(imagenet_tiny, out, samples_per_shard=2)
-    return out
+@pytest.fixture
+def packed(imagenet_tiny_tar: Path) -> Path:
+    """12 tar shards of 2 JPEGs: the session's pack (read-only)."""
+    return imagenet_tiny_tar
 
 
 def _payload(packed: Path, gid: int) -> bytes:

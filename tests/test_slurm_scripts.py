@@ -137,6 +137,13 @@ def seg_parser() -> argparse.ArgumentParser:
     return build_parser()
 
 
+def video_parser() -> argparse.ArgumentParser:
+    sys.path.insert(0, str(ROOT))
+    from tools.train_video import build_parser
+
+    return build_parser()
+
+
 def flags_of(args: list[str]) -> list[str]:
     return [a.split("=", 1)[0] for a in args if a.startswith("--")]
 
@@ -175,12 +182,9 @@ def test_stager_flags_accepted(script: Path) -> None:
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
 def test_train_flags_accepted(script: Path) -> None:
-    calls = [(prog, make, args) for prog, make in (("train.py", train_parser), ("train_seg.py", seg_parser))
-             for args in invocations(script, prog)]
-    if not calls:  # another training program (tools/train_video.py): its parser is not importable here
-        others = [t for ln in logical_lines(script.read_text()) for t in words(ln) if re.match(r"tools/\w+\.py$", t)]
-        assert others, f"{script.name}: no train.py (or train_seg.py) invocation found"
-        pytest.skip(f"{script.name} runs {others[0]}, whose flags this test does not check")
+    programs = (("train.py", train_parser), ("train_seg.py", seg_parser), ("train_video.py", video_parser))
+    calls = [(prog, make, args) for prog, make in programs for args in invocations(script, prog)]
+    assert calls, f"{script.name}: no invocation of {', '.join(p for p, _ in programs)} found"
     for prog, make, args in calls:
         known = option_strings(make())
         for flag in flags_of(args):

@@ -73,11 +73,26 @@ def cifar_packed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def full_run(cifar_packed: dict[str, Path]) -> dict[str, Any]:
-    """The uninterrupted 2-rank reference run: 2 epochs x 6 steps, keys dumped per rank."""
-    out = cifar_packed["base"] / "full"
-    summary = run_train(["--data", str(cifar_packed["train"]), "--val", str(cifar_packed["test"]), *COMMON,
-                         "--out", str(out), "--dump-keys", str(out / "keys"), "--baseline-ips", "100"])
-    return {"summary": summary, "out": out}
+    """The uninterrupted 2-rank reference run: 2 epochs x 6 steps, keys dumped per rank. It reads
+    through ``--follow-src`` with a real `stager stage --follow` beside it (half the data's bytes of
+    budget): the same samples in the same order as reading SRC, so one run serves the learning,
+    resume and evaluation checks and the follower's (test_follow_src_feeds_a_real_follower...)."""
+    src, base = cifar_packed["train"], cifar_packed["base"]
+    out, dest = base / "full", base / "full-dest"
+    total = sum(s["bytes"] for s in json.loads((src / "manifest.json").read_text())["shards"])
+    fol = subprocess.Popen(
+        [sys.executable, "-m", "stager", "stage", str(src), str(dest), "--follow", "--budget", str(total // 2),
+         "--json", "--poll", "0.01"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        summary = run_train(["--data", str(dest), "--follow-src", str(src), "--val", str(cifar_packed["test"]),
+                             *COMMON, "--out", str(out), "--dump-keys", str(out / "keys"), "--baseline-ips", "100"])
+        fol_out, fol_err = fol.communicate(timeout=60)
+    finally:
+        if fol.poll() is None:
+            fol.kill()
+    return {"summary": summary, "out": out, "dest": dest, "budget": total // 2,
+            "follower": (fol.returncode, fol_out, fol_err)}
 
 
 def test_two_ranks_learn_on_disjoint_samples(full_run: dict[str, Any], cifar_packed: dict[str, Path]) -> None:
@@ -282,36 +297,24 @@ def test_holdout_view_without_val(cifar_packed: dict[str, Path]) -> None:
     assert {k for r in recs for k in r["masked"]} == held
 
 
-def test_follow_src_feeds_a_real_follower_beside_two_ranks(cifar_packed: dict[str, Path], tmp_path: Path) -> None:
-    """train.py --follow-src with `stager stage --follow` running beside it: the ranks link DEST to
-    SRC and report every step; the follower fetches within its budget and stops by itself once both
-    ranks finished, having seen every batch of both epochs as a hit or a miss."""
-    src = cifar_packed["train"]
-    dest = tmp_path / "dest"
-    m = json.loads((src / "manifest.json").read_text())
-    total = sum(s["bytes"] for s in m["shards"])
-    fol = subprocess.Popen(
-        [sys.executable, "-m", "stager", "stage", str(src), str(dest), "--follow", "--budget", str(total // 2),
-         "--json", "--poll", "0.01"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    try:
-        summary = run_train(["--data", str(dest), "--follow-src", str(src), "--val", str(cifar_packed["test"]),
-                             *COMMON, "--out", str(tmp_path / "out")])
-        out, err = fol.communicate(timeout=60)
-    finally:
-        if fol.poll() is None:
-            fol.kill()
-    assert fol.returncode == 0, err
-    res = json.loads(out.strip().splitlines()[-1])
-    assert res["stopped"] == "finished"
-    assert res["peak_local_bytes"] <= total // 2
+def test_follow_src_feeds_a_real_follower_beside_two_ranks(full_run: dict[str, Any],
+                                                          cifar_packed: dict[str, Path]) -> None:
+    """train.py --follow-src with `stager stage --follow` running beside it (the reference run): the
+    ranks link DEST to SRC and report every step; the follower fetches within its budget and stops
+    by itself once both ranks finished, having seen every batch of both epochs as a hit or a miss."""
     from stager.manifest import load_manifest
 
+    src, dest = cifar_packed["train"], full_run["dest"]
+    rc, out, err = full_run["follower"]
+    assert rc == 0, err
+    res = json.loads(out.strip().splitlines()[-1])
+    assert res["stopped"] == "finished"
+    assert res["peak_local_bytes"] <= full_run["budget"]
     sample_bytes = sum(int(sh.sizes.sum()) for sh in load_manifest(src).shards)
     # 96 samples = 2 ranks x 6 batches x 8: every sample read once per epoch, every read accounted.
     assert res["hit_bytes"] + res["miss_bytes"] == 2 * sample_bytes, res
     assert res["fetched_shards"] > 0
-    assert summary["data_source"]["reading_from"].startswith(str(dest))
+    assert full_run["summary"]["data_source"]["reading_from"].startswith(str(dest))
     for r in (0, 1):
         rep = json.loads((dest / ".stager-progress" / f"rank{r}.json").read_text())
         assert rep["finished"] and not rep.get("failed") and rep["epoch"] == 1

@@ -102,7 +102,8 @@ def to_unit(x: torch.Tensor) -> torch.Tensor:
     return x.float().div_(127.5).sub_(1.0)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (tests/test_slurm_scripts.py checks the job scripts' flags against it)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", required=True, help="a clip pack with clip length >= 12")
     p.add_argument("--image-size", type=int, default=128)
@@ -115,7 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--summary-json", default=None)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     rank, world = setup()
     torch.manual_seed(args.seed)
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // max(1, world)))

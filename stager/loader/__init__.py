@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from stager.loader.options import LoaderOptions
+from stager.loader.options import BoxFilter, LoaderOptions
 from stager.loader.state import LoaderState
 
 if TYPE_CHECKING:
@@ -36,8 +36,8 @@ if TYPE_CHECKING:
     from stager.loader.numpy_loader import NumpyLoader, make_numpy_loader
     from stager.loader.samples import SampleDataset
 
-__all__ = ["Loader", "LoaderOptions", "LoaderState", "NumpyLoader", "SampleDataset", "ShardedDataset", "make_loader",
-           "make_numpy_loader"]
+__all__ = ["BoxFilter", "Loader", "LoaderOptions", "LoaderState", "NumpyLoader", "SampleDataset", "ShardedDataset",
+           "make_loader", "make_numpy_loader"]
 
 # The names whose modules import torch (or, for the numpy loader, multiprocessing), loaded on first use.
 _LAZY = {"Loader": "stager.loader.loader", "ShardedDataset": "stager.loader.dataset",
@@ -79,6 +79,7 @@ def make_loader(
     use_mmap: bool = True,
     persistent_workers: bool | None = None,
     fields: Sequence[str] | str | None = None,
+    box_filter: BoxFilter | Mapping[str, float] | None = None,
 ) -> Loader:
     """A per-rank iterable of batch dicts ``{"key", "label", "index", "image"}`` (see docs/loader.md).
 
@@ -96,6 +97,9 @@ def make_loader(
     epoch (same batches; :meth:`Loader.close` stops them). ``fields``: on a dataset with fields
     (docs/fields.md), the fields to read (None: all; unnamed fields are not decoded); the batch then
     holds each field by name, transformed with the image (one crop and flip for image, masks, boxes).
+    ``box_filter``: which boxes a crop keeps (:class:`~stager.loader.options.BoxFilter`, or a dict of
+    its ``min_side``, ``min_area``, ``min_visibility``; default: every box whose visible part is at
+    least 1 output pixel wide, high and in area).
     """
     options = LoaderOptions(
         batch_size=batch_size,
@@ -123,6 +127,7 @@ def make_loader(
         use_mmap=use_mmap,
         persistent_workers=persistent_workers,
         fields=None if fields is None else ((fields,) if isinstance(fields, str) else tuple(fields)),
+        box_filter=box_filter,
     )
     from stager.loader.dataset import TorchRankDataset  # noqa: PLC0415 (torch only where its loader is used)
     from stager.loader.loader import Loader  # noqa: PLC0415 (as above)

@@ -12,9 +12,12 @@ Geometry (:class:`Geometry`): ``transform="train"`` draws one random-resized cro
 coin for the sample (:func:`~stager.decode.crop.random_resized_crop_box`, the image path's own
 draws); ``"eval"``/``None`` is the resize + center crop. Both map output pixel ``i`` to source
 coordinate ``left + (i + 0.5) * box_w / size``: the image is resized over the box by the decoder,
-masks are sampled nearest at those coordinates, boxes are mapped affinely, clipped to the output
-and dropped (with their per-box entries) when less than :data:`MIN_VISIBLE` of their area or less
-than :data:`MIN_SIDE` pixels of width or height stays visible. A callable transform gets the whole
+masks are sampled nearest at those coordinates, boxes are mapped affinely and clipped to the output.
+A box is dropped (with its per-box entries) only when its visible part is degenerate, by the
+loader's :class:`BoxFilter`: less than ``min_side`` output pixels of width or height, or less than
+``min_area`` square output pixels (torchvision's ``SanitizeBoundingBoxes`` defaults, 1 and 1), or,
+when asked for, less than ``min_visibility`` of the box's own area (albumentations' rule; 0 by
+default, so the box of an object that fills a zoomed crop is kept). A callable transform gets the whole
 decoded sample dict (``image`` (H, W, 3) uint8, masks (H, W) uint8, boxes (n, 4) float32, ...) and
 an RNG, and returns a dict of the same keys.
 
@@ -34,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from stager.errors import UsageError
+from stager.loader.options import DEFAULT_BOX_FILTER, BoxFilter
 from stager.manifest import Manifest
 from stager.manifest.fields import (
     FieldSpec,
@@ -43,9 +47,6 @@ from stager.manifest.fields import (
     specs_from_json,
     values_column,
 )
-
-MIN_VISIBLE = 0.1  # a box keeps at least this fraction of its area inside the crop, or is dropped
-MIN_SIDE = 1.0  # ... and at least this many output pixels of width and height
 
 
 def select_fields(m: Manifest, names: Sequence[str] | str | None) -> list[FieldSpec]:
@@ -96,17 +97,16 @@ class Geometry:
         cols = np.clip(np.floor(self.left + i * self.width / self.size), 0, w - 1).astype(np.intp)
         return rows, (cols[::-1] if self.flip else cols)
 
-    def map_boxes(self, boxes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(boxes in output pixels, kept mask)``: mapped, clipped to ``[0, size]``, flipped; see the module doc."""
+    def map_boxes(self, boxes: np.ndarray, box_filter: BoxFilter = DEFAULT_BOX_FILTER) -> tuple[np.ndarray, np.ndarray]:
+        """``(boxes in output pixels, kept mask)``: mapped, clipped to ``[0, size]``, filtered by
+        ``box_filter``, flipped; see the module doc."""
         s = self.size
         sx, sy = s / self.width, s / self.height
         b = np.asarray(boxes, dtype=np.float64).reshape(-1, 4)
         # Few numpy calls per sample (each costs ~1 us of dispatch): 2x the column-wise version.
         m = (b - (self.left, self.top, self.left, self.top)) * (sx, sy, sx, sy)
         c = m.clip(0.0, float(s))
-        d = c[:, 2:] - c[:, :2]  # (n, 2): visible width and height
-        keep = (d >= MIN_SIDE).all(axis=1)
-        keep &= d[:, 0] * d[:, 1] >= MIN_VISIBLE * ((m[:, 2] - m[:, 0]) * (m[:, 3] - m[:, 1]))
+        keep = box_filter.keep(m, c)
         c = c[keep]
         if self.flip:
             c = c[:, [2, 1, 0, 3]]
@@ -168,11 +168,13 @@ class FieldsSampleFn:
     """Per sample: its span (bytes) and global id -> a dict of decoded, jointly transformed fields."""
 
     def __init__(self, m: Manifest, specs: Sequence[FieldSpec], span_offsets: np.ndarray, *,
-                 transform: Any, size: int, kind: str, side: bool = False, starts: np.ndarray | None = None) -> None:
+                 transform: Any, size: int, kind: str, side: bool = False, starts: np.ndarray | None = None,
+                 box_filter: BoxFilter = DEFAULT_BOX_FILTER) -> None:
         if kind not in ("encoded", "decoded"):
             raise UsageError(f"fields are not read from {kind!r} samples")
         self.specs = list(specs)
         self.transform, self.size = transform, size
+        self.box_filter = box_filter
         self._m = m
         self._spans = span_offsets
         self._mod: Any = None
@@ -277,7 +279,7 @@ class FieldsSampleFn:
                 rows, cols = g.sample_rows_cols(*arr.shape[:2])
                 out[s.name] = arr[rows][:, cols]
             elif s.kind == "boxes":
-                out[s.name], keep = g.map_boxes(v)
+                out[s.name], keep = g.map_boxes(v, self.box_filter)
             else:
                 out[s.name] = _plain_value(s, v)
         if keep is not None:

@@ -13,12 +13,66 @@ from __future__ import annotations
 import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stager.errors import UsageError
 from stager.order.epoch import SHUFFLE_MODES
 
+if TYPE_CHECKING:
+    import numpy as np
+
 DEFAULT_BUFFER_BYTES = 512 << 20
+
+
+@dataclass(frozen=True)
+class BoxFilter:
+    """Which boxes survive a crop (``make_loader(box_filter=...)``): a box is kept when the part of it
+    inside the output has width and height of at least ``min_side`` output pixels (and more than 0),
+    an area of at least ``min_area`` square output pixels and at least ``min_visibility`` (0..1) of
+    the box's own area. The defaults keep every box whose object is visible: torchvision's
+    ``SanitizeBoundingBoxes(min_size=1, min_area=1)``, albumentations' ``min_visibility=0``. A crop
+    that zooms into a large object keeps that object's box, however small a fraction of it shows."""
+
+    min_side: float = 1.0
+    min_area: float = 1.0
+    min_visibility: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("min_side", "min_area", "min_visibility"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+                raise UsageError(f"box_filter: {name} must be a number >= 0, got {v!r}")
+        if self.min_visibility > 1:
+            raise UsageError(f"box_filter: min_visibility is a fraction of the box's area (0..1), "
+                             f"got {self.min_visibility!r}")
+
+    @classmethod
+    def of(cls, value: BoxFilter | Mapping[str, float] | None) -> BoxFilter:
+        """``value`` as a filter: a BoxFilter, a mapping of its fields (``{"min_visibility": 0.3}``),
+        or None (the defaults); UsageError naming an unknown key."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, Mapping):
+            unknown = sorted(set(value) - {"min_side", "min_area", "min_visibility"})
+            if unknown:
+                raise UsageError(f"box_filter: unknown keys {unknown}; expected min_side, min_area, min_visibility")
+            return cls(**value)
+        raise UsageError(f"box_filter must be a BoxFilter, a dict of its fields or None, got {type(value).__name__}")
+
+    def keep(self, mapped: np.ndarray, clipped: np.ndarray) -> np.ndarray:
+        """bool (n,): which of the boxes survive; ``mapped`` (n, 4) xyxy in output pixels before
+        clipping to the output, ``clipped`` after."""
+        d = clipped[:, 2:] - clipped[:, :2]  # (n, 2): visible width and height
+        area = d[:, 0] * d[:, 1]
+        keep = (d > 0).all(axis=1) & (d >= self.min_side).all(axis=1) & (area >= self.min_area)
+        if self.min_visibility > 0:
+            keep &= area >= self.min_visibility * ((mapped[:, 2] - mapped[:, 0]) * (mapped[:, 3] - mapped[:, 1]))
+        return keep
+
+
+DEFAULT_BOX_FILTER = BoxFilter()
 
 
 @dataclass(frozen=True)
@@ -54,6 +108,7 @@ class LoaderOptions:
     use_mmap: bool = True
     persistent_workers: bool | None = None
     fields: tuple[str, ...] | None = None  # samples with fields: which to read (None: all); docs/fields.md
+    box_filter: BoxFilter | Mapping[str, float] | None = None  # which cropped boxes survive (None: BoxFilter())
 
     def __post_init__(self) -> None:
         if self.num_workers is not None and self.num_workers < 0:
@@ -70,6 +125,7 @@ class LoaderOptions:
             raise UsageError(
                 f"shuffle must be True, False or one of {', '.join(SHUFFLE_MODES)}, got {self.shuffle!r}"
             )
+        object.__setattr__(self, "box_filter", BoxFilter.of(self.box_filter))
         if isinstance(self.fields, str):
             object.__setattr__(self, "fields", (self.fields,))
         elif self.fields is not None:

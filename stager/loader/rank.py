@@ -41,7 +41,7 @@ from stager.loader.clips import ClipFn, clip_meta, item_shard_groups, item_space
 from stager.loader.fetch import Fetcher, MappedFetcher, PreadFetcher
 from stager.loader.fields import FieldsSampleFn, assemble_fields, select_fields
 from stager.loader.index import index_from_manifest
-from stager.loader.options import LoaderOptions
+from stager.loader.options import BoxFilter, LoaderOptions
 from stager.loader.transforms import make_sample_fn
 from stager.manifest import Strings
 from stager.manifest.fields import FieldSpec, sample_fields
@@ -246,7 +246,8 @@ class RankDataset:
             self.resolved = dataclasses.replace(self.resolved, index=index_from_manifest(m, names))
         idx = self.resolved.index
         fn = FieldsSampleFn(m, specs, idx.offsets, transform=opts.transform, size=opts.image_size, kind=idx.kind,
-                            side=bool(names) and m.format not in SPAN_FORMATS, starts=idx.starts)
+                            side=bool(names) and m.format not in SPAN_FORMATS, starts=idx.starts,
+                            box_filter=BoxFilter.of(opts.box_filter))
         return fn, specs
 
     def _runtime_workers(self) -> int:

@@ -34,14 +34,14 @@ from stager.loader.rank import RankDataset
 
 # Per-sample options of make_loader that a map-style dataset takes (the order and workers are its user's).
 SAMPLE_OPTIONS = ("decode", "transform", "image_size", "seed", "storage_options", "staged", "staging_roots",
-                  "use_mmap", "fields")
+                  "use_mmap", "fields", "box_filter")
 
 
 class SampleDataset(Dataset):
     """Map-style view of a packed dataset: ``len(ds)`` samples (windows of a clip pack), ``ds[i]`` one dict.
 
     ``SampleDataset(path, decode="uint8", transform=None, image_size=224, seed=0, staged="auto",
-    storage_options=None, staging_roots=(), use_mmap=True, fields=None)``: the same meanings as
+    storage_options=None, staging_roots=(), use_mmap=True, fields=None, box_filter=None)``: the same meanings as
     :func:`~stager.loader.make_loader`. Picklable: each DataLoader worker opens the shards it reads.
     """
 

@@ -1,6 +1,7 @@
 """The on-disk contract every stage reads: ``manifest.json`` (per-shard facts and the dataset's
-schema, :mod:`~stager.manifest.document`) and its sample index (per-sample columns in a mapped
-table file, :mod:`~stager.manifest.samples` over :mod:`~stager.manifest.table`). docs/formats.md is
+schema, :mod:`~stager.manifest.document`), its shards' entries (:mod:`~stager.manifest.shard`) and
+its sample index (per-sample columns in a mapped table file, :mod:`~stager.manifest.samples` over
+:mod:`~stager.manifest.table`). docs/formats.md is
 normative."""
 
 from stager.manifest.document import (
@@ -9,10 +10,8 @@ from stager.manifest.document import (
     MAX_MANIFEST_BYTES,
     SCHEMA,
     SCHEMA_V1,
-    AuxFile,
     IndexRef,
     Manifest,
-    ShardInfo,
     _digest_of,
     bytes_for_copy,
     check_safe_name,
@@ -31,6 +30,7 @@ from stager.manifest.samples import (
     index_file_name,
     is_index_file_name,
 )
+from stager.manifest.shard import AuxFile, ShardInfo
 from stager.manifest.table import Column, Ragged, Strings, Table, open_table, parse_table, write_table
 
 __all__ = [

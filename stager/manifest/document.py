@@ -52,8 +52,8 @@ from stager.manifest.samples import (
     SampleIndex,
     index_file_name,
     is_index_file_name,
-    table_columns,
 )
+from stager.manifest.shard import AuxFile, ShardInfo, table_columns
 from stager.manifest.table import Column, Ragged, Strings, Table, open_table, parse_table, write_table
 
 SCHEMA = "stager.manifest/2"
@@ -83,18 +83,6 @@ def check_safe_name(name: object, what: str = "shard name") -> str:
 
 
 @dataclass(frozen=True)
-class AuxFile:
-    """A companion file of a shard that is staged with it (e.g. a record shard's DALI index)."""
-
-    name: str
-    bytes: int
-    hash: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "bytes": self.bytes, "hash": self.hash}
-
-
-@dataclass(frozen=True)
 class IndexRef:
     """The manifest's entry for its sample index file (v2): name, exact size, hash (``hash_algo``)."""
 
@@ -104,136 +92,6 @@ class IndexRef:
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "bytes": self.bytes, "hash": self.hash}
-
-
-class ShardInfo:
-    """One shard file: identity, integrity, and the per-sample index of its samples.
-
-    ``keys`` (a ``Sequence[str]``), ``labels``, ``offsets`` and ``sizes`` (int64 arrays) all have
-    length ``samples`` and are in the shard's physical order. ``columns`` holds extra per-sample
-    columns (fields, clips: :mod:`stager.manifest.samples`), each with ``samples`` rows.
-
-    A shard built in memory (pack, index) holds these arrays itself; a shard of a loaded v2
-    manifest holds a row range of the dataset's :class:`SampleIndex` and slices it on first use
-    (views into the mapped file, no copy), so loading a manifest costs O(shards).
-    """
-
-    __slots__ = ("_cols", "_keys", "_labels", "_offsets", "_rows", "_samples", "_sizes",
-                 "aux", "bytes", "extents", "hash", "name")
-
-    # The positional order is v1's dataclass order: pack, index and tests build shards positionally.
-    def __init__(self, name: str, bytes: int, hash: str, keys: Sequence[str] | None = None,  # noqa: PLR0917
-                 labels: np.ndarray | None = None, offsets: np.ndarray | None = None,
-                 sizes: np.ndarray | None = None, aux: list[AuxFile] | None = None, extents: str = "bytes",
-                 *, columns: Mapping[str, Column] | None = None, samples: int | None = None,
-                 rows: tuple[SampleIndex, int] | None = None) -> None:
-        self.name = name
-        self.bytes = bytes
-        self.hash = hash
-        self.aux = list(aux or [])
-        self.extents = extents  # "bytes": byte ranges; "rows": rows (parquet); "records": framed records (recordio)
-        self._rows = rows
-        if keys is not None:
-            if labels is None or offsets is None or sizes is None:
-                raise TypeError("ShardInfo needs keys, labels, offsets and sizes (or rows of a sample index)")
-            n = len(keys)
-            self._samples = n
-            self._keys: Sequence[str] | None = keys
-            self._labels: np.ndarray | None = np.asarray(labels, dtype=np.int64)
-            self._offsets: np.ndarray | None = np.asarray(offsets, dtype=np.int64)
-            self._sizes: np.ndarray | None = np.asarray(sizes, dtype=np.int64)
-            self._cols: dict[str, Column] | None = dict(columns or {})
-            for what, arr in (("labels", self._labels), ("offsets", self._offsets), ("sizes", self._sizes),
-                              *self._cols.items()):
-                if len(arr) != n:
-                    raise ValueError(f"{name}: {what} has {len(arr)} rows, keys {n}")
-        else:
-            if samples is None:
-                raise TypeError("ShardInfo needs keys, labels, offsets and sizes, or samples (and a sample index)")
-            self._samples = samples
-            self._keys = self._labels = self._offsets = self._sizes = None
-            self._cols = None
-
-    @property
-    def samples(self) -> int:
-        return self._samples
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = {k: getattr(self, k) for k in self.__slots__}
-        if self._rows is not None:  # slices of the mapped index: the receiver slices its own mapping
-            state.update(_keys=None, _labels=None, _offsets=None, _sizes=None, _cols=None)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        for k, v in state.items():
-            object.__setattr__(self, k, v)
-
-    def _slice(self) -> slice:
-        if self._rows is None:
-            raise ManifestError(f"{self.name}: the manifest's sample index is not attached (use load_manifest)")
-        start = self._rows[1]
-        return slice(start, start + self._samples)
-
-    @property
-    def keys(self) -> Sequence[str]:
-        if self._keys is None:
-            sl = self._slice()
-            assert self._rows is not None
-            self._keys = self._rows[0].keys[sl]
-        return self._keys
-
-    @property
-    def labels(self) -> np.ndarray:
-        if self._labels is None:
-            sl = self._slice()
-            assert self._rows is not None
-            self._labels = self._rows[0].labels[sl]
-        return self._labels
-
-    @property
-    def offsets(self) -> np.ndarray:
-        if self._offsets is None:
-            sl = self._slice()
-            assert self._rows is not None
-            self._offsets = self._rows[0].offsets[sl]
-        return self._offsets
-
-    @property
-    def sizes(self) -> np.ndarray:
-        if self._sizes is None:
-            sl = self._slice()
-            assert self._rows is not None
-            self._sizes = self._rows[0].sizes[sl]
-        return self._sizes
-
-    @property
-    def columns(self) -> dict[str, Column]:
-        """Extra per-sample columns by name (fields, clips), each with ``samples`` rows."""
-        if self._cols is None:
-            sl = self._slice()
-            assert self._rows is not None
-            self._cols = {n: c[sl] for n, c in self._rows[0].extra().items()}
-        return self._cols
-
-    def to_json(self) -> dict[str, Any]:
-        """The shard's manifest v2 entry (per-shard facts only; per-sample data is in the index)."""
-        out: dict[str, Any] = {"name": self.name, "bytes": self.bytes, "samples": self.samples, "hash": self.hash,
-                               "aux": [a.to_json() for a in self.aux]}
-        if self.extents != "bytes":
-            out["extents"] = self.extents
-        return out
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, ShardInfo):
-            return NotImplemented
-        return (self.to_json() == other.to_json() and list(self.keys) == list(other.keys)
-                and np.array_equal(self.labels, other.labels) and np.array_equal(self.offsets, other.offsets)
-                and np.array_equal(self.sizes, other.sizes))
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return f"ShardInfo({self.name!r}, bytes={self.bytes}, samples={self.samples}, hash={self.hash[:12]!r})"
 
 
 @dataclass
@@ -369,7 +227,9 @@ class Manifest:
     # ---- serialisation -------------------------------------------------------------------
     def _body(self) -> dict[str, Any]:
         if self.index is None:
-            raise ManifestError("the sample index must be written before the manifest (Manifest.write_index)")
+            # A caller's bug, never bad input: not a StagerError, so no CLI reports it as the user's error.
+            raise RuntimeError("internal error: a manifest's body (digest, dataset_id, to_bytes) needs its sample "
+                               "index written first (Manifest.write_index)")
         return {
             "schema": SCHEMA,
             "stager_version": self.stager_version,

@@ -14,7 +14,7 @@ column     type             meaning
 ``size``   int64 (N,)       the payload's length
 =========  ===============  ==========================================================
 
-Further columns are *extra* columns, carried shard by shard in :attr:`ShardInfo.columns` and kept
+Further columns are *extra* columns, carried shard by shard in :attr:`~stager.manifest.shard.ShardInfo.columns` and kept
 under their own names: samples with fields put theirs under ``field/<name>/...`` (the extents of
 each field's bytes in the shard, or the field's values themselves), clips their sequence number and
 frame number. The name is the contract; the manifest's ``fields``/``clips`` entries say how to read
@@ -27,15 +27,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from stager.errors import ManifestError
-from stager.manifest.table import Column, Ragged, Strings, Table
-
-if TYPE_CHECKING:
-    from stager.manifest.document import ShardInfo
+from stager.manifest.table import Ragged, Strings, Table
 
 KEY, LABEL, OFFSET, SIZE = "key", "label", "offset", "size"
 CORE = (KEY, LABEL, OFFSET, SIZE)
@@ -51,30 +48,6 @@ def index_file_name(digest: str) -> str:
 
 def is_index_file_name(name: str) -> bool:
     return name.startswith(INDEX_PREFIX) and name.endswith(INDEX_SUFFIX)
-
-
-def table_columns(shards: Sequence[ShardInfo]) -> dict[str, list[Column]]:
-    """The table's columns as per-shard parts (written back to back, never concatenated in memory).
-
-    Every shard must carry the same extra columns (a dataset has one schema)."""
-    extra = list(shards[0].columns) if shards else []
-    cols: dict[str, list[Column]] = {KEY: [], LABEL: [], OFFSET: [], SIZE: [], **{n: [] for n in extra}}
-    for s in shards:
-        if sorted(s.columns) != sorted(extra):
-            raise ManifestError(f"{s.name}: per-sample columns {sorted(s.columns)} differ from the first shard's "
-                                f"{sorted(extra)}; every shard of a dataset has the same fields")
-        keys = s.keys
-        cols[KEY].append(keys if isinstance(keys, Strings) else Strings.from_strings(keys))
-        cols[LABEL].append(np.asarray(s.labels, dtype=np.int64))
-        cols[OFFSET].append(np.asarray(s.offsets, dtype=np.int64))
-        cols[SIZE].append(np.asarray(s.sizes, dtype=np.int64))
-        for n in extra:
-            cols[n].append(s.columns[n])
-    if not shards:
-        cols[KEY].append(Strings.from_strings([]))
-        for n in (LABEL, OFFSET, SIZE):
-            cols[n].append(np.zeros(0, np.int64))
-    return cols
 
 
 class SampleIndex:

@@ -22,7 +22,8 @@ from typing import Any, Protocol
 from stager.errors import ManifestError
 from stager.fs.atomic import partial_path, space_error
 from stager.manifest import AuxFile, Manifest, ShardInfo, parse_table, write_table
-from stager.manifest.samples import CORE, KEY, LABEL, OFFSET, SIZE, table_columns
+from stager.manifest.samples import CORE, KEY, LABEL, OFFSET, SIZE
+from stager.manifest.shard import table_columns
 
 STATE_DIR = ".stager-pack"  # in OUT while a pack runs: plan.json and one done-record per written shard
 PLAN_SCHEMA = "stager.pack-plan/1"

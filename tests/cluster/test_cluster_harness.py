@@ -125,3 +125,24 @@ def test_down_removes_a_half_built_cluster(cluster: Cluster, tmp_path: Path, fai
     assert leftovers.strip() == ""
     # The session's cluster is untouched.
     assert sorted(cluster.node_states()) == cluster.nodes
+
+
+def test_the_set_up_installs_the_library_slurms_pmix_plugin_opens(cluster: Cluster) -> None:
+    """`srun --mpi=pmix` dlopens libpmix.so from the PMIx directory Slurm was built with: the set-up's
+    package table names that file (so `make cluster` installs libpmix-dev), and where apt could
+    install it, it is there."""
+    import glob
+    import re
+    from fnmatch import fnmatch
+
+    from tools.cluster import lifecycle
+
+    plugins = glob.glob("/usr/lib/*/slurm-wlm/mpi_pmix*.so")
+    assert plugins, "Slurm's mpi/pmix plugin is not installed (slurm-wlm-basic-plugins)"
+    dirs = {d.decode() for p in plugins for d in re.findall(rb"(/usr/[\w/.+-]*pmix[\w/.+-]*)\0", Path(p).read_bytes())}
+    wanted = [f"{d}/libpmix.so" for d in dirs if not d.endswith(".so")]
+    assert wanted, dirs
+    promised = {what for what, pkg in lifecycle.OPTIONAL.items() if pkg == "libpmix-dev"}
+    assert all(any(fnmatch(w, g) for g in promised) for w in wanted), (wanted, promised)
+    if not lifecycle.missing_packages(optional=True):
+        assert any(os.path.exists(w) for w in wanted), wanted

@@ -15,7 +15,10 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
+
 from stager.manifest import load_manifest
+from tools.cluster import lifecycle
 from tools.cluster.client import Cluster
 
 from .conftest import ROOT, expect
@@ -33,6 +36,10 @@ srun --mpi=pmix python tests/mpi_rank_script.py {data} {out}/pmix numpy
 
 
 def test_mpirun_and_srun_pmix_across_nodes(cluster: Cluster, cifar: dict[str, Path], tmp_path: Path) -> None:
+    missing = lifecycle.missing_packages(optional=True)
+    if missing:
+        pytest.skip(f"{', '.join(missing)} not installed (Open MPI's mpirun; libpmix.so for srun --mpi=pmix): "
+                    f"apt-get install -y {' '.join(missing)}, as `make cluster` does")
     out = tmp_path / "out"
     out.mkdir()
     data = cluster.shared_path(cifar["train"])

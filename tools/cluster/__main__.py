@@ -6,10 +6,10 @@ import argparse
 import os
 import sys
 
-from . import lifecycle, net, slurm
+from . import lifecycle, net, session, slurm
 from .config import Config
 from .proc import ClusterError, enter, netns_pids, ns_inode
-from .state import Record
+from .state import Owner, Record
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,6 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     on.add_argument("command", nargs=argparse.REMAINDER)
     pids = sub.add_parser("pids", help="processes inside a host's network namespace")
     pids.add_argument("host")
+    sub.add_parser("sweep", help="take down clusters that dead test sessions left (any checkout; `up` does this too)")
+    reap = sub.add_parser("reap", help="(internal) a test session's reaper: read stdin to its end, then take the "
+                                       "cluster down if that session still owns it (tools/cluster/session.py)")
+    reap.add_argument("--owner-pid", type=int, required=True)
+    reap.add_argument("--owner-start", required=True)
     a = p.parse_args(argv)
     cfg = Config.from_env()
     try:
@@ -36,9 +41,12 @@ def main(argv: list[str] | None = None) -> int:
         elif a.cmd == "down":
             lifecycle.down(cfg)
         elif a.cmd == "status":
-            lifecycle.healthy(cfg, Record(cfg.record))
+            rec = Record(cfg.record)
+            lifecycle.healthy(cfg, rec)
             states = slurm.node_states(cfg)
-            print(" ".join(f"{n}:{s}" for n, s in sorted(states.items())))
+            owner = rec.owner
+            print(" ".join(f"{n}:{s}" for n, s in sorted(states.items()))
+                  + (f" (owner: {owner.describe()})" if owner else ""))
         elif a.cmd == "link":
             net.set_link(cfg, a.host, a.state == "up")
         elif a.cmd == "rate":
@@ -46,6 +54,11 @@ def main(argv: list[str] | None = None) -> int:
         elif a.cmd == "pids":
             inode = ns_inode(cfg.netns(a.host))
             print(" ".join(str(x) for x in netns_pids({inode} if inode else set())))
+        elif a.cmd == "sweep":
+            print(" ".join(str(r) for r in lifecycle.sweep()))
+        elif a.cmd == "reap":
+            start = None if a.owner_start == "None" else int(a.owner_start)
+            return session.reap(cfg, Owner("session", a.owner_pid, start))
         elif a.cmd == "on":
             cmd = a.command[1:] if a.command[:1] == ["--"] else a.command
             os.execvp("nsenter", [*enter(cfg, a.host), *(cmd or ["sh"])])

@@ -1,15 +1,21 @@
 """Bring the cluster up (named phases, each recorded as it goes) and take it down (by record and by name).
 
 ``up`` is idempotent: a complete, healthy cluster is left as it is; anything else (a half-finished
-bring-up, a dead daemon) is taken down first and rebuilt. ``down`` removes what ``up`` made and
-nothing else, also after a bring-up that failed half-way: processes inside this checkout's
+bring-up, a dead daemon) is taken down first and rebuilt. So is a cluster that a test session left
+when it died (killed, or out of time: its recorded owner is gone): nobody else would take it down,
+and its queue may hold that session's jobs. Before that, ``up`` clears such dead sessions' clusters
+of other checkouts too, found by their namespace files in the mount table (a CI clone whose run was
+killed; its directory cannot be removed while they are mounted). ``down`` removes what ``up`` made
+and nothing else, also after a bring-up that failed half-way: processes inside this checkout's
 namespaces, the namespace files and their private mount (unbound, the namespaces vanish with their
 links and the bridge), munge's socket directory /run/stgr-<tag>, and .cluster/.
 """
 
 from __future__ import annotations
 
+import glob
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -17,12 +23,17 @@ from pathlib import Path
 from . import hosts, net, sharedfs, slurm
 from .config import Config
 from .proc import ClusterError, alive, mounts_under, netns_pids, ns_inode, run, terminate
-from .state import Record
+from .state import Owner, Record
 
-# openmpi-bin: mpirun inside jobs (tests/cluster/test_cluster_mpi.py; tests/test_mpi.py on one machine).
-APT_PACKAGES = ("slurm-wlm", "munge", "sshfs", "openssh-sftp-server", "openmpi-bin")
+# What the cluster needs (program or file -> the Debian package that provides it).
 NEEDED = {"slurmctld": "slurm-wlm", "slurmd": "slurm-wlm", "sbatch": "slurm-wlm", "munged": "munge",
-          "sshfs": "sshfs", "/usr/lib/openssh/sftp-server": "openssh-sftp-server", "mpirun": "openmpi-bin"}
+          "sshfs": "sshfs", "/usr/lib/openssh/sftp-server": "openssh-sftp-server"}
+# What some of its tests need, installed with the rest; without them only those tests skip, saying so
+# (tests/cluster/test_cluster_mpi.py). mpirun: Open MPI inside jobs (and tests/test_mpi.py on one
+# machine). libpmix.so: Slurm's mpi/pmix plugin dlopens it from PMIx's directory, and only
+# libpmix-dev has it (libpmix2, which Open MPI pulls in, has libpmix.so.2 alone).
+OPTIONAL = {"mpirun": "openmpi-bin", "/usr/lib/*/pmix2/lib/libpmix.so": "libpmix-dev"}
+APT_PACKAGES = tuple(dict.fromkeys([*NEEDED.values(), *OPTIONAL.values()]))
 SYSTEM = ("ip", "tc", "nsenter", "unshare", "mount", "umount")
 
 
@@ -30,12 +41,22 @@ def log(msg: str) -> None:
     print(f"cluster: {msg}", flush=True)
 
 
-def missing_packages() -> list[str]:
-    return sorted({pkg for prog, pkg in NEEDED.items() if not (shutil.which(prog) or os.access(prog, os.X_OK))})
+def _present(what: str) -> bool:
+    if not what.startswith("/"):
+        return shutil.which(what) is not None
+    return any(os.access(p, os.R_OK) for p in glob.glob(what))
+
+
+def missing_packages(optional: bool = False) -> list[str]:
+    """Debian packages of :data:`NEEDED` (with ``optional``: of :data:`OPTIONAL`) whose files are absent."""
+    table = OPTIONAL if optional else NEEDED
+    return sorted({pkg for what, pkg in table.items() if not _present(what)})
 
 
 def preflight(install: bool = True) -> None:
-    """Root, the kernel features and the packages (installed with apt when missing)."""
+    """Root, the kernel features and the packages (installed with apt when missing: every package of
+    :data:`APT_PACKAGES`, so that a fresh machine runs every cluster test). ClusterError when the
+    cluster cannot run; a missing optional package only says which tests will skip."""
     if os.geteuid() != 0:
         raise ClusterError("needs root (network namespaces, mounts, daemons)")
     for prog in SYSTEM:
@@ -46,19 +67,22 @@ def preflight(install: bool = True) -> None:
     probe = run(["unshare", "--net", "--mount", "--uts", "true"], check=False, timeout=30)
     if probe.returncode != 0:
         raise ClusterError(f"the kernel refuses new namespaces here ({probe.stderr.strip()})")
-    missing = missing_packages()
+    missing = missing_packages() + missing_packages(optional=True)
     if missing and install:
         if not shutil.which("apt-get"):
             raise ClusterError(f"missing packages {', '.join(missing)} and no apt-get to install them")
-        log(f"installing {' '.join(APT_PACKAGES)} (apt)")
+        log(f"installing {' '.join(missing)} (apt)")
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        cmd = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *APT_PACKAGES]
+        cmd = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *missing]
         if run(cmd, check=False, timeout=600, env=env).returncode != 0:
             run(["apt-get", "update", "-q"], timeout=600, env=env)
-            run(cmd, timeout=600, env=env)
-        missing = missing_packages()
+            run(cmd, check=False, timeout=600, env=env)
+    missing = missing_packages()
     if missing:
-        raise ClusterError(f"missing packages: {', '.join(missing)}")
+        raise ClusterError(f"missing packages: {', '.join(missing)} (apt-get install -y {' '.join(missing)})")
+    optional = missing_packages(optional=True)
+    if optional:
+        log(f"not installed: {', '.join(optional)}; the cluster tests that need them will be skipped")
 
 
 def healthy(cfg: Config, rec: Record) -> None:
@@ -78,11 +102,21 @@ def healthy(cfg: Config, rec: Record) -> None:
         raise ClusterError("not every node is known to slurmctld")
 
 
-def up(cfg: Config) -> None:
+def exists(cfg: Config) -> bool:
+    """Anything of a cluster of this checkout is there (a record, a bound namespace, munge's directory)."""
+    return cfg.record.exists() or bool(net.bound(cfg)) or cfg.run_dir.exists()
+
+
+def up(cfg: Config, owner: Owner | None = None) -> None:
+    """Bring the cluster up for ``owner`` (default: this process, ``manual``); see the module docstring."""
     preflight()
+    sweep(keep=cfg.root)
     rec = Record(cfg.record)
-    if cfg.record.exists() or net.bound(cfg) or cfg.run_dir.exists():
+    if exists(cfg):
+        left = rec.owner
         try:
+            if left is not None and left.dead_session:
+                raise ClusterError(f"left by a test session that ended without taking it down ({left.describe()})")
             healthy(cfg, rec)
             log(f"already up ({cfg.nodes} nodes); source {cfg.env_file}")
             return
@@ -91,6 +125,7 @@ def up(cfg: Config) -> None:
             down(cfg)
             rec = Record(cfg.record)
     t0 = time.monotonic()
+    rec.set_owner(owner or Owner.this_process("manual"))
     rec.set("tag", cfg.tag)
     rec.set("nodes", cfg.nodes)
     phases = [
@@ -161,3 +196,34 @@ def down(cfg: Config) -> None:
     if cfg.state.exists():
         shutil.rmtree(cfg.state)
     log("down")
+
+
+_NS_FILE = re.compile(r"^(/.+)/\.cluster/ns/[^/]+\.(?:net|mnt|uts)$")
+
+
+def abandoned_roots(keep: Path | None = None) -> list[Path]:
+    """Checkouts (other than ``keep``) whose cluster namespaces are still bound although nobody will
+    take them down: their record names a test session that is gone, or the record itself is gone
+    (the checkout was deleted around its busy mounts). A cluster brought up by hand, or whose
+    session is alive, is never listed."""
+    roots = set()
+    for mp in mounts_under(Path("/")):
+        m = _NS_FILE.match(mp)
+        if m and Path(m.group(1)) != keep:
+            roots.add(Path(m.group(1)))
+    out = []
+    for root in sorted(roots):
+        record = root / ".cluster" / "state.json"
+        owner = Record(record).owner if record.exists() else None
+        if not record.exists() or (owner is not None and owner.dead_session):
+            out.append(root)
+    return out
+
+
+def sweep(keep: Path | None = None) -> list[Path]:
+    """Take down the clusters :func:`abandoned_roots` finds; return their checkouts."""
+    roots = abandoned_roots(keep)
+    for root in roots:
+        log(f"clearing the cluster a dead test session left in {root}")
+        down(Config.from_env(root))
+    return roots

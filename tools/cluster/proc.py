@@ -114,11 +114,11 @@ def wait_for(what: str, probe: object, timeout: float, interval: float = 0.25) -
 
 def mounts_under(path: Path) -> list[str]:
     """Mount points at or below ``path`` in this (the host's) mount namespace, deepest first."""
-    base = str(path)
+    base = str(path).rstrip("/")
     found = []
     with open("/proc/self/mountinfo") as f:
         for line in f:
             mp = line.split()[4].replace("\\040", " ")
-            if mp == base or mp.startswith(base + "/"):
+            if mp == (base or "/") or mp.startswith(base + "/"):
                 found.append(mp)
     return sorted(set(found), key=lambda m: -m.count("/"))

@@ -56,7 +56,11 @@ class PackSource(Source):
         self.refs = refs
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "format": self.manifest.format, "dataset_id": self.manifest.dataset_id}
+        m = self.manifest
+        out = {**super().describe(), "format": m.format}
+        if m.digest or m.index is not None:  # a set indexed in memory (RecordIO, LMDB) has no manifest digest
+            out["dataset_id"] = m.dataset_id
+        return out
 
     def _reader(self, si: int) -> ShardReader:
         r = self._readers.get(si)
