@@ -29,7 +29,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from stager.errors import UsageError
 from stager.loader.batching import pack_raw, stack_images
 from stager.loader.frameworks import install_present
-from stager.loader.frameworks.accelerate import refuse_second_split
+from stager.loader.frameworks.resplit import refuse_second_split
 from stager.loader.rank import (
     LOCAL_MIN_RUN,
     LOCAL_RUN_BYTES,

@@ -24,6 +24,7 @@ from stager.loader import frameworks, shm
 from stager.loader.base import EpochBatches, LoaderBase
 from stager.loader.batching import finish_batch
 from stager.loader.dataset import TorchRankDataset, WorkerStreams
+from stager.loader.frameworks.hooks import EpochHook, epoch_batches
 from stager.loader.options import LoaderOptions
 from stager.loader.persistent import WorkerPool
 
@@ -86,12 +87,12 @@ class Loader(LoaderBase):
         return {**self.__dict__, "_pool": None, "_pool_finalizer": None}
 
     @property
-    def sampler(self) -> frameworks.EpochHook:
+    def sampler(self) -> EpochHook:
         """The epoch hook Lightning and Fabric call each epoch (``sampler.set_epoch(e)`` is ``set_epoch(e)``)."""
-        return frameworks.EpochHook(self)
+        return EpochHook(self)
 
     def __iter__(self) -> Iterator[Any]:
-        return frameworks.epoch_batches(self, super().__iter__())
+        return epoch_batches(self, super().__iter__())
 
     def _open_epoch(self) -> EpochBatches:
         """The epoch's batch source: in this process, from the persistent pool, or from fresh workers."""

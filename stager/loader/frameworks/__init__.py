@@ -10,7 +10,11 @@ and these modules make a :class:`~stager.loader.Loader` answer them:
 * :mod:`.accelerate`: ``accelerator.prepare`` adopts a Loader (device, ``save_state``/``load_state``),
   turns a ``DataLoader`` over a ``ShardedDataset`` into one instead of splitting it again,
   ``skip_first_batches`` positions it without reading, ``gather_for_metrics`` drops exactly the padding;
-* :mod:`.fabric`: ``fabric.setup_dataloaders`` accepts a Loader.
+* :mod:`.fabric`: ``fabric.setup_dataloaders`` accepts a Loader;
+* :mod:`.resplit`: a ShardedDataset refuses Accelerate's splitting wrappers (when the above is not installed).
+
+This package's ``__init__`` imports none of them: the dataset module imports it, and the modules that
+know the Loader must not be imported back from there (no import cycle, type-only ones included).
 
 Accelerate and Fabric only accept their own types there, so :func:`install_present` wraps those few
 entry points once, for stager objects only (anything else goes to the framework's own code); it runs
@@ -21,9 +25,7 @@ from __future__ import annotations
 
 import sys
 
-from stager.loader.frameworks.hooks import EpochHook, epoch_batches, to_device
-
-__all__ = ["EpochHook", "epoch_batches", "install_present", "to_device"]
+__all__ = ["install_present"]
 
 
 def install_present() -> None:

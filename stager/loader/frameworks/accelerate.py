@@ -19,7 +19,7 @@ While an Accelerator exists, every pass registers the Loader as Accelerate's act
 accumulation syncs at the epoch's end, and ``remainder`` tells ``gather_for_metrics`` how many rows
 of the last gathered batch are real (the padding repeats sit at its tail when ``shuffle=False``).
 Without the wrappers (accelerate imported after the loader was built), a ShardedDataset still refuses
-to be split again (:func:`refuse_second_split`). Nothing here imports accelerate until it is imported.
+to be split again (:mod:`.resplit`). Nothing here imports accelerate until it is imported.
 """
 
 from __future__ import annotations
@@ -28,13 +28,12 @@ import functools
 import logging
 import sys
 import weakref
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from stager.errors import UsageError
 from stager.loader.frameworks.convert import stager_loader_of
+from stager.loader.frameworks.hooks import FrameworkLoader
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -44,7 +43,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("stager.loader")
 
 _WRAPPED = "__stager_wrapped__"
-SPLITTERS = ("IterableDatasetShard", "DataLoaderDispatcher")
 _PAD_LOGGED: weakref.WeakSet[Any] = weakref.WeakSet()  # loaders whose unmovable padding was logged
 
 
@@ -120,13 +118,13 @@ class SkipBatches:
 class AcceleratePass:
     """One pass of a Loader as Accelerate's active dataloader (``GradientState``), while an Accelerator exists."""
 
-    def __init__(self, loader: Loader, state: Any) -> None:
+    def __init__(self, loader: FrameworkLoader, state: Any) -> None:
         self.loader = loader
         self.state = state
         self.length: int | None = None
 
     @classmethod
-    def begin(cls, loader: Loader) -> AcceleratePass | None:
+    def begin(cls, loader: FrameworkLoader) -> AcceleratePass | None:
         mod = sys.modules.get("accelerate.state")
         if mod is None or not mod.GradientState._shared_state:
             return None  # no Accelerator in this process
@@ -147,7 +145,7 @@ class AcceleratePass:
         self.state._remove_dataloader(self.loader)
 
 
-def gather_remainder(loader: Loader) -> int:
+def gather_remainder(loader: FrameworkLoader) -> int:
     """The real rows of the epoch's last gathered batch (Accelerate's ``remainder``; 0: keep all rows).
 
     ``gather_for_metrics`` keeps the first ``remainder`` rows of the last batch gathered over the ranks
@@ -179,21 +177,3 @@ def _padding_at_tail(plan: Any, pad: int) -> bool:
     w = plan.workers[j % nw]
     is_pad = np.asarray(w.is_pad[w.batch_positions(j // nw)], dtype=bool)
     return len(is_pad) >= pad and bool(is_pad[len(is_pad) - pad :].all()) and int(is_pad.sum()) == pad
-
-
-def refuse_second_split(frame: FrameType | None) -> None:
-    """Refuse a ``ShardedDataset.set_epoch`` call from Accelerate's splitting wrappers (``frame``: the caller's).
-
-    Both call ``dataset.set_epoch`` before every pass; their pass would read one rank's share on rank 0
-    and deal it out (``DataLoaderDispatcher``), or cut every rank's share into ``1/world``
-    (``IterableDatasetShard``): half the data on two ranks, silently.
-    """
-    if frame is None or frame.f_globals.get("__name__") != "accelerate.data_loader":
-        return
-    owner = type(frame.f_locals.get("self")).__name__
-    if owner in SPLITTERS:
-        raise UsageError(
-            f"accelerate's {owner} would split a ShardedDataset (already this rank's share) across the ranks again: "
-            "build the loader after `import accelerate` (stager's integration then adopts it in prepare()), or "
-            "pass make_loader(...) to accelerator.prepare()"
-        )

@@ -15,13 +15,29 @@ active dataloader with ``end_of_dataloader`` set before the last batch is handed
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Generator, Iterator
+from typing import Any, Protocol
 
 from torch.utils.data import SequentialSampler
 
-if TYPE_CHECKING:
-    from stager.loader.loader import Loader
+
+class FrameworkLoader(Protocol):
+    """What these hooks use of a :class:`~stager.loader.Loader` (typed here, not imported: the Loader imports
+    this module)."""
+
+    dataset: Any  # a TorchRankDataset
+    device: Any
+    collate_fn: Callable[[dict[str, Any]], Any] | None
+    pin_memory: bool
+    end_of_dataloader: bool
+    remainder: int
+
+    @property
+    def batches_done(self) -> int: ...
+
+    def set_epoch(self, epoch: int) -> None: ...
+
+    def __len__(self) -> int: ...
 
 
 class EpochHook(SequentialSampler):
@@ -32,7 +48,7 @@ class EpochHook(SequentialSampler):
     DataLoader; for overfitting build it with ``shuffle=False``).
     """
 
-    def __init__(self, loader: Loader) -> None:  # no data_source: the loader is the source
+    def __init__(self, loader: FrameworkLoader) -> None:  # no data_source: the loader is the source
         self.loader = loader
 
     def set_epoch(self, epoch: int) -> None:
@@ -56,7 +72,7 @@ def to_device(batch: Any, device: Any, non_blocking: bool = False) -> Any:
     return batch
 
 
-def epoch_batches(loader: Loader, batches: Iterator[dict[str, Any]]) -> Generator[Any, None, None]:
+def epoch_batches(loader: FrameworkLoader, batches: Iterator[dict[str, Any]]) -> Generator[Any, None, None]:
     """One pass of ``loader`` (``batches``: LoaderBase's iterator) with the frameworks' per-batch duties."""
     from stager.loader.frameworks.accelerate import AcceleratePass  # noqa: PLC0415 (no accelerate import there)
 
