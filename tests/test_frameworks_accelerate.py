@@ -18,7 +18,7 @@ import pytest
 
 from tests.frameworks.common import PER_RANK_BATCHES, N, assert_epoch, free_port, load, python, run, script
 
-pytest.importorskip("accelerate")
+pytest.importorskip("accelerate", reason="accelerate is in the test extra: make venv (tools/setup_venv.sh)")
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import pytest
 
 from tests.frameworks.common import PER_RANK_BATCHES, assert_epoch, free_port, load, python, run, script, stager_epoch
 
-pytest.importorskip("lightning")
+pytest.importorskip("lightning", reason="lightning is in the test extra: make venv (tools/setup_venv.sh)")
 
 LEN_WARNING = "has `__len__` defined"
 KW = {"decode": "raw", "seed": 3}

@@ -23,7 +23,7 @@ STEPS = -(-N // 16)  # global batches of 2 x 8 per epoch
 
 @pytest.mark.timeout(400)
 def test_trainer_with_a_sample_dataset(frameworks_pack: Path, tmp_path: Path) -> None:
-    pytest.importorskip("transformers")
+    pytest.importorskip("transformers", reason="transformers is in the test extra: make venv (tools/setup_venv.sh)")
     run([python(), "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
          script("trainer_run.py"), str(frameworks_pack), str(tmp_path)], cwd=tmp_path)
     ranks = load(tmp_path, "trainer")

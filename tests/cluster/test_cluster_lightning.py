@@ -29,7 +29,7 @@ srun python tests/frameworks/lightning_run.py srun {data} {out}
 
 
 def test_lightning_trainer_on_two_nodes_under_srun(cluster: Cluster, cifar: dict[str, Path], tmp_path: Path) -> None:
-    pytest.importorskip("lightning")
+    pytest.importorskip("lightning", reason="lightning is in the test extra: make venv (tools/setup_venv.sh)")
     out = tmp_path / "out"
     out.mkdir()
     script = tmp_path / "job.sh"
