@@ -32,6 +32,10 @@ from stager.manifest import Manifest
 
 RECEIPT_NAME = "stager-receipt.json"
 RECEIPT_SCHEMA = "stager.receipt/1"
+# ``stager stage MIX.yaml DEST`` stages each stream into DEST/<name> and writes this file last: a
+# directory holding it is searched one level deeper (so DEST itself may sit under a staging root).
+MIX_RECEIPT_NAME = "stager-mix.json"
+MIX_RECEIPT_SCHEMA = "stager.mix-receipt/1"
 STAGING_ROOT_VARS = ("STAGER_DEST", "SLURM_TMPDIR", "TMPDIR")
 
 
@@ -123,6 +127,22 @@ def staging_roots(extra: Iterable[str | os.PathLike[str]] = ()) -> list[Path]:
     return out
 
 
+def _subdirs(d: Path) -> list[Path]:
+    try:
+        return sorted(p for p in d.iterdir() if p.is_dir())
+    except OSError:
+        return []
+
+
+def _candidates(root: Path) -> list[Path]:
+    """``root``, its direct subdirectories, and the subdirectories of those that hold a staged mix."""
+    out = [root, *_subdirs(root)]
+    for d in list(out):
+        if (d / MIX_RECEIPT_NAME).is_file():
+            out += [p for p in _subdirs(d) if p not in out]
+    return out
+
+
 def find_staged_copy(
     manifest: Manifest, extra_roots: Iterable[str | os.PathLike[str]] = ()
 ) -> tuple[Path, Receipt] | None:
@@ -135,11 +155,7 @@ def find_staged_copy(
     digest = manifest.digest or manifest.compute_digest()
     sizes = {s.name: s.bytes for s in manifest.shards}
     for root in staging_roots(extra_roots):
-        candidates = [root]
-        try:
-            candidates += sorted(p for p in root.iterdir() if p.is_dir())
-        except OSError:
-            continue
+        candidates = _candidates(root)
         for d in candidates:
             try:
                 rec = load_receipt(d)

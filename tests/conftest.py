@@ -6,6 +6,7 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,6 +49,36 @@ def imagenet_tiny_tar(imagenet_tiny: Path, tmp_path_factory: pytest.TempPathFact
 def cifar_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """CIFAR-10 python batches with 60 train / 20 test images; returns the batches directory."""
     return make_cifar(tmp_path_factory.mktemp("cifar"), n_train=60, n_test=20, seed=2, png_folder=True)
+
+
+@pytest.fixture(scope="session")
+def mix_sets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Small datasets for the mixing tests (issue 31), each in another format: packed tar (60 samples),
+    record (40), hdf5 (26), zarr (30, decoded 8x8) and a webdataset ShardWriter set adopted with
+    ``stager index`` (23). Tiny JPEGs, shards of 8 samples."""
+    import webdataset as wds
+
+    from stager.index.api import index_dataset
+    from stager.pack import pack
+    from tools.datagen import jpeg_bytes
+
+    base = tmp_path_factory.mktemp("mix_sets")
+    out: dict[str, Path] = {}
+    for name, n, fmt, seed in (("tar", 60, "tar", 31), ("record", 40, "record", 32), ("hdf5", 26, "hdf5", 33),
+                               ("zarr", 30, "zarr", 34)):
+        src = make_imagefolder(base / f"src-{name}", num_classes=2, per_class=n // 2, seed=seed, size=(12, 10))
+        pack(src, base / name, fmt, samples_per_shard=8, resize=(8, 8) if fmt == "zarr" else None)
+        out[name] = base / name
+    wds_dir = base / "wds"
+    wds_dir.mkdir()
+    rng = np.random.default_rng(35)
+    with wds.ShardWriter(str(wds_dir / "train-%06d.tar"), maxcount=8, verbose=0) as w:
+        for i in range(23):
+            img = rng.integers(0, 255, (10, 12, 3), dtype=np.uint8)
+            w.write({"__key__": f"w{i:04d}", "jpg": jpeg_bytes(img), "cls": i % 3})
+    index_dataset(wds_dir)
+    out["wds"] = wds_dir
+    return out
 
 
 @pytest.fixture(scope="session")

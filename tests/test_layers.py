@@ -25,7 +25,7 @@ LAYERS: list[set[str]] = [
     {"stager", "errors"},  # the version and the exception family
     {"checksum", "progress", "world", "order", "decode"},  # pure helpers: no file-system policy
     {"fs"},  # OS mechanics, no dataset concepts
-    {"manifest", "receipt", "formats"},  # the on-disk contracts
+    {"manifest", "receipt", "formats", "mix"},  # the on-disk contracts (mix: several datasets as one)
     {"pack", "index", "stage", "loader", "verify", "summary", "advice"},  # the stages of the data flow, siblings
     {"prefetch"},  # beside training: the loader's schedule + stage's verified streaming copy
     {"commands", "cli", "__main__"},  # the command line

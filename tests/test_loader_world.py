@@ -34,8 +34,12 @@ def _ids(loader: Any) -> list[list[int]]:
     return [b["index"].tolist() for b in loader]
 
 
+def _pairs(loader: Any) -> list[list[list[int]]]:
+    return [[b["stream"].tolist(), b["index"].tolist()] for b in loader]
+
+
 def _rank_main(rank: int, port: int, data: str, out: str, pickled: bytes,  # noqa: PLR0917 (start_processes' args)
-               state: dict[str, Any]) -> None:
+               state: dict[str, Any], mix: list[str]) -> None:
     parent: Loader = pickle.loads(pickled)  # as ddp_spawn hands a DataModule's loader to its ranks
     res: dict[str, Any] = {}
     os.environ["WORLD_SIZE"] = "2"  # a launcher's size without its RANK (and no LOCAL_RANK)
@@ -49,6 +53,7 @@ def _rank_main(rank: int, port: int, data: str, out: str, pickled: bytes,  # noq
     stale = make_loader(data, 8, **KW)
     stale.load_state_dict(state)
     bare = ShardedDataset(data, 8, num_workers=None, **KW)
+    early_mix = make_loader(mix, 8, **KW)  # a mix of two datasets, also built as one rank of one
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=60))
     os.environ["WORLD_SIZE"] = "2"
@@ -58,6 +63,7 @@ def _rank_main(rank: int, port: int, data: str, out: str, pickled: bytes,  # noq
     res["early"] = _ids(early)
     res["early_world"] = [early.dataset.rank, early.dataset.world_size, early.stats()["rank"]]
     res["explicit"] = _ids(make_loader(data, 8, rank=0, world_size=1, **KW))
+    res["mix"] = _pairs(early_mix)
     import torch.utils.data
 
     res["bare"] = _ids(torch.utils.data.DataLoader(bare, batch_size=None, num_workers=1,
@@ -75,7 +81,8 @@ def _rank_main(rank: int, port: int, data: str, out: str, pickled: bytes,  # noq
 
 
 @pytest.mark.timeout(240)
-def test_the_process_group_decides_wherever_the_loader_was_built(frameworks_pack: Path, tmp_path: Path) -> None:
+def test_the_process_group_decides_wherever_the_loader_was_built(frameworks_pack: Path, mix_sets: dict[str, Path],
+                                                                 tmp_path: Path) -> None:
     parent = make_loader(frameworks_pack, 8, num_workers=1, **KW)  # the parent's world: rank 0 of 1
     assert (parent.dataset.rank, parent.dataset.world_size) == (0, 1)
     mid = make_loader(frameworks_pack, 8, **KW)
@@ -85,8 +92,9 @@ def test_the_process_group_decides_wherever_the_loader_was_built(frameworks_pack
     state = mid.state_dict()
     out = tmp_path / "out.json"
     # Forked (cheap: torch is imported) but with the parent's loader pickled, as a spawned rank receives it.
-    mp.start_processes(_rank_main, args=(free_port(), str(frameworks_pack), str(out), pickle.dumps(parent), state),
-                       nprocs=2, join=True, start_method="fork")
+    mix = [str(mix_sets["tar"]), str(mix_sets["record"])]
+    mp.start_processes(_rank_main, args=(free_port(), str(frameworks_pack), str(out), pickle.dumps(parent), state,
+                                         mix), nprocs=2, join=True, start_method="fork")
     ranks = json.loads(out.read_text())
     msg = ranks[0]["before_init"]
     assert "WORLD_SIZE=2" in msg and "RANK" in msg and "\n" not in msg, msg
@@ -96,6 +104,8 @@ def test_the_process_group_decides_wherever_the_loader_was_built(frameworks_pack
         assert_epoch(got)
         assert got == want[workers], f"{name}: stager's plan of rank r of 2"
     assert [r["early_world"] for r in ranks] == [[0, 2, 0], [1, 2, 1]], "dataset and stats follow the group"
+    assert [r["mix"] for r in ranks] == [_pairs(make_loader(mix, 8, rank=r, world_size=2, **KW)) for r in range(2)], \
+        "a mix built as one rank of one re-plans as rank r of 2"
     for r in ranks:
         assert sorted(i for b in r["explicit"] for i in b) == list(range(N)), "an explicit world of one is kept"
         assert "loaded before the process group" in r["stale"] and "\n" not in r["stale"], r["stale"]

@@ -342,3 +342,25 @@ def test_log_and_summary_lines_are_single_writes_on_unbuffered_stdout(tmp_path: 
     stream.close()
     assert writes == [b'{"event": "summary", "steps": 3}\n', b"[train] step 3/8 loss 2.3\n"]
     assert "print(" not in (ROOT / "tools" / "train.py").read_text(), "train.py prints through write_line"
+
+
+def test_train_on_a_mix(cifar_packed: dict[str, Path], tmp_path: Path) -> None:
+    """tools/train.py --mix MIX.yaml over a 2:1 stratified mix of two packs, one process (2 ranks under
+    Slurm: tests/cluster/test_cluster_scripts.py): the epoch's length is logged, every batch holds each
+    stream's share."""
+    mix = tmp_path / "mix.yaml"
+    mix.write_text(f"composition: stratified\nstreams:\n  - {{name: a, path: {cifar_packed['train']}, weight: 2}}\n"
+                   f"  - {{name: b, path: {cifar_packed['test']}, weight: 1}}\n")
+    out = tmp_path / "run"
+    s = run_train(["--mix", str(mix), "--eval-every", "0", *COMMON[:-4], "--workers", "0", "--log-every", "1",
+                   "--epochs", "1", "--out", str(out), "--dump-keys", str(out / "keys")], nproc=0)
+    assert s["completed"] and s["world_size"] == 1 and s["global_step"] == s["config"]["steps_per_epoch"] == 15
+    assert set(s["data_source"]["streams"]) == {"a", "b"}
+    from stager.manifest import load_manifest
+
+    test_keys = {k for sh in load_manifest(cifar_packed["test"]).shards for k in sh.keys}
+    recs = read_keys(out / "keys", 0)
+    assert len(recs) == 15
+    for r in recs:
+        from_b = sum(k in test_keys for k in r["keys"])
+        assert len(r["keys"]) == 8 and from_b in (2, 3), "each batch holds a third from stream b (8 / 3)"

@@ -68,8 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     d = p.add_argument_group("data")
-    d.add_argument("--data", required=True,
+    d.add_argument("--data",
                    help="stager dataset (packed dir or ImageFolder, staged or not) or 'synthetic'")
+    d.add_argument("--mix", metavar="MIX",
+                   help="instead of --data: a mix of datasets, a YAML/JSON mix file (docs/loader.md, 'Mixing "
+                   "datasets'); each stream's staged copy is used where `stager stage MIX DEST` made one")
+    d.add_argument("--composition", choices=("random", "stratified", "per_stream"),
+                   help="with --mix: how batches mix the streams (default: the mix file's, else random)")
     d.add_argument("--val", help="evaluation dataset; default: a held-out view of --data (see --holdout)")
     d.add_argument("--follow-src", metavar="SRC",
                    help="--data is a node-local DEST that `stager stage SRC DEST --follow` fills beside this job: "
@@ -208,7 +213,8 @@ class Trainer:
                 prepare_dest(args.follow_src, args.data)
             common = dict(rank=info.rank, world_size=info.world_size, image_size=args.image_size,
                           num_workers=args.workers, seed=args.seed, normalizer=normalizer, holdout=holdout,
-                          pin_memory=cuda, staged=False if args.follow_src else "auto")
+                          pin_memory=cuda, staged=False if args.follow_src else "auto",
+                          composition=args.composition)
             self.train_source = StagerSource(args.data, role="train", batch_size=args.batch_size, **common)
             if args.eval_every > 0:
                 self.eval_source = StagerSource(
@@ -502,6 +508,8 @@ class Trainer:
         if isinstance(self.train_source, StagerSource):
             ls = self.train_source.loader_stats()
             log(info, f"reading {a.data} from {ls['reading_from']} (staged: {ls['staged']})", self.tag)
+            if self.train_source.mix_summary:
+                log(info, self.train_source.mix_summary, self.tag)
         timer = StepTimer(self.sync)
         log_timer = StepTimer(self.sync)
         wall0 = time.perf_counter()
@@ -550,7 +558,8 @@ class Trainer:
         )
         if isinstance(self.train_source, StagerSource):
             ls = self.train_source.loader_stats()
-            summary["data_source"] = {k: ls[k] for k in ("source", "reading_from", "staged", "staged_mode")}
+            summary["data_source"] = {k: ls[k] for k in ("source", "reading_from", "staged", "staged_mode", "streams")
+                                      if k in ls}
             summary["loader"] = {k: ls[k] for k in ("samples_per_s", "io_seconds", "decode_seconds", "wait_seconds")}
         if self.keys_file is not None:
             self.keys_file.close()
@@ -590,8 +599,22 @@ def train(args: argparse.Namespace, info: tdist.DistInfo) -> dict[str, Any]:
     return summary
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
+    if (args.data is None) == (args.mix is None):
+        raise SystemExit("train.py: error: give one of --data DATASET or --mix MIX.yaml")
+    if args.composition and not args.mix:
+        raise SystemExit("train.py: error: --composition applies to --mix")
+    if args.mix:
+        if args.follow_src:
+            raise SystemExit("train.py: error: --follow-src prefetches one dataset; stage a mix with "
+                             "`stager stage MIX.yaml DEST`")
+        args.data = args.mix
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.deterministic:

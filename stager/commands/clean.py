@@ -23,13 +23,15 @@ from stager.fs.lock import NodeLock
 # stager.receipt.RECEIPT_NAME, spelled out so that registering the command does not import numpy
 # (stager.receipt and stager.stage are imported in clean(); a test holds them equal).
 RECEIPT_NAME = "stager-receipt.json"
+MIX_RECEIPT_NAME = "stager-mix.json"  # stager.receipt.MIX_RECEIPT_NAME: a staged mix, one stream per subdirectory
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("clean", help="remove a staged copy (only what its receipt lists)",
                        description="Remove the files `stager stage` wrote into DEST, as listed by its receipt. "
                        "Refuses a DEST without a receipt. Exit codes: 0 ok, 2 no receipt, 3 unsafe receipt.")
-    p.add_argument("dest", metavar="DEST", help="a staging destination (holds stager-receipt.json)")
+    p.add_argument("dest", metavar="DEST", help="a staging destination (holds stager-receipt.json, or a staged mix's "
+                   "stager-mix.json: then every stream's copy is cleaned)")
     p.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for a running stage (default 600)")
     add_common(p)
@@ -113,6 +115,8 @@ def clean(dest: str | os.PathLike[str], *, dry_run: bool = False, timeout: float
     if not d.is_dir():
         raise DestinationError(f"{d}: no such directory")
     rec = load_receipt(d)
+    if rec is None and (d / MIX_RECEIPT_NAME).is_file():
+        return _clean_mix(d, dry_run=dry_run, timeout=timeout)
     if rec is None:
         raise DestinationError(
             f"{d}: no {RECEIPT_NAME}; refusing to delete anything (stager clean only removes what stager staged)"
@@ -146,6 +150,41 @@ def clean(dest: str | os.PathLike[str], *, dry_run: bool = False, timeout: float
     if not dry_run and rec.stats.get("created_dest"):
         with contextlib.suppress(OSError):
             d.rmdir()  # only when empty
+            dir_removed = True
+    return {"ok": True, "dest": str(d), "removed": removed, "files_removed": len(removed), "bytes_freed": freed,
+            "dry_run": dry_run, "dest_removed": dir_removed}
+
+
+def _clean_mix(d: Path, *, dry_run: bool, timeout: float | None) -> dict[str, Any]:
+    """A staged mix (``stager stage MIX.yaml DEST``): clean every stream's copy its mix receipt names (each
+    by its own receipt), then the mix receipt; DEST itself when left empty."""
+    import json
+
+    path = d / MIX_RECEIPT_NAME
+    try:
+        doc = json.loads(path.read_bytes())
+        dirs = [str(s["dir"]) for s in doc["streams"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DestinationError(f"{path}: unreadable mix receipt ({exc}); refusing to delete anything") from exc
+    targets = _checked_targets(d, dirs)  # every name inside DEST, or nothing is removed
+    removed: list[str] = []
+    freed = 0
+    for t in targets:
+        if not (t / RECEIPT_NAME).is_file():
+            continue  # a stream that was never staged here (or is already clean)
+        got = clean(t, dry_run=dry_run, timeout=timeout)
+        removed += [f"{t.name}/{r}" for r in got["removed"]]
+        freed += got["bytes_freed"]
+        if not dry_run:
+            with contextlib.suppress(OSError):
+                t.rmdir()
+    removed.append(MIX_RECEIPT_NAME)
+    freed += _size_of(path)
+    dir_removed = False
+    if not dry_run:
+        path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            d.rmdir()
             dir_removed = True
     return {"ok": True, "dest": str(d), "removed": removed, "files_removed": len(removed), "bytes_freed": freed,
             "dry_run": dry_run, "dest_removed": dir_removed}

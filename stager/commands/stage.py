@@ -17,6 +17,7 @@ from stager.errors import UsageError
 
 if TYPE_CHECKING:
     from stager.stage import StageOptions
+    from stager.stage.collective import CollectiveOptions
 
 # stager.stage.options' DEFAULT_UNPACK_DIR and FALLBACKS, spelled out so that registering the command
 # imports neither numpy nor the staging engine (stager.stage is imported in run(); a test holds them equal).
@@ -34,7 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "stager-<dataset id> of it). Safe to run from every rank at once: one process copies, the others wait. "
         "Exit codes: 0 ok, 1 error, 2 usage, 3 verification failed, 4 out of space, 5 timeout.",
     )
-    p.add_argument("src", metavar="SRC", help="packed dataset directory, its manifest.json, or a URL")
+    p.add_argument("src", metavar="SRC", help="packed dataset directory, its manifest.json, or a URL; or a mix "
+                   "file (MIX.yaml/.json: every stream staged, into DEST/<stream name> when DEST is given)")
     p.add_argument("dest", metavar="DEST", nargs="?", default=None, help="destination directory")
     p.add_argument("-j", "--workers", type=int, default=None, help="parallel copy streams (default: min(8, cores))")
     p.add_argument("--unpack", nargs="?", const="also", choices=["also", "only"], default=None,
@@ -76,6 +78,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from stager.mix import is_mix_path
+
+    if is_mix_path(args.src):
+        return _run_mix(args)
     if args.follow:
         return _run_follow(args)
     if args.collective:
@@ -110,9 +116,32 @@ def _stage_options(args: argparse.Namespace) -> StageOptions:
     )
 
 
-def _run_collective(args: argparse.Namespace) -> int:
+def _run_mix(args: argparse.Namespace) -> int:
+    """SRC is a mix file: stage each stream (plain or collective) into DEST/<name> (stager.stage.mix)."""
+    from stager.mix import load_mix_file
+
+    if args.follow:
+        raise UsageError(f"{args.src}: --follow prefetches one dataset; stage a mix's streams (plain, --partition or "
+                         "--collective), or run one --follow per stream")
+    mix = load_mix_file(args.src, storage_options(args))
+    if args.collective:
+        from stager.stage.collective.mix import run_collective_mix
+
+        res = run_collective_mix(mix, args.dest, _collective_options(args))
+    else:
+        from stager.stage.mix import run_stage_mix
+
+        res = run_stage_mix(mix, args.dest, _stage_options(args))
+    for w in res.warnings:
+        print(f"stager stage: warning: {w}", file=sys.stderr)
+    emit(args, res.to_json(), res.summary())
+    return 0
+
+
+def _collective_options(args: argparse.Namespace) -> CollectiveOptions:
+    """``--collective``'s options from the command line (flags it cannot honour are a UsageError)."""
     from stager.stage import NodeOptions, StageOptions
-    from stager.stage.collective import CollectiveOptions, run_collective
+    from stager.stage.collective import CollectiveOptions
 
     given = [flag for flag, on in (("--unpack", args.unpack), ("--shared", args.shared),
                                    ("--no-fsync", not args.fsync), ("--direct", args.direct)) if on]
@@ -122,8 +151,13 @@ def _run_collective(args: argparse.Namespace) -> int:
     common = StageOptions(partition=args.partition, node=NodeOptions(args.node, args.num_nodes, args.ranks_per_node),
                           seed=args.seed, timeout=args.timeout, quiet=args.quiet or args.json,
                           storage_options=storage_options(args))
-    res = run_collective(args.src, args.dest, CollectiveOptions(stage=common, fallback=args.fallback,
-                                                                chunk_bytes=args.chunk_size))
+    return CollectiveOptions(stage=common, fallback=args.fallback, chunk_bytes=args.chunk_size)
+
+
+def _run_collective(args: argparse.Namespace) -> int:
+    from stager.stage.collective import run_collective
+
+    res = run_collective(args.src, args.dest, _collective_options(args))
     for w in res.warnings:
         print(f"stager stage: warning: {w}", file=sys.stderr)
     emit(args, res.to_json(), res.summary())

@@ -27,8 +27,10 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from stager.errors import UsageError
 from stager.loader.options import BoxFilter, LoaderOptions
 from stager.loader.state import LoaderState
+from stager.mix import Mix, Stream, is_mix
 
 if TYPE_CHECKING:
     from stager.loader.dataset import ShardedDataset
@@ -36,8 +38,8 @@ if TYPE_CHECKING:
     from stager.loader.numpy_loader import NumpyLoader, make_numpy_loader
     from stager.loader.samples import SampleDataset
 
-__all__ = ["BoxFilter", "Loader", "LoaderOptions", "LoaderState", "NumpyLoader", "SampleDataset", "ShardedDataset",
-           "make_loader", "make_numpy_loader"]
+__all__ = ["BoxFilter", "Loader", "LoaderOptions", "LoaderState", "Mix", "NumpyLoader", "SampleDataset",
+           "ShardedDataset", "Stream", "make_loader", "make_numpy_loader"]
 
 # The names whose modules import torch (or, for the numpy loader, multiprocessing), loaded on first use.
 _LAZY = {"Loader": "stager.loader.loader", "ShardedDataset": "stager.loader.dataset",
@@ -52,7 +54,7 @@ def __getattr__(name: str) -> Any:
 
 
 def make_loader(
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | Mix | Sequence[Any],
     batch_size: int,
     *,
     rank: int | None = None,
@@ -80,6 +82,7 @@ def make_loader(
     persistent_workers: bool | None = None,
     fields: Sequence[str] | str | None = None,
     box_filter: BoxFilter | Mapping[str, float] | None = None,
+    composition: str | None = None,
 ) -> Loader:
     """A per-rank iterable of batch dicts ``{"key", "label", "index", "image"}`` (see docs/loader.md).
 
@@ -100,6 +103,11 @@ def make_loader(
     ``box_filter``: which boxes a crop keeps (:class:`~stager.loader.options.BoxFilter`, or a dict of
     its ``min_side``, ``min_area``, ``min_visibility``; default: every box whose visible part is at
     least 1 output pixel wide, high and in area).
+
+    ``path`` may also be a mix of datasets (docs/loader.md, "Mixing datasets"): a list of paths,
+    ``(path, weight)`` pairs or :class:`~stager.mix.Stream` objects, a :class:`~stager.mix.Mix`, or a
+    YAML/JSON mix file; batches then also hold ``stream`` (int64 (B,)) and ``composition``
+    (``"random"``, ``"stratified"``, ``"per_stream"``) overrides the mix's own.
     """
     options = LoaderOptions(
         batch_size=batch_size,
@@ -128,8 +136,17 @@ def make_loader(
         persistent_workers=persistent_workers,
         fields=None if fields is None else ((fields,) if isinstance(fields, str) else tuple(fields)),
         box_filter=box_filter,
+        composition=composition,
     )
     from stager.loader.dataset import TorchRankDataset  # noqa: PLC0415 (torch only where its loader is used)
     from stager.loader.loader import Loader  # noqa: PLC0415 (as above)
 
+    if is_mix(path):
+        from stager.loader.mixdataset import MixTorchRankDataset  # noqa: PLC0415 (as above)
+
+        return Loader(MixTorchRankDataset(path, options))
+    if composition is not None:
+        raise UsageError(f"composition={composition!r} applies to a mix of datasets; {path} is one dataset")
+    if not isinstance(path, (str, os.PathLike)):
+        raise UsageError(f"expected a dataset path, a mix file or a list of streams, got {type(path).__name__}")
     return Loader(TorchRankDataset(path, options))

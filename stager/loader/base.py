@@ -20,13 +20,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from stager.errors import UsageError
 from stager.loader.rank import RankDataset
 from stager.loader.state import LoaderState
 from stager.loader.stats import LoaderStats
-from stager.order.epoch import PlanConfig, unconsumed
 
 log = logging.getLogger("stager.loader")
 
@@ -65,15 +63,7 @@ class LoaderBase:
         # A loaded state at an epoch's end: the next pass is the next epoch, unless set_epoch pins this one.
         self._at_end = False
         self._parent: dict[str, Any] | None = None
-        res = dataset.resolved
-        self._stats = LoaderStats(
-            rank=dataset.rank,
-            world_size=dataset.world_size,
-            source=res.source,
-            reading_from=res.root,
-            staged=res.staged,
-            staged_mode=res.receipt.mode if res.receipt is not None else None,
-        )
+        self._stats = LoaderStats(rank=dataset.rank, world_size=dataset.world_size, **dataset.origin())
         self._log_plan()
 
     # ---- the transport ------------------------------------------------------------------------------
@@ -147,7 +137,7 @@ class LoaderBase:
     @property
     def fields(self) -> tuple[str, ...]:
         """The keys every batch has, in every decode mode (raw batches from workers add ``data``/``offsets``)."""
-        return ("image", "index", "key", "label")
+        return self.dataset.batch_fields()
 
     def __len__(self) -> int:
         self._check_world()
@@ -238,7 +228,7 @@ class LoaderBase:
         ds = self.dataset
         if self._dropped_or_padded() >= 0:
             return np.zeros(len(ds), dtype=np.int64)  # nothing padded: skip planning here
-        return ds.plan().batch_padding()
+        return ds.batch_padding()
 
     def _dropped_or_padded(self) -> int:
         """Samples of the epoch no rank sees (> 0: dropped) or, negative, the repeats that pad it."""
@@ -254,18 +244,14 @@ class LoaderBase:
 
     # ---- resume ----------------------------------------------------------------------------------------
     def _plan_key(self) -> str:
-        ds = self.dataset
-        h = xxhash.xxh3_64()
-        h.update(np.ascontiguousarray(ds.run_len).tobytes())
-        h.update(f"{ds.group.samples_per_rank}".encode())
-        return h.hexdigest()
+        return self.dataset.plan_key()
 
     def state_dict(self) -> dict[str, Any]:
         """The position between batches: a plain dict (see :class:`~stager.loader.state.LoaderState`)."""
         self._check_world()
         ds = self.dataset
         st = LoaderState(
-            dataset_id=ds.index.dataset_id,
+            dataset_id=ds.dataset_id,
             epoch=ds.epoch,
             batches_done=self._done,
             seed=ds.seed,
@@ -334,7 +320,7 @@ class LoaderBase:
         mismatch = [
             f"{name}: state {a!r}, loader {b!r}"
             for name, a, b in (
-                ("dataset_id", st.dataset_id, ds.index.dataset_id),
+                ("dataset_id", st.dataset_id, ds.dataset_id),
                 ("seed", st.seed, ds.seed),
                 ("shuffle mode", st.mode, ds.mode),
                 ("drop_last", st.drop_last, ds.drop_last),
@@ -354,17 +340,6 @@ class LoaderBase:
     def _remaining(self, state: dict[str, Any]) -> np.ndarray:
         """The epoch sequence minus what every rank of ``state``'s world consumed (old order kept)."""
         st = LoaderState.from_dict(state)
-        ds = self.dataset
-        seq = self._remaining(st.parent) if st.parent is not None else ds.epoch_sequence(st.epoch)
-        cfg = PlanConfig(
-            batch_size=st.batch_size,
-            world_size=st.world_size,
-            num_workers=st.num_workers,
-            seed=st.seed,
-            mode=st.mode,
-            drop_last=st.drop_last,
-            buffer_samples=st.buffer_samples,
-        )
-        return unconsumed(seq, ds.items.starts, ds.run_len, cfg, epoch=st.epoch, batches_done=st.batches_done)
+        return self.dataset.unconsumed(st, self._remaining(st.parent) if st.parent is not None else None)
 
 

@@ -99,7 +99,7 @@ def pack_raw(items: Sequence[Any], shared: bool = False, ring: WorkerRing | None
 
 def finish_batch(batch: dict[str, Any]) -> dict[str, Any]:
     """In the consuming process: small arrays to tensors, raw buffers to per-sample views."""
-    for k in ("label", "index", "offsets"):
+    for k in ("label", "index", "offsets", "stream"):
         if isinstance(batch.get(k), np.ndarray):
             batch[k] = torch.from_numpy(batch[k])
     if "image_nhwc" in batch:

@@ -29,13 +29,16 @@ import queue
 import time
 import traceback
 import weakref
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from stager.errors import UsageError
 from stager.loader.assemble import raw_views
 from stager.loader.base import EpochBatches, LoaderBase
+from stager.loader.mixing import MixDataset
 from stager.loader.options import LoaderOptions
 from stager.loader.rank import EpochPosition, RankDataset
+from stager.mix import Mix, is_mix
 
 # How long a blocked queue operation waits between checks that the other side still lives.
 _POLL_S = 1.0
@@ -240,9 +243,16 @@ class NumpyLoader(LoaderBase):
         self._procs = self._finalizer = None
 
 
-def make_numpy_loader(path: str | os.PathLike[str], batch_size: int, **settings: Any) -> NumpyLoader:
+def make_numpy_loader(path: str | os.PathLike[str] | Mix | Sequence[Any], batch_size: int,
+                      **settings: Any) -> NumpyLoader:
     """A per-rank iterable of numpy batch dicts; the keyword settings are :func:`~stager.loader.make_loader`'s
     (``pin_memory`` excepted; ``multiprocessing_context`` defaults to ``"spawn"``, ``prefetch_factor``
-    is each worker's queue depth). Imports no torch."""
+    is each worker's queue depth); ``path`` may be a mix, as there. Imports no torch."""
     options = LoaderOptions.from_kwargs(settings, batch_size=batch_size)
+    if is_mix(path):
+        return NumpyLoader(MixDataset(path, options))
+    if options.composition is not None:
+        raise UsageError(f"composition={options.composition!r} applies to a mix of datasets; {path} is one dataset")
+    if not isinstance(path, (str, os.PathLike)):
+        raise UsageError(f"expected a dataset path, a mix file or a list of streams, got {type(path).__name__}")
     return NumpyLoader(RankDataset(path, options))

@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from stager.errors import UsageError
+from stager.order.composition import COMPOSITIONS
 from stager.order.epoch import SHUFFLE_MODES
 
 if TYPE_CHECKING:
@@ -109,6 +110,7 @@ class LoaderOptions:
     persistent_workers: bool | None = None
     fields: tuple[str, ...] | None = None  # samples with fields: which to read (None: all); docs/fields.md
     box_filter: BoxFilter | Mapping[str, float] | None = None  # which cropped boxes survive (None: BoxFilter())
+    composition: str | None = None  # a mix's batch composition (None: the mix's own); docs/loader.md, "Mixing"
 
     def __post_init__(self) -> None:
         if self.num_workers is not None and self.num_workers < 0:
@@ -130,6 +132,8 @@ class LoaderOptions:
             object.__setattr__(self, "fields", (self.fields,))
         elif self.fields is not None:
             object.__setattr__(self, "fields", tuple(self.fields))
+        if self.composition is not None and self.composition not in COMPOSITIONS:
+            raise UsageError(f"composition must be one of {', '.join(COMPOSITIONS)}, got {self.composition!r}")
         if self.run_bytes != "auto" and (not isinstance(self.run_bytes, int) or self.run_bytes < 1):
             raise UsageError(f"run_bytes must be a positive integer or 'auto', got {self.run_bytes!r}")
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from stager.errors import CorruptSampleError, UsageError
 from stager.fs.info import detect_fs
@@ -42,11 +43,21 @@ from stager.loader.fetch import Fetcher, MappedFetcher, PreadFetcher
 from stager.loader.fields import FieldsSampleFn, assemble_fields, select_fields
 from stager.loader.index import index_from_manifest
 from stager.loader.options import BoxFilter, LoaderOptions
+from stager.loader.state import LoaderState
 from stager.loader.transforms import make_sample_fn
 from stager.manifest import Strings
 from stager.manifest.fields import FieldSpec, sample_fields
 from stager.order import streams
-from stager.order.epoch import PlanConfig, RankPlan, WorkerPlan, batch_sizes, epoch_sequence, plan_rank, run_lengths
+from stager.order.epoch import (
+    PlanConfig,
+    RankPlan,
+    WorkerPlan,
+    batch_sizes,
+    epoch_sequence,
+    plan_rank,
+    run_lengths,
+    unconsumed,
+)
 from stager.order.epoch import samples_per_rank as equal_samples_per_rank
 from stager.order.items import ItemSpace
 from stager.order.partition import partition_samples_per_rank
@@ -233,7 +244,7 @@ class RankDataset:
         reads, staging and streaming carry them unchanged (:mod:`stager.loader.fields`)."""
         m = self.resolved.index.manifest
         has = m is not None and bool(sample_fields(m.fields))
-        if m is None or not has or (opts.decode != "uint8" and opts.fields is None):
+        if m is None or not has or opts.fields == () or (opts.decode != "uint8" and opts.fields is None):
             if opts.fields:
                 raise UsageError(f"{self.resolved.root}: fields {list(opts.fields)} requested, but this dataset has "
                                  "no fields" if not has else "fields are read with decode='uint8'")
@@ -396,6 +407,45 @@ class RankDataset:
         """Batches per rank in the current epoch (the same on every rank)."""
         return len(self.batch_sizes())
 
+    # ---- what the loaders ask besides batches (LoaderBase; a mix answers for all its streams) ------
+    @property
+    def dataset_id(self) -> str:
+        """The dataset's identity in the resume state (the manifest digest)."""
+        return self.index.dataset_id
+
+    def plan_key(self) -> str:
+        """A fingerprint of the run layout and the per-rank count: part of the order a state must match."""
+        h = xxhash.xxh3_64()
+        h.update(np.ascontiguousarray(self.run_len).tobytes())
+        h.update(f"{self.group.samples_per_rank}".encode())
+        return h.hexdigest()
+
+    def origin(self) -> dict[str, Any]:
+        """Where the batches come from, for ``stats()``: source, the directory read, staged or not."""
+        res = self.resolved
+        return {"source": res.source, "reading_from": res.root, "staged": res.staged,
+                "staged_mode": res.receipt.mode if res.receipt is not None else None}
+
+    def batch_fields(self) -> tuple[str, ...]:
+        """The keys every batch has (raw batches from workers add ``data``/``offsets``)."""
+        return ("image", "index", "key", "label")
+
+    def batch_padding(self) -> np.ndarray:
+        """Per batch of the current epoch: how many of its samples are padding repeats (int64 (batches,))."""
+        return self.plan().batch_padding()
+
+    def unconsumed(self, state: LoaderState, seq: np.ndarray | None) -> np.ndarray:
+        """``state``'s epoch minus what every rank of its world consumed, in the old order (int64): what an
+        elastic resume re-plans. ``seq``: the order that epoch was planned over (a parent state's
+        remaining samples), or None for the plain epoch sequence."""
+        if seq is None:
+            seq = self.epoch_sequence(state.epoch)
+        cfg = PlanConfig(batch_size=state.batch_size, world_size=state.world_size, num_workers=state.num_workers,
+                         seed=state.seed, mode=state.mode, drop_last=state.drop_last,
+                         buffer_samples=state.buffer_samples)
+        return unconsumed(seq, self.items.starts, self.run_len, cfg, epoch=state.epoch,
+                          batches_done=state.batches_done)
+
     # ---- iteration ------------------------------------------------------------------------------
     def worker_batches(self, worker: int, *, in_worker: bool) -> Iterator[dict[str, Any]]:
         """Worker stream ``worker``'s batches from ``start_batch`` on (rank batches ``start_batch + worker,
@@ -514,10 +564,13 @@ class RankDataset:
             return {"data": data, "offsets": offsets}
         return {"image": [x if isinstance(x, memoryview) else memoryview(x) for x in items]}
 
-    def _decode_all(self, payloads: list[Any], ids: np.ndarray, j: int) -> tuple[list[Any], np.ndarray, list[str]]:
-        """Apply the sample function; returns ``(items, kept ids, skipped keys)`` (``on_error``)."""
+    def _decode_all(self, payloads: list[Any], ids: np.ndarray, j: int, rng: np.random.Generator | None = None
+                    ) -> tuple[list[Any], np.ndarray, list[str]]:
+        """Apply the sample function; returns ``(items, kept ids, skipped keys)`` (``on_error``). ``rng``:
+        the batch's augmentation generator (default: rank batch ``j``'s; a mix shares one over its streams)."""
         idx = self.index
-        rng = streams.augment(self.seed, self.epoch, self.world_size, self.rank, j)
+        if rng is None:
+            rng = streams.augment(self.seed, self.epoch, self.world_size, self.rank, j)
         items, kept, skipped = [], [], []
         per = self.items.per_item
         # One input per item: a payload, or (windows) the list of its T frame payloads.

@@ -7,6 +7,7 @@ adds how long it waited for each batch. Seconds are summed over workers, so with
 
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,11 @@ class LoaderStats:
     dropped: int = 0
     skipped: int = 0
     skipped_keys: list[str] = field(default_factory=list)
+    # A mix (docs/loader.md, "Mixing datasets"): each stream's name, source, reading_from and staged,
+    # and per stream the samples and payload bytes handed out (workers send both with each batch).
+    streams: list[dict[str, Any]] = field(default_factory=list)
+    stream_samples: list[int] = field(default_factory=list)
+    stream_bytes: list[int] = field(default_factory=list)
     _t0: float | None = None
     _busy: float = 0.0
 
@@ -50,12 +56,30 @@ class LoaderStats:
         self.bytes += int(w["bytes"])
         self.io_seconds += float(w["io_s"])
         self.decode_seconds += float(w["decode_s"])
+        if "stream_samples" in w:
+            if not self.stream_samples:
+                self.stream_samples = [0] * len(self.streams)
+                self.stream_bytes = [0] * len(self.streams)
+            self.stream_samples = list(map(operator.add, self.stream_samples, w["stream_samples"]))
+            self.stream_bytes = list(map(operator.add, self.stream_bytes, w["stream_bytes"]))
         skipped = list(w.get("skipped", ()))
         self.skipped += len(skipped)
         self.skipped_keys += skipped[: max(0, 100 - len(self.skipped_keys))]
 
     def to_dict(self) -> dict[str, Any]:
         secs = self.seconds
+        out = self._totals(secs)
+        if self.streams:
+            got = self.stream_samples or [0] * len(self.streams)
+            nbytes = self.stream_bytes or [0] * len(self.streams)
+            out["streams"] = {
+                info["name"]: {**{k: v for k, v in info.items() if k != "name"}, "samples": n, "bytes": b,
+                               "share": n / self.samples if self.samples else 0.0}
+                for info, n, b in zip(self.streams, got, nbytes, strict=True)
+            }
+        return out
+
+    def _totals(self, secs: float) -> dict[str, Any]:
         return {
             "rank": self.rank,
             "world_size": self.world_size,

@@ -135,14 +135,24 @@ def epoch_sequence(starts: np.ndarray, run_len: np.ndarray, cfg: PlanConfig, epo
 
     Independent of world size and worker count, so the global order is one thing all ranks share.
     """
+    if cfg.mode == "none":
+        return shuffled_order(starts, run_len, "none", None)
+    return shuffled_order(starts, run_len, cfg.mode, streams.epoch_runs(cfg.seed, epoch))
+
+
+def shuffled_order(starts: np.ndarray, run_len: np.ndarray, mode: str, rng: np.random.Generator | None) -> np.ndarray:
+    """A permutation of ``range(N)`` (int64) in shuffle mode ``mode``, drawn from ``rng`` (None for ``"none"``):
+    runs of ~``run_len`` permuted, whole shards permuted, every sample permuted, or manifest order.
+
+    :func:`epoch_sequence` draws it once per epoch; a mix draws one per stream pass (:mod:`stager.order.mix`).
+    """
     starts = np.asarray(starts, dtype=np.int64)
     n = int(starts[-1]) if len(starts) else 0
-    if cfg.mode == "none":
+    if mode == "none" or rng is None:
         return np.arange(n, dtype=np.int64)
-    rng = streams.epoch_runs(cfg.seed, epoch)
-    if cfg.mode == "random":
+    if mode == "random":
         return rng.permutation(n).astype(np.int64)
-    if cfg.mode == "shards":
+    if mode == "shards":
         a, b = starts[:-1], starts[1:]
         keep = b > a
         a, b = a[keep], b[keep]

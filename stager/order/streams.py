@@ -16,6 +16,17 @@ epoch runs        ``(seed, epoch, EPOCH_RUNS)``                   the epoch's ru
 shuffle buffer    ``(seed, epoch, SHUFFLE_BUFFER, world, rank,    a worker stream's buffer shuffle
                   workers, worker)``
 augment           ``(seed, epoch, AUGMENT, world, rank, batch)``  a batch's crops and flips
+mix round         ``(seed, epoch, MIX_ROUND, stream, j)``         a mix stream's ``j``-th whole pass of
+                                                                  an epoch (up-sampled: several)
+mix cycle         ``(seed, cycle, MIX_CYCLE, stream)``            a mix stream's rotation order, kept
+                                                                  for the ``ceil(N / r)`` epochs that
+                                                                  take its remainder ``r`` from it
+mix layout        ``(seed, epoch, MIX_LAYOUT, world, rank)``      which stream fills each place of a
+                                                                  rank's batches (random, stratified)
+mix batch order   ``(seed, epoch, MIX_BATCH_ORDER, world)``       the order of the streams' batches
+                                                                  (per_stream: the same on every rank)
+mix buffer        ``(seed, epoch, MIX_BUFFER, world, rank,        a worker's shuffle buffer over one
+                  workers, worker, stream)``                      stream of a mix
 ================  ==============================================  =====================================
 """
 
@@ -28,6 +39,12 @@ EPOCH_RUNS = 1
 SHUFFLE_BUFFER = 2
 AUGMENT = 3
 READ_SHARES = 0x5EAD_0004  # was 1 (= EPOCH_RUNS) before: (seed, n, 1) met (seed, epoch, 1) at n == epoch
+# Mixing several datasets (stager.order.mix): tags no other key uses at their position.
+MIX_ROUND = 0x313_0001
+MIX_CYCLE = 0x313_0002
+MIX_LAYOUT = 0x313_0003
+MIX_BATCH_ORDER = 0x313_0004
+MIX_BUFFER = 0x313_0005
 
 
 def pack_order(seed: int) -> np.random.Generator:
@@ -54,3 +71,25 @@ def shuffle_buffer(
 
 def augment(seed: int, epoch: int, world_size: int, rank: int, batch: int) -> np.random.Generator:
     return np.random.default_rng((seed, epoch, AUGMENT, world_size, rank, batch))
+
+
+def mix_round(seed: int, stream: int, epoch: int, j: int) -> np.random.Generator:
+    return np.random.default_rng((seed, epoch, MIX_ROUND, stream, j))
+
+
+def mix_cycle(seed: int, stream: int, cycle: int) -> np.random.Generator:
+    return np.random.default_rng((seed, cycle, MIX_CYCLE, stream))
+
+
+def mix_layout(seed: int, epoch: int, world_size: int, rank: int) -> np.random.Generator:
+    return np.random.default_rng((seed, epoch, MIX_LAYOUT, world_size, rank))
+
+
+def mix_batch_order(seed: int, epoch: int, world_size: int) -> np.random.Generator:
+    return np.random.default_rng((seed, epoch, MIX_BATCH_ORDER, world_size))
+
+
+def mix_buffer(
+    seed: int, epoch: int, world_size: int, rank: int, *, workers: int, worker: int, stream: int
+) -> np.random.Generator:
+    return np.random.default_rng((seed, epoch, MIX_BUFFER, world_size, rank, workers, worker, stream))

@@ -1,5 +1,5 @@
 """Every job script in tools/slurm/ submitted with sbatch to the cluster, unmodified: only documented
-environment variables (DATA, VAL, OUT, TRAIN_ARGS, GPUS, BEEOND_MNT, BUDGET, BATCH) and sbatch
+environment variables (DATA, VAL, OUT, TRAIN_ARGS, GPUS, BEEOND_MNT, BUDGET, BATCH, MIX) and sbatch
 command-line options (CPU only: ``--gpus-per-task=0``, one CPU per task, small node counts).
 
 Checked for each: exit 0; the staging JSON of every node (verified copy, the mode the script asks
@@ -152,3 +152,31 @@ def test_prefetch_follower_beside_two_node_training(cluster: Cluster, cifar: dic
     check_summary(summary, 2)
     assert summary["data_source"]["staged"] is False
     check_epochs(out / "keys", 2, cifar["train"])
+
+
+def test_mix_staged_collectively_then_trained(cluster: Cluster, cifar: dict[str, Path], tmp_path: Path) -> None:
+    """train_mix.sbatch on 2 nodes: a mix file on the shared file system (streams by relative path), staged
+    collectively into each node's local disk, trained with --mix: the same steps on both ranks, each batch
+    holding a third from the up-weighted small stream, the epilogue cleaning both streams' copies."""
+    mix = cifar["train"].parent / "mix.yaml"
+    mix.write_text("composition: stratified\nstreams:\n  - {name: a, path: cifar-train, weight: 2}\n"
+                   "  - {name: b, path: cifar-test, weight: 1}\n")
+    out = tmp_path / "out"
+    env = env_for(cluster, cifar, out, "--batch-size 6", MIX=str(cluster.shared_path(mix)))
+    job = cluster.sbatch(["--nodes=2", "--ntasks-per-node=1", *CPU, str(SLURM / "train_mix.sbatch")],
+                         output=tmp_path / "job.out", env=env, cwd=ROOT)
+    expect(job)
+    for r in check_stage(out, "stage-mix", 2):
+        assert [s["name"] for s in r["streams"]] == ["a", "b"] and all(s["collective"] for s in r["streams"]), r
+    summary = json.loads((out / "summary.json").read_text())
+    check_summary(summary, 2)
+    src = summary["data_source"]
+    assert src["staged"] and {s["reading_from"].startswith(str(cluster.local)) for s in src["streams"].values()} == {
+        True}, src
+    per_rank = [[json.loads(ln) for ln in (out / "keys" / f"keys-rank{r}.jsonl").read_text().splitlines()]
+                for r in range(2)]
+    assert [rec["step"] for rec in per_rank[0]] == [rec["step"] for rec in per_rank[1]] and per_rank[0]
+    small = set(all_keys(cifar["test"]))
+    for recs in per_rank:
+        assert all(sum(k in small for k in rec["keys"]) == 2 for rec in recs), "a third of every batch of 6 from b"
+    assert job.output.count("removed") == 2, job.output  # one clean of the staged mix per node

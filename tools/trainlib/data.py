@@ -98,8 +98,10 @@ class StagerSource:
         holdout: float = 0.0,
         pin_memory: bool = False,
         staged: bool | str = "auto",
+        composition: str | None = None,
     ) -> None:
         from stager.loader import make_loader
+        from stager.mix import is_mix
 
         self.role = role
         self.holdout = holdout
@@ -108,6 +110,9 @@ class StagerSource:
         kwargs: dict[str, Any] = {}
         if pin_memory:
             kwargs["pin_memory"] = True
+        mixed = is_mix(path)
+        if mixed and composition:
+            kwargs["composition"] = composition
         self.loader = make_loader(
             path,
             batch_size,
@@ -123,9 +128,17 @@ class StagerSource:
             staged=staged,
             **kwargs,
         )
-        index = self.loader.dataset.index
-        self.classes: list[str] = list(index.classes)
-        self.num_samples: int = int(index.num_samples)
+        ds = self.loader.dataset
+        self.mix_summary = ""
+        if mixed:
+            # A mix: labels are each stream's own; the model gets as many classes as the widest stream has
+            # (streams that share a label space, or whose labels the mix file's author offset).
+            self.classes: list[str] = max((list(m.index.classes) for m in ds.members), key=len)
+            self.num_samples: int = ds.samples_in_epoch()
+            self.mix_summary = ds.epoch_summary()
+        else:
+            self.classes = list(ds.index.classes)
+            self.num_samples = int(ds.index.num_samples)
 
     def set_epoch(self, epoch: int) -> None:
         self.loader.set_epoch(epoch)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from stager.errors import UsageError
 from stager.loader.frameworks.convert import stager_loader_of
 from stager.loader.frameworks.hooks import FrameworkLoader
 
@@ -159,7 +160,11 @@ def gather_remainder(loader: FrameworkLoader) -> int:
     pad = world * int(sizes.sum()) - ds.samples_in_epoch()
     if not len(sizes) or pad <= 0:
         return 0
-    if not ds.group.node_partitioned and _padding_at_tail(ds.plan(rank=world - 1), pad):
+    try:
+        last = None if ds.group.node_partitioned else ds.plan(rank=world - 1)
+    except UsageError:  # a mix: one plan per stream, its padding anywhere in the layout
+        last = None
+    if last is not None and _padding_at_tail(last, pad):
         return world * int(sizes[-1]) - pad
     if loader not in _PAD_LOGGED:
         _PAD_LOGGED.add(loader)

@@ -101,9 +101,10 @@ def stage_collective(
     return run_collective(src, dest, options)
 
 
-def run_collective(src: str | os.PathLike[str], dest: str | os.PathLike[str] | None, options: CollectiveOptions
-                   ) -> CollectiveResult:
-    """:func:`stage_collective` with its options in one object (the CLI's entry)."""
+def run_collective(src: str | os.PathLike[str], dest: str | os.PathLike[str] | None, options: CollectiveOptions,
+                   *, group: Group | None = None) -> CollectiveResult:
+    """:func:`stage_collective` with its options in one object (the CLI's entry). ``group``: a group already
+    formed by :func:`form_group` (staging a mix's streams one after another); it is left open."""
     t0 = time.perf_counter()
     manifest, manifest_bytes = read_src_manifest(src, options.stage.storage_options)
     identity = options.stage.node.resolve()  # the group's rank is the node index, even for a full copy
@@ -116,7 +117,9 @@ def run_collective(src: str | os.PathLike[str], dest: str | os.PathLike[str] | N
     )
     if identity.num_nodes == 1:
         return _without_peers(src, dest, options.stage, res, t0=t0, reason="single node")
-    group = _form_group(options, identity.node, identity.num_nodes, res)
+    own = group is None
+    if group is None:
+        group = _form_group(options, identity.node, identity.num_nodes, res)
     if group is None:
         return _without_peers(src, dest, options.stage, res, t0=t0, reason="direct")
     res.group_s = time.perf_counter() - t0  # includes importing torch and waiting for the last node
@@ -143,8 +146,22 @@ def run_collective(src: str | os.PathLike[str], dest: str | os.PathLike[str] | N
         group.fail(f"failed: {type(exc).__name__}: {exc}")
         raise
     finally:
-        group.close(failed=failed)
+        if own or failed:
+            group.close(failed=failed)
     return res
+
+
+def form_group(options: CollectiveOptions) -> tuple[Group | None, list[str]]:
+    """The group of this node's collective stage, formed once for several datasets (a mix's streams):
+    ``(group, warnings)``; None on a single node, or when it cannot form and ``fallback="direct"`` (the
+    reason in the warnings; ``"none"`` raises). Close it with ``group.close()``."""
+    identity = options.stage.node.resolve()
+    if identity.num_nodes == 1:
+        return None, []
+    res = CollectiveResult(ok=True, source="", dest="", mode="", node=identity.node, num_nodes=identity.num_nodes,
+                           dataset_id="", dataset_bytes=0, backend=options.backend, receipt="")
+    group = _form_group(options, identity.node, identity.num_nodes, res)
+    return group, res.warnings
 
 
 # ---- without an exchange ----------------------------------------------------------------------------

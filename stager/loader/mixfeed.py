@@ -1,0 +1,106 @@
+"""A worker's side of a mix: one feed per stream, and where each stream's items go in a batch.
+
+:class:`StreamFeed` reads one stream of one worker's plan as that stream's own read schedule says
+(:func:`stager.order.reads.worker_reads`, a :mod:`stager.loader.fetch` fetcher) and hands out each
+batch's payloads with their item ids, keys and labels (looked up :data:`KEY_WINDOW` batches at a time).
+:func:`gather_order` turns the layout's slots into the permutation that puts the streams' items,
+gathered stream after stream, in the batch's order; :func:`stream_counts` and :func:`subsequence_mask`
+are its bookkeeping. :class:`~stager.loader.mixing.MixDataset` runs them; no torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from stager.loader.access import ShardAccess
+from stager.loader.fetch import Fetcher, MappedFetcher, PreadFetcher
+from stager.loader.rank import RankDataset
+from stager.manifest import Strings
+from stager.order.epoch import WorkerPlan
+from stager.order.mixplan import MixWorkerPlan
+from stager.order.reads import worker_reads
+
+KEY_WINDOW = 16  # batches of a stream whose ids, keys and labels are looked up at once (StreamFeed.take)
+GATHER_WINDOW = 64  # a worker's batches whose gather order is computed at once (bounded memory, few calls)
+# The first window of a pass is short (what the first batch waits for), the next ones full.
+FIRST_WINDOW = 2
+
+
+def gather_order(slots: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """Per place of some of a worker's batches (int32, shape of ``slots``): its index among its batch's places
+    sorted by stream (stably), i.e. where its item is once each stream's items are concatenated in
+    stream order. Computed for a window of batches at a time (GATHER_WINDOW)."""
+    batch = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
+    order = np.argsort(batch * (int(slots.max(initial=0)) + 1) + slots, kind="stable")
+    inv = np.empty(len(order), dtype=np.int64)
+    inv[order] = np.arange(len(order), dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    return (inv - starts[batch]).astype(np.int32)
+
+
+def stream_counts(wp: MixWorkerPlan) -> np.ndarray:
+    """Items of each stream in each of the worker's batches (int64 (batches, streams))."""
+    out = np.zeros((len(wp.batches), len(wp.parts)), dtype=np.int64)
+    for i, (part, step) in enumerate(zip(wp.parts, wp.steps, strict=True)):
+        has = step >= 0
+        out[has, i] = part.sizes[step[has]]
+    return out
+
+
+def subsequence_mask(ids: np.ndarray, kept: np.ndarray) -> np.ndarray:
+    """Which entries of ``ids`` the ordered subsequence ``kept`` keeps (bool, shape of ``ids``)."""
+    mask = np.zeros(len(ids), dtype=bool)
+    k = 0
+    for i, x in enumerate(ids.tolist()):
+        if k < len(kept) and x == int(kept[k]):
+            mask[i] = True
+            k += 1
+    return mask
+
+
+class StreamFeed:
+    """One stream of one worker's plan: its reads, as the stream's read schedule says, and its items per batch."""
+
+    def __init__(self, member: RankDataset, part: WorkerPlan, access: ShardAccess, *, start_batch: int,
+                 owned: bool) -> None:
+        self.member, self.part = member, part
+        self.reading = member.items.reading_plan(part)
+        reads = worker_reads(self.reading, member.index.starts, member.index.sizes, start_batch=start_batch)
+        access.check_pid()
+        if member.field_fn is not None:
+            member.field_fn.access = access  # byte fields outside the payload (hdf5, parquet) are read through it
+        self.fetcher: Fetcher
+        if access.mapped:
+            self.fetcher = MappedFetcher(reads, self.reading, access)
+        else:
+            self.fetcher = PreadFetcher(reads, self.reading, access, on_error=member.options.on_error, owned=owned)
+        cum = np.concatenate([[0], np.cumsum(part.sizes)]).astype(np.int64)
+        self.cum, self.rcum = cum.tolist(), (cum * member.items.per_item).tolist()
+        self._ids = np.zeros(0, dtype=np.int64)
+        self._keys: list[str] = []
+        self._labels = np.zeros(0, dtype=np.int64)
+        self._window = (0, 0)  # the steps whose ids, keys and labels the window holds
+
+    def take(self, step: int) -> tuple[list[Any], int, np.ndarray, list[str], np.ndarray]:
+        """The stream's part of its ``step``-th batch: ``(payloads, payload bytes read, item ids, keys,
+        labels)``. Ids, keys and labels are looked up :data:`KEY_WINDOW` batches at a time: one gather of
+        the stream's key strings and labels per window, not one per batch (its fixed cost is what a
+        stream's few items per batch would otherwise pay most of)."""
+        positions = self.reading.emit[self.rcum[step] : self.rcum[step + 1]]
+        payloads, nbytes = self.fetcher.batch(step, positions)
+        lo, hi = self._window
+        if not lo <= step < hi:
+            span = FIRST_WINDOW if self._window == (0, 0) else KEY_WINDOW
+            lo, hi = step, min(step + span, len(self.part.sizes))
+            ids = self.part.stream[self.part.emit[self.cum[lo] : self.cum[hi]]]
+            m = self.member
+            first = ids if m.items.per_item == 1 else m.items.samples_of(ids)[:, 0]
+            keys = m.index.keys
+            self._ids = ids.astype(np.int64, copy=False)
+            self._keys = keys.take(first) if isinstance(keys, Strings) else m._keys_at(first)
+            self._labels = np.asarray(m.index.labels[first], dtype=np.int64)
+            self._window = (lo, hi)
+        a, b = self.cum[step] - self.cum[lo], self.cum[step + 1] - self.cum[lo]
+        return payloads, nbytes, self._ids[a:b], self._keys[a:b], self._labels[a:b]
