@@ -7,7 +7,9 @@ single process.
 The launchers' variables, innermost launcher first (a process started by torchrun inside an
 ``srun`` step sees both; the inner one numbers the ranks, the outer one its own launcher tasks):
 
-1. torchrun: RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE/GROUP_RANK;
+1. torchrun: RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE/GROUP_RANK; Lightning's and Fabric's own launcher
+   (``strategy="ddp"``) set WORLD_SIZE/NODE_RANK/LOCAL_RANK but no RANK: the rank is NODE_RANK times the
+   ranks per node (LOCAL_WORLD_SIZE; not needed on node 0) plus LOCAL_RANK;
 2. Horovod (horovodrun's gloo launcher): HOROVOD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE/CROSS_RANK/CROSS_SIZE;
 3. MPI, whose variables must agree with one another: Open MPI (OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK/
    LOCAL_SIZE), MPICH and Intel MPI's Hydra (PMI_RANK/PMI_SIZE, MPI_LOCALRANKID/MPI_LOCALNRANKS),
@@ -20,7 +22,8 @@ batch step's 0 in every rank) and are not errors. Errors (:class:`UsageError`, o
 variables): two MPI sources in one process that disagree, or a launcher that says there are several
 ranks but gives no rank (OMPI_COMM_WORLD_SIZE=3 without OMPI_COMM_WORLD_RANK, PMIX_RANK without a size,
 WORLD_SIZE=4 without RANK), which would otherwise make every rank read the whole dataset. An explicit
-``world_size`` (without an explicit ``rank``) that differs from the launcher's is one too.
+``world_size`` (without an explicit ``rank``) that differs from the launcher's is one too. An initialised
+process group wins over the environment, whose gaps and contradictions then do not matter.
 
 :func:`resolve_node` (a node's place, for ``stager stage``, which runs once per node rather than
 once per rank): the ``--node/--num-nodes`` flags, then the topology above when its innermost
@@ -85,17 +88,19 @@ class World:
         env = os.environ if env is None else env
         src = "explicit" if rank is not None or world_size is not None else "default"
         d_rank, d_world, d_lrank, d_lworld, d_node, d_nnodes = 0, 1, 0, 1, 0, 1
-        detected = _from_torch() if env is os.environ else None
+        detected = process_group_world() if env is os.environ else None
         try:
             env_topo = env_topology(env)
         except UsageError:
-            if rank is None or world_size is None:
+            if (rank is None or world_size is None) and detected is None:
                 raise
-            env_topo = None  # the caller named its own world: the environment's contradictions are not its
+            # The caller named its own world, or an initialised process group says it (Lightning's launcher
+            # exports WORLD_SIZE without RANK): the environment's gaps and contradictions are not this world's.
+            env_topo = None
         if detected is not None:
             d_rank, d_world = detected
             src = "torch.distributed" if src == "default" else src
-            if env_topo is not None and env_topo.world_size == d_world:
+            if env_topo is not None and env_topo[:2] == (d_rank, d_world):
                 d_lrank, d_lworld, d_node, d_nnodes = env_topo.local_rank, env_topo.local_world_size, *env_topo.place
             else:
                 d_lworld, d_nnodes = d_world, 1
@@ -126,9 +131,10 @@ class World:
         )
 
 
-def _from_torch() -> tuple[int, int] | None:
-    """An initialised process group's (rank, size). torch is never imported for this: a process that
-    initialised a group has imported ``torch.distributed`` already (so the numpy loader stays torch-free)."""
+def process_group_world() -> tuple[int, int] | None:
+    """An initialised ``torch.distributed`` process group's (rank, size); None: none is initialised. torch is
+    never imported for this: a process that initialised a group has imported ``torch.distributed`` already
+    (so the numpy loader stays torch-free)."""
     dist = sys.modules.get("torch.distributed")
     if dist is None:
         return None
@@ -221,11 +227,35 @@ def _claim(env: Mapping[str, str], source: str, rank_var: str, size_var: str, lo
 
 
 def _torchrun(env: Mapping[str, str]) -> Claim | None:
+    if _int(env, "RANK") is None and _int(env, "LOCAL_RANK") is not None and _int(env, "WORLD_SIZE") is not None:
+        return _node_local(env)
     c = _claim(env, "torchrun", "RANK", "WORLD_SIZE", ("LOCAL_RANK", "LOCAL_WORLD_SIZE"))
     if c is not None and _int(env, "GROUP_RANK") is not None:
         lworld = c.local_world_size or c.world_size
         c = c._replace(node=_int(env, "GROUP_RANK"), num_nodes=max(1, c.world_size // max(lworld, 1)))
     return c
+
+
+def _node_local(env: Mapping[str, str]) -> Claim:
+    """WORLD_SIZE and LOCAL_RANK without RANK: Lightning's and Fabric's own launcher (``strategy="ddp"``), which
+    start one process per device and export WORLD_SIZE, NODE_RANK and LOCAL_RANK. The rank is
+    ``NODE_RANK * ranks per node + LOCAL_RANK`` (ranks per node: LOCAL_WORLD_SIZE; on node 0 it is not needed)."""
+    world, lrank = int(_int(env, "WORLD_SIZE") or 0), int(_int(env, "LOCAL_RANK") or 0)
+    node = _int(env, "NODE_RANK")
+    node = _int(env, "GROUP_RANK") if node is None else node
+    lworld = _int(env, "LOCAL_WORLD_SIZE")
+    shown = _shown(env, "WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    if node and lworld is None:
+        raise UsageError(
+            f"{shown} (a launcher that sets no RANK, such as Lightning's) do not say how many ranks run per node: "
+            "export LOCAL_WORLD_SIZE, or build the loader once the process group is initialised (Lightning: in "
+            "setup() or train_dataloader())"
+        )
+    rank = (node or 0) * (lworld or 0) + lrank
+    if not 0 <= rank < world or (lworld is not None and lrank >= lworld):
+        raise UsageError(f"{shown}: rank {rank} is not one of the {world} ranks; check the launcher's variables")
+    nnodes = world // lworld if lworld and world % lworld == 0 else None
+    return Claim(rank, world, lrank, lworld, node if nnodes else None, nnodes, "lightning", shown)
 
 
 def _horovod(env: Mapping[str, str]) -> Claim | None:

@@ -83,3 +83,15 @@ def mix_sets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     index_dataset(wds_dir)
     out["wds"] = wds_dir
     return out
+
+
+@pytest.fixture(scope="session")
+def frameworks_pack(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tar pack of 203 tiny JPEGs (7 classes, 11 shards) for the framework tests (tests/test_frameworks_*.py):
+    odd, so two ranks get one padding repeat; 13 batches of 8 per rank and epoch."""
+    from stager.pack import pack
+
+    base = tmp_path_factory.mktemp("frameworks")
+    make_imagefolder(base / "src", num_classes=7, per_class=29, seed=5, size=(10, 8))
+    pack(base / "src", base / "tar", "tar", samples_per_shard=20)
+    return base / "tar"

@@ -110,8 +110,17 @@ def test_mid_epoch_resume_is_exact(packed: Path) -> None:
         assert rest == full[c:], f"resume after {c} batches"
         fresh = make_loader(packed, 5, num_workers=2, persistent_workers=False, **KW)
         fresh.load_state_dict(state)
+        fresh.set_epoch(3)
         assert epoch(fresh) == rest
         assert epoch(warm) == epoch(fresh), "the epoch after the resumed one"
+        if c == len(full):
+            # Without set_epoch (Accelerate's and Fabric's loops), a state saved at an epoch's end goes on
+            # with the next epoch, which `epoch` reports beforehand.
+            unpinned = make_loader(packed, 5, num_workers=2, persistent_workers=False, **KW)
+            unpinned.load_state_dict(state)
+            following = make_loader(packed, 5, num_workers=2, persistent_workers=False, **KW)
+            following.set_epoch(4)
+            assert unpinned.epoch == 4 and epoch(unpinned) == epoch(following)
         warm.close()
     # Elastic: a 2-worker state into a 3-worker persistent loader, against a fresh 3-worker one.
     src = make_loader(packed, 5, num_workers=2, **KW)

@@ -78,10 +78,18 @@ def torchrun_in_mpirun(rank: int, node: int, lr: int, nodes: int, per: int) -> E
             "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "1"}
 
 
+def lightning(rank: int, node: int, lr: int, nodes: int, per: int) -> Env:
+    # Lightning's and Fabric's own launcher (strategy="ddp"): no RANK. On one node that is all it takes;
+    # across nodes the ranks per node must be said (LOCAL_WORLD_SIZE), or the process group awaited.
+    env = {"WORLD_SIZE": str(nodes * per), "NODE_RANK": str(node), "LOCAL_RANK": str(lr),
+           "MASTER_ADDR": "node0", "MASTER_PORT": "29500"}
+    return env | ({"LOCAL_WORLD_SIZE": str(per)} if nodes > 1 else {})
+
+
 LAUNCHERS: dict[str, tuple[Callable[..., Env], str]] = {
     "openmpi": (openmpi, "openmpi"), "hydra": (hydra, "mpich"), "srun-pmi2": (srun_pmi2, "mpich"),
     "srun-pmix": (srun_pmix, "pmix"), "slurm": (slurm, "slurm"), "horovod": (horovod, "horovod"),
-    "torchrun-in-mpirun": (torchrun_in_mpirun, "torchrun"),
+    "torchrun-in-mpirun": (torchrun_in_mpirun, "torchrun"), "lightning": (lightning, "lightning"),
 }
 
 
@@ -117,6 +125,7 @@ def test_detected_ranks_partition_the_world(launcher: str, nodes: int, per: int)
         ({"PMI_SIZE": "4", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}, ["PMI_SIZE=4", "PMI_RANK"]),
         ({"HOROVOD_SIZE": "2"}, ["HOROVOD_SIZE=2", "HOROVOD_RANK"]),
         ({"WORLD_SIZE": "4"}, ["WORLD_SIZE=4", "RANK"]),
+        ({"WORLD_SIZE": "4", "NODE_RANK": "1", "LOCAL_RANK": "0"}, ["WORLD_SIZE=4", "NODE_RANK=1", "LOCAL_WORLD_SIZE"]),
         ({"PMIX_RANK": "2"}, ["PMIX_RANK=2", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"]),
         ({"OMPI_COMM_WORLD_RANK": "1"}, ["OMPI_COMM_WORLD_RANK=1", "OMPI_COMM_WORLD_SIZE"]),
         ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "3", "PMI_RANK": "2", "PMI_SIZE": "3"},

@@ -13,7 +13,10 @@ if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
   echo "setup: installing torch==2.13.0 (CPU wheel)"
   "$VENV/bin/python" -m pip install -q "torch==2.13.0"
 fi
-"$VENV/bin/python" -m pip install -q -e ".[test,lint]"
+# The test extra's lightning, accelerate and transformers depend on torch: pin the one present so that
+# pip never replaces it (a bare `torch` requirement would pull the newest release and its CUDA wheels).
+"$VENV/bin/python" -c 'import torch; print("torch==" + torch.__version__.split("+")[0])' > "$VENV/torch-constraint.txt"
+"$VENV/bin/python" -m pip install -q -c "$VENV/torch-constraint.txt" -e ".[test,lint]"
 # Azure's Blob emulator for tests/test_objstore.py (npm registry). Without npm, those tests skip.
 if command -v npm >/dev/null 2>&1 && [ ! -x "$VENV/azurite/node_modules/.bin/azurite-blob" ]; then
   npm install --prefix "$VENV/azurite" --no-audit --no-fund --silent azurite@3 >/dev/null 2>&1 \

@@ -36,13 +36,14 @@ if TYPE_CHECKING:
     from stager.loader.dataset import ShardedDataset
     from stager.loader.loader import Loader
     from stager.loader.numpy_loader import NumpyLoader, make_numpy_loader
+    from stager.loader.samples import SampleDataset
 
-__all__ = ["BoxFilter", "Loader", "LoaderOptions", "LoaderState", "Mix", "NumpyLoader", "ShardedDataset", "Stream",
-           "make_loader",
-           "make_numpy_loader"]
+__all__ = ["BoxFilter", "Loader", "LoaderOptions", "LoaderState", "Mix", "NumpyLoader", "SampleDataset",
+           "ShardedDataset", "Stream", "make_loader", "make_numpy_loader"]
 
 # The names whose modules import torch (or, for the numpy loader, multiprocessing), loaded on first use.
 _LAZY = {"Loader": "stager.loader.loader", "ShardedDataset": "stager.loader.dataset",
+         "SampleDataset": "stager.loader.samples",
          "NumpyLoader": "stager.loader.numpy_loader", "make_numpy_loader": "stager.loader.numpy_loader"}
 
 
@@ -137,15 +138,15 @@ def make_loader(
         box_filter=box_filter,
         composition=composition,
     )
-    from stager.loader.dataset import ShardedDataset  # noqa: PLC0415 (torch only where its loader is used)
+    from stager.loader.dataset import TorchRankDataset  # noqa: PLC0415 (torch only where its loader is used)
     from stager.loader.loader import Loader  # noqa: PLC0415 (as above)
 
     if is_mix(path):
-        from stager.loader.mixdataset import MixShardedDataset  # noqa: PLC0415 (as above)
+        from stager.loader.mixdataset import MixTorchRankDataset  # noqa: PLC0415 (as above)
 
-        return Loader(MixShardedDataset(path, options))
+        return Loader(MixTorchRankDataset(path, options))
     if composition is not None:
         raise UsageError(f"composition={composition!r} applies to a mix of datasets; {path} is one dataset")
     if not isinstance(path, (str, os.PathLike)):
         raise UsageError(f"expected a dataset path, a mix file or a list of streams, got {type(path).__name__}")
-    return Loader(ShardedDataset(path, options))
+    return Loader(TorchRankDataset(path, options))

@@ -46,7 +46,11 @@ class LoaderBase:
 
     ``len(loader)`` is the number of batches per rank in the current epoch, equal on every rank.
     After a complete pass the next ``iter()`` moves to the next epoch unless ``set_epoch`` is
-    called; ``set_epoch(e)`` with the epoch of a just-loaded state keeps the resume position.
+    called; ``set_epoch(e)`` with the epoch of a just-loaded state keeps the resume position. A state
+    saved at an epoch's end makes the next ``iter()`` the next epoch (``epoch`` says so), unless
+    ``set_epoch(e)`` pins the saved one (then its pass is empty), so loops with and without
+    ``set_epoch`` resume alike.
+    A world detected rather than passed follows the initialised process group (:meth:`_check_world`).
     """
 
     num_workers: int
@@ -56,6 +60,8 @@ class LoaderBase:
         self._done = 0
         self._resume_pending = False
         self._completed = False
+        # A loaded state at an epoch's end: the next pass is the next epoch, unless set_epoch pins this one.
+        self._at_end = False
         self._parent: dict[str, Any] | None = None
         self._stats = LoaderStats(rank=dataset.rank, world_size=dataset.world_size, **dataset.origin())
         self._log_plan()
@@ -95,11 +101,15 @@ class LoaderBase:
     # ---- epoch / length ---------------------------------------------------------------------------
     @property
     def epoch(self) -> int:
-        return self.dataset.epoch
+        """The epoch the next pass makes or continues (after loading a state saved at an epoch's end: the next)."""
+        return self.dataset.epoch + int(self._at_end)
 
     def set_epoch(self, epoch: int) -> None:
+        self._check_world()
         if self._resume_pending and epoch == self.dataset.epoch:
+            self._at_end = False  # the loop pinned the epoch it resumes: keep the position
             return
+        self._at_end = False
         self._resume_pending = False
         self._completed = False
         self._done = 0
@@ -107,15 +117,52 @@ class LoaderBase:
         self.dataset.set_epoch(epoch)
 
     @property
+    def batches_done(self) -> int:
+        """Batches of the current epoch handed out (``len(self)`` once the epoch is complete)."""
+        return self._done
+
+    def skip_to(self, batch: int) -> None:
+        """Start the next pass at batch ``batch`` of its epoch, without reading the batches before it.
+
+        Absolute: after :meth:`load_state_dict` at that same batch nothing more is skipped. The epoch is
+        the one the next ``iter()`` would make (the next one after a complete pass). Accelerate's
+        ``skip_first_batches`` calls this (:mod:`stager.loader.frameworks.accelerate`).
+        """
+        self._check_world()
+        self._advance_if_done()
+        if not 0 <= batch <= len(self.dataset):
+            raise UsageError(f"cannot skip to batch {batch} of an epoch of {len(self.dataset)} batches")
+        self._resume_at(batch, self._parent)
+
+    @property
     def fields(self) -> tuple[str, ...]:
         """The keys every batch has, in every decode mode (raw batches from workers add ``data``/``offsets``)."""
         return self.dataset.batch_fields()
 
     def __len__(self) -> int:
+        self._check_world()
         return len(self.dataset)
+
+    def _check_world(self) -> None:
+        """Follow the initialised process group when the dataset's detected world no longer matches it
+        (:meth:`~stager.loader.rank.RankDataset.rebind_world`): new stats, the workers restarted. A state
+        loaded for the old world is refused: load it once the process group is up."""
+        if not self.dataset.rebind_world():
+            return
+        self.close()
+        self._stats.rank, self._stats.world_size = self.dataset.rank, self.dataset.world_size
+        if self._resume_pending:
+            self._resume_pending = False
+            raise UsageError(
+                "stager.loader: a loader state was loaded before the process group was initialised and the world "
+                f"changed to rank {self.dataset.rank} of {self.dataset.world_size}: load the state after "
+                "init_process_group (in the rank's own process)"
+            )
+        self._log_plan()
 
     # ---- iteration ----------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        self._check_world()
         if not self._begin_epoch():
             return
         padding = self._padded_positions()
@@ -135,10 +182,15 @@ class LoaderBase:
             st.stop()
             batches.end(clean_end)
 
+    def _advance_if_done(self) -> None:
+        """Move to the next epoch when this one is done: after a complete pass, or after loading a state saved
+        at its end (unless ``set_epoch`` pinned that epoch)."""
+        if (self._completed and not self._resume_pending) or self._at_end:
+            self.set_epoch(self.dataset.epoch + 1)
+
     def _begin_epoch(self) -> bool:
         """Move to the pass to make (the next epoch after a finished one, else the position); False: none left."""
-        if self._completed and not self._resume_pending:
-            self.set_epoch(self.dataset.epoch + 1)
+        self._advance_if_done()
         if not self._resume_pending:
             self._done = 0
         self._resume_pending = False
@@ -196,6 +248,7 @@ class LoaderBase:
 
     def state_dict(self) -> dict[str, Any]:
         """The position between batches: a plain dict (see :class:`~stager.loader.state.LoaderState`)."""
+        self._check_world()
         ds = self.dataset
         st = LoaderState(
             dataset_id=ds.dataset_id,
@@ -224,6 +277,7 @@ class LoaderBase:
         everyone's), and the rest of the epoch, in the old epoch order, is re-planned over the new
         world. Other changes are refused.
         """
+        self._check_world()
         st = LoaderState.from_dict(state)
         self._check_same_order(st)
         ds = self.dataset
@@ -238,6 +292,7 @@ class LoaderBase:
             if st.batches_done > len(ds):
                 raise UsageError(f"loader state is at batch {st.batches_done} of an epoch of {len(ds)} batches")
             self._resume_at(st.batches_done, st.parent)
+            self._at_end = st.batches_done == len(ds)
             return
         if st.batch_size * st.world_size != ds.batch_size * ds.world_size:
             raise UsageError(
@@ -251,6 +306,7 @@ class LoaderBase:
         remaining = self._remaining(st.to_dict())
         ds.resume(st.epoch, remaining)
         self._resume_at(0, st.to_dict())
+        self._at_end = len(ds) == 0
         log.info(
             "stager.loader: elastic resume of epoch %d: %d samples left, re-planned over world size %d",
             st.epoch,

@@ -7,10 +7,20 @@ hands them out as batches ``0, 1, 2, ...``. Here the decoded images become (B, C
 tensors in channels-last memory, built in shared memory (:mod:`stager.loader.batching`, the
 :mod:`stager.loader.shm` rings). Use it with ``DataLoader(ds, batch_size=None, num_workers=W)``, or
 let :func:`stager.loader.make_loader` do that.
+
+Two classes: :class:`TorchRankDataset` is all of the above but *not* a torch ``IterableDataset``:
+it is what a :class:`~stager.loader.Loader` holds (``loader.dataset``), and its DataLoader iterates
+it through :class:`WorkerStreams`. Frameworks treat an object whose ``dataset`` is an
+``IterableDataset`` as one to split or to warn about (Lightning: "Your `IterableDataset` has
+`__len__` defined"); a Loader is already one rank's share. :class:`ShardedDataset` adds
+``IterableDataset`` for users' own DataLoaders. A detected world follows the initialised process
+group (:meth:`~stager.loader.rank.RankDataset.rebind_world`) wherever the dataset is measured or
+iterated, and a ShardedDataset refuses to be split again by Accelerate's wrappers.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,6 +28,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from stager.errors import UsageError
 from stager.loader.batching import pack_raw, stack_images
+from stager.loader.frameworks import install_present
+from stager.loader.frameworks.resplit import refuse_second_split
 from stager.loader.rank import (
     LOCAL_MIN_RUN,
     LOCAL_RUN_BYTES,
@@ -41,15 +53,17 @@ __all__ = [
     "EpochPosition",
     "PlanGroup",
     "ShardedDataset",
+    "TorchRankDataset",
+    "WorkerStreams",
     "plan_group",
     "run_size",
 ]
 
 
-class ShardedDataset(RankDataset, IterableDataset):
+class TorchRankDataset(RankDataset):
     """One rank's shuffled, padded share of a packed dataset (or ImageFolder tree), as torch batches.
 
-    ``ShardedDataset(path, LoaderOptions(...))``, or ``ShardedDataset(path, batch_size, **settings)``
+    ``TorchRankDataset(path, LoaderOptions(...))``, or ``TorchRankDataset(path, batch_size, **settings)``
     with :func:`~stager.loader.make_loader`'s keyword arguments. ``resolved``: an already resolved
     dataset to share (the prefetcher plans several ranks over one index).
 
@@ -73,7 +87,9 @@ class ShardedDataset(RankDataset, IterableDataset):
         info = get_worker_info()
         return info.num_workers if info is not None else 0
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
+    def dataloader_batches(self) -> Iterator[dict[str, Any]]:
+        """What a DataLoader over this dataset yields in the process it runs in: worker ``k`` of ``W``
+        (``get_worker_info``) its stream's batches, the main process (no workers) all of them."""
         info = get_worker_info()
         phys, nphys = (info.id, info.num_workers) if info is not None else (0, 1)
         streams = self.config().streams
@@ -102,3 +118,43 @@ class ShardedDataset(RankDataset, IterableDataset):
             data, offsets = pack_raw(items, shared=True, ring=ring)
             return {"data": data, "offsets": offsets}
         return {"image": [x if isinstance(x, memoryview) else memoryview(x) for x in items]}
+
+
+class WorkerStreams(IterableDataset):
+    """What a Loader's DataLoader iterates: ``ds``'s :meth:`~TorchRankDataset.dataloader_batches`."""
+
+    def __init__(self, ds: TorchRankDataset) -> None:
+        self.ds = ds
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return self.ds.dataloader_batches()
+
+
+class ShardedDataset(TorchRankDataset, IterableDataset):
+    """:class:`TorchRankDataset` as a torch ``IterableDataset``, for ``DataLoader(ds, batch_size=None,
+    num_workers=W)``: one rank's batches, ``len(ds)`` of them per epoch (see :class:`TorchRankDataset`).
+
+    It is already this rank's share. Wrappers that would split it again across ranks are refused in
+    one line: Accelerate's ``IterableDatasetShard`` and ``DataLoaderDispatcher`` (``accelerator.prepare``
+    of such a DataLoader is turned into a stager Loader instead when stager's Accelerate integration is
+    installed, :mod:`stager.loader.frameworks.accelerate`).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        install_present()  # a framework imported after stager: its set-up calls then know this dataset
+
+    def __len__(self) -> int:
+        self.rebind_world()
+        return super().__len__()
+
+    def set_epoch(self, epoch: int) -> None:
+        refuse_second_split(sys._getframe(1))
+        self.rebind_world()
+        super().set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        # In a forked DataLoader worker too: it inherits the initialised group (spawned workers do not;
+        # their copy was made when the main process last measured or moved the dataset).
+        self.rebind_world()
+        yield from self.dataloader_batches()

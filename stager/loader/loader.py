@@ -1,24 +1,30 @@
 """``Loader``: the object :func:`make_loader` returns: :class:`~stager.loader.base.LoaderBase` over torch.
 
-It wraps a :class:`ShardedDataset` in a torch DataLoader (``batch_size=None``: batches are built in
-the workers; persistent workers by default, :mod:`stager.loader.persistent`) or iterates it
+It runs a :class:`~stager.loader.dataset.TorchRankDataset` in a torch DataLoader (``batch_size=None``:
+batches are built in the workers; persistent workers by default, :mod:`stager.loader.persistent`) or
 in-process when ``num_workers=0``, and turns raw batches' shared buffers into per-sample
 ``memoryview`` slices and small arrays into tensors (:func:`~stager.loader.batching.finish_batch`).
 Counting, epochs, resume state and stats are :class:`~stager.loader.base.LoaderBase`'s, shared with
 the numpy transport. It moves the dataset only through the dataset's public surface
 (``set_epoch``, ``resume``, ``start_batch``, ``shm_token``, ``group``, ``samples_in_epoch``).
+
+What training frameworks look for (:mod:`stager.loader.frameworks`): ``sampler``, an object whose
+``set_epoch`` Lightning and Fabric call at every epoch's start (as they do for a DistributedSampler);
+``device``, where batches are moved (set by ``accelerator.prepare`` and ``fabric.setup_dataloaders``);
+Accelerate's ``end_of_dataloader``/``remainder`` while an Accelerator is active.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from stager.loader import shm
+from stager.loader import frameworks, shm
 from stager.loader.base import EpochBatches, LoaderBase
 from stager.loader.batching import finish_batch
-from stager.loader.dataset import ShardedDataset
+from stager.loader.dataset import TorchRankDataset, WorkerStreams
+from stager.loader.frameworks.hooks import EpochHook, epoch_batches
 from stager.loader.options import LoaderOptions
 from stager.loader.persistent import WorkerPool
 
@@ -33,7 +39,8 @@ def _next_of(it: Any) -> Callable[[], dict[str, Any]]:
 
 
 class Loader(LoaderBase):
-    """Iterable of batch dicts for one rank (see :class:`ShardedDataset` for the batch layout).
+    """Iterable of batch dicts for one rank (see :class:`~stager.loader.dataset.TorchRankDataset` for the batch
+    layout).
 
     ``Loader(dataset)`` takes its worker-process settings (``num_workers``, ``pin_memory``,
     ``prefetch_factor``, ``multiprocessing_context``, ``timeout``, ``persistent_workers``) from
@@ -45,11 +52,23 @@ class Loader(LoaderBase):
     the first epoch and serve every later one (each epoch's parameters reach them through
     :mod:`stager.loader.persistent`); same batches as fresh workers per epoch. They stop at
     :meth:`close`, when the Loader is collected, or at interpreter exit.
+
+    ``device`` (None: leave batches where they are): a ``torch.device`` every batch's tensors are moved to
+    (``non_blocking`` with ``pin_memory``); ``collate_fn`` (None): a function applied to every finished
+    batch. Both are set by Accelerate's and Fabric's set-up calls (:mod:`stager.loader.frameworks`).
+    ``batch_sampler`` is None and ``sampler`` an epoch hook: what Lightning's and Fabric's loops call.
     """
 
-    def __init__(self, dataset: ShardedDataset) -> None:
+    batch_sampler = None
+    # Accelerate's dataloader flags, kept up to date while an Accelerator is active (frameworks.accelerate).
+    end_of_dataloader = False
+    remainder = -1
+
+    def __init__(self, dataset: TorchRankDataset) -> None:
         opts: LoaderOptions = dataset.options
-        self.dataset: ShardedDataset = dataset
+        self.dataset: TorchRankDataset = dataset
+        self.device: Any = None
+        self.collate_fn: Callable[[dict[str, Any]], Any] | None = None
         self.num_workers = int(opts.num_workers or 0)
         self.persistent_workers = self.num_workers > 0 and (
             opts.persistent_workers is None or bool(opts.persistent_workers)
@@ -61,12 +80,25 @@ class Loader(LoaderBase):
         self.multiprocessing_context = opts.multiprocessing_context
         self.timeout = opts.timeout
         super().__init__(dataset)
+        frameworks.install_present()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled into other processes (a DataModule into ddp_spawn's ranks): the workers stay here.
+        return {**self.__dict__, "_pool": None, "_pool_finalizer": None}
+
+    @property
+    def sampler(self) -> EpochHook:
+        """The epoch hook Lightning and Fabric call each epoch (``sampler.set_epoch(e)`` is ``set_epoch(e)``)."""
+        return EpochHook(self)
+
+    def __iter__(self) -> Iterator[Any]:
+        return epoch_batches(self, super().__iter__())
 
     def _open_epoch(self) -> EpochBatches:
         """The epoch's batch source: in this process, from the persistent pool, or from fresh workers."""
         ds = self.dataset
         if self.num_workers == 0:
-            return EpochBatches(iter(ds).__next__, lambda clean: None)
+            return EpochBatches(ds.dataloader_batches().__next__, lambda clean: None)
         if self.persistent_workers:
             pool = self._worker_pool()
 
@@ -77,18 +109,19 @@ class Loader(LoaderBase):
             return EpochBatches(_next_of(pool.epoch_iter(ds)), end_persistent)
         from torch.utils.data import DataLoader  # noqa: PLC0415 (torch is imported only where a process group is used)
 
-        dl = DataLoader(ds, batch_size=None, num_workers=self.num_workers, **self._dl_kwargs())
-        if shm.available():
-            ds.shm_token = shm.new_token()
+        dl = DataLoader(WorkerStreams(ds), batch_size=None, num_workers=self.num_workers, **self._dl_kwargs())
+        token = ds.shm_token = shm.new_token() if shm.available() else None
         it = iter(dl)
 
         def end_fresh(clean: bool) -> None:
             shutdown = getattr(it, "_shutdown_workers", None)
             if shutdown is not None:
                 shutdown()
-            if ds.shm_token is not None:
-                shm.cleanup(ds.shm_token)
-                ds.shm_token = None
+            # This epoch's token: an abandoned epoch's iterator may be closed after the next one began.
+            if token is not None:
+                shm.cleanup(token)
+                if ds.shm_token == token:
+                    ds.shm_token = None
 
         return EpochBatches(_next_of(it), end_fresh)
 

@@ -1,16 +1,23 @@
-"""``MixShardedDataset``: a mix of datasets (:class:`~stager.loader.mixing.MixDataset`) as a torch IterableDataset.
+"""A mix of datasets (:class:`~stager.loader.mixing.MixDataset`) on the torch transport.
 
-The mix's plan, reads and assembly with :class:`~stager.loader.dataset.ShardedDataset`'s torch side
+The mix's plan, reads and assembly with :class:`~stager.loader.dataset.TorchRankDataset`'s torch side
 (DataLoader worker ids, shared-memory batch rings, (B, C, H, W) tensors), so
 :class:`~stager.loader.Loader` and its persistent workers run a mix as they run one dataset.
+:class:`MixTorchRankDataset` is what a Loader of a mix holds (no ``IterableDataset``, as for one dataset:
+docs/training.md, "Frameworks"); :class:`MixShardedDataset` is the same as a torch ``IterableDataset``
+for users' own DataLoaders.
 """
 
 from __future__ import annotations
 
-from stager.loader.dataset import ShardedDataset
+from stager.loader.dataset import ShardedDataset, TorchRankDataset
 from stager.loader.mixing import MixDataset
 
-__all__ = ["MixShardedDataset"]
+__all__ = ["MixShardedDataset", "MixTorchRankDataset"]
+
+
+class MixTorchRankDataset(MixDataset, TorchRankDataset):
+    """``MixTorchRankDataset(mix, LoaderOptions(...))``: see :class:`~stager.loader.mixing.MixDataset`."""
 
 
 class MixShardedDataset(MixDataset, ShardedDataset):

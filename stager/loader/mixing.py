@@ -64,7 +64,7 @@ from stager.order.mixplan import MixConfig, MixRankPlan, MixWorkerPlan, plan_mix
 from stager.order.partition import assign_shards_to_nodes
 from stager.order.reads import ReadSchedule
 from stager.redact import redact
-from stager.world import World
+from stager.world import World, process_group_world
 
 log = logging.getLogger("stager.loader")
 _LOGGED: set[str] = set()  # the epoch table is logged once per process and mix
@@ -118,7 +118,7 @@ class MixDataset(RankDataset):
         self.options = opts = _options_of(options, settings)
         self.mix: Mix = as_mix(mix, composition=opts.composition, storage_options=opts.storage_options)
         world = World.detect(opts.rank, opts.world_size)
-        self.rank, self.world_size = world.rank, world.world_size
+        self.rank, self.world_size, self.world_source = world.rank, world.world_size, world.source
         self.members = open_members(self.mix, opts, self.rank, self.world_size)
         self.names = self.mix.names
         self.sizes = [int(m.items.count) for m in self.members]
@@ -148,6 +148,22 @@ class MixDataset(RankDataset):
 
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "_counts_at": None}
+
+    def rebind_world(self) -> bool:
+        """:meth:`RankDataset.rebind_world` for a mix: its members and shares are cut for one world, so a
+        detected world that no longer matches the initialised process group opens them again for it
+        (the epoch is kept; the position and an elastic order are dropped, as for one dataset)."""
+        if self.world_source == "explicit":
+            return False
+        now = process_group_world()
+        if now is None or now == (self.rank, self.world_size):
+            return False
+        log.info("stager.loader: rank %d of %d became rank %d of %d (the initialised process group): mix re-planned",
+                 self.rank, self.world_size, *now)
+        epoch = self.epoch
+        MixDataset.__init__(self, self.mix, self.options)  # the world-dependent phases, in the new world
+        self.epoch = epoch
+        return True
 
     # ---- the mix's epoch ------------------------------------------------------------------------
     def epoch_table(self) -> list[dict[str, Any]]:
@@ -240,7 +256,7 @@ class MixDataset(RankDataset):
         e = self.epoch if epoch is None else epoch
         return plan_mix_rank(self.stream_epochs(e), self.config(), self.rank, epoch=e)
 
-    def plan(self, epoch: int | None = None) -> RankPlan:
+    def plan(self, epoch: int | None = None, *, rank: int | None = None) -> RankPlan:
         raise UsageError("a mix has one plan per stream: use mix_plan()")
 
     def epoch_sequence(self, epoch: int) -> np.ndarray:

@@ -35,7 +35,7 @@ from typing import Any
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from stager.loader import shm
-from stager.loader.dataset import EpochPosition, ShardedDataset
+from stager.loader.dataset import EpochPosition, TorchRankDataset
 
 # How long a worker waits for its epoch message between checks that the main process still lives.
 _POLL_S = 1.0
@@ -61,7 +61,7 @@ class EpochMessage:
 class EpochFeed(IterableDataset):
     """What the persistent workers iterate: the dataset, re-parameterised by each epoch's message."""
 
-    def __init__(self, ds: ShardedDataset, queues: list[Any], gen: Any) -> None:
+    def __init__(self, ds: TorchRankDataset, queues: list[Any], gen: Any) -> None:
         self.ds = ds
         self.queues = queues
         self.gen = gen
@@ -86,13 +86,13 @@ class EpochFeed(IterableDataset):
         m = self._message(info.id)
         self.ds.seek(m.position)
         self.ds.shm_token = m.token
-        yield from self.ds
+        yield from self.ds.dataloader_batches()
 
 
 class WorkerPool:
     """One Loader's persistent DataLoader (workers started at the first epoch) and its epoch channel."""
 
-    def __init__(self, ds: ShardedDataset, num_workers: int, dl_kwargs: dict[str, Any]) -> None:
+    def __init__(self, ds: TorchRankDataset, num_workers: int, dl_kwargs: dict[str, Any]) -> None:
         ctx = _context(dl_kwargs.get("multiprocessing_context"))
         self.queues = [ctx.Queue() for _ in range(num_workers)]
         self.gen = ctx.Value("q", 0, lock=False)
@@ -103,7 +103,7 @@ class WorkerPool:
         )
         self.closed = False
 
-    def epoch_iter(self, ds: ShardedDataset) -> Iterator[Any]:
+    def epoch_iter(self, ds: TorchRankDataset) -> Iterator[Any]:
         """Send the main process' epoch parameters (``ds``) to every worker; the DataLoader's iterator."""
         assert self.dl is not None, "closed pool"
         g = int(self.gen.value) + 1

@@ -21,6 +21,7 @@ then a size check of the shards it will read.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import sys
 import time
@@ -62,7 +63,7 @@ from stager.order.items import ItemSpace
 from stager.order.partition import partition_samples_per_rank
 from stager.order.reads import ReadSchedule, WorkerReads, worker_reads
 from stager.redact import redact
-from stager.world import World
+from stager.world import World, process_group_world
 
 # Run size by storage (run_bytes="auto"): on a shared/network file system (Lustre, GPFS, BeeGFS,
 # NFS, fsspec URLs) reads should be whole stripes (1 MiB+); on node-local NVMe/tmpfs (a staged copy)
@@ -74,6 +75,8 @@ MAX_BUFFER_SAMPLES = 1 << 16
 # A sample's byte fields sit beside its image: one span reads them all. Elsewhere (hdf5, parquet:
 # a dataset or column per field) each field is one more read at its extent (FieldsSampleFn.access).
 SPAN_FORMATS = ("tar", "record")
+
+log = logging.getLogger("stager.loader")
 
 
 @dataclass(frozen=True)
@@ -212,6 +215,7 @@ class RankDataset:
             )
         world = World.detect(opts.rank, opts.world_size)
         self.rank, self.world_size = world.rank, world.world_size
+        self.world_source = world.source  # "explicit", "torch.distributed", a launcher's name, or "default"
         self.field_fn, self.field_specs = self._fields_kind(opts)
         res = self.resolved
         self.index = res.index
@@ -286,6 +290,29 @@ class RankDataset:
     def drop_last(self) -> bool:
         return self.options.drop_last
 
+    # ---- the world -------------------------------------------------------------------------------
+    def rebind_world(self) -> bool:
+        """Follow the initialised process group when the world was detected (not passed) and no longer matches it.
+
+        A dataset built before ``init_process_group``, or pickled into processes that a framework spawned
+        (Lightning's ``ddp_spawn`` pickles a DataModule built in the parent), would otherwise read the
+        parent's world: every rank the whole dataset. Returns True when the rank or world size changed (the
+        plan group is rebuilt; an elastic resume's order is dropped: its state must be loaded again).
+        """
+        if self.world_source == "explicit":
+            return False
+        now = process_group_world()
+        if now is None or now == (self.rank, self.world_size):
+            return False
+        world = World.detect()
+        log.info("stager.loader: rank %d of %d became rank %d of %d (the initialised process group): re-planned",
+                 self.rank, self.world_size, world.rank, world.world_size)
+        self.rank, self.world_size, self.world_source = world.rank, world.world_size, world.source
+        self.group = plan_group(self.resolved, self.rank, self.world_size, self.options.drop_last, self.items)
+        self._remaining = None
+        self.start_batch = 0
+        return True
+
     # ---- position -------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its first batch (an explicit order is kept only for the same epoch)."""
@@ -344,11 +371,13 @@ class RankDataset:
             seq = seq[self.group.sample_mask[seq]]
         return seq
 
-    def plan(self, epoch: int | None = None) -> RankPlan:
-        """This rank's plan of ``epoch`` (default: the current one, over its explicit order if any)."""
+    def plan(self, epoch: int | None = None, *, rank: int | None = None) -> RankPlan:
+        """This rank's plan of ``epoch`` (default: the current one, over its explicit order if any);
+        ``rank``: another rank of the plan group instead."""
         e = self.epoch if epoch is None else epoch
         seq = self._remaining if (self._remaining is not None and e == self.epoch) else self.epoch_sequence(e)
-        return plan_rank(self.items.starts, self.run_len, self.config(), self.group.rank, epoch=e, seq=seq)
+        r = self.group.rank if rank is None else rank
+        return plan_rank(self.items.starts, self.run_len, self.config(), r, epoch=e, seq=seq)
 
     def read_schedule(self, epoch: int | None = None, *, start_batch: int = 0) -> ReadSchedule:
         """The shard reads of :meth:`plan` ``(epoch)`` from ``start_batch`` on (:mod:`stager.order.reads`;
