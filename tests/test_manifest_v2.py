@@ -265,3 +265,12 @@ def test_ten_million_sample_index_is_mapped_not_loaded(tmp_path: Path) -> None:
     # The checks read every row, but through the page cache: the heap grows by far less than the
     # 240 MB of int64 columns and ~130 MB of keys a copy would cost.
     assert big["anon_kb"] - small["anon_kb"] < 32 * 1024, results
+
+
+def test_strings_take_over_many_rows_in_chunks() -> None:
+    """Strings.take gathers in chunks beyond 2,048 rows: same strings, any order, repeats, odd lengths."""
+    rng = np.random.default_rng(11)
+    words = [f"n{i % 97:05d}/ключ_{i}" * (i % 3) for i in range(9000)]
+    s = Strings.from_strings(words)
+    for rows in (rng.integers(0, len(words), 7001), np.arange(len(words))[::-1], np.full(4097, 5)):
+        assert s.take(rows) == [words[i] for i in rows.tolist()]

@@ -349,3 +349,47 @@ def test_tf_data_over_a_mix(mix_sets: dict[str, Path]) -> None:
         assert x.shape[1:] == (8, 8, 3) and s.dtype == tf.int64
         n += int(x.shape[0])
     assert n == 60 + 26
+
+
+@pytest.mark.parametrize(("composition", "workers"), [("random", 0), ("stratified", 2)])
+def test_a_corrupt_sample_in_one_stream_is_skipped_or_raised(mix_sets: dict[str, Path], tmp_path: Path,
+                                                             composition: str, workers: int) -> None:
+    """on_error="skip" in a mix: the damaged sample alone is dropped (named in stats), every other draw is
+    read once, and each place's key, label, index and stream still belong together; "raise" names it."""
+    import shutil
+
+    from stager.errors import CorruptSampleError
+    from stager.loader.index import index_from_manifest
+    from stager.manifest import load_manifest
+
+    tar = tmp_path / "tar"
+    shutil.copytree(mix_sets["tar"], tar)
+    m = load_manifest(tar)
+    shard = m.shards[2]
+    victim = shard.keys[3]
+    with open(tar / shard.name, "r+b") as f:
+        f.seek(int(shard.offsets[3]))
+        f.write(b"\0" * 16)  # the JPEG's markers gone, the size kept
+    mix = [(str(tar), 2), (str(mix_sets["record"]), 1), (str(mix_sets["wds"]), 1)]
+    idx = [index_from_manifest(load_manifest(p)) for p, _ in mix]
+    kw = dict(rank=0, world_size=1, decode="uint8", image_size=8, staged=False, composition=composition,
+              num_workers=workers, seed=3)
+    with pytest.raises(CorruptSampleError, match=victim):
+        for _ in make_loader(mix, 8, **kw):
+            pass
+    ld = make_loader(mix, 8, on_error="skip", **kw)
+    got: Counter[tuple[int, int]] = Counter()
+    for b in ld:
+        n = len(b["key"])
+        assert b["stream"].shape == b["label"].shape == b["index"].shape == (n,) and b["image"].shape[0] == n
+        for s, i, key, label in zip(b["stream"].tolist(), b["index"].tolist(), b["key"], b["label"].tolist(),
+                                    strict=True):
+            assert idx[s].keys[i] == key and int(idx[s].labels[i]) == label
+        got += Counter(zip(b["stream"].tolist(), b["index"].tolist(), strict=True))
+    want = draws(ld, 0)
+    lost = want - got
+    assert list(lost) == [(0, list(idx[0].keys).index(victim))], "only the damaged sample is missing"
+    assert not (got - want)
+    st = ld.stats()
+    assert st["skipped"] == sum(lost.values()) and st["skipped_keys"][0] == victim
+    ld.close()

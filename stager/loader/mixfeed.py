@@ -2,7 +2,8 @@
 
 :class:`StreamFeed` reads one stream of one worker's plan as that stream's own read schedule says
 (:func:`stager.order.reads.worker_reads`, a :mod:`stager.loader.fetch` fetcher) and hands out each
-batch's payloads with their item ids, keys and labels (looked up :data:`KEY_WINDOW` batches at a time).
+batch's payloads; item ids, keys and labels are looked up a window of batches at a time
+(:meth:`StreamFeed.window`) and put in the layout's order once per window (:func:`window_order`).
 :func:`gather_order` turns the layout's slots into the permutation that puts the streams' items,
 gathered stream after stream, in the batch's order; :func:`stream_counts` and :func:`subsequence_mask`
 are its bookkeeping. :class:`~stager.loader.mixing.MixDataset` runs them; no torch.
@@ -22,8 +23,7 @@ from stager.order.epoch import WorkerPlan
 from stager.order.mixplan import MixWorkerPlan
 from stager.order.reads import worker_reads
 
-KEY_WINDOW = 16  # batches of a stream whose ids, keys and labels are looked up at once (StreamFeed.take)
-GATHER_WINDOW = 64  # a worker's batches whose gather order is computed at once (bounded memory, few calls)
+GATHER_WINDOW = 64  # a worker's batches whose gather order, ids, keys and labels are computed at once
 # The first window of a pass is short (what the first batch waits for), the next ones full.
 FIRST_WINDOW = 2
 
@@ -38,6 +38,15 @@ def gather_order(slots: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     inv[order] = np.arange(len(order), dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     return (inv - starts[batch]).astype(np.int32)
+
+
+def window_order(slots: np.ndarray) -> np.ndarray:
+    """Per place of a window of batches (int64, shape of ``slots``): its index in the streams' window items
+    concatenated stream after stream (each stream's items in its own order: the k-th place of stream s is
+    stream s's k-th item)."""
+    order = np.empty(len(slots), dtype=np.int64)
+    order[np.argsort(slots, kind="stable")] = np.arange(len(slots), dtype=np.int64)
+    return order
 
 
 def stream_counts(wp: MixWorkerPlan) -> np.ndarray:
@@ -79,28 +88,24 @@ class StreamFeed:
         cum = np.concatenate([[0], np.cumsum(part.sizes)]).astype(np.int64)
         self.cum, self.rcum = cum.tolist(), (cum * member.items.per_item).tolist()
         self._ids = np.zeros(0, dtype=np.int64)
-        self._keys: list[str] = []
-        self._labels = np.zeros(0, dtype=np.int64)
-        self._window = (0, 0)  # the steps whose ids, keys and labels the window holds
+        self._first = 0  # the step the window's ids start at
 
-    def take(self, step: int) -> tuple[list[Any], int, np.ndarray, list[str], np.ndarray]:
-        """The stream's part of its ``step``-th batch: ``(payloads, payload bytes read, item ids, keys,
-        labels)``. Ids, keys and labels are looked up :data:`KEY_WINDOW` batches at a time: one gather of
-        the stream's key strings and labels per window, not one per batch (its fixed cost is what a
-        stream's few items per batch would otherwise pay most of)."""
+    def window(self, lo: int, hi: int) -> tuple[np.ndarray, list[str], np.ndarray]:
+        """The items of steps ``[lo, hi)``: ``(item ids int64, keys, labels int64)``, in the stream's order.
+        One gather of the stream's key strings and labels per window of batches, not one per batch (its
+        fixed cost is what a stream's few items per batch would otherwise pay most of)."""
+        ids = self.part.stream[self.part.emit[self.cum[lo] : self.cum[hi]]].astype(np.int64, copy=False)
+        m = self.member
+        first = ids if m.items.per_item == 1 else m.items.samples_of(ids)[:, 0]
+        keys = m.index.keys
+        self._ids, self._first = ids, lo
+        return (ids, keys.take(first) if isinstance(keys, Strings) else m._keys_at(first),
+                np.asarray(m.index.labels[first], dtype=np.int64))
+
+    def take(self, step: int) -> tuple[list[Any], int, np.ndarray]:
+        """The stream's part of its ``step``-th batch (a step of the last :meth:`window`): ``(payloads,
+        payload bytes read, item ids)``."""
         positions = self.reading.emit[self.rcum[step] : self.rcum[step + 1]]
         payloads, nbytes = self.fetcher.batch(step, positions)
-        lo, hi = self._window
-        if not lo <= step < hi:
-            span = FIRST_WINDOW if self._window == (0, 0) else KEY_WINDOW
-            lo, hi = step, min(step + span, len(self.part.sizes))
-            ids = self.part.stream[self.part.emit[self.cum[lo] : self.cum[hi]]]
-            m = self.member
-            first = ids if m.items.per_item == 1 else m.items.samples_of(ids)[:, 0]
-            keys = m.index.keys
-            self._ids = ids.astype(np.int64, copy=False)
-            self._keys = keys.take(first) if isinstance(keys, Strings) else m._keys_at(first)
-            self._labels = np.asarray(m.index.labels[first], dtype=np.int64)
-            self._window = (lo, hi)
-        a, b = self.cum[step] - self.cum[lo], self.cum[step + 1] - self.cum[lo]
-        return payloads, nbytes, self._ids[a:b], self._keys[a:b], self._labels[a:b]
+        base = self.cum[self._first]
+        return payloads, nbytes, self._ids[self.cum[step] - base : self.cum[step + 1] - base]

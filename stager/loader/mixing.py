@@ -23,9 +23,10 @@ remaining items are one int64 array of shape (2, n): stream, item id, stream aft
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -43,6 +44,7 @@ from stager.loader.mixfeed import (
     gather_order,
     stream_counts,
     subsequence_mask,
+    window_order,
 )
 from stager.loader.mixmembers import open_members
 from stager.loader.options import LoaderOptions
@@ -102,6 +104,22 @@ def _node_layout(member: RankDataset) -> NodeLayout | None:
     for n, shards in enumerate(nodes):
         node_of[shards] = n
     return NodeLayout(node_of, int(part["node"]), num_nodes, rpn, member.group.rank)
+
+
+@dataclass(frozen=True)
+class _Window:
+    """Batches ``[lo, hi)`` of a worker's plan, per place from ``base`` on (int64 or lists of the window's
+    places): its stream, item id, key and label in the layout's order, and its index among its batch's
+    places sorted by stream (``gather``)."""
+
+    lo: int = 0
+    hi: int = 0
+    base: int = 0
+    stream: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    keys: list[Any] = field(default_factory=list)
+    labels: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    gather: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
 
 
 class MixDataset(RankDataset):
@@ -364,7 +382,11 @@ class MixDataset(RankDataset):
     def _mix_batches(self, wp: MixWorkerPlan, accesses: Sequence[ShardAccess], cfg: MixConfig, *,
                      in_worker: bool) -> Iterator[dict[str, Any]]:
         """Worker ``wp``'s batches from ``start_batch`` on: each stream read as its schedule says, decoded
-        by its member, placed where the layout says."""
+        by its member, placed where the layout says.
+
+        Item ids, keys, labels and streams are put in the layout's order a window of batches at a time
+        (:data:`GATHER_WINDOW`: one gather each, of bounded size); a batch then slices them, and gathers
+        only its payloads."""
         shuffled = self.mode in ("runs", "shards")
         feeds = [StreamFeed(m, wp.parts[i], accesses[i], start_batch=self.start_batch,
                              owned=shuffled and cfg.buffers[i] > 1) for i, m in enumerate(self.members)]
@@ -376,27 +398,48 @@ class MixDataset(RankDataset):
         steps = [st.tolist() for st in wp.steps]
         counts = stream_counts(wp).tolist()
         batches = wp.batches.tolist()
-        gather, window = np.zeros(0, dtype=np.int32), (0, 0)  # the gather order of GATHER_WINDOW batches
+        win = _Window()
         for b in range(int(np.searchsorted(wp.batches, self.start_batch)), len(batches)):
-            if not window[0] <= b < window[1]:
-                window = (b, min(b + (GATHER_WINDOW if window[1] else FIRST_WINDOW), len(batches)))
-                lo, hi = starts[window[0]], starts[window[1]]
-                gather = gather_order(wp.slots[lo:hi], wp.sizes[window[0] : window[1]])
+            if not win.lo <= b < win.hi:
+                hi = min(b + (GATHER_WINDOW if win.hi else FIRST_WINDOW), len(batches))
+                win = self._window(wp, feeds, b, hi, starts)
             t = time.perf_counter()
-            got: list[tuple[int, list[Any], np.ndarray, list[str], np.ndarray]] = []
+            got: list[tuple[int, list[Any], np.ndarray]] = []
             nbytes = [0] * len(feeds)
             for i, feed in enumerate(feeds):
                 step = steps[i][b]
                 if step >= 0:
-                    payloads, nbytes[i], ids, keys, labels = feed.take(step)
-                    got.append((i, payloads, ids, keys, labels))
+                    payloads, nbytes[i], ids = feed.take(step)
+                    got.append((i, payloads, ids))
             io_s = time.perf_counter() - t
             t = time.perf_counter()
-            lo, hi, base = starts[b], starts[b + 1], starts[window[0]]
-            batch = self._assemble_mix(got, wp.slots[lo:hi], gather[lo - base : hi - base], batches[b],
-                                       in_worker=in_worker, ring=ring, counts=counts[b])
+            lo, hi = starts[b] - win.base, starts[b + 1] - win.base
+            batch = self._assemble_mix(got, win, lo, hi, batches[b], in_worker=in_worker, ring=ring,
+                                       counts=counts[b])
             batch["_w"].update(bytes=sum(nbytes), io_s=io_s, decode_s=time.perf_counter() - t, stream_bytes=nbytes)
             yield batch
+
+    def _window(self, wp: MixWorkerPlan, feeds: Sequence[StreamFeed], lo: int, hi: int,
+                starts: list[int]) -> _Window:
+        """Batches ``[lo, hi)`` of the worker's plan: their places' streams, item ids, keys and labels in the
+        layout's order, and each batch's gather order of payloads (:func:`gather_order`)."""
+        base, end = starts[lo], starts[hi]
+        slots = wp.slots[base:end]
+        keys: list[Any] = []
+        ids, labels = [], []
+        for i, feed in enumerate(feeds):
+            taken = wp.steps[i][lo:hi]
+            taken = taken[taken >= 0]
+            if len(taken):  # a stream's steps in a run of batches are consecutive
+                got_ids, got_keys, got_labels = feed.window(int(taken[0]), int(taken[-1]) + 1)
+                ids.append(got_ids)
+                keys += got_keys
+                labels.append(got_labels)
+        order = window_order(slots)
+        pick = operator.itemgetter(*order.tolist())
+        return _Window(lo, hi, base, slots.astype(np.int64),
+                       np.concatenate(ids)[order], list(pick(keys)) if len(order) > 1 else keys,
+                       np.concatenate(labels)[order], gather_order(slots, wp.sizes[lo:hi]))
 
     def _decode_stream(self, i: int, payloads: list[Any], ids: np.ndarray, j: int,
                        rng: list[np.random.Generator]) -> tuple[list[Any], np.ndarray, list[str]]:
@@ -409,48 +452,41 @@ class MixDataset(RankDataset):
             rng.append(streams.augment(self.seed, self.epoch, self.world_size, self.rank, j))
         return m._decode_all(payloads, ids, j, rng=rng[0])
 
-    def _assemble_mix(self, got: list[tuple[int, list[Any], np.ndarray, list[str], np.ndarray]], slots: np.ndarray,
-                      gather: np.ndarray, j: int, *, in_worker: bool, ring: Any, counts: list[int]) -> dict[str, Any]:
-        """Rank batch ``j`` from each stream's payloads: decoded items in the layout's places, with keys,
-        labels, item ids, streams (and a clip pack's sequence/start frame, the common fields).
+    def _assemble_mix(self, got: list[tuple[int, list[Any], np.ndarray]], win: _Window, lo: int, hi: int, j: int,
+                      *, in_worker: bool, ring: Any, counts: list[int]) -> dict[str, Any]:
+        """Rank batch ``j`` (places ``[lo, hi)`` of ``win``) from each stream's payloads: decoded items in the
+        layout's places, with keys, labels, item ids, streams (and a clip pack's sequence/start frame, the
+        common fields).
 
-        Each stream's items are gathered stream after stream, then put in the layout's order with one
-        gather (``gather``: per place, its index among the batch's places sorted by stream,
-        :func:`gather_order`), so the per-item work is a list lookup."""
+        Each stream's items are decoded stream after stream, then put in the layout's order with one
+        gather (the window's ``gather``: per place, its index among the batch's places sorted by stream),
+        so the per-item work is a C-level lookup."""
         rng: list[np.random.Generator] = []
-        keys: list[Any] = []
         items: list[Any] = []
-        index, label, meta = [], [], []
+        meta = []
         skipped: list[str] = []
+        stream, gather = win.stream[lo:hi], win.gather[lo:hi]
         keep: np.ndarray | None = None
-        for i, payloads, ids, their_keys, their_labels in got:
+        for i, payloads, ids in got:
             out, kept, lost = self._decode_stream(i, payloads, ids, j, rng)
             if lost:
                 skipped += lost
-                mask = subsequence_mask(ids, kept)
-                keep = np.ones(len(slots), dtype=bool) if keep is None else keep
-                keep[np.flatnonzero(slots == i)[~mask]] = False
-                their_keys = [k for k, ok in zip(their_keys, mask.tolist(), strict=True) if ok]
-                their_labels = their_labels[mask]
-            keys += their_keys
+                keep = np.ones(hi - lo, dtype=bool) if keep is None else keep
+                keep[np.flatnonzero(stream == i)[~subsequence_mask(ids, kept)]] = False
             items += out
-            index.append(kept)
-            label.append(their_labels)
             if self.per_item > 1:
                 m = self.members[i]
                 meta.append(clip_meta(m.index, m.items.samples_of(kept)[:, 0]))
-        stream = slots.astype(np.int64)
+        keys, label, index = win.keys[lo:hi], win.labels[lo:hi], win.ids[lo:hi]
         if keep is not None:  # skipped items (on_error="skip"): the places left, re-sorted by stream
-            stream = stream[keep]
+            keys = [k for k, ok in zip(keys, keep.tolist(), strict=True) if ok]
+            stream, label, index = stream[keep], label[keep], index[keep]
             counts = np.bincount(stream, minlength=len(self.members)).tolist()
             gather = np.empty(len(stream), dtype=np.int64)
             gather[np.argsort(stream, kind="stable")] = np.arange(len(stream), dtype=np.int64)
-        batch: dict[str, Any] = {"label": np.concatenate(label)[gather], "index": np.concatenate(index)[gather],
-                                 "stream": stream}
-        if len(got) > 1:
-            at = gather.tolist()
-            keys, items = list(map(keys.__getitem__, at)), list(map(items.__getitem__, at))
-        batch["key"] = keys
+        batch: dict[str, Any] = {"label": label, "index": index, "stream": stream, "key": keys}
+        if len(got) > 1 and len(gather) > 1:
+            items = list(operator.itemgetter(*gather.tolist())(items))  # one C-level gather (~0.6x a map)
         if meta:
             seq = [x for md in meta for x in md["sequence"]]
             batch["sequence"] = [seq[k] for k in gather.tolist()]
