@@ -20,7 +20,7 @@ shuffle buffer emits them:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 
@@ -30,6 +30,9 @@ from stager.order.reads import WorkerReads
 
 if TYPE_CHECKING:
     from stager.loader.access import ShardAccess
+
+
+WINDOW = 32  # batches whose offsets, ends and reads MappedFetcher looks up at once (given the bounds)
 
 
 class Fetcher(Protocol):
@@ -45,6 +48,16 @@ class MappedFetcher:
         idx = access.index
         self.access = access
         self.stream = wp.stream
+        # Batch ``step`` emits ``wp.emit[bounds[step]:bounds[step + 1]]`` (the ``positions`` its caller
+        # passes). Offsets, ends and reads are looked up WINDOW batches at a time: a batch's fixed numpy
+        # cost (4 gathers, 3 conversions) is paid once a window, which matters where a batch's items come
+        # in several small parts (a mix's streams: one fetcher each).
+        self.emit = wp.emit
+        self.bounds: list[int] = np.concatenate([[0], np.cumsum(wp.sizes)]).astype(np.int64).tolist()
+        self._win: tuple[int, int, int] = (0, 0, 0)  # steps [lo, hi) held; their first position
+        self._o: list[int] = []
+        self._e: list[int] = []
+        self._r: list[int] = []
         # Offsets and ends per stream position are needed here only, transiently: batches look them
         # up again for their own positions (two arrays of the worker's share, ~20 MB per million
         # samples, would otherwise stay on every worker's heap for the whole epoch).
@@ -83,21 +96,33 @@ class MappedFetcher:
             shard = self.shards[i]
             views[i] = access.mapping(shard)
             access.advise(shard, self.span_lo[i], self.span_hi[i])
-        ids = self.stream[positions]
-        idx = access.index
-        offs = idx.offsets[ids]
-        o, e = offs.tolist(), (offs + idx.sizes[ids]).tolist()
+        lo, hi, base = self._win
+        if not lo <= step < hi:
+            lo, hi = step, min(step + WINDOW, len(self.bounds) - 1)
+            base = self.bounds[lo]
+            self._o, self._e, self._r = self._lookup(self.emit[base : self.bounds[hi]])
+            self._win = (lo, hi, base)
+        first, end = self.bounds[step] - base, self.bounds[step + 1] - base
+        assert end - first == len(positions), "positions are the plan's emission of this step"
+        o, e, rs = self._o[first:end], self._e[first:end], self._r[first:end]
         one = self.single_read[step]
         if one >= 0:
             m = views[one]
             assert m is not None
             out = [m[a:z] for a, z in zip(o, e, strict=True)]
         else:
-            held = [views[r] for r in self.read_of[positions].tolist()]
-            out = [m[a:z] for m, a, z in zip(held, o, e, strict=True)]
+            held = cast("list[memoryview]", [views[r] for r in rs])  # loaded before any of its samples is emitted
+            out = [v[a:z] for v, a, z in zip(held, o, e, strict=True)]
         for i in self.release[self.release_bounds[step] : self.release_bounds[step + 1]]:
             views[i] = None  # the slices handed out keep their mapping alive as long as they live
         return out, self.step_bytes[step]
+
+    def _lookup(self, positions: np.ndarray) -> tuple[list[int], list[int], list[int]]:
+        """Per stream position: its payload's offset and end in its shard, and the read holding it."""
+        idx = self.access.index
+        ids = self.stream[positions]
+        offs = idx.offsets[ids]
+        return offs.tolist(), (offs + idx.sizes[ids]).tolist(), self.read_of[positions].tolist()
 
 
 class PreadFetcher:

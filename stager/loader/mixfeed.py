@@ -81,12 +81,12 @@ class StreamFeed:
         if member.field_fn is not None:
             member.field_fn.access = access  # byte fields outside the payload (hdf5, parquet) are read through it
         self.fetcher: Fetcher
+        cum = np.concatenate([[0], np.cumsum(part.sizes)]).astype(np.int64)
+        self.cum, self.rcum = cum.tolist(), (cum * member.items.per_item).tolist()
         if access.mapped:
             self.fetcher = MappedFetcher(reads, self.reading, access)
         else:
             self.fetcher = PreadFetcher(reads, self.reading, access, on_error=member.options.on_error, owned=owned)
-        cum = np.concatenate([[0], np.cumsum(part.sizes)]).astype(np.int64)
-        self.cum, self.rcum = cum.tolist(), (cum * member.items.per_item).tolist()
         self._ids = np.zeros(0, dtype=np.int64)
         self._first = 0  # the step the window's ids start at
 
