@@ -393,3 +393,28 @@ def test_a_corrupt_sample_in_one_stream_is_skipped_or_raised(mix_sets: dict[str,
     st = ld.stats()
     assert st["skipped"] == sum(lost.values()) and st["skipped_keys"][0] == victim
     ld.close()
+
+
+@pytest.mark.parametrize("streams", [1, 3, 12])
+def test_window_and_gather_orders_are_the_stable_sorts(streams: int) -> None:
+    """The mix's per-window orders (stager.loader.mixfeed) equal their definitions by stable argsort, for
+    random layouts with uneven batches and streams absent from some batches or the whole window."""
+    from stager.loader.mixfeed import gather_order, window_order
+
+    rng = np.random.default_rng(streams)
+    for _ in range(20):
+        sizes = rng.integers(1, 40, rng.integers(1, 9))
+        used = rng.choice(streams, size=max(1, streams - 1), replace=False)  # one stream may be missing
+        slots = rng.choice(used, size=int(sizes.sum())).astype(np.int32)
+        batch = np.repeat(np.arange(len(sizes)), sizes)
+        counts = np.zeros((len(sizes), streams), dtype=np.int64)
+        np.add.at(counts, (batch, slots), 1)
+        want_window = np.empty(len(slots), dtype=np.int64)
+        want_window[np.argsort(slots, kind="stable")] = np.arange(len(slots))
+        order = window_order(slots, streams)
+        np.testing.assert_array_equal(order, want_window)
+        key = np.argsort(batch * streams + slots, kind="stable")
+        inv = np.empty(len(slots), dtype=np.int64)
+        inv[key] = np.arange(len(slots))
+        starts = np.concatenate([[0], np.cumsum(sizes)])
+        np.testing.assert_array_equal(gather_order(order, slots, counts), inv - starts[batch])

@@ -111,8 +111,8 @@ class MappedFetcher:
             assert m is not None
             out = [m[a:z] for a, z in zip(o, e, strict=True)]
         else:
-            held = cast("list[memoryview]", [views[r] for r in rs])  # loaded before any of its samples is emitted
-            out = [v[a:z] for v, a, z in zip(held, o, e, strict=True)]
+            held = cast("list[memoryview]", views)  # a read is loaded before any of its samples is emitted
+            out = [held[r][a:z] for r, a, z in zip(rs, o, e, strict=True)]
         for i in self.release[self.release_bounds[step] : self.release_bounds[step + 1]]:
             views[i] = None  # the slices handed out keep their mapping alive as long as they live
         return out, self.step_bytes[step]

@@ -396,13 +396,14 @@ class MixDataset(RankDataset):
         release_free_heap()
         starts = np.concatenate([[0], np.cumsum(wp.sizes)]).astype(np.int64).tolist()
         steps = [st.tolist() for st in wp.steps]
-        counts = stream_counts(wp).tolist()
+        per_stream = stream_counts(wp)
+        counts = per_stream.tolist()
         batches = wp.batches.tolist()
         win = _Window()
         for b in range(int(np.searchsorted(wp.batches, self.start_batch)), len(batches)):
             if not win.lo <= b < win.hi:
                 hi = min(b + (GATHER_WINDOW if win.hi else FIRST_WINDOW), len(batches))
-                win = self._window(wp, feeds, b, hi, starts)
+                win = self._window(wp, feeds, b, hi, starts, counts=per_stream)
             t = time.perf_counter()
             got: list[tuple[int, list[Any], np.ndarray]] = []
             nbytes = [0] * len(feeds)
@@ -420,7 +421,7 @@ class MixDataset(RankDataset):
             yield batch
 
     def _window(self, wp: MixWorkerPlan, feeds: Sequence[StreamFeed], lo: int, hi: int,
-                starts: list[int]) -> _Window:
+                starts: list[int], *, counts: np.ndarray) -> _Window:
         """Batches ``[lo, hi)`` of the worker's plan: their places' streams, item ids, keys and labels in the
         layout's order, and each batch's gather order of payloads (:func:`gather_order`)."""
         base, end = starts[lo], starts[hi]
@@ -435,11 +436,11 @@ class MixDataset(RankDataset):
                 ids.append(got_ids)
                 keys += got_keys
                 labels.append(got_labels)
-        order = window_order(slots)
+        order = window_order(slots, len(feeds))
         pick = operator.itemgetter(*order.tolist())
         return _Window(lo, hi, base, slots.astype(np.int64),
                        np.concatenate(ids)[order], list(pick(keys)) if len(order) > 1 else keys,
-                       np.concatenate(labels)[order], gather_order(slots, wp.sizes[lo:hi]))
+                       np.concatenate(labels)[order], gather_order(order, slots, counts[lo:hi]))
 
     def _decode_stream(self, i: int, payloads: list[Any], ids: np.ndarray, j: int,
                        rng: list[np.random.Generator]) -> tuple[list[Any], np.ndarray, list[str]]:
