@@ -282,6 +282,35 @@ def test_quota_evicts_least_recently_used_never_what_is_in_use(tmp_path: Path) -
     assert_verified_copy(mc, tmp_path / "dc")
 
 
+def test_fills_in_flight_count_against_the_quota(tmp_path: Path) -> None:
+    """Two fills at once never overshoot the quota between them: what a live filler has reserved (its
+    process lease's ``reserve``: objects not in the cache yet) counts as used for every other filler;
+    a lease of anyone but the cache's owner reserves nothing."""
+    (a, ma), (b, mb), _ = _three(tmp_path)
+    cache = tmp_path / "cache"
+    quota = int(1.5 * _bytes(ma))
+    cobj = Cache.open(cache, create=True, quota=Quota.parse(str(quota)))
+    filling_a = {object_key(ma.hash_algo, h, str(a / n)): size for n, size, h in ma.files()}
+    with Lease(cobj, filling_a, "another stage filling A") as other:
+        other.reserve(filling_a)
+        res = _stage(b, tmp_path / "d1", cache, cache_quota=quota)["cache"]
+        assert res["files_uncached"] > 0, res
+        assert res["bytes_filled"] + _bytes(ma) <= quota, "B's fill left room for A's copies in flight"
+        assert_verified_copy(mb, tmp_path / "d1")  # what the cache could not take was copied plainly
+        if os.geteuid() == 0:  # the same reservation in a lease of another uid counts for nothing
+            from stager.cache.lease import reserved_bytes
+
+            assert other.path is not None
+            os.chown(other.path, 4242, 4242)
+            assert reserved_bytes(cobj, read_leases(cobj), set()) == 0
+            os.chown(other.path, os.getuid(), os.getgid())
+            assert reserved_bytes(cobj, read_leases(cobj), set()) == _bytes(ma)
+    shutil.rmtree(tmp_path / "d1")
+    res = _stage(b, tmp_path / "d2", cache, cache_quota=quota)["cache"]
+    assert res["files_uncached"] == 0 and res["bytes_hit"] + res["bytes_filled"] == _bytes(mb), res
+    assert not list((cache / "leases").iterdir()), "the reservations went with their leases"
+
+
 def _exists(cache: Cache, algo: str, key: str) -> bool:
     return cache.object_path(algo, key).exists()
 

@@ -46,6 +46,7 @@ LOCKS = "locks"
 LEASES = "leases"
 LOG = "log.jsonl"
 GC_LOCK = ".gc"
+ROOM_LOCK = ".room"  # held while a filler measures the room under the quota and reserves its share
 LEASE_SUFFIX = ".lease"
 KINDS = ("user", "site")
 TOP_LEVEL = frozenset({MARKER, OBJECTS, DATASETS, LOCKS, LEASES, LOG})
@@ -173,7 +174,7 @@ def foreign_entries(root: Path, limit: int = 5) -> list[str]:
         if not own and bad(f"{DATASETS}/{f.name}"):
             return out
     for f in names(LOCKS):
-        own = (is_object_name(f.name) or f.name == GC_LOCK) and f.is_file(follow_symlinks=False)
+        own = (is_object_name(f.name) or f.name in (GC_LOCK, ROOM_LOCK)) and f.is_file(follow_symlinks=False)
         if not own and bad(f"{LOCKS}/{f.name}"):
             return out
     return out

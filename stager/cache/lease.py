@@ -7,6 +7,10 @@ A lease is a small JSON file in the cache's ``leases/`` naming object keys. Two 
   holder that dies, however it dies, releases it: the kernel drops the lock, and eviction sees a
   lease nobody holds as dead. The file is written under a partial name, locked, then renamed, so
   no reader ever sees an unlocked or half-written live lease.
+  A filler's process lease also names the bytes it is about to add (``reserve``: object key -> size),
+  so concurrent fillers count each other's copies in flight against the quota
+  (:func:`reserved_bytes`): only the cache owner's leases reserve (a site cache's readers cannot
+  block its fills by reserving).
 * **destination** (:func:`write_dest_lease`): written by a stage that left symbolic links to objects
   in a job's destination. It lives as long as that destination does: eviction ``lstat``\\ s the
   destination, else its parent, else its grandparent (the first one it may look at; a job's
@@ -85,27 +89,43 @@ def _create(dirpath: Path, data: bytes, *, lock: bool) -> tuple[Path, int]:
 class Lease:
     """A process lease on ``keys`` in ``cache`` (module docstring): ``with Lease(cache, keys, "stage"):``.
 
-    :meth:`extend` adds keys (rewrites the file under a new name, the old one released after)."""
+    :meth:`extend` adds keys and :meth:`reserve` the bytes of objects being filled (each rewrites the file
+    under a new name, the old one released after)."""
 
     def __init__(self, cache: Cache, keys: Iterable[str], what: str) -> None:
         self.cache = cache
         self.keys = set(keys)
         self.what = what
+        self.reserved: dict[str, int] = {}
         self.path: Path | None = None
         self.fd: int | None = None
         self.pid = os.getpid()
 
     def acquire(self) -> Lease:
-        self.path, self.fd = _create(self.cache.leases_dir, _lease_body("process", self.keys, self.what), lock=True)
+        extra = {"reserve": dict(sorted(self.reserved.items()))} if self.reserved else {}
+        self.path, self.fd = _create(self.cache.leases_dir, _lease_body("process", self.keys, self.what, **extra),
+                                     lock=True)
         return self
+
+    def reserve(self, sizes: dict[str, int]) -> None:
+        """Count ``sizes`` (object key -> bytes, objects this process is about to fill) against the quota
+        for as long as the lease lives; an object counts as its file once it is in the cache."""
+        if not sizes or all(self.reserved.get(k) == n for k, n in sizes.items()):
+            return
+        self.reserved.update(sizes)
+        self.keys |= set(sizes)
+        self._rewrite()
 
     def extend(self, keys: Iterable[str]) -> None:
         new = set(keys) - self.keys
         if not new:
             return
         self.keys |= new
+        self._rewrite()
+
+    def _rewrite(self) -> None:
         old_path, old_fd = self.path, self.fd
-        self.acquire()
+        self.acquire()  # the new file is locked before the old one goes: no moment without a lease
         if old_fd is not None and old_path is not None:
             _drop(old_path, old_fd)
 
@@ -164,6 +184,7 @@ class LeaseInfo:
     what: str = ""
     pid: int = 0
     host: str = ""
+    reserve: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "kind": self.kind, "live": self.live, "why": self.why, "objects": len(self.keys),
@@ -215,6 +236,10 @@ def _judge(path: Path, now: float) -> LeaseInfo:
     keys = {k for k in body["keys"] if isinstance(k, str) and is_object_name(k)}
     info = LeaseInfo(name, str(body.get("kind")), False, "", keys, _num(body.get("time")), st.st_uid,
                      str(body.get("what", ""))[:200], int(_num(body.get("pid"))), str(body.get("host", ""))[:100])
+    reserve = body.get("reserve")
+    if isinstance(reserve, dict):
+        info.reserve = {k: int(v) for k, v in reserve.items() if isinstance(k, str) and is_object_name(k)
+                        and isinstance(v, int) and not isinstance(v, bool) and v >= 0}
     if info.kind == "process":
         info.live = held
         info.why = "its holder is running" if held else "its holder exited (no lock held)"
@@ -223,6 +248,20 @@ def _judge(path: Path, now: float) -> LeaseInfo:
     else:
         info.why = f"unknown kind {info.kind!r}: protects nothing"
     return info
+
+
+def reserved_bytes(cache: Cache, leases: Iterable[LeaseInfo], present: set[str], *, mine: Path | None = None) -> int:
+    """Bytes that live fillers have reserved for objects not in the cache yet (``present``: the keys it
+    holds), ``mine`` (this process's own lease file) left out. Only the cache owner's process leases
+    count: in a site cache anyone may write a lease, and a reservation must not let them block fills."""
+    total = 0
+    for info in leases:
+        if not info.live or info.kind != "process" or info.uid != cache.owner or not info.reserve:
+            continue
+        if mine is not None and info.name == mine.name:
+            continue
+        total += sum(n for k, n in info.reserve.items() if k not in present)
+    return total
 
 
 def _num(v: Any) -> float:

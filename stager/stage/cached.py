@@ -41,8 +41,8 @@ from typing import Any
 
 from stager.cache.config import site_config
 from stager.cache.evict import collect, prune_leases
-from stager.cache.layout import object_key
-from stager.cache.lease import Lease, write_dest_lease
+from stager.cache.layout import ROOM_LOCK, object_key
+from stager.cache.lease import Lease, read_leases, reserved_bytes, write_dest_lease
 from stager.cache.locks import FillLock
 from stager.cache.store import Cache, fsync_dirs
 from stager.checksum import new_hasher
@@ -196,6 +196,7 @@ class _Run:
     linker: _Linker | None
     journal: Journal | None
     stats: CacheStats
+    lease: Lease | None = None  # this stage's process lease: what it fills is reserved in it
 
     @property
     def algo(self) -> str:
@@ -303,27 +304,43 @@ class _Run:
         self.stats.waited_s += time.perf_counter() - t
 
     def make_room(self, misses: list[FileTask]) -> tuple[list[FileTask], list[FileTask]]:
-        """Evict (LRU) to fit ``misses`` under the quota; ``(what fits, the rest)``, largest first."""
+        """Evict (LRU) to fit ``misses`` under the quota; ``(what fits, the rest)``, largest first.
+
+        Under the cache's room lock: what concurrent fillers have reserved and not yet added counts as used,
+        and what fits is reserved in this stage's lease before the lock is let go, so two stages that fill
+        at the same time never overshoot the quota between them."""
         cache, stats = self.cache, self.stats
         assert cache.quota_bytes is not None
-        need = sum(t.bytes for t in misses)
-        used = cache.used_bytes()
-        if used + need > cache.quota_bytes:
-            rep = collect(cache, need_bytes=need, timeout=self.options.timeout)
-            stats.evicted_files += len(rep.evicted)
-            stats.evicted_bytes += rep.freed_bytes
-            stats.eviction = {"why": rep.why, "freed_bytes": rep.freed_bytes, "evicted": len(rep.evicted),
-                              "in_use_bytes": rep.in_use.bytes, "linked_bytes": rep.linked.bytes,
-                              "pinned_bytes": rep.pinned.bytes}
-            used = rep.after_bytes
-        room = cache.quota_bytes - used
-        fits, rest = [], []
-        for t in sorted(misses, key=lambda t: -t.bytes):
-            if t.bytes <= room:
-                fits.append(t)
-                room -= t.bytes
-            else:
-                rest.append(t)
+        room_lock = FillLock(cache.locks_dir, ROOM_LOCK)
+        if not room_lock.acquire(self.options.timeout):
+            raise StagerTimeoutError(f"{cache.locks_dir / ROOM_LOCK}: another stage still measures the cache's room "
+                                     f"after {self.options.timeout:g}s; wait longer (--timeout) or rerun")
+        try:
+            need = sum(t.bytes for t in misses)
+            objects = list(cache.scan())
+            used = sum(o.bytes for o in objects)
+            reserved = reserved_bytes(cache, read_leases(cache), {o.key for o in objects},
+                                      mine=self.lease.path if self.lease is not None else None)
+            if used + reserved + need > cache.quota_bytes:
+                rep = collect(cache, need_bytes=need + reserved, timeout=self.options.timeout)
+                stats.evicted_files += len(rep.evicted)
+                stats.evicted_bytes += rep.freed_bytes
+                stats.eviction = {"why": rep.why, "freed_bytes": rep.freed_bytes, "evicted": len(rep.evicted),
+                                  "in_use_bytes": rep.in_use.bytes, "linked_bytes": rep.linked.bytes,
+                                  "pinned_bytes": rep.pinned.bytes, "reserved_bytes": reserved}
+                used = rep.after_bytes
+            room = cache.quota_bytes - used - reserved
+            fits, rest = [], []
+            for t in sorted(misses, key=lambda t: -t.bytes):
+                if t.bytes <= room:
+                    fits.append(t)
+                    room -= t.bytes
+                else:
+                    rest.append(t)
+            if self.lease is not None:
+                self.lease.reserve({self.keys[t.name]: t.bytes for t in fits})
+        finally:
+            room_lock.release()
         return fits, rest
 
     def note(self, tasks: list[FileTask]) -> None:
@@ -358,7 +375,7 @@ def place(plan: StagePlan, options: StageOptions, journal: Journal, todo: list[F
     linker = _Linker(cache, plan.dest)
     run = _Run(cache, plan, options, result.warnings, keys, linker, journal,
                CacheStats(dir=str(cache.root), kind=cache.kind))
-    with Lease(cache, keys.values(), f"stage {plan.src} -> {plan.dest}"):
+    with Lease(cache, keys.values(), f"stage {plan.src} -> {plan.dest}") as run.lease:
         uncached = run.fill(run.link_hits(tasks))
         fsync_dir(plan.dest)
         if linker.symbolic_keys:
@@ -381,7 +398,7 @@ def fill_only(plan: StagePlan, options: StageOptions, result: StageResult) -> No
     keys = keys_for(plan, tasks)
     run = _Run(cache, plan, options, result.warnings, keys, None, None,
                CacheStats(dir=str(cache.root), kind=cache.kind))
-    with Lease(cache, keys.values(), f"stage --cache-only {plan.src}"):
+    with Lease(cache, keys.values(), f"stage --cache-only {plan.src}") as run.lease:
         uncached = run.fill(run.link_hits(tasks))
         run.note(tasks)
     result.cache = run.finish(uncached)
@@ -402,6 +419,7 @@ def link_hits(plan: StagePlan, options: StageOptions, journal: Journal, warnings
     run = _Run(cache, plan, options, warnings, keys, _Linker(cache, plan.dest), journal,
                CacheStats(dir=str(cache.root), kind=cache.kind))
     lease = Lease(cache, keys.values(), f"stage --collective {plan.src} -> {plan.dest}").acquire()
+    run.lease = lease
     try:
         run.link_hits(tasks)
         assert run.linker is not None
