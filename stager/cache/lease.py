@@ -188,7 +188,8 @@ class LeaseInfo:
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "kind": self.kind, "live": self.live, "why": self.why, "objects": len(self.keys),
-                "time": self.time, "uid": self.uid, "what": self.what, "pid": self.pid, "host": self.host}
+                "time": self.time, "uid": self.uid, "what": self.what, "pid": self.pid, "host": self.host,
+                "reserved_bytes": sum(self.reserve.values())}
 
 
 def read_leases(cache: Cache, now: float | None = None) -> list[LeaseInfo]:
