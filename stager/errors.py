@@ -154,3 +154,10 @@ class RemoteAccessError(StagerError, OSError):
 
 class RemotePermissionError(RemoteAccessError, PermissionError):
     """The store refused the credentials (403, none found): still a PermissionError for callers."""
+
+
+def install_hint(packages: str, extra: str | None = None) -> str:
+    """How to install an optional dependency: the PyPI packages themselves (what works in any environment;
+    stager is installed from a checkout, not from PyPI), and the checkout's extra where there is one."""
+    hint = f"pip install {packages}"
+    return f"{hint} (or, in a stager checkout: pip install -e '.[{extra}]')" if extra else hint

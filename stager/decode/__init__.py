@@ -30,7 +30,7 @@ import numpy as np
 
 from stager.decode.base import Decoder, Probe
 from stager.decode.crop import check_crop_args, default_resize, random_resized_crop_box
-from stager.errors import CorruptSampleError, UsageError
+from stager.errors import CorruptSampleError, UsageError, install_hint
 
 __all__ = [
     "BACKENDS",
@@ -89,8 +89,8 @@ def get_decoder(name: str = "auto") -> Decoder:
         return BACKENDS[name]()
     except ImportError as e:
         raise UsageError(
-            f"decode backend {name!r} needs a missing library ({e}); install it with `pip install stager[fastjpeg]` "
-            "or choose another backend"
+            f"decode backend {name!r} needs a missing library ({e}); install it with "
+            f"`{install_hint('simplejpeg opencv-python-headless')}` or choose another backend"
         ) from None
 
 

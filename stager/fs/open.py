@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from stager.errors import MissingBackendError, UsageError
+from stager.errors import MissingBackendError, UsageError, install_hint
 from stager.fs.remote import RemoteFile, object_size, read_range
 from stager.fs.retry import with_retries
 from stager.fs.safe import open_regular
@@ -56,7 +56,7 @@ class Backend:
 
     schemes: tuple[str, ...]
     modules: tuple[str, ...]  # importable names the fsspec implementation needs
-    extra: str | None  # ``pip install 'stager[<extra>]'``; None: name the packages instead
+    extra: str | None  # the checkout's extra (``pip install -e '.[<extra>]'``); None: none ships one
     packages: str  # pip names, for the message
     atomic: bool  # an object appears only complete (no temporary name needed)
     env: Callable[[Mapping[str, str], Mapping[str, Any]], dict[str, Any]] = _no_env
@@ -110,7 +110,7 @@ def require_backend(url: str) -> Backend:
     b = backend_of(url)
     missing = [m for m in b.modules if importlib.util.find_spec(m) is None]
     if missing:
-        how = f"pip install 'stager[{b.extra}]'" if b.extra else f"pip install {b.packages}"
+        how = install_hint(b.packages, b.extra)
         raise MissingBackendError(
             f"{url}: {scheme_of(url)}:// URLs need {', '.join(missing)} (not installed); run: {how}"
         )

@@ -21,7 +21,7 @@ import importlib
 from collections.abc import Iterator
 from typing import Any
 
-from stager.errors import MissingBackendError, UsageError
+from stager.errors import MissingBackendError, UsageError, install_hint
 from stager.formats.lmdb_pages import LmdbError, walk
 from stager.formats.lmdb_values import LAYOUTS, META_KEYS, BadValueError, Value, decode_len, parse_value, sniff_layout
 from stager.index.scan import DamagedShardError, ShardScan, mapped
@@ -33,7 +33,7 @@ def import_lmdb() -> Any:
     try:
         return importlib.import_module("lmdb")
     except ImportError as exc:
-        raise MissingBackendError("indexing LMDB needs py-lmdb (not installed); run: pip install 'stager[lmdb]'"
+        raise MissingBackendError(f"indexing LMDB needs py-lmdb (not installed); run: {install_hint('lmdb', 'lmdb')}"
                                   ) from exc
 
 
