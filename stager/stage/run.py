@@ -50,6 +50,7 @@ from stager.redact import redact
 from stager.stage.copier import Copier
 from stager.stage.dest import (
     StagedManifest,
+    begin_journal,
     check_free_space,
     claim_dest,
     kept_files,
@@ -207,6 +208,7 @@ def _stage_locked(plan: StagePlan, options: StageOptions, result: StageResult, t
     """Phases 3 to 6 of the module docstring, with the node lock held."""
     result.removed_partials = claim_dest(plan, keep_receipt=plan.mode == "shared")
     journal = Journal(plan.journal_path, plan.manifest.digest, volatile=not options.fsync)
+    begin_journal(plan, journal)
     try:
         kept = kept_files(plan, journal)
         todo = [t for t in plan.tasks if t.name not in kept]
