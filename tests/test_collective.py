@@ -29,7 +29,7 @@ from stager.stage import stage
 from stager.stage.collective.group import resolve_endpoint
 from stager.stage.collective.io import IoCounters, ShareReader, StreamSink, copy_share
 from stager.stage.collective.plan import FileEntry, StreamLayout, assign_read_shares, chunk_size_for, stream_layouts
-from stager.verify import verify
+from stager.shardcheck import verify
 from tests.test_stage_support import make_dataset
 
 LAUNCHER = r'''

@@ -35,7 +35,7 @@ from stager.loader import make_loader
 from stager.manifest import MANIFEST_NAME, load_manifest
 from stager.pack import pack
 from stager.stage import stage
-from stager.verify import verify
+from stager.shardcheck import verify
 from tests.test_index import read_all
 from tools.datagen import (
     RECORDIO_MAGIC,

@@ -26,7 +26,7 @@ from stager.manifest import load_manifest
 from stager.order.partition import assign_shards_to_nodes
 from stager.pack import pack
 from stager.stage import stage
-from stager.verify import verify
+from stager.shardcheck import verify
 from tools.objstore_servers import CREDENTIALS, AzuriteServer, FaultProxy, MotoServer, RangeHTTPServer, azurite_path
 
 pytest.importorskip("s3fs", reason="s3fs is not installed (pip install 'stager[test]'; make venv does)")
