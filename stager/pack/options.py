@@ -29,8 +29,8 @@ class PackOptions:
     shards also hold a ``KEY.json`` member per sample; off by default: the manifest has what it
     held). Run-only:
     ``workers``, ``overwrite``, ``dry_run``, ``quiet``, ``stripe_count``/``stripe_size`` (Lustre
-    layout of OUT), ``allow_empty_classes`` (keep an ImageFolder class folder without images), ``split`` (which CIFAR split to read), ``storage_options`` (opening a URL OUT,
-    stager/fs/open.py).
+    layout of OUT), ``allow_empty_classes`` (keep an ImageFolder class folder without images),
+    ``split`` (which CIFAR split to read), ``storage_options`` (opening a URL OUT, stager/fs/open.py).
     """
 
     format: str = "tar"

@@ -1,4 +1,4 @@
-"""The engine of ``stager clean DEST``: remove what ``stager stage`` wrote into DEST, by its own records, and nothing else.
+"""The engine of ``stager clean DEST``: remove what ``stager stage`` wrote into DEST, by its own records, only.
 
 The records, in the order they are looked for:
 

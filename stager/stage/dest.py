@@ -1,10 +1,11 @@
 """DEST's bookkeeping around the copy, shared by the plain and the collective stage.
 
 In the order a run meets them: :func:`make_dest_dir` (where DEST may be: :mod:`stager.stage.place`),
-:func:`receipt_done` (the fast path: a receipt that covers the plan, checked by sizes only), :func:`claim_dest` (refuse another dataset's DEST,
-drop a receipt that no longer describes it, remove stale partial files), :func:`kept_files` (what the
-journal lists and DEST still holds), :func:`check_free_space`, :class:`StagedManifest` (the verbatim
-``manifest.json``, published only once every shard is in place), :func:`shared_barrier` (shared
+:func:`receipt_done` (the fast path: a receipt that covers the plan, checked by sizes only),
+:func:`claim_dest` (refuse another dataset's DEST, drop a receipt that no longer describes it,
+remove stale partial files), :func:`begin_journal` (what the run may write, recorded before it writes),
+:func:`kept_files` (what the journal lists and DEST still holds), :func:`check_free_space`,
+:class:`StagedManifest` (the verbatim ``manifest.json``, published only once every shard is in place), :func:`shared_barrier` (shared
 mode: wait for every node's done marker), and :func:`write_receipt`, always last; or
 :func:`make_durable` for a ``--no-fsync`` copy asked for again durably.
 
@@ -84,9 +85,10 @@ DEST_FIX = "choose another DEST (if it is yours: chmod go-w it, or remove it)"
 
 def make_dest_dir(plan: StagePlan) -> None:
     """Refuse a DEST that is, contains or lies inside SRC, or holds something other than a copy of
-    this dataset (:mod:`stager.stage.place`: exit 2, nothing created); create DEST exclusively (SRC's directory access less the umask, 0700 for a URL), or accept an
-    existing directory that is the user's (see the module docstring); check the unpack directory,
-    journal and lock it already holds. Raises :class:`~stager.errors.UnsafePathError` (exit 2)."""
+    this dataset (:mod:`stager.stage.place`: exit 2, nothing created); create DEST exclusively
+    (SRC's directory access less the umask, 0700 for a URL), or accept an existing directory that
+    is the user's (see the module docstring); check the unpack directory, journal and lock it
+    already holds. Raises :class:`~stager.errors.UnsafePathError` (exit 2)."""
     dest = plan.dest
     check_dest_place(dest, {dataset_root(plan.src), plan.src_dir})  # before anything is created
     mode = 0o700

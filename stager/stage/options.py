@@ -66,8 +66,8 @@ class StageOptions:
     ``workers``: copy streams, None or 0 for :attr:`copy_streams`' default; ``shared``: None detects a
     BeeGFS DEST; ``timeout``: seconds for the node lock and for peers (None: no limit);
     ``storage_options``: passed to every open of SRC (fsspec URLs); ``tuning``: the copy engine's
-    knobs; ``fsync=False``: ``--no-fsync``; ``repair``: ``--repair``; ``cache``: stage through a shard cache (``--cache DIR``,
-    :mod:`stager.stage.cached`).
+    knobs; ``fsync=False``: ``--no-fsync``; ``repair``: ``--repair``; ``cache``: stage through a
+    shard cache (``--cache DIR``, :mod:`stager.stage.cached`).
     """
 
     workers: int | None = None

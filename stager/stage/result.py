@@ -68,7 +68,8 @@ class StageResult:
         if self.files_kept:
             s += f"; kept {self.files_kept} verified files from an earlier run"
         if self.repaired:
-            s += f"; repaired {len(self.repaired)} damaged files ({', '.join(r.split(':', 1)[0] for r in self.repaired[:4])})"
+            names = ", ".join(r.split(":", 1)[0] for r in self.repaired[:4])
+            s += f"; repaired {len(self.repaired)} damaged files ({names})"
         if self.cache:
             c = self.cache
             s += (f"; cache {c['dir']}: {c['files_hit']} files ({c['bytes_hit'] / 1e9:.3f} GB) linked from it"

@@ -18,8 +18,8 @@ import numpy as np
 
 from stager.decode.jpeg_header import SOF_MARKERS
 from stager.errors import SourceError, UsageError
-from stager.fs.nesting import overlap
 from stager.formats.base import Sample
+from stager.fs.nesting import overlap
 from stager.manifest import BAD_NAME_CHARS, NAME_MAX_BYTES, class_dir_name, entry_name_problem, unpacked_stem
 from stager.pack.sources.base import SampleRef, Source, sniff_ext
 from stager.pack.sources.columns import ListingRefs
@@ -235,8 +235,8 @@ def check_names(source: Source) -> None:
         joined = "/".join(chunk)  # '/' is allowed in a key: it never hides a bad character
         suspects = set()
         if BAD_NAME_CHARS.search(joined) or max(map(len, chunk), default=0) * 4 > NAME_MAX_BYTES:
-            suspects = {i for i, k in enumerate(chunk) if BAD_NAME_CHARS.search(k) or len(k.encode(errors="surrogatepass"))
-                        > NAME_MAX_BYTES}
+            suspects = {i for i, k in enumerate(chunk)
+                        if BAD_NAME_CHARS.search(k) or len(k.encode(errors="surrogatepass")) > NAME_MAX_BYTES}
         if _DOT_KEY.search("\n".join(chunk)):
             suspects |= {i for i, k in enumerate(chunk) if _DOT_KEY.search(k)}
         for i in sorted(suspects):

@@ -4,9 +4,10 @@ Shared by the list-file, sidecar-folder and COCO sources. A *raw* value is what 
 a path (string) for file-backed kinds, or a JSON value. :func:`infer_spec` types an undeclared field:
 by its name when that is a box kind's (:data:`NAMED_KINDS`: ``boxes``, ``box_labels``: a JSON value or
 a ``.json`` file, typed so that the train transform moves and clips the boxes with the crop instead of
-passing source coordinates through as opaque JSON); else by its value (a string naming an existing file by its extension: a ``.png`` whose field name contains ``mask``,
-``seg`` or ``label`` -> ``mask``, other image extensions -> ``image``, ``.npy`` ->
-``array``, ``.json`` -> ``json``, anything else -> ``bytes``; any other value -> ``json``).
+passing source coordinates through as opaque JSON); else by its value (a string naming an existing
+file by its extension: a ``.png`` whose field name contains ``mask``, ``seg`` or ``label`` ->
+``mask``, other image extensions -> ``image``, ``.npy`` -> ``array``, ``.json`` -> ``json``,
+anything else -> ``bytes``; any other value -> ``json``).
 :func:`load_value` reads files and encodes values: bytes for the byte kinds (arrays as ``.npy``,
 JSON as compact UTF-8), the raw list for the ragged kinds (:func:`stager.pack.fields.ragged_value`
 makes the array when the sample is prepared).
