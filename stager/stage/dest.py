@@ -6,7 +6,8 @@ In the order a run meets them: :func:`make_dest_dir` (where DEST may be: :mod:`s
 remove stale partial files), :func:`begin_journal` (what the run may write, recorded before it writes),
 :func:`kept_files` (what the journal lists and DEST still holds), :func:`check_free_space`,
 :class:`StagedManifest` (the verbatim ``manifest.json``, published only once every shard is in
-place), :func:`shared_barrier` (shared mode: wait for every node's done marker), and :func:`write_receipt`, always last; or
+place), :func:`shared_barrier` (shared mode: wait for every node's done marker), and
+:func:`write_receipt`, always last; or
 :func:`make_durable` for a ``--no-fsync`` copy asked for again durably.
 
 Contract: everything stage writes about SRC gets SRC's manifest's access, less the umask
