@@ -39,9 +39,10 @@ _FIX = "remove it (stage writes it anew) and rerun"
 class Journal:
     """Append-only record of verified files (and unpacked shards) of one dataset in DEST.
 
-    Line 1 is ``{"journal": 1, "digest": <manifest digest>}``; then ``{"w": [names], "unpack": <dir or
-    null>, "created_dest": bool}`` per run (what it may write: :meth:`begin`), ``{"f": name, "b": bytes}`` per
-    verified file and ``{"u": shard name}`` per unpacked shard. A journal of another dataset is reset.
+    Line 1 is ``{"journal": 1, "digest": <manifest digest>, "w": [names], "unpack": <dir or null>,
+    "created_dest": bool}`` (the last three: what the first run may write, :meth:`begin`); then
+    ``{"f": name, "b": bytes}`` per verified file, ``{"u": shard name}`` per unpacked shard, and a
+    ``{"w": ...}`` line when a later run of the same dataset may write more names. A journal of another dataset is reset.
     Appends are single ``write`` calls on an ``O_APPEND`` fd, so a kill -9 loses at most a line.
     ``volatile`` (``--no-fsync``): the files were not fsynced, so each line also carries
     ``"v": <boot id>`` and is ignored after a reboot (the file is copied again).
@@ -67,6 +68,9 @@ class Journal:
                 with contextlib.suppress(ValueError, RecursionError):
                     head = json.loads(lines[0])
                     valid = isinstance(head, dict) and head.get("digest") == digest
+                    if valid and isinstance(head.get("w"), list):
+                        self.writes.update(n for n in head["w"] if isinstance(n, str))
+                        self.created_dest = head.get("created_dest") is True
             for line in lines[1:] if valid else []:
                 try:
                     rec = json.loads(line)
@@ -94,29 +98,30 @@ class Journal:
                              single_link=True)
         return fd
 
-    def _open(self, first: bytes = b"") -> int:
-        """The append fd, writing a fresh header (followed by ``first``) if needed (call with ``_lock`` held)."""
+    def _open(self, writes: dict[str, Any] | None = None) -> int:
+        """The append fd, writing a fresh header (with ``writes``, :meth:`begin`'s record) if needed, else
+        appending ``writes`` as a line (call with ``_lock`` held)."""
         if self._fd == -2:
             raise ValueError(f"{self.path}: journal already closed")
         if self._fd < 0:
-            header = (json.dumps({"journal": 1, "digest": self._digest}) + "\n").encode()
-            atomic_write_bytes(self.path, header + first, mode=0o600)
+            header = (json.dumps({"journal": 1, "digest": self._digest, **(writes or {})}) + "\n").encode()
+            atomic_write_bytes(self.path, header, mode=0o600)
             self._fd = self._open_append()
-        elif first:
-            os.write(self._fd, first)
+        elif writes:
+            os.write(self._fd, (json.dumps(writes) + "\n").encode())
         return self._fd
 
     def begin(self, names: Iterable[str], *, unpack: str | None = None, created_dest: bool = False) -> None:
         """Record, before the run creates anything in DEST, every name it may write there (``unpack``:
         the one among them that is the unpacked tree; ``created_dest``: stage made DEST, so ``clean``
         may remove it once empty). A fresh journal gets it with its header, in one atomic write; a
-        resumed one an appended line when the run adds names (or when ``created_dest`` is True)."""
+        resumed one an appended ``"w"`` line when the run adds names (or ``created_dest``)."""
         names = set(names)
         if self._fd >= 0 and names <= self.writes and created_dest <= self.created_dest:
             return
         line = {"w": sorted(names), "unpack": unpack, "created_dest": created_dest}
         with self._lock:
-            self._open((json.dumps(line) + "\n").encode())
+            self._open(line)
         self.writes |= names
         self.created_dest |= created_dest
 
@@ -168,7 +173,7 @@ def read_records(data: bytes) -> JournalRecords:
             continue
         if i == 0:
             out.digest = rec.get("digest") if isinstance(rec.get("digest"), str) else None
-        elif isinstance(rec.get("w"), list):
+        if isinstance(rec.get("w"), list):
             out.writes.update(n for n in rec["w"] if isinstance(n, str))
             if isinstance(rec.get("unpack"), str):
                 out.unpack_dirs.add(rec["unpack"])
