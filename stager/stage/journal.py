@@ -42,7 +42,8 @@ class Journal:
     Line 1 is ``{"journal": 1, "digest": <manifest digest>, "w": [names], "unpack": <dir or null>,
     "created_dest": bool}`` (the last three: what the first run may write, :meth:`begin`); then
     ``{"f": name, "b": bytes}`` per verified file, ``{"u": shard name}`` per unpacked shard, and a
-    ``{"w": ...}`` line when a later run of the same dataset may write more names. A journal of another dataset is reset.
+    ``{"w": ...}`` line when a later run of the same dataset may write more names. A journal of another
+    dataset is reset.
     Appends are single ``write`` calls on an ``O_APPEND`` fd, so a kill -9 loses at most a line.
     ``volatile`` (``--no-fsync``): the files were not fsynced, so each line also carries
     ``"v": <boot id>`` and is ignored after a reboot (the file is copied again).
