@@ -99,20 +99,21 @@ def load_receipt(dest: str | os.PathLike[str]) -> Receipt | None:
 
 def parse_receipt(data: bytes, path: str | os.PathLike[str]) -> Receipt:
     """A :class:`Receipt` from the bytes of ``path``; ManifestError (one line) when damaged."""
+    # `stager clean DEST` removes the copy by its journal when the receipt is damaged (stager/stage/clean.py).
+    fix = f"run `stager clean {os.path.dirname(os.fspath(path)) or '.'}` and stage again"
     try:
         doc = json.loads(data)
     except (ValueError, RecursionError) as exc:
-        raise ManifestError(f"{path}: unreadable receipt ({exc}); run `stager clean` and stage again") from exc
+        raise ManifestError(f"{path}: unreadable receipt ({exc}); {fix}") from exc
     if not isinstance(doc, dict) or doc.get("schema") != RECEIPT_SCHEMA:
-        raise ManifestError(f"{path}: unknown receipt schema; run `stager clean` and stage again")
+        raise ManifestError(f"{path}: unknown receipt schema; {fix}")
     try:
         rec = Receipt(**doc)
     except TypeError as exc:
-        raise ManifestError(f"{path}: malformed receipt ({exc})") from exc
+        raise ManifestError(f"{path}: malformed receipt ({exc}); {fix}") from exc
     bad = _wrong_types(rec)
     if bad:
-        raise ManifestError(f"{path}: malformed receipt (field {bad!r} has the wrong type); run `stager clean` "
-                            "and stage again")
+        raise ManifestError(f"{path}: malformed receipt (field {bad!r} has the wrong type); {fix}")
     return rec
 
 

@@ -25,11 +25,11 @@ from stager.errors import UsageError, VerificationError
 from stager.manifest import load_manifest
 from stager.order.partition import assign_shards_to_nodes
 from stager.receipt import load_receipt
+from stager.shardcheck import verify
 from stager.stage import stage
 from stager.stage.collective.group import resolve_endpoint
 from stager.stage.collective.io import IoCounters, ShareReader, StreamSink, copy_share
 from stager.stage.collective.plan import FileEntry, StreamLayout, assign_read_shares, chunk_size_for, stream_layouts
-from stager.verify import verify
 from tests.test_stage_support import make_dataset
 
 LAUNCHER = r'''

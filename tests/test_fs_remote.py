@@ -110,8 +110,8 @@ def test_pack_to_a_store_without_atomic_put_and_stage_from_it(imagenet_tiny: Pat
 
     from stager.manifest import load_manifest
     from stager.pack import pack
+    from stager.shardcheck import verify
     from stager.stage import stage
-    from stager.verify import verify
 
     url = f"memory://stager-test-{tmp_path.name}/ds"
     res = pack(imagenet_tiny, url, "tar", samples_per_shard=5)

@@ -33,8 +33,8 @@ from stager.errors import CorruptSampleError, DestinationError, UsageError
 from stager.index import IndexOptions, index_dataset
 from stager.loader import make_loader
 from stager.manifest import MANIFEST_NAME, load_manifest
+from stager.shardcheck import verify
 from stager.stage import stage
-from stager.verify import verify
 from tools.datagen import jpeg_bytes, png_bytes
 
 NO_PYARROW = "pyarrow is not installed (pip install 'stager[parquet]'; make venv installs it)"

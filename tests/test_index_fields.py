@@ -20,7 +20,7 @@ from stager.loader import make_loader
 from stager.loader.fields import eval_geometry
 from stager.manifest import Ragged, ShardInfo, load_manifest
 from stager.pack.api import pack
-from stager.verify import verify
+from stager.shardcheck import verify
 from tools.datagen import make_shapes
 
 FIELDS = "mask:mask,boxes:boxes,box_labels:box_labels"
@@ -378,6 +378,6 @@ def test_verify_deep_checks_a_tar_packs_fields(shapes: Path, tmp_path: Path) -> 
     cols["field/mask/offset"] = np.asarray(cols["field/mask/offset"]) + 1
     bad = ShardInfo(info.name, info.bytes, info.hash, list(info.keys), info.labels, info.offsets, info.sizes,
                     columns=cols)
-    from stager.verify import _deep_check
+    from stager.shardcheck import _deep_check
 
     assert "field 'mask'" in (_deep_check(str(tmp_path / "t"), bad, m) or "")

@@ -34,8 +34,8 @@ from stager.index import IndexOptions, index_dataset
 from stager.loader import make_loader
 from stager.manifest import MANIFEST_NAME, load_manifest
 from stager.pack import pack
+from stager.shardcheck import verify
 from stager.stage import stage
-from stager.verify import verify
 from tests.test_index import read_all
 from tools.datagen import (
     RECORDIO_MAGIC,

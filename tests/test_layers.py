@@ -27,14 +27,14 @@ LAYERS: list[set[str]] = [
     {"fs"},  # OS mechanics, no dataset concepts
     {"manifest", "receipt", "formats", "mix", "cache"},  # the on-disk contracts (mix: several datasets as one;
     # cache: the shard cache's layout and rules)
-    {"pack", "index", "stage", "loader", "verify", "summary", "advice"},  # the stages of the data flow, siblings
+    {"pack", "index", "stage", "loader", "shardcheck", "summary", "advice"},  # the stages of the data flow, siblings
     {"prefetch"},  # beside training: the loader's schedule + stage's verified streaming copy
     {"commands", "cli", "__main__"},  # the command line
 ]
 SAME_LAYER = {("errors", "redact"),  # every error message is redacted
               ("receipt", "manifest"), ("formats", "manifest"), ("commands", "cli"), ("__main__", "cli"),
               ("cache", "manifest"),  # the cache reads a manifest to pin a dataset by its source
-              ("verify", "index"),  # deep verify of an indexed set indexes the shard again
+              ("shardcheck", "index"),  # deep verify of an indexed set indexes the shard again
               ("pack", "index")}  # pack converts a RecordIO/LMDB source indexed in memory
 LAYER_OF = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
 

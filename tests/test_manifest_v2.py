@@ -35,7 +35,7 @@ from stager.manifest import (
     write_table,
 )
 from stager.pack import pack
-from stager.verify import verify
+from stager.shardcheck import verify
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -25,8 +25,8 @@ from stager.fs.open import effective_options, parse_storage_options
 from stager.manifest import load_manifest
 from stager.order.partition import assign_shards_to_nodes
 from stager.pack import pack
+from stager.shardcheck import verify
 from stager.stage import stage
-from stager.verify import verify
 from tools.objstore_servers import CREDENTIALS, AzuriteServer, FaultProxy, MotoServer, RangeHTTPServer, azurite_path
 
 pytest.importorskip("s3fs", reason="s3fs is not installed (pip install 'stager[test]'; make venv does)")

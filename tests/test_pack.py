@@ -30,7 +30,7 @@ from stager.manifest import load_manifest
 from stager.pack.api import pack
 from stager.pack.options import PackOptions
 from stager.pack.plan import cut_shards, plan_order
-from stager.verify import verify
+from stager.shardcheck import verify
 
 ENCODED = [f for f in FORMAT_NAMES if get_format(f).sample_kind == "encoded"]
 

@@ -67,7 +67,11 @@ def test_imagefolder_labels_recursion_hidden_and_extensions(tmp_path: Path) -> N
         p = root / rel
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_bytes(data)
-    src = open_source(root)
+    with pytest.raises(SourceError, match="mango: class folder holds no images"):
+        open_source(root)  # an empty class folder is refused (torchvision's ImageFolder raises too)...
+    from stager.pack.options import PackOptions
+
+    src = open_source(root, options=PackOptions(allow_empty_classes=True))  # ...unless kept on request
     assert src.kind == "imagefolder"
     assert src.classes == ["apple", "mango", "zebra"]  # hidden .cache excluded, empty mango kept
     by_key = {r.key: r for r in src.refs}

@@ -11,7 +11,7 @@ files) copies nothing and links the objects into its destination. One module per
 * :mod:`~stager.cache.locks`: fill locks (one copy of an object at a time);
 * :mod:`~stager.cache.lease`: leases (what live jobs use), live or dead;
 * :mod:`~stager.cache.evict`: LRU eviction that never removes what is in use, explained;
-* :mod:`~stager.cache.verify`: every object against its name;
+* :mod:`~stager.cache.objectcheck`: every object against its name;
 * :mod:`~stager.cache.history`: when this user staged what (``stager hints``).
 
 Staging through a cache is :mod:`stager.stage.cached`; reading from one is the loader's

@@ -65,16 +65,32 @@ class Quota:
             raise UsageError(f"{where}: invalid quota {text!r}: a fraction of the disk must be in (0, 1]")
         return cls(t, fraction=frac)
 
-    def resolve(self, disk_bytes: int, where: str) -> int:
+    def resolve(self, disk_bytes: int, where: str, fix: str = "give at most the disk's size or a fraction (0.5)"
+                ) -> int:
         """The quota in bytes on a file system of ``disk_bytes``; bytes beyond the disk's size are a
-        one-line :class:`UsageError` (a quota the disk cannot hold would never evict)."""
+        one-line :class:`UsageError` ending in ``fix`` (a quota the disk cannot hold would never evict)."""
         if self.fraction is not None:
             return int(self.fraction * disk_bytes)
         assert self.bytes is not None
         if self.bytes > disk_bytes:
             raise UsageError(f"{where}: quota {self.text} ({self.bytes / 1e9:.2f} GB) is larger than its disk "
-                             f"({disk_bytes / 1e9:.2f} GB); give at most the disk's size or a fraction (0.5)")
+                             f"({disk_bytes / 1e9:.2f} GB); {fix}")
         return self.bytes
+
+    def check_fits(self, path: str | os.PathLike[str], where: str) -> None:
+        """Refuse (:meth:`resolve`'s :class:`UsageError`) a quota larger than the disk that holds, or will
+        hold, ``path`` (its nearest existing directory): called before anything is created or recorded,
+        so a refused quota is never written to a cache's marker."""
+        resolve_on = os.path.abspath(os.fspath(path))
+        while not os.path.isdir(resolve_on) and os.path.dirname(resolve_on) != resolve_on:
+            resolve_on = os.path.dirname(resolve_on)
+        self.resolve(disk_size(resolve_on), where)
+
+
+def disk_size(path: str | os.PathLike[str]) -> int:
+    """Bytes of the file system holding ``path`` (``f_blocks * f_frsize``: what a fraction quota is of)."""
+    sv = os.statvfs(path)
+    return sv.f_blocks * sv.f_frsize
 
 
 @dataclass(frozen=True)

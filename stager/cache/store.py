@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stager.cache.config import DEFAULT_QUOTA, Quota, SiteConfig, quota_from_env, site_config
+from stager.cache.config import DEFAULT_QUOTA, Quota, SiteConfig, disk_size, quota_from_env, site_config
 from stager.cache.layout import (
     DATASETS,
     HASH_ALGOS,
@@ -113,6 +113,8 @@ class Cache:
         # Nobody else may rename or replace the cache or a directory above it (fs/safe.py, rule 5): then
         # paths under it are as good as handles, for the copy streams and the loader's maps.
         root = Path(check_chain(os.path.abspath(os.fspath(path)), owners=allowed, what="shard cache", fix=fix))
+        if quota is not None:  # before anything is made or recorded: a refused quota never reaches the marker
+            quota.check_fits(root, f"cache {root}")
         st = _lstat(root)
         if st is None:
             if not create:
@@ -135,14 +137,16 @@ class Cache:
         if not mine and cache_kind != "site":
             raise UnsafePathError(f"{root}: a user's shard cache of {owner_name(st.st_uid)}, not yours; only a site "
                                   f"cache is shared; {fix}")
-        chosen = quota or quota_from_env() or _marker_quota(root, marker) or site.quota or Quota.parse(DEFAULT_QUOTA)
-        sv = os.statvfs(root)
-        disk = sv.f_blocks * sv.f_frsize
+        own = _marker_quota(root, marker)
+        chosen = quota or quota_from_env() or own or site.quota or Quota.parse(DEFAULT_QUOTA)
+        disk = disk_size(root)
         cache = cls(root=root, kind=cache_kind, owner=st.st_uid, writable=mine, quota=chosen, quota_bytes=None,
                     disk_bytes=disk, fstype="", warnings=list(site.warnings))
         cache._check_dirs(create=mine)
         if not read_only:
-            cache.quota_bytes = chosen.resolve(disk, f"cache {root}")
+            fix = (f"record one that fits: `stager cache init --quota {DEFAULT_QUOTA} {root}`" if chosen is own
+                   else "give at most the disk's size or a fraction (0.5)")
+            cache.quota_bytes = chosen.resolve(disk, f"cache {root}", fix)
         fs = detect_fs(root)
         cache.fstype = fs.fstype
         if fs.is_shared:

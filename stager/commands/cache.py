@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         emit(args, result, "\n".join(f"{d['dataset_id']}: {'pinned' if d['pinned'] else 'unpinned'} ({d['files']} "
                                      f"files, {d['bytes'] / 1e9:.3f} GB) {d['source']}" for d in result["datasets"]))
     else:
-        from stager.cache.verify import verify_cache
+        from stager.cache.objectcheck import verify_cache
 
         rep = verify_cache(cache, quiet=args.quiet or args.json, repair=not args.no_repair)
         emit(args, rep.to_json(), rep.summary())

@@ -102,6 +102,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--overwrite", action="store_true", help="write into OUT even if it holds other files or another source's pack"
     )
     p.add_argument("--dry-run", action="store_true", help="print the plan and write nothing")
+    p.add_argument("--allow-empty-classes", action="store_true",
+                   help="keep an ImageFolder class folder that holds no images as a class with no samples "
+                   "(refused by default, as torchvision's ImageFolder does)")
     p.add_argument(
         "--tar-json",
         action="store_true",
@@ -156,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
         clip_stride=args.clip_stride,
         frame_step=args.frame_step,
         frame_format=args.frame_format,
+        allow_empty_classes=args.allow_empty_classes,
     )
     emit(args, result.to_json(), format_result(result))
     return 0

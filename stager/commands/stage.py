@@ -57,6 +57,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-fsync", dest="fsync", action="store_false",
                    help="return once every shard is verified and renamed, without waiting for the disk (as cp "
                    "and dcp do); the receipt is marked non-durable and, after a reboot, ignored and staged again")
+    p.add_argument("--repair", action="store_true",
+                   help="hash DEST's copies again and copy again each one that no longer matches the manifest "
+                   "(what `stager verify DEST` advises after finding damage); a plain re-stage trusts the receipt")
     p.add_argument("--direct", action="store_true",
                    help="write shards with O_DIRECT (no page-cache copy: half the CPU, leaves the page cache to "
                    "training; the staged copy is then read from disk on first use)")
@@ -146,6 +149,7 @@ def _stage_options(args: argparse.Namespace) -> StageOptions:
         tuning=CopyTuning(direct=True) if args.direct else None,
         storage_options=storage_options(args),
         cache=_cache_options(args),
+        repair=args.repair,
     )
 
 
@@ -177,7 +181,8 @@ def _collective_options(args: argparse.Namespace) -> CollectiveOptions:
     from stager.stage.collective import CollectiveOptions
 
     given = [flag for flag, on in (("--unpack", args.unpack), ("--shared", args.shared),
-                                   ("--no-fsync", not args.fsync), ("--direct", args.direct)) if on]
+                                   ("--no-fsync", not args.fsync), ("--direct", args.direct),
+                                   ("--repair", args.repair)) if on]
     if given:
         raise UsageError(f"--collective cannot be combined with {', '.join(given)} (it stages every shard "
                          "durably into a node-local DEST)")

@@ -79,6 +79,11 @@ UNPACK_DIR_NAME = "unpacked"  # the default directory of `stage --unpack` (stage
 # ``<name>.<12 hex>.partial`` by :data:`stager.fs.atomic.PARTIAL_SUFFIX`.
 MIX_RECEIPT_NAME = "stager-mix.json"  # a staged mix's receipt (stager.stage.mix): DEST/<stream> per stream
 RESERVED_NAMES = frozenset({MANIFEST_NAME, MIX_RECEIPT_NAME, RECEIPT_NAME, UNPACK_DIR_NAME})
+PACK_STATE_NAME = ".stager-pack"  # OUT's state directory while a pack runs (stager.pack.state.STATE_DIR)
+NAME_MAX_BYTES = 255  # the longest file name Linux file systems take, in bytes (NAME_MAX)
+# What a name from the data may not hold: NUL and control characters (C0, DEL, C1), and lone surrogates
+# (bytes that are not UTF-8, decoded with surrogateescape).
+BAD_NAME_CHARS = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
 
 
 def check_safe_name(name: object, what: str = "shard name") -> str:
@@ -91,6 +96,63 @@ def check_safe_name(name: object, what: str = "shard name") -> str:
             f"unsafe {what} {name!r}: expected a plain file name (letters, digits, '._+-', no path separators)"
         )
     return name
+
+
+def entry_name_problem(name: object) -> str | None:
+    """Why ``name`` may not become one directory entry that stager creates from the data (a class
+    folder, an unpacked sample file), or None when it may.
+
+    The rule (docs/pack.md, "Names"): any name a file system takes, spaces and every script's letters
+    included, except one that is empty, ``.`` or ``..``, holds a ``/`` (a separator) or NUL, holds a
+    control character (it garbles terminals, logs and ``ls``), is not valid UTF-8 (the manifest is JSON
+    text, and other tools read the names as text), or is longer than 255 bytes in UTF-8.
+    """
+    if not isinstance(name, str) or not name:
+        return "empty"
+    if name in (".", ".."):
+        return f"{name!r} names a directory itself"
+    if "/" in name:
+        return "holds a path separator '/'"
+    bad = BAD_NAME_CHARS.search(name)
+    if bad is not None:
+        ch = bad.group()
+        what = "is not valid UTF-8" if "\ud800" <= ch <= "\udfff" else f"holds the control character {ch!r}"
+        return what
+    if len(name.encode()) > NAME_MAX_BYTES:
+        return f"is longer than {NAME_MAX_BYTES} bytes"
+    return None
+
+
+def check_entry_name(name: object, what: str = "class name") -> str:
+    """Return ``name`` if it may become a directory entry (:func:`entry_name_problem`); else
+    :class:`UnsafeArchiveError` (exit 3) naming it. The one rule for class folders and unpacked sample
+    files, applied by ``stager pack`` (the listing) and ``stage --unpack`` alike."""
+    why = entry_name_problem(name)
+    if why is not None:
+        raise UnsafeArchiveError(f"unsafe {what} {name!r}: {why}; rename it (a name may hold any letter and spaces, "
+                                 "not '/', NUL or control characters) and re-pack")
+    return name  # type: ignore[return-value]
+
+
+UNLABELED = "_unlabeled"  # the class folder of unlabeled samples in an unpacked tree
+
+
+def class_dir_name(classes: Sequence[str], label: int) -> str:
+    """The class folder sample ``label`` unpacks into (unchecked: :func:`check_entry_name` it)."""
+    return UNLABELED if label == -1 or not classes or not 0 <= label < len(classes) else classes[label]
+
+
+def unpacked_stem(key: str, class_name: str) -> str:
+    """The file name (without extension) a sample unpacks to inside its class folder.
+
+    The key minus a leading ``<class>/`` (ImageFolder keys keep their original file names), with
+    any further ``/`` turned into ``_`` so keys that differ only by a directory (CIFAR's
+    ``data_batch_1/00006`` and ``data_batch_2/00006``) stay distinct files.
+    """
+    prefix = class_name + "/"
+    if key.startswith(prefix):
+        key = key[len(prefix) :]
+    return key.replace("/", "_")
 
 
 def _redacted(value: Any) -> Any:

@@ -54,7 +54,7 @@ from stager.pack.remote import (
 )
 from stager.pack.resume import Kept, check_destination, clear_out, find_reusable, holds_complete_pack, survey_out
 from stager.pack.shard import ShardJob, fragmentable, write_shard
-from stager.pack.sources.checks import probe_hw
+from stager.pack.sources.checks import check_names, check_out_place, probe_hw
 from stager.pack.sources.columns import ListingRefs
 from stager.pack.sources.frames import FrameSource, clip_shards
 from stager.pack.sources.select import open_source
@@ -141,6 +141,7 @@ def pack(
     clip_stride: int = 1,
     frame_step: int = 1,
     frame_format: str = "jpg",
+    allow_empty_classes: bool = False,
 ) -> PackResult:
     """Pack ``src`` into ``format`` shards under ``out`` (see the module docstring and docs/pack.md).
 
@@ -178,6 +179,7 @@ def pack(
         clip_stride=clip_stride,
         frame_step=frame_step,
         frame_format=frame_format,
+        allow_empty_classes=allow_empty_classes,
     )
     with _worker_pool(options.workers) as pool, PackRun(out, options, pool, started) as run:
         listing = run.list_source(src, run.check())
@@ -258,6 +260,8 @@ class PackRun:
         :class:`UsageError` (OUT is the source pack; keys the format cannot store). Writes nothing.
         """
         pool = self.pool
+        if self.remote is None:
+            check_out_place(src, self.out)  # before listing: OUT inside SRC would be listed as a class
         # With workers, an ImageFolder lists its class folders on the pool (the only source that starts it
         # this early); other sources leave it to start at writing time and so be inherited by fork.
         source = open_source(
@@ -268,6 +272,7 @@ class PackRun:
                              f"--format {fmt.name} stores one image and a label")
         if source.kind == "pack" and self.remote is None and self.out == source.root:
             raise UsageError(f"{self.out}: output is the source pack itself; choose another directory")
+        check_names(source)  # every name `stage --unpack` creates is refused here or never
         # Keys are checked once for the whole plan (one pass), so writers need not check each one.
         check_keys = getattr(fmt, "check_keys", None)
         if check_keys is not None:

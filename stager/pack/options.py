@@ -29,8 +29,8 @@ class PackOptions:
     shards also hold a ``KEY.json`` member per sample; off by default: the manifest has what it
     held). Run-only:
     ``workers``, ``overwrite``, ``dry_run``, ``quiet``, ``stripe_count``/``stripe_size`` (Lustre
-    layout of OUT), ``split`` (which CIFAR split to read), ``storage_options`` (opening a URL OUT,
-    stager/fs/open.py).
+    layout of OUT), ``allow_empty_classes`` (keep an ImageFolder class folder without images),
+    ``split`` (which CIFAR split to read), ``storage_options`` (opening a URL OUT, stager/fs/open.py).
     """
 
     format: str = "tar"
@@ -59,6 +59,9 @@ class PackOptions:
     clip_stride: int = 1
     frame_step: int = 1
     frame_format: str = "jpg"
+    # An ImageFolder class folder without images is refused (torchvision's ImageFolder raises on one);
+    # True keeps it as a class with no samples.
+    allow_empty_classes: bool = False
 
     def __post_init__(self) -> None:
         """Raise :class:`UsageError` naming the first bad option; normalise ``resize`` to ints."""

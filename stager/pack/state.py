@@ -21,11 +21,11 @@ from typing import Any, Protocol
 
 from stager.errors import ManifestError
 from stager.fs.atomic import partial_path, space_error
-from stager.manifest import AuxFile, Manifest, ShardInfo, parse_table, write_table
+from stager.manifest import PACK_STATE_NAME, AuxFile, Manifest, ShardInfo, parse_table, write_table
 from stager.manifest.samples import CORE, KEY, LABEL, OFFSET, SIZE
 from stager.manifest.shard import table_columns
 
-STATE_DIR = ".stager-pack"  # in OUT while a pack runs: plan.json and one done-record per written shard
+STATE_DIR = PACK_STATE_NAME  # in OUT while a pack runs: plan.json and one done-record per written shard
 PLAN_SCHEMA = "stager.pack-plan/1"
 PLAN_FILE = "plan.json"  # in STATE_DIR
 DONE_SUFFIX = ".done"

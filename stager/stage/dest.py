@@ -1,11 +1,13 @@
 """DEST's bookkeeping around the copy, shared by the plain and the collective stage.
 
-In the order a run meets them: :func:`receipt_done` (the fast path: a receipt that covers the plan,
-checked by sizes only), :func:`make_dest_dir`, :func:`claim_dest` (refuse another dataset's DEST,
-drop a receipt that no longer describes it, remove stale partial files), :func:`kept_files` (what the
-journal lists and DEST still holds), :func:`check_free_space`, :class:`StagedManifest` (the verbatim
-``manifest.json``, published only once every shard is in place), :func:`shared_barrier` (shared
-mode: wait for every node's done marker), and :func:`write_receipt`, always last; or
+In the order a run meets them: :func:`make_dest_dir` (where DEST may be: :mod:`stager.stage.place`),
+:func:`receipt_done` (the fast path: a receipt that covers the plan, checked by sizes only),
+:func:`claim_dest` (refuse another dataset's DEST, drop a receipt that no longer describes it,
+remove stale partial files), :func:`begin_journal` (what the run may write, recorded before it writes),
+:func:`kept_files` (what the journal lists and DEST still holds), :func:`check_free_space`,
+:class:`StagedManifest` (the verbatim ``manifest.json``, published only once every shard is in
+place), :func:`shared_barrier` (shared mode: wait for every node's done marker), and
+:func:`write_receipt`, always last; or
 :func:`make_durable` for a ``--no-fsync`` copy asked for again durably.
 
 Contract: everything stage writes about SRC gets SRC's manifest's access, less the umask
@@ -49,10 +51,11 @@ from stager.fs.copy import copy_hashed, write_all
 from stager.fs.kernel import boot_id, syncfs
 from stager.fs.open import is_url, open_read
 from stager.fs.safe import SafeDir, private_dir, trusted_size
-from stager.manifest import MANIFEST_NAME
+from stager.manifest import MANIFEST_NAME, dataset_root
 from stager.receipt import RECEIPT_NAME, Receipt, load_receipt
 from stager.stage.copier import discard_partial
 from stager.stage.names import journal_name
+from stager.stage.place import check_dest_holds, check_dest_place
 from stager.stage.plan import FileTask, StagePlan
 
 if TYPE_CHECKING:
@@ -82,10 +85,13 @@ DEST_FIX = "choose another DEST (if it is yours: chmod go-w it, or remove it)"
 
 
 def make_dest_dir(plan: StagePlan) -> None:
-    """Create DEST exclusively (SRC's directory access less the umask, 0700 for a URL), or accept an
-    existing directory that is the user's (see the module docstring); check the unpack directory,
-    journal and lock it already holds. Raises :class:`~stager.errors.UnsafePathError` (exit 2)."""
+    """Refuse a DEST that is, contains or lies inside SRC, or holds something other than a copy of
+    this dataset (:mod:`stager.stage.place`: exit 2, nothing created); create DEST exclusively
+    (SRC's directory access less the umask, 0700 for a URL), or accept an existing directory that
+    is the user's (see the module docstring); check the unpack directory, journal and lock it
+    already holds. Raises :class:`~stager.errors.UnsafePathError` (exit 2)."""
     dest = plan.dest
+    check_dest_place(dest, {dataset_root(plan.src), plan.src_dir})  # before anything is created
     mode = 0o700
     if not is_url(plan.src_dir):
         with contextlib.suppress(OSError):
@@ -100,6 +106,7 @@ def make_dest_dir(plan: StagePlan) -> None:
             raise err from exc
         raise DestinationError(f"{dest}: cannot create the destination ({exc.strerror}); choose another DEST") from exc
     with handle:
+        check_dest_holds(handle, plan.manifest, plan.manifest_bytes)
         check_own_files(plan, handle)
 
 
@@ -139,6 +146,15 @@ def claim_dest(plan: StagePlan, *, keep_receipt: bool) -> list[str]:
         if plan.index_task is not None:  # on a shared DEST another node may be copying it right now
             names.add(plan.index_task.name)
     return remove_partials(dest, names)
+
+
+def begin_journal(plan: StagePlan, journal: Journal) -> None:
+    """Record in the journal, before the run creates anything in DEST, every name it may write there
+    (the receipt's ``files``): what ``stager clean`` removes should the run never finish."""
+    names = set(receipt_files(plan)) | {t.name for t in plan.tasks}  # --unpack only: shards pass through DEST
+    if plan.index_task is not None:
+        names.add(plan.index_task.name)
+    journal.begin(names, unpack=plan.unpack_dir if plan.unpack else None, created_dest=not plan.explicit_dest)
 
 
 def kept_files(plan: StagePlan, journal: Journal) -> set[str]:

@@ -24,11 +24,13 @@ from typing import Any
 from stager.errors import StagerError, UsageError
 from stager.fs.access import URL_FILE_MODE, current_umask
 from stager.fs.safe import private_dir
+from stager.manifest import dataset_root
 from stager.mix import Mix, Stream, named_error
 from stager.receipt import MIX_RECEIPT_NAME, MIX_RECEIPT_SCHEMA
 from stager.redact import has_secret, redact
 from stager.stage.dest import DEST_FIX
 from stager.stage.options import StageOptions
+from stager.stage.place import check_mix_dest
 from stager.stage.plan import read_src_manifest
 from stager.stage.run import run_stage
 
@@ -92,6 +94,7 @@ def stage_streams(mix: Mix, dest: str | os.PathLike[str] | None,
     """Stage each stream with ``stage_one(stream, its DEST)`` (a :class:`StageResult`-like object with
     ``to_json`` and ``warnings``), then write the mix receipt; errors are named after their stream."""
     t0 = time.perf_counter()
+    check_mix_dest(dest, [dataset_root(s.path) for s in mix.streams])
     res = MixStageResult(ok=True, source=mix.source or mix.describe(), dest=None if dest is None else os.fspath(dest))
     entries = []
     for s in mix.streams:

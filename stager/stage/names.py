@@ -9,6 +9,12 @@ removes.
 
 from __future__ import annotations
 
+import re
+
+# Every journal and lock name above, with or without ``.node<i>`` (what ``stager clean`` looks for).
+JOURNAL_RE = re.compile(r"^\.stager-journal(?:\.node(\d+))?\.jsonl$")
+LOCK_RE = re.compile(r"^\.stager-lock(?:\.node(\d+))?$")
+
 
 def node_suffix(shared_node: int | None) -> str:
     """``.node<i>`` for node ``i``'s files on a shared DEST; ``""`` (None) on a node-private one."""
@@ -23,6 +29,12 @@ def lock_name(shared_node: int | None = None) -> str:
 def journal_name(shared_node: int | None = None) -> str:
     """The resume journal (:class:`~stager.stage.journal.Journal`): ``.stager-journal[.node<i>].jsonl``."""
     return f".stager-journal{node_suffix(shared_node)}.jsonl"
+
+
+def node_of(name: str) -> int | None:
+    """The node of a journal or lock name (``.stager-journal.node3.jsonl`` -> 3), None for a node-private one."""
+    m = JOURNAL_RE.match(name) or LOCK_RE.match(name)
+    return int(m.group(1)) if m and m.group(1) is not None else None
 
 
 def marker_name(node: int, num_nodes: int) -> str:

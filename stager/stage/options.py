@@ -66,8 +66,8 @@ class StageOptions:
     ``workers``: copy streams, None or 0 for :attr:`copy_streams`' default; ``shared``: None detects a
     BeeGFS DEST; ``timeout``: seconds for the node lock and for peers (None: no limit);
     ``storage_options``: passed to every open of SRC (fsspec URLs); ``tuning``: the copy engine's
-    knobs; ``fsync=False``: ``--no-fsync``; ``cache``: stage through a shard cache (``--cache DIR``,
-    :mod:`stager.stage.cached`).
+    knobs; ``fsync=False``: ``--no-fsync``; ``repair``: ``--repair``; ``cache``: stage through a
+    shard cache (``--cache DIR``, :mod:`stager.stage.cached`).
     """
 
     workers: int | None = None
@@ -83,6 +83,7 @@ class StageOptions:
     tuning: CopyTuning | None = None
     fsync: bool = True
     cache: CacheOptions | None = None
+    repair: bool = False  # --repair: hash DEST's copies again, stage again what differs (stager.stage.repair)
 
     def __post_init__(self) -> None:
         if self.cache is not None and (self.unpack == "only" or self.shared):

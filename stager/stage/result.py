@@ -52,6 +52,7 @@ class StageResult:
     source_fs: str = ""
     warnings: list[str] = field(default_factory=list)
     cache: dict[str, Any] | None = None
+    repaired: list[str] = field(default_factory=list)  # --repair: "<file>: <why>" for each copy staged again
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -66,6 +67,9 @@ class StageResult:
              f"[mode {self.mode}]")
         if self.files_kept:
             s += f"; kept {self.files_kept} verified files from an earlier run"
+        if self.repaired:
+            names = ", ".join(r.split(":", 1)[0] for r in self.repaired[:4])
+            s += f"; repaired {len(self.repaired)} damaged files ({names})"
         if self.cache:
             c = self.cache
             s += (f"; cache {c['dir']}: {c['files_hit']} files ({c['bytes_hit'] / 1e9:.3f} GB) linked from it"

@@ -50,6 +50,7 @@ from stager.redact import redact
 from stager.stage.copier import Copier
 from stager.stage.dest import (
     StagedManifest,
+    begin_journal,
     check_free_space,
     claim_dest,
     kept_files,
@@ -62,6 +63,7 @@ from stager.stage.dest import (
 from stager.stage.journal import Journal
 from stager.stage.options import DEFAULT_UNPACK_DIR, NodeOptions, StageOptions, unpack_mode
 from stager.stage.plan import DEFAULT_BLOCK, FileTask, StagePlan, order_for_streams, plan_stage, read_src_manifest
+from stager.stage.repair import remove_damaged
 from stager.stage.result import StageResult
 from stager.stage.unpack import run_unpack
 
@@ -87,6 +89,7 @@ def stage(
     storage_options: dict[str, Any] | None = None,
     tuning: CopyTuning | None = None,
     fsync: bool = True,
+    repair: bool = False,
 ) -> StageResult:
     """Stage SRC (packed dir or its manifest.json; local or fsspec URL) into DEST; see module doc.
 
@@ -98,13 +101,15 @@ def stage(
     with the data possibly still in the page cache, as ``cp`` and ``dcp`` do; journal and receipt
     are marked with the boot id, so after a reboot the copy is not trusted and is staged again.
     Shared DEST always fsyncs (other nodes read what this one wrote).
+    ``repair=True`` (``--repair``): hash DEST's copies again and copy again what differs
+    (:mod:`stager.stage.repair`); without it a receipt that covers the plan means "done" (sizes only).
     Raises StagerError subclasses (exit codes in stager.errors).
     """
     del json  # output formatting belongs to the CLI; accepted for API symmetry
     options = StageOptions(
         workers=workers, unpack=unpack_mode(unpack), unpack_dir=unpack_dir, partition=partition, shared=shared,
         node=NodeOptions(node, num_nodes, ranks_per_node), seed=seed, timeout=timeout, quiet=quiet,
-        storage_options=storage_options or {}, tuning=tuning, fsync=fsync,
+        storage_options=storage_options or {}, tuning=tuning, fsync=fsync, repair=repair,
     )
     return run_stage(src, dest, options)
 
@@ -127,6 +132,8 @@ def run_stage(src: str | os.PathLike[str], dest: str | os.PathLike[str] | None, 
         options = replace(options, fsync=True)
         result.warnings.append("--no-fsync ignored: a shared DEST is always fsynced (other nodes read it)")
     result.durable = options.fsync
+    if options.cache is not None and options.cache.quota is not None:
+        options.cache.quota.check_fits(options.cache.dir, "--cache-quota")  # refused before DEST or the cache is made
     make_dest_dir(plan)  # first: a DEST that is not the user's is refused even when it looks staged
     if _already_staged(plan, options, result, t0, locked=False):
         return result
@@ -192,7 +199,7 @@ def _already_staged(plan: StagePlan, options: StageOptions, result: StageResult,
     Without the lock a receipt of a ``--no-fsync`` copy does not count for a durable run; with the
     lock held such a receipt is upgraded (flushed and marked durable) instead of copying again.
     """
-    done = receipt_done(plan)
+    done = None if options.repair else receipt_done(plan)
     if done is None or (not locked and options.fsync and not done.durable):
         return False
     if locked and options.fsync and not done.durable:
@@ -207,6 +214,9 @@ def _stage_locked(plan: StagePlan, options: StageOptions, result: StageResult, t
     """Phases 3 to 6 of the module docstring, with the node lock held."""
     result.removed_partials = claim_dest(plan, keep_receipt=plan.mode == "shared")
     journal = Journal(plan.journal_path, plan.manifest.digest, volatile=not options.fsync)
+    begin_journal(plan, journal)
+    if options.repair:
+        result.repaired = remove_damaged(plan, options.copy_streams)
     try:
         kept = kept_files(plan, journal)
         todo = [t for t in plan.tasks if t.name not in kept]

@@ -61,7 +61,7 @@ from stager.fs.access import chgrp_quiet
 from stager.fs.atomic import space_error
 from stager.fs.kernel import syncfs
 from stager.fs.safe import SafeDir
-from stager.manifest import Manifest, ShardInfo, check_safe_name
+from stager.manifest import UNLABELED, Manifest, ShardInfo, check_entry_name, class_dir_name, unpacked_stem
 from stager.progress import Progress
 from stager.stage.copier import open_src_file
 
@@ -69,30 +69,11 @@ if TYPE_CHECKING:
     from stager.stage.journal import Journal
     from stager.stage.plan import StagePlan
 
-UNLABELED = "_unlabeled"
 WRITE_BEHIND_BYTES = 32 << 20
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC
-
-
-def class_dir_name(classes: list[str], label: int) -> str:
-    """The class folder of ``label`` (unchecked; :meth:`Unpacker._class_dir` validates it)."""
-    return UNLABELED if label == -1 or not classes or not 0 <= label < len(classes) else classes[label]
-
-
-def unpacked_stem(key: str, class_name: str) -> str:
-    """The file name (without extension) a sample unpacks to inside its class folder.
-
-    The key minus a leading ``<class>/`` (ImageFolder keys keep their original file names), with
-    any further ``/`` turned into ``_`` so keys that differ only by a directory (CIFAR's
-    ``data_batch_1/00006`` and ``data_batch_2/00006``) stay distinct files.
-    """
-    prefix = class_name + "/"
-    if key.startswith(prefix):
-        key = key[len(prefix) :]
-    return key.replace("/", "_")
 
 
 class ChunkReader:
@@ -317,7 +298,7 @@ class Unpacker:
             if label == -1 or not classes:
                 name = UNLABELED
             elif 0 <= label < len(classes):
-                name = check_safe_name(classes[label], f"class name (in {where})")
+                name = check_entry_name(classes[label], f"class name (in {where})")
             else:
                 raise UnsafeArchiveError(f"{where}: label {label} has no class name; refusing")
             path = os.path.join(self.root, name)
@@ -350,7 +331,7 @@ class Unpacker:
         key = info.keys[index]
         label = int(info.labels[index])
         stem = unpacked_stem(key, class_dir_name(self.manifest.classes, label))
-        base = check_safe_name(stem + (f".{ext}" if ext else ""), f"sample file name (key {key!r})")
+        base = check_entry_name(stem + (f".{ext}" if ext else ""), f"sample file name (key {key!r})")
         if label not in self._dirs:
             self._class_dir(label, info.name)
         prev = self._targets.setdefault((label, base), (info.name, key))  # atomic: no Python __eq__

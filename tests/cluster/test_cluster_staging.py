@@ -77,7 +77,7 @@ def test_shared_beeond_dest_written_once(cluster: Cluster, imagenet: Path, tmp_p
         assert sum(r["files_copied"] for r in results) == len(m.shards), results
         # One namespace: the host sees the BeeOND stand-in's backing directory.
         backing = cluster.cfg.beeond_backing / "pytest-shared"
-        from stager.verify import verify
+        from stager.shardcheck import verify
 
         assert verify(backing, deep=True).ok
     finally:

@@ -62,7 +62,7 @@ def damage(path: Path, rng: np.random.Generator) -> str:
 
 def shard_trials(work: Path, fmt: str, n: int, *, seed: int = 0) -> DetectStats:
     """``n`` damaged-file trials on a ``fmt`` pack; see the module docstring."""
-    from stager.verify import verify
+    from stager.shardcheck import verify
 
     st = DetectStats(f"damaged shard ({fmt})")
     rng = np.random.default_rng((seed, 707, len(fmt)))

@@ -193,7 +193,7 @@ def packed(src: Path, out: Path, fmt: str = "tar", samples_per_shard: int = 8, *
 
 
 def verify_ok(path: str | os.PathLike[str], deep: bool = False) -> tuple[bool, list[tuple[str, str]]]:
-    from stager.verify import verify
+    from stager.shardcheck import verify
 
     res = verify(path, deep=deep)
     return res.ok, res.bad

@@ -8,15 +8,21 @@ through unchanged never loads it.
 from __future__ import annotations
 
 import io
+import os
+import re
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import numpy as np
 
 from stager.decode.jpeg_header import SOF_MARKERS
-from stager.errors import SourceError
+from stager.errors import SourceError, UsageError
 from stager.formats.base import Sample
+from stager.fs.nesting import overlap
+from stager.manifest import BAD_NAME_CHARS, NAME_MAX_BYTES, class_dir_name, entry_name_problem, unpacked_stem
 from stager.pack.sources.base import SampleRef, Source, sniff_ext
+from stager.pack.sources.columns import ListingRefs
 
 _PNG_END = b"\x00\x00\x00\x00IEND\xaeB`\x82"
 
@@ -206,3 +212,57 @@ def probe_hw(source: Source, refs: Sequence[SampleRef], *, skip_bad: bool = Fals
     if first is None:
         raise SourceError("no images to probe")
     return first
+
+
+# A key whose unpacked name could be '.' or '..' (it ends in one after a '/', or is one): checked one by one.
+_DOT_KEY = re.compile(r"(?m)^(?:.*/)?\.\.?$")
+
+
+def check_names(source: Source) -> None:
+    """Refuse, before anything is written, a class or sample name that ``stage --unpack`` could not
+    create (:func:`stager.manifest.entry_name_problem`, the one rule for names from the data): one
+    line naming the class folder or the sample. Every key is checked through a few regular-expression
+    passes over chunks of keys joined into one string, so the check costs milliseconds per million."""
+    for c in source.classes:
+        why = entry_name_problem(c)
+        if why is not None:
+            raise SourceError(f"{source.root / c if isinstance(c, str) else source.root}: class name {c!r} {why}; "
+                              f"rename it (any letter and spaces are fine; not '/', NUL or control characters)")
+    refs = source.refs
+    chunks = refs.key_chunks() if isinstance(refs, ListingRefs) else _key_chunks([r.key for r in refs])
+    start = 0
+    for chunk in chunks:
+        joined = "/".join(chunk)  # '/' is allowed in a key: it never hides a bad character
+        suspects = set()
+        if BAD_NAME_CHARS.search(joined) or max(map(len, chunk), default=0) * 4 > NAME_MAX_BYTES:
+            suspects = {i for i, k in enumerate(chunk)
+                        if BAD_NAME_CHARS.search(k) or len(k.encode(errors="surrogatepass")) > NAME_MAX_BYTES}
+        if _DOT_KEY.search("\n".join(chunk)):
+            suspects |= {i for i, k in enumerate(chunk) if _DOT_KEY.search(k)}
+        for i in sorted(suspects):
+            ref = refs[start + i]
+            stem = unpacked_stem(ref.key, class_dir_name(source.classes, ref.label))
+            why = entry_name_problem(stem)
+            if why is not None:
+                raise SourceError(f"{source.path_of(ref)}: sample {ref.key!r} would unpack to the file name {stem!r}, "
+                                  f"which {why}; rename it (any letter and spaces are fine; not '/', NUL or control "
+                                  "characters)")
+        start += len(chunk)
+
+
+def _key_chunks(keys: list[str], step: int = 16384) -> Iterator[list[str]]:
+    for a in range(0, len(keys), step):
+        yield keys[a:a + step]
+
+
+def check_out_place(src: str | os.PathLike[str], out: Path) -> None:
+    """Refuse an OUT that is or lies inside the source directory ``src`` (:class:`UsageError`, exit 2):
+    the next pack of SRC would list it (an ImageFolder as a class, as torchvision's would), and
+    ``--overwrite`` would clear a directory inside the source."""
+    root = os.path.abspath(os.fspath(src))
+    if not os.path.isdir(root):
+        return
+    how = overlap(root, out)
+    if how in ("is", "lies inside"):
+        raise UsageError(f"{out}: OUT {how} the source {root}, so a later pack of it would list the pack as data "
+                         "(an ImageFolder class); put OUT outside SRC")

@@ -1,10 +1,13 @@
 """Field values as sources list them: typing by extension, and loading into what writers store.
 
 Shared by the list-file, sidecar-folder and COCO sources. A *raw* value is what the source read:
-a path (string) for file-backed kinds, or a JSON value. :func:`infer_spec` types an undeclared field
-(a string naming an existing file by its extension: a ``.png`` whose field name contains ``mask``,
-``seg`` or ``label`` -> ``mask``, other image extensions -> ``image``, ``.npy`` ->
-``array``, ``.json`` -> ``json``, anything else -> ``bytes``; any other value -> ``json``).
+a path (string) for file-backed kinds, or a JSON value. :func:`infer_spec` types an undeclared field:
+by its name when that is a box kind's (:data:`NAMED_KINDS`: ``boxes``, ``box_labels``: a JSON value or
+a ``.json`` file, typed so that the train transform moves and clips the boxes with the crop instead of
+passing source coordinates through as opaque JSON); else by its value (a string naming an existing
+file by its extension: a ``.png`` whose field name contains ``mask``, ``seg`` or ``label`` ->
+``mask``, other image extensions -> ``image``, ``.npy`` -> ``array``, ``.json`` -> ``json``,
+anything else -> ``bytes``; any other value -> ``json``).
 :func:`load_value` reads files and encodes values: bytes for the byte kinds (arrays as ``.npy``,
 JSON as compact UTF-8), the raw list for the ragged kinds (:func:`stager.pack.fields.ragged_value`
 makes the array when the sample is prepared).
@@ -33,9 +36,15 @@ def _as_path(value: Any, base: Path) -> Path | None:
     return None
 
 
+# Undeclared fields typed by their name (docs/fields.md): the kinds whose geometry or meaning the loader needs.
+NAMED_KINDS = {"boxes": "boxes", "box_labels": "box_labels"}
+
+
 def infer_spec(name: str, value: Any, base: Path) -> FieldSpec:
-    """The spec of an undeclared field from one of its values (see the module docstring)."""
+    """The spec of an undeclared field from its name or one of its values (see the module docstring)."""
     p = _as_path(value, base)
+    if name in NAMED_KINDS and (p is None or p.suffix.lower() == ".json"):
+        return FieldSpec(name, NAMED_KINDS[name])
     if p is None:
         return FieldSpec(name, "json")
     ext = p.suffix.lower()

@@ -36,8 +36,12 @@ class ImageFolderSource(Source):
 
     kind = "imagefolder"
 
-    def __init__(self, root: Path, *, map_fn: MapFn | None = None) -> None:
+    def __init__(self, root: Path, *, map_fn: MapFn | None = None, allow_empty: bool = False) -> None:
         """List ``root``; ``map_fn`` (``map``-like, e.g. a process pool's) lists the class folders.
+
+        A class folder without images is a :class:`SourceError` naming it (torchvision's ImageFolder
+        raises on one too), unless ``allow_empty`` (``--allow-empty-classes``) keeps it as a class
+        with no samples.
 
         Listing costs a ``stat`` per file (size and mtime for the plan); ``stager pack --workers N``
         passes its pool's ``map`` so that the folders are listed in parallel.
@@ -51,6 +55,13 @@ class ImageFolderSource(Source):
         self._cut = len(base) + 1
         parts = (map_fn or map)(list_class_folder, [(base, c, i) for i, c in enumerate(classes)])
         self.refs = ListingRefs(_join_folders(parts, prefix=f"{base}/"))
+        if not allow_empty:
+            counts = np.bincount(self.refs.columns.labels, minlength=len(classes))
+            empty = [classes[i] for i in np.flatnonzero(counts == 0).tolist()]
+            if empty:
+                more = f" (and {len(empty) - 1} more: {', '.join(empty[1:4])})" if len(empty) > 1 else ""
+                raise SourceError(f"{root / empty[0]}: class folder holds no images{more}; remove it, put images "
+                                  "in it, or pass --allow-empty-classes to keep it as a class with no samples")
         release_free_heap()  # the folders' pieces, freed, would otherwise stay resident
 
     def load(self, ref: SampleRef) -> Sample:

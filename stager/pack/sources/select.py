@@ -77,7 +77,8 @@ def open_source(
     elif specs or is_sidecar_folder(root):
         src_obj = SidecarSource(root, specs)
     else:
-        src_obj = ImageFolderSource(root, map_fn=map_fn)
+        src_obj = ImageFolderSource(root, map_fn=map_fn,
+                                    allow_empty=options is not None and options.allow_empty_classes)
     if specs and src_obj.kind not in ("list", "sidecar"):
         raise UsageError(f"--fields applies to list files and sidecar folders; {root} is a {src_obj.kind} source")
     if split is not None and src_obj.kind != "cifar":

@@ -55,6 +55,7 @@ from stager.stage.collective.plan import FileEntry, StreamLayout, assign_read_sh
 from stager.stage.collective.result import CollectiveResult, node_stats, totals
 from stager.stage.dest import (
     StagedManifest,
+    begin_journal,
     check_free_space,
     claim_dest,
     kept_files,
@@ -213,6 +214,7 @@ def _stage_full(plan: StagePlan, group: Group, res: CollectiveResult, options: C
     """Phases 1 to 4 of the module docstring, with the node lock held."""
     claim_dest(plan, keep_receipt=receipt_done(plan) is not None)
     journal = Journal(plan.journal_path, plan.manifest.digest)
+    begin_journal(plan, journal)
     cache_run, lease = None, None
     try:
         if options.stage.cache is not None:

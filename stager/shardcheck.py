@@ -1,4 +1,4 @@
-"""Check a packed (or staged) directory against its manifest.
+"""Re-hash a pack's (or a staged copy's) files and, with ``deep``, parse and decode its samples: ``stager verify``.
 
 :func:`verify` re-hashes every shard and companion file listed in ``manifest.json``, and its sample
 index, and compares sizes and checksums (a sound index's rows are then checked against the manifest:
@@ -7,6 +7,9 @@ labels in range, extents inside their shards). With ``deep=True`` it also parses
 the indexed samples, in order, with the indexed keys and labels, and that the payloads the index
 points at (``read``) equal the parsed ones; for a set adopted by ``stager index`` (someone else's
 shards) "parse" means indexing the shard again with the recorded options and comparing the entries.
+Deep mode then decodes every JPEG/PNG payload the loader would decode, with the loader's own decoder
+(:func:`stager.decode.decode_rgb`), so a sample the loader refuses as damaged fails here too, named
+by shard and key, even when its bytes hash as the manifest says (damaged before it was packed).
 A damaged manifest raises :class:`ManifestError`.
 
 A pack at a URL (``s3://...``, ``https://...``) is verified the same way: each file is streamed
@@ -31,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from stager.checksum import hash_file, new_hasher
+from stager.decode import decode_rgb
 from stager.errors import StagerError
 from stager.formats import get_format
 from stager.fs.open import filesystem, local_path_of
@@ -152,6 +156,34 @@ def _deep_check(root: str, info: ShardInfo, m: Manifest) -> str | None:
     return None
 
 
+IMAGE_MAGIC = (b"\xff\xd8", b"\x89PNG\r\n\x1a\n")  # JPEG and PNG: the payloads the loader decodes
+UNDECODABLE = "cannot be decoded"  # the words of a decode failure in ``VerifyResult.bad`` (the CLI's advice differs)
+
+
+def _decode_check(root: str, info: ShardInfo, m: Manifest) -> str | None:
+    """Decode every JPEG/PNG payload of shard ``info`` as the loader does; the first failure, named by key."""
+    fmt = get_format(m.format)
+    try:
+        reader = fmt.open_reader(os.path.join(root, info.name), info, m)
+    except (StagerError, OSError, ValueError, KeyError) as exc:
+        return f"cannot open with the {m.format} reader ({exc})"
+    try:
+        for start in range(0, info.samples, READ_BATCH):
+            got = reader.read(np.arange(start, min(start + READ_BATCH, info.samples)))
+            for j, data in enumerate(got):
+                if isinstance(data, np.ndarray) or not bytes(data[:8]).startswith(IMAGE_MAGIC):
+                    continue  # decoded arrays, and payloads that are no image the loader decodes
+                try:
+                    decode_rgb(bytes(data))
+                except (StagerError, OSError, ValueError) as exc:
+                    return f"sample {start + j} ({info.keys[start + j]}): {UNDECODABLE} ({exc})"
+    except (StagerError, OSError, ValueError, KeyError, EOFError) as exc:
+        return f"unreadable sample ({exc})"
+    finally:
+        reader.close()
+    return None
+
+
 def _check_fields(fields: dict[str, Any], n: int, info: ShardInfo, path: str) -> str | None:
     """The fields a reader parsed (tar members) against the index: byte fields' bytes at their extents,
     ragged fields' values (docs/fields.md)."""
@@ -210,7 +242,7 @@ def _verify_remote(root_url: str, m: Manifest, storage_options: Mapping[str, Any
                 if reason:
                     bad.append((entry[0], reason))
             if tmp and not bad:
-                reason = _deep_check(tmp, info, m)
+                reason = _deep_check(tmp, info, m) or _decode_check(tmp, info, m)
                 if reason:
                     bad.append((info.name, reason))
         finally:
@@ -290,10 +322,50 @@ def _verify_local(root: str, m: Manifest, *, deep: bool, threads: int) -> list[t
     bad = [(n, r) for n, r in checked if r is not None]
     if deep:
         broken = {n for n, _ in bad}
-        for info in m.shards:
-            if info.name in broken:
-                continue
-            reason = _deep_check(root, info, m)
-            if reason:
-                bad.append((info.name, reason))
+        todo = [info for info in m.shards if info.name not in broken]
+
+        def deep_one(info: ShardInfo) -> str | None:
+            return _deep_check(root, info, m) or _decode_check(root, info, m)
+
+        with ThreadPoolExecutor(max_workers=max(1, min(threads, len(todo) or 1))) as ex:
+            reasons = list(ex.map(deep_one, todo))  # decoding releases the GIL: shards in parallel
+        bad += [(info.name, r) for info, r in zip(todo, reasons, strict=True) if r]
     return bad
+
+
+def advice(result: VerifyResult) -> str:
+    """What to do about ``result``'s bad files, as commands that repair them when run as printed.
+
+    A staged copy (a receipt beside the manifest) whose files differ from the manifest: ``stager stage
+    --repair SRC DEST`` (hashes DEST again and copies exactly the damaged files; after ``stager cache
+    verify CACHE`` when DEST links a shard cache's objects). Samples that hash as the manifest says but
+    cannot be decoded were damaged before they were packed: no copy repairs them. A pack's damaged
+    files: the ``stager pack`` that wrote it, run again, rewrites exactly those shards.
+    """
+    from stager.receipt import load_receipt  # noqa: PLC0415 (only when something is bad)
+
+    undecodable = [n for n, r in result.bad if UNDECODABLE in r]
+    if len(undecodable) == len(result.bad):
+        return ("the damaged samples hash as the manifest says, so they were damaged before packing: replace them "
+                "in the source and re-run the `stager pack` that wrote this pack, or read around them with "
+                "on_error='skip' (stager.loader.make_loader(..., on_error='skip'))")
+    root = dataset_root(result.path)
+    rec = None
+    if local_path_of(root) is not None:
+        with contextlib.suppress(StagerError, OSError):
+            rec = load_receipt(local_path_of(root) or root)
+    if rec is not None:
+        cmd = f"stager stage --repair {_quote(rec.source)} {_quote(rec.dest)}"
+        if rec.cache:
+            cdir = _quote(str(rec.cache.get("dir")))
+            return (f"repair the staged copy: run `stager cache verify {cdir}` (it removes damaged cache objects), "
+                    f"then `{cmd} --cache {cdir}`")
+        return f"repair the staged copy: run `{cmd}` (it hashes DEST again and copies exactly the damaged files)"
+    return ("restore them from a copy, or run again the `stager pack` command that wrote this pack: with the same "
+            "source and options it rewrites exactly the damaged shards")
+
+
+def _quote(s: str) -> str:
+    import shlex  # noqa: PLC0415 (only for advice)
+
+    return shlex.quote(s)
