@@ -370,9 +370,9 @@ def test_tar_refuses_duplicate_keys_and_reserved_exts(tmp_path: Path) -> None:
 
 
 def _tar_member(name: str, data: bytes, typeflag: bytes = b"0", linkname: bytes = b"") -> bytes:
-    from stager.formats.tar import _ustar_header
+    from stager.formats.ustar import ustar_header
 
-    hdr = bytearray(_ustar_header(name.encode(), len(data), typeflag))
+    hdr = bytearray(ustar_header(name.encode(), len(data), typeflag))
     if linkname:  # rewrite linkname and fix the checksum by hand
         hdr[157 : 157 + len(linkname)] = linkname
         hdr[148:156] = b"        "

@@ -53,7 +53,8 @@ from typing import Any
 import numpy as np
 
 from stager.errors import CorruptSampleError, ShardMissingError, SourceError, StagerError
-from stager.formats.base import Extent, ExtentReader, Sample, SizeInputs, ascii_lengths
+from stager.formats.base import Extent, ExtentReader, Format, Sample, SizeInputs, ascii_lengths
+from stager.formats.registry import format_spec
 from stager.fs.writeback import start_writeback
 from stager.manifest import Manifest, ShardInfo
 from stager.manifest.fields import FieldSpec
@@ -391,24 +392,17 @@ class Hdf5Reader(ExtentReader):
         return bounds, labels, keys, exts, metas, images
 
 
-class Hdf5Format:
+class Hdf5Format(Format):
     """The ``hdf5`` format: encoded images in one contiguous HDF5 dataset per shard."""
 
-    name = "hdf5"
-    suffix = ".h5"
-    sample_kind = "encoded"
-
-    def shard_name(self, index: int) -> str:
-        return f"shard-{index:05d}{self.suffix}"
+    spec = format_spec("hdf5")
 
     def disk_bytes(self, inputs: SizeInputs) -> tuple[np.ndarray, int]:
         """Each sample's bytes in a shard file and the fixed bytes (:func:`sample_disk_bytes`)."""
         return sample_disk_bytes(inputs)
 
     def open_writer(self, path: str, *, shard_name: str, classes: Sequence[str], **options: Any) -> Hdf5Writer:
-        if options.get("fields"):
-            return Hdf5Writer(path, shard_name=shard_name, classes=classes, fields=options["fields"])
-        return Hdf5Writer(path, shard_name=shard_name, classes=classes)
+        return Hdf5Writer(path, shard_name=shard_name, classes=classes, fields=options.get("fields") or ())
 
     def open_reader(self, path: str, info: ShardInfo, manifest: Manifest) -> Hdf5Reader:
         return Hdf5Reader(path, info, manifest)

@@ -30,7 +30,8 @@ from typing import Any
 import numpy as np
 
 from stager.errors import CorruptSampleError
-from stager.formats.base import AdoptedFormat, ExtentReader, Sample, indexed_samples, pread_runs
+from stager.formats.base import ExtentReader, Format, Sample, indexed_samples, pread_runs
+from stager.formats.registry import format_spec
 from stager.manifest import Manifest, ShardInfo
 
 MAGIC = 0xCED7230A
@@ -226,13 +227,10 @@ class RecordIOShardReader(ExtentReader):
         return indexed_samples(self, "RecordIO")
 
 
-
-class RecordIOFormat(AdoptedFormat):
+class RecordIOFormat(Format):
     """MXNet RecordIO files adopted by ``stager index`` (reader only)."""
 
-    name = "recordio"
-    suffix = ".rec"
-    what = "MXNet RecordIO"
+    spec = format_spec("recordio")
 
     def open_reader(self, path: str, info: ShardInfo, manifest: Manifest) -> RecordIOShardReader:
         return RecordIOShardReader(path, info, manifest)

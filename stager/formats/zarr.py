@@ -39,7 +39,8 @@ from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteReques
 from zarr.storage import ZipStore
 
 from stager.errors import CorruptSampleError, ShardMissingError, SourceError, StagerError
-from stager.formats.base import Extent, Sample, SizeInputs, ascii_lengths
+from stager.formats.base import Extent, Format, Sample, SizeInputs, ascii_lengths
+from stager.formats.registry import format_spec
 from stager.formats.zarr_fields import ZarrFields, read_field
 from stager.manifest import Manifest, ShardInfo
 from stager.manifest.fields import FieldSpec
@@ -99,6 +100,7 @@ class ZarrWriter:
         self._meta: list[dict[str, Any]] = []
         self._fields = ZarrFields(fields) if fields else None  # docs/fields.md: one array per field
         self._closed = False
+        self.field_bases: dict[str, int] = {}  # field extents are rows: nothing to add after close()
 
     def write(self, sample: Sample) -> Extent:
         """Append ``sample``; its extent is ``(row, H*W*C)``. All samples must share one shape."""
@@ -523,15 +525,10 @@ class ZarrReader:
         self._store = self._images = self._direct = None
 
 
-class ZarrFormat:
+class ZarrFormat(Format):
     """The ``zarr`` format: decoded fixed-shape images in a zarr v3 group per zip file."""
 
-    name = "zarr"
-    suffix = ".zarr.zip"
-    sample_kind = "decoded"
-
-    def shard_name(self, index: int) -> str:
-        return f"shard-{index:05d}{self.suffix}"
+    spec = format_spec("zarr")
 
     def disk_bytes(self, inputs: SizeInputs) -> tuple[np.ndarray, int]:
         """Each sample's bytes in a shard file and the fixed bytes (:func:`sample_disk_bytes`)."""
