@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, BinaryIO, ClassVar, Protocol
@@ -140,14 +140,17 @@ def ascii_lengths(texts: Sequence[str]) -> np.ndarray:
 
 class Format:
     """A shard format. Subclasses set ``spec`` (their registry entry, :mod:`stager.formats.registry`)
-    and implement ``open_reader``; writable ones also ``open_writer`` and ``disk_bytes``, and those
-    whose entry declares it ``check_keys`` (``named_keys``) or ``open_fragment`` (``fragments``).
+    and ``reader`` (called as ``reader(path, info, manifest)``); writable ones also ``writer`` (called
+    as ``writer(path, shard_name=..., classes=..., **options)``) and ``disk_bytes``, and those whose
+    entry declares it ``check_keys`` (``named_keys``) or ``open_fragment`` (``fragments``).
 
     ``name``, ``suffix`` and ``sample_kind`` are the entry's. A format object is a module-level
     singleton (``FORMAT``), found by :func:`stager.formats.get_format`.
     """
 
     spec: ClassVar[FormatSpec]
+    reader: ClassVar[Callable[..., ShardReader]]
+    writer: ClassVar[Callable[..., ShardWriter] | None] = None
 
     @property
     def name(self) -> str:
@@ -178,10 +181,14 @@ class Format:
         raise self._read_only()
 
     def open_writer(self, path: str, *, shard_name: str, classes: Sequence[str], **options: Any) -> ShardWriter:
-        raise self._read_only()
+        """A writer of one shard at ``path``; options a format does not know are ignored."""
+        writer = type(self).writer
+        if writer is None:
+            raise self._read_only()
+        return writer(path, shard_name=shard_name, classes=classes, **options)
 
     def open_reader(self, path: str, info: ShardInfo, manifest: Manifest) -> ShardReader:
-        raise NotImplementedError(f"{type(self).__name__} must implement open_reader")
+        return type(self).reader(path, info, manifest)
 
     def _read_only(self) -> UsageError:
         return UsageError(f"stager does not write {self.spec.what}; `stager index` adopts it in place, and `stager "

@@ -99,12 +99,10 @@ class LmdbFormat(Format):
     """LMDB ``data.mdb`` files adopted by ``stager index`` (reader only)."""
 
     spec = format_spec("lmdb")
+    reader = LmdbShardReader
 
     def shard_name(self, index: int) -> str:
         return "data.mdb"  # an environment's one data file
-
-    def open_reader(self, path: str, info: ShardInfo, manifest: Manifest) -> LmdbShardReader:
-        return LmdbShardReader(path, info, manifest)
 
 
 FORMAT = LmdbFormat()

@@ -98,9 +98,7 @@ class ParquetFormat(Format):
     """parquet files adopted by ``stager index`` (reader only)."""
 
     spec = format_spec("parquet")
-
-    def open_reader(self, path: str, info: ShardInfo, manifest: Manifest) -> ParquetShardReader:
-        return ParquetShardReader(path, info, manifest)
+    reader = ParquetShardReader
 
 
 FORMAT = ParquetFormat()

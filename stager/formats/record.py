@@ -47,7 +47,6 @@ from stager.formats.example_pb import ExampleDecodeError, bytes_feature, decode_
 from stager.formats.record_fields import encode_fields_example, field_extents
 from stager.formats.registry import format_spec
 from stager.fs.atomic import partial_path
-from stager.manifest import Manifest, ShardInfo
 from stager.manifest.fields import FieldSpec
 
 RECORD_SPEC = format_spec("record")
@@ -326,16 +325,12 @@ class RecordFormat(Format):
     """TFRecord shards of ``tf.train.Example`` (``shard-00000.tfrecord`` + ``.idx``)."""
 
     spec = RECORD_SPEC
+    reader = RecordShardReader
+    writer = RecordShardWriter
 
     def disk_bytes(self, inputs: SizeInputs) -> tuple[np.ndarray, int]:
         """Each sample's record bytes in a shard file (:func:`sample_disk_bytes`); no fixed part."""
         return sample_disk_bytes(inputs)
-
-    def open_writer(self, path: str, *, shard_name: str, classes: Sequence[str], **options: Any) -> RecordShardWriter:
-        return RecordShardWriter(path, shard_name=shard_name, classes=classes, **options)
-
-    def open_reader(self, path: str, info: ShardInfo, manifest: Manifest) -> RecordShardReader:
-        return RecordShardReader(path, info, manifest)
 
 
 FORMAT = RecordFormat()

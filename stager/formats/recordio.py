@@ -32,7 +32,6 @@ import numpy as np
 from stager.errors import CorruptSampleError
 from stager.formats.base import ExtentReader, Format, Sample, indexed_samples, pread_runs
 from stager.formats.registry import format_spec
-from stager.manifest import Manifest, ShardInfo
 
 MAGIC = 0xCED7230A
 MAGIC_BYTES = struct.pack("<I", MAGIC)
@@ -231,9 +230,7 @@ class RecordIOFormat(Format):
     """MXNet RecordIO files adopted by ``stager index`` (reader only)."""
 
     spec = format_spec("recordio")
-
-    def open_reader(self, path: str, info: ShardInfo, manifest: Manifest) -> RecordIOShardReader:
-        return RecordIOShardReader(path, info, manifest)
+    reader = RecordIOShardReader
 
 
 FORMAT = RecordIOFormat()

@@ -459,6 +459,8 @@ class TarFormat(Format):
     """webdataset-compatible tar shards (``shard-00000.tar``)."""
 
     spec = format_spec("tar")
+    reader = TarShardReader
+    writer = TarShardWriter
     END_MARKER = END_OF_ARCHIVE  # what follows the concatenated fragments of a shard
 
     def open_fragment(self, *, shard_name: str, classes: Sequence[str], **options: Any) -> TarFragmentWriter:
@@ -472,12 +474,6 @@ class TarFormat(Format):
     def disk_bytes(self, inputs: SizeInputs) -> tuple[np.ndarray, int]:
         """Each sample's bytes in a shard file, and the end blocks (:func:`sample_disk_bytes`)."""
         return sample_disk_bytes(inputs)
-
-    def open_writer(self, path: str, *, shard_name: str, classes: Sequence[str], **options: Any) -> TarShardWriter:
-        return TarShardWriter(path, shard_name=shard_name, classes=classes, **options)
-
-    def open_reader(self, path: str, info: ShardInfo, manifest: Manifest) -> TarShardReader:
-        return TarShardReader(path, info, manifest)
 
 
 FORMAT = TarFormat()

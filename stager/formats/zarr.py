@@ -85,7 +85,7 @@ class ZarrWriter:
     """Collects decoded ``(H, W, C)`` uint8 images and writes one zarr-in-zip shard on close."""
 
     def __init__(self, path: str, *, shard_name: str, classes: Sequence[str], rows_per_chunk: int = 1,
-                 fields: Sequence[FieldSpec] = ()) -> None:
+                 fields: Sequence[FieldSpec] = (), **options: Any) -> None:
         if rows_per_chunk < 1:
             raise StagerError(f"rows_per_chunk must be >= 1, got {rows_per_chunk}")
         self.path = path
@@ -529,18 +529,12 @@ class ZarrFormat(Format):
     """The ``zarr`` format: decoded fixed-shape images in a zarr v3 group per zip file."""
 
     spec = format_spec("zarr")
+    reader = ZarrReader
+    writer = ZarrWriter
 
     def disk_bytes(self, inputs: SizeInputs) -> tuple[np.ndarray, int]:
         """Each sample's bytes in a shard file and the fixed bytes (:func:`sample_disk_bytes`)."""
         return sample_disk_bytes(inputs)
-
-    def open_writer(self, path: str, *, shard_name: str, classes: Sequence[str], **options: Any) -> ZarrWriter:
-        rows = options.get("rows_per_chunk")
-        return ZarrWriter(path, shard_name=shard_name, classes=classes, rows_per_chunk=int(rows or 1),
-                          fields=options.get("fields") or ())
-
-    def open_reader(self, path: str, info: ShardInfo, manifest: Manifest) -> ZarrReader:
-        return ZarrReader(path, info, manifest)
 
 
 FORMAT = ZarrFormat()
