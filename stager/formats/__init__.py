@@ -18,7 +18,6 @@ from stager.formats.registry import (
     FIELD_FORMATS,
     FORMAT_NAMES,
     FORMAT_SPECS,
-    READ_ONLY_FORMATS,
     FormatSpec,
     format_spec,
 )
@@ -26,9 +25,8 @@ from stager.formats.registry import (
 if TYPE_CHECKING:
     from stager.formats.base import Extent, Format, Sample, ShardReader, ShardWriter
 
-__all__ = ["ADOPTED_FORMATS", "ALL_FORMATS", "FIELD_FORMATS", "FORMAT_NAMES", "FORMAT_SPECS", "READ_ONLY_FORMATS",
-           "Extent", "Format", "FormatSpec", "Sample", "ShardReader", "ShardWriter", "format_spec", "get_format",
-           "get_writer_format"]
+__all__ = ["ADOPTED_FORMATS", "ALL_FORMATS", "FIELD_FORMATS", "FORMAT_NAMES", "FORMAT_SPECS", "Extent", "Format",
+           "FormatSpec", "Sample", "ShardReader", "ShardWriter", "format_spec", "get_format", "get_writer_format"]
 
 _BASE_NAMES = frozenset({"Extent", "Format", "Sample", "ShardReader", "ShardWriter"})  # loaded on first use
 

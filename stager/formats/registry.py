@@ -123,7 +123,7 @@ def _register(spec: FormatSpec) -> None:
     _REGISTRY[spec.name] = spec
 
 
-# The entries, in the order formats are listed to users (writable ones first).
+# The entries, in the order formats are listed to users.
 _register(FormatSpec(
     "tar", "stager.formats.tar", ".tar", "tar", fields="span", named_keys=True, fragments=True,
     hashes_while_writing=True, stream_unpack=True, adopt_suffixes=(".tar",), label_key="cls"))
@@ -148,7 +148,6 @@ _register(FormatSpec(
 FORMAT_SPECS: Mapping[str, FormatSpec] = MappingProxyType(_REGISTRY)
 ALL_FORMATS = tuple(FORMAT_SPECS)  # every format a manifest may name
 FORMAT_NAMES = tuple(n for n, s in FORMAT_SPECS.items() if s.writable)  # the formats `stager pack` writes
-READ_ONLY_FORMATS = tuple(n for n, s in FORMAT_SPECS.items() if not s.writable)  # read in place only
 ADOPTED_FORMATS = tuple(n for n, s in FORMAT_SPECS.items() if s.adopted)  # `stager index` inputs
 FIELD_FORMATS = tuple(n for n in FORMAT_NAMES if FORMAT_SPECS[n].fields)  # pack writes samples with fields to these
 

@@ -109,15 +109,17 @@ class ReaderTests:
         m, _ = write_dataset(self.format_name, out, samples, **options)
         return m, list(samples)
 
+    def shard_path(self, out: Path, m: Manifest) -> Path:
+        """Where the one shard of the dataset at ``out`` is (beside its manifest, or at its ``shard_root``)."""
+        return Path(m.shard_root or out) / m.shards[0].name
+
     def read_all(self, out: Path, m: Manifest) -> list[Sample]:
-        r = self.fmt.open_reader(str(Path(m.shard_root or out) / m.shards[0].name), m.shards[0], m)
+        """Every sample of the shard, parsed by the format's reader (``iter_samples``)."""
+        r = self.fmt.open_reader(str(self.shard_path(out, m)), m.shards[0], m)
         try:
             return list(r.iter_samples())
         finally:
             r.close()
-
-    def shard_path(self, out: Path, m: Manifest) -> Path:
-        return Path(m.shard_root or out) / m.shards[0].name
 
     # ---- the format object and its registry entry ---------------------------------------------
     def test_module_carries_its_registry_entry(self, tmp_path: Path) -> None:
