@@ -350,7 +350,7 @@ def test_zarr_reader_falls_back_to_zarr_for_other_layouts(tmp_path: Path, decode
     """A group with our attributes but another array layout (no sharding, zstd) is read through zarr."""
     from zarr.codecs import ZstdCodec
 
-    from stager.formats.zarr_format import write_zip
+    from stager.formats.zarr import write_zip
 
     members: dict[str, object] = {}
     store = zarr.storage.MemoryStore(members)  # type: ignore[arg-type]

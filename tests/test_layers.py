@@ -23,11 +23,14 @@ PKG = ROOT / "stager"
 # Lowest first (docs/architecture.md, "Layers").
 LAYERS: list[set[str]] = [
     {"stager", "errors", "redact"},  # the version, the exception family, the one redaction of locations
-    {"checksum", "progress", "world", "order", "decode"},  # pure helpers: no file-system policy
+    # pure helpers: no file-system policy; formats.registry: which formats exist and what each can do
+    # (stdlib only), below the manifest that checks a format's name and extents against it
+    {"checksum", "progress", "world", "order", "decode", "formats.registry"},
     {"fs"},  # OS mechanics, no dataset concepts
     {"manifest", "receipt", "formats", "mix", "cache"},  # the on-disk contracts (mix: several datasets as one;
     # cache: the shard cache's layout and rules)
-    {"pack", "index", "stage", "loader", "shardcheck", "summary", "advice"},  # the stages of the data flow, siblings
+    {"pack", "index", "stage", "loader", "shardcheck", "summary", "advice",  # the stages of the data flow, siblings
+     "testing"},  # conformance suites a new backend subclasses (testing/formats.py: FormatTests)
     {"prefetch"},  # beside training: the loader's schedule + stage's verified streaming copy
     {"commands", "cli", "__main__"},  # the command line
 ]
@@ -37,6 +40,8 @@ SAME_LAYER = {("errors", "redact"),  # every error message is redacted
               ("shardcheck", "index"),  # deep verify of an indexed set indexes the shard again
               ("pack", "index")}  # pack converts a RecordIO/LMDB source indexed in memory
 LAYER_OF = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
+# Modules that are a unit of their own inside a package: the package's lower layer (its registry).
+SUBUNITS = {"stager.formats.registry": "formats.registry"}
 
 
 def module_name(path: Path) -> str:
@@ -47,6 +52,8 @@ def module_name(path: Path) -> str:
 
 
 def unit_of(module: str) -> str:
+    if module in SUBUNITS:
+        return SUBUNITS[module]
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "stager"
 
@@ -145,13 +152,15 @@ def test_the_top_of_the_tree_stays_small() -> None:
 
 def test_the_cli_starts_without_numpy_or_torch() -> None:
     """Building the whole parser (what ``stager <any command> --help`` does) imports neither numpy
-    nor torch nor any engine: each command imports its implementation in run()."""
+    nor torch nor any engine: each command imports its implementation in run(). Of the formats only
+    their registry (stdlib only) is loaded, for the ``--format`` choices."""
     import subprocess
     import sys
 
     code = ("import sys; from stager.cli import build_parser; build_parser(); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('numpy', 'torch', 'h5py', 'zarr', 'fsspec')"
-            " or m.startswith(('stager.stage.', 'stager.pack.', 'stager.loader', 'stager.formats.', 'stager.index'))))")
+            " or m.startswith(('stager.stage.', 'stager.pack.', 'stager.loader', 'stager.formats.', 'stager.index'))"
+            " and m != 'stager.formats.registry'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]", out.stdout
 

@@ -181,7 +181,8 @@ def test_tar_fast_path_equals_generic_headers(key: str, size: int, label: int, e
     import numpy as np
 
     from stager.formats.base import Sample, SizeInputs
-    from stager.formats.tar import BLOCK, TarShardWriter, _json_meta, member_header, sample_disk_bytes
+    from stager.formats.tar import TarShardWriter, _json_meta, sample_disk_bytes
+    from stager.formats.ustar import BLOCK, member_header
 
     classes = [f"c{i}" for i in range(10)]
     data = bytes(range(256)) * (size // 256) + bytes(size % 256)

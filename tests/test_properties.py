@@ -2,7 +2,7 @@
 with anything but a StagerError, never hang (deadline + pytest-timeout), never read (allocate) more
 than the file holds; what parses, round-trips.
 
-Parsers: tar member reader and shard reader (stager/formats/tar.py), TFRecord framing, Example
+Parsers: tar member reader and shard reader (stager/formats/ustar.py, tar.py), TFRecord framing, Example
 payloads and the .idx index (stager/formats/record.py), the manifest (Manifest.from_bytes, also
 with field mutations re-signed by a valid digest), the staging receipt, the stage journal and the
 node-lock record. A seeded sample of the same inputs also runs in a subprocess under a 1 GiB

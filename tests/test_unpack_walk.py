@@ -1,5 +1,5 @@
 """The fast unpack path (stager/stage/unpack.py): its tar walker refuses exactly what
-stager.formats.tar.iter_members refuses, its chunked reader sees every byte once, durability is
+stager.formats.ustar.iter_members refuses, its chunked reader sees every byte once, durability is
 journaled only after a syncfs, and the group is inherited from setgid class directories."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from stager.checksum import new_hasher
 from stager.errors import CorruptSampleError, StagerError, UnsafeArchiveError, VerificationError
-from stager.formats.tar import header_sum, iter_members
+from stager.formats.ustar import header_sum, iter_members
 from stager.manifest import Manifest, ShardInfo, load_manifest
 from stager.pack import pack
 from stager.stage.unpack import ChunkReader, SyncfsBatcher, Unpacker, walk_tar

@@ -6,9 +6,7 @@ from __future__ import annotations
 import argparse
 
 from stager.cli import add_common, add_storage_options, emit, storage_options
-
-# stager.index.KINDS, spelled out so that registering the command does not import numpy.
-KINDS = ("tar", "record", "parquet", "recordio", "lmdb")
+from stager.formats import ADOPTED_FORMATS  # the format registry alone: neither numpy nor a format module
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -25,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", metavar="DIR", default=None,
                    help="write the manifest into DIR, naming the shards where they are (for a read-only SRC); "
                    "default: beside the shards")
-    p.add_argument("--format", default="auto", choices=("auto", *KINDS), help="input kind (default: auto)")
+    p.add_argument("--format", default="auto", choices=("auto", *ADOPTED_FORMATS), help="input kind (default: auto)")
     p.add_argument("--image-key", default=None, metavar="KEY",
                    help="the image: tar member field(s) 'jpg;png' (default: the one image-type member), "
                    "TFRecord feature (default image/encoded), parquet column (default image); not for .rec/LMDB")

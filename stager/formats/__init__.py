@@ -1,37 +1,51 @@
-"""Shard formats behind one protocol (see :mod:`stager.formats.base`).
+"""Shard formats behind one protocol (:mod:`stager.formats.base`), listed in one registry
+(:mod:`stager.formats.registry`).
 
-``get_format(name)`` returns the format object; modules are imported lazily so that, e.g., reading
-tar shards never imports h5py or zarr.
+``get_format(name)`` returns the format object, importing its module on first use: reading tar shards
+never imports h5py or zarr, and importing this package (what ``stager pack --help`` does for its
+``--format`` choices) loads neither numpy nor any format module.
 """
 
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING, Any
 
 from stager.errors import UsageError
-from stager.formats.base import Extent, Format, Sample, ShardReader, ShardWriter
+from stager.formats.registry import (
+    ADOPTED_FORMATS,
+    ALL_FORMATS,
+    FIELD_FORMATS,
+    FORMAT_NAMES,
+    FORMAT_SPECS,
+    FormatSpec,
+    format_spec,
+)
 
-_MODULES = {"tar": "tar", "hdf5": "hdf5", "record": "record", "zarr": "zarr_format"}
-FORMAT_NAMES = tuple(_MODULES)  # the formats `stager pack` writes
-# Read-only formats: shards adopted in place by `stager index`, never written by stager.
-_READ_ONLY = {"parquet": "parquet_format", "recordio": "recordio", "lmdb": "lmdb_format"}
+if TYPE_CHECKING:
+    from stager.formats.base import Extent, Format, Sample, ShardReader, ShardWriter
 
-__all__ = ["FORMAT_NAMES", "Extent", "Format", "Sample", "ShardReader", "ShardWriter", "get_format",
-           "get_writer_format"]
+__all__ = ["ADOPTED_FORMATS", "ALL_FORMATS", "FIELD_FORMATS", "FORMAT_NAMES", "FORMAT_SPECS", "Extent", "Format",
+           "FormatSpec", "Sample", "ShardReader", "ShardWriter", "format_spec", "get_format", "get_writer_format"]
+
+_BASE_NAMES = frozenset({"Extent", "Format", "Sample", "ShardReader", "ShardWriter"})  # loaded on first use
+
+
+def __getattr__(name: str) -> Any:
+    if name in _BASE_NAMES:
+        return getattr(importlib.import_module("stager.formats.base"), name)
+    raise AttributeError(f"module 'stager.formats' has no attribute {name!r}")
 
 
 def get_writer_format(name: str) -> Format:
     """The format ``stager pack`` writes as ``name`` (one of :data:`FORMAT_NAMES`; not a read-only one)."""
-    if name not in _MODULES:
+    if name not in FORMAT_NAMES:
         raise UsageError(f"unknown format {name!r}; expected one of {', '.join(FORMAT_NAMES)}")
     return get_format(name)
 
 
 def get_format(name: str) -> Format:
-    """Return the format registered as ``name`` (one of :data:`FORMAT_NAMES`, or read-only ``parquet``)."""
-    mod = _MODULES.get(name) or _READ_ONLY.get(name)
-    if mod is None:
-        raise UsageError(f"unknown format {name!r}; expected one of {', '.join(FORMAT_NAMES)}")
-    module = importlib.import_module(f"{__name__}.{mod}")
+    """The format registered as ``name`` (any of :data:`ALL_FORMATS`), its module imported on first use."""
+    module = importlib.import_module(format_spec(name).module)
     fmt: Format = module.FORMAT
     return fmt

@@ -3,39 +3,45 @@
 A *format* turns a stream of :class:`Sample` objects into one shard file (plus optional companion
 files such as a record shard's index) and reads them back. Formats know nothing about sharding
 plans, checksums or atomic renames: ``stager.pack`` owns those, so every format gets them right
-the same way.
+the same way. What a format can do is declared in its registry entry (:mod:`stager.formats.registry`),
+which its :class:`Format` class carries as ``spec``.
 
-Contract (tested for every format by tests/test_formats.py):
+Contract (tested for every format by :class:`stager.testing.formats.FormatTests`):
 
 * ``Format.open_writer(path, ...)`` writes exactly one shard at ``path`` (a ``.partial`` name chosen
   by the caller); ``ShardWriter.write(sample)`` returns the :class:`Extent` of the sample's payload
-  inside the final file (see stager/manifest.py for what offsets mean per format);
+  inside the final file (docs/formats.md says what offsets mean per format);
   ``ShardWriter.close()`` flushes and returns the companion files it wrote as ``(final_name,
   temp_path)`` pairs, which the caller hashes and renames together with the shard.
 * Output is a pure function of the samples written and the writer options: identical input gives
   identical bytes (fixed tar mtimes, no timestamps in HDF5/zarr metadata).
-* Formats that can say how many bytes a sample takes in a shard file implement
-  :class:`SizedFormat` (``disk_bytes``); the pack plan cuts shards with it so that ``--shard-size``
-  bounds file bytes, not payload bytes.
+* ``Format.disk_bytes(inputs)`` says how many bytes each sample takes in a shard file; the pack plan
+  cuts shards with it so that ``--shard-size`` bounds file bytes, not payload bytes.
 * ``Format.open_reader(path, info, manifest)`` gives ``iter_samples()`` (parse the container itself,
   independent of the manifest index: used by convert and deep verify) and ``read(positions)``
   (payloads of the given in-shard positions using the manifest index: used by the loader).
+* A read-only format (``spec.writable`` false) implements ``open_reader`` only.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, Protocol
+from types import MappingProxyType
+from typing import Any, BinaryIO, ClassVar, Protocol
 
 import numpy as np
 
 from stager.errors import CorruptSampleError, ShardMissingError, UsageError
+from stager.formats.registry import FORMAT_NAMES, FormatSpec
 from stager.fs.writeback import start_writeback
 from stager.manifest import Manifest, ShardInfo
 from stager.manifest.fields import FieldSpec
+
+FLUSH_BYTES = 4 << 20  # what a buffered writer accumulates before one write() call
+_NO_FIELD_BASES: Mapping[str, int] = MappingProxyType({})
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,12 @@ class Extent:
 class ShardWriter(Protocol):
     def write(self, sample: Sample) -> Extent: ...
 
+    @property
+    def field_bases(self) -> Mapping[str, int]:
+        """After ``close()``: ``{field name: file offset}`` to add to the field extents ``write`` returned,
+        for a writer that places field data only when it lays the file out (hdf5); empty otherwise."""
+        ...
+
     def close(self) -> list[tuple[str, str]]:
         """Finish the shard; return ``[(companion final name, companion temp path), ...]``."""
         ...
@@ -93,7 +105,7 @@ class ShardReader(Protocol):
 
 @dataclass(frozen=True)
 class SizeInputs:
-    """What a pack plan knows of its samples before writing, for :meth:`SizedFormat.disk_bytes`.
+    """What a pack plan knows of its samples before writing, for :meth:`Format.disk_bytes`.
 
     Columns in plan order: ``keys``, ``labels`` (int64), ``sizes`` (int64 source file bytes: the
     payload when files pass through unchanged, an estimate when re-encoded) and ``exts`` (the
@@ -111,19 +123,6 @@ class SizeInputs:
     options: dict[str, Any] = field(default_factory=dict)
 
 
-class SizedFormat(Protocol):
-    """A format that can tell a shard file's bytes before writing it (``--shard-size`` is honest).
-
-    ``disk_bytes(inputs)`` returns ``(per_sample, fixed)``: an int64 array with each sample's bytes
-    in a shard file (headers, framing, padding, per-sample metadata included) and the bytes every
-    shard file has whatever it holds (end blocks, file headers). A shard of samples ``S`` then takes
-    ``fixed + per_sample[S].sum()`` bytes: exactly for tar and record when files pass through
-    unchanged, within a fraction of a percent for hdf5 and zarr.
-    """
-
-    def disk_bytes(self, inputs: SizeInputs) -> tuple[np.ndarray, int]: ...
-
-
 def varint_lengths(x: np.ndarray) -> np.ndarray:
     """Bytes of the protobuf varint of each non-negative value in ``x`` (int64 array)."""
     n = np.ones(len(x), dtype=np.int64)
@@ -139,34 +138,61 @@ def ascii_lengths(texts: Sequence[str]) -> np.ndarray:
     return np.fromiter((len(t.encode()) for t in texts), dtype=np.int64, count=len(texts))
 
 
-class Format(Protocol):
-    name: str
-    suffix: str
-    sample_kind: str  # "encoded" | "decoded"
+class Format:
+    """A shard format. Subclasses set ``spec`` (their registry entry, :mod:`stager.formats.registry`)
+    and ``reader`` (called as ``reader(path, info, manifest)``); writable ones also ``writer`` (called
+    as ``writer(path, shard_name=..., classes=..., **options)``) and ``disk_bytes``, and those whose
+    entry declares it ``check_keys`` (``named_keys``) or ``open_fragment`` (``fragments``).
 
-    def shard_name(self, index: int) -> str: ...
+    ``name``, ``suffix`` and ``sample_kind`` are the entry's. A format object is a module-level
+    singleton (``FORMAT``), found by :func:`stager.formats.get_format`.
+    """
 
-    def open_writer(self, path: str, *, shard_name: str, classes: Sequence[str], **options: Any) -> ShardWriter: ...
+    spec: ClassVar[FormatSpec]
+    reader: ClassVar[Callable[..., ShardReader]]
+    writer: ClassVar[Callable[..., ShardWriter] | None] = None
 
-    def open_reader(self, path: str, info: ShardInfo, manifest: Manifest) -> ShardReader: ...
+    @property
+    def name(self) -> str:
+        return self.spec.name
 
+    @property
+    def suffix(self) -> str:
+        return self.spec.suffix
 
-class AdoptedFormat:
-    """A container stager reads in place but never writes (parquet, MXNet RecordIO, LMDB): ``stager
-    index`` adopts it, and ``stager pack`` converts it to a format stager writes. Subclasses set
-    ``name``, ``suffix``, ``what`` (the container's name in messages) and ``open_reader``."""
-
-    name: str
-    suffix: str
-    what: str
-    sample_kind = "encoded"
+    @property
+    def sample_kind(self) -> str:
+        """``"encoded"`` or ``"decoded"``: what its shards hold (a manifest may say otherwise: LMDB)."""
+        return self.spec.sample_kind
 
     def shard_name(self, index: int) -> str:
+        """The file name of shard ``index``: ``shard-00000<suffix>``, zero-padded so names sort as numbers."""
         return f"shard-{index:05d}{self.suffix}"
 
-    def open_writer(self, path: str, *, shard_name: str, classes: Sequence[str], **options: Any) -> Any:
-        raise UsageError(f"stager does not write {self.what}; `stager index` adopts it in place, and `stager pack` "
-                         "converts it to tar, record, hdf5 or zarr")
+    def check_keys(self, keys: Sequence[str], where: str = "") -> None:
+        """Refuse keys the format cannot store, all at once (``spec.named_keys``); others store any key."""
+
+    def disk_bytes(self, inputs: SizeInputs) -> tuple[np.ndarray, int]:
+        """``(per_sample, fixed)``: an int64 array with each sample's bytes in a shard file (headers,
+        framing, padding, per-sample metadata included) and the bytes every shard file has whatever
+        it holds (end blocks, file headers). A shard of samples ``S`` then takes ``fixed +
+        per_sample[S].sum()`` bytes: exactly for tar and record when files pass through unchanged,
+        within a fraction of a percent for hdf5 and zarr."""
+        raise self._read_only()
+
+    def open_writer(self, path: str, *, shard_name: str, classes: Sequence[str], **options: Any) -> ShardWriter:
+        """A writer of one shard at ``path``; options a format does not know are ignored."""
+        writer = type(self).writer
+        if writer is None:
+            raise self._read_only()
+        return writer(path, shard_name=shard_name, classes=classes, **options)
+
+    def open_reader(self, path: str, info: ShardInfo, manifest: Manifest) -> ShardReader:
+        return type(self).reader(path, info, manifest)
+
+    def _read_only(self) -> UsageError:
+        return UsageError(f"stager does not write {self.spec.what}; `stager index` adopts it in place, and `stager "
+                          f"pack` converts it to {', '.join(FORMAT_NAMES[:-1])} or {FORMAT_NAMES[-1]}")
 
 
 def field_payload(spec: FieldSpec, value: Any) -> bytes:
@@ -298,20 +324,40 @@ class BufferedShardFile:
     per MB, not several per sample). Every byte is fed once to ``hasher`` (so pack hashes while
     writing, no re-read) and, with ``writeback``, the kernel starts writing each chunk at once so
     the final fsync is short. ``bytes_written`` counts buffered bytes too, so it is the offset of
-    the next byte: what writers return in :class:`Extent`.
+    the next byte: what writers return in :class:`Extent`. With ``path`` None the bytes are built
+    in memory and never flushed: the caller takes them with :meth:`take` (a fragment of a shard). Unknown
+    ``options`` are ignored, so that one option set can be passed to every format.
     """
 
     def __init__(
-        self, path: str, *, flush_bytes: int, fsync: bool = False, hasher: Any = None, writeback: bool = False
+        self, path: str | None, *, shard_name: str, classes: Sequence[str], flush_bytes: int = FLUSH_BYTES,
+        fsync: bool = False, hasher: Any = None, writeback: bool = False, **options: Any,
     ) -> None:
-        self.path = path
-        self._flush_bytes = flush_bytes
+        self.path = path or ""
+        self.shard_name = shard_name
+        self.classes = list(classes)
+        self._flush_bytes = flush_bytes if path is not None else 1 << 62
         self._fsync = fsync
         self._hasher = hasher
         self._writeback = writeback
-        self._f: BinaryIO | None = open(path, "wb", buffering=0)  # noqa: SIM115 - closed in _finish()/abort()
+        # Closed in _finish()/abort().
+        self._f: BinaryIO | None = None if path is None else open(path, "wb", buffering=0)  # noqa: SIM115
+        self._open = True
         self._buf = bytearray()
         self._written = 0  # bytes already handed to the OS
+
+    @property
+    def field_bases(self) -> Mapping[str, int]:
+        """Field extents are final as written: nothing to add."""
+        return _NO_FIELD_BASES
+
+    @property
+    def closed(self) -> bool:
+        return not self._open
+
+    def _check_open(self) -> None:
+        if not self._open:
+            raise UsageError(f"{self.shard_name}: write() after close()")
 
     def _flush(self) -> None:
         assert self._f is not None
@@ -335,11 +381,19 @@ class BufferedShardFile:
             os.fsync(self._f.fileno())
         self._f.close()
         self._f = None
+        self._open = False
+
+    def take(self) -> bytearray:
+        """The bytes built in memory (``path`` None); the writer is finished afterwards."""
+        self._open = False
+        buf, self._buf = self._buf, bytearray()
+        return buf
 
     def abort(self) -> None:
         if self._f is not None:
             self._f.close()
             self._f = None
+        self._open = False
         self._buf = bytearray()
 
     @property

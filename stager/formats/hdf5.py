@@ -53,9 +53,9 @@ from typing import Any
 import numpy as np
 
 from stager.errors import CorruptSampleError, ShardMissingError, SourceError, StagerError
-from stager.formats.base import Extent, ExtentReader, Sample, SizeInputs, ascii_lengths
+from stager.formats.base import Extent, ExtentReader, Format, Sample, SizeInputs, ascii_lengths
+from stager.formats.registry import format_spec
 from stager.fs.writeback import start_writeback
-from stager.manifest import Manifest, ShardInfo
 from stager.manifest.fields import FieldSpec
 
 FORMAT_VERSION = "stager.hdf5/1"
@@ -144,7 +144,8 @@ def _meta_json(meta: dict[str, Any]) -> str:
 class Hdf5Writer:
     """Writes one HDF5 shard at ``path`` (see the module docstring for the layout)."""
 
-    def __init__(self, path: str, *, shard_name: str, classes: Sequence[str], fields: Sequence[FieldSpec] = ()) -> None:
+    def __init__(self, path: str, *, shard_name: str, classes: Sequence[str], fields: Sequence[FieldSpec] = (),
+                 **options: Any) -> None:
         self.path = path
         self._fields = list(fields)
         self._field_values: dict[str, list[Any]] = {f.name: [] for f in fields}
@@ -391,27 +392,16 @@ class Hdf5Reader(ExtentReader):
         return bounds, labels, keys, exts, metas, images
 
 
-class Hdf5Format:
+class Hdf5Format(Format):
     """The ``hdf5`` format: encoded images in one contiguous HDF5 dataset per shard."""
 
-    name = "hdf5"
-    suffix = ".h5"
-    sample_kind = "encoded"
-
-    def shard_name(self, index: int) -> str:
-        return f"shard-{index:05d}{self.suffix}"
+    spec = format_spec("hdf5")
+    reader = Hdf5Reader
+    writer = Hdf5Writer
 
     def disk_bytes(self, inputs: SizeInputs) -> tuple[np.ndarray, int]:
         """Each sample's bytes in a shard file and the fixed bytes (:func:`sample_disk_bytes`)."""
         return sample_disk_bytes(inputs)
-
-    def open_writer(self, path: str, *, shard_name: str, classes: Sequence[str], **options: Any) -> Hdf5Writer:
-        if options.get("fields"):
-            return Hdf5Writer(path, shard_name=shard_name, classes=classes, fields=options["fields"])
-        return Hdf5Writer(path, shard_name=shard_name, classes=classes)
-
-    def open_reader(self, path: str, info: ShardInfo, manifest: Manifest) -> Hdf5Reader:
-        return Hdf5Reader(path, info, manifest)
 
 
 FORMAT = Hdf5Format()

@@ -37,6 +37,7 @@ from stager.formats.base import (
     BufferedShardFile,
     Extent,
     ExtentReader,
+    Format,
     Sample,
     SizeInputs,
     ascii_lengths,
@@ -44,11 +45,11 @@ from stager.formats.base import (
 )
 from stager.formats.example_pb import ExampleDecodeError, bytes_feature, decode_example, int64_feature, varint
 from stager.formats.record_fields import encode_fields_example, field_extents
-from stager.formats.tar import FLUSH_BYTES
+from stager.formats.registry import format_spec
 from stager.fs.atomic import partial_path
-from stager.manifest import Manifest, ShardInfo
 from stager.manifest.fields import FieldSpec
 
+RECORD_SPEC = format_spec("record")
 _crc = _crc32c.crc32c
 _MASK_DELTA = 0xA282EAD8
 _U64 = struct.Struct("<Q")
@@ -164,28 +165,15 @@ class RecordShardWriter(BufferedShardFile):
     """
 
     def __init__(
-        self,
-        path: str,
-        *,
-        shard_name: str,
-        classes: Sequence[str],
-        flush_bytes: int = FLUSH_BYTES,
-        fsync: bool = False,
-        hasher: Any = None,
-        writeback: bool = False,
-        fields: Sequence[FieldSpec] = (),
-        **options: Any,
+        self, path: str, *, shard_name: str, classes: Sequence[str], fields: Sequence[FieldSpec] = (), **options: Any,
     ) -> None:
-        super().__init__(path, flush_bytes=flush_bytes, fsync=fsync, hasher=hasher, writeback=writeback)
-        self.shard_name = shard_name
-        self.classes = list(classes)
+        super().__init__(path, shard_name=shard_name, classes=classes, **options)
         self._fields = list(fields)
         self._index: list[bytes] = []
         self._idx_tmp: str | None = None
 
     def write(self, sample: Sample) -> Extent:
-        if self._f is None:
-            raise UsageError(f"{self.shard_name}: write() after close()")
+        self._check_open()
         data = sample.data
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise UsageError(
@@ -212,7 +200,7 @@ class RecordShardWriter(BufferedShardFile):
         buf += _U32.pack(masked_crc(length))
         buf += payload
         buf += _U32.pack(masked_crc(payload))
-        self._index.append(b"%d %d\n" % (start, n + 16))
+        self._index.append(RECORD_SPEC.companion_line % (start, n + 16))
         if len(buf) >= self._flush_bytes:
             self._flush()
         extents = field_extents(field_offsets, sample.fields, self._fields, start + 12) if self._fields else None
@@ -220,10 +208,11 @@ class RecordShardWriter(BufferedShardFile):
 
     def close(self) -> list[tuple[str, str]]:
         """Flush the shard and write ``<shard_name>.idx`` next to it; return ``[(idx name, temp path)]``."""
-        if self._f is None:
+        if self.closed:
             return []
         self._finish()
-        final = f"{self.shard_name}.idx"
+        final = RECORD_SPEC.companion_name(self.shard_name)
+        assert final is not None
         tmp = str(partial_path(os.path.join(os.path.dirname(os.path.abspath(self.path)), final)))
         self._idx_tmp = tmp
         with open(tmp, "xb") as f:
@@ -332,26 +321,16 @@ def read_index(path: str) -> np.ndarray:
     return np.array(rows, dtype=np.int64).reshape(-1, 2)
 
 
-class RecordFormat:
+class RecordFormat(Format):
     """TFRecord shards of ``tf.train.Example`` (``shard-00000.tfrecord`` + ``.idx``)."""
 
-    name = "record"
-    suffix = ".tfrecord"
-    sample_kind = "encoded"
-    hashes_while_writing = True  # the writer feeds the shard's bytes to an optional ``hasher``
-
-    def shard_name(self, index: int) -> str:
-        return f"shard-{index:05d}.tfrecord"
+    spec = RECORD_SPEC
+    reader = RecordShardReader
+    writer = RecordShardWriter
 
     def disk_bytes(self, inputs: SizeInputs) -> tuple[np.ndarray, int]:
         """Each sample's record bytes in a shard file (:func:`sample_disk_bytes`); no fixed part."""
         return sample_disk_bytes(inputs)
-
-    def open_writer(self, path: str, *, shard_name: str, classes: Sequence[str], **options: Any) -> RecordShardWriter:
-        return RecordShardWriter(path, shard_name=shard_name, classes=classes, **options)
-
-    def open_reader(self, path: str, info: ShardInfo, manifest: Manifest) -> RecordShardReader:
-        return RecordShardReader(path, info, manifest)
 
 
 FORMAT = RecordFormat()

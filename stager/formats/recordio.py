@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 
 from stager.errors import CorruptSampleError
-from stager.formats.base import AdoptedFormat, ExtentReader, Sample, indexed_samples, pread_runs
-from stager.manifest import Manifest, ShardInfo
+from stager.formats.base import ExtentReader, Format, Sample, indexed_samples, pread_runs
+from stager.formats.registry import format_spec
 
 MAGIC = 0xCED7230A
 MAGIC_BYTES = struct.pack("<I", MAGIC)
@@ -226,16 +226,11 @@ class RecordIOShardReader(ExtentReader):
         return indexed_samples(self, "RecordIO")
 
 
-
-class RecordIOFormat(AdoptedFormat):
+class RecordIOFormat(Format):
     """MXNet RecordIO files adopted by ``stager index`` (reader only)."""
 
-    name = "recordio"
-    suffix = ".rec"
-    what = "MXNet RecordIO"
-
-    def open_reader(self, path: str, info: ShardInfo, manifest: Manifest) -> RecordIOShardReader:
-        return RecordIOShardReader(path, info, manifest)
+    spec = format_spec("recordio")
+    reader = RecordIOShardReader
 
 
 FORMAT = RecordIOFormat()

@@ -13,19 +13,16 @@ it held stays in the manifest (keys, labels, class names) and in the key itself 
 path without its extension). :func:`sample_disk_bytes` gives a sample's exact footprint, which the pack
 plan uses to cut shards at ``--shard-size`` file bytes.
 
-Headers are POSIX ustar written by hand (``tarfile`` costs ~30 us per member): fixed mtime, mode
-0644, uid/gid 0, empty uname/gname, so identical samples give identical bytes. A name longer than
-the 100-byte name field is split into the 155-byte ``prefix`` field at a ``/``; a name that cannot
-be split (or is not ASCII) gets a preceding PAX ``x`` header with a ``path`` record. The archive
-ends with two zero blocks. The manifest extent of a sample is the offset/size of the image
-member's data.
+Headers are POSIX ustar written by hand (``tarfile`` costs ~30 us per member) by the codec in
+:mod:`stager.formats.ustar`, which also parses them: identical samples give identical bytes. The
+manifest extent of a sample is the offset/size of the image member's data.
 
 Keys may contain ``/`` but no ``.`` in their last component (webdataset splits a member name at
 the first dot of its last component), must not start with ``/`` or ``__`` and must not contain
 ``..`` components.
 
-The reader parses headers itself (checksums, sizes against the file length, member types) so that a
-damaged or hostile shard raises :class:`~stager.errors.CorruptSampleError` or
+The reader walks the members with the codec's parser (checksums, sizes against the file length,
+member types), so a damaged or hostile shard raises :class:`~stager.errors.CorruptSampleError` or
 :class:`~stager.errors.UnsafeArchiveError` naming the shard, never a stray exception.
 """
 
@@ -34,149 +31,49 @@ from __future__ import annotations
 import json
 import os
 import re
-import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from json.encoder import encode_basestring_ascii
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 
-from stager.errors import CorruptSampleError, ShardMissingError, UnsafeArchiveError, UsageError
+from stager.errors import CorruptSampleError, ShardMissingError, UsageError
 from stager.formats.base import (
     BufferedShardFile,
     Extent,
     ExtentReader,
+    Format,
     Sample,
     SizeInputs,
     ascii_lengths,
     field_payload,
 )
+from stager.formats.registry import format_spec
+from stager.formats.ustar import (
+    BLOCK,
+    END_OF_ARCHIVE,
+    MODE_IDS,
+    MTIME,
+    NULS,
+    PADS,
+    REGULAR_SUM,
+    REGULAR_TAIL,
+    iter_members,
+    member_header,
+    size_field,
+)
 from stager.manifest import Manifest, ShardInfo
 from stager.manifest.fields import FieldSpec, sample_fields, specs_from_json
 
-BLOCK = 512
-FIXED_MTIME = 946684800  # 2000-01-01T00:00:00Z: fixed for reproducibility, yet "plausible" to GNU tar
-FILE_MODE = 0o644
-MAX_USTAR_SIZE = (1 << 33) - 1  # 11 octal digits
-FLUSH_BYTES = 4 << 20  # accumulate this much before one write() call
 RESERVED_EXTS = frozenset({"cls", "json"})
 _RESERVED_META = frozenset({"class", "key", "label"})
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "ppm", "pgm", "pbm", "bmp", "tif", "tiff", "gif", "jp2", "jxl", "avif")
-_ZERO_BLOCK = bytes(BLOCK)
-_PADS = [bytes(n) for n in range(BLOCK)]
 _EXT_RE = re.compile(r"^[a-z0-9_][a-z0-9_.-]{0,31}$")
 # '/'-separated non-empty parts without NUL or backslash; no part is '.' or '..'; the last part has
 # no '.'; no leading '__' (webdataset's skip_meta pattern).
 _KEY_RE = re.compile(r"(?!__)(?:(?!\.\.?/)[^/\\\0]+/)*[^./\\\0]+")
 _KEY_BODY = r"(?!__)(?:(?!\.\.?/)[^/\\\0\n]+/)*[^./\\\0\n]+"
 _KEYS_RE = re.compile(f"{_KEY_BODY}(?:\n{_KEY_BODY})*")  # newline-joined keys, each matching _KEY_RE
-
-
-def _pad(n: int) -> bytes:
-    return _PADS[-n % BLOCK]
-
-
-def _header_template() -> tuple[bytes, int]:
-    """A ustar header with every field that never varies filled in; also its byte sum.
-
-    The variable fields (name, size, typeflag, checksum, prefix) are left as NULs; the checksum field
-    counts as eight spaces when summing, per POSIX.
-    """
-    h = bytearray(BLOCK)
-    h[100:108] = b"%07o\0" % FILE_MODE
-    h[108:116] = b"0000000\0"  # uid
-    h[116:124] = b"0000000\0"  # gid
-    h[136:148] = b"%011o\0" % FIXED_MTIME
-    h[148:156] = b"        "
-    h[257:263] = b"ustar\0"
-    h[263:265] = b"00"
-    h[329:337] = b"0000000\0"  # devmajor
-    h[337:345] = b"0000000\0"  # devminor
-    base_sum = sum(h)
-    h[148:156] = bytes(8)
-    return bytes(h), base_sum
-
-
-_TEMPLATE, _TEMPLATE_SUM = _header_template()
-# Constant pieces of a regular-file header with an empty prefix, for the per-sample fast path.
-_MID1 = _TEMPLATE[100:124]  # mode, uid, gid
-_MID2 = _TEMPLATE[136:148]  # mtime
-_REG_TAIL = b"0" + _TEMPLATE[157:]  # typeflag '0', linkname, magic..devminor, empty prefix, padding
-_REG_SUM = _TEMPLATE_SUM + ord("0")
-_NULS = [bytes(n) for n in range(101)]
-
-
-_SIZE_FIELDS: dict[int, tuple[bytes, int]] = {}
-
-
-def _size_field(size: int) -> tuple[bytes, int]:
-    """``(size field, its byte sum)``, cached for the small sizes of ``.cls``/``.json`` members."""
-    got = _SIZE_FIELDS.get(size)
-    if got is None:
-        sz = b"%011o\0" % size
-        got = (sz, sum(sz))
-        if size < 4096:
-            _SIZE_FIELDS[size] = got
-    return got
-
-
-def _ustar_header(name: bytes, size: int, typeflag: bytes = b"0", prefix: bytes = b"") -> bytes:
-    h = bytearray(_TEMPLATE)
-    h[0 : len(name)] = name
-    sz = b"%011o\0" % size
-    h[124:136] = sz
-    h[156] = typeflag[0]
-    if prefix:
-        h[345 : 345 + len(prefix)] = prefix
-    chk = _TEMPLATE_SUM + sum(name) + sum(sz) + typeflag[0] + sum(prefix)
-    h[148:156] = b"%06o\0 " % chk
-    return bytes(h)
-
-
-def _pax_record(keyword: str, value: bytes) -> bytes:
-    body = b" " + keyword.encode() + b"=" + value + b"\n"
-    n = len(body) + 1
-    while len(str(n)) + len(body) != n:  # the length field counts its own digits
-        n = len(str(n)) + len(body)
-    return str(n).encode() + body
-
-
-def member_header(name: str, size: int) -> bytes:
-    """Header block(s) for a regular file ``name`` of ``size`` bytes (ustar, PAX when needed)."""
-    raw = name.encode("utf-8")
-    pax: list[bytes] = []
-    ustar_name = raw
-    prefix = b""
-    if size > MAX_USTAR_SIZE:
-        pax.append(_pax_record("size", str(size).encode()))
-    if len(raw) > 100 or not raw.isascii():
-        split = _ustar_split(raw) if raw.isascii() else None
-        if split is None:
-            pax.append(_pax_record("path", raw))
-            # Readers without PAX support see a truncated, still ASCII name.
-            ustar_name = raw[-100:].decode("ascii", "replace").encode("ascii", "replace")[-100:]
-        else:
-            prefix, ustar_name = split
-    if not pax:
-        return _ustar_header(ustar_name, size, b"0", prefix)
-    data = b"".join(pax)
-    return (
-        _ustar_header(b"././@PaxHeader", len(data), b"x")
-        + data
-        + _pad(len(data))
-        # With a PAX size record the ustar size field is ignored by readers; tarfile writes 0 there.
-        + _ustar_header(ustar_name, size if size <= MAX_USTAR_SIZE else 0, b"0", prefix)
-    )
-
-
-def _ustar_split(raw: bytes) -> tuple[bytes, bytes] | None:
-    """Split ``raw`` at a ``/`` into (prefix <= 155 bytes, name <= 100 bytes), or None."""
-    i = raw.find(b"/", max(0, len(raw) - 101))
-    while i != -1:
-        if i <= 155 and len(raw) - i - 1 <= 100 and i > 0:
-            return raw[:i], raw[i + 1 :]
-        i = raw.find(b"/", i + 1)
-    return None
 
 
 def check_keys(keys: Sequence[str], where: str = "") -> None:
@@ -265,7 +162,7 @@ def _padded(n: np.ndarray) -> np.ndarray:
 
 def sample_disk_bytes(inputs: SizeInputs) -> tuple[np.ndarray, int]:
     """``(bytes of each sample's members, the two end blocks)`` in a tar shard: exact for image files
-    that pass through unchanged (see :class:`~stager.formats.base.SizedFormat`).
+    that pass through unchanged (see :meth:`~stager.formats.base.Format.disk_bytes`).
 
     A sample is a 512-byte header per member, its image padded to 512 and one block of ``.cls`` data
     (+ the padded ``.json`` with ``json_member``). Keys too long for the name field (or not ASCII) get
@@ -310,27 +207,15 @@ class TarShardWriter(BufferedShardFile):
     the caller need not read the file back to hash it), ``writeback`` (start the kernel's writeback
     of each chunk as it is written, see :mod:`stager.writeback`, so that the caller's fsync is
     short), ``json_member`` (also write each sample's ``<key>.json`` member). Unknown options are
-    ignored so that one option set can be passed to every format.
+    ignored so that one option set can be passed to every format. ``path`` None builds the members in
+    memory (:class:`TarFragmentWriter`).
     """
 
     def __init__(
-        self,
-        path: str,
-        *,
-        shard_name: str,
-        classes: Sequence[str],
-        flush_bytes: int = FLUSH_BYTES,
-        fsync: bool = False,
-        keys_checked: bool = False,
-        hasher: Any = None,
-        writeback: bool = False,
-        json_member: bool = False,
-        fields: Sequence[FieldSpec] = (),
-        **options: Any,
+        self, path: str | None, *, shard_name: str, classes: Sequence[str], keys_checked: bool = False,
+        json_member: bool = False, fields: Sequence[FieldSpec] = (), **options: Any,
     ) -> None:
-        super().__init__(path, flush_bytes=flush_bytes, fsync=fsync, hasher=hasher, writeback=writeback)
-        self.shard_name = shard_name
-        self.classes = list(classes)
+        super().__init__(path, shard_name=shard_name, classes=classes, **options)
         self._fields = {f.name: f for f in fields}
         self._keys_checked = keys_checked
         self._json = json_member
@@ -339,8 +224,7 @@ class TarShardWriter(BufferedShardFile):
         self._labels: dict[Any, tuple[int, str, tuple[bytes, bytes], bytes, int]] = {}
 
     def write(self, sample: Sample) -> Extent:
-        if self._closed():
-            raise UsageError(f"{self.shard_name}: write() after close()")
+        self._check_open()
         key = sample.key
         if not self._keys_checked:
             if key in self._keys:
@@ -369,37 +253,37 @@ class TarShardWriter(BufferedShardFile):
         if nk <= 95 and nk + len(dot_ext) <= 100 and kb.isascii():  # all the names fit the name field
             # One join builds the sample's members, headers from constant pieces with the key's byte
             # sum computed once for every checksum (the checksum field counts as spaces).
-            ks = _REG_SUM + sum(kb)
+            ks = REGULAR_SUM + sum(kb)
             sz = b"%011o\0" % size
             offset = self._written + len(buf) + BLOCK
             buf += b"".join(
                 (
-                    kb, dot_ext, _NULS[100 - nk - len(dot_ext)], _MID1, sz, _MID2,
-                    b"%06o\0 " % (ks + ext_sum + sum(sz)), _REG_TAIL, data, _PADS[-size % BLOCK],
-                    kb, b".cls", _NULS[96 - nk], _MID1, cls_sz, _MID2, b"%06o\0 " % (ks + 368 + cls_zs), _REG_TAIL,
+                    kb, dot_ext, NULS[100 - nk - len(dot_ext)], MODE_IDS, sz, MTIME,
+                    b"%06o\0 " % (ks + ext_sum + sum(sz)), REGULAR_TAIL, data, PADS[-size % BLOCK],
+                    kb, b".cls", NULS[96 - nk], MODE_IDS, cls_sz, MTIME, b"%06o\0 " % (ks + 368 + cls_zs), REGULAR_TAIL,
                     cls_member[0],
                 )
             )  # fmt: skip
             if self._json:
                 js = _json_meta(key, label, cls, sample.meta)
                 nj = len(js)
-                jz, jzs = _SIZE_FIELDS.get(nj) or _size_field(nj)
+                jz, jzs = size_field(nj)
                 buf += b"".join(
-                    (kb, b".json", _NULS[95 - nk], _MID1, jz, _MID2, b"%06o\0 " % (ks + 488 + jzs), _REG_TAIL,
-                     js, _PADS[-nj % BLOCK])
+                    (kb, b".json", NULS[95 - nk], MODE_IDS, jz, MTIME, b"%06o\0 " % (ks + 488 + jzs), REGULAR_TAIL,
+                     js, PADS[-nj % BLOCK])
                 )  # fmt: skip
         else:
             buf += member_header(f"{key}.{ext}", size)
             offset = self._written + len(buf)
             buf += data
-            buf += _PADS[-size % BLOCK]
+            buf += PADS[-size % BLOCK]
             buf += member_header(f"{key}.cls", len(cls_member[1]))
             buf += cls_member[0]
             if self._json:
                 js = _json_meta(key, label, cls, sample.meta)
                 buf += member_header(f"{key}.json", len(js))
                 buf += js
-                buf += _PADS[-len(js) % BLOCK]
+                buf += PADS[-len(js) % BLOCK]
         extents = self._write_fields(key, sample.fields) if sample.fields else None
         if len(self._buf) >= self._flush_bytes:
             self._flush()
@@ -416,11 +300,8 @@ class TarShardWriter(BufferedShardFile):
             buf += member_header(f"{key}.{spec.member_suffix}", len(data))
             out[name] = (self._written + len(buf), len(data))
             buf += data
-            buf += _PADS[-len(data) % BLOCK]
+            buf += PADS[-len(data) % BLOCK]
         return out
-
-    def _closed(self) -> bool:
-        return self._f is None
 
     def _ext_entry(self, ext: str, key: str) -> tuple[str, bytes, int]:
         low = ext.lower()
@@ -436,15 +317,15 @@ class TarShardWriter(BufferedShardFile):
         value = int(label)
         cls = self.classes[value] if 0 <= value < len(self.classes) else ""
         text = b"%d" % value
-        sz, zs = _size_field(len(text))
-        entry = (value, cls, (text + _PADS[-len(text) % BLOCK], text), sz, zs)
+        sz, zs = size_field(len(text))
+        entry = (value, cls, (text + PADS[-len(text) % BLOCK], text), sz, zs)
         self._labels[label] = entry
         return entry
 
     def close(self) -> list[tuple[str, str]]:
-        if self._f is None:
+        if self.closed:
             return []
-        self._buf += _ZERO_BLOCK * 2
+        self._buf += END_OF_ARCHIVE
         self._finish()
         return []
 
@@ -459,86 +340,15 @@ class TarFragmentWriter(TarShardWriter):
     relative to the fragment's start; :meth:`take` returns the bytes.
     """
 
-    def __init__(
-        self, *, shard_name: str, classes: Sequence[str], keys_checked: bool = False, json_member: bool = False,
-        fields: Sequence[FieldSpec] = (), **options: Any,
-    ) -> None:
-        self.path = ""
-        self.shard_name = shard_name
-        self.classes = list(classes)
-        self._json = json_member
-        self._fields = {f.name: f for f in fields}
-        self._flush_bytes = 1 << 62  # never flushed: the caller takes the bytes
-        self._fsync = False
-        self._keys_checked = keys_checked
-        self._hasher = None
-        self._writeback = False
-        self._f = None
-        self._open = True
-        self._buf = bytearray()
-        self._written = 0
-        self._keys = set()
-        self._exts_ok = {}
-        self._labels = {}
-
-    def _closed(self) -> bool:
-        return not self._open
-
-    def take(self) -> bytearray:
-        """The fragment's bytes; the writer is finished afterwards."""
-        self._open = False
-        buf, self._buf = self._buf, bytearray()
-        return buf
+    def __init__(self, *, shard_name: str, classes: Sequence[str], **options: Any) -> None:
+        super().__init__(None, shard_name=shard_name, classes=classes, **options)  # never flushed: nothing hashed
 
     def close(self) -> list[tuple[str, str]]:
         self._open = False
         return []
 
-    def abort(self) -> None:
-        self._open = False
-        self._buf = bytearray()
-
 
 # ---- reading -----------------------------------------------------------------------------------
-def _parse_number(field: bytes) -> int:
-    if field and field[0] & 0x80:  # GNU base-256
-        v = int.from_bytes(field, "big") & ~(0x80 << (8 * (len(field) - 1)))
-        return v
-    s = field.split(b"\0", 1)[0].strip()
-    return int(s, 8) if s else 0
-
-
-def _parse_pax(data: bytes, where: str) -> dict[str, bytes]:
-    out: dict[str, bytes] = {}
-    pos = 0
-    while pos < len(data):
-        sp = data.find(b" ", pos)
-        if sp == -1:
-            if not data[pos:].strip(b"\0"):
-                break
-            raise CorruptSampleError(f"{where}: malformed PAX header record")
-        try:
-            n = int(data[pos:sp])
-        except ValueError as exc:
-            raise CorruptSampleError(f"{where}: malformed PAX header record length") from exc
-        rec = data[sp + 1 : pos + n]
-        if n <= sp - pos or pos + n > len(data) or not rec.endswith(b"\n") or b"=" not in rec:
-            raise CorruptSampleError(f"{where}: malformed PAX header record")
-        k, v = rec[:-1].split(b"=", 1)
-        out[k.decode("utf-8", "replace")] = v
-        pos += n
-    return out
-
-
-def _safe_member_name(name: str, where: str) -> str:
-    if name.startswith("./"):
-        name = name[2:]
-    parts = name.split("/")
-    if not name or name.startswith("/") or ".." in parts or "\0" in name:
-        raise UnsafeArchiveError(f"{where}: unsafe member name {name!r}; refusing this shard")
-    return name
-
-
 def split_member_name(name: str) -> tuple[str, str]:
     """webdataset's rule: split at the first ``.`` of the last path component -> (key, ext)."""
     head, _, last = name.rpartition("/")
@@ -546,126 +356,6 @@ def split_member_name(name: str) -> tuple[str, str]:
     if not dot or not base:
         return name, ""
     return (f"{head}/{base}" if head else base), ext
-
-
-_REGULAR = (b"0", b"\0", b"7")
-
-
-def header_sum(hdr: bytes) -> int:
-    """``sum(hdr)`` of a 512-byte header, 8x faster: adler32's low half is ``1 + sum mod 65521``,
-    exact for 256 bytes (at most 65,280)."""
-    return (zlib.adler32(hdr[:256]) & 0xFFFF) + (zlib.adler32(hdr[256:]) & 0xFFFF) - 2
-
-
-def padded_size(size: int) -> int:
-    """A member's data size rounded up to whole 512-byte blocks."""
-    return size + (-size % BLOCK)
-
-
-def walk_headers(
-    take: Callable[[int], bytes | memoryview], skip: Callable[[int], object], file_size: int, where: str
-) -> Iterator[tuple[str, int, int]]:
-    """Check every header of a tar stream; yield ``(name, data offset, size)`` per regular member.
-
-    The one tar header parser (used by :func:`iter_members` and by ``stager.stage.unpack.walk_tar``, so
-    pack, verify and unpack accept exactly the same archives). ``take(n)`` returns the next ``n``
-    bytes of the stream, ``skip(n)`` passes over them. After each yield the caller must consume
-    exactly ``padded_size(size)`` bytes (with ``take`` or ``skip``) before asking for the next member.
-
-    Raises :class:`CorruptSampleError` for bad checksums, truncation or a missing end marker, and
-    :class:`UnsafeArchiveError` for links, devices, FIFOs and unsafe names. Directories are skipped.
-    """
-    pos = 0
-    long_name: str | None = None
-    pax: dict[str, bytes] = {}
-    while True:
-        hdr = bytes(take(BLOCK))
-        if len(hdr) < BLOCK:
-            raise CorruptSampleError(
-                f"{where}: truncated at byte {pos} (no end-of-archive marker); re-pack or re-stage this shard"
-            )
-        if hdr == _ZERO_BLOCK:
-            if bytes(take(BLOCK)) != _ZERO_BLOCK:
-                raise CorruptSampleError(f"{where}: damaged end-of-archive marker at byte {pos}")
-            if long_name is not None or pax:
-                raise CorruptSampleError(f"{where}: extended header without a member at byte {pos}")
-            return
-        stored = _parse_checksum(hdr, where, pos)
-        unsigned = header_sum(hdr) - sum(hdr[148:156]) + 256  # the checksum field counts as 8 spaces
-        # Some historic writers summed signed chars; accept either, as GNU tar does.
-        if stored != unsigned and stored != unsigned - 256 * sum(1 for b in hdr[:148] + hdr[156:] if b > 127):
-            raise CorruptSampleError(
-                f"{where}: bad tar header checksum at byte {pos} (stored {stored}, computed {unsigned}); "
-                "the shard is damaged: re-pack or re-stage it"
-            )
-        try:
-            size = _parse_number(hdr[124:136])
-        except ValueError as exc:
-            raise CorruptSampleError(f"{where}: bad size field in tar header at byte {pos}") from exc
-        typeflag = hdr[156:157]
-        if "size" in pax and typeflag in _REGULAR:
-            try:
-                size = int(pax["size"])
-            except ValueError as exc:
-                raise CorruptSampleError(f"{where}: bad PAX size at byte {pos}") from exc
-        data_start = pos + BLOCK
-        if size < 0 or data_start + size > file_size:
-            raise CorruptSampleError(
-                f"{where}: member at byte {pos} claims {size} bytes but the file has {file_size}; "
-                "the shard is truncated: re-pack or re-stage it"
-            )
-        padded = padded_size(size)
-        pos = data_start + padded
-        if typeflag in (b"x", b"g", b"L"):
-            ext = bytes(take(padded))[:size]
-            if len(ext) < size:
-                raise CorruptSampleError(f"{where}: truncated extended header at byte {data_start - BLOCK}")
-            if typeflag == b"x":
-                pax = _parse_pax(ext, where)
-            elif typeflag == b"L":
-                long_name = ext.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-            continue
-        if typeflag == b"5":  # directory: no data, nothing to yield
-            skip(padded)
-            long_name, pax = None, {}
-            continue
-        if typeflag not in _REGULAR:
-            kind = {b"1": "hard link", b"2": "symlink", b"3": "char device", b"4": "block device", b"6": "FIFO"}
-            raise UnsafeArchiveError(
-                f"{where}: member at byte {data_start - BLOCK} is a {kind.get(typeflag, f'type {typeflag!r}')}, "
-                "not a regular file; refusing this shard"
-            )
-        if "path" in pax:
-            name = pax["path"].decode("utf-8", "surrogateescape")
-        elif long_name is not None:
-            name = long_name
-        else:
-            raw = hdr[:100].split(b"\0", 1)[0]
-            if hdr[257:262] == b"ustar" and hdr[345] != 0:
-                raw = hdr[345:500].split(b"\0", 1)[0] + b"/" + raw
-            name = raw.decode("utf-8", "surrogateescape")
-        yield _safe_member_name(name, where), data_start, size
-        long_name, pax = None, {}
-
-
-def iter_members(f: BinaryIO, file_size: int, where: str) -> Iterator[tuple[str, int, bytes]]:
-    """Yield ``(name, data offset, data)`` for each regular file of the tar stream ``f``.
-
-    Header checks and errors as in :func:`walk_headers`.
-    """
-    for name, start, size in walk_headers(f.read, lambda n: f.seek(n, os.SEEK_CUR), file_size, where):
-        padded = padded_size(size)
-        data = f.read(padded)
-        if len(data) < size:
-            raise CorruptSampleError(f"{where}: truncated member {name!r} at byte {start - BLOCK}")
-        yield name, start, data[:size] if padded != size else data
-
-
-def _parse_checksum(hdr: bytes, where: str, pos: int) -> int:
-    try:
-        return int(hdr[148:156].split(b"\0", 1)[0].strip() or b"-1", 8)
-    except ValueError as exc:
-        raise CorruptSampleError(f"{where}: not a tar header at byte {pos} (bad checksum field)") from exc
 
 
 def _choose_image(members: dict[str, bytes]) -> str | None:
@@ -765,14 +455,13 @@ class TarShardReader(ExtentReader):
         return sample
 
 
-class TarFormat:
+class TarFormat(Format):
     """webdataset-compatible tar shards (``shard-00000.tar``)."""
 
-    name = "tar"
-    suffix = ".tar"
-    sample_kind = "encoded"
-    hashes_while_writing = True  # the writer feeds every byte to an optional ``hasher``
-    END_MARKER = _ZERO_BLOCK * 2  # what follows the concatenated fragments of a shard
+    spec = format_spec("tar")
+    reader = TarShardReader
+    writer = TarShardWriter
+    END_MARKER = END_OF_ARCHIVE  # what follows the concatenated fragments of a shard
 
     def open_fragment(self, *, shard_name: str, classes: Sequence[str], **options: Any) -> TarFragmentWriter:
         """An in-memory writer for a run of a shard's samples (see :class:`TarFragmentWriter`)."""
@@ -782,18 +471,9 @@ class TarFormat:
         """Validate a whole plan's keys before anything is written (see :func:`check_keys`)."""
         check_keys(keys, where)
 
-    def shard_name(self, index: int) -> str:
-        return f"shard-{index:05d}.tar"
-
     def disk_bytes(self, inputs: SizeInputs) -> tuple[np.ndarray, int]:
         """Each sample's bytes in a shard file, and the end blocks (:func:`sample_disk_bytes`)."""
         return sample_disk_bytes(inputs)
-
-    def open_writer(self, path: str, *, shard_name: str, classes: Sequence[str], **options: Any) -> TarShardWriter:
-        return TarShardWriter(path, shard_name=shard_name, classes=classes, **options)
-
-    def open_reader(self, path: str, info: ShardInfo, manifest: Manifest) -> TarShardReader:
-        return TarShardReader(path, info, manifest)
 
 
 FORMAT = TarFormat()

@@ -33,6 +33,7 @@ from typing import Any
 
 from stager.checksum import hash_bytes
 from stager.errors import CorruptSampleError, DestinationError, UsageError
+from stager.formats import FORMAT_SPECS
 from stager.fs.atomic import atomic_write_bytes, remove_partials
 from stager.fs.open import is_url, join
 from stager.index import remote
@@ -41,7 +42,7 @@ from stager.index.discover import STATE_DIR, discover
 from stager.index.fields import compare_fields
 from stager.index.labels import resolve_labels
 from stager.index.lmdb import scan_lmdb
-from stager.index.options import MANIFEST_FORMAT, IndexOptions
+from stager.index.options import IndexOptions
 from stager.index.parquet import scan_parquet
 from stager.index.record import scan_record
 from stager.index.recordio import scan_recordio
@@ -50,16 +51,11 @@ from stager.index.tar import scan_tar
 from stager.manifest import INDEX_PARTIAL_BASE, MANIFEST_NAME, AuxFile, Manifest, ShardInfo, load_manifest
 from stager.progress import Progress
 
-# scan(path, name, image_key, label_key, hash algo, **IndexOptions.scan_extras(kind)) -> ShardScan
+# scan(path, name, image_key, label_key, hash algo, **IndexOptions.scan_extras(kind)) -> ShardScan: one per
+# format the registry says `stager index` adopts (tests/test_format_registry.py checks that they agree).
 Scanner = Callable[..., ShardScan]
 SCANNERS: dict[str, Scanner] = {"tar": scan_tar, "record": scan_record, "parquet": scan_parquet,
                                 "recordio": scan_recordio, "lmdb": scan_lmdb}
-# Index files written for readers that need one: TFRecord ``<file>.idx`` (DALI's ``<offset> <size>``)
-# and RecordIO ``x.rec`` -> ``x.idx`` (MXNet's and DALI's ``<key>\t<offset>``), from ShardScan.records.
-INDEX_FILES: dict[str, tuple[Callable[[str], str], bytes]] = {
-    "record": (lambda name: f"{name}.idx", b"%d %d\n"),
-    "recordio": (lambda name: os.path.splitext(name)[0] + ".idx", b"%d\t%d\n"),
-}
 
 
 @dataclass
@@ -111,7 +107,7 @@ def index_dataset(src: str | os.PathLike[str], out: str | os.PathLike[str] | Non
     ordered = [scans[n] for n in names]
     _check_boundaries(ordered, directory)
     dali, dali_paths = (_write_dali_index(ordered, directory, out_dir, in_place, algo=opts.hash_algo, kind=kind)
-                        if kind in INDEX_FILES and opts.dali_index else ({}, []))
+                        if FORMAT_SPECS[kind].companion and opts.dali_index else ({}, []))
     m = _manifest(ordered, directory, kind, opts, dali, shard_root=None if in_place else directory)
     path = m.write(out_dir)
     shutil.rmtree(state, ignore_errors=True)
@@ -131,7 +127,7 @@ def _manifest(ordered: list[ShardScan], directory: str, kind: str, opts: IndexOp
     columns, fields = extra_columns(ordered, directory)
     shards = [ShardInfo(s.name, s.bytes, s.hash, s.keys, lab, *s.arrays(), aux=aux.get(s.name, []), extents=s.extents,
                         columns=cols) for s, lab, cols in zip(ordered, labels, columns, strict=True)]
-    return Manifest(format=MANIFEST_FORMAT[kind], classes=classes, shards=shards, hash_algo=opts.hash_algo,
+    return Manifest(format=kind, classes=classes, shards=shards, hash_algo=opts.hash_algo,
                     source={"kind": "index", "path": directory, "input": kind},
                     options={"index": {**opts.fingerprint(kind), "label_offset": opts.label_offset}},
                     shard_root=shard_root, sample_kind=kind_of_samples, image_shape=image_shape, fields=fields)
@@ -275,12 +271,13 @@ def _check_boundaries(scans: list[ShardScan], directory: str) -> None:
 
 
 def _unique_keys(scans: list[ShardScan], kind: str, directory: str) -> None:
-    """Keys must be unique in the dataset: a tar repeat is refused; record/parquet, whose keys are file
-    names that may repeat (one per class folder), then key every sample by its position instead."""
+    """Keys must be unique in the dataset: a repeat where keys are the container's member names (tar: the
+    format's ``named_keys``) is refused; record/parquet, whose keys are file names that may repeat (one per
+    class folder), then key every sample by its position instead."""
     dup = _first_repeat(scans)
     if dup is None:
         return
-    if kind == "tar":
+    if FORMAT_SPECS[kind].named_keys:
         raise DamagedShardError(f"{directory}: sample key {dup[0]!r} appears twice ({dup[1]}); keys must be "
                                  "unique across the shards")
     for t in scans:
@@ -300,20 +297,21 @@ def _first_repeat(scans: list[ShardScan]) -> tuple[str, str] | None:
 
 def _write_dali_index(scans: list[ShardScan], directory: str, out_dir: Path, in_place: bool,
                       *, algo: str, kind: str) -> tuple[dict[str, list[AuxFile]], list[str]]:
-    """Index files (:data:`INDEX_FILES`: DALI's ``tfrecord2idx`` lines, MXNet's ``.idx``) for the shards
-    whose scan made ``records``: ``(companions by shard, paths)``.
+    """Index files for the shards whose scan made ``records``: the companion the format's registry entry
+    names (TFRecord ``<file>.idx`` in DALI's ``<offset> <size>`` lines, RecordIO ``x.rec`` -> ``x.idx``
+    in MXNet's and DALI's ``<key>\t<offset>``): ``(companions by shard, paths)``.
 
     In place they sit beside their file and are listed as its companion (staged and verified with it);
     an existing ``.idx`` that differs (someone's own) is left alone and not listed. With ``--out`` they
     go into OUT, are not companions (the shards are elsewhere), and DALI is given them by path."""
     aux: dict[str, list[AuxFile]] = {}
     paths: list[str] = []
-    name_of, line = INDEX_FILES[kind]
+    spec = FORMAT_SPECS[kind]
     for s in scans:
         if s.records is None:  # a RecordIO file with its own, checked .idx (a companion already)
             continue
-        data = b"".join(line % r for r in s.records)
-        target = (Path(directory) if in_place else out_dir) / name_of(s.name)
+        data = b"".join(spec.companion_line % r for r in s.records)
+        target = (Path(directory) if in_place else out_dir) / str(spec.companion_name(s.name))
         try:
             have: bytes | None = target.read_bytes()
         except FileNotFoundError:

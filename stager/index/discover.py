@@ -8,12 +8,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from stager.errors import SourceNotFoundError, UsageError
+from stager.formats import FORMAT_SPECS
 from stager.formats.lmdb_pages import is_lmdb
 from stager.formats.record import masked_crc
 from stager.formats.recordio import MAGIC_BYTES
 from stager.fs.open import is_url, join
 from stager.index import remote
-from stager.index.options import KINDS, SUFFIXES
+from stager.index.options import KINDS
 from stager.manifest import INDEX_SUFFIX, MANIFEST_NAME, check_file_name
 
 STATE_DIR = ".stager-index"  # per-shard scan results of an unfinished run (resume)
@@ -24,7 +25,7 @@ _IGNORED_NAMES = (MANIFEST_NAME, "lock.mdb")  # an LMDB's lock file is not data 
 def kind_of_name(name: str) -> str | None:
     low = name.lower()
     for kind in KINDS:
-        if low.endswith(SUFFIXES[kind]):
+        if low.endswith(FORMAT_SPECS[kind].adopt_suffixes):
             return kind
     return None
 

@@ -7,23 +7,12 @@ from typing import Any
 
 from stager.checksum import ALGOS, DEFAULT_ALGO
 from stager.errors import UsageError
+from stager.formats import ADOPTED_FORMATS, FORMAT_SPECS
 
-KINDS = ("tar", "record", "parquet", "recordio", "lmdb")
-# File suffixes of each kind (lower-cased), in the order `--format auto` tries them.
-SUFFIXES = {
-    "tar": (".tar",),
-    "record": (".tfrecord", ".tfrecords", ".record", ".tfr"),
-    "parquet": (".parquet", ".pq"),
-    "recordio": (".rec",),
-    "lmdb": (".mdb", ".lmdb"),  # data.mdb of an environment directory, or a subdir=False file
-}
-# The manifest format each kind is described as (tar and TFRecord are stager's own layouts).
-MANIFEST_FORMAT = {"tar": "tar", "record": "record", "parquet": "parquet", "recordio": "recordio", "lmdb": "lmdb"}
-DEFAULT_IMAGE_KEY: dict[str, str | None] = {"tar": None, "record": "image/encoded", "parquet": "image",
-                                            "recordio": None, "lmdb": None}
-DEFAULT_LABEL_KEY = {"tar": "cls", "record": "image/class/label", "parquet": "label", "recordio": "label",
-                     "lmdb": "label"}
-FIELD_KINDS = ("tar", "record", "parquet")  # inputs whose scanners adopt fields (stager.index.fields)
+# The input kinds are the formats `stager index` adopts: their registry entries (stager.formats.registry)
+# say which file suffixes are theirs (`adopt_suffixes`, in the order `--format auto` tries them), their
+# default image and label keys, whether their scanners adopt fields and whether their values have layouts.
+KINDS = ADOPTED_FORMATS
 LMDB_LAYOUTS = ("auto", "caffe", "pickle")  # stager.formats.lmdb_values.LAYOUTS
 
 
@@ -67,10 +56,10 @@ class IndexOptions:
             raise UsageError(f"unknown --lmdb-layout {self.lmdb_layout!r}; expected one of {', '.join(LMDB_LAYOUTS)}")
 
     def image_key_for(self, kind: str) -> str | None:
-        return self.image_key if self.image_key is not None else DEFAULT_IMAGE_KEY[kind]
+        return self.image_key if self.image_key is not None else FORMAT_SPECS[kind].image_key
 
     def label_key_for(self, kind: str) -> str | None:
-        key = self.label_key if self.label_key is not None else DEFAULT_LABEL_KEY[kind]
+        key = self.label_key if self.label_key is not None else FORMAT_SPECS[kind].label_key
         return None if key in ("none", "") else key
 
     def fingerprint(self, kind: str) -> dict[str, object]:
@@ -81,6 +70,7 @@ class IndexOptions:
     def scan_extras(self, kind: str) -> dict[str, Any]:
         """Keyword options of ``kind``'s scanner beyond the common ones (LMDB: ``layout``; tar, TFRecord,
         parquet: ``fields=False`` when fields are not adopted)."""
-        if kind == "lmdb":
+        spec = FORMAT_SPECS[kind]
+        if spec.sniffs_layout:
             return {"layout": self.lmdb_layout}
-        return {"fields": False} if not self.fields and kind in FIELD_KINDS else {}
+        return {"fields": False} if not self.fields and spec.fields else {}

@@ -1,6 +1,6 @@
 """Index webdataset tar shards as real writers make them (webdataset's ``ShardWriter``, ``tarp``, GNU tar).
 
-Headers are checked by the one tar parser, :func:`stager.formats.tar.walk_headers` (PAX headers with
+Headers are checked by the one tar parser, :func:`stager.formats.ustar.walk_headers` (PAX headers with
 float mtimes and long names, GNU long names, checksums, sizes, no links or devices). Members are
 grouped into samples by key: a sample is a run of consecutive members ``<key>.<field>``, and its key
 is the longest name prefix, ending before a dot of the last path component, that its first two
@@ -23,7 +23,8 @@ import json
 from typing import Any
 
 from stager.errors import UsageError
-from stager.formats.tar import IMAGE_EXTS, walk_headers
+from stager.formats.tar import IMAGE_EXTS
+from stager.formats.ustar import walk_headers
 from stager.index.fields import FieldRows, Found, parse_ragged, tar_member_spec
 from stager.index.scan import DamagedShardError, ShardScan, mapped
 from stager.manifest.fields import FieldSpec

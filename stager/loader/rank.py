@@ -33,6 +33,7 @@ import numpy as np
 import xxhash
 
 from stager.errors import CorruptSampleError, UsageError
+from stager.formats import format_spec
 from stager.fs.info import detect_fs
 from stager.fs.kernel import release_free_heap
 from stager.loader.access import Resolved, ShardAccess, check_shards, resolve, validate_partition
@@ -72,9 +73,6 @@ from stager.world import World, process_group_world
 SHARED_RUN_BYTES, SHARED_MIN_RUN = 1 << 20, 4
 LOCAL_RUN_BYTES, LOCAL_MIN_RUN = 256 << 10, 2
 MAX_BUFFER_SAMPLES = 1 << 16
-# A sample's byte fields sit beside its image: one span reads them all. Elsewhere (hdf5, parquet:
-# a dataset or column per field) each field is one more read at its extent (FieldsSampleFn.access).
-SPAN_FORMATS = ("tar", "record")
 
 log = logging.getLogger("stager.loader")
 
@@ -254,11 +252,15 @@ class RankDataset:
             raise UsageError("fields are read with decode='uint8'")
         specs = select_fields(m, opts.fields)
         names = tuple(s.name for s in specs if not s.ragged)
-        if names and m.format in SPAN_FORMATS:
+        # Where byte fields sit beside their image (tar, record: the format's fields "span"), one span
+        # reads them all; elsewhere (hdf5, parquet: a dataset or column per field) each field is one more
+        # read at its extent (FieldsSampleFn.access).
+        span = format_spec(m.format).fields == "span"
+        if names and span:
             self.resolved = dataclasses.replace(self.resolved, index=index_from_manifest(m, names))
         idx = self.resolved.index
         fn = FieldsSampleFn(m, specs, idx.offsets, transform=opts.transform, size=opts.image_size, kind=idx.kind,
-                            side=bool(names) and m.format not in SPAN_FORMATS, starts=idx.starts,
+                            side=bool(names) and not span, starts=idx.starts,
                             box_filter=BoxFilter.of(opts.box_filter))
         return fn, specs
 

@@ -43,6 +43,7 @@ import xxhash
 from stager import __version__
 from stager.checksum import ALGOS, DEFAULT_ALGO, new_hasher
 from stager.errors import ManifestError, ShardMissingError, UnsafeArchiveError
+from stager.formats.registry import ALL_FORMATS, FORMAT_SPECS
 from stager.fs.atomic import PARTIAL_SUFFIX, atomic_write_bytes, partial_path
 from stager.fs.open import is_url, join, read_bytes
 from stager.fs.safe import open_regular
@@ -62,9 +63,7 @@ from stager.redact import redact
 SCHEMA = "stager.manifest/2"
 SCHEMA_V1 = "stager.manifest/1"  # read, never written: the per-sample index inline as JSON lists
 MANIFEST_NAME = "manifest.json"
-FORMATS = ("tar", "hdf5", "record", "zarr", "parquet", "recordio", "lmdb")  # the last three: `stager index` only
-# Extents other than file byte ranges, and the formats that may use them (docs/formats.md).
-EXTENTS = {"bytes": FORMATS, "rows": ("parquet",), "records": ("recordio",)}
+FORMATS = ALL_FORMATS  # every registered format (stager.formats.registry); read-only ones from `stager index`
 # Fields left out of the digest: ``digest`` itself, and ``shard_root`` (where the shards live is not
 # what they are: a staged copy drops it and keeps the digest, so receipts still match).
 _UNDIGESTED = ("digest", "shard_root")
@@ -478,7 +477,8 @@ def _attach_index(m: Manifest, root: str | None, storage_options: dict[str, Any]
     opener = _IndexOpener(None if root is None else where, ref, storage_options)
     starts = m.sample_starts()
     si = SampleIndex(opener, where, starts=starts, shard_bytes=np.array([s.bytes for s in m.shards], dtype=np.int64),
-                     nclass=len(m.classes), fmt=m.format, extents=[s.extents for s in m.shards])
+                     nclass=len(m.classes), byte_ranges=FORMAT_SPECS[m.format].byte_ranges,
+                     extents=[s.extents for s in m.shards])
     m.samples_index = si
     m.shards = [ShardInfo(s.name, s.bytes, s.hash, aux=s.aux, extents=s.extents, samples=s.samples,
                           rows=(si, int(a))) for s, a in zip(m.shards, starts[:-1].tolist(), strict=True)]
@@ -545,7 +545,7 @@ def _parse_v1_index(sj: dict[str, Any], n: int, nbytes: int, *, nclass: int, fmt
         raise ManifestError(f"{sw}: label out of range 0..{nclass - 1}")
     if n and (offsets.min() < 0 or sizes.min() < 0):
         raise ManifestError(f"{sw}: negative sample offset or size")
-    if fmt != "zarr" and extents == "bytes" and n and (offsets + sizes).max() > nbytes:
+    if FORMAT_SPECS[fmt].byte_ranges and extents == "bytes" and n and (offsets + sizes).max() > nbytes:
         raise ManifestError(f"{sw}: sample extents exceed the shard's {nbytes} bytes")
     return keys, labels, offsets, sizes
 
@@ -582,7 +582,7 @@ def _parse(body: Any, where: str) -> Manifest:
         if not (isinstance(n, int) and isinstance(nbytes, int)) or n < 0 or nbytes < 0:
             raise ManifestError(f"{sw} ({name}): samples and bytes must be non-negative integers")
         extents = sj.get("extents", "bytes")
-        if fmt not in EXTENTS.get(extents, ()):
+        if extents not in FORMAT_SPECS[fmt].extents:
             raise ManifestError(f"{sw} ({name}): unknown extents {extents!r} for format {fmt}")
         aux = [AuxFile(check_file_name(a["name"], "companion file name"), int(a["bytes"]), str(a["hash"]))
                for a in sj.get("aux", [])]

@@ -55,17 +55,18 @@ class SampleIndex:
 
     ``opener`` returns the parsed :class:`Table` (a memory map of a local file, or the bytes of a
     remote one). Until a per-sample fact is asked for, nothing is opened: loading a manifest costs
-    O(shards). ``starts``: int64 (shards + 1,), each shard's first row.
+    O(shards). ``starts``: int64 (shards + 1,), each shard's first row. ``byte_ranges``: the format's
+    ``bytes`` extents are byte ranges of the shard file, checked against ``shard_bytes`` (not zarr's rows).
     """
 
     def __init__(self, opener: Callable[[], Table], where: str, *, starts: np.ndarray,
-                 shard_bytes: np.ndarray, nclass: int, fmt: str, extents: Sequence[str]) -> None:
+                 shard_bytes: np.ndarray, nclass: int, byte_ranges: bool, extents: Sequence[str]) -> None:
         self._opener = opener
         self.where = where
         self.starts = starts
         self._shard_bytes = shard_bytes
         self._nclass = nclass
-        self._fmt = fmt
+        self._byte_ranges = byte_ranges  # the format's offsets are file byte ranges (not zarr's rows)
         self._extents = list(extents)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -103,7 +104,7 @@ class SampleIndex:
                 raise ManifestError(f"{self.where}: row {row}: label out of range -1..{self._nclass - 1}")
             if len(lab) and (int(offsets[a : a + _CHUNK].min()) < 0 or int(sizes[a : a + _CHUNK].min()) < 0):
                 raise ManifestError(f"{self.where}: rows {a}..: negative sample offset or size")
-        if self._fmt == "zarr":
+        if not self._byte_ranges:
             return
         for i in range(len(self.starts) - 1):
             a, b = int(self.starts[i]), int(self.starts[i + 1])

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stager.errors import OutOfSpaceError, UsageError
-from stager.formats import get_writer_format
+from stager.formats import FIELD_FORMATS, get_writer_format
 from stager.fs import lustre
 from stager.fs.atomic import fsync_dir, remove_partials
 from stager.fs.kernel import release_free_heap
@@ -60,8 +60,6 @@ from stager.pack.sources.frames import FrameSource, clip_shards
 from stager.pack.sources.select import open_source
 from stager.pack.state import STATE_DIR, ShardDone
 from stager.progress import Progress
-
-FIELD_FORMATS = ("tar", "record", "hdf5", "zarr")  # formats that store samples with fields (docs/fields.md)
 
 if TYPE_CHECKING:
     from stager.formats.base import Format
@@ -267,24 +265,24 @@ class PackRun:
         source = open_source(
             src, split=self.options.split, map_fn=pool.map if pool is not None else None, options=self.options
         )
-        if source.fields and fmt.name not in FIELD_FORMATS:
+        if source.fields and not fmt.spec.fields:
             raise UsageError(f"{src}: samples with fields are packed to {', '.join(FIELD_FORMATS)}; "
                              f"--format {fmt.name} stores one image and a label")
         if source.kind == "pack" and self.remote is None and self.out == source.root:
             raise UsageError(f"{self.out}: output is the source pack itself; choose another directory")
         check_names(source)  # every name `stage --unpack` creates is refused here or never
         # Keys are checked once for the whole plan (one pass), so writers need not check each one.
-        check_keys = getattr(fmt, "check_keys", None)
-        if check_keys is not None:
+        keys_checked = fmt.spec.named_keys
+        if keys_checked:
             if isinstance(source.refs, ListingRefs):
                 # A chunk at a time, so that the keys never all exist as Python strings; a columnar
                 # listing's keys are unique by construction (the source contract), across chunks too.
                 for chunk in source.refs.key_chunks():
-                    check_keys(chunk, f"{source.root}: ")
+                    fmt.check_keys(chunk, f"{source.root}: ")
             else:
-                check_keys([r.key for r in source.refs], f"{source.root}: ")
+                fmt.check_keys([r.key for r in source.refs], f"{source.root}: ")
         image_shape = self._image_shape(source) if fmt.sample_kind == "decoded" else None
-        return Listing(source, fmt, fmt.sample_kind, image_shape, keys_checked=check_keys is not None)
+        return Listing(source, fmt, fmt.sample_kind, image_shape, keys_checked=keys_checked)
 
     def _image_shape(self, source: Source) -> tuple[int, int, int]:
         """The one (H, W, 3) a decoded format stores: ``resize``, else the source's own fixed shape,

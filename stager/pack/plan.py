@@ -3,7 +3,7 @@
 The source's samples are ordered by a seeded permutation (``stager.order.streams.pack_order(seed)``)
 unless ``keep_order``, and cut into shards by ``samples_per_shard`` and/or ``shard_size`` bytes
 (a shard ends before the sample that would exceed either limit, and holds at least one). Bytes are
-shard *file* bytes: each format that implements :class:`~stager.formats.base.SizedFormat` says what a
+shard *file* bytes: each format's :meth:`~stager.formats.base.Format.disk_bytes` says what a
 sample takes on disk (headers, padding, framing, metadata) and what every shard file has besides
 (:func:`shard_costs`); files that pass through unchanged give exact sizes for tar and record.
 
@@ -162,16 +162,12 @@ def shard_costs(
 ) -> tuple[np.ndarray, int]:
     """``(each sample's bytes in a shard file, fixed bytes per shard file)`` for ``options.format``.
 
-    From the format's :meth:`~stager.formats.base.SizedFormat.disk_bytes` where it has one, else the
-    source sizes and nothing fixed (payload bytes, the old estimate).
+    From the format's :meth:`~stager.formats.base.Format.disk_bytes` (every format stager writes has one).
     """
     fmt = get_format(options.format)
-    disk_bytes = getattr(fmt, "disk_bytes", None)
-    if disk_bytes is None:
-        return sizes, 0
     exts = _exts_of(locators)
     inputs = SizeInputs(keys, labels, sizes, exts, classes, image_shape, {"json_member": options.tar_json})
-    return disk_bytes(inputs)
+    return fmt.disk_bytes(inputs)
 
 
 def _digest(obj: Any) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
@@ -66,8 +66,8 @@ class FragmentFormat(Protocol):
 
 
 def fragmentable(fmt: Format) -> TypeGuard[FragmentFormat]:
-    """Whether ``fmt`` shards can be written in parallel segments."""
-    return hasattr(fmt, "open_fragment")
+    """Whether ``fmt`` shards can be written in parallel segments (its entry's ``fragments``)."""
+    return fmt.spec.fragments
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ def write_shard(job: ShardJob, source: Source, progress: Progress | None = None)
     listed (``"skip"``). Disk-full errors become :class:`OutOfSpaceError`. Nothing is left under a
     final name on failure: the writer's ``.partial`` files are removed.
 
-    Formats that hash while writing (``Format.hashes_while_writing``, tar) are handed the hasher, so
+    Formats that hash while writing (``spec.hashes_while_writing``: tar, record) are handed the hasher, so
     the shard is not read back: it is only fsynced before the rename.
     """
     opts = job.options
@@ -134,7 +134,7 @@ def write_shard(job: ShardJob, source: Source, progress: Progress | None = None)
     rows = SampleRows()
     companions: list[tuple[str, str]] = []
     writer = None
-    hasher = new_hasher(opts.hash_algo) if getattr(fmt, "hashes_while_writing", False) else None
+    hasher = new_hasher(opts.hash_algo) if fmt.spec.hashes_while_writing else None
     try:
         writer = fmt.open_writer(
             str(tmp),
@@ -148,7 +148,7 @@ def write_shard(job: ShardJob, source: Source, progress: Progress | None = None)
         )
         write_samples(writer, sh.refs, source, job, rows, progress=progress)
         companions = writer.close()
-        rows.rebase_fields(getattr(writer, "field_bases", {}))  # hdf5: field data placed at close()
+        rows.rebase_fields(writer.field_bases)  # hdf5: field data placed at close()
         writer = None
         aux = []
         for cname, ctmp in companions:
@@ -226,7 +226,7 @@ class SampleRows:
                 cols.setdefault(offset_column(s.name), []).append(off)
                 cols.setdefault(size_column(s.name), []).append(size)
 
-    def rebase_fields(self, bases: dict[str, int]) -> None:
+    def rebase_fields(self, bases: Mapping[str, int]) -> None:
         """Make byte fields' offsets absolute: ``bases[name]`` is where the writer put the field's data."""
         for name, base in bases.items():
             col = self.columns.get(offset_column(name))

@@ -37,6 +37,7 @@ from typing import Any
 
 from stager.cache.history import record_stage
 from stager.errors import UsageError
+from stager.formats import format_spec
 from stager.fs.atomic import fsync_dir
 from stager.fs.copy import CopyTuning
 from stager.fs.info import detect_fs
@@ -236,7 +237,8 @@ def _stage_locked(plan: StagePlan, options: StageOptions, result: StageResult, t
 
 def _space_needed(plan: StagePlan, journal: Journal, todo: list[FileTask]) -> int:
     """Bytes this run writes into DEST: the files to copy (kept with ``--unpack only``: one shard at a
-    time, non-tar only), the unpacked tree (file bytes plus a 4 KiB block per file), the manifest."""
+    time, unless the format streams its members: tar), the unpacked tree (file bytes plus a 4 KiB block
+    per file), the manifest."""
     m = plan.manifest
     unpack_bytes = 0
     if plan.unpack:
@@ -246,7 +248,7 @@ def _space_needed(plan: StagePlan, journal: Journal, todo: list[FileTask]) -> in
                 unpack_bytes += int(s.sizes.sum()) + 4096 * s.samples
     keep_shards = plan.unpack != "only"
     need = (sum(t.bytes for t in todo) if keep_shards else 0) + unpack_bytes + len(plan.manifest_bytes)
-    if plan.unpack == "only" and m.format != "tar":
+    if plan.unpack == "only" and not format_spec(m.format).stream_unpack:
         need += max((t.bytes for t in todo), default=0)  # one shard at a time passes through DEST
     return need
 
@@ -262,7 +264,7 @@ def _copy(plan: StagePlan, options: StageOptions, journal: Journal, todo: list[F
     # From an object store the streams wait on the network, not the CPU: 8 by default (aws s3 cp: 10).
     result.workers = options.workers or (REMOTE_STREAMS if is_url(plan.src_dir) else options.copy_streams)
     staged_manifest = StagedManifest(plan)
-    if not ordered or (plan.unpack == "only" and plan.manifest.format == "tar"):
+    if not ordered or (plan.unpack == "only" and format_spec(plan.manifest.format).stream_unpack):
         # Nothing to copy (tar shards of --unpack only are streamed from SRC by the unpack phase).
         staged_manifest.prepare()
         if staged_manifest.publish():

@@ -12,7 +12,7 @@ Layout: ``ROOT/<class>/<stem>.<ext>`` where ``<class>`` is ``manifest.classes[la
 ``/`` turned into ``_`` (:func:`unpacked_stem`): an ImageFolder pack unpacks to its original file
 names, a CIFAR pack's ``data_batch_1/00006`` to ``data_batch_1_00006``. Tar shards are streamed
 through one reused buffer (:class:`ChunkReader`) and walked header by header (:func:`walk_tar`, the
-same checks as :func:`stager.formats.tar.iter_members`: checksum, size against the shard, type: links, devices and
+same checks as :func:`stager.formats.ustar.iter_members`: checksum, size against the shard, type: links, devices and
 FIFOs are refused, as are absolute and ``..`` names); each image member is matched to its manifest
 entry by data offset and must have exactly the manifest's size, checked before its data is read.
 Other formats go through their readers' ``iter_samples``.
@@ -50,9 +50,9 @@ import numpy as np
 
 from stager.checksum import Hasher, new_hasher
 from stager.errors import CorruptSampleError, UnsafeArchiveError, VerificationError
-from stager.formats import get_format
+from stager.formats import format_spec, get_format
 from stager.formats.base import Sample, image_ext
-from stager.formats.tar import (  # one tar header parser for pack, verify and unpack
+from stager.formats.ustar import (  # one tar header parser for pack, verify and unpack
     BLOCK,
     padded_size,
     walk_headers,
@@ -151,8 +151,8 @@ def walk_tar(r: ChunkReader, file_size: int, where: str, sizes: dict[int, int]
              ) -> Iterator[tuple[str, int, memoryview]]:
     """Yield ``(name, data offset, data)`` for the members whose data offset is a key of ``sizes``.
 
-    Headers are checked by the same parser as :func:`stager.formats.tar.iter_members`
-    (:func:`~stager.formats.tar.walk_headers`); other regular members (``.cls``/``.json``
+    Headers are checked by the same parser as :func:`stager.formats.ustar.iter_members`
+    (:func:`~stager.formats.ustar.walk_headers`); other regular members (``.cls``/``.json``
     companions) are skipped after their name is checked. A listed member whose size is not
     ``sizes[offset]`` is refused before its data is read. ``data`` is a view into ``r``'s buffer,
     valid until the next iteration.
@@ -565,9 +565,10 @@ class _ShardUnpacking:
     def unpack_shard(self, info: ShardInfo) -> None:
         """Unpack one shard, then hand it to the batcher (journaled once its files are on disk)."""
         m = self.plan.manifest
-        if m.indexed and m.format != "tar":
+        streams = format_spec(m.format).stream_unpack  # tar: members written as the bytes pass
+        if m.indexed and not streams:
             self._unpack_by_extents(info)
-        elif m.format != "tar":
+        elif not streams:
             self._unpack_with_reader(info)
         elif self.plan.unpack == "only":
             self._unpack_tar_from_src(info)

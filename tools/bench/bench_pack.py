@@ -129,6 +129,7 @@ PREIMPORT = {
         "stager.pack",
         "stager.pack.workers",
         "stager.fs.lustre",
+        "stager.formats.ustar",
         "stager.formats.tar",
         "stager.formats.record",
         "stager.formats.hdf5",

@@ -1,6 +1,6 @@
 """Seeded mutation fuzzing of every parser stager owns, for running under a memory limit.
 
-Parsers: the tar member reader (:func:`stager.formats.tar.iter_members` and the shard reader's
+Parsers: the tar member reader (:func:`stager.formats.ustar.iter_members` and the shard reader's
 ``iter_samples``), TFRecord framing (:func:`stager.formats.record.iter_records` +
 :func:`~stager.formats.record.example_to_sample`) and its ``.idx`` index
 (:func:`~stager.formats.record.read_index`), the manifest (:meth:`stager.manifest.Manifest.from_bytes`,
@@ -218,7 +218,7 @@ def resigned_manifest(base: bytes, rng: random.Random) -> bytes:
 
 # ---- one trial per parser ------------------------------------------------------------------------------------
 def _drain_tar(data: bytes, reader: TrackingReader) -> None:
-    from stager.formats.tar import iter_members
+    from stager.formats.ustar import iter_members
 
     for _ in iter_members(reader, len(data), "fuzz.tar"):  # type: ignore[arg-type]
         pass

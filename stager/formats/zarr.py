@@ -39,7 +39,8 @@ from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteReques
 from zarr.storage import ZipStore
 
 from stager.errors import CorruptSampleError, ShardMissingError, SourceError, StagerError
-from stager.formats.base import Extent, Sample, SizeInputs, ascii_lengths
+from stager.formats.base import Extent, Format, Sample, SizeInputs, ascii_lengths
+from stager.formats.registry import format_spec
 from stager.formats.zarr_fields import ZarrFields, read_field
 from stager.manifest import Manifest, ShardInfo
 from stager.manifest.fields import FieldSpec
@@ -84,7 +85,7 @@ class ZarrWriter:
     """Collects decoded ``(H, W, C)`` uint8 images and writes one zarr-in-zip shard on close."""
 
     def __init__(self, path: str, *, shard_name: str, classes: Sequence[str], rows_per_chunk: int = 1,
-                 fields: Sequence[FieldSpec] = ()) -> None:
+                 fields: Sequence[FieldSpec] = (), **options: Any) -> None:
         if rows_per_chunk < 1:
             raise StagerError(f"rows_per_chunk must be >= 1, got {rows_per_chunk}")
         self.path = path
@@ -99,6 +100,7 @@ class ZarrWriter:
         self._meta: list[dict[str, Any]] = []
         self._fields = ZarrFields(fields) if fields else None  # docs/fields.md: one array per field
         self._closed = False
+        self.field_bases: dict[str, int] = {}  # field extents are rows: nothing to add after close()
 
     def write(self, sample: Sample) -> Extent:
         """Append ``sample``; its extent is ``(row, H*W*C)``. All samples must share one shape."""
@@ -523,27 +525,16 @@ class ZarrReader:
         self._store = self._images = self._direct = None
 
 
-class ZarrFormat:
+class ZarrFormat(Format):
     """The ``zarr`` format: decoded fixed-shape images in a zarr v3 group per zip file."""
 
-    name = "zarr"
-    suffix = ".zarr.zip"
-    sample_kind = "decoded"
-
-    def shard_name(self, index: int) -> str:
-        return f"shard-{index:05d}{self.suffix}"
+    spec = format_spec("zarr")
+    reader = ZarrReader
+    writer = ZarrWriter
 
     def disk_bytes(self, inputs: SizeInputs) -> tuple[np.ndarray, int]:
         """Each sample's bytes in a shard file and the fixed bytes (:func:`sample_disk_bytes`)."""
         return sample_disk_bytes(inputs)
-
-    def open_writer(self, path: str, *, shard_name: str, classes: Sequence[str], **options: Any) -> ZarrWriter:
-        rows = options.get("rows_per_chunk")
-        return ZarrWriter(path, shard_name=shard_name, classes=classes, rows_per_chunk=int(rows or 1),
-                          fields=options.get("fields") or ())
-
-    def open_reader(self, path: str, info: ShardInfo, manifest: Manifest) -> ZarrReader:
-        return ZarrReader(path, info, manifest)
 
 
 FORMAT = ZarrFormat()

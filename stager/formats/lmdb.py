@@ -20,7 +20,8 @@ import numpy as np
 
 from stager.decode.planar import planar_batch_to_hwc, planar_rows_to_hwc
 from stager.errors import CorruptSampleError, UsageError
-from stager.formats.base import AdoptedFormat, ExtentReader, Sample, indexed_samples
+from stager.formats.base import ExtentReader, Format, Sample, indexed_samples
+from stager.formats.registry import format_spec
 from stager.manifest import Manifest, ShardInfo
 
 GAP = 64 << 10  # values further apart than this are read separately (as the loader's MAX_GAP)
@@ -94,20 +95,14 @@ class LmdbShardReader(ExtentReader):
         return indexed_samples(self, "LMDB")
 
 
-
-class LmdbFormat(AdoptedFormat):
+class LmdbFormat(Format):
     """LMDB ``data.mdb`` files adopted by ``stager index`` (reader only)."""
 
-    name = "lmdb"
-    suffix = ".mdb"
-    what = "LMDB"
-    sample_kind = "encoded"  # raw Datums: "decoded" (the manifest says which)
+    spec = format_spec("lmdb")
+    reader = LmdbShardReader
 
     def shard_name(self, index: int) -> str:
-        return "data.mdb"
-
-    def open_reader(self, path: str, info: ShardInfo, manifest: Manifest) -> LmdbShardReader:
-        return LmdbShardReader(path, info, manifest)
+        return "data.mdb"  # an environment's one data file
 
 
 FORMAT = LmdbFormat()

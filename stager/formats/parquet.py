@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from stager.errors import CorruptSampleError, ShardMissingError, UsageError
-from stager.formats.base import AdoptedFormat, ExtentReader, Sample, indexed_samples
+from stager.formats.base import ExtentReader, Format, Sample, indexed_samples
+from stager.formats.registry import format_spec
 from stager.manifest import Manifest, ShardInfo
 
 CACHED = 4  # decoded row groups kept per reader (a worker holds one reader per open shard)
@@ -93,15 +94,11 @@ class ParquetShardReader(ExtentReader):
         self._cached = {}
 
 
-class ParquetFormat(AdoptedFormat):
+class ParquetFormat(Format):
     """parquet files adopted by ``stager index`` (reader only)."""
 
-    name = "parquet"
-    suffix = ".parquet"
-    what = "parquet"
-
-    def open_reader(self, path: str, info: ShardInfo, manifest: Manifest) -> ParquetShardReader:
-        return ParquetShardReader(path, info, manifest)
+    spec = format_spec("parquet")
+    reader = ParquetShardReader
 
 
 FORMAT = ParquetFormat()
