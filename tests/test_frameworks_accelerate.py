@@ -112,7 +112,7 @@ def test_a_sharded_dataset_refuses_accelerates_splitting_wrappers(frameworks_pac
 
 def test_gather_remainder_counts_the_real_rows_of_the_last_gathered_batch(frameworks_pack: Path) -> None:
     from stager.loader import make_loader
-    from stager.loader.frameworks.accelerate import gather_remainder
+    from stager.loader.frameworks.hooks import gather_remainder
 
     unshuffled = make_loader(frameworks_pack, 8, rank=0, world_size=2, shuffle=False, decode="raw", staged=False)
     assert gather_remainder(unshuffled) == 2 * 6 - 1  # last batches of 6 on both ranks, 1 repeat at the tail

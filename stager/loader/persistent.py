@@ -9,7 +9,7 @@ sequence, shared-memory ring token) travel as one message per worker:
 
 * main process, before each epoch (:meth:`WorkerPool.epoch_iter`): bump a shared generation counter,
   put an :class:`EpochMessage` (generation, the dataset's
-  :class:`~stager.loader.dataset.EpochPosition`, the ring token) on every worker's queue, then
+  :class:`~stager.loader.torch_dataset.EpochPosition`, the ring token) on every worker's queue, then
   ``iter()`` the DataLoader (torch sends its resume marker to each worker after that);
 * worker, at the start of its epoch (:meth:`EpochFeed.__iter__`): read the generation and take
   messages off its queue until it holds the one of that generation (a late run of an abandoned
@@ -35,7 +35,7 @@ from typing import Any
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from stager.loader import shm
-from stager.loader.dataset import EpochPosition, TorchRankDataset
+from stager.loader.torch_dataset import EpochPosition, TorchRankDataset
 
 # How long a worker waits for its epoch message between checks that the main process still lives.
 _POLL_S = 1.0

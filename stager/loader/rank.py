@@ -7,12 +7,12 @@ them from its workers in turn then hands out batches ``0, 1, 2, ...``): its
 (one read each, front to back), and a :mod:`stager.loader.fetch` fetcher makes those reads and
 hands out the payloads the shuffle buffer emits.
 
-Two transports drive it: torch's DataLoader (:class:`~stager.loader.dataset.ShardedDataset`, the
+Two transports drive it: torch's DataLoader (:class:`~stager.loader.torch_dataset.ShardedDataset`, the
 subclass that is a torch ``IterableDataset``; :class:`~stager.loader.Loader`) and plain
 multiprocessing (:class:`~stager.loader.numpy_loader.NumpyLoader`, for TensorFlow, Keras and JAX).
 This module imports no torch.
 
-Construction, in phases: resolve the path (a staged copy? :func:`~stager.loader.access.resolve`),
+Construction, in phases: resolve the path (a staged copy? :func:`~stager.loader.shard_access.resolve`),
 the topology (:class:`~stager.world.World`), the run layout (:func:`run_size`), the ranks this rank
 plans with (:class:`PlanGroup`: everyone, or the node's ranks on a node-partitioned staged copy),
 then a size check of the shards it will read.
@@ -36,14 +36,14 @@ from stager.errors import CorruptSampleError, UsageError
 from stager.formats import format_spec
 from stager.fs.info import detect_fs
 from stager.fs.kernel import release_free_heap
-from stager.loader.access import Resolved, ShardAccess, check_shards, resolve, validate_partition
 from stager.loader.assemble import pack_raw_numpy, stack_nhwc
 from stager.loader.clipfields import ClipFieldsFn
 from stager.loader.clips import ClipFn, clip_meta, item_shard_groups, item_space
+from stager.loader.dataset_index import index_from_manifest
 from stager.loader.fetch import Fetcher, MappedFetcher, PreadFetcher
 from stager.loader.fields import FieldsSampleFn, assemble_fields, select_fields
-from stager.loader.index import index_from_manifest
 from stager.loader.options import BoxFilter, LoaderOptions
+from stager.loader.shard_access import Resolved, ShardAccess, check_shards, resolve, validate_partition
 from stager.loader.state import LoaderState
 from stager.loader.transforms import make_sample_fn
 from stager.manifest import Strings
@@ -169,7 +169,7 @@ def _options_of(options: LoaderOptions | int, settings: dict[str, Any]) -> Loade
 class RankDataset:
     """One rank's shuffled, padded share of a packed dataset (or ImageFolder tree), as batches: no torch.
 
-    :class:`~stager.loader.dataset.ShardedDataset` is this plus torch's ``IterableDataset`` and its
+    :class:`~stager.loader.torch_dataset.ShardedDataset` is this plus torch's ``IterableDataset`` and its
     shared-memory batches; :class:`~stager.loader.numpy_loader.NumpyLoader` drives it in its own
     worker processes. Both call :meth:`worker_batches`, so both give the same batches in the same order.
 
