@@ -136,3 +136,28 @@ def test_prepare_turns_a_sharded_dataloader_into_the_loader_or_refuses_a_batched
     with pytest.raises(UsageError, match="SampleDataset") as e:  # what the HF Trainer would build over it
         accelerator.prepare(DataLoader(ds, batch_size=8))
     assert "\n" not in str(e.value)
+
+
+def test_accelerate_imported_after_the_dataset_still_adopts_it(frameworks_pack: Path) -> None:
+    """A ShardedDataset built before ``import accelerate`` (so stager's wrappers could not be installed yet):
+    they are installed as accelerate's import completes, so ``prepare`` still gives the stager Loader over
+    it, and accelerate keeps its own module loader (what importlib.resources and reloads use)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from torch.utils.data import DataLoader\n"
+        "from stager.loader import Loader, ShardedDataset\n"
+        "ds = ShardedDataset(sys.argv[1], 8, rank=0, world_size=2, decode='raw', staged=False, num_workers=None)\n"
+        "assert 'accelerate' not in sys.modules\n"
+        "import accelerate\n"
+        "from accelerate import Accelerator\n"
+        "loader = Accelerator(cpu=True).prepare(DataLoader(ds, batch_size=None))\n"
+        "print(type(loader).__name__, isinstance(loader, Loader) and loader.dataset is ds,"
+        " type(accelerate.__spec__.loader).__name__, type(accelerate.__loader__).__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(frameworks_pack)], capture_output=True, text=True,
+                         check=False, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["Loader", "True", "SourceFileLoader", "SourceFileLoader"], out.stdout
