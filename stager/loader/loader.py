@@ -111,7 +111,7 @@ class Loader(LoaderBase):
         from torch.utils.data import DataLoader  # noqa: PLC0415 (torch is imported only where a process group is used)
 
         dl = DataLoader(WorkerStreams(ds), batch_size=None, num_workers=self.num_workers, **self._dl_kwargs())
-        token = ds.shm_token = shm.new_token() if shm.available() else None
+        token = ds.shm_token = shm.new_token()
         it = iter(dl)
 
         def end_fresh(clean: bool) -> None:

@@ -19,8 +19,8 @@ sequence, shared-memory ring token) travel as one message per worker:
 The order is therefore exactly the non-persistent one (same plan, same worker round robin: torch
 restarts its cycle at worker 0 each epoch). The shared-memory token lives as long as the pool, so
 each worker keeps one batch ring across epochs; :meth:`WorkerPool.close` stops the workers first,
-then unlinks what they left under /dev/shm. A ``weakref.finalize`` on the Loader calls it when the
-Loader is collected or at interpreter exit.
+then closes the token's inbox (:mod:`stager.loader.shm`). A ``weakref.finalize`` on the Loader calls it
+when the Loader is collected or at interpreter exit.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ class WorkerPool:
         ctx = _context(dl_kwargs.get("multiprocessing_context"))
         self.queues = [ctx.Queue() for _ in range(num_workers)]
         self.gen = ctx.Value("q", 0, lock=False)
-        self.token = shm.new_token() if shm.available() else None
+        self.token = shm.new_token()
         self.feed = EpochFeed(ds, self.queues, self.gen)
         self.dl: DataLoader[Any] | None = DataLoader(
             self.feed, batch_size=None, num_workers=num_workers, persistent_workers=True, **dl_kwargs
@@ -114,7 +114,7 @@ class WorkerPool:
         return iter(self.dl)
 
     def close(self) -> None:
-        """Stop the workers (joined), then unlink their shared-memory leftovers. Idempotent."""
+        """Stop the workers (joined), then close their rings' inbox. Idempotent."""
         if self.closed:
             return
         self.closed = True
