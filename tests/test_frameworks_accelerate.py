@@ -6,7 +6,8 @@ loader)``, ``accumulate()`` with ``gradient_accumulation_steps=3``, ``save_state
 ``prepare(DataLoader(ShardedDataset, batch_size=None))``. Invariants: every sample once per epoch
 across the ranks (one padding repeat declared), equal batches, a new order each epoch, gradients
 synced at every 3rd batch and at the epoch's last (``end_of_dataloader``), ``gather_for_metrics``
-returning each sample exactly once, and a resumed run's batches equal to the uninterrupted run's.
+returning each sample exactly once and in the dataset's order (as over Accelerate's own DataLoader), and a
+resumed run's batches equal to the uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ def test_gather_for_metrics_drops_the_padding_and_sharded_datasets_are_not_split
     gathered = launched[0]["eval"]["gathered"]
     assert sorted(gathered) == list(range(N)), "each sample exactly once: the padding repeat dropped"
     assert launched[1]["eval"]["gathered"] == gathered
+    # In the dataset's order, as Accelerate's own DataLoader gathers (predictions line up with the rows).
+    assert launched[0]["eval"]["accelerate"] == list(range(N))
+    assert gathered == launched[0]["eval"]["accelerate"]
     sharded = [r["sharded"] for r in launched]
     assert sharded[0]["type"] == "Loader"
     for e in ("0", "1"):

@@ -105,7 +105,12 @@ def _refuse_rank_shares(splitter: Any) -> None:
 
 
 def adopt(accelerator: Any, loader: FrameworkLoader, device_placement: bool | None) -> FrameworkLoader:
-    """``accelerator.prepare``'s answer for a stager Loader: the Loader itself, placed and checkpointed."""
+    """``accelerator.prepare``'s answer for a stager Loader: the Loader itself, placed and checkpointed, and
+    with ``shuffle=False`` its batches dealt to the ranks in turn as Accelerate's own DataLoader deals them
+    (:meth:`~stager.loader.rank.RankDataset.deal_batches_in_turn`), so ``gather_for_metrics`` returns the
+    dataset's order."""
+    if loader.dataset.deal_batches_in_turn():
+        loader.close()  # persistent workers hold the previous plan's dataset: the next pass starts new ones
     placement = accelerator.device_placement if device_placement is None else device_placement
     device = accelerator.device
     loader.device = device if placement and getattr(device, "type", "cpu") != "cpu" else None

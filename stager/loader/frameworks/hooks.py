@@ -51,6 +51,8 @@ class FrameworkLoader(Protocol):
 
     def skip_to(self, batch: int) -> None: ...
 
+    def close(self) -> None: ...
+
     def __len__(self) -> int: ...
 
     def __iter__(self) -> Iterator[Any]: ...
@@ -144,8 +146,10 @@ def gather_remainder(loader: FrameworkLoader) -> int:
     """The real rows of the epoch's last gathered batch (Accelerate's ``remainder``; 0: keep all rows).
 
     ``gather_for_metrics`` keeps the first ``remainder`` rows of the last batch gathered over the ranks
-    (rank 0's rows first). That drops exactly the padding repeats when they all sit at the tail of the
-    last rank's last batch, as they do with ``shuffle=False`` (when they fit in that batch). Otherwise
+    (rank 0's rows first). That drops exactly the padding repeats when they all sit at the tail of that
+    gathered batch: always when ``shuffle=False`` batches are dealt to the ranks in turn (what
+    ``accelerator.prepare`` asks: the repeats are the epoch's last positions, the end of its last round),
+    and with contiguous rank slices when they sit at the end of the last rank's last batch. Otherwise
     (shuffled padding lies anywhere in the last rank's share) nothing can be dropped there: 0, logged once.
     """
     ds = loader.dataset
@@ -154,6 +158,8 @@ def gather_remainder(loader: FrameworkLoader) -> int:
     pad = world * int(sizes.sum()) - ds.samples_in_epoch()
     if not len(sizes) or pad <= 0:
         return 0
+    if ds.deal_batches and ds.mode == "none":  # pad < world <= the last round's rows
+        return world * int(sizes[-1]) - pad
     try:
         last = None if ds.group.node_partitioned else ds.plan(rank=world - 1)
     except UsageError:  # a mix: one plan per stream, its padding anywhere in the layout

@@ -269,6 +269,10 @@ class MixDataset(RankDataset):
                          mode=self.mode, drop_last=self.drop_last, buffer_samples=sum(buffers),
                          composition=self.mix.composition, buffers=buffers)
 
+    def deal_batches_in_turn(self) -> bool:
+        """A mix keeps its layout (its batches mix the streams; there is no one dataset order to gather in)."""
+        return False
+
     def mix_plan(self, epoch: int | None = None) -> MixRankPlan:
         """This rank's plan of ``epoch`` (default: the current one, over an elastic resume's remaining items)."""
         e = self.epoch if epoch is None else epoch
