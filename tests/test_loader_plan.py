@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -61,6 +63,23 @@ def test_every_sample_once_equal_counts(  # noqa: PLR0917 (hypothesis passes str
         for w in p.workers:
             assert sorted(w.emit.tolist()) == list(range(len(w.stream)))
             assert np.all(w.batches % cfg.streams == w.worker)
+    if deal:
+        contiguous = _all_rank_batches(starts, run_len, dataclasses.replace(cfg, deal_batches=False), epoch=3)
+        _assert_dealt(plans, contiguous, n, ordered=mode == "none")
+
+
+def _assert_dealt(plans, contiguous, n, *, ordered):  # type: ignore[no-untyped-def]
+    """``deal_batches`` (what Accelerate's ``prepare`` asks of a ``shuffle=False`` loader) against the
+    contiguous layout of the same config: the same batch sizes and padding counts; and ``ordered``
+    (``shuffle=False``): step ``j``'s batches of ranks 0, 1, ... concatenated, step after step, are the
+    manifest order, then the padding repeats (the first samples again) at the tail of the last step only."""
+    assert [p.sizes.tolist() for p in plans] == [p.sizes.tolist() for p in contiguous]
+    assert sum(p.padded for p in plans) == sum(p.padded for p in contiguous)
+    if ordered:
+        batches = [p.batch_ids() for p in plans]
+        steps = plans[0].num_batches
+        gathered = [i for j in range(steps) for r in range(len(plans)) for i in batches[r][j].tolist()]
+        assert gathered == [i % n for i in range(len(plans) * int(plans[0].sizes.sum()))]  # n == 0: none
 
 
 def test_shuffle_false_is_manifest_order_contiguous() -> None:
@@ -71,39 +90,6 @@ def test_shuffle_false_is_manifest_order_contiguous() -> None:
     assert [p.ids.tolist() for p in plans] == [list(range(0, 11)), list(range(11, 22)), [*range(22, 31), 0, 1]]
     assert plans[2].padded == 2
     assert np.concatenate(plans[0].batch_ids()).tolist() == list(range(11))
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    counts=st.lists(st.integers(0, 40), min_size=1, max_size=12),
-    world=st.integers(1, 5),
-    workers=st.integers(0, 3),
-    batch=st.integers(1, 9),
-    drop_last=st.booleans(),
-)
-def test_dealt_batches_gather_in_manifest_order(counts, world, workers, batch, drop_last):  # type: ignore[no-untyped-def]
-    """``deal_batches`` (what Accelerate's ``prepare`` asks of a ``shuffle=False`` loader): step ``j``'s
-    batches of ranks 0, 1, ... concatenated, step after step, are the manifest order, then the padding
-    repeats (the first samples again), at the tail of the last step only; each rank's own batches are in
-    manifest order; the same batch sizes and padding counts as the contiguous layout."""
-    starts = _starts(counts)
-    n = int(starts[-1])
-    if n == 0 and not drop_last:
-        return
-    run_len = planlib.run_lengths(np.array(counts), np.array(counts) * 1000, 3000, 2)
-    cfg = planlib.PlanConfig(batch, world, workers, mode="none", drop_last=drop_last, deal_batches=True)
-    plans = _all_rank_batches(starts, run_len, cfg, epoch=0)
-    batches = [p.batch_ids() for p in plans]
-    gathered = [i for j in range(plans[0].num_batches) for r in range(world) for i in batches[r][j].tolist()]
-    total = world * int(plans[0].sizes.sum())
-    assert gathered == [i % n for i in range(total)]  # n == 0: total == 0
-    contiguous = _all_rank_batches(starts, run_len, planlib.PlanConfig(batch, world, workers, mode="none",
-                                                                     drop_last=drop_last), epoch=0)
-    assert [p.sizes.tolist() for p in plans] == [p.sizes.tolist() for p in contiguous]
-    assert sum(p.padded for p in plans) == sum(p.padded for p in contiguous)
-    for p in plans:
-        assert np.all(np.diff(p.ids[: len(p.ids) - p.padded]) > 0), "each rank's batches in manifest order"
-        assert int(p.batch_padding().sum()) == p.padded
 
 
 def test_deterministic_and_epochs_differ() -> None:
