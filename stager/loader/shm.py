@@ -36,6 +36,7 @@ the caller falls back to torch's shared tensors.
 from __future__ import annotations
 
 import contextlib
+import functools
 import mmap
 import os
 import socket
@@ -54,9 +55,17 @@ _FREE, _BUSY = 0, 1
 _KEY_BYTES = 64  # a key message's longest text ("ctl", "<slot>-<gen>", "x<n>")
 
 
+@functools.cache
 def available() -> bool:
-    """Whether batches can travel through rings here: anonymous shared files and descriptor passing (Linux)."""
-    return sys.platform.startswith("linux") and hasattr(os, "memfd_create") and hasattr(socket, "send_fds")
+    """Whether batches can travel through rings here: anonymous shared files and descriptor passing (Linux;
+    tried once, since a sandbox may refuse ``memfd_create`` that the platform has)."""
+    if not (sys.platform.startswith("linux") and hasattr(os, "memfd_create") and hasattr(socket, "send_fds")):
+        return False
+    try:
+        os.close(os.memfd_create("stager-probe", os.MFD_CLOEXEC))
+    except OSError:
+        return False
+    return True
 
 
 def _address(token: str) -> str:
