@@ -6,7 +6,8 @@ loader)``, ``accumulate()`` with ``gradient_accumulation_steps=3``, ``save_state
 ``prepare(DataLoader(ShardedDataset, batch_size=None))``. Invariants: every sample once per epoch
 across the ranks (one padding repeat declared), equal batches, a new order each epoch, gradients
 synced at every 3rd batch and at the epoch's last (``end_of_dataloader``), ``gather_for_metrics``
-returning each sample exactly once, and a resumed run's batches equal to the uninterrupted run's.
+returning each sample exactly once and in the dataset's order (as over Accelerate's own DataLoader), and a
+resumed run's batches equal to the uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ def test_gather_for_metrics_drops_the_padding_and_sharded_datasets_are_not_split
     gathered = launched[0]["eval"]["gathered"]
     assert sorted(gathered) == list(range(N)), "each sample exactly once: the padding repeat dropped"
     assert launched[1]["eval"]["gathered"] == gathered
+    # In the dataset's order, as Accelerate's own DataLoader gathers (predictions line up with the rows).
+    assert launched[0]["eval"]["accelerate"] == list(range(N))
+    assert gathered == launched[0]["eval"]["accelerate"]
     sharded = [r["sharded"] for r in launched]
     assert sharded[0]["type"] == "Loader"
     for e in ("0", "1"):
@@ -112,7 +116,7 @@ def test_a_sharded_dataset_refuses_accelerates_splitting_wrappers(frameworks_pac
 
 def test_gather_remainder_counts_the_real_rows_of_the_last_gathered_batch(frameworks_pack: Path) -> None:
     from stager.loader import make_loader
-    from stager.loader.frameworks.accelerate import gather_remainder
+    from stager.loader.frameworks.hooks import gather_remainder
 
     unshuffled = make_loader(frameworks_pack, 8, rank=0, world_size=2, shuffle=False, decode="raw", staged=False)
     assert gather_remainder(unshuffled) == 2 * 6 - 1  # last batches of 6 on both ranks, 1 repeat at the tail
@@ -136,3 +140,28 @@ def test_prepare_turns_a_sharded_dataloader_into_the_loader_or_refuses_a_batched
     with pytest.raises(UsageError, match="SampleDataset") as e:  # what the HF Trainer would build over it
         accelerator.prepare(DataLoader(ds, batch_size=8))
     assert "\n" not in str(e.value)
+
+
+def test_accelerate_imported_after_the_dataset_still_adopts_it(frameworks_pack: Path) -> None:
+    """A ShardedDataset built before ``import accelerate`` (so stager's wrappers could not be installed yet):
+    they are installed as accelerate's import completes, so ``prepare`` still gives the stager Loader over
+    it, and accelerate keeps its own module loader (what importlib.resources and reloads use)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from torch.utils.data import DataLoader\n"
+        "from stager.loader import Loader, ShardedDataset\n"
+        "ds = ShardedDataset(sys.argv[1], 8, rank=0, world_size=2, decode='raw', staged=False, num_workers=None)\n"
+        "assert 'accelerate' not in sys.modules\n"
+        "import accelerate\n"
+        "from accelerate import Accelerator\n"
+        "loader = Accelerator(cpu=True).prepare(DataLoader(ds, batch_size=None))\n"
+        "print(type(loader).__name__, isinstance(loader, Loader) and loader.dataset is ds,"
+        " type(accelerate.__spec__.loader).__name__, type(accelerate.__loader__).__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(frameworks_pack)], capture_output=True, text=True,
+                         check=False, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["Loader", "True", "SourceFileLoader", "SourceFileLoader"], out.stdout

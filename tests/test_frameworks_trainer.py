@@ -4,29 +4,46 @@ The Trainer batches samples itself (its DataLoader, its sampler, Accelerate's sh
 evenly padded); stager serves ``ds[i]``. Invariants: every sample at least once per epoch across the
 ranks with exactly Accelerate's declared padding (``ceil(N / 16) * 16 - N`` repeats), a new order each
 epoch, and a run resumed from a mid-epoch checkpoint sees exactly the uninterrupted run's batches.
+The same for a Trainer whose ``get_train_dataloader()`` returns ``make_loader(...)``: its epochs are the
+loader's plan, and ``resume_from_checkpoint`` skips the consumed batches without reading them.
 Plus ``SampleDataset`` itself: the loader's samples, bytes and decoding, by index, in DataLoader workers.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
 from stager.loader import SampleDataset, make_loader
-from tests.frameworks.common import N, free_port, load, python, run, script
+from tests.frameworks.common import (
+    PER_RANK_BATCHES,
+    N,
+    assert_epoch,
+    free_port,
+    load,
+    python,
+    run,
+    script,
+    stager_epoch,
+)
 
 STEPS = -(-N // 16)  # global batches of 2 x 8 per epoch
 
 
-@pytest.mark.timeout(400)
-def test_trainer_with_a_sample_dataset(frameworks_pack: Path, tmp_path: Path) -> None:
+def launch(frameworks_pack: Path, out: Path, *phase: str) -> list[dict[str, Any]]:
     pytest.importorskip("transformers", reason="transformers is in the test extra: make venv (tools/setup_venv.sh)")
     run([python(), "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-         script("trainer_run.py"), str(frameworks_pack), str(tmp_path)], cwd=tmp_path)
-    ranks = load(tmp_path, "trainer")
+         script("trainer_run.py"), str(frameworks_pack), str(out), *phase], cwd=out)
+    return load(out, "loader-trainer" if phase else "trainer")
+
+
+@pytest.mark.timeout(400)
+def test_trainer_with_a_sample_dataset(frameworks_pack: Path, tmp_path: Path) -> None:
+    ranks = launch(frameworks_pack, tmp_path)
     firsts = []
     for e in range(3):
         batches = [r["full"][STEPS * e : STEPS * (e + 1)] for r in ranks]
@@ -37,6 +54,25 @@ def test_trainer_with_a_sample_dataset(frameworks_pack: Path, tmp_path: Path) ->
     assert len(set(firsts)) == 3, "a new order each epoch"
     for r in ranks:
         assert r["resumed"] == r["full"][19:], "resumed at step 19: the same batches as the uninterrupted run"
+
+
+@pytest.mark.timeout(400)
+def test_trainer_over_a_loader_resumes_from_a_checkpoint(frameworks_pack: Path, tmp_path: Path) -> None:
+    """``get_train_dataloader()`` returning ``make_loader(...)``: the Trainer's epochs are the loader's plan
+    (every sample once per epoch, the epoch the Trainer sets), and ``resume_from_checkpoint`` at step 19
+    (mid-epoch 1) sees exactly the uninterrupted run's batches from there (accelerate's
+    ``skip_first_batches``, imported by name into transformers.trainer, skips in the loader)."""
+    ranks = launch(frameworks_pack, tmp_path, "loader")
+    full = [r["full"] for r in ranks]
+    for e in range(3):
+        per_rank = [f[PER_RANK_BATCHES * e : PER_RANK_BATCHES * (e + 1)] for f in full]
+        assert_epoch(per_rank)
+        for rank in range(2):
+            want = stager_epoch(rank, e, data=frameworks_pack, seed=7, image_size=8, transform="train", decode="raw")
+            assert per_rank[rank] == want, f"rank {rank} epoch {e}: the loader's plan"
+    for r in ranks:
+        assert len(r["full"]) == 3 * PER_RANK_BATCHES
+        assert r["resumed"] == r["full"][19:], "resumed at step 19: the uninterrupted run's batches"
 
 
 def test_sample_dataset_serves_the_loaders_samples(frameworks_pack: Path) -> None:

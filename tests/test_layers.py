@@ -2,10 +2,11 @@
 
 stager's units (top-level modules and packages) sit in layers; a unit may import units of lower
 layers only, plus the few same-layer edges listed in ``SAME_LAYER``. Function-level (lazy) imports
-count too: deferring an import does not make a layering violation acceptable. Module-level imports
-must form no cycle (a cycle means the shared layer is missing, STYLE.md), and neither may they with the
-type-only ones (``if TYPE_CHECKING:``) counted: two modules that need each other's types also share
-something that wants a module below both. The tree itself is
+count too: deferring an import does not make a layering violation acceptable. Imports must form no
+cycle (a cycle means the shared layer is missing, STYLE.md), the lazy ones inside functions counted as
+well (a cycle that runs through a function-level import is still a cycle, only hidden until that function
+runs), and neither may they with the type-only ones (``if TYPE_CHECKING:``) counted: two modules that need
+each other's types also share something that wants a module below both. The tree itself is
 checked to stay small at the top: at most 12 modules directly in ``stager/``.
 """
 
@@ -58,26 +59,30 @@ def unit_of(module: str) -> str:
     return parts[1] if len(parts) > 1 else "stager"
 
 
-def imports(path: Path, *, module_level_only: bool, type_only: bool = False) -> set[str]:
+def _import_nodes(tree: ast.Module, *, type_only: bool) -> list[ast.AST]:
+    """Every import statement of ``tree``, at module level and inside functions and classes, but those
+    under ``if TYPE_CHECKING:`` (which never run) only with ``type_only``."""
+    out: list[ast.AST] = []
+    todo: list[ast.AST] = list(tree.body)
+    while todo:
+        n = todo.pop()
+        if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test) and not type_only:
+            todo.extend(n.orelse)
+            continue
+        if isinstance(n, (ast.Import, ast.ImportFrom)):
+            out.append(n)
+        todo.extend(ast.iter_child_nodes(n))
+    return out
+
+
+def imports(path: Path, *, type_only: bool = True) -> set[str]:
     """The stager modules ``path`` imports (``from stager.x import y`` also counts ``stager.x.y``
-    when that is a module). ``from pkg import submodule`` inside ``pkg`` itself counts only the
-    submodule: the package's ``__init__`` is already being imported (the relative-import idiom).
-    ``module_level_only``: imports that run when the module loads, plus (``type_only``) those under
-    ``if TYPE_CHECKING:``."""
+    when that is a module), at module level and lazily inside functions. ``from pkg import submodule``
+    inside ``pkg`` itself counts only the submodule: the package's ``__init__`` is already being
+    imported (the relative-import idiom). ``type_only``: count the imports under ``if TYPE_CHECKING:``
+    too."""
     me = module_name(path)
-    tree = ast.parse(path.read_text())
-    nodes: list[ast.AST]
-    if module_level_only:
-        nodes = []
-        for n in tree.body:
-            if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test) and not type_only:
-                continue  # type-only imports never run
-            nodes.append(n)
-        nodes = [x for n in nodes for x in ([n] if isinstance(n, (ast.Import, ast.ImportFrom)) else
-                                             [y for y in ast.walk(n) if isinstance(y, (ast.Import, ast.ImportFrom))
-                                              and isinstance(n, (ast.If, ast.Try))])]
-    else:
-        nodes = list(ast.walk(tree))
+    nodes = _import_nodes(ast.parse(path.read_text()), type_only=type_only)
     out: set[str] = set()
     for n in nodes:
         if isinstance(n, ast.Import):
@@ -106,7 +111,7 @@ def test_every_unit_has_a_layer() -> None:
 def test_imports_respect_the_layers(path: Path) -> None:
     me = unit_of(module_name(path))
     bad = []
-    for mod in sorted(imports(path, module_level_only=False)):
+    for mod in sorted(imports(path)):
         other = unit_of(mod)
         if other == me:
             continue
@@ -117,12 +122,13 @@ def test_imports_respect_the_layers(path: Path) -> None:
 
 
 @pytest.mark.parametrize("type_only", [False, True], ids=["runtime", "with-type-only"])
-def test_module_level_imports_have_no_cycle(type_only: bool) -> None:
+def test_imports_have_no_cycle(type_only: bool) -> None:
+    """No cycle among the imports that run (module level and lazy, inside functions), nor with the
+    type-only ones counted too."""
     graph: dict[str, set[str]] = defaultdict(set)
     names = {module_name(p): p for p in SOURCES}
     for mod, path in names.items():
-        graph[mod] = {m for m in imports(path, module_level_only=True, type_only=type_only)
-                      if m in names and m != mod}
+        graph[mod] = {m for m in imports(path, type_only=type_only) if m in names and m != mod}
     # A package's __init__ importing its own submodules is how packages re-export: not a cycle by
     # itself, so edges from a package to its own children are kept but parent edges are implicit.
     state: dict[str, int] = {}

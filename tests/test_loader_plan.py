@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -29,16 +31,17 @@ def _all_rank_batches(starts, run_len, cfg, epoch):  # type: ignore[no-untyped-d
     drop_last=st.booleans(),
     buffer=st.integers(0, 30),
     seed=st.integers(0, 2**31),
+    deal=st.booleans(),
 )
 def test_every_sample_once_equal_counts(  # noqa: PLR0917 (hypothesis passes strategies by keyword)
-    counts, world, workers, batch, mode, drop_last, buffer, seed
+    counts, world, workers, batch, mode, drop_last, buffer, seed, deal
 ):  # type: ignore[no-untyped-def]
     starts = _starts(counts)
     n = int(starts[-1])
     if n == 0 and not drop_last:
         return
     run_len = planlib.run_lengths(np.array(counts), np.array(counts) * 1000, 3000, 2)
-    cfg = planlib.PlanConfig(batch, world, workers, seed, mode, drop_last, buffer)
+    cfg = planlib.PlanConfig(batch, world, workers, seed, mode, drop_last, buffer, deal_batches=deal)
     plans = _all_rank_batches(starts, run_len, cfg, epoch=3)
     nb = {p.num_batches for p in plans}
     assert len(nb) == 1, "every rank must get the same number of batches"
@@ -60,6 +63,23 @@ def test_every_sample_once_equal_counts(  # noqa: PLR0917 (hypothesis passes str
         for w in p.workers:
             assert sorted(w.emit.tolist()) == list(range(len(w.stream)))
             assert np.all(w.batches % cfg.streams == w.worker)
+    if deal:
+        contiguous = _all_rank_batches(starts, run_len, dataclasses.replace(cfg, deal_batches=False), epoch=3)
+        _assert_dealt(plans, contiguous, n, ordered=mode == "none")
+
+
+def _assert_dealt(plans, contiguous, n, *, ordered):  # type: ignore[no-untyped-def]
+    """``deal_batches`` (what Accelerate's ``prepare`` asks of a ``shuffle=False`` loader) against the
+    contiguous layout of the same config: the same batch sizes and padding counts; and ``ordered``
+    (``shuffle=False``): step ``j``'s batches of ranks 0, 1, ... concatenated, step after step, are the
+    manifest order, then the padding repeats (the first samples again) at the tail of the last step only."""
+    assert [p.sizes.tolist() for p in plans] == [p.sizes.tolist() for p in contiguous]
+    assert sum(p.padded for p in plans) == sum(p.padded for p in contiguous)
+    if ordered:
+        batches = [p.batch_ids() for p in plans]
+        steps = plans[0].num_batches
+        gathered = [i for j in range(steps) for r in range(len(plans)) for i in batches[r][j].tolist()]
+        assert gathered == [i % n for i in range(len(plans) * int(plans[0].sizes.sum()))]  # n == 0: none
 
 
 def test_shuffle_false_is_manifest_order_contiguous() -> None:

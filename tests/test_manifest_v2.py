@@ -231,7 +231,7 @@ _FABRICATE = textwrap.dedent('''
                                    np.arange(per, dtype=np.int64) * 1024, np.full(per, 1000, np.int64)))
         Manifest("tar", ["a"], infos).write(out)
         sys.exit(0)
-    from stager.loader.index import index_from_manifest
+    from stager.loader.dataset_index import index_from_manifest
     base = anon_kb()
     t0 = time.perf_counter()
     m = load_manifest(out)

@@ -76,7 +76,7 @@ def test_every_format_in_one_mix_each_draw_once_equal_batches(mix_sets: dict[str
 def test_batches_hold_stream_keys_labels_and_images(mix_sets: dict[str, Path]) -> None:
     ld = make_loader([str(mix_sets["tar"]), str(mix_sets["zarr"]), str(mix_sets["wds"])], 16, rank=0, world_size=1,
                      decode="uint8", image_size=8, staged=False, num_workers=2)
-    from stager.loader.index import index_from_manifest
+    from stager.loader.dataset_index import index_from_manifest
     from stager.manifest import load_manifest
 
     idx = [index_from_manifest(load_manifest(mix_sets[n])) for n in ("tar", "zarr", "wds")]
@@ -359,7 +359,7 @@ def test_a_corrupt_sample_in_one_stream_is_skipped_or_raised(mix_sets: dict[str,
     import shutil
 
     from stager.errors import CorruptSampleError
-    from stager.loader.index import index_from_manifest
+    from stager.loader.dataset_index import index_from_manifest
     from stager.manifest import load_manifest
 
     tar = tmp_path / "tar"
@@ -397,9 +397,9 @@ def test_a_corrupt_sample_in_one_stream_is_skipped_or_raised(mix_sets: dict[str,
 
 @pytest.mark.parametrize("streams", [1, 3, 12])
 def test_window_and_gather_orders_are_the_stable_sorts(streams: int) -> None:
-    """The mix's per-window orders (stager.loader.mixfeed) equal their definitions by stable argsort, for
+    """The mix's per-window orders (stager.loader.mix.feed) equal their definitions by stable argsort, for
     random layouts with uneven batches and streams absent from some batches or the whole window."""
-    from stager.loader.mixfeed import gather_order, window_order
+    from stager.loader.mix.feed import gather_order, window_order
 
     rng = np.random.default_rng(streams)
     for _ in range(20):

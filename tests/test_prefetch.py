@@ -116,8 +116,8 @@ def test_loader_workers_open_the_files_the_schedule_says(
     what the loader does."""
     import types
 
-    import stager.loader.access as access_mod
-    import stager.loader.dataset as dataset_mod
+    import stager.loader.shard_access as access_mod
+    import stager.loader.torch_dataset as dataset_mod
 
     src = tmp_path / "src"
     pack(imagenet_tiny, src, samples_per_shard=4)  # longer worker streams over fewer, larger shards

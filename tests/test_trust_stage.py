@@ -25,7 +25,7 @@ from tools.datagen import make_imagefolder
 RESOLVE = """
 import json, logging, sys
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(message)s")
-from stager.loader.access import resolve
+from stager.loader.shard_access import resolve
 r = resolve(sys.argv[1])
 print(json.dumps({"root": r.root, "staged": r.staged}))
 """
@@ -364,7 +364,7 @@ def test_url_secrets_never_printed_or_stored(node: Node, images: Path, tmp_path:
         assert missing.returncode != 0
         outs += [missing.stdout, missing.stderr]
         log = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stderr); "
-               "from stager.loader.access import resolve; resolve(sys.argv[1], staging_roots=(sys.argv[2],))")
+               "from stager.loader.shard_access import resolve; resolve(sys.argv[1], staging_roots=(sys.argv[2],))")
         r = subprocess.run([sys.executable, "-c", log, url, str(tmp_path)], capture_output=True, text=True,
                            timeout=180, check=False)
         assert "reading staged full copy" in r.stderr, r.stderr

@@ -15,7 +15,7 @@ files) copies nothing and links the objects into its destination. One module per
 * :mod:`~stager.cache.history`: when this user staged what (``stager hints``).
 
 Staging through a cache is :mod:`stager.stage.cached`; reading from one is the loader's
-(:mod:`stager.loader.access`). docs/staging.md ("The shard cache") and docs/security.md describe the
+(:mod:`stager.loader.shard_access`). docs/staging.md ("The shard cache") and docs/security.md describe the
 rules.
 """
 

@@ -4,9 +4,10 @@
 the four formats), its staged node-local copy when ``stager stage`` made one, or a plain ImageFolder
 tree. It is ``Loader(ShardedDataset(path, LoaderOptions(batch_size, ...)))``.
 
-Modules: :mod:`.options` (``LoaderOptions``: every setting, validated once), :mod:`.index` /
-:mod:`.access` (what to read and from where; shard files held by the schedule's open-file rule),
-:mod:`.dataset` (``ShardedDataset``: one rank's batches, built by each worker from its plan),
+Modules: :mod:`.options` (``LoaderOptions``: every setting, validated once), :mod:`.dataset_index` /
+:mod:`.shard_access` (what to read and from where; shard files held by the schedule's open-file rule),
+:mod:`.torch_dataset` (``TorchRankDataset``: one rank's batches, built by each worker from its plan),
+:mod:`.sharded` (``ShardedDataset``, the same as a torch ``IterableDataset``),
 :mod:`.fetch` (a worker's reads, as the read schedule says, and its payloads), :mod:`.batching` /
 :mod:`.shm` (batches in shared memory), :mod:`.transforms`, :mod:`.state` (``LoaderState``),
 :mod:`.stats`, :mod:`.loader` (``Loader``), :mod:`.persistent` (DataLoader workers kept across
@@ -33,16 +34,16 @@ from stager.loader.state import LoaderState
 from stager.mix import Mix, Stream, is_mix
 
 if TYPE_CHECKING:
-    from stager.loader.dataset import ShardedDataset
     from stager.loader.loader import Loader
     from stager.loader.numpy_loader import NumpyLoader, make_numpy_loader
     from stager.loader.samples import SampleDataset
+    from stager.loader.sharded import ShardedDataset
 
 __all__ = ["BoxFilter", "Loader", "LoaderOptions", "LoaderState", "Mix", "NumpyLoader", "SampleDataset",
            "ShardedDataset", "Stream", "make_loader", "make_numpy_loader"]
 
 # The names whose modules import torch (or, for the numpy loader, multiprocessing), loaded on first use.
-_LAZY = {"Loader": "stager.loader.loader", "ShardedDataset": "stager.loader.dataset",
+_LAZY = {"Loader": "stager.loader.loader", "ShardedDataset": "stager.loader.sharded",
          "SampleDataset": "stager.loader.samples",
          "NumpyLoader": "stager.loader.numpy_loader", "make_numpy_loader": "stager.loader.numpy_loader"}
 
@@ -138,11 +139,11 @@ def make_loader(
         box_filter=box_filter,
         composition=composition,
     )
-    from stager.loader.dataset import TorchRankDataset  # noqa: PLC0415 (torch only where its loader is used)
     from stager.loader.loader import Loader  # noqa: PLC0415 (as above)
+    from stager.loader.torch_dataset import TorchRankDataset  # noqa: PLC0415 (torch only where its loader is used)
 
     if is_mix(path):
-        from stager.loader.mixdataset import MixTorchRankDataset  # noqa: PLC0415 (as above)
+        from stager.loader.mix.torch_dataset import MixTorchRankDataset  # noqa: PLC0415 (as above)
 
         return Loader(MixTorchRankDataset(path, options))
     if composition is not None:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from stager.errors import UsageError
-from stager.loader.index import DatasetIndex
+from stager.loader.dataset_index import DatasetIndex
 from stager.loader.transforms import SampleFn
 from stager.manifest.clips import FRAME_COLUMN, clip_columns, clip_spec, shard_groups
 from stager.order.items import ItemSpace, SampleItems

@@ -29,7 +29,7 @@ from stager.order.epoch import WorkerPlan
 from stager.order.reads import WorkerReads
 
 if TYPE_CHECKING:
-    from stager.loader.access import ShardAccess
+    from stager.loader.shard_access import ShardAccess
 
 
 WINDOW = 32  # batches whose offsets, ends and reads MappedFetcher looks up at once (given the bounds)

@@ -3,7 +3,7 @@
 How it plugs into the loader without touching the read path: :func:`field_spans` widens each
 sample's extent to the *span* that covers its primary image and the byte fields asked for (tar:
 the sample's consecutive members; record: its one record), and the loader's index uses those spans
-as offsets/sizes (:func:`~stager.loader.index.index_from_manifest` with ``fields``). The read
+as offsets/sizes (:func:`~stager.loader.dataset_index.index_from_manifest` with ``fields``). The read
 schedule, the fetchers, staging and streaming then move whole spans as they move images, and
 :class:`FieldsSampleFn` slices each field out of its sample's span by the manifest's extents.
 Ragged fields (boxes, box_labels, per_box) come from the mapped index columns, never from the shard.

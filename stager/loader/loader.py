@@ -1,6 +1,6 @@
 """``Loader``: the object :func:`make_loader` returns: :class:`~stager.loader.base.LoaderBase` over torch.
 
-It runs a :class:`~stager.loader.dataset.TorchRankDataset` in a torch DataLoader (``batch_size=None``:
+It runs a :class:`~stager.loader.torch_dataset.TorchRankDataset` in a torch DataLoader (``batch_size=None``:
 batches are built in the workers; persistent workers by default, :mod:`stager.loader.persistent`) or
 in-process when ``num_workers=0``, and turns raw batches' shared buffers into per-sample
 ``memoryview`` slices and small arrays into tensors (:func:`~stager.loader.batching.finish_batch`).
@@ -23,10 +23,11 @@ from typing import Any
 from stager.loader import frameworks, shm
 from stager.loader.base import EpochBatches, LoaderBase
 from stager.loader.batching import finish_batch
-from stager.loader.dataset import TorchRankDataset, WorkerStreams
+from stager.loader.frameworks import convert
 from stager.loader.frameworks.hooks import EpochHook, epoch_batches
 from stager.loader.options import LoaderOptions
 from stager.loader.persistent import WorkerPool
+from stager.loader.torch_dataset import TorchRankDataset, WorkerStreams
 
 __all__ = ["EpochBatches", "Loader"]
 
@@ -39,7 +40,7 @@ def _next_of(it: Any) -> Callable[[], dict[str, Any]]:
 
 
 class Loader(LoaderBase):
-    """Iterable of batch dicts for one rank (see :class:`~stager.loader.dataset.TorchRankDataset` for the batch
+    """Iterable of batch dicts for one rank (see :class:`~stager.loader.torch_dataset.TorchRankDataset` for the batch
     layout).
 
     ``Loader(dataset)`` takes its worker-process settings (``num_workers``, ``pin_memory``,
@@ -110,7 +111,7 @@ class Loader(LoaderBase):
         from torch.utils.data import DataLoader  # noqa: PLC0415 (torch is imported only where a process group is used)
 
         dl = DataLoader(WorkerStreams(ds), batch_size=None, num_workers=self.num_workers, **self._dl_kwargs())
-        token = ds.shm_token = shm.new_token() if shm.available() else None
+        token = ds.shm_token = shm.new_token()
         it = iter(dl)
 
         def end_fresh(clean: bool) -> None:
@@ -154,5 +155,14 @@ class Loader(LoaderBase):
             self._pool_finalizer()
         self._pool = self._pool_finalizer = None
 
+
 def _identity(batch: Any) -> Any:
     return batch
+
+
+def _itself(obj: Any) -> Loader | None:
+    """A Loader handed to a framework's set-up call is itself (:mod:`stager.loader.frameworks.convert`)."""
+    return obj if isinstance(obj, Loader) else None
+
+
+convert.register(_itself)

@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 from stager.errors import UsageError
 from stager.loader.assemble import raw_views
 from stager.loader.base import EpochBatches, LoaderBase
-from stager.loader.mixing import MixDataset
+from stager.loader.mix.dataset import MixDataset
 from stager.loader.options import LoaderOptions
 from stager.loader.rank import EpochPosition, RankDataset
 from stager.mix import Mix, is_mix

@@ -9,7 +9,7 @@ sequence, shared-memory ring token) travel as one message per worker:
 
 * main process, before each epoch (:meth:`WorkerPool.epoch_iter`): bump a shared generation counter,
   put an :class:`EpochMessage` (generation, the dataset's
-  :class:`~stager.loader.dataset.EpochPosition`, the ring token) on every worker's queue, then
+  :class:`~stager.loader.torch_dataset.EpochPosition`, the ring token) on every worker's queue, then
   ``iter()`` the DataLoader (torch sends its resume marker to each worker after that);
 * worker, at the start of its epoch (:meth:`EpochFeed.__iter__`): read the generation and take
   messages off its queue until it holds the one of that generation (a late run of an abandoned
@@ -19,8 +19,8 @@ sequence, shared-memory ring token) travel as one message per worker:
 The order is therefore exactly the non-persistent one (same plan, same worker round robin: torch
 restarts its cycle at worker 0 each epoch). The shared-memory token lives as long as the pool, so
 each worker keeps one batch ring across epochs; :meth:`WorkerPool.close` stops the workers first,
-then unlinks what they left under /dev/shm. A ``weakref.finalize`` on the Loader calls it when the
-Loader is collected or at interpreter exit.
+then closes the token's inbox (:mod:`stager.loader.shm`). A ``weakref.finalize`` on the Loader calls it
+when the Loader is collected or at interpreter exit.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import Any
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from stager.loader import shm
-from stager.loader.dataset import EpochPosition, TorchRankDataset
+from stager.loader.torch_dataset import EpochPosition, TorchRankDataset
 
 # How long a worker waits for its epoch message between checks that the main process still lives.
 _POLL_S = 1.0
@@ -96,7 +96,7 @@ class WorkerPool:
         ctx = _context(dl_kwargs.get("multiprocessing_context"))
         self.queues = [ctx.Queue() for _ in range(num_workers)]
         self.gen = ctx.Value("q", 0, lock=False)
-        self.token = shm.new_token() if shm.available() else None
+        self.token = shm.new_token()
         self.feed = EpochFeed(ds, self.queues, self.gen)
         self.dl: DataLoader[Any] | None = DataLoader(
             self.feed, batch_size=None, num_workers=num_workers, persistent_workers=True, **dl_kwargs
@@ -114,7 +114,7 @@ class WorkerPool:
         return iter(self.dl)
 
     def close(self) -> None:
-        """Stop the workers (joined), then unlink their shared-memory leftovers. Idempotent."""
+        """Stop the workers (joined), then close their rings' inbox. Idempotent."""
         if self.closed:
             return
         self.closed = True

@@ -7,12 +7,12 @@ them from its workers in turn then hands out batches ``0, 1, 2, ...``): its
 (one read each, front to back), and a :mod:`stager.loader.fetch` fetcher makes those reads and
 hands out the payloads the shuffle buffer emits.
 
-Two transports drive it: torch's DataLoader (:class:`~stager.loader.dataset.ShardedDataset`, the
+Two transports drive it: torch's DataLoader (:class:`~stager.loader.sharded.ShardedDataset`, the
 subclass that is a torch ``IterableDataset``; :class:`~stager.loader.Loader`) and plain
 multiprocessing (:class:`~stager.loader.numpy_loader.NumpyLoader`, for TensorFlow, Keras and JAX).
 This module imports no torch.
 
-Construction, in phases: resolve the path (a staged copy? :func:`~stager.loader.access.resolve`),
+Construction, in phases: resolve the path (a staged copy? :func:`~stager.loader.shard_access.resolve`),
 the topology (:class:`~stager.world.World`), the run layout (:func:`run_size`), the ranks this rank
 plans with (:class:`PlanGroup`: everyone, or the node's ranks on a node-partitioned staged copy),
 then a size check of the shards it will read.
@@ -36,14 +36,14 @@ from stager.errors import CorruptSampleError, UsageError
 from stager.formats import format_spec
 from stager.fs.info import detect_fs
 from stager.fs.kernel import release_free_heap
-from stager.loader.access import Resolved, ShardAccess, check_shards, resolve, validate_partition
 from stager.loader.assemble import pack_raw_numpy, stack_nhwc
 from stager.loader.clipfields import ClipFieldsFn
 from stager.loader.clips import ClipFn, clip_meta, item_shard_groups, item_space
+from stager.loader.dataset_index import index_from_manifest
 from stager.loader.fetch import Fetcher, MappedFetcher, PreadFetcher
 from stager.loader.fields import FieldsSampleFn, assemble_fields, select_fields
-from stager.loader.index import index_from_manifest
 from stager.loader.options import BoxFilter, LoaderOptions
+from stager.loader.shard_access import Resolved, ShardAccess, check_shards, resolve, validate_partition
 from stager.loader.state import LoaderState
 from stager.loader.transforms import make_sample_fn
 from stager.manifest import Strings
@@ -169,7 +169,7 @@ def _options_of(options: LoaderOptions | int, settings: dict[str, Any]) -> Loade
 class RankDataset:
     """One rank's shuffled, padded share of a packed dataset (or ImageFolder tree), as batches: no torch.
 
-    :class:`~stager.loader.dataset.ShardedDataset` is this plus torch's ``IterableDataset`` and its
+    :class:`~stager.loader.sharded.ShardedDataset` is this plus torch's ``IterableDataset`` and its
     shared-memory batches; :class:`~stager.loader.numpy_loader.NumpyLoader` drives it in its own
     worker processes. Both call :meth:`worker_batches`, so both give the same batches in the same order.
 
@@ -191,7 +191,12 @@ class RankDataset:
     after an elastic resume), ``start_batch`` (where the next pass starts) or :meth:`seek` (all
     three at once, as persistent workers receive it); ``shm_token`` (set by the Loader) makes
     workers send batches through reused shared-memory rings named by it (:mod:`stager.loader.shm`).
+
+    ``deal_batches`` (False: each rank a contiguous slice of the epoch): the ranks take the epoch's
+    batches in turn, as Accelerate's own DataLoader deals them (:meth:`deal_batches_in_turn`).
     """
+
+    deal_batches = False
 
     def __init__(
         self,
@@ -364,7 +369,19 @@ class RankDataset:
             drop_last=self.drop_last,
             buffer_samples=self.buffer_samples(),
             samples_per_rank=self.group.samples_per_rank,
+            deal_batches=self.deal_batches,
         )
+
+    def deal_batches_in_turn(self) -> bool:
+        """Deal an unshuffled epoch's batches to the ranks in turn (rank ``r``: batches ``r, r + R, ...``), as
+        Accelerate's own DataLoader does, so that gathering each step's batches over the ranks gives the
+        dataset's order and the padding repeats end the last step (``accelerator.prepare`` asks it).
+        Only for ``shuffle=False`` over the whole world (not a node's partition of a staged copy; a shuffled
+        order has no order to keep). Returns whether the plan changed."""
+        if self.deal_batches or self.mode != "none" or self.group.node_partitioned:
+            return False
+        self.deal_batches = True
+        return True
 
     def epoch_sequence(self, epoch: int) -> np.ndarray:
         """The epoch's order of the samples this rank's group plans over (all, or this node's)."""
@@ -421,6 +438,8 @@ class RankDataset:
         h = xxhash.xxh3_64()
         h.update(np.ascontiguousarray(self.run_len).tobytes())
         h.update(f"{self.group.samples_per_rank}".encode())
+        if self.deal_batches:
+            h.update(b"batches dealt in turn")
         return h.hexdigest()
 
     def origin(self) -> dict[str, Any]:
@@ -445,7 +464,7 @@ class RankDataset:
             seq = self.epoch_sequence(state.epoch)
         cfg = PlanConfig(batch_size=state.batch_size, world_size=state.world_size, num_workers=state.num_workers,
                          seed=state.seed, mode=state.mode, drop_last=state.drop_last,
-                         buffer_samples=state.buffer_samples)
+                         buffer_samples=state.buffer_samples, deal_batches=self.deal_batches)
         return unconsumed(seq, self.items.starts, self.run_len, cfg, epoch=state.epoch,
                           batches_done=state.batches_done)
 

@@ -27,10 +27,10 @@ import torch
 from torch.utils.data import Dataset
 
 from stager.errors import UsageError
-from stager.loader.access import ShardAccess
 from stager.loader.fetch import read_isolating
 from stager.loader.options import LoaderOptions
 from stager.loader.rank import RankDataset
+from stager.loader.shard_access import ShardAccess
 
 # Per-sample options of make_loader that a map-style dataset takes (the order and workers are its user's).
 SAMPLE_OPTIONS = ("decode", "transform", "image_size", "seed", "storage_options", "staged", "staging_roots",

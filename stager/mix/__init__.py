@@ -4,7 +4,7 @@
 absolute ``samples`` per epoch, or a ``repeat``) are what ``make_loader`` and ``stager stage`` take
 in place of one dataset path; ``as_mix`` builds one from a list of ``(path, weight)`` pairs, stream
 objects or a YAML/JSON mix file. The order the loader reads a mix in is :mod:`stager.order.mix`'s;
-the loader's side is :mod:`stager.loader.mixing` (docs/loader.md, "Mixing datasets").
+the loader's side is :mod:`stager.loader.mix.dataset` (docs/loader.md, "Mixing datasets").
 """
 
 from __future__ import annotations

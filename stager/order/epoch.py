@@ -9,7 +9,10 @@ Vocabulary (all sample ids are *global*: positions in manifest order, shard afte
   run with one ``pread`` over the manifest extents;
 * the **epoch sequence** is the concatenation of the epoch's runs in their (shuffled) order;
 * the **rank slice** is a contiguous piece of the epoch sequence (padded by wrapping around, or
-  truncated), equal in length on every rank, so every rank gets the same number of batches;
+  truncated), equal in length on every rank, so every rank gets the same number of batches; or,
+  with ``deal_batches``, the ranks take the sequence's batches in turn (rank ``r`` of ``R``: batches
+  ``r, r + R, ...``, the order Accelerate's own DataLoader deals them in, so that gathering a step's
+  batches over the ranks gives the sequence's order);
 * the rank slice is cut contiguously into one **stream** per worker, sized so that worker ``k``
   produces exactly the rank's batches ``k, k + W, k + 2W, ...`` (``W`` workers): the order in which
   torch's DataLoader round-robins over workers, which makes the rank's batch order deterministic
@@ -50,7 +53,9 @@ class PlanConfig:
 
     ``samples_per_rank`` overrides the equal per-rank count (node-partitioned staging computes it
     from the global assignment so every node agrees). ``buffer_samples`` is the per-worker shuffle
-    buffer (``K``); ``run_samples`` is per shard (``R``), see :func:`run_lengths`.
+    buffer (``K``); ``run_samples`` is per shard (``R``), see :func:`run_lengths`. ``deal_batches``:
+    the ranks take the epoch sequence's batches in turn instead of contiguous slices
+    (:func:`rank_positions`).
     """
 
     batch_size: int
@@ -61,6 +66,7 @@ class PlanConfig:
     drop_last: bool = False
     buffer_samples: int = 0
     samples_per_rank: int | None = None
+    deal_batches: bool = False
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -197,6 +203,34 @@ def rank_slice(seq: np.ndarray, rank: int, world_size: int, per_rank: int) -> tu
     return np.asarray(ext[lo:hi], dtype=np.int64), padded
 
 
+def rank_positions(rank: int, world_size: int, per_rank: int, sizes: np.ndarray, *, deal_batches: bool) -> np.ndarray:
+    """Where rank ``rank``'s samples sit in the epoch sequence (padded by wrapping around to
+    ``world_size * per_rank``), in the rank's batch order: int64, shape (``sizes.sum()``,).
+
+    Contiguous (the default): ``rank * per_rank`` on. ``deal_batches``: the world's batches ``j`` of all
+    ranks (each ``sizes[j]`` samples) make one round of the sequence, rank after rank, so rank ``r``
+    holds the sequence's batches ``r, r + R, ...`` and the padding repeats (the sequence's last
+    positions) end the last round, after every real sample of it.
+    """
+    if not 0 <= rank < world_size:
+        raise UsageError(f"rank {rank} out of range for world size {world_size}")
+    used = int(sizes.sum())
+    if not deal_batches:
+        return np.arange(rank * per_rank, rank * per_rank + used, dtype=np.int64)
+    cum = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    first = world_size * cum[:-1] + rank * sizes  # each batch's first position
+    return np.repeat(first - cum[:-1], sizes) + np.arange(used, dtype=np.int64)
+
+
+def _take_wrapped(seq: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """``seq`` at positions ``pos`` (int64), wrapping around past its end (the padding repeats)."""
+    if not len(pos):
+        return np.zeros(0, np.int64)
+    if not len(seq):
+        raise UsageError("cannot pad an empty dataset to a non-zero number of samples per rank")
+    return np.asarray(seq[pos % len(seq)], dtype=np.int64)
+
+
 def buffer_shuffle(n: int, buffer: int, rng: np.random.Generator) -> np.ndarray:
     """Emission order (int64 permutation of ``range(n)``) of a fill-then-swap shuffle buffer.
 
@@ -304,13 +338,19 @@ def plan_rank(
     per_rank = cfg.samples_per_rank
     if per_rank is None:
         per_rank = samples_per_rank(len(seq), cfg.world_size, cfg.drop_last)
-    ids, padded = rank_slice(seq, rank, cfg.world_size, per_rank)
     sizes = batch_sizes(per_rank, cfg.batch_size, cfg.drop_last)
     used = int(sizes.sum())
+    if cfg.deal_batches:
+        pos = rank_positions(rank, cfg.world_size, per_rank, sizes, deal_batches=True)
+        ids = _take_wrapped(seq, pos)
+        padded = int((pos >= len(seq)).sum())
+    else:
+        ids, padded = rank_slice(seq, rank, cfg.world_size, per_rank)
+        pos = rank_positions(rank, cfg.world_size, per_rank, sizes, deal_batches=False)
+        ids = ids[:used]
+        padded = min(padded, used)
     # Samples of the epoch that no rank's batches hold (drop_last): the same figure on every rank.
     dropped = max(0, len(seq) - cfg.world_size * used)
-    ids = ids[:used]
-    padded = min(padded, used)
     nw = cfg.streams
     cum = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     workers = []
@@ -328,8 +368,8 @@ def plan_rank(
             spos = np.arange(lo, lo + q, dtype=np.int64)
             lo += q
         stream = ids[spos]
-        # Slice position p of rank r is epoch position r*per_rank + p; from len(seq) on it wraps.
-        is_pad = rank * per_rank + spos >= len(seq)
+        # From epoch position len(seq) on, the sequence wraps around: padding repeats.
+        is_pad = pos[spos] >= len(seq)
         rng = streams.shuffle_buffer(cfg.seed, epoch, cfg.world_size, rank, workers=nw, worker=k)
         buf = cfg.buffer_samples if cfg.mode in ("runs", "shards") else 0
         emit = buffer_shuffle(q, buf, rng)

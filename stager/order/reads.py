@@ -15,7 +15,7 @@ out, the others fetch only their needed samples.
 Open files: a worker holds the files of the :data:`MAX_OPEN_FILES` shards it read most recently
 (:class:`HeldFiles`: least recently read closed first; a new set every epoch). A read of a held
 shard uses the file already open (whatever DEST holds under that name meanwhile); any other read
-opens it. The loader's :class:`~stager.loader.access.ShardAccess` keeps its file handles by this
+opens it. The loader's :class:`~stager.loader.shard_access.ShardAccess` keeps its file handles by this
 class and the schedule's :meth:`WorkerReads.opens` replays it, so the prefetcher
 (:mod:`stager.prefetch`) knows which reads need a local copy.
 

@@ -72,7 +72,7 @@ from stager.stage.collective.plan import StreamLayout, files_of_shards
 
 if TYPE_CHECKING:
     from stager.loader import ShardedDataset
-    from stager.loader.access import Resolved
+    from stager.loader.shard_access import Resolved
 
 __all__ = ["NEVER", "EpochReads", "PrefetchStats", "Prefetcher", "Read", "own_dest", "prepare_dest", "rank_reads",
            "remove_fetch_partials"]

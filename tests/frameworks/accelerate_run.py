@@ -9,7 +9,8 @@ Phases, each rank writing ``OUT/<phase>-rank<r>.json``:
 * ``resume_mid``: a fresh process state (new loader, model, optimizer), ``load_state`` of the mid-epoch
   checkpoint, then the tutorial's loop: ``skip_first_batches(loader, resume_step)`` for the first epoch;
 * ``resume_end``: the same from the end-of-epoch-0 checkpoint (no skip);
-* ``eval``: ``gather_for_metrics`` of ``index`` over a ``shuffle=False`` loader (padding declared: 1 repeat);
+* ``eval``: ``gather_for_metrics`` of ``index`` over a ``shuffle=False`` loader (padding declared: 1 repeat;
+  its persistent worker started before ``prepare``), and of Accelerate's own DataLoader over the sample ids;
 * ``sharded``: ``prepare(DataLoader(ShardedDataset(...), batch_size=None, num_workers=1))``, 2 epochs.
 """
 
@@ -82,11 +83,19 @@ def resume(accelerator: Accelerator, path: Path, overall_step: int) -> dict[str,
 
 
 def evaluate(accelerator: Accelerator) -> dict[str, Any]:
-    loader = accelerator.prepare(make_loader(DATA, BATCH, shuffle=False, **KW))
+    loader = make_loader(DATA, BATCH, shuffle=False, num_workers=1, **KW)
+    for _ in loader:  # a pass before prepare(): its persistent worker holds the plan prepare() changes
+        pass
+    loader = accelerator.prepare(loader)
     gathered: list[int] = []
     for batch in loader:
         gathered += accelerator.gather_for_metrics(batch["index"]).tolist()
-    return {"gathered": gathered}
+    # Accelerate's own DataLoader over the same sample ids, the same batch size per process.
+    theirs = accelerator.prepare(DataLoader(list(range(loader.dataset.samples_in_epoch())), batch_size=BATCH))
+    reference: list[int] = []
+    for batch in theirs:
+        reference += accelerator.gather_for_metrics(batch).tolist()
+    return {"gathered": gathered, "accelerate": reference}
 
 
 def sharded(accelerator: Accelerator) -> dict[str, Any]:

@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         pack(src / "train.jsonl", packed, "tar", fields="mask:mask,boxes:boxes,box_labels:box_labels")
         import webdataset  # noqa: F401
 
-        import stager.loader.dataset  # noqa: F401 (torch's import, ~3 s, is not a per-sample cost)
+        import stager.loader.torch_dataset  # noqa: F401 (torch's import, ~3 s, is not a per-sample cost)
 
         res: dict[str, Any] = {"n": args.n, "size": args.size, "batch": args.batch, "rounds": args.rounds}
         for task in ("seg", "det"):

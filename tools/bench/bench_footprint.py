@@ -57,7 +57,7 @@ _CLI = textwrap.dedent('''
 _LOADER = textwrap.dedent('''
     import json, os, sys, time
     import torch
-    import stager.loader.dataset
+    import stager.loader.torch_dataset
     def anon(pid="self"):
         for line in open(f"/proc/{pid}/status"):
             if line.startswith("RssAnon:"):

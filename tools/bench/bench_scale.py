@@ -72,7 +72,7 @@ LOADER_CHILD = """
 import json, resource, sys, time
 sys.path.insert(0, {root!r})
 import torch  # a training script has torch loaded before it builds its loader: not part of the timing
-import stager.loader.dataset
+import stager.loader.torch_dataset
 from stager.loader import make_loader
 t = time.perf_counter()
 ld = make_loader({out!r}, 256, rank=0, world_size=1, decode="raw", staged=False)

@@ -4,55 +4,54 @@ Accelerate knows torch DataLoaders only: ``prepare`` returns anything else untou
 placement, not in ``save_state``), ``skip_first_batches`` rebuilds a DataLoader from the object's
 attributes, and a DataLoader over an ``IterableDataset`` is split across the ranks again (read on rank
 0 and dispatched, or every rank's stream cut into ``1/world``): a ShardedDataset is one rank's share
-already. So :func:`install` wraps three entry points, for stager objects only:
+already. So :func:`install` wraps these entry points, for stager objects only (:mod:`.convert` says
+which objects are stager's):
 
 * ``Accelerator._prepare_one`` (what ``prepare`` calls per object): a Loader, or a DataLoader over a
-  ShardedDataset (:mod:`.convert`), is *adopted*: batches go to ``accelerator.device`` when the
-  accelerator places data, and the Loader is registered for checkpointing (``save_state`` writes its
-  ``state_dict`` once, ``load_state`` restores it on every rank: epoch and position);
-* ``skip_first_batches`` (the function and the method): a Loader starts its next pass at that batch
-  without reading the ones before it (:meth:`~stager.loader.base.LoaderBase.skip_to`; absolute, so a
-  position already restored by ``load_state`` is not skipped twice).
+  ShardedDataset, is *adopted*: batches go to ``accelerator.device`` when the accelerator places data,
+  and the Loader is registered for checkpointing (``save_state`` writes its ``state_dict`` once,
+  ``load_state`` restores it on every rank: epoch and position);
+* ``skip_first_batches`` (the function and the method, and the name the Hugging Face Trainer imported
+  from accelerate, which its ``resume_from_checkpoint`` calls): a Loader starts its next pass at that
+  batch without reading the ones before it (:meth:`~stager.loader.base.LoaderBase.skip_to`; absolute,
+  so a position already restored by ``load_state`` is not skipped twice);
+* the splitting wrappers ``IterableDatasetShard`` and ``DataLoaderDispatcher`` refuse a ShardedDataset
+  in one line (``accelerate.data_loader.prepare_data_loader`` called directly would split it).
 
 While an Accelerator exists, every pass registers the Loader as Accelerate's active dataloader
-(:class:`AcceleratePass`): ``end_of_dataloader`` is True while the last batch is out, so gradient
-accumulation syncs at the epoch's end, and ``remainder`` tells ``gather_for_metrics`` how many rows
-of the last gathered batch are real (the padding repeats sit at its tail when ``shuffle=False``).
-Without the wrappers (accelerate imported after the loader was built), a ShardedDataset still refuses
-to be split again (:mod:`.resplit`). Nothing here imports accelerate until it is imported.
+(:class:`~stager.loader.frameworks.hooks.AcceleratePass`). :func:`install` runs when a loader is built
+with accelerate imported, or when accelerate is imported later (:mod:`stager.loader.frameworks`).
+Nothing here imports accelerate until it is imported.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 import sys
-import weakref
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from stager.errors import UsageError
-from stager.loader.frameworks.convert import stager_loader_of
-from stager.loader.frameworks.hooks import FrameworkLoader
+from stager.loader.frameworks.convert import is_rank_share, stager_loader_of
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from stager.loader.loader import Loader
-
-log = logging.getLogger("stager.loader")
+    from stager.loader.frameworks.hooks import FrameworkLoader
 
 _WRAPPED = "__stager_wrapped__"
-_PAD_LOGGED: weakref.WeakSet[Any] = weakref.WeakSet()  # loaders whose unmovable padding was logged
+# Accelerate's wrappers that split a dataset across the ranks (a ShardedDataset is one rank's share already).
+SPLITTERS = ("IterableDatasetShard", "DataLoaderDispatcher")
 
 
 def install() -> None:
-    """Wrap ``Accelerator._prepare_one`` and ``skip_first_batches`` for stager loaders (idempotent)."""
+    """Wrap ``Accelerator._prepare_one``, ``skip_first_batches`` and the splitting wrappers for stager
+    objects (idempotent)."""
     import accelerate  # noqa: PLC0415 (only when the process has imported it)
     import accelerate.accelerator as acc_mod  # noqa: PLC0415
     import accelerate.data_loader as dl_mod  # noqa: PLC0415
 
+    for name in SPLITTERS:
+        _refuse_rank_shares(getattr(dl_mod, name))
     cls = acc_mod.Accelerator
     prepare_one = getattr(cls, "_prepare_one", None)
     if prepare_one is None or getattr(prepare_one, _WRAPPED, False):
@@ -76,13 +75,42 @@ def install() -> None:
     setattr(_prepare_one, _WRAPPED, True)
     setattr(skip_first_batches, _WRAPPED, True)
     cls._prepare_one = _prepare_one
-    for mod in (dl_mod, acc_mod, accelerate):
-        if getattr(mod, "skip_first_batches", None) is skip:
+    # transformers.trainer holds the function by name (``from accelerate import skip_first_batches``) when it
+    # was imported first; imported later, it takes the wrapped one from accelerate.
+    holders: tuple[Any, ...] = (dl_mod, acc_mod, accelerate, sys.modules.get("transformers.trainer"))
+    for mod in holders:
+        if mod is not None and getattr(mod, "skip_first_batches", None) is skip:
             mod.skip_first_batches = skip_first_batches
 
 
-def adopt(accelerator: Any, loader: Loader, device_placement: bool | None) -> Loader:
-    """``accelerator.prepare``'s answer for a stager Loader: the Loader itself, placed and checkpointed."""
+def _refuse_rank_shares(splitter: Any) -> None:
+    """Make ``splitter(dataset, ...)`` refuse a stager dataset that is one rank's share already."""
+    init = splitter.__init__
+    if getattr(init, _WRAPPED, False):
+        return
+
+    @functools.wraps(init)
+    def refusing_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        dataset = args[0] if args else kwargs.get("dataset")
+        if is_rank_share(dataset):
+            raise UsageError(
+                f"accelerate's {splitter.__name__} would split a {type(dataset).__name__} (already this rank's "
+                "share) across the ranks again: pass its DataLoader, or make_loader(...), to accelerator.prepare(), "
+                "which adopts it as a stager Loader"
+            )
+        init(self, *args, **kwargs)
+
+    setattr(refusing_init, _WRAPPED, True)
+    splitter.__init__ = refusing_init
+
+
+def adopt(accelerator: Any, loader: FrameworkLoader, device_placement: bool | None) -> FrameworkLoader:
+    """``accelerator.prepare``'s answer for a stager Loader: the Loader itself, placed and checkpointed, and
+    with ``shuffle=False`` its batches dealt to the ranks in turn as Accelerate's own DataLoader deals them
+    (:meth:`~stager.loader.rank.RankDataset.deal_batches_in_turn`), so ``gather_for_metrics`` returns the
+    dataset's order."""
+    if loader.dataset.deal_batches_in_turn():
+        loader.close()  # persistent workers hold the previous plan's dataset: the next pass starts new ones
     placement = accelerator.device_placement if device_placement is None else device_placement
     device = accelerator.device
     loader.device = device if placement and getattr(device, "type", "cpu") != "cpu" else None
@@ -99,7 +127,7 @@ class SkipBatches:
     with the next epoch. ``len()``: the batches left. Other attributes are the Loader's.
     """
 
-    def __init__(self, loader: Loader, num_batches: int) -> None:
+    def __init__(self, loader: FrameworkLoader, num_batches: int) -> None:
         self.loader = loader
         self.num_batches = int(num_batches)
 
@@ -114,71 +142,3 @@ class SkipBatches:
         if name == "loader":
             raise AttributeError(name)
         return getattr(self.loader, name)
-
-
-class AcceleratePass:
-    """One pass of a Loader as Accelerate's active dataloader (``GradientState``), while an Accelerator exists."""
-
-    def __init__(self, loader: FrameworkLoader, state: Any) -> None:
-        self.loader = loader
-        self.state = state
-        self.length: int | None = None
-
-    @classmethod
-    def begin(cls, loader: FrameworkLoader) -> AcceleratePass | None:
-        mod = sys.modules.get("accelerate.state")
-        if mod is None or not mod.GradientState._shared_state:
-            return None  # no Accelerator in this process
-        state = mod.GradientState()
-        loader.end_of_dataloader, loader.remainder = False, -1
-        state._add_dataloader(loader)
-        return cls(loader, state)
-
-    def before_yield(self) -> None:
-        """Mark the epoch's last batch before it is handed out (``accumulate`` reads the flag on entry)."""
-        if self.length is None:
-            self.length = len(self.loader.dataset)
-        if self.loader.batches_done >= self.length and not self.loader.end_of_dataloader:
-            self.loader.remainder = gather_remainder(self.loader)
-            self.loader.end_of_dataloader = True
-
-    def end(self) -> None:
-        self.state._remove_dataloader(self.loader)
-
-
-def gather_remainder(loader: FrameworkLoader) -> int:
-    """The real rows of the epoch's last gathered batch (Accelerate's ``remainder``; 0: keep all rows).
-
-    ``gather_for_metrics`` keeps the first ``remainder`` rows of the last batch gathered over the ranks
-    (rank 0's rows first). That drops exactly the padding repeats when they all sit at the tail of the
-    last rank's last batch, as they do with ``shuffle=False`` (when they fit in that batch). Otherwise
-    (shuffled padding lies anywhere in the last rank's share) nothing can be dropped there: 0, logged once.
-    """
-    ds = loader.dataset
-    sizes = ds.batch_sizes()
-    world = ds.group.world_size
-    pad = world * int(sizes.sum()) - ds.samples_in_epoch()
-    if not len(sizes) or pad <= 0:
-        return 0
-    try:
-        last = None if ds.group.node_partitioned else ds.plan(rank=world - 1)
-    except UsageError:  # a mix: one plan per stream, its padding anywhere in the layout
-        last = None
-    if last is not None and _padding_at_tail(last, pad):
-        return world * int(sizes[-1]) - pad
-    if loader not in _PAD_LOGGED:
-        _PAD_LOGGED.add(loader)
-        log.info("stager.loader: %d padding repeats of this epoch are not at the end of the last batch, so "
-                 "accelerate's gather_for_metrics keeps them; evaluate with shuffle=False (or drop_last=True)", pad)
-    return 0
-
-
-def _padding_at_tail(plan: Any, pad: int) -> bool:
-    """All ``pad`` repeats of the epoch in ``plan`` (the last rank's), at the end of its last batch."""
-    if int(plan.padded) != pad or not plan.num_batches:
-        return False
-    nw = len(plan.workers)
-    j = plan.num_batches - 1
-    w = plan.workers[j % nw]
-    is_pad = np.asarray(w.is_pad[w.batch_positions(j // nw)], dtype=bool)
-    return len(is_pad) >= pad and bool(is_pad[len(is_pad) - pad :].all()) and int(is_pad.sum()) == pad

@@ -10,15 +10,27 @@ an epoch short, given to a loader rebuilt by ``reload_dataloaders_every_n_epochs
 :func:`epoch_batches` wraps one pass of the Loader: batches moved to ``loader.device``, passed through
 ``loader.collate_fn``, and, while an Accelerator is active, the Loader registered as Accelerate's
 active dataloader with ``end_of_dataloader`` set before the last batch is handed out
-(:mod:`stager.loader.frameworks.accelerate`).
+(:class:`AcceleratePass`; its wrappers of Accelerate's set-up calls are
+:mod:`stager.loader.frameworks.accelerate`). This module imports no framework and nothing of the
+Loader (the Loader imports it), only what the :class:`FrameworkLoader` protocol says.
 """
 
 from __future__ import annotations
 
+import logging
+import sys
+import weakref
 from collections.abc import Callable, Generator, Iterator
 from typing import Any, Protocol
 
+import numpy as np
 from torch.utils.data import SequentialSampler
+
+from stager.errors import UsageError
+
+log = logging.getLogger("stager.loader")
+
+_PAD_LOGGED: weakref.WeakSet[Any] = weakref.WeakSet()  # loaders whose unmovable padding was logged
 
 
 class FrameworkLoader(Protocol):
@@ -37,7 +49,13 @@ class FrameworkLoader(Protocol):
 
     def set_epoch(self, epoch: int) -> None: ...
 
+    def skip_to(self, batch: int) -> None: ...
+
+    def close(self) -> None: ...
+
     def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[Any]: ...
 
 
 class EpochHook(SequentialSampler):
@@ -74,8 +92,6 @@ def to_device(batch: Any, device: Any, non_blocking: bool = False) -> Any:
 
 def epoch_batches(loader: FrameworkLoader, batches: Iterator[dict[str, Any]]) -> Generator[Any, None, None]:
     """One pass of ``loader`` (``batches``: LoaderBase's iterator) with the frameworks' per-batch duties."""
-    from stager.loader.frameworks.accelerate import AcceleratePass  # noqa: PLC0415 (no accelerate import there)
-
     session = AcceleratePass.begin(loader)
     device, collate = loader.device, loader.collate_fn
     try:
@@ -94,3 +110,75 @@ def epoch_batches(loader: FrameworkLoader, batches: Iterator[dict[str, Any]]) ->
             close()
         if session is not None:
             session.end()
+
+
+class AcceleratePass:
+    """One pass of a Loader as Accelerate's active dataloader (``GradientState``), while an Accelerator exists."""
+
+    def __init__(self, loader: FrameworkLoader, state: Any) -> None:
+        self.loader = loader
+        self.state = state
+        self.length: int | None = None
+
+    @classmethod
+    def begin(cls, loader: FrameworkLoader) -> AcceleratePass | None:
+        mod = sys.modules.get("accelerate.state")
+        if mod is None or not mod.GradientState._shared_state:
+            return None  # no Accelerator in this process
+        state = mod.GradientState()
+        loader.end_of_dataloader, loader.remainder = False, -1
+        state._add_dataloader(loader)
+        return cls(loader, state)
+
+    def before_yield(self) -> None:
+        """Mark the epoch's last batch before it is handed out (``accumulate`` reads the flag on entry)."""
+        if self.length is None:
+            self.length = len(self.loader.dataset)
+        if self.loader.batches_done >= self.length and not self.loader.end_of_dataloader:
+            self.loader.remainder = gather_remainder(self.loader)
+            self.loader.end_of_dataloader = True
+
+    def end(self) -> None:
+        self.state._remove_dataloader(self.loader)
+
+
+def gather_remainder(loader: FrameworkLoader) -> int:
+    """The real rows of the epoch's last gathered batch (Accelerate's ``remainder``; 0: keep all rows).
+
+    ``gather_for_metrics`` keeps the first ``remainder`` rows of the last batch gathered over the ranks
+    (rank 0's rows first). That drops exactly the padding repeats when they all sit at the tail of that
+    gathered batch: always when ``shuffle=False`` batches are dealt to the ranks in turn (what
+    ``accelerator.prepare`` asks: the repeats are the epoch's last positions, the end of its last round),
+    and with contiguous rank slices when they sit at the end of the last rank's last batch. Otherwise
+    (shuffled padding lies anywhere in the last rank's share) nothing can be dropped there: 0, logged once.
+    """
+    ds = loader.dataset
+    sizes = ds.batch_sizes()
+    world = ds.group.world_size
+    pad = world * int(sizes.sum()) - ds.samples_in_epoch()
+    if not len(sizes) or pad <= 0:
+        return 0
+    if ds.deal_batches and ds.mode == "none":  # pad < world <= the last round's rows
+        return world * int(sizes[-1]) - pad
+    try:
+        last = None if ds.group.node_partitioned else ds.plan(rank=world - 1)
+    except UsageError:  # a mix: one plan per stream, its padding anywhere in the layout
+        last = None
+    if last is not None and _padding_at_tail(last, pad):
+        return world * int(sizes[-1]) - pad
+    if loader not in _PAD_LOGGED:
+        _PAD_LOGGED.add(loader)
+        log.info("stager.loader: %d padding repeats of this epoch are not at the end of the last batch, so "
+                 "accelerate's gather_for_metrics keeps them; evaluate with shuffle=False (or drop_last=True)", pad)
+    return 0
+
+
+def _padding_at_tail(plan: Any, pad: int) -> bool:
+    """All ``pad`` repeats of the epoch in ``plan`` (the last rank's), at the end of its last batch."""
+    if int(plan.padded) != pad or not plan.num_batches:
+        return False
+    nw = len(plan.workers)
+    j = plan.num_batches - 1
+    w = plan.workers[j % nw]
+    is_pad = np.asarray(w.is_pad[w.batch_positions(j // nw)], dtype=bool)
+    return len(is_pad) >= pad and bool(is_pad[len(is_pad) - pad :].all()) and int(is_pad.sum()) == pad

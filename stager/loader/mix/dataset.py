@@ -3,7 +3,7 @@
 The loader's single-dataset core (:class:`~stager.loader.rank.RankDataset`) with several datasets
 under one plan (docs/loader.md, "Mixing datasets"):
 
-* each stream is a :class:`RankDataset` of its own (:func:`~stager.loader.mixmembers.open_members`):
+* each stream is a :class:`RankDataset` of its own (:func:`~stager.loader.mix.members.open_members`):
   resolved (staged copy or source), indexed, with its run layout, partition and decoding;
 * each epoch, every stream's draw (:func:`stager.order.mix.stream_sequence`) is shared out over the
   ranks, the rank's batches are laid out by the composition and cut into worker plans
@@ -14,7 +14,7 @@ under one plan (docs/loader.md, "Mixing datasets"):
   stream's position in the mix) and ``index`` (the item's id within its stream).
 
 It is a :class:`RankDataset`, so both transports run it unchanged (the torch one through
-:class:`~stager.loader.mixdataset.MixShardedDataset`), and :class:`~stager.loader.base.LoaderBase`'s
+:class:`~stager.loader.mix.torch_dataset.MixShardedDataset`), and :class:`~stager.loader.base.LoaderBase`'s
 epochs, counting, resume and elastic resume work through the same hooks (``dataset_id``,
 ``plan_key``, ``unconsumed``, ``batch_padding``, ``origin``, ``batch_fields``). An elastic resume's
 remaining items are one int64 array of shape (2, n): stream, item id, stream after stream.
@@ -34,10 +34,9 @@ import xxhash
 
 from stager.errors import UsageError
 from stager.fs.kernel import release_free_heap
-from stager.loader.access import ShardAccess
 from stager.loader.clips import clip_meta, item_shard_groups
 from stager.loader.fields import assemble_fields
-from stager.loader.mixfeed import (
+from stager.loader.mix.feed import (
     FIRST_WINDOW,
     GATHER_WINDOW,
     StreamFeed,
@@ -46,9 +45,10 @@ from stager.loader.mixfeed import (
     subsequence_mask,
     window_order,
 )
-from stager.loader.mixmembers import open_members
+from stager.loader.mix.members import open_members
 from stager.loader.options import LoaderOptions
 from stager.loader.rank import MAX_BUFFER_SAMPLES, PlanGroup, RankDataset, _options_of, single_threaded_cv2
+from stager.loader.shard_access import ShardAccess
 from stager.loader.state import LoaderState
 from stager.mix import Mix, Stream, as_mix
 from stager.order import streams
@@ -268,6 +268,10 @@ class MixDataset(RankDataset):
         return MixConfig(batch_size=self.batch_size, world_size=self.world_size, num_workers=nw, seed=self.seed,
                          mode=self.mode, drop_last=self.drop_last, buffer_samples=sum(buffers),
                          composition=self.mix.composition, buffers=buffers)
+
+    def deal_batches_in_turn(self) -> bool:
+        """A mix keeps its layout (its batches mix the streams; there is no one dataset order to gather in)."""
+        return False
 
     def mix_plan(self, epoch: int | None = None) -> MixRankPlan:
         """This rank's plan of ``epoch`` (default: the current one, over an elastic resume's remaining items)."""

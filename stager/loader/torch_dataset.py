@@ -1,4 +1,4 @@
-"""``ShardedDataset``: a torch IterableDataset that yields whole batches of one rank's epoch plan.
+"""``TorchRankDataset``: whole batches of one rank's epoch plan, built by torch DataLoader workers.
 
 It is :class:`~stager.loader.rank.RankDataset` (the plan, the reads, decoding and assembly: no
 torch) run by torch's DataLoader: DataLoader worker ``k`` of ``W`` yields worker stream ``k``'s
@@ -8,19 +8,16 @@ tensors in channels-last memory, built in shared memory (:mod:`stager.loader.bat
 :mod:`stager.loader.shm` rings). Use it with ``DataLoader(ds, batch_size=None, num_workers=W)``, or
 let :func:`stager.loader.make_loader` do that.
 
-Two classes: :class:`TorchRankDataset` is all of the above but *not* a torch ``IterableDataset``:
-it is what a :class:`~stager.loader.Loader` holds (``loader.dataset``), and its DataLoader iterates
-it through :class:`WorkerStreams`. Frameworks treat an object whose ``dataset`` is an
-``IterableDataset`` as one to split or to warn about (Lightning: "Your `IterableDataset` has
-`__len__` defined"); a Loader is already one rank's share. :class:`ShardedDataset` adds
-``IterableDataset`` for users' own DataLoaders. A detected world follows the initialised process
-group (:meth:`~stager.loader.rank.RankDataset.rebind_world`) wherever the dataset is measured or
-iterated, and a ShardedDataset refuses to be split again by Accelerate's wrappers.
+:class:`TorchRankDataset` is all of the above but *not* a torch ``IterableDataset``: it is what a
+:class:`~stager.loader.Loader` holds (``loader.dataset``), and its DataLoader iterates it through
+:class:`WorkerStreams`. Frameworks treat an object whose ``dataset`` is an ``IterableDataset`` as one
+to split or to warn about (Lightning: "Your `IterableDataset` has `__len__` defined"); a Loader is
+already one rank's share. :class:`~stager.loader.sharded.ShardedDataset` adds ``IterableDataset`` for
+users' own DataLoaders.
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,8 +25,6 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from stager.errors import UsageError
 from stager.loader.batching import pack_raw, stack_images
-from stager.loader.frameworks import install_present
-from stager.loader.frameworks.resplit import refuse_second_split
 from stager.loader.rank import (
     LOCAL_MIN_RUN,
     LOCAL_RUN_BYTES,
@@ -52,7 +47,6 @@ __all__ = [
     "SHARED_RUN_BYTES",
     "EpochPosition",
     "PlanGroup",
-    "ShardedDataset",
     "TorchRankDataset",
     "WorkerStreams",
     "plan_group",
@@ -128,33 +122,3 @@ class WorkerStreams(IterableDataset):
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         return self.ds.dataloader_batches()
-
-
-class ShardedDataset(TorchRankDataset, IterableDataset):
-    """:class:`TorchRankDataset` as a torch ``IterableDataset``, for ``DataLoader(ds, batch_size=None,
-    num_workers=W)``: one rank's batches, ``len(ds)`` of them per epoch (see :class:`TorchRankDataset`).
-
-    It is already this rank's share. Wrappers that would split it again across ranks are refused in
-    one line: Accelerate's ``IterableDatasetShard`` and ``DataLoaderDispatcher`` (``accelerator.prepare``
-    of such a DataLoader is turned into a stager Loader instead when stager's Accelerate integration is
-    installed, :mod:`stager.loader.frameworks.accelerate`).
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        install_present()  # a framework imported after stager: its set-up calls then know this dataset
-
-    def __len__(self) -> int:
-        self.rebind_world()
-        return super().__len__()
-
-    def set_epoch(self, epoch: int) -> None:
-        refuse_second_split(sys._getframe(1))
-        self.rebind_world()
-        super().set_epoch(epoch)
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        # In a forked DataLoader worker too: it inherits the initialised group (spawned workers do not;
-        # their copy was made when the main process last measured or moved the dataset).
-        self.rebind_world()
-        yield from self.dataloader_batches()

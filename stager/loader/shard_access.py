@@ -28,7 +28,7 @@ from stager.formats import get_format
 from stager.fs.open import exists, filesystem, join, local_path_of
 from stager.fs.remote import RemoteFile, read_range
 from stager.fs.safe import open_regular
-from stager.loader.index import DatasetIndex, index_from_folder, index_from_manifest
+from stager.loader.dataset_index import DatasetIndex, index_from_folder, index_from_manifest
 from stager.manifest import MANIFEST_NAME, load_manifest, shard_root
 from stager.order.reads import MAX_OPEN_FILES, HeldFiles
 from stager.receipt import Receipt, find_staged_copy

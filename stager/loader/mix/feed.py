@@ -6,7 +6,7 @@ batch's payloads; item ids, keys and labels are looked up a window of batches at
 (:meth:`StreamFeed.window`) and put in the layout's order once per window (:func:`window_order`).
 :func:`gather_order` turns the layout's slots into the permutation that puts the streams' items,
 gathered stream after stream, in the batch's order; :func:`stream_counts` and :func:`subsequence_mask`
-are its bookkeeping. :class:`~stager.loader.mixing.MixDataset` runs them; no torch.
+are its bookkeeping. :class:`~stager.loader.mix.dataset.MixDataset` runs them; no torch.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from stager.loader.access import ShardAccess
 from stager.loader.fetch import Fetcher, MappedFetcher, PreadFetcher
 from stager.loader.rank import RankDataset
+from stager.loader.shard_access import ShardAccess
 from stager.manifest import Strings
 from stager.order.epoch import WorkerPlan
 from stager.order.mixplan import MixWorkerPlan

@@ -10,7 +10,7 @@ the batch will hold. Every failure is one line naming the stream and what differ
 Each member is the single-dataset loader's own :class:`~stager.loader.rank.RankDataset`, so a
 stream is read exactly as a dataset on its own is: any format stager reads, adopted sets, local,
 staged or on an object store; its plan's run layout, its partition on a node-partitioned staged
-copy, its decoding and its fields. The mix (:mod:`stager.loader.mixing`) plans across them.
+copy, its decoding and its fields. The mix (:mod:`stager.loader.mix.dataset`) plans across them.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import logging
 from collections.abc import Sequence
 
 from stager.errors import StagerError, UsageError
-from stager.loader.access import Resolved, resolve
 from stager.loader.clips import item_space
 from stager.loader.options import LoaderOptions
 from stager.loader.rank import RankDataset
+from stager.loader.shard_access import Resolved, resolve
 from stager.manifest.fields import FieldSpec, sample_fields, specs_from_json
 from stager.mix import Mix, Stream, named_error
 from stager.redact import redact
