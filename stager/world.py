@@ -380,6 +380,13 @@ def _without_local_size(first: Claim, claimed: tuple[int | None, int | None], en
                     problem)
 
 
+def local_rank(env: Mapping[str, str] | None = None) -> int:
+    """This process's rank among its node's (the innermost launcher's LOCAL_RANK, SLURM_LOCALID, ...; 0 without
+    a launcher): which GPU of the node it uses."""
+    topo = env_topology(env)
+    return topo.local_rank if topo is not None else 0
+
+
 def allocated_nodes(env: Mapping[str, str] | None = None) -> int | None:
     """How many nodes the job was given (Slurm: ``SLURM_NNODES``, else ``SLURM_JOB_NUM_NODES``); None outside
     a job. For advice sized to the job (``stager hints``); a node's own place is :func:`resolve_node`'s."""

@@ -83,6 +83,9 @@ NAME_MAX_BYTES = 255  # the longest file name Linux file systems take, in bytes 
 # What a name from the data may not hold: NUL and control characters (C0, DEL, C1), and lone surrogates
 # (bytes that are not UTF-8, decoded with surrogateescape).
 BAD_NAME_CHARS = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+# The state directories of an unfinished run, which writes the manifest last (stager.index.discover.STATE_DIR
+# is held equal by a test), and the command that finishes it: `not_a_pack`.
+UNFINISHED_STATE = {PACK_STATE_NAME: "stager pack", ".stager-index": "stager index"}
 
 
 def check_safe_name(name: object, what: str = "shard name") -> str:
@@ -688,6 +691,10 @@ def not_a_pack(path: str | os.PathLike[str]) -> NotAPackError:
                              "--out`) wrote, once it has finished")
     if not os.path.lexists(p):
         return NotAPackError(f"{p}: no such file or directory; give the directory `stager pack` wrote")
+    for state, command in UNFINISHED_STATE.items():
+        if os.path.isdir(os.path.join(p, state)):
+            return NotAPackError(f"{p}: an unfinished `{command}` (no {MANIFEST_NAME} yet: it is written last); rerun "
+                                 f"the same `{command}` command, which resumes, then give {p}")
     if os.path.isdir(p):
         return NotAPackError(f"{p}: no {MANIFEST_NAME}, so not a pack; an image tree is packed first: "
                              f"`stager pack {p} OUT --format tar`, then give OUT")
