@@ -81,7 +81,7 @@ class StagerError(Exception):
     so no error carries a URL's credentials or query values. A bare ``StagerError`` is a broken
     invariant (exit 1, :attr:`ExitCode.INTERNAL`); what a user can cause is one of the subclasses."""
 
-    exit_code: ExitCode = ExitCode.INTERNAL
+    exit_code: int = ExitCode.INTERNAL  # an ExitCode (subclasses elsewhere may give the plain int)
 
     def __init__(self, *args: object) -> None:
         if args and isinstance(args[0], str):
@@ -157,7 +157,7 @@ class ShardMissingError(StagerError, FileNotFoundError):
 class CorruptSampleError(StagerError, ValueError):
     """A sample inside a shard cannot be parsed or decoded."""
 
-    exit_code = ExitCode.DAMAGED
+    exit_code: int = ExitCode.DAMAGED  # int: the format modules' subclasses say 3
 
 
 class OutOfSpaceError(StagerError, OSError):

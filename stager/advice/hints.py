@@ -168,10 +168,10 @@ def hints(path: str | os.PathLike[str], *, dest: str | None = None, nodes: int |
         )
     # Which staging strategy for this job's node count (stager.advice.scaling's bandwidth model).
 
-    report["strategy"] = st = strategy_for(need, nodes=nodes, local_capacity=fit["dest_free"], osts=osts,
-                                           files=num_shards)
-    st["command"] = st["command"].replace("SRC", shlex.quote(target))  # the pack: this one, or the one to make
-    report["next"] = ([] if packed else [pack_cmd]) + ([st["command"]] if "stager stage" in st["command"] else [])
+    report["strategy"] = strategy = strategy_for(need, nodes=nodes, local_capacity=fit["dest_free"], osts=osts,
+                                                 files=num_shards)
+    stage_cmd = strategy["command"] = strategy["command"].replace("SRC", shlex.quote(target))  # this pack, or the next
+    report["next"] = ([] if packed else [pack_cmd]) + ([stage_cmd] if "stager stage" in stage_cmd else [])
     if packed:
         # Staged again within a day without a cache (this user's staging history): a node-local cache pays.
         report["cache"] = repeat_advice(m.dataset_id, need)
