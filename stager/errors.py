@@ -260,6 +260,7 @@ def from_os_error(exc: OSError) -> StagerError:
         return exc
     code, fix = _ERRNOS.get(exc.errno or 0, (ExitCode.INTERNAL, ""))
     what = exc.strerror or str(exc) or type(exc).__name__
-    where = ", ".join(os.fsdecode(p) for p in (exc.filename, exc.filename2) if p is not None)
+    where = ", ".join(os.fsdecode(p) if isinstance(p, (str, bytes)) else f"file descriptor {p}"
+                      for p in (exc.filename, exc.filename2) if p is not None)
     text = f"{where}: {what}" if where else what
     return _CLASS_OF.get(code, StagerError)(f"{text}; {fix}" if fix else text)
