@@ -205,6 +205,21 @@ def test_the_image_tree_message_gives_the_command_that_fits(places: dict[str, st
     assert stager("stage", tmp_path / "out", tmp_path / "d", "-q").returncode == 0
 
 
+def test_an_unfinished_pack_or_index_says_which_command_finishes_it(imagenet_tiny: Path, tmp_path: Path) -> None:
+    from stager.index.discover import STATE_DIR as INDEX_STATE
+    from stager.manifest.document import UNFINISHED_STATE
+    from stager.pack.state import STATE_DIR as PACK_STATE
+
+    assert UNFINISHED_STATE == {PACK_STATE: "stager pack", INDEX_STATE: "stager index"}
+    for state, command in UNFINISHED_STATE.items():
+        d = tmp_path / state.strip(".")
+        (d / state).mkdir(parents=True)  # what an interrupted run leaves: its state, no manifest yet
+        for cmd in ("stage", "verify", "inspect"):
+            r = stager(cmd, d, *([tmp_path / "dest"] if cmd == "stage" else []), "--json")
+            assert_error_contract(r, 2, f"stager {cmd}", as_json=True)
+            assert f"an unfinished `{command}`" in r.stderr, r.stderr
+
+
 def test_a_single_shard_names_its_pack(places: dict[str, str], tmp_path: Path) -> None:
     r = stager("stage", places["shard"], tmp_path / "d")
     assert r.returncode == 2 and f"give the pack's directory, {places['pack']}" in r.stderr, r.stderr

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from stager.verify import verify
+from stager.shardcheck import verify
 from tests.cli_support import clean_env, stager
 
 
