@@ -71,15 +71,39 @@ def format_summary(d: dict[str, Any], limit: int | None = None) -> str:
         f"  samples: {d['sample_kind']}"
         + (f" {'x'.join(map(str, d['image_shape']))}" if d["image_shape"] else "")
         + f"; hash {d['hash_algo']}; created {d['created']}; skipped {d['skipped']}",
-        f"  {'shard':<28} {'samples':>9} {'bytes':>14} {'hash':<18} aux",
+        *_schema_lines(d),
     ]
     rows = d["shard_table"] if limit is None else d["shard_table"][:limit]
+    if rows:
+        lines.append(f"  {'shard':<28} {'samples':>9} {'bytes':>14} {'hash':<18} aux")
     for r in rows:
         aux = " ".join(r["aux"])
         lines.append(f"  {r['name']:<28} {r['samples']:>9,} {r['bytes']:>14,} {r['hash'][:16]:<18} {aux}")
     if limit is not None and len(d["shard_table"]) > limit:
         lines.append(f"  ... {len(d['shard_table']) - limit} more shards (--json for all)")
     return "\n".join(lines)
+
+
+def _schema_lines(d: dict[str, Any], shown: int = 8) -> list[str]:
+    """The summary's lines on what a sample holds: classes (the first ``shown`` names, samples per
+    class), fields (name, kind, stored extension) and clips (window length, stride, frame step)."""
+    names = d["class_names"]
+    lines = []
+    if names:
+        more = f", ... {len(names) - shown} more" if len(names) > shown else ""
+        per = d["samples_per_class"]
+        lines.append(f"  classes: {', '.join(names[:shown])}{more} ({per['min']:,}-{per['max']:,} samples per class)")
+    else:
+        lines.append("  classes: none (unlabelled samples)")
+    if d["fields"]:
+        lines.append("  fields: " + ", ".join(f"{f['name']} ({f['kind']}, .{f['ext']})" for f in d["fields"]))
+    else:
+        lines.append("  fields: none (an image and a label per sample)")
+    c = d.get("clips")
+    if c:
+        lines.append(f"  clips: {c['windows']:,} windows of {c['length']} frames (stride {c['stride']}, frame step "
+                     f"{c['frame_step']}) over {c['sequences']:,} sequences, frames stored as {c['frame_format']}")
+    return lines
 
 
 def class_counts(m: Manifest) -> np.ndarray:

@@ -185,7 +185,8 @@ class Topology(NamedTuple):
     """The launcher's topology: ``rank`` of ``world_size``, ``local_rank`` of ``local_world_size`` on
     this node, ``node`` of ``num_nodes`` (None when the launcher does not say and nodes run unequal
     numbers of ranks), ``source`` (``"torchrun"``, ``"horovod"``, ``"openmpi"``, ``"mpich"``,
-    ``"pmix"``, ``"slurm"``) and ``variables`` (the names and values it came from)."""
+    ``"pmix"``, ``"slurm"``), ``variables`` (the names and values it came from) and ``node_problem``
+    (when the node is unknown because the variables contradict each other: what, and what to do)."""
 
     rank: int
     world_size: int
@@ -195,6 +196,7 @@ class Topology(NamedTuple):
     num_nodes: int | None
     source: str
     variables: str
+    node_problem: str = ""  # why ``node`` is None when the variables contradict each other (resolve_node raises it)
 
     @property
     def place(self) -> tuple[int, int]:
@@ -334,18 +336,62 @@ def env_topology(env: Mapping[str, str] | None = None) -> Topology | None:
                 f"launcher variables disagree: {first.variables} vs {other.variables}; "
                 "unset the ones left over from another launcher"
             )
-    return _merge(first, [c for level in claims for c in level if (c.rank, c.world_size) == first[:2]])
+    return _merge(first, [c for level in claims for c in level if (c.rank, c.world_size) == first[:2]], env)
 
 
-def _merge(first: Claim, same: list[Claim]) -> Topology:
+def _merge(first: Claim, same: list[Claim], env: Mapping[str, str]) -> Topology:
     """``first``'s rank and size, with the local and node facts of the first claim (of ``same``) that has them."""
     local = next(((c.local_rank, c.local_world_size) for c in same if c.local_world_size is not None), None)
-    lrank, lworld = local if local is not None else (first.local_rank, first.world_size)
-    lrank = first.rank if lrank is None else lrank
     node, nnodes = next(((c.node, c.num_nodes) for c in same if c.node is not None and c.num_nodes), (None, None))
+    if local is None:
+        return _without_local_size(first, (node, nnodes), env)
+    lrank, lworld = local
+    lrank = first.rank if lrank is None else lrank
     if node is None and first.world_size % max(lworld, 1) == 0:
         node, nnodes = first.rank // max(lworld, 1), first.world_size // max(lworld, 1)
     return Topology(first.rank, first.world_size, lrank, lworld, node, nnodes, first.source, first.variables)
+
+
+def _without_local_size(first: Claim, claimed: tuple[int | None, int | None], env: Mapping[str, str]) -> Topology:
+    """No launcher says how many ranks run per node (RANK/WORLD_SIZE/LOCAL_RANK without LOCAL_WORLD_SIZE).
+
+    The node is taken from the first account that agrees with the rank (and the local rank, when given),
+    at an equal number of ranks per node: a launcher claim's node variables, then Slurm's
+    (SLURM_NODEID of SLURM_NNODES), then one node holding every rank. With ``RANK=2 WORLD_SIZE=4
+    LOCAL_RANK=0`` and ``SLURM_NODEID=2 SLURM_NNODES=4`` that is node 2 of 4 at one rank per node; the
+    one-node guess would contradict LOCAL_RANK=0. When none agrees the node is unknown (None) and
+    ``node_problem`` says why: :func:`resolve_node` raises it, the loader (which does not need the node)
+    carries on.
+    """
+    rank, world, lrank = first.rank, first.world_size, first.local_rank
+    slurm = (_int(env, "SLURM_NODEID"), _int(env, "SLURM_NNODES") or _int(env, "SLURM_JOB_NUM_NODES"))
+    for node, nnodes in (claimed, slurm, (0, 1)):
+        if node is None or not nnodes or world % nnodes:
+            continue
+        per = world // nnodes
+        if rank // per == node and lrank in (None, rank % per):
+            return Topology(rank, world, rank % per, per, node, nnodes, first.source, first.variables)
+    shown = ", ".join(v for v in (first.variables, _shown(env, "SLURM_NODEID", "SLURM_NNODES",
+                                                          "SLURM_JOB_NUM_NODES")) if v)
+    problem = (f"{shown}: no launcher variable says how many ranks run per node (LOCAL_WORLD_SIZE), and no node "
+               f"count puts rank {rank} of {world} at local rank {lrank}; export LOCAL_WORLD_SIZE (or unset the "
+               "variables left over from another launcher), or pass --node and --num-nodes")
+    return Topology(rank, world, rank if lrank is None else lrank, world, None, None, first.source, first.variables,
+                    problem)
+
+
+def local_rank(env: Mapping[str, str] | None = None) -> int:
+    """This process's rank among its node's (the innermost launcher's LOCAL_RANK, SLURM_LOCALID, ...; 0 without
+    a launcher): which GPU of the node it uses."""
+    topo = env_topology(env)
+    return topo.local_rank if topo is not None else 0
+
+
+def allocated_nodes(env: Mapping[str, str] | None = None) -> int | None:
+    """How many nodes the job was given (Slurm: ``SLURM_NNODES``, else ``SLURM_JOB_NUM_NODES``); None outside
+    a job. For advice sized to the job (``stager hints``); a node's own place is :func:`resolve_node`'s."""
+    env = os.environ if env is None else env
+    return _int(env, "SLURM_NNODES") or _int(env, "SLURM_JOB_NUM_NODES")
 
 
 def expand_hostlist(expr: str) -> list[str]:
@@ -429,8 +475,8 @@ def resolve_node(
     if topo is None:
         return NodeIdentity(0, 1, ranks_per_node or 1, "default")
     if topo.node is None or topo.num_nodes is None:
-        raise UsageError(
+        raise UsageError(topo.node_problem or (
             f"{topo.variables}: the nodes run unequal numbers of ranks, so this node's index cannot be derived; "
             "pass --node and --num-nodes"
-        )
+        ))
     return NodeIdentity(topo.node, topo.num_nodes, ranks_per_node or topo.local_world_size, topo.source)

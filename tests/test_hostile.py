@@ -437,7 +437,7 @@ def test_decompression_bombs(bomb_tree: Path, tmp_path: Path) -> None:
     trials += 1
     r = h.run_stager("pack", str(bomb_tree), str(tmp_path / "resized"), "--format", "tar", "--resize", "32x32", "-q",
                      preexec_fn=limited(3))
-    handled += int(refused(r, (1,)) and "bomb" in r.stderr)
+    handled += int(refused(r, (3,)) and "bomb" in r.stderr)
     r = h.run([sys.executable, "-c", LOADER_SCRIPT, str(out)], preexec_fn=limited(3))
     lines = dict(ln.split(" ", 1) for ln in r.stdout.splitlines() if ln.startswith(("raise ", "skip ")))
     trials += 2
@@ -493,7 +493,7 @@ def test_malicious_cifar_pickles_refused_without_executing(tmp_path: Path, varia
         batch = b"\x80\x02c_codecs\nencode\nq\x00X\x03\x00\x00\x00abcq\x01X\x05\x00\x00\x00rot13q\x02\x86q\x03Rq\x04."
     src = cifar_dir_with(tmp_path / "c", batch, meta)
     r = h.cli("pack", str(src), str(tmp_path / "out"), "--format", "tar", "-q")
-    ok = refused(r, (1,)) and "refusing" in r.stderr and not marker.exists()
+    ok = refused(r, (3,)) and "refusing" in r.stderr and not marker.exists()
     record("malicious pickle in a CIFAR batch (restricted unpickler)", group="hostile input", trials=1,
            handled=int(ok), lost=int(not ok), note="refused before any callable runs; marker file never created")
     assert ok, (r.returncode, r.stderr)

@@ -10,7 +10,11 @@ name the variables to fix.
 
 from __future__ import annotations
 
+import ast
+import json
+import re
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -170,3 +174,73 @@ def test_no_launcher_is_one_process() -> None:
     assert env_topology({}) is None
     assert World.detect(env={}) == World(source="default")
     assert resolve_node(env={"PMI_SIZE": "1"}) == (0, 1, 1, "default")
+
+
+# ---- a launcher that does not say how many ranks run per node (issue 38.13) ---------------------------------
+def custom(rank: int, node: int, lr: int, nodes: int, per: int, *, slurm_node: int | None = None) -> Env:
+    """A job script's own launcher inside an allocation: RANK, WORLD_SIZE and LOCAL_RANK but no
+    LOCAL_WORLD_SIZE; Slurm's node variables of the step (``slurm_node``: a wrong one)."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(nodes * per), "LOCAL_RANK": str(lr),
+            "SLURM_NODEID": str(node if slurm_node is None else slurm_node), "SLURM_NNODES": str(nodes)}
+
+
+@pytest.mark.parametrize(("nodes", "per"), [(4, 1), (2, 3), (3, 2)])
+def test_the_node_variables_that_agree_place_each_rank(nodes: int, per: int) -> None:
+    places = []
+    for rank, node, lr in _layout(nodes, per):
+        env = custom(rank, node, lr, nodes, per)
+        got = resolve_node(env=env)
+        assert (got.node, got.num_nodes, got.ranks_per_node) == (node, nodes, per), (env, got)
+        w = World.detect(env=env)
+        assert (w.rank, w.node, w.num_nodes, w.local_rank, w.local_world_size) == (rank, node, nodes, lr, per)
+        places.append((w.node, w.local_rank))
+    assert sorted(places) == sorted((n, lr) for n in range(nodes) for lr in range(per))
+
+
+def test_node_variables_that_contradict_the_ranks_are_one_line_errors() -> None:
+    env = custom(2, 2, 0, 4, 1, slurm_node=1)  # rank 2 at local rank 0 cannot be on node 1 of 4
+    with pytest.raises(UsageError) as e:
+        resolve_node(env=env)
+    msg = str(e.value)
+    assert "\n" not in msg and all(n in msg for n in ("RANK=2", "LOCAL_RANK=0", "SLURM_NODEID=1", "LOCAL_WORLD_SIZE"))
+    assert World.detect(env=env).rank == 2  # the loader does not need the node: ranks still resolve
+    assert resolve_node(2, 4, env=env)[:2] == (2, 4)  # the flags win
+
+
+def test_stage_partition_under_such_a_launcher_gives_each_node_its_share(imagenet_tiny_tar: Path,
+                                                                         tmp_path: Path) -> None:
+    """The real CLI, one process per node of a 4-node job: the shares are disjoint and cover the pack."""
+    from stager.manifest import load_manifest
+    from tests.cli_support import assert_error_contract, clean_env, stager
+
+    held: list[str] = []
+    for rank in range(4):
+        r = stager("stage", imagenet_tiny_tar, tmp_path / f"node{rank}", "--partition", "--json",
+                   env=clean_env(**custom(rank, rank, 0, 4, 1)))
+        assert r.returncode == 0, r.stderr
+        res = json.loads(r.stdout)
+        assert (res["partition"]["node"], res["partition"]["num_nodes"]) == (rank, 4), res["partition"]
+        held += [p.name for p in (tmp_path / f"node{rank}").glob("shard-*")]
+    assert sorted(held) == sorted(s.name for s in load_manifest(imagenet_tiny_tar).shards)
+    r = stager("stage", imagenet_tiny_tar, tmp_path / "bad", "--partition", "--json",
+               env=clean_env(**custom(2, 2, 0, 4, 1, slurm_node=1)))
+    assert_error_contract(r, 2, "stager stage", as_json=True)
+    assert "SLURM_NODEID=1" in r.stderr and not (tmp_path / "bad").exists()
+
+
+def test_no_module_but_world_reads_the_launchers_variables() -> None:
+    """Node identity (and rank) come from stager/world.py only: no other module names a launcher variable."""
+    pkg = Path(__file__).resolve().parents[1] / "stager"
+    world = ast.parse((pkg / "world.py").read_text())
+    names = {n.value for n in ast.walk(world) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+             and re.fullmatch(r"[A-Z][A-Z0-9_]+", n.value)}
+    assert {"SLURM_NODEID", "GROUP_RANK", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_NNODES"} <= names
+    readers = {}
+    for path in pkg.rglob("*.py"):
+        if path.name == "world.py" and path.parent == pkg:
+            continue
+        found = {n.value for n in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(n, ast.Constant) and n.value in names}
+        if found:
+            readers[str(path.relative_to(pkg))] = sorted(found)
+    assert not readers, f"launcher variables read outside stager/world.py: {readers}"

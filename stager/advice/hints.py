@@ -1,17 +1,23 @@
 """``stager hints PATH``: what a dataset looks like to the file system, and what to do about it.
 
 Reports the file system (Lustre/BeeGFS/...), file count and size distribution, a small-file
-warning with the ``stager pack`` command that fixes it, the current Lustre striping
-(``lfs getstripe -d``), whether the data fits the node-local staging destination and RAM, and the
-recommended ``lfs setstripe`` for a pack output directory (rules in :mod:`stager.fs.lustre`,
-sources in docs/staging.md), and, for a packed dataset this user staged again within a day without a
-cache, that a node-local shard cache would pay (:mod:`stager.cache.history`).
+warning with the ``stager pack`` command that fixes it, on Lustre the current striping (``lfs
+getstripe -d``) and the recommended ``lfs setstripe`` for a pack output directory (rules in
+:mod:`stager.fs.lustre`, sources in docs/staging.md), whether the data fits the node-local staging
+destination and RAM, and, for a packed dataset this user staged again within a day without a cache,
+that a node-local shard cache would pay (:mod:`stager.cache.history`).
+
+``next`` lists the commands to run, in order, with this dataset's paths, so that they work when
+followed literally: for an image tree ``stager pack PATH PATH-packed --format tar`` and then the
+staging strategy's command on the pack (``stage`` refuses an image tree); for a pack, the strategy's
+command on it.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import shlex
 from typing import Any
 
 import numpy as np
@@ -111,9 +117,10 @@ def hints(path: str | os.PathLike[str], *, dest: str | None = None, nodes: int |
     report: dict[str, Any] = {"path": p, "fs": fs.to_json(), "kind": "packed" if packed else "files",
                               "samples": samples, "sizes": dist, "warnings": []}
     small = int((sizes < SMALL_FILE).sum())
+    out = p.rstrip("/") + "-packed"  # where an image tree's pack goes: beside it
+    pack_cmd = f"stager pack {shlex.quote(p)} {shlex.quote(out)} --format tar"
     if not packed and len(sizes) >= SMALL_FILE_COUNT and small * 2 >= len(sizes):
-        out = p.rstrip("/") + "-packed"
-        cmd = f"stager pack {p} {out} --format tar"
+        cmd = pack_cmd
         report["warnings"].append(
             f"{small} of {len(sizes)} files are below 1 MiB: reading them costs one metadata operation each "
             f"({'Lustre MDS' if fs.is_lustre else fs.fstype}); pack them into shards: {cmd}"
@@ -130,13 +137,13 @@ def hints(path: str | os.PathLike[str], *, dest: str | None = None, nodes: int |
         except lustre.LfsError as exc:
             report["warnings"].append(str(exc))
     rec = lustre.recommend_layout(need, num_shards, osts)
-    target = p if packed else p.rstrip("/") + "-packed"
+    target = p if packed else out
     report["lustre"] = {
         "is_lustre": fs.is_lustre,
         "lfs": have_lfs,
         "osts": osts,
         "current": current,
-        "recommended": rec.to_json(target),
+        "recommended": rec.to_json(target) if fs.is_lustre else None,  # `lfs setstripe` means nothing elsewhere
         "note": "a layout applies only to files created afterwards: set it on the (empty) pack output "
         "directory, or copy (not mv) files into a directory that has it",
     }
@@ -161,8 +168,10 @@ def hints(path: str | os.PathLike[str], *, dest: str | None = None, nodes: int |
         )
     # Which staging strategy for this job's node count (stager.advice.scaling's bandwidth model).
 
-    report["strategy"] = strategy_for(need, nodes=nodes, local_capacity=fit["dest_free"], osts=osts,
-                                      files=num_shards)
+    report["strategy"] = strategy = strategy_for(need, nodes=nodes, local_capacity=fit["dest_free"], osts=osts,
+                                                 files=num_shards)
+    stage_cmd = strategy["command"] = strategy["command"].replace("SRC", shlex.quote(target))  # this pack, or the next
+    report["next"] = ([] if packed else [pack_cmd]) + ([stage_cmd] if "stager stage" in stage_cmd else [])
     if packed:
         # Staged again within a day without a cache (this user's staging history): a node-local cache pays.
         report["cache"] = repeat_advice(m.dataset_id, need)
@@ -188,7 +197,8 @@ def human(report: dict[str, Any]) -> str:
             lines.append(f"  striping now: count {c['stripe_count']}, size {c['stripe_size']}")
         lines.append(f"  OSTs: {lu['osts'] or 'unknown'}")
     rec = lu["recommended"]
-    lines.append(f"  recommended for the pack output: {rec['command']}  ({rec['reason']})")
+    if rec:
+        lines.append(f"  recommended for the pack output: {rec['command']}  ({rec['reason']})")
     fit = report["fit"]
     if fit["dest"]:
         free = fit["dest_free"]
@@ -208,4 +218,7 @@ def human(report: dict[str, Any]) -> str:
         lines.append(f"  staging strategy for {st['nodes']} node(s): {st['strategy']} ({st['reason']}): "
                      f"{st['command']}")
     lines += [f"  warning: {w}" for w in report["warnings"]]
+    if report["next"]:
+        lines.append("  next (in order):" if len(report["next"]) > 1 else "  next:")
+        lines += [f"    {cmd}" for cmd in report["next"]]
     return "\n".join(lines)

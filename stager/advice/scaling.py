@@ -22,11 +22,11 @@ roofline: it ignores overlap losses and protocol overheads, so it predicts a low
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from stager.errors import UsageError
+from stager.world import allocated_nodes
 
 STRATEGIES = ("direct", "collective", "partition", "beeond", "stream")
 GB = 1e9
@@ -166,10 +166,12 @@ def recommend(c: Cluster) -> dict[str, Any]:
     else:
         best = "stream"
         why = "not even a node's share fits locally: read the shared FS, prefetching within the local budget"
+    # One stager per node: `srun --ntasks-per-node=1` in a job of several nodes; on one node, the command itself.
+    per_node = "srun --ntasks-per-node=1 " if n > 1 else ""
     cmd = {
-        "direct": "srun --ntasks-per-node=1 stager stage SRC",
-        "collective": "srun --ntasks-per-node=1 stager stage SRC --collective --timeout 600",
-        "partition": "srun --ntasks-per-node=1 stager stage SRC --partition",
+        "direct": f"{per_node}stager stage SRC",
+        "collective": f"{per_node}stager stage SRC --collective --timeout 600",
+        "partition": f"{per_node}stager stage SRC --partition",
         "stream": "read SRC directly (stager.prefetch.Prefetcher with the local budget)",
     }[best]
     p = preds[best]
@@ -212,8 +214,7 @@ def strategy_for(
     """
 
     if nodes is None:
-        env = os.environ.get("SLURM_NNODES") or os.environ.get("SLURM_JOB_NUM_NODES") or "1"
-        nodes = int(env) if env.isdigit() else 1
+        nodes = allocated_nodes() or 1
     base = Cluster(dataset_bytes=max(float(dataset_bytes), 1.0), nodes=max(1, nodes), files=max(1, files),
                    local_capacity=local_capacity)
     if osts:

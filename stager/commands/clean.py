@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from stager.cli import add_common, emit
+from stager.cli.args import add_common, duration, examples
+from stager.cli.result import CommandResult
 
 # stager.receipt.RECEIPT_NAME and MIX_RECEIPT_NAME, spelled out for the help text without importing the
 # engine (a test holds them equal).
@@ -19,15 +20,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                        f"receipt ({RECEIPT_NAME}) of a finished stage, the journal of a failed or interrupted one, "
                        f"or a staged mix's {MIX_RECEIPT_NAME}. Everything else in DEST stays. Refuses a DEST "
                        "with none of them. Exit codes: 0 ok, 2 no records, 3 unsafe records, 5 a stage still "
-                       "holds the lock past --timeout.")
+                       "holds the lock past --timeout.",
+                       epilog=examples("stager clean $SLURM_TMPDIR/stager-<id> --dry-run   # what would go",
+                                       "stager clean /tmp/ds   # in the job's epilog, after training"))
     p.add_argument("dest", metavar="DEST", help="a staging destination")
     p.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for a running stage (default 600)")
+    p.add_argument("--timeout", type=duration, default=600.0, metavar="SECONDS",
+                   help="how long to wait for a running stage: 600, 90s, 10m (default 600)")
     add_common(p)
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> CommandResult:
     from stager.stage.clean import clean
 
     res = clean(args.dest, dry_run=args.dry_run, timeout=args.timeout)
@@ -37,5 +41,4 @@ def run(args: argparse.Namespace) -> int:
     if res["left_count"]:
         shown = ", ".join(res["left"]) + (" ..." if res["left_count"] > len(res["left"]) else "")
         text += f"; left {res['left_count']} entries stage did not write: {shown}"
-    emit(args, res, text)
-    return 0
+    return CommandResult(res, text)

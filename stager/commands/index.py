@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from stager.cli import add_common, add_storage_options, emit, storage_options
+from stager.cli.args import add_common, add_hash, add_storage_options, add_workers, examples, storage_options
+from stager.cli.result import CommandResult
 from stager.formats import ADOPTED_FORMATS  # the format registry alone: neither numpy nor a format module
 
 
@@ -17,6 +18,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "directory holding data.mdb) and write a stager "
         "manifest for them: sizes, checksums and every image's byte extent, so that verify, stage, pack and the "
         "loader work on them without rewriting a byte. Reruns resume.",
+        epilog=examples(
+            "stager index /data/imagenet-wds -j 8   # webdataset tars: manifest.json written beside them",
+            "stager index /shared/ro/tfrecords --out ~/imagenet-idx --label-offset -1   # read-only SRC",
+            "stager index s3://bucket/shards --out idx/ --storage-option anon=true",
+        ),
     )
     p.add_argument("src", metavar="SRC", help="directory of shards (or one shard file); or a URL prefix of shard "
                    "objects (s3://bucket/prefix, az://..., https://...), with --out")
@@ -34,8 +40,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="what LMDB values hold: caffe Datums or pickled (image bytes, label) tuples (default: sniffed)")
     p.add_argument("--label-offset", type=int, default=0, metavar="N",
                    help="added to integer labels (-1 for TensorFlow's 1-based ImageNet TFRecords)")
-    p.add_argument("-j", "--workers", type=int, default=1, metavar="N", help="shards indexed in parallel")
-    p.add_argument("--hash", dest="hash_algo", default="xxh3_128", choices=("xxh3_128", "blake2b"))
+    add_workers(p, default=1, help="shards indexed in parallel (default 1)")
+    add_hash(p)
     p.add_argument("--no-fields", action="store_true",
                    help="index images and labels only: do not adopt the other tar members, TFRecord features or "
                    "parquet columns as fields (docs/fields.md)")
@@ -46,7 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> CommandResult:
     from stager.index import IndexOptions, index_dataset
 
     opts = IndexOptions(format=args.format, image_key=args.image_key, label_key=args.label_key,
@@ -58,5 +64,4 @@ def run(args: argparse.Namespace) -> int:
     human = (f"{r.manifest_path}: {r.kind} index of {r.shards} shards, {r.samples:,} samples, {r.classes} classes, "
              f"{r.bytes / 1e6:,.1f} MB in {r.seconds:.2f}s ({r.bytes / max(r.seconds, 1e-9) / 1e9:.2f} GB/s, "
              f"{r.samples / max(r.seconds, 1e-9):,.0f} samples/s; {r.resumed} resumed){where}")
-    emit(args, r.to_json(), human)
-    return 0
+    return CommandResult(r.to_json(), human)

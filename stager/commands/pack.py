@@ -3,48 +3,22 @@
 from __future__ import annotations
 
 import argparse
-import re
 
-from stager.cli import add_common, add_storage_options, emit, storage_options
+from stager.cli.args import (
+    add_common,
+    add_hash,
+    add_storage_options,
+    add_workers,
+    examples,
+    hw,
+    positive_int,
+    size,
+    storage_options,
+    stripe_count,
+)
+from stager.cli.result import CommandResult
 from stager.errors import UsageError
 from stager.formats import FORMAT_NAMES  # the format registry alone: neither numpy nor a format module
-
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-_SI = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-
-
-def parse_size(text: str) -> int:
-    """``"256MiB"``, ``"1G"``, ``"4m"`` -> bytes. Bare/``i``/``iB`` suffixes are powers of 1024;
-    ``kB``/``MB``/``GB``/``TB`` are powers of 1000 (so ``1G == 1GiB == 1073741824``, ``1GB == 10**9``).
-    """
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)(i?)([bB]?)\s*", text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"invalid size {text!r}: expected e.g. 268435456, 256MiB, 1G or 500MB")
-    num, unit, iec, b = m.groups()
-    unit = unit.lower()
-    mult = _SI[unit] if (unit and b and not iec) else _UNITS[unit]
-    value = int(float(num) * mult)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"invalid size {text!r}: must be at least 1 byte")
-    return value
-
-
-def parse_hw(text: str) -> tuple[int, int]:
-    """``"224x224"`` -> (224, 224) (height x width)."""
-    m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", text)
-    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
-        raise argparse.ArgumentTypeError(f"invalid size {text!r}: expected HxW, e.g. 224x224")
-    return int(m.group(1)), int(m.group(2))
-
-
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return v
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -54,6 +28,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Pack SRC (ImageFolder tree, CIFAR-10 python batches dir, .csv/.jsonl list, MXNet .rec file(s), "
         "an LMDB directory, or an existing pack) into verified shards under OUT, with manifest.json written last. "
         "Reruns resume.",
+        epilog=examples(
+            "stager pack imagenet/train /lustre/$USER/imagenet-train --format tar -j 8",
+            "stager pack labels.csv out/ --format hdf5 --samples-per-shard 10000   # a list file: path,label",
+            "stager pack out/ converted/ --format record   # convert a pack (or an index) to TFRecord",
+            "stager pack imagenet/train out/ --format tar --dry-run   # print the plan, write nothing",
+        ),
     )
     p.add_argument("src", metavar="SRC")
     p.add_argument("out", metavar="OUT", help="output directory, or a URL (s3://bucket/prefix, any fsspec URL): "
@@ -61,28 +41,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--format", required=True, help=f"shard format: {'|'.join(FORMAT_NAMES)}")
     p.add_argument(
         "--shard-size",
-        type=parse_size,
+        type=size,
         default=256 << 20,
         metavar="BYTES",
         help="target shard size (default 256MiB; accepts 256MiB, 1G, 500MB)",
     )
     p.add_argument(
         "--samples-per-shard",
-        type=_positive,
+        type=positive_int,
         default=None,
         metavar="N",
         help="at most N samples per shard (a shard ends at whichever limit comes first)",
     )
-    p.add_argument(
-        "--workers",
-        type=_positive,
-        default=1,
-        metavar="N",
-        help="writer processes (output bytes are identical for any N)",
-    )
+    add_workers(p, default=1, help="writer processes (output bytes are identical for any N; default 1)")
     p.add_argument("--seed", type=int, default=0, help="shuffle seed (default 0)")
     p.add_argument("--keep-order", action="store_true", help="keep the source order instead of shuffling")
-    p.add_argument("--resize", type=parse_hw, default=None, metavar="HxW", help="re-encode images at HxW")
+    p.add_argument("--resize", type=hw, default=None, metavar="HxW", help="re-encode images at HxW")
     p.add_argument("--quality", type=int, default=None, metavar="Q", help="re-encode as JPEG at quality Q (1-100)")
     p.add_argument(
         "--on-error",
@@ -109,14 +83,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="tar: also write a KEY.json member per sample (class, key, label, source path); "
         "by default a sample is KEY.<ext> + KEY.cls and the manifest holds the rest",
     )
-    p.add_argument("--hash", dest="hash_algo", choices=("xxh3_128", "blake2b"), default="xxh3_128")
-    p.add_argument("--stripe-count", type=int, default=None, metavar="N", help="Lustre stripe count for OUT")
-    p.add_argument("--stripe-size", type=parse_size, default=None, metavar="BYTES", help="Lustre stripe size")
-    p.add_argument("--clip-length", type=_positive, default=None, metavar="T",
+    add_hash(p)
+    p.add_argument("--stripe-count", type=stripe_count, default=None, metavar="N",
+                   help="Lustre stripe count for OUT (-1: every OST)")
+    p.add_argument("--stripe-size", type=size, default=None, metavar="BYTES", help="Lustre stripe size")
+    p.add_argument("--clip-length", type=positive_int, default=None, metavar="T",
                    help="pack SRC (frame folders SRC/[<class>/]<sequence>/<frame>.png|jpg, or video files) as "
                    "frames read in windows of T consecutive frames (docs/clips.md)")
-    p.add_argument("--clip-stride", type=_positive, default=1, metavar="K", help="a window starts every K frames")
-    p.add_argument("--frame-step", type=_positive, default=1, metavar="D", help="frames of a window are D apart")
+    p.add_argument("--clip-stride", type=positive_int, default=1, metavar="K", help="a window starts every K frames")
+    p.add_argument("--frame-step", type=positive_int, default=1, metavar="D", help="frames of a window are D apart")
     p.add_argument("--frame-format", choices=("jpg", "png"), default="jpg",
                    help="how decoded video frames are stored (jpg at --quality, default 95; or png)")
     add_storage_options(p)
@@ -124,7 +99,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> CommandResult:
     # Imported here, not at registration: stager.pack pulls numpy, xxhash and the source readers.
     from stager.pack.api import format_result, pack
 
@@ -158,5 +133,4 @@ def run(args: argparse.Namespace) -> int:
         frame_format=args.frame_format,
         allow_empty_classes=args.allow_empty_classes,
     )
-    emit(args, result.to_json(), format_result(result))
-    return 0
+    return CommandResult(result.to_json(), format_result(result))

@@ -11,7 +11,21 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from stager.cli import add_common, add_storage_options, emit, storage_options, warn
+from stager.cli.args import (
+    add_common,
+    add_storage_options,
+    add_workers,
+    duration,
+    examples,
+    interval,
+    nonneg_int,
+    positive_int,
+    prog_of,
+    rank_list,
+    size,
+    storage_options,
+)
+from stager.cli.result import CommandResult, warn
 from stager.errors import UsageError
 
 if TYPE_CHECKING:
@@ -33,12 +47,20 @@ def register(sub: argparse._SubParsersAction) -> None:
         "with parallel streams, verifying sizes and checksums while copying, then write a receipt the loader "
         "finds. DEST defaults to $STAGER_DEST, else $SLURM_TMPDIR, else $TMPDIR (a subdirectory "
         "stager-<dataset id> of it). Safe to run from every rank at once: one process copies, the others wait. "
-        "Exit codes: 0 ok, 1 error, 2 usage, 3 verification failed, 4 out of space, 5 timeout.",
+        "Exit codes: 0 ok, 2 usage, 3 damaged data (verification failed), 4 out of space, 5 timeout or peer failure "
+        "(README.md, Exit codes).",
+        epilog=examples(
+            "stager stage /lustre/$USER/imagenet-train   # into $STAGER_DEST, $SLURM_TMPDIR or $TMPDIR",
+            "srun --ntasks-per-node=1 stager stage /lustre/ds /tmp/ds --partition   # each node its share",
+            "srun --ntasks-per-node=1 stager stage /lustre/ds /tmp/ds --collective --timeout 600",
+            "stager stage /lustre/ds --cache ~/.cache/stager   # through a node-local shard cache",
+            "stager stage /lustre/ds /tmp/ds --follow --budget 40G --pid $TRAIN_PID   # prefetch beside training",
+        ),
     )
     p.add_argument("src", metavar="SRC", help="packed dataset directory, its manifest.json, or a URL; or a mix "
                    "file (MIX.yaml/.json: every stream staged, into DEST/<stream name> when DEST is given)")
     p.add_argument("dest", metavar="DEST", nargs="?", default=None, help="destination directory")
-    p.add_argument("-j", "--workers", type=int, default=None, help="parallel copy streams (default: min(8, cores))")
+    add_workers(p, default=None, help="parallel copy streams (default: min(8, cores))")
     p.add_argument("--unpack", nargs="?", const="also", choices=["also", "only"], default=None,
                    help="also (or only) write an ImageFolder tree DEST/<unpack dir>/<class>/<key>.<ext>")
     p.add_argument("--unpack-dir", default=DEFAULT_UNPACK_DIR, help="name of the unpacked tree inside DEST")
@@ -49,9 +71,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="DEST is one namespace shared by all nodes (BeeOND): each node copies its share")
     shared.add_argument("--no-shared", dest="shared", action="store_false",
                         help="treat DEST as node-local even on BeeGFS")
-    p.add_argument("--node", type=int, default=None, help="this node's index (default: Slurm, then torchrun env)")
-    p.add_argument("--num-nodes", type=int, default=None, help="number of nodes")
-    p.add_argument("--ranks-per-node", type=int, default=None, help="training ranks per node (recorded)")
+    p.add_argument("--node", type=nonneg_int, default=None, metavar="I",
+                   help="this node's index, with --num-nodes (default: from the launcher's variables, "
+                   "docs/staging.md)")
+    p.add_argument("--num-nodes", type=positive_int, default=None, metavar="N", help="number of nodes")
+    p.add_argument("--ranks-per-node", type=positive_int, default=None, metavar="N",
+                   help="training ranks per node (recorded)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the shard-to-node assignment (--follow: the loader's seed)")
     p.add_argument("--no-fsync", dest="fsync", action="store_false",
@@ -63,17 +88,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--direct", action="store_true",
                    help="write shards with O_DIRECT (no page-cache copy: half the CPU, leaves the page cache to "
                    "training; the staged copy is then read from disk on first use)")
-    p.add_argument("--timeout", type=float, default=None,
-                   help="seconds to wait for another stager on this node or for peer nodes (default: no limit)")
+    p.add_argument("--timeout", type=duration, default=None, metavar="SECONDS",
+                   help="how long to wait for another stager on this node or for peer nodes: 600, 90s, 10m, 1h "
+                   "(default: no limit)")
     # Collective staging (stager/stage/collective/): one process per node, each byte read from SRC once.
     p.add_argument("--collective", action="store_true",
                    help="one process per node (srun --ntasks-per-node=1 / torchrun --nnodes): nodes read disjoint "
                    "shares of SRC and exchange them over the network (gloo), so SRC serves the data once")
     p.add_argument("--fallback", choices=FALLBACKS, default="direct",
                    help="--collective: what to do when the group cannot form within --timeout (default: direct)")
-    p.add_argument("--chunk-size", type=int, default=8 << 20, metavar="BYTES",
+    p.add_argument("--chunk-size", type=size, default=8 << 20, metavar="BYTES",
                    help="--collective: bytes per node per exchange step; --follow: bytes per read of a fetch "
-                   "(default 8 MiB)")
+                   "(default 8MiB; 4M, 16MiB)")
     _add_cache_args(p)
     _add_follow_args(p)
     add_storage_options(p)
@@ -112,7 +138,7 @@ def _cache_options(args: argparse.Namespace) -> CacheOptions | None:
     return CacheOptions(dir=where, quota=quota, only=args.cache_only)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> CommandResult:
     from stager.mix import is_mix_path
 
     if is_mix_path(args.src):
@@ -123,11 +149,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_collective(args)
     from stager.stage import run_stage
 
-    res = run_stage(args.src, args.dest, _stage_options(args))
-    for w in res.warnings:
-        warn("stage", w)
-    emit(args, res.to_json(), res.summary())
-    return 0
+    return CommandResult.of(run_stage(args.src, args.dest, _stage_options(args)))
 
 
 def _stage_options(args: argparse.Namespace) -> StageOptions:
@@ -144,7 +166,7 @@ def _stage_options(args: argparse.Namespace) -> StageOptions:
         node=NodeOptions(args.node, args.num_nodes, args.ranks_per_node),
         seed=args.seed,
         timeout=args.timeout,
-        quiet=args.quiet or args.json,
+        quiet=args.quiet,
         fsync=args.fsync,
         tuning=CopyTuning(direct=True) if args.direct else None,
         storage_options=storage_options(args),
@@ -153,7 +175,7 @@ def _stage_options(args: argparse.Namespace) -> StageOptions:
     )
 
 
-def _run_mix(args: argparse.Namespace) -> int:
+def _run_mix(args: argparse.Namespace) -> CommandResult:
     """SRC is a mix file: stage each stream (plain or collective) into DEST/<name> (stager.stage.mix)."""
     from stager.mix import load_mix_file
 
@@ -169,10 +191,7 @@ def _run_mix(args: argparse.Namespace) -> int:
         from stager.stage.mix import run_stage_mix
 
         res = run_stage_mix(mix, args.dest, _stage_options(args))
-    for w in res.warnings:
-        warn("stage", w)
-    emit(args, res.to_json(), res.summary())
-    return 0
+    return CommandResult.of(res)
 
 
 def _collective_options(args: argparse.Namespace) -> CollectiveOptions:
@@ -191,19 +210,15 @@ def _collective_options(args: argparse.Namespace) -> CollectiveOptions:
         raise UsageError("--collective cannot be combined with --cache-only (every node fills its own cache as it "
                          "stages: give --cache DIR and DEST)")
     common = StageOptions(partition=args.partition, node=NodeOptions(args.node, args.num_nodes, args.ranks_per_node),
-                          seed=args.seed, timeout=args.timeout, quiet=args.quiet or args.json,
+                          seed=args.seed, timeout=args.timeout, quiet=args.quiet,
                           storage_options=storage_options(args), cache=cache)
     return CollectiveOptions(stage=common, fallback=args.fallback, chunk_bytes=args.chunk_size)
 
 
-def _run_collective(args: argparse.Namespace) -> int:
+def _run_collective(args: argparse.Namespace) -> CommandResult:
     from stager.stage.collective import run_collective
 
-    res = run_collective(args.src, args.dest, _collective_options(args))
-    for w in res.warnings:
-        warn("stage", w)
-    emit(args, res.to_json(), res.summary())
-    return 0
+    return CommandResult.of(run_collective(args.src, args.dest, _collective_options(args)))
 
 
 # ---- --follow: prefetch beside training (stager/prefetch/follow.py) ------------------------------
@@ -212,8 +227,6 @@ _SHUFFLE_MODES = ("runs", "shards", "random", "none")
 
 
 def _add_follow_args(p: argparse.ArgumentParser) -> None:
-    from stager.commands.pack import parse_size
-
     g = p.add_argument_group(
         "prefetch beside training (--follow)",
         "One process per node beside training keeps DEST filled with the shards this node's ranks read next, "
@@ -223,45 +236,33 @@ def _add_follow_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--follow", action="store_true",
                    help="run beside training until it finishes: fetch ahead and evict within --budget; point the "
                    "loader at DEST with staged=False")
-    g.add_argument("--budget", type=parse_size, default=None, metavar="SIZE",
+    g.add_argument("--budget", type=size, default=None, metavar="SIZE",
                    help="--follow: most bytes of local copies in DEST, e.g. 40G")
-    g.add_argument("--ranks", type=_parse_ranks, default=None, metavar="LIST",
+    g.add_argument("--ranks", type=rank_list, default=None, metavar="LIST",
                    help="--follow: global ranks on this node, e.g. 0-3 or 4,5 (default: --node x --ranks-per-node "
                    "when --ranks-per-node is given, else the ranks that report)")
-    g.add_argument("--batch-size", type=int, default=None, help="--follow: the loader's batch_size (per rank)")
-    g.add_argument("--world-size", type=int, default=None, help="--follow: number of training ranks")
-    g.add_argument("--loader-workers", type=int, default=0, metavar="N",
+    g.add_argument("--batch-size", type=positive_int, default=None, metavar="N",
+                   help="--follow: the loader's batch_size (per rank)")
+    g.add_argument("--world-size", type=positive_int, default=None, metavar="N",
+                   help="--follow: number of training ranks")
+    g.add_argument("--loader-workers", type=nonneg_int, default=0, metavar="N",
                    help="--follow: the loader's num_workers (default 0)")
     g.add_argument("--shuffle", choices=_SHUFFLE_MODES, default="runs", help="--follow: the loader's shuffle mode")
     g.add_argument("--drop-last", action="store_true", help="--follow: the loader's drop_last")
-    g.add_argument("--shuffle-buffer", type=int, default=None, metavar="N",
+    g.add_argument("--shuffle-buffer", type=nonneg_int, default=None, metavar="N",
                    help="--follow: the loader's shuffle_buffer (samples per worker)")
-    g.add_argument("--run-bytes", type=parse_size, default=None, metavar="SIZE",
+    g.add_argument("--run-bytes", type=size, default=None, metavar="SIZE",
                    help="--follow: the loader's run_bytes")
-    g.add_argument("--pid", type=int, default=None, help="--follow: also stop when this process is gone")
-    g.add_argument("--epochs", type=int, default=None, help="--follow: stop after this many epochs")
-    g.add_argument("--poll", type=float, default=0.05, metavar="SECONDS",
+    g.add_argument("--pid", type=positive_int, default=None, help="--follow: also stop when this process is gone")
+    g.add_argument("--epochs", type=positive_int, default=None, metavar="N",
+                   help="--follow: stop after this many epochs")
+    g.add_argument("--poll", type=interval, default=0.05, metavar="SECONDS",
                    help="--follow: how often to read the progress files (default 0.05)")
 
 
-def _parse_ranks(text: str) -> list[int]:
-    out: list[int] = []
-    try:
-        for part in text.split(","):
-            lo, _, hi = part.strip().partition("-")
-            out += list(range(int(lo), int(hi or lo) + 1))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid rank list {text!r}: expected e.g. 0-3 or 0,1,4") from None
-    if not out or min(out) < 0:
-        raise argparse.ArgumentTypeError(f"invalid rank list {text!r}: expected e.g. 0-3 or 0,1,4")
-    return out
-
-
-def _run_follow(args: argparse.Namespace) -> int:
-    import os
+def _run_follow(args: argparse.Namespace) -> CommandResult:
     import threading
 
-    from stager.errors import UsageError
     from stager.prefetch.follow import follow, stop_on_signals
 
     if args.dest is None:
@@ -287,18 +288,26 @@ def _run_follow(args: argparse.Namespace) -> int:
         }
     ranks = args.ranks
     if ranks is None and args.ranks_per_node is not None:
-        node = args.node
-        if node is None:
-            env = os.environ.get("SLURM_NODEID") or os.environ.get("GROUP_RANK")
-            if env is None:
-                raise UsageError("--ranks-per-node needs --node (or SLURM_NODEID) to name this node's ranks")
-            node = int(env)
+        node = _follow_node(args)
         ranks = list(range(node * args.ranks_per_node, (node + 1) * args.ranks_per_node))
     stop = threading.Event()
+    prog = prog_of(args)
     with stop_on_signals(stop):
         res = follow(args.src, args.dest, budget=args.budget, loader_kwargs=loader_kwargs, ranks=ranks,
                      watch_pid=args.pid, epochs=args.epochs, poll=args.poll, chunk_bytes=args.chunk_size,
                      stop=stop, lock_timeout=args.timeout if args.timeout is not None else 0.0,
-                     on_warning=lambda w: warn("stage", w))
-    emit(args, res.to_json(), res.summary())
-    return 0
+                     on_warning=lambda w: warn(prog, w))
+    return CommandResult(res.to_json(), res.summary())  # its warnings were printed as they came
+
+
+def _follow_node(args: argparse.Namespace) -> int:
+    """This node's index for ``--follow --ranks-per-node``: ``--node``, else the launcher's (stager.world)."""
+    if args.node is not None:
+        return int(args.node)
+    from stager.world import resolve_node
+
+    identity = resolve_node(None, None, args.ranks_per_node)
+    if identity.origin == "default":
+        raise UsageError("--ranks-per-node needs --node (or a launcher's node variables, e.g. Slurm's) to name this "
+                         "node's ranks")
+    return identity.node

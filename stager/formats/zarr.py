@@ -38,7 +38,7 @@ import zarr
 from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteRequest
 from zarr.storage import ZipStore
 
-from stager.errors import CorruptSampleError, ShardMissingError, SourceError, StagerError
+from stager.errors import CorruptSampleError, ShardMissingError, SourceError, StagerError, UnsuitableSourceError
 from stager.formats.base import Extent, Format, Sample, SizeInputs, ascii_lengths
 from stager.formats.registry import format_spec
 from stager.formats.zarr_fields import ZarrFields, read_field
@@ -115,7 +115,7 @@ class ZarrWriter:
             self._shape = shape
         elif shape != self._shape:
             h, w, _ = self._shape
-            raise SourceError(
+            raise UnsuitableSourceError(
                 f"{sample.key}: image shape {shape} differs from the shard's {self._shape}; zarr needs one "
                 f"shape per dataset: pack with --resize {h}x{w} (or make the sources uniform)"
             )

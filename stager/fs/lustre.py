@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from stager.errors import StagerError
+from stager.errors import ExitCode, StagerError
 from stager.fs.info import detect_fs
 
 LFS_ENV = "STAGER_LFS"
@@ -33,7 +33,9 @@ MAX_WIDE_STRIPES = 72  # NERSC: striping over more OSTs than this hurts
 
 
 class LfsError(StagerError, OSError):
-    """``lfs`` failed or printed something we cannot parse."""
+    """``lfs`` failed or printed something we cannot parse: the user's environment to fix (exit 2)."""
+
+    exit_code = ExitCode.USAGE
 
 
 def lfs_path() -> str | None:

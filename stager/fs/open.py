@@ -230,14 +230,3 @@ def parse_storage_options(items: Iterable[str]) -> dict[str, Any]:
             node = nxt
         node[parts[-1]] = _value(text)
     return out
-
-
-def storage_option_arg(text: str) -> str:
-    """argparse ``type=`` for ``--storage-option``: checks the KEY=VALUE shape at parse time."""
-    import argparse  # noqa: PLC0415 (the CLI's concern; the API never needs it)
-
-    try:
-        parse_storage_options([text])
-    except UsageError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text

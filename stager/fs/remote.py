@@ -30,7 +30,7 @@ import os
 import uuid
 from typing import Any
 
-from stager.errors import StagerError
+from stager.errors import RemoteAccessError
 from stager.fs.retry import Attempts, RetryPolicy, is_transient, permanent_error, with_retries
 
 DEFAULT_PART = 8 << 20  # bytes per uploaded part (S3's minimum is 5 MiB)
@@ -87,7 +87,7 @@ def read_range_into(fs: Any, path: str, start: int, view: memoryview, url: str, 
     The range must not pass the object's end (callers know its size: the manifest's, or one HEAD),
     so a response that ends early is a cut, resumed from where it stopped. Raises
     FileNotFoundError for a missing object, :class:`~stager.errors.RemoteUnavailableError` (exit 5)
-    when the retries run out, :class:`StagerError` when the server ignores ``Range``.
+    when the retries run out, :class:`RemoteAccessError` when the server ignores ``Range``.
     """
     policy = policy or RetryPolicy.from_env()
     end = start + len(view)
@@ -111,7 +111,7 @@ def read_range_into(fs: Any, path: str, start: int, view: memoryview, url: str, 
                 attempts.failed(exc)
             continue
         if sink.overflow:
-            raise StagerError(
+            raise RemoteAccessError(
                 f"{url}: asked for {end - start - before} bytes at offset {start + before}, got more: the server "
                 "ignores Range requests; serve the pack from one that honours them (or copy it with another tool)"
             )

@@ -42,7 +42,7 @@ import xxhash
 
 from stager import __version__
 from stager.checksum import ALGOS, DEFAULT_ALGO, new_hasher
-from stager.errors import ManifestError, ShardMissingError, UnsafeArchiveError
+from stager.errors import ManifestError, NotAPackError, ShardMissingError, UnsafeArchiveError
 from stager.formats.registry import ALL_FORMATS, FORMAT_SPECS
 from stager.fs.atomic import PARTIAL_SUFFIX, atomic_write_bytes, partial_path
 from stager.fs.open import is_url, join, read_bytes
@@ -83,6 +83,9 @@ NAME_MAX_BYTES = 255  # the longest file name Linux file systems take, in bytes 
 # What a name from the data may not hold: NUL and control characters (C0, DEL, C1), and lone surrogates
 # (bytes that are not UTF-8, decoded with surrogateescape).
 BAD_NAME_CHARS = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+# The state directories of an unfinished run, which writes the manifest last (stager.index.discover.STATE_DIR
+# is held equal by a test), and the command that finishes it: `not_a_pack`.
+UNFINISHED_STATE = {PACK_STATE_NAME: "stager pack", ".stager-index": "stager index"}
 
 
 def check_safe_name(name: object, what: str = "shard name") -> str:
@@ -660,7 +663,7 @@ def load_manifest(path: str | os.PathLike[str], storage_options: dict[str, Any] 
         try:
             data = read_bytes(mp, storage_options, limit=MAX_MANIFEST_BYTES)
         except FileNotFoundError as exc:
-            raise ShardMissingError(f"{mp}: no manifest; run `stager pack SRC OUT` first") from exc
+            raise not_a_pack(path) from exc
     else:
         try:
             # open_regular: a FIFO or a device planted as manifest.json never blocks, it is refused.
@@ -670,13 +673,36 @@ def load_manifest(path: str | os.PathLike[str], storage_options: dict[str, Any] 
                 if os.fstat(f.fileno()).st_size > MAX_MANIFEST_BYTES:
                     raise ManifestError(f"{mp}: larger than {MAX_MANIFEST_BYTES} bytes; refusing to parse")
                 data = f.read()
-        except FileNotFoundError as exc:
-            raise ShardMissingError(f"{mp}: no manifest; is this a `stager pack` output directory?") from exc
+        except (FileNotFoundError, NotADirectoryError) as exc:
+            raise not_a_pack(path) from exc
         except IsADirectoryError as exc:
             raise ManifestError(f"{mp}: is a directory, expected manifest.json") from exc
     if len(data) > MAX_MANIFEST_BYTES:
         raise ManifestError(f"{mp}: larger than {MAX_MANIFEST_BYTES} bytes; refusing to parse")
     return Manifest.from_bytes(data, mp, storage_options=storage_options)
+
+
+def not_a_pack(path: str | os.PathLike[str]) -> NotAPackError:
+    """The one-line error for ``path``, given where a pack is expected, when it holds no manifest: what
+    it is (missing, a file, a directory without ``manifest.json``) and the command that fits (exit 2)."""
+    p = os.fspath(path)
+    if is_url(p):
+        return NotAPackError(f"{manifest_path(p)}: no manifest; give the location `stager pack` (or `stager index "
+                             "--out`) wrote, once it has finished")
+    if not os.path.lexists(p):
+        return NotAPackError(f"{p}: no such file or directory; give the directory `stager pack` wrote")
+    for state, command in UNFINISHED_STATE.items():
+        if os.path.isdir(os.path.join(p, state)):
+            return NotAPackError(f"{p}: an unfinished `{command}` (no {MANIFEST_NAME} yet: it is written last); rerun "
+                                 f"the same `{command}` command, which resumes, then give {p}")
+    if os.path.isdir(p):
+        return NotAPackError(f"{p}: no {MANIFEST_NAME}, so not a pack; an image tree is packed first: "
+                             f"`stager pack {p} OUT --format tar`, then give OUT")
+    parent = os.path.dirname(p) or "."
+    if os.path.isfile(os.path.join(parent, MANIFEST_NAME)):
+        return NotAPackError(f"{p}: a single file of the pack {parent}; give the pack's directory, {parent}")
+    return NotAPackError(f"{p}: a single file, not a pack; give the directory `stager pack` wrote (existing "
+                         f"shards are adopted in place with `stager index {parent}`)")
 
 
 def dataset_root(path: str | os.PathLike[str]) -> str:

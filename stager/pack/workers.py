@@ -41,7 +41,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, cast
@@ -253,11 +253,13 @@ def _run_job(jobs_file: str, ji: int) -> ShardDone:
 
 
 def _run_shards(ex: ProcessPoolExecutor, jobs: list[ShardJob], jobs_file: str, progress: Progress) -> list[ShardDone]:
+    """Write ``jobs`` as whole shards on ``ex``; progress counts each shard's samples as soon as it is done
+    (the first failure cancels what has not started and is raised)."""
     out: list[ShardDone] = []
     try:
         pending: set[Future[ShardDone]] = {ex.submit(_run_job, jobs_file, ji) for ji in range(len(jobs))}
         while pending:
-            finished, pending = wait(pending, return_when=FIRST_EXCEPTION)
+            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
             for f in finished:
                 d = f.result()  # re-raises the worker's exception
                 out.append(d)

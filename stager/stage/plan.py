@@ -34,7 +34,7 @@ from stager.fs.access import source_access
 from stager.fs.info import FsInfo, detect_fs
 from stager.fs.open import is_url, join, read_bytes
 from stager.fs.safe import check_chain, describe, problem, trusted_uids
-from stager.manifest import Manifest, bytes_for_copy, dataset_root, manifest_path, shard_root
+from stager.manifest import Manifest, bytes_for_copy, dataset_root, manifest_path, not_a_pack, shard_root
 from stager.manifest.clips import shard_groups
 from stager.order.partition import assign_shards_to_nodes
 from stager.receipt import STAGING_ROOT_VARS
@@ -207,8 +207,8 @@ def read_src_manifest(src: str | os.PathLike[str], storage_options: dict[str, An
     mp = manifest_path(src)
     try:
         data = read_bytes(mp, storage_options)
-    except FileNotFoundError as exc:
-        raise ShardMissingError(f"{mp}: no manifest; is SRC a `stager pack` output directory?") from exc
+    except (FileNotFoundError, NotADirectoryError) as exc:
+        raise not_a_pack(src) from exc
     except IsADirectoryError as exc:
         raise ShardMissingError(f"{mp}: is a directory, expected manifest.json") from exc
     return Manifest.from_bytes(data, mp, storage_options=storage_options), data

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from stager.decode.jpeg_header import SOF_MARKERS
-from stager.errors import SourceError, UsageError
+from stager.errors import SourceError, UnsuitableSourceError, UsageError
 from stager.formats.base import Sample
 from stager.fs.nesting import overlap
 from stager.manifest import BAD_NAME_CHARS, NAME_MAX_BYTES, class_dir_name, entry_name_problem, unpacked_stem
@@ -155,7 +155,7 @@ def prepare_sample(
         if resize:
             arr = _resize(arr, resize)
         if image_shape is not None and tuple(arr.shape) != tuple(image_shape):
-            raise SourceError(
+            raise UnsuitableSourceError(
                 f"{where}: image is {arr.shape[0]}x{arr.shape[1]}, expected {image_shape[0]}x{image_shape[1]}; "
                 "zarr stores one fixed size: pass --resize HxW"
             )
@@ -205,7 +205,7 @@ def probe_hw(source: Source, refs: Sequence[SampleRef], *, skip_bad: bool = Fals
         if first is None:
             first, first_where = (h, w), where
         elif (h, w) != first:
-            raise SourceError(
+            raise UnsuitableSourceError(
                 f"zarr stores one fixed image size but {where} is {h}x{w} and {first_where} is "
                 f"{first[0]}x{first[1]}; pass --resize HxW"
             )

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from stager.errors import SourceError
+from stager.errors import SourceError, UnsuitableSourceError
 from stager.formats.base import Sample
 from stager.fs.kernel import release_free_heap
 from stager.pack.sources.base import (
@@ -49,7 +49,8 @@ class ImageFolderSource(Source):
         super().__init__(root)
         classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
         if not classes:
-            raise SourceError(f"{root}: no class sub-folders; expected an ImageFolder tree root/<class>/<image>")
+            raise UnsuitableSourceError(
+                f"{root}: no class sub-folders; expected an ImageFolder tree root/<class>/<image>")
         self.classes = classes
         base = str(root)
         self._cut = len(base) + 1

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from stager.errors import SourceError, SourceNotFoundError, UsageError
+from stager.errors import SourceNotFoundError, UnsuitableSourceError, UsageError
 from stager.manifest.fields import parse_fields_arg
 from stager.pack.sources.adopted import AdoptedSource, adopted_kind
 from stager.pack.sources.base import MapFn, Source
@@ -46,7 +46,7 @@ def open_source(
 
     ``map_fn`` (``map``-like) is used to list an ImageFolder's class folders (in parallel when it is
     a process pool's ``map``). Raises :class:`SourceNotFoundError` for a missing path and
-    :class:`SourceError` for an empty or unrecognisable one.
+    :class:`UnsuitableSourceError` for an empty or unrecognisable one.
     """
     root = Path(os.path.abspath(os.fspath(src)))
     if not root.exists():
@@ -66,7 +66,7 @@ def open_source(
         elif is_coco_file(root):
             src_obj = CocoSource(root)
         else:
-            raise SourceError(
+            raise UnsuitableSourceError(
                 f"{root}: unsupported source file; expected a .csv/.jsonl list, a COCO instances_*.json, an "
                 "ImageFolder, sidecar or CIFAR batches directory, or a stager pack"
             )
@@ -84,14 +84,14 @@ def open_source(
     if split is not None and src_obj.kind != "cifar":
         raise UsageError(f"--split applies to CIFAR batch directories only; {root} is a {src_obj.kind} source")
     if not src_obj.refs:
-        raise SourceError(f"{root}: source holds no images ({src_obj.kind}); check the path")
+        raise UnsuitableSourceError(f"{root}: source holds no images ({src_obj.kind}); check the path")
     return src_obj
 
 
 def _open_clip_source(root: Path, spec: ClipSpec, options: PackOptions, map_fn: MapFn | None) -> Source:
     """A clip pack's source (``--clip-length``): video files if ``root`` holds any, else frame folders."""
     if not root.is_dir():
-        raise SourceError(f"{root}: --clip-length needs a folder of sequences or videos")
+        raise UnsuitableSourceError(f"{root}: --clip-length needs a folder of sequences or videos")
     skip = options.on_error == "skip"
     if find_videos(root):
         if options.fields:

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 from stager.progress import Progress
 from stager.stage.collective.group import Group
 from stager.stage.collective.io import ShareReader, StreamSink
+from stager.world import local_rank
 
 KILL_ENV = "STAGER_TEST_COLLECTIVE_KILL"
 BUFFERS = 2  # send buffers and receive buffers in flight
@@ -158,7 +159,7 @@ class _Transport:
         self.chunk = chunk
         self.device = None
         if group.backend == "nccl":
-            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            self.device = torch.device("cuda", local_rank())
             self.dev_send = torch.empty(chunk, dtype=torch.uint8, device=self.device)
             self.dev_recv = torch.empty(group.num_nodes * chunk, dtype=torch.uint8, device=self.device)
 

@@ -1,0 +1,136 @@
+"""What a command returns and how the CLI prints it: the one output contract of every ``stager`` command.
+
+A command's ``run(args)`` returns a :class:`Result` and prints nothing itself; :func:`stager.cli.main`
+is the only place that prints results and errors and maps them to exit codes (:class:`~stager.errors.ExitCode`):
+
+* ``--json``: exactly one JSON object on stdout, whatever happens: the result's :meth:`Result.to_json`
+  (with ``"ok"``), or, for an error, ``{"ok": false, "error", "type", "exit_code"}`` (:func:`error_object`),
+  including bad flags and Ctrl-C. No progress on stderr; warnings and errors still go there.
+* without it: a successful result's :meth:`Result.summary` on stdout, unless ``-q``; a failed result's
+  summary on stderr, every line prefixed ``stager <cmd>: `` (verify's ``BAD <file>: ...`` lines, then its
+  ``error:`` line), ``-q`` or not.
+* warnings (:attr:`Result.warnings`) as ``stager <cmd>: warning: ...`` lines on stderr; an error as one
+  line ``stager <cmd>: error: ...``. Every location printed passes :mod:`stager.redact` first.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from stager.errors import ExitCode
+from stager.redact import redact_text
+
+
+@runtime_checkable
+class Result(Protocol):
+    """A command's outcome: whether it succeeded, its JSON form, its human summary, warnings, exit code."""
+
+    @property
+    def ok(self) -> bool: ...
+
+    @property
+    def warnings(self) -> Sequence[str]: ...
+
+    @property
+    def exit_code(self) -> int: ...
+
+    def to_json(self) -> dict[str, Any]: ...
+
+    def summary(self) -> str: ...
+
+
+@dataclass
+class CommandResult:
+    """The :class:`Result` commands return: ``data`` (JSON-able; its ``"ok"`` is set from :attr:`ok`),
+    ``text`` (the human summary; for a failed result, the lines printed on stderr), ``warnings`` and
+    ``exit_code`` (:attr:`ExitCode.OK`, or the code of what failed: then :attr:`ok` is False)."""
+
+    data: dict[str, Any]
+    text: str = ""
+    warnings: list[str] = field(default_factory=list)
+    exit_code: int = ExitCode.OK
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == ExitCode.OK
+
+    @classmethod
+    def of(cls, res: Any, text: str | None = None) -> CommandResult:
+        """An engine's result object (``to_json()``, ``summary()``, optional ``warnings``) as a Result."""
+        return cls(res.to_json(), res.summary() if text is None else text,
+                   warnings=list(getattr(res, "warnings", None) or []))
+
+    def to_json(self) -> dict[str, Any]:
+        return _with_ok(self.data, self.ok)
+
+    def summary(self) -> str:
+        return self.text
+
+
+# ---- printing ---------------------------------------------------------------------------------------
+def _with_ok(data: dict[str, Any], ok: bool) -> dict[str, Any]:
+    """``data`` with ``"ok"`` first and equal to ``ok``."""
+    return {"ok": ok, **{k: v for k, v in data.items() if k != "ok"}}
+
+
+def _redacted(value: Any) -> Any:
+    """``value`` (a JSON-able result) with every string passed through :func:`redact_text`."""
+    if isinstance(value, str):
+        return redact_text(value)
+    if isinstance(value, dict):
+        return {k: _redacted(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_redacted(v) for v in value]
+    return value
+
+
+def write_json(obj: dict[str, Any]) -> None:
+    """One JSON object, redacted, on one line of stdout."""
+    sys.stdout.write(json.dumps(_redacted(obj), default=lambda o: redact_text(str(o))) + "\n")
+    sys.stdout.flush()
+
+
+def warn(prog: str, text: str) -> None:
+    """A warning on stderr, one line, redacted: ``stager <cmd>: warning: ...`` (live, while a command runs)."""
+    print(f"{prog}: warning: {redact_text(text)}", file=sys.stderr, flush=True)
+
+
+def print_result(prog: str, result: Result, *, as_json: bool, quiet: bool) -> int:
+    """Print ``result`` by the rules of the module docstring; return its exit code."""
+    for w in result.warnings:
+        warn(prog, w)
+    if as_json:
+        write_json(_with_ok(result.to_json(), result.ok))
+    text = result.summary().rstrip("\n")
+    if not result.ok:
+        for line in text.splitlines():
+            print(f"{prog}: {redact_text(line)}", file=sys.stderr)
+        sys.stderr.flush()
+    elif text and not as_json and not quiet:
+        sys.stdout.write(redact_text(text) + "\n")
+        sys.stdout.flush()
+    return int(result.exit_code)
+
+
+def error_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message, redacted (its type's name when it has none)."""
+    text = str(exc)
+    return redact_text(text).splitlines()[0] if text.strip() else type(exc).__name__
+
+
+def error_object(exc: BaseException, code: int, message: str | None = None) -> dict[str, Any]:
+    """What ``--json`` prints for a command that ended with ``exc`` (``message``: instead of its own)."""
+    return {"ok": False, "error": message or error_line(exc), "type": type(exc).__name__, "exit_code": int(code)}
+
+
+def report_error(prog: str, exc: BaseException, code: int, *, as_json: bool, label: str = "error",
+                 message: str | None = None) -> None:
+    """A failed command's report: with ``as_json`` one JSON object on stdout; always one line on stderr,
+    ``<prog>: <label>: <message>`` (``message``: instead of the exception's own)."""
+    if as_json:
+        write_json(error_object(exc, code, message))
+    print(f"{prog}: {label}: {message or error_line(exc)}", file=sys.stderr, flush=True)

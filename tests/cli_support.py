@@ -1,0 +1,60 @@
+"""Helpers for the command-line tests (no tests here): the real CLI in a clean environment, the error contract."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from stager.errors import ExitCode
+
+LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI", "HOROVOD_", "MPI_")
+LAUNCHER_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK"}
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without launcher, cache and staging variables, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(LAUNCHER_PREFIXES) and k not in LAUNCHER_VARS
+           and k not in ("STAGER_CACHE", "STAGER_DEST", "STAGER_CACHE_QUOTA")}
+    env.update(extra)
+    return env
+
+
+def stager(*args: str | os.PathLike[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "stager", *map(os.fspath, args)], capture_output=True, text=True,
+                          env=env or clean_env(), timeout=600, check=False)
+
+
+def assert_error_contract(r: subprocess.CompletedProcess[str], code: int, prog: str, *, as_json: bool) -> None:
+    """``r`` failed by the contract: exit ``code``, one error line from ``prog``, with --json one JSON object."""
+    what = f"exit {r.returncode}\nstdout: {r.stdout}\nstderr: {r.stderr}"
+    assert r.returncode == code and r.returncode != ExitCode.INTERNAL, what
+    assert "Traceback" not in r.stderr, what
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: "), what
+    if as_json:
+        out = r.stdout.splitlines()
+        assert len(out) == 1, what
+        obj = json.loads(out[0])
+        assert obj["ok"] is False and obj["exit_code"] == code and lines[0] == f"{prog}: error: {obj['error']}", what
+    else:
+        assert r.stdout == "", what
+
+
+def open_writer_when_read(fifo: Path, proc: subprocess.Popen[str]) -> int:
+    """Open ``fifo`` for writing once ``proc`` has opened it for reading (until then a non-blocking open fails
+    with ENXIO); the event ``proc`` waits on is then the data. Fails if ``proc`` ends first."""
+    while True:
+        try:
+            return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as exc:
+            if exc.errno != errno.ENXIO:
+                raise
+        if proc.poll() is not None:
+            raise AssertionError(f"exited {proc.returncode} before reading the FIFO: {proc.communicate()}")
+        time.sleep(0.01)
