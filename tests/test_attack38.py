@@ -9,6 +9,7 @@ newcomer who mistypes and as a second uid on the node. Each test failed on the m
 * ``stage --unpack only`` followed by ``clean`` left the sample index behind, and a plain stage over
   an ``--unpack`` one left the unpacked tree (its receipt no longer named it, though the journal did);
 * ``stager pack`` accepted two samples that ``stage --unpack`` can never write (one file name);
+* a copy moved with ``mv`` could not be cleaned (its receipt names the unpacked tree by absolute path);
 * a name holding a newline made ``stager pack``'s error a truncated line without its reason.
 """
 
@@ -149,6 +150,18 @@ def test_clean_after_unpack_only_leaves_nothing_of_the_stage(pack_dir: Path, tmp
     assert r.returncode == 0, r.stderr
     assert sorted(os.listdir(dest)) == ["mine.txt"]
     assert json.loads(r.stdout.strip().splitlines()[-1])["left"] == ["mine.txt"]
+
+
+def test_a_copy_moved_with_mv_is_cleaned(pack_dir: Path, tmp_path: Path) -> None:
+    """The receipt records the unpacked tree by its absolute path: after `mv DEST NEW`, clean of NEW
+    refused (exit 3, "not a plain name inside DEST") and removed nothing."""
+    old, new = tmp_path / "old", tmp_path / "new"
+    assert stager("stage", str(pack_dir), str(old), "--unpack", "-q").returncode == 0
+    old.rename(new)
+    (new / "unpacked" / "mine.txt").write_text("mine")
+    r = stager("clean", str(new))
+    assert r.returncode == 0, r.stderr
+    assert sorted(str(p.relative_to(new)) for p in new.rglob("*")) == ["unpacked", "unpacked/mine.txt"]
 
 
 # ---- the one name rule: what pack accepts, stage --unpack can write ------------------------------------------

@@ -129,7 +129,11 @@ def _receipt_names(d: SafeDir, rec: Receipt) -> list[str]:
     """The receipt's entries (less the receipt itself) as plain names inside DEST."""
     names = [n for n in rec.files if n != RECEIPT_NAME]
     if rec.unpacked:
-        rel = os.path.relpath(rec.unpacked, d.path) if os.path.isabs(rec.unpacked) else rec.unpacked
+        rel = rec.unpacked
+        if os.path.isabs(rel):
+            # A tree written inside the receipt's DEST is that DEST's, wherever DEST was moved since (mv).
+            inside = rec.dest and os.path.dirname(rel.rstrip("/")) == rec.dest.rstrip("/")
+            rel = os.path.basename(rel.rstrip("/")) if inside else os.path.relpath(rel, d.path)
         if rel not in names:
             names.append(rel)
     return _plain(names, d.join(RECEIPT_NAME))
