@@ -9,6 +9,7 @@ newcomer who mistypes and as a second uid on the node. Each test failed on the m
 * ``stage --unpack only`` followed by ``clean`` left the sample index behind, and a plain stage over
   an ``--unpack`` one left the unpacked tree (its receipt no longer named it, though the journal did);
 * ``stager pack`` accepted two samples that ``stage --unpack`` can never write (one file name);
+* ``--unpack-dir`` naming one of stager's own files (the receipt, the manifest) failed after the copy;
 * a copy moved with ``mv`` could not be cleaned (its receipt names the unpacked tree by absolute path);
 * a name holding a newline made ``stager pack``'s error a truncated line without its reason.
 """
@@ -137,6 +138,16 @@ def test_other_files_and_resumes_still_work(pack_dir: Path, tmp_path: Path) -> N
     assert stager("clean", str(dest)).returncode == 0
     assert sorted(os.listdir(dest)) == ["mine.txt"]
     assert stager("stage", str(pack_dir), str(dest), "-q").returncode == 0
+
+
+@pytest.mark.parametrize("name", ["manifest.json", "stager-receipt.json", ".stager-journal.jsonl", ".stager-lock"])
+def test_an_unpack_dir_named_like_stagers_own_files_is_refused_up_front(pack_dir: Path, tmp_path: Path,
+                                                                         name: str) -> None:
+    """`--unpack-dir stager-receipt.json` copied every shard, then failed (exit 1, `[Errno 21] Is a
+    directory`) and left a DEST that `clean` refused; `manifest.json` failed advising to remove it."""
+    dest = tmp_path / "dest"
+    one_line_error(stager("stage", str(pack_dir), str(dest), "--unpack", "--unpack-dir", name, "-q"), 2, name)
+    assert not dest.exists()
 
 
 def test_clean_after_unpack_only_leaves_nothing_of_the_stage(pack_dir: Path, tmp_path: Path) -> None:
