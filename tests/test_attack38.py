@@ -10,6 +10,7 @@ newcomer who mistypes and as a second uid on the node. Each test failed on the m
   an ``--unpack`` one left the unpacked tree (its receipt no longer named it, though the journal did);
 * ``stager pack`` accepted two samples that ``stage --unpack`` can never write (one file name);
 * ``--unpack-dir`` naming one of stager's own files (the receipt, the manifest) failed after the copy;
+* a mix stream named ``stager-receipt.json`` made a DEST that ``clean`` refused;
 * a copy moved with ``mv`` could not be cleaned (its receipt names the unpacked tree by absolute path);
 * a name holding a newline made ``stager pack``'s error a truncated line without its reason.
 """
@@ -147,6 +148,20 @@ def test_an_unpack_dir_named_like_stagers_own_files_is_refused_up_front(pack_dir
     directory`) and left a DEST that `clean` refused; `manifest.json` failed advising to remove it."""
     dest = tmp_path / "dest"
     one_line_error(stager("stage", str(pack_dir), str(dest), "--unpack", "--unpack-dir", name, "-q"), 2, name)
+    assert not dest.exists()
+
+
+@pytest.mark.parametrize("name", ["stager-receipt.json", "stager-mix.json", "manifest.json"])
+def test_a_mix_stream_named_like_stagers_own_files_is_refused_up_front(pack_dir: Path, tmp_path: Path,
+                                                                       name: str) -> None:
+    """A stream staged into `DEST/stager-receipt.json` made a mix DEST that `clean` refused ("staging
+    receipt is a directory ... remove it"); `stager-mix.json` failed (exit 1) after copying."""
+    other = tmp_path / "other"
+    make_dataset(other, n=2, size=8 << 10, seed=5)
+    mix = tmp_path / "mix.yaml"
+    mix.write_text(f'streams:\n  - {{name: "{name}", path: {pack_dir}}}\n  - {{name: two, path: {other}}}\n')
+    dest = tmp_path / "dest"
+    one_line_error(stager("stage", str(mix), str(dest), "-q"), 2, name)
     assert not dest.exists()
 
 
