@@ -11,6 +11,8 @@ newcomer who mistypes and as a second uid on the node. Each test failed on the m
 * ``stager pack`` accepted two samples that ``stage --unpack`` can never write (one file name);
 * ``--unpack-dir`` naming one of stager's own files (the receipt, the manifest) failed after the copy;
 * a mix stream named ``stager-receipt.json`` made a DEST that ``clean`` refused;
+* ``verify`` failed a sound ``--partition`` or ``--unpack only`` copy, and its printed repair made a
+  full copy of it (or, after ``mv``, staged into the old path);
 * a copy moved with ``mv`` could not be cleaned (its receipt names the unpacked tree by absolute path);
 * a name holding a newline made ``stager pack``'s error a truncated line without its reason.
 """
@@ -19,6 +21,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -188,6 +192,43 @@ def test_a_copy_moved_with_mv_is_cleaned(pack_dir: Path, tmp_path: Path) -> None
     r = stager("clean", str(new))
     assert r.returncode == 0, r.stderr
     assert sorted(str(p.relative_to(new)) for p in new.rglob("*")) == ["unpacked", "unpacked/mine.txt"]
+
+
+def follow_advice(stderr: str) -> None:
+    """Run every `stager ...` command verify's error line names, exactly as printed; each must succeed."""
+    line = [x for x in stderr.splitlines() if ": error:" in x][-1]
+    cmds = [c for c in re.findall(r"`([^`]+)`", line) if c.startswith("stager ")]
+    assert cmds, stderr
+    for cmd in cmds:
+        r = stager(*shlex.split(cmd)[1:])
+        assert r.returncode == 0, (cmd, r.stderr)
+
+
+@pytest.mark.parametrize("how", ["partition", "unpack-only", "moved"])
+def test_verify_judges_a_copy_by_what_it_holds_and_its_advice_repairs_it(pack_dir: Path, tmp_path: Path,
+                                                                         how: str) -> None:
+    """A sound `--partition` (or `--unpack only`) copy failed verify (its other shards "missing"), and the
+    printed `stage --repair SRC DEST` made it a full copy: on a node whose disk holds only its share, the
+    repair fills the disk. After `mv`, the advice named the old path."""
+    dest = tmp_path / "dest"
+    flags = {"partition": ["--partition", "--node", "1", "--num-nodes", "2"], "unpack-only": ["--unpack", "only"],
+             "moved": ["--unpack", "--unpack-dir", "tree"]}[how]
+    assert stager("stage", str(pack_dir), str(dest), *flags, "-q").returncode == 0
+    if how == "moved":
+        dest = dest.rename(tmp_path / "moved")
+    held = sorted(os.listdir(dest))
+    r = stager("verify", str(dest))
+    assert r.returncode == 0, r.stderr
+    if how == "unpack-only":
+        return
+    shard = sorted(n for n in held if n.endswith(".tar"))[0]
+    (dest / shard).write_bytes(b"\0" * 100)
+    r = stager("verify", str(dest))
+    assert r.returncode == 3 and str(dest) in r.stderr, r.stderr
+    follow_advice(r.stderr)
+    assert sorted(os.listdir(dest)) == held  # the same share, nothing more
+    assert stager("verify", str(dest)).returncode == 0
+    assert how != "moved" or not (tmp_path / "dest").exists()  # nothing staged at the old path
 
 
 # ---- the one name rule: what pack accepts, stage --unpack can write ------------------------------------------
