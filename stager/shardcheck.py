@@ -10,7 +10,9 @@ shards) "parse" means indexing the shard again with the recorded options and com
 Deep mode then decodes every JPEG/PNG payload the loader would decode, with the loader's own decoder
 (:func:`stager.decode.decode_rgb`), so a sample the loader refuses as damaged fails here too, named
 by shard and key, even when its bytes hash as the manifest says (damaged before it was packed).
-A damaged manifest raises :class:`ManifestError`.
+A damaged manifest raises :class:`ManifestError`. A staged copy that holds a share of the shards by
+design (a receipt of ``--partition`` or ``--unpack only``) is checked against the shards its receipt
+lists; :func:`advice` repairs it with the flags that staged it, in the directory verified.
 
 A pack at a URL (``s3://...``, ``https://...``) is verified the same way: each file is streamed
 through the hasher with retried ranged GETs (:mod:`stager.fs.remote`), nothing is written locally;
@@ -274,7 +276,10 @@ def verify(path: str | os.PathLike[str], *, deep: bool = False, threads: int = 4
     if local is None:
         bad += _verify_remote(root, m, storage_options, deep=deep, threads=threads)
     else:
-        bad += _verify_local(local, m, deep=deep, threads=threads)
+        only = _staged_share(p, m)
+        if only is not None:
+            files = [f for f in files if f[0] in only or (m.index is not None and f[0] == m.index.name)]
+        bad += _verify_local(local, m, deep=deep, threads=threads, only=only)
     return VerifyResult(
         path=p,
         ok=not bad,
@@ -309,9 +314,36 @@ def _check_index(root: str, m: Manifest, storage_options: Mapping[str, Any] | No
     return [(ix.name, reason)] if reason else []
 
 
-def _verify_local(root: str, m: Manifest, *, deep: bool, threads: int) -> list[tuple[str, str]]:
+def _staged_receipt(p: str, m: Manifest) -> Any:
+    """The receipt of the staged copy of ``m`` at the local directory of ``p`` (a
+    :class:`stager.receipt.Receipt`), or None (a pack, a URL, another dataset's or a damaged receipt)."""
+    from stager.receipt import load_receipt  # noqa: PLC0415 (only for a local directory)
+
+    local = local_path_of(dataset_root(p))
+    if local is None:
+        return None
+    rec = None
+    with contextlib.suppress(StagerError, OSError):
+        rec = load_receipt(local)
+    return rec if rec is not None and rec.manifest_digest.endswith(m.digest) else None
+
+
+def _staged_share(p: str, m: Manifest) -> set[str] | None:
+    """For a staged copy that holds a share of the shards by design (``--partition``: this node's;
+    ``--unpack only``: none), the files it should hold (its receipt's shards and their companions);
+    None when every file of the manifest belongs there."""
+    rec = _staged_receipt(p, m)
+    if rec is None or not (rec.mode == "partition" or rec.manifest_digest.startswith("unpack-only:")):
+        return None
+    keep = set(rec.shards)
+    return {n for s in m.shards if s.name in keep for n in (s.name, *(a.name for a in s.aux))}
+
+
+def _verify_local(root: str, m: Manifest, *, deep: bool, threads: int,
+                  only: set[str] | None = None) -> list[tuple[str, str]]:
+    """``[(file, reason)]`` for the bad files of ``m`` at ``root`` (``only``: just those names)."""
     index = m.index.name if m.index is not None else None
-    files = [f for f in m.files() if f[0] != index]
+    files = [f for f in m.files() if f[0] != index and (only is None or f[0] in only)]
 
     def one(entry: tuple[str, int, str]) -> tuple[str, str | None]:
         name, nbytes, digest = entry
@@ -322,7 +354,7 @@ def _verify_local(root: str, m: Manifest, *, deep: bool, threads: int) -> list[t
     bad = [(n, r) for n, r in checked if r is not None]
     if deep:
         broken = {n for n, _ in bad}
-        todo = [info for info in m.shards if info.name not in broken]
+        todo = [info for info in m.shards if info.name not in broken and (only is None or info.name in only)]
 
         def deep_one(info: ShardInfo) -> str | None:
             return _deep_check(root, info, m) or _decode_check(root, info, m)
@@ -342,8 +374,6 @@ def advice(result: VerifyResult) -> str:
     cannot be decoded were damaged before they were packed: no copy repairs them. A pack's damaged
     files: the ``stager pack`` that wrote it, run again, rewrites exactly those shards.
     """
-    from stager.receipt import load_receipt  # noqa: PLC0415 (only when something is bad)
-
     undecodable = [n for n, r in result.bad if UNDECODABLE in r]
     if len(undecodable) == len(result.bad):
         return ("the damaged samples hash as the manifest says, so they were damaged before packing: replace them "
@@ -353,9 +383,12 @@ def advice(result: VerifyResult) -> str:
     rec = None
     if local_path_of(root) is not None:
         with contextlib.suppress(StagerError, OSError):
-            rec = load_receipt(local_path_of(root) or root)
+            rec = load_manifest_receipt(result.path)
     if rec is not None:
-        cmd = f"stager stage --repair {_quote(rec.source)} {_quote(rec.dest)}"
+        # The directory verified (the copy may have been moved since the receipt was written), and the
+        # flags that staged it: a --partition copy repaired without them would become a full copy.
+        here = os.path.abspath(local_path_of(root) or root)
+        cmd = f"stager stage --repair {_quote(rec.source)} {_quote(here)}{_mode_flags(rec)}"
         if rec.cache:
             cdir = _quote(str(rec.cache.get("dir")))
             return (f"repair the staged copy: run `stager cache verify {cdir}` (it removes damaged cache objects), "
@@ -363,6 +396,27 @@ def advice(result: VerifyResult) -> str:
         return f"repair the staged copy: run `{cmd}` (it hashes DEST again and copies exactly the damaged files)"
     return ("restore them from a copy, or run again the `stager pack` command that wrote this pack: with the same "
             "source and options it rewrites exactly the damaged shards")
+
+
+def load_manifest_receipt(path: str) -> Any:
+    """The receipt of the staged copy of the manifest at ``path`` (None for a pack)."""
+    return _staged_receipt(path, load_manifest(path))
+
+
+def _mode_flags(rec: Any) -> str:
+    """The ``stager stage`` flags that reproduce the receipt's mode (partition, shared, unpacked tree)."""
+    flags = ""
+    part = rec.partition if isinstance(rec.partition, dict) else {}
+    if rec.mode in ("partition", "shared") and part:
+        flags += f" --{rec.mode} --node {int(part.get('node', 0))} --num-nodes {int(part.get('num_nodes', 1))}"
+        if rec.mode == "partition":
+            flags += f" --seed {int(part.get('seed', 0))}"
+    if rec.unpacked:
+        flags += " --unpack only" if rec.manifest_digest.startswith("unpack-only:") else " --unpack"
+        name = os.path.basename(str(rec.unpacked).rstrip("/"))
+        if name != "unpacked":
+            flags += f" --unpack-dir {_quote(name)}"
+    return flags
 
 
 def _quote(s: str) -> str:

@@ -129,7 +129,11 @@ def _receipt_names(d: SafeDir, rec: Receipt) -> list[str]:
     """The receipt's entries (less the receipt itself) as plain names inside DEST."""
     names = [n for n in rec.files if n != RECEIPT_NAME]
     if rec.unpacked:
-        rel = os.path.relpath(rec.unpacked, d.path) if os.path.isabs(rec.unpacked) else rec.unpacked
+        rel = rec.unpacked
+        if os.path.isabs(rel):
+            # A tree written inside the receipt's DEST is that DEST's, wherever DEST was moved since (mv).
+            inside = rec.dest and os.path.dirname(rel.rstrip("/")) == rec.dest.rstrip("/")
+            rel = os.path.basename(rel.rstrip("/")) if inside else os.path.relpath(rel, d.path)
         if rel not in names:
             names.append(rel)
     return _plain(names, d.join(RECEIPT_NAME))
@@ -211,11 +215,29 @@ def _clean_by_journals(handle: SafeDir, *, dry_run: bool, timeout: float | None)
 
 
 def _clean_by_receipt_locked(handle: SafeDir, rec: Receipt, *, dry_run: bool) -> tuple[_Removal, bool]:
-    """Remove what ``rec`` lists (its lock held); return it and whether stage created DEST."""
+    """Remove what ``rec`` lists (its lock held), and what the journals of its dataset say earlier runs
+    wrote (an unpacked tree that a later plain stage's receipt no longer names); return it and whether
+    stage created DEST."""
     names = _receipt_names(handle, rec)
-    stems = _unpacked_stems(handle) if rec.unpacked else None  # before manifest.json goes
+    earlier, unpack_dirs = _journaled(handle, rec, exclude={*names, RECEIPT_NAME})
+    stems = _unpacked_stems(handle) if rec.unpacked or unpack_dirs else None  # before manifest.json goes
+    names = [*earlier, *names]  # data first; the journals (in the receipt's names) and the receipt last
     done = _remove(handle, [*names, *_partials(handle, names), RECEIPT_NAME], stems, dry_run=dry_run)
     return done, bool(rec.stats.get("created_dest"))
+
+
+def _journaled(handle: SafeDir, rec: Receipt, exclude: set[str]) -> tuple[list[str], set[str]]:
+    """Names that journals of ``rec``'s dataset in DEST record and ``exclude`` lacks (plain names inside
+    DEST, else :class:`UnsafeArchiveError`), and which of them are unpacked trees."""
+    names: set[str] = set()
+    unpack_dirs: set[str] = set()
+    for j in _journals(handle):
+        got = _read_journal(handle, j)
+        if got.digest and rec.manifest_digest.endswith(got.digest):
+            more = sorted((got.writes | got.files) - exclude - set(_journals(handle)))
+            names.update(_plain(more, handle.join(j)))
+            unpack_dirs |= got.unpack_dirs
+    return sorted(names), unpack_dirs & names
 
 
 def _read_journal(handle: SafeDir, name: str) -> JournalRecords:

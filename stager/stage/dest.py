@@ -106,8 +106,8 @@ def make_dest_dir(plan: StagePlan) -> None:
             raise err from exc
         raise DestinationError(f"{dest}: cannot create the destination ({exc.strerror}); choose another DEST") from exc
     with handle:
-        check_dest_holds(handle, plan.manifest, plan.manifest_bytes)
-        check_own_files(plan, handle)
+        check_own_files(plan, handle)  # first: one that is not the user's is named as such
+        check_dest_holds(handle, plan.manifest, plan.manifest_bytes, stage_writes(plan))
 
 
 def check_own_files(plan: StagePlan, dest: SafeDir) -> None:
@@ -151,10 +151,18 @@ def claim_dest(plan: StagePlan, *, keep_receipt: bool) -> list[str]:
 def begin_journal(plan: StagePlan, journal: Journal) -> None:
     """Record in the journal, before the run creates anything in DEST, every name it may write there
     (the receipt's ``files``): what ``stager clean`` removes should the run never finish."""
-    names = set(receipt_files(plan)) | {t.name for t in plan.tasks}  # --unpack only: shards pass through DEST
+    journal.begin(stage_writes(plan), unpack=plan.unpack_dir if plan.unpack else None,
+                  created_dest=not plan.explicit_dest)
+
+
+def stage_writes(plan: StagePlan) -> set[str]:
+    """Every name the run may write into DEST: the receipt's ``files`` and, with ``--unpack only``, the
+    shards that pass through DEST (what the journal records first, and what DEST may not already hold
+    without a record: :func:`stager.stage.place.check_dest_holds`)."""
+    names = set(receipt_files(plan)) | {t.name for t in plan.tasks}
     if plan.index_task is not None:
         names.add(plan.index_task.name)
-    journal.begin(names, unpack=plan.unpack_dir if plan.unpack else None, created_dest=not plan.explicit_dest)
+    return names
 
 
 def kept_files(plan: StagePlan, journal: Journal) -> set[str]:
@@ -332,6 +340,8 @@ def make_durable(plan: StagePlan, rec: Receipt) -> None:
 def receipt_files(plan: StagePlan) -> list[str]:
     """Every path the finished run created in DEST, relative to it: the receipt's ``files``."""
     files = sorted(plan.expected_files())
+    if plan.unpack == "only" and plan.index_task is not None:
+        files.append(plan.index_task.name)  # the sample index is staged in every mode (StagedManifest)
     files += [MANIFEST_NAME]
     if plan.mode == "shared":
         files += [journal_name(n) for n in range(plan.num_nodes)]

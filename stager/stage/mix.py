@@ -24,7 +24,7 @@ from typing import Any
 from stager.errors import StagerError, UsageError
 from stager.fs.access import URL_FILE_MODE, current_umask
 from stager.fs.safe import private_dir
-from stager.manifest import dataset_root
+from stager.manifest import RESERVED_NAMES, UNPACK_DIR_NAME, dataset_root
 from stager.mix import Mix, Stream, named_error
 from stager.receipt import MIX_RECEIPT_NAME, MIX_RECEIPT_SCHEMA
 from stager.redact import has_secret, redact
@@ -95,6 +95,13 @@ def stage_streams(mix: Mix, dest: str | os.PathLike[str] | None,
     ``to_json`` and ``warnings``), then write the mix receipt; errors are named after their stream."""
     t0 = time.perf_counter()
     check_mix_dest(dest, [dataset_root(s.path) for s in mix.streams])
+    reserved = RESERVED_NAMES - {UNPACK_DIR_NAME}
+    for s in mix.streams:
+        if dest is not None and (s.name in reserved or s.name.endswith(".partial")):
+            # DEST/<name> would take the place of the mix receipt (or of a copy's own file): a stage that
+            # fails after copying, or a DEST that `stager clean` refuses.
+            raise UsageError(f"stream name {s.name!r} is reserved for stager's own files in DEST "
+                             f"({', '.join(sorted(reserved))}, *.partial): give the stream another name")
     res = MixStageResult(ok=True, source=mix.source or mix.describe(), dest=None if dest is None else os.fspath(dest))
     entries = []
     for s in mix.streams:

@@ -20,7 +20,7 @@ from typing import Any
 from stager.cache.config import CacheOptions
 from stager.errors import UsageError
 from stager.fs.copy import CopyTuning
-from stager.manifest import UNPACK_DIR_NAME
+from stager.manifest import RESERVED_NAMES, UNPACK_DIR_NAME, entry_name_problem
 from stager.world import NodeIdentity, resolve_node
 
 DEFAULT_UNPACK_DIR = UNPACK_DIR_NAME
@@ -93,6 +93,13 @@ class StageOptions:
             raise UsageError(f"--unpack must be 'also' or 'only', got {self.unpack!r}")
         if self.unpack_dir in ("", ".", "..") or "/" in self.unpack_dir:
             raise UsageError(f"--unpack-dir must be a plain directory name, got {self.unpack_dir!r}")
+        if entry_name_problem(self.unpack_dir) is not None or self.unpack_dir.startswith(".stager") or (
+                self.unpack_dir != UNPACK_DIR_NAME and self.unpack_dir in RESERVED_NAMES) or \
+                self.unpack_dir.endswith(".partial"):
+            # Checked before DEST is touched: stage's own files (manifest, receipt, journal, lock) under
+            # that name made the run fail after the copy, with advice that could not work.
+            raise UsageError(f"--unpack-dir {self.unpack_dir!r} is the name of one of stager's own files (or not "
+                             f"a name a directory may have); choose another, e.g. the default {UNPACK_DIR_NAME!r}")
         if self.workers is not None and self.workers < 0:
             raise UsageError(f"--workers must be >= 1, got {self.workers}")
         # A private copy: the caller's dict may change after the call, the plan's must not.

@@ -220,14 +220,16 @@ _DOT_KEY = re.compile(r"(?m)^(?:.*/)?\.\.?$")
 
 def check_names(source: Source) -> None:
     """Refuse, before anything is written, a class or sample name that ``stage --unpack`` could not
-    create (:func:`stager.manifest.entry_name_problem`, the one rule for names from the data): one
-    line naming the class folder or the sample. Every key is checked through a few regular-expression
-    passes over chunks of keys joined into one string, so the check costs milliseconds per million."""
+    create (:func:`stager.manifest.entry_name_problem`, the one rule for names from the data), and two
+    samples that would unpack to one file name (:func:`check_unpack_collisions`): one line naming the
+    class folder or the samples. Every key is checked through a few regular-expression passes over
+    chunks of keys joined into one string, so the check costs milliseconds per million."""
     for c in source.classes:
         why = entry_name_problem(c)
         if why is not None:
-            raise SourceError(f"{source.root / c if isinstance(c, str) else source.root}: class name {c!r} {why}; "
-                              f"rename it (any letter and spaces are fine; not '/', NUL or control characters)")
+            where = source.root / c if isinstance(c, str) and source.root.is_dir() and "/" not in c else source.root
+            raise SourceError(f"{shown(str(where))}: class name {c!r} {why}; rename it (any letter and spaces are "
+                              "fine; not '/', NUL or control characters)")
     refs = source.refs
     chunks = refs.key_chunks() if isinstance(refs, ListingRefs) else _key_chunks([r.key for r in refs])
     start = 0
@@ -244,10 +246,73 @@ def check_names(source: Source) -> None:
             stem = unpacked_stem(ref.key, class_dir_name(source.classes, ref.label))
             why = entry_name_problem(stem)
             if why is not None:
-                raise SourceError(f"{source.path_of(ref)}: sample {ref.key!r} would unpack to the file name {stem!r}, "
-                                  f"which {why}; rename it (any letter and spaces are fine; not '/', NUL or control "
-                                  "characters)")
+                raise SourceError(f"{shown(source.path_of(ref))}: sample {ref.key!r} would unpack to the file name "
+                                  f"{stem!r}, which {why}; rename it (any letter and spaces are fine; not '/', NUL or "
+                                  "control characters)")
         start += len(chunk)
+    check_unpack_collisions(source)
+
+
+def shown(text: str) -> str:
+    """``text`` (a path from the data) as one printable line: quoted and escaped (``repr``) when it
+    holds a control character or bytes that are not UTF-8, which would garble or break the line."""
+    return repr(text) if BAD_NAME_CHARS.search(text) else text
+
+
+# An ImageFolder key in a sub-folder of its class folder (a second '/'): the only kind whose unpacked
+# name differs from the key's last part, so the only kind that can meet another sample's name.
+_NESTED_KEY = re.compile(r"(?m)^[^\n/]*/[^\n/]*/")
+
+
+def check_unpack_collisions(source: Source) -> None:
+    """Refuse two samples that ``stage --unpack`` would write to one file: the same class folder and
+    the same :func:`stager.manifest.unpacked_stem` (the key less its class folder, with ``/`` made
+    ``_``: an ImageFolder's ``cat/a/b.jpg`` and ``cat/a_b.jpg`` both become ``cat/a_b``). Extensions
+    are not compared: they come from the shard, and ``stager clean`` matches the tree's files by stem.
+
+    An ImageFolder key starts with its class folder, so only keys in sub-folders (found by one regular
+    expression per chunk) can meet another name: those are compared with each other and with the key
+    ``<class>/<stem>``. Other sources' keys (list files, CIFAR, packs) are compared one by one."""
+    refs = source.refs
+    if isinstance(refs, ListingRefs):
+        seen: dict[tuple[str, str], int] = {}
+        labels = refs.columns.labels
+        start = 0
+        for chunk in refs.key_chunks():
+            if _NESTED_KEY.search("\n".join(chunk)):
+                for i, k in enumerate(chunk):
+                    if k.count("/") > 1:
+                        _claim(source, seen, k, int(labels[start + i]), start + i)
+            start += len(chunk)
+        if not seen:
+            return
+        plain = {f"{c}/{s}": pos for (c, s), pos in seen.items()}
+        start = 0
+        for chunk in refs.key_chunks():
+            for i, k in enumerate(chunk):
+                if k in plain:
+                    _collide(source, start + i, plain[k])
+            start += len(chunk)
+        return
+    seen = {}
+    for pos, ref in enumerate(refs):
+        _claim(source, seen, ref.key, ref.label, pos)
+
+
+def _claim(source: Source, seen: dict[tuple[str, str], int], key: str, label: int, pos: int) -> None:
+    """Record sample ``pos`` (``key``, ``label``) under the file it unpacks to; refuse a second one."""
+    cls = class_dir_name(source.classes, label)
+    other = seen.setdefault((cls, unpacked_stem(key, cls)), pos)
+    if other != pos:
+        _collide(source, pos, other)
+
+
+def _collide(source: Source, a: int, b: int) -> None:
+    ra, rb = source.refs[a], source.refs[b]
+    cls = class_dir_name(source.classes, ra.label)
+    raise SourceError(f"{shown(source.path_of(ra))} and {shown(source.path_of(rb))}: samples {ra.key!r} and {rb.key!r} "
+                      f"would both unpack to the file {cls}/{unpacked_stem(ra.key, cls)}.<ext> (`stage --unpack` "
+                      "writes <class>/<key less its class folder, '/' as '_'>); rename one of them")
 
 
 def _key_chunks(keys: list[str], step: int = 16384) -> Iterator[list[str]]:
