@@ -37,7 +37,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stager.cache.config import DEFAULT_QUOTA, Quota, SiteConfig, disk_size, quota_from_env, site_config
+from stager.cache.config import (
+    DEFAULT_DEST_LEASE_DAYS,
+    DEFAULT_QUOTA,
+    Quota,
+    SiteConfig,
+    disk_size,
+    quota_from_env,
+    site_config,
+)
 from stager.cache.layout import (
     DATASETS,
     HASH_ALGOS,
@@ -49,6 +57,7 @@ from stager.cache.layout import (
     OBJECTS,
     SCHEMA,
     foreign_entries,
+    is_object_name,
     object_relpath,
     record_name,
 )
@@ -63,6 +72,25 @@ LOG_MAX_BYTES = 1 << 20  # log.jsonl is halved when it grows past this
 RECORD_STAGES_KEPT = 32  # stage times kept per dataset (stager hints: staged again within a day)
 
 
+def record_files(rec: dict[str, Any]) -> list[tuple[str, str, str, int]]:
+    """A dataset record's files as ``(name, algo, key, bytes)``, every entry checked: one that is not a
+    well-formed list (a damaged record, or one an older stager wrote) is skipped, never fatal."""
+    out = []
+    files = rec.get("files")
+    for f in files if isinstance(files, list) else ():
+        if (isinstance(f, list) and len(f) == 4 and isinstance(f[0], str) and f[1] in HASH_ALGOS
+                and isinstance(f[2], str) and is_object_name(f[2]) and isinstance(f[3], int)
+                and not isinstance(f[3], bool) and f[3] >= 0):
+            out.append((f[0], f[1], f[2], f[3]))
+    return out
+
+
+def record_int(rec: dict[str, Any], key: str) -> int:
+    """A count of a dataset record (``uses``, ``hit_bytes``...), 0 when it is not a non-negative integer."""
+    v = rec.get(key)
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
+
+
 def now_iso(t: float | None = None) -> str:
     return _dt.datetime.fromtimestamp(time.time() if t is None else t, _dt.timezone.utc).isoformat(
         timespec="seconds")
@@ -71,7 +99,8 @@ def now_iso(t: float | None = None) -> str:
 @dataclass(frozen=True)
 class ObjectInfo:
     """One object file as a scan found it: ``mtime`` is its last use (LRU), ``nlink`` > 1 means it is
-    hard-linked into a destination that still exists."""
+    hard-linked into a destination that still exists (in a user's cache: a site cache links only
+    symbolically, so there a hard link is someone else's and means nothing)."""
 
     algo: str
     key: str
@@ -81,12 +110,14 @@ class ObjectInfo:
     nlink: int
     mode: int
     uid: int
+    gid: int = -1
 
 
 @dataclass
 class Cache:
     """An opened cache (see the module docstring). ``writable``: the caller owns it; ``quota_bytes``:
-    the resolved quota (None when opened only to read); ``warnings``: to print."""
+    the resolved quota (None when opened only to read); ``warnings``: to print; ``lease_max_s``: the
+    longest a lease of anyone but the owner keeps objects (:mod:`stager.cache.lease`)."""
 
     root: Path
     kind: str
@@ -97,6 +128,7 @@ class Cache:
     disk_bytes: int
     fstype: str
     warnings: list[str] = field(default_factory=list)
+    lease_max_s: float = DEFAULT_DEST_LEASE_DAYS * 86400
     _dirs_ok: set[Path] = field(default_factory=set, repr=False)
 
     # ---- opening --------------------------------------------------------------------------------
@@ -141,7 +173,7 @@ class Cache:
         chosen = quota or quota_from_env() or own or site.quota or Quota.parse(DEFAULT_QUOTA)
         disk = disk_size(root)
         cache = cls(root=root, kind=cache_kind, owner=st.st_uid, writable=mine, quota=chosen, quota_bytes=None,
-                    disk_bytes=disk, fstype="", warnings=list(site.warnings))
+                    disk_bytes=disk, fstype="", warnings=list(site.warnings), lease_max_s=site.lease_days * 86400)
         cache._check_dirs(create=mine)
         if not read_only:
             fix = (f"record one that fits: `stager cache init --quota {DEFAULT_QUOTA} {root}`" if chosen is own
@@ -273,7 +305,7 @@ class Cache:
                             continue
                         if stat.S_ISREG(st.st_mode):
                             yield ObjectInfo(algo, e.name, Path(e.path), st.st_size, st.st_mtime, st.st_nlink,
-                                             stat.S_IMODE(st.st_mode), st.st_uid)
+                                             stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid)
 
     def partial_files(self) -> Iterator[Path]:
         """Partial files under ``objects/`` (a filler's in progress, or a dead one's)."""
@@ -355,14 +387,17 @@ class Cache:
         rec = self.read_record(digest) or {"schema": RECORD_SCHEMA, "digest": digest, "dataset_id": dataset_id,
                                            "first_cached": now_iso(), "uses": 0, "pinned": False, "stages": [],
                                            "hit_bytes": 0, "filled_bytes": 0}
-        known = {f[0]: f for f in rec.get("files", [])}
-        known.update({f[0]: list(f) for f in files})
-        rec.update(source=source, algo=algo, files=sorted(known.values()),
-                   bytes=sum(int(f[3]) for f in known.values()), last_used=now_iso())
-        rec["uses"] = int(rec.get("uses", 0)) + 1
-        rec["hit_bytes"] = int(rec.get("hit_bytes", 0)) + hit_bytes
-        rec["filled_bytes"] = int(rec.get("filled_bytes", 0)) + filled_bytes
-        rec["stages"] = ([*list(rec.get("stages", [])), time.time()])[-RECORD_STAGES_KEPT:]
+        known = {f[0]: f for f in record_files(rec)}
+        known.update({f[0]: f for f in files})
+        rec.update(source=source, algo=algo, files=sorted(list(f) for f in known.values()),
+                   bytes=sum(f[3] for f in known.values()), last_used=now_iso())
+        rec["uses"] = record_int(rec, "uses") + 1
+        rec["hit_bytes"] = record_int(rec, "hit_bytes") + hit_bytes
+        rec["filled_bytes"] = record_int(rec, "filled_bytes") + filled_bytes
+        stages = rec.get("stages")
+        stages = [t for t in stages if isinstance(t, (int, float)) and not isinstance(t, bool)] \
+            if isinstance(stages, list) else []
+        rec["stages"] = [*stages, time.time()][-RECORD_STAGES_KEPT:]
         self.write_record(rec)
 
     # ---- the log --------------------------------------------------------------------------------
@@ -383,14 +418,18 @@ class Cache:
             atomic_write_bytes(path, b"".join(lines[len(lines) // 2:]), mode=0o600)
 
     def read_log(self, last: int = 20) -> list[dict[str, Any]]:
+        """The last eviction events (lines that are not JSON objects skipped)."""
         try:
-            lines = (self.root / LOG).read_bytes().splitlines()[-last:]
-        except OSError:
+            data = read_trusted(self.root / LOG, what="cache log", limit=4 * LOG_MAX_BYTES,
+                                owners=frozenset({self.owner}))
+        except (OSError, UnsafePathError):
             return []
         out = []
-        for ln in lines:
-            with contextlib.suppress(ValueError):
-                out.append(json.loads(ln))
+        for ln in (data or b"").splitlines()[-last:]:
+            with contextlib.suppress(ValueError, RecursionError):
+                e = json.loads(ln)
+                if isinstance(e, dict):
+                    out.append(e)
         return out
 
     def to_json(self) -> dict[str, Any]:

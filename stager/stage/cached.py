@@ -327,7 +327,10 @@ class _Run:
                 stats.evicted_bytes += rep.freed_bytes
                 stats.eviction = {"why": rep.why, "freed_bytes": rep.freed_bytes, "evicted": len(rep.evicted),
                                   "in_use_bytes": rep.in_use.bytes, "linked_bytes": rep.linked.bytes,
-                                  "pinned_bytes": rep.pinned.bytes, "reserved_bytes": reserved}
+                                  "pinned_bytes": rep.pinned.bytes, "reserved_bytes": reserved,
+                                  "junk_leases": rep.junk_leases}
+                if rep.junk:
+                    self.warnings.append(rep.junk)
                 used = rep.after_bytes
             room = cache.quota_bytes - used - reserved
             fits, rest = [], []

@@ -1,0 +1,196 @@
+"""The site cache and shared directories, a second trust round (issue 39), attacked for real: the
+node's users and the site cache's service account are unprivileged uids (tests/asuser.py), the
+prolog service is the unmodified tools/slurm scripts with stand-in squeue/scontrol
+(tests/test_trust_prolog.py). Each test is a row of the issue's table or an attack on the code that
+closed one; each failed before the fix.
+
+* ``leases/``, the one directory of a site cache its users may write, can neither break the cache
+  (a directory, a FIFO, a link, JSON with ``NaN``, a NUL in a path: skipped, reported in one line)
+  nor pin it (a lease keeps only what its writer could read, for at most the site's lease days; a
+  hard link to an object keeps nothing in a site cache).
+* What others wrote never reaches a terminal with its control characters (``stager cache ls``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+from tests.asuser import ATTACKER, OTHER, Node, User, python_as, stager_as
+from tests.test_cache_users import LICENSED_GID, MEMBER, _chmod_tree, public, site  # noqa: F401 (fixtures)
+from tests.test_stage_support import make_dataset
+
+SERVICE_AS_MEMBER = User("service", OTHER.uid, MEMBER.gid, MEMBER.groups)  # the prolog's fill for a member
+
+
+def _json(r) -> dict:
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr)
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _fill(node: Node, conf_env: dict[str, str], src: Path, cache: Path, user: User = OTHER) -> dict:
+    return _json(stager_as(user, "stage", str(src), "--cache", str(cache), "--cache-only", "--json",
+                           env=node.env(OTHER, **conf_env)))
+
+
+def _licensed(node: Node) -> Path:
+    """A group-only dataset (root:LICENSED_GID, 0750/0640): MEMBER may read it, ATTACKER may not."""
+    src = node.data / "licensed"
+    make_dataset(src, n=3, size=16 << 10, seed=11)
+    _chmod_tree(src, 0o750, 0o640, gid=LICENSED_GID)
+    return src
+
+
+def _gc(node: Node, conf_env: dict[str, str], cache: Path, *extra: str) -> dict:
+    return _json(stager_as(OTHER, "cache", "gc", str(cache), "--max-bytes", "0", "--json", *extra,
+                           env=node.env(OTHER, **conf_env)))
+
+
+def _objects(cache: Path) -> list[Path]:
+    return [p for p in (cache / "objects").rglob("*") if p.is_file()]
+
+
+# ---- row 2: a directory in leases/ -------------------------------------------------------------------
+PLANT_JUNK = r"""
+import json, math, os, sys, time
+d = sys.argv[1]
+os.makedirs(os.path.join(d, "x.lease", "sub"))                       # the row: a directory with a subdirectory
+os.mkfifo(os.path.join(d, "f.lease"))
+os.symlink("/etc/shadow", os.path.join(d, "l.lease"))
+base = {"schema": "stager.cache.lease/1", "keys": [], "time": time.time()}
+bodies = {
+    "nan.lease": '{"schema": "stager.cache.lease/1", "kind": "dest", "keys": [], "expires": NaN, "time": Infinity, '
+                 '"pid": Infinity, "dest": [["/", 1, 2]]}',
+    "nul.lease": json.dumps({**base, "kind": "dest", "expires": time.time() + 1e9, "dest": [["/tmp/a\x00b", 1, 2]]}),
+    "big.lease": json.dumps({**base, "kind": "process", "pid": 10**400 if False else 1e308, "reserve": {"x": 1}}),
+    "list.lease": "[1, 2, 3]",
+    "deep.lease": "[" * 100000,
+}
+for name, text in bodies.items():
+    with open(os.path.join(d, name), "w") as f:
+        f.write(text)
+"""
+
+
+def test_nothing_planted_in_leases_breaks_the_cache(node: Node, site, public: Path) -> None:  # noqa: F811
+    """Row 2 (medium): a directory (with a subdirectory) planted in ``leases/`` made the service
+    account's ``cache gc`` and every fill over quota fail with IsADirectoryError. Now every entry that
+    is not a lease (and the JSON a parser trips on: NaN, Infinity, a NUL in a path, deep nesting) is
+    skipped and reported in one line, and eviction goes on."""
+    cache, conf_env = site
+    n = _fill(node, conf_env, public, cache)["cache"]["files_filled"]
+    r = python_as(ATTACKER, PLANT_JUNK, str(cache / "leases"), env=node.env(ATTACKER))
+    assert r.returncode == 0, r.stderr
+    rep = _gc(node, conf_env, cache)
+    assert len(rep["evicted"]) == n and rep["in_use"]["objects"] == 0, rep
+    assert rep["junk_leases"] >= 7 and rep["junk"].count("\n") == 0 and "not a lease" in rep["junk"], rep["junk"]
+    assert (cache / "leases" / "x.lease" / "sub").is_dir()  # another user's directory: left, never fatal
+    # Human output: the same one line.
+    human = stager_as(OTHER, "cache", "gc", str(cache), env=node.env(OTHER, **conf_env))
+    assert human.returncode == 0 and sum("not a lease" in ln for ln in human.stdout.splitlines()) == 1, human
+    # A fill over the quota evicts (with the junk still there) instead of failing.
+    other = node.data / "other"
+    make_dataset(other, n=4, size=32 << 10, seed=5)
+    _chmod_tree(other)
+    _fill(node, conf_env, public, cache)
+    quota = sum(p.stat().st_size for p in _objects(cache))
+    conf = Path(conf_env["STAGER_PROLOG_CONF"])
+    conf.write_text(conf.read_text() + f"STAGER_CACHE_QUOTA={quota + 1000}\n")
+    res = _fill(node, conf_env, other, cache)
+    assert res["cache"]["files_filled"] > 0 and res["cache"]["evicted_files"] > 0, res
+    assert any("not a lease" in w for w in res["warnings"]), res["warnings"]
+    ls = stager_as(OTHER, "cache", "ls", str(cache), env=node.env(OTHER, **conf_env))
+    assert ls.returncode == 0 and "Traceback" not in ls.stderr, ls.stderr
+
+
+# ---- row 3: a 100-year destination lease over every object ------------------------------------------------
+FOREVER = """
+import json, os, sys, time
+leases, objects, mine = sys.argv[1:4]
+keys = [f for _, _, fs in os.walk(objects) for f in fs]
+st = os.stat(mine)
+body = {"schema": "stager.cache.lease/1", "kind": "dest", "keys": keys, "time": time.time() + 1e9,
+        "expires": time.time() + 100 * 365 * 86400, "dest": [[mine, st.st_dev, st.st_ino]], "what": "forever",
+        "uid": os.getuid(), "pid": os.getpid()}
+with open(os.path.join(leases, "forever.lease"), "w") as f:
+    f.write(json.dumps(body))
+os.chmod(os.path.join(leases, "forever.lease"), 0o644)
+"""
+
+
+def test_a_users_lease_pins_only_what_they_could_read_and_not_for_ever(
+        node: Node, site, public: Path) -> None:  # noqa: F811
+    """Row 3 (low): a destination lease with a 100-year ``expires`` over every object (naming a
+    directory of the writer's own) kept everything from eviction for ever. Now a lease of anyone but
+    the cache's owner keeps only the objects its writer could read (not the licensed ones), for no
+    longer than the site's STAGER_CACHE_LEASE_DAYS after it last changed, and its time is no later
+    than the file's (no LRU games)."""
+    cache, conf_env = site
+    _fill(node, conf_env, public, cache)
+    _fill(node, conf_env, _licensed(node), cache, user=SERVICE_AS_MEMBER)
+    licensed = {p.name for p in _objects(cache) if stat.S_IMODE(p.stat().st_mode) == 0o440}
+    public_objects = {p.name for p in _objects(cache)} - licensed
+    assert licensed and public_objects
+    mine = node.home(ATTACKER) / "job"
+    r = python_as(ATTACKER, f"import os; os.mkdir({str(mine)!r})", env=node.env(ATTACKER))
+    assert r.returncode == 0, r.stderr
+    r = python_as(ATTACKER, FOREVER, str(cache / "leases"), str(cache / "objects"), str(mine), env=node.env(ATTACKER))
+    assert r.returncode == 0, r.stderr
+    before = {p.name: p.stat().st_mtime for p in _objects(cache)}
+    rep = _gc(node, conf_env, cache, "--dry-run")
+    assert {e["key"] for e in rep["evicted"]} == licensed, rep  # what the writer may read is kept, only that
+    assert rep["in_use"]["objects"] == len(public_objects)
+    assert {p.name: p.stat().st_mtime for p in _objects(cache)} == before  # a dry run changes nothing
+    # The site's lease days bound it: here a moment (the lease is older than that when gc runs).
+    conf = Path(conf_env["STAGER_PROLOG_CONF"])
+    conf.write_text(conf.read_text() + "STAGER_CACHE_LEASE_DAYS=0.000000001\n")
+    rep = _gc(node, conf_env, cache)
+    assert rep["in_use"]["objects"] == 0 and {e["key"] for e in rep["evicted"]} == licensed | public_objects, rep
+    assert not _objects(cache)
+
+
+def test_a_hard_link_to_a_site_caches_object_keeps_nothing(node: Node, site, public: Path) -> None:  # noqa: F811
+    """Attacking the fix: a hard link is how a user's cache keeps what a DEST holds, but a site cache
+    links only symbolically, so there a hard link is someone else's (with ``fs.protected_hardlinks=0``
+    any user can make one to a file they cannot read: made here by root, as this node protects hard
+    links) and must not pin the object."""
+    cache, conf_env = site
+    _fill(node, conf_env, public, cache)
+    objs = _objects(cache)
+    for i, p in enumerate(objs):
+        os.link(p, node.home(ATTACKER) / f"pin{i}")
+    rep = _gc(node, conf_env, cache)
+    assert len(rep["evicted"]) == len(objs) and rep["linked"]["objects"] == 0, rep
+
+
+# ---- row 7: stager cache ls and the terminal -----------------------------------------------------------------
+ESCAPES = r"""
+import json, os, sys, time
+d, dest = sys.argv[1], sys.argv[2]
+st = os.stat(dest)
+body = {"schema": "stager.cache.lease/1", "kind": "dest", "keys": [], "time": time.time(),
+        "expires": time.time() + 3600, "dest": [[dest, st.st_dev, st.st_ino]],
+        "what": "\x1b]0;owned\x07\x1b[2J\x1b[1;31mERASED", "host": "h\x9b31m", "pid": 1, "uid": os.getuid()}
+with open(os.path.join(d, "\x1b[2Jname.lease"), "w") as f:
+    f.write(json.dumps(body))
+"""
+
+
+def test_cache_ls_never_prints_what_users_wrote_raw(node: Node, site, public: Path) -> None:  # noqa: F811
+    """Row 7 (low): ``stager cache ls`` showed a lease's free-text fields raw to the admin who ran it,
+    terminal escapes included. Now every control character is escaped, in the text and the JSON."""
+    cache, conf_env = site
+    _fill(node, conf_env, public, cache)
+    mine = node.home(ATTACKER) / "job"
+    r = python_as(ATTACKER, f"import os; os.mkdir({str(mine)!r})", env=node.env(ATTACKER))
+    assert r.returncode == 0, r.stderr
+    r = python_as(ATTACKER, ESCAPES, str(cache / "leases"), str(mine), env=node.env(ATTACKER))
+    assert r.returncode == 0, r.stderr
+    for args in ((), ("--json",)):
+        out = stager_as(OTHER, "cache", "ls", str(cache), *args, env=node.env(OTHER, **conf_env))
+        assert out.returncode == 0, out.stderr
+        text = out.stdout + out.stderr
+        assert not any((ord(c) < 32 and c not in "\n\t") or 0x7F <= ord(c) <= 0x9F for c in text), repr(text)
+        assert "ERASED" in text and "\\x1b" in text, text
