@@ -134,7 +134,7 @@ def run_collective(src: str | os.PathLike[str], dest: str | os.PathLike[str] | N
             _record_plain_stage(res, run_stage(src, dest, options.stage))
             res.share_shards = len(plan.shard_indices)
         else:
-            make_dest_dir(plan)
+            plan = replace(plan, dest=make_dest_dir(plan))  # its real path: no link anyone else can re-point
             with NodeLock(plan.lock_path, timeout=options.timeout):
                 _stage_full(plan, group, res, options)
         res.exchange_s = time.perf_counter() - t_data
