@@ -96,9 +96,20 @@ def redact_text(text: str) -> str:
     return _URL_IN_TEXT.sub(lambda m: redact(m.group(0)), text)
 
 
+def location_path(location: str | os.PathLike[str]) -> str:
+    """The part of ``location`` a name may be made from: a URL's path (no scheme, host, userinfo, query
+    or fragment: ``https://u:pw@h/d/ds?sig=X`` -> ``/d/ds``), a local path unchanged. Names built from
+    a location (a mix stream's default name, a spool file) start here, so they never carry a secret."""
+    s = os.fspath(location)
+    if "://" not in s:
+        return s
+    m = _URL.match(s)
+    return m.group("path") if m is not None else ""
+
+
 def has_secret(location: str | os.PathLike[str]) -> bool:
     """Whether ``location`` is a URL whose redaction hides something (userinfo, query or fragment)."""
     return redact(location) != os.fspath(location)
 
 
-__all__ = ["MASK", "has_secret", "printable", "redact", "redact_text"]
+__all__ = ["MASK", "has_secret", "location_path", "printable", "redact", "redact_text"]

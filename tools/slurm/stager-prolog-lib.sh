@@ -133,11 +133,12 @@ stager_root_dir() {
 }
 
 # stager_redact TEXT: TEXT with URL credentials and query values masked (stager.redact's rule) and its
-# control characters (terminal escapes, newlines) made visible: it goes into the job's output and records.
+# control characters (C0 and C1, DEL, newlines, the bidirectional overrides) replaced by '?': it goes into
+# the job's AdminComment, root's failure record and the job's output (names others chose end up there).
 stager_redact() {
     printf '%s' "$1" | tr '\n' ' ' |
         LC_ALL=C sed -E 's#([A-Za-z][A-Za-z0-9+.-]*://)[^/@ ]*@#\1***@#g; s#(://[^ ?]*)\?[^ ]*#\1?***#g;
-                         s#\xc2[\x80-\x9f]#?#g' |
+                         s#\xc2[\x80-\x9f]#?#g; s#\xe2\x80[\xaa-\xae]#?#g; s#\xe2\x81[\xa6-\xa9]#?#g' |
         LC_ALL=C tr '\000-\010\013-\037\177' '?'
     echo
 }
