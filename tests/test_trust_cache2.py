@@ -21,6 +21,7 @@ from pathlib import Path
 from tests.asuser import ATTACKER, OTHER, Node, User, python_as, stager_as
 from tests.test_cache_users import LICENSED_GID, MEMBER, _chmod_tree, public, site  # noqa: F401 (fixtures)
 from tests.test_stage_support import make_dataset
+from tests.test_trust_prolog import JOB, service  # noqa: F401 (the fixture)
 
 SERVICE_AS_MEMBER = User("service", OTHER.uid, MEMBER.gid, MEMBER.groups)  # the prolog's fill for a member
 
@@ -194,3 +195,134 @@ def test_cache_ls_never_prints_what_users_wrote_raw(node: Node, site, public: Pa
         text = out.stdout + out.stderr
         assert not any((ord(c) < 32 and c not in "\n\t") or 0x7F <= ord(c) <= 0x9F for c in text), repr(text)
         assert "ERASED" in text and "\\x1b" in text, text
+
+
+# ---- row 1: licensed data through the service account's rights ---------------------------------------------
+FORGE = r"""
+import json, os, sys
+import numpy as np
+from pathlib import Path
+from stager.manifest import Manifest, ShardInfo
+objects, out, how = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+out.mkdir(mode=0o755)
+empty = np.zeros(0, np.int64)
+shards = []
+found = sorted(p for p in objects.rglob("*") if p.is_file())
+if how == "shard_root":                  # no link at all: the manifest says the shards are in the cache
+    found = [p for p in found if p.parent == found[0].parent]
+for i, obj in enumerate(found):
+    name = obj.name if how == "shard_root" else f"s{i}.tar"
+    if how != "shard_root":
+        (out / name).symlink_to(obj)      # the "shard" is the licensed object itself
+    shards.append(ShardInfo(name, obj.stat().st_size, obj.name.split("-")[0], [], empty, empty, empty))
+m = Manifest(format="tar", classes=[], shards=shards)
+if how == "shard_root":
+    m.shard_root = str(found[0].parent)
+m.write(out)
+for p in [out, *out.iterdir()]:
+    if not p.is_symlink():
+        p.chmod(0o755 if p.is_dir() else 0o644)
+print(json.dumps(len(shards)))
+"""
+
+READ_ALL = r"""
+import json, os, sys
+got = {}
+for root in sys.argv[1:]:
+    for d, _, fs in os.walk(root):
+        for f in fs:
+            p = os.path.join(d, f)
+            try:
+                got[p] = open(p, "rb").read().hex()
+            except OSError:
+                pass
+print(json.dumps(got))
+"""
+
+
+def _readable_to(user: User, node: Node, *roots: Path) -> dict[str, bytes]:
+    """Every file under ``roots`` that ``user`` can read, with its bytes."""
+    r = python_as(user, READ_ALL, *map(str, roots), env=node.env(user))
+    assert r.returncode == 0, r.stderr
+    return {p: bytes.fromhex(h) for p, h in json.loads(r.stdout).items()}
+
+
+def test_the_service_account_never_lends_its_rights(service, node: Node) -> None:  # noqa: F811
+    """Row 1 (critical): after a member's job filled the site cache with a group-only dataset, a
+    non-member wrote a manifest whose shards carry the licensed objects' hashes and sizes (object names
+    and sizes are world-readable), with symbolic links to those objects as the shards. The prolog's
+    fill, as the service account that owns every object, read them; the group it could not give the
+    copy only warned, and the new object (service:<the user's group> 0440) was linked into the user's
+    job<id>/. Now the fill reads a source only if the job's user may, never one of the service
+    account's or under the cache (no symbolic link), and never places a copy whose group it cannot
+    give: the non-member's job gets nothing it could not read itself."""
+    from stager.pack import pack
+    from tests.test_cache_prolog import LOADER
+    from tests.test_trust_prolog import ATTACKER as NONMEMBER
+    from tests.test_trust_prolog import VICTIM as MEMBER_ACCOUNT
+    from tools.datagen import make_imagefolder
+
+    cache = node.base / "site-cache"
+    service.conf.write_text(service.conf.read_text() + f"STAGER_CACHE_DIR={cache}\nSTAGER_CACHE_USER={OTHER.uid}\n")
+    src = node.data / "licensed"
+    pack(make_imagefolder(node.base / "img", num_classes=2, per_class=4, seed=2, size=(64, 48)), src, format="tar",
+         samples_per_shard=2)
+    _chmod_tree(src, 0o750, 0o640, gid=MEMBER_ACCOUNT.gid)
+    licensed = {p.read_bytes() for p in src.iterdir() if p.suffix == ".tar"}
+    service.comment(f"stager:{src}")
+    r = service.run("stager-prolog", MEMBER_ACCOUNT)
+    assert r.returncode == 0 and not service.failure_record.exists(), (r.stderr, service.admin_comment)
+    objs = _objects(cache)
+    assert objs and all(p.stat().st_gid == MEMBER_ACCOUNT.gid and stat.S_IMODE(p.stat().st_mode) == 0o440
+                        for p in objs)
+    # The member's job reads it, from the cache.
+    tp = service.run("stager-taskprolog", MEMBER_ACCOUNT, as_user=MEMBER_ACCOUNT)
+    exports = dict(ln.removeprefix("export ").split("=", 1) for ln in tp.stdout.splitlines() if ln.startswith("export"))
+    out = _json(python_as(MEMBER_ACCOUNT, LOADER, str(src), env=node.env(MEMBER_ACCOUNT, **exports)))
+    assert out["staged_mode"] == "cache" and out["samples"] == 8, out
+    assert service.run("stager-epilog", MEMBER_ACCOUNT).returncode == 0
+    # The non-member forges a dataset of links to the licensed objects and submits a job with it; then,
+    # attacking the fix, hard links to them (made by root: this node protects hard links, a node with
+    # fs.protected_hardlinks=0 lets anyone make them) and a manifest whose shard_root is in the cache.
+    home = node.home(NONMEMBER)
+    home.chmod(0o755)
+    for how in ("symlinks", "hard links", "shard_root"):
+        forged = home / how.replace(" ", "-")
+        r = python_as(NONMEMBER, FORGE, str(cache / "objects"), str(forged), how, env=node.env(NONMEMBER))
+        assert r.returncode == 0, r.stderr
+        if how == "hard links":
+            for link in [p for p in forged.iterdir() if p.is_symlink()]:
+                target = link.resolve()
+                link.unlink()
+                os.link(target, link)
+        service.comment(f"stager:{forged}")
+        r = service.run("stager-prolog", NONMEMBER)
+        assert r.returncode == 0, r.stderr
+        leaked = {p for p, data in _readable_to(NONMEMBER, node, service.root, cache).items() if data in licensed}
+        assert not leaked, f"{how}: the non-member reads licensed bytes at {sorted(leaked)}"
+        assert all(p.stat().st_gid == MEMBER_ACCOUNT.gid for p in _objects(cache)
+                   if p.read_bytes() in licensed), f"{how}: a copy of licensed bytes without the licensed group"
+        assert service.failure_record.exists(), f"{how}: the non-member's job staged what they may not read"
+        fill_err = (service.state / f"job{JOB}" / "fill-1.json").read_text()
+        assert "not copied into the site cache" in fill_err, fill_err
+        assert service.run("stager-epilog", NONMEMBER).returncode == 0
+    forged = home / "symlinks"
+    # Every other way in: the non-member's own stage and loader of the forged dataset, `cache ls` (the
+    # licensed dataset's record is its group's only) and `cache verify` (its objects are not readable
+    # to them: skipped, never read, never called damaged).
+    conf_env = node.env(NONMEMBER, STAGER_PROLOG_CONF=str(service.conf))
+    r = stager_as(NONMEMBER, "stage", forged, home / "d", "--cache", cache, "--json", env=conf_env)
+    assert r.returncode != 0 and not any(data in licensed for data in _readable_to(NONMEMBER, node, home).values())
+    r = python_as(NONMEMBER, LOADER, str(forged), env=conf_env)
+    assert r.returncode != 0 or json.loads(r.stdout.splitlines()[-1])["staged_mode"] != "cache", r.stdout
+    ls = _json(stager_as(NONMEMBER, "cache", "ls", cache, "--json", env=conf_env))
+    from stager.manifest import load_manifest
+
+    assert all(d["dataset_id"] != load_manifest(src).dataset_id for d in ls["datasets"]), ls
+    assert str(src) not in json.dumps(ls), ls
+    r = stager_as(NONMEMBER, "cache", "verify", cache, "--json", env=conf_env)
+    rep = _json(r)
+    assert rep["ok"] and not rep["damaged"] and rep["not_readable"] == len(objs), rep
+    member_ls = _json(stager_as(MEMBER_ACCOUNT, "cache", "ls", cache, "--json",
+                                env=node.env(MEMBER_ACCOUNT, STAGER_PROLOG_CONF=str(service.conf))))
+    assert any(d["dataset_id"] == load_manifest(src).dataset_id and d["complete"] for d in member_ls["datasets"])

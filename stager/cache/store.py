@@ -363,15 +363,23 @@ class Cache:
     def write_record(self, rec: dict[str, Any]) -> None:
         """Replace a dataset's record (atomically; not fsynced: a record is what ``ls`` and pins read,
         the objects are the cache, and a record a crash lost is written again by the next stage;
-        a pin is fsynced, :func:`set_pinned`)."""
+        a pin is fsynced, :func:`set_pinned`). A user's cache's records are 0600; a site cache's
+        have the access of the dataset's manifest (``access``: ``[mode, gid]``, its read bits and
+        group, as the objects do: a licensed dataset's record is its group's only), else 0644."""
         if not self.writable:
             return
         final = self.record_path(rec["digest"])
         tmp = partial_path(final)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600 if self.kind == "user" else 0o644)
+        mode, gid = (0o600, None) if self.kind == "user" else _record_access(rec.get("access"))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.write(fd, (json.dumps(rec) + "\n").encode())
+            if gid is not None and gid != os.getegid():
+                try:
+                    os.fchown(fd, -1, gid)
+                except PermissionError:
+                    mode = mode if mode & 0o004 else 0o600  # never another group's read bit
+            os.fchmod(fd, mode)
             if rec.get("pinned"):
                 os.fsync(fd)
         finally:
@@ -379,9 +387,10 @@ class Cache:
         os.replace(tmp, final)
 
     def note_stage(self, *, digest: str, dataset_id: str, source: str, algo: str,
-                   files: list[tuple[str, str, str, int]], hit_bytes: int, filled_bytes: int) -> None:
+                   files: list[tuple[str, str, str, int]], hit_bytes: int, filled_bytes: int,
+                   access: tuple[int, int] | None = None) -> None:
         """Update the dataset's record after a stage: its files (name, algo, key, bytes), a use, the
-        bytes found and copied."""
+        bytes found and copied; ``access``: the ``(mode, gid)`` a site cache's record gets."""
         if not self.writable:
             return
         rec = self.read_record(digest) or {"schema": RECORD_SCHEMA, "digest": digest, "dataset_id": dataset_id,
@@ -398,6 +407,8 @@ class Cache:
         stages = [t for t in stages if isinstance(t, (int, float)) and not isinstance(t, bool)] \
             if isinstance(stages, list) else []
         rec["stages"] = [*stages, time.time()][-RECORD_STAGES_KEPT:]
+        if access is not None:
+            rec["access"] = list(access)
         self.write_record(rec)
 
     # ---- the log --------------------------------------------------------------------------------
@@ -439,6 +450,16 @@ class Cache:
 
 
 # ---- helpers -----------------------------------------------------------------------------------
+def _record_access(acc: Any) -> tuple[int, int | None]:
+    """A site cache record's ``(mode, gid)`` from its ``access`` entry: read bits only (owner read
+    always); 0644 when there is none (a record written before records had one)."""
+    if (isinstance(acc, list) and len(acc) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in acc)
+            and acc[1] >= 0):
+        return (acc[0] & 0o444) | 0o400, acc[1]
+    return 0o644, None
+
+
+
 def _lstat(p: Path) -> os.stat_result | None:
     try:
         return os.lstat(p)

@@ -21,7 +21,9 @@ not already hold, before the plain copy:
    lock: the next one removes the partial and copies again.
 4. What the cache cannot take (a site cache the caller may only read, the quota, a file another
    user's group may not share) is returned to the plain copy into DEST: a partly cached dataset
-   copies only the rest, once.
+   copies only the rest, once. A site cache's fill reads a source only as the job's user would
+   (:class:`~stager.cache.fillsource.FillGate`: the service account never lends its rights), through
+   the descriptor it checked; what it refuses is left to the job's own stage.
 
 :func:`fill_only` is the same without a DEST (``--cache-only``: the prolog's service account filling
 a site cache). Collective staging links hits before its exchange (:func:`link_hits`) and adds what it
@@ -35,21 +37,23 @@ import errno
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from stager.cache.config import site_config
 from stager.cache.evict import collect, prune_leases
+from stager.cache.fillsource import FillGate, fill_reader, via_fd
 from stager.cache.layout import ROOM_LOCK, object_key
 from stager.cache.lease import Lease, read_leases, reserved_bytes, write_dest_lease
 from stager.cache.locks import FillLock
 from stager.cache.store import Cache, fsync_dirs
 from stager.checksum import new_hasher
-from stager.errors import DestinationError, StagerTimeoutError, VerificationError
+from stager.errors import DestinationError, StagerTimeoutError, UnsafePathError, VerificationError
 from stager.fs.access import size_or_missing
 from stager.fs.atomic import fsync_dir, partial_path
 from stager.fs.copy import copy_hashed
+from stager.manifest import manifest_path
 from stager.progress import Progress
 from stager.redact import redact
 from stager.stage.copier import Copier
@@ -141,6 +145,7 @@ class _Fill:
         self.cache, self.algo, self.keys, self.linker, self.stats = cache, algo, keys, linker, stats
         self.locks: dict[str, FillLock] = {}
         self.placed_paths: list[Path] = []
+        self.sources: dict[str, tuple[int, int]] = {}  # a gated fill's checked sources: name -> (fd, gid)
         self._lock = threading.Lock()
 
     def final(self, task: FileTask) -> Path:
@@ -151,6 +156,9 @@ class _Fill:
 
     def placed(self, task: FileTask) -> None:
         obj = self.final(task)
+        source = self.sources.get(task.name)
+        if source is not None:
+            _require_group(obj, source[1])
         if self.linker is not None:
             self.linker.link(task.name, obj, self.keys[task.name])
         with self._lock:
@@ -164,8 +172,24 @@ class _Fill:
     def release_all(self) -> None:
         with self._lock:
             locks, self.locks = list(self.locks.values()), {}
+            sources, self.sources = list(self.sources.values()), {}
         for lock in locks:
             lock.release()
+        for fd, _gid in sources:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _require_group(obj: Path, gid: int) -> None:
+    """A site cache's object whose group only may read it must have its source's group: if the group
+    could not be given after all (changed meanwhile), the object goes, never placed with another
+    group's read bit (:mod:`stager.cache.fillsource`)."""
+    st = os.lstat(obj)
+    if st.st_mode & 0o040 and not st.st_mode & 0o004 and st.st_gid != gid:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(obj)
+        raise UnsafePathError(f"{obj}: could not be given its source's group {gid}: removed, the job's stage copies "
+                              "it as its user")
 
 
 # ---- the phases ---------------------------------------------------------------------------------
@@ -197,6 +221,8 @@ class _Run:
     journal: Journal | None
     stats: CacheStats
     lease: Lease | None = None  # this stage's process lease: what it fills is reserved in it
+    gate: FillGate | None = None  # a site cache's fill: sources as the job's user would read them
+    access: tuple[int, int] | None = None  # a site cache's dataset record: the manifest's (mode, gid)
 
     @property
     def algo(self) -> str:
@@ -232,6 +258,8 @@ class _Run:
         if not options.fsync:
             warnings.append("--no-fsync ignored for the cache: its copies outlive the job (and a reboot)")
         prune_leases(cache)
+        if cache.kind == "site" and not self.open_gate():
+            return misses
         fillable, uncached = self.make_room(misses)
         if uncached:
             warnings.append(
@@ -247,7 +275,7 @@ class _Run:
                             unit="files", quiet=options.quiet)
         try:
             while pending:
-                claimed, rest = self.claim(pending, placement)
+                claimed, rest = self.claim(pending, placement, uncached)
                 if claimed:
                     copier = Copier(self.plan, block=block, workers=options.copy_streams, journal=self.journal,
                                     progress=progress, warnings=warnings, tuning=options.tuning, fsync=True,
@@ -263,11 +291,35 @@ class _Run:
         finally:
             placement.release_all()
             progress.close()
+            self.close_gate()
         return uncached
 
-    def claim(self, pending: list[FileTask], placement: _Fill) -> tuple[list[FileTask], list[FileTask]]:
+    def open_gate(self) -> bool:
+        """A site cache's fill: check the manifest as the job's user would read it (its access becomes
+        the dataset record's); False (a warning said why) when the user may not, and nothing is filled."""
+        self.gate = FillGate(self.cache, fill_reader())
+        opened = self.gate.open(manifest_path(self.plan.src), "manifest")
+        if opened is None:
+            self.warnings.append(self.gate.summary() or "")
+            self.close_gate()
+            return False
+        os.close(opened[0])
+        self.access = (self.cache.object_mode(opened[1].st_mode), opened[1].st_gid)
+        return True
+
+    def close_gate(self) -> None:
+        if self.gate is not None:
+            line = self.gate.summary()
+            if line is not None and line not in self.warnings:
+                self.warnings.append(line)
+            self.gate.close()
+            self.gate = None
+
+    def claim(self, pending: list[FileTask], placement: _Fill, uncached: list[FileTask]
+              ) -> tuple[list[FileTask], list[FileTask]]:
         """One round: claim up to :data:`CLAIM_BATCH` unclaimed objects (link those another stage filled
-        meanwhile); return ``(claimed, still pending)``."""
+        meanwhile); return ``(claimed, still pending)``. A site cache's fill claims a source only once
+        its gate opened it (the claimed task then reads that descriptor); refused ones join ``uncached``."""
         claimed: list[FileTask] = []
         rest: list[FileTask] = []
         for t in pending:
@@ -286,6 +338,14 @@ class _Run:
                 self.stats.files_from_peer += 1
                 self.stats.bytes_from_peer += t.bytes
                 continue
+            if self.gate is not None:
+                opened = self.gate.open(t.src_path)
+                if opened is None:
+                    lock.release()
+                    uncached.append(t)
+                    continue
+                placement.sources[t.name] = (opened[0], opened[1].st_gid)
+                t = replace(t, src_path=via_fd(opened[0]))
             self.cache.remove_partials(self.algo, key)  # a dead filler's
             self.cache.partial_for(self.algo, key)  # makes its directories
             placement.locks[t.name] = lock
@@ -352,7 +412,7 @@ class _Run:
         self.cache.note_stage(digest=m.digest or m.compute_digest(), dataset_id=m.dataset_id,
                               source=redact(self.plan.src),
                               algo=m.hash_algo, files=files, hit_bytes=self.stats.bytes_hit,
-                              filled_bytes=self.stats.bytes_filled + self.stats.bytes_from_peer)
+                              filled_bytes=self.stats.bytes_filled + self.stats.bytes_from_peer, access=self.access)
 
     def finish(self, uncached: list[FileTask]) -> dict[str, Any]:
         """The stats as ``result.cache``."""
