@@ -326,3 +326,80 @@ def test_the_service_account_never_lends_its_rights(service, node: Node) -> None
     member_ls = _json(stager_as(MEMBER_ACCOUNT, "cache", "ls", cache, "--json",
                                 env=node.env(MEMBER_ACCOUNT, STAGER_PROLOG_CONF=str(service.conf))))
     assert any(d["dataset_id"] == load_manifest(src).dataset_id and d["complete"] for d in member_ls["datasets"])
+
+
+# ---- row 8: an object changed after its fill --------------------------------------------------------------
+FLIP = r"""
+import os, sys
+p, keep_mtime = sys.argv[1], sys.argv[2] == "1"
+st = os.stat(p)
+os.chmod(p, 0o600)
+with open(p, "r+b") as f:
+    f.seek(st.st_size // 2)
+    b = f.read(1)
+    f.seek(st.st_size // 2)
+    f.write(bytes([b[0] ^ 0xFF]))
+os.chmod(p, st.st_mode & 0o7777)
+if keep_mtime:                      # a flip that moves nothing (as a disk's would)
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+"""
+
+
+def test_a_changed_object_is_never_linked(node: Node) -> None:
+    """Row 8 (low): an object changed after its fill was still linked into the next DEST, which then
+    reported verified; a byte flipped in a user's own cache reached every later DEST, and `stager
+    verify DEST` was the first to notice. Now a hit whose seal (size, mtime, inode when verified) no
+    longer matches is re-hashed; a damaged object is removed and filled again (its owner's stage) and
+    the receipt says how each file was verified. A flip that moves nothing is caught by
+    ``stage --verify-cache``, which re-hashes every hit."""
+    from tests.asuser import VICTIM
+
+    src = node.data / "ds"
+    make_dataset(src, n=3, size=32 << 10, seed=21)
+    _chmod_tree(src)
+    home = node.home(VICTIM)
+    cache = home / "cache"
+    env = node.env(VICTIM)
+
+    def stage(dest: str, *extra: str) -> dict:
+        return _json(stager_as(VICTIM, "stage", src, home / dest, "--cache", cache, "--json", *extra, env=env))
+
+    stage("d1")
+    victim_obj = next(p for p in _objects(cache) if p.stat().st_size > 1000)
+    r = python_as(VICTIM, FLIP, str(victim_obj), "0", env=env)
+    assert r.returncode == 0, r.stderr
+    res = stage("d2")
+    assert stager_as(VICTIM, "verify", home / "d2", "-q", env=env).returncode == 0, "the changed object was linked"
+    assert res["cache"]["files_damaged"] == 1 and res["cache"]["files_filled"] == 1, res["cache"]
+    assert any("did not match" in w for w in res["warnings"]), res["warnings"]
+    receipt = json.loads((home / "d2" / "stager-receipt.json").read_text())
+    files = receipt["cache"]["files"]
+    assert list(files.values()).count("copied") == 1, files  # the repaired one; the rest linked as verified
+    assert all(v == "copied" or v.startswith("cached, verified ") for v in files.values()), files
+    # A flip that keeps the seal: the default stage trusts the seal, --verify-cache does not.
+    victim_obj = next(p for p in _objects(cache) if p.stat().st_size > 1000)
+    r = python_as(VICTIM, FLIP, str(victim_obj), "1", env=env)
+    assert r.returncode == 0, r.stderr
+    res = stage("d3", "--verify-cache")
+    assert res["cache"]["files_rehashed"] == len(_objects(cache)) and res["cache"]["files_damaged"] == 1, res["cache"]
+    assert stager_as(VICTIM, "verify", home / "d3", "-q", env=env).returncode == 0
+
+
+def test_a_reader_never_links_a_changed_site_object(node: Node, site, public: Path) -> None:  # noqa: F811
+    """Row 8 in a site cache: an object the service account's fill sealed, changed afterwards, is
+    re-hashed by a user's stage, refused, and its file copied from SRC instead."""
+    from tests.asuser import VICTIM
+
+    cache, conf_env = site
+    _fill(node, conf_env, public, cache)
+    obj = next(p for p in _objects(cache) if p.stat().st_size > 1000)
+    r = python_as(OTHER, FLIP, str(obj), "0", env=node.env(OTHER))
+    assert r.returncode == 0, r.stderr
+    env = node.env(VICTIM, **conf_env)
+    res = _json(stager_as(VICTIM, "stage", public, node.home(VICTIM) / "d", "--cache", cache, "--json", env=env))
+    r = stager_as(VICTIM, "verify", node.home(VICTIM) / "d", "-q", env=env)
+    assert r.returncode == 0, f"the changed object was linked: {r.stderr}"
+    assert res["cache"]["files_damaged"] == 1 and res["cache"]["files_uncached"] == 1, res["cache"]
+    # The owner's next fill repairs it.
+    fill = _fill(node, conf_env, public, cache)
+    assert fill["cache"]["files_damaged"] == 1 and fill["cache"]["files_filled"] == 1, fill["cache"]

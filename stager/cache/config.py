@@ -100,11 +100,13 @@ def disk_size(path: str | os.PathLike[str]) -> int:
 class CacheOptions:
     """What ``stager stage`` was asked about the cache: ``dir``; ``quota`` (None: the cache's own or
     the default); ``only``: fill the cache without a destination (``--cache-only``, the prolog's
-    service account)."""
+    service account); ``verify``: re-hash every object found before it is linked (``--verify-cache``;
+    else only those whose seal no longer matches, :mod:`stager.cache.seal`)."""
 
     dir: str
     quota: Quota | None = None
     only: bool = False
+    verify: bool = False
 
 
 @dataclass(frozen=True)

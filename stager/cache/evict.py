@@ -11,9 +11,10 @@ room a stage needs for new files). An object is a candidate only if
   hard link to one of its objects is someone else's doing and keeps nothing,
 * no pinned dataset (``stager cache pin``) needs it.
 
-Candidates go oldest use first (an object's modification time is its last use: stages, loaders
-and the leases they leave set it). The cache holds copies only: eviction removes files under
-``objects/`` that the cache itself wrote, never a source, never a destination's file.
+Candidates go oldest use first (an object's access time is its last use: stages, loaders and the
+leases they leave set it; its modification time stays when its bytes were written,
+:mod:`stager.cache.seal`). The cache holds copies only: eviction removes files under ``objects/``
+that the cache itself wrote, never a source, never a destination's file.
 
 **No race with a new user of an object.** A user takes its lease *before* it checks that an object is
 there, and eviction moves each victim aside (renamed to a partial name, so nobody finds it) *before*
@@ -169,15 +170,15 @@ def _run(cache: Cache, report: GcReport, target: int, dry_run: bool) -> None:
             report.pinned.add(o)
         else:
             candidates.append(o)
-    candidates.sort(key=lambda o: (o.mtime, o.key))
+    candidates.sort(key=lambda o: (o.used, o.key))
     datasets = _datasets_of(cache)
     batch: list[tuple[ObjectInfo, Path]] = []
     for o in candidates:
         if total <= target:
             break
-        reason = (f"least recently used (last used {now_iso(o.mtime)}): the cache held {total / 1e9:.3f} GB, over its "
+        reason = (f"least recently used (last used {now_iso(o.used)}): the cache held {total / 1e9:.3f} GB, over its "
                   f"target {target / 1e9:.3f} GB ({report.why})")
-        ev = Eviction(o.key, o.algo, o.bytes, now_iso(o.mtime), datasets.get(o.key, []), reason)
+        ev = Eviction(o.key, o.algo, o.bytes, now_iso(o.used), datasets.get(o.key, []), reason)
         if dry_run:
             report.evicted.append(ev)
             total -= o.bytes
@@ -260,7 +261,7 @@ def _fold_use_times(cache: Cache, leases: list[LeaseInfo]) -> None:
             latest[k] = max(latest.get(k, 0.0), le.time)
     for k, t in latest.items():
         o = objects[k]
-        if t > o.mtime:
+        if t > o.used:
             cache.touch([o.path], min(t, time.time()))
 
 

@@ -17,10 +17,9 @@ import stat
 from dataclasses import dataclass, field
 from typing import Any
 
-from stager.cache.layout import key_hash
 from stager.cache.locks import lock_held
+from stager.cache.seal import rehash
 from stager.cache.store import Cache
-from stager.checksum import hash_file
 from stager.fs.atomic import partial_base
 from stager.progress import Progress
 
@@ -78,13 +77,7 @@ def verify_cache(cache: Cache, *, quiet: bool = True, repair: bool = True) -> Ve
             elif o.mode & 0o222:
                 problem = f"writable (mode {o.mode:04o}): an object is read-only"
             else:
-                try:
-                    n, got = hash_file(o.path, o.algo)
-                except OSError as exc:
-                    problem = f"unreadable ({exc.strerror})"
-                else:
-                    if got != key_hash(o.key):
-                        problem = f"{o.algo} of its {n} bytes is {got[:16]}..., its name says {key_hash(o.key)[:16]}..."
+                problem = rehash(o.path, o.algo, o.key, o.bytes)
             rep.objects += 1
             rep.bytes += o.bytes
             progress.update(1, o.bytes)

@@ -98,7 +98,8 @@ def now_iso(t: float | None = None) -> str:
 
 @dataclass(frozen=True)
 class ObjectInfo:
-    """One object file as a scan found it: ``mtime`` is its last use (LRU), ``nlink`` > 1 means it is
+    """One object file as a scan found it: ``used`` is its last use (the LRU clock: its access time,
+    which :meth:`Cache.touch` sets, or when it was written if later), ``nlink`` > 1 means it is
     hard-linked into a destination that still exists (in a user's cache: a site cache links only
     symbolically, so there a hard link is someone else's and means nothing)."""
 
@@ -106,7 +107,7 @@ class ObjectInfo:
     key: str
     path: Path
     bytes: int
-    mtime: float
+    used: float
     nlink: int
     mode: int
     uid: int
@@ -304,8 +305,8 @@ class Cache:
                         except FileNotFoundError:
                             continue
                         if stat.S_ISREG(st.st_mode):
-                            yield ObjectInfo(algo, e.name, Path(e.path), st.st_size, st.st_mtime, st.st_nlink,
-                                             stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid)
+                            yield ObjectInfo(algo, e.name, Path(e.path), st.st_size, max(st.st_atime, st.st_mtime),
+                                             st.st_nlink, stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid)
 
     def partial_files(self) -> Iterator[Path]:
         """Partial files under ``objects/`` (a filler's in progress, or a dead one's)."""
@@ -319,15 +320,17 @@ class Cache:
                                 yield Path(e.path)
 
     def touch(self, paths: Iterable[Path], when: float | None = None) -> None:
-        """Record a use of these objects (their mtime is the LRU clock); only the owner can."""
+        """Record a use of these objects; only the owner can. The LRU clock is an object's access time:
+        its modification time is never moved, so that it keeps telling whether its bytes changed since
+        they were verified (:mod:`stager.cache.seal`)."""
         if not self.writable:
             return
-        t = time.time() if when is None else when
+        t_ns = time.time_ns() if when is None else int(when * 1e9)
         for p in paths:
             with contextlib.suppress(OSError):
                 st = os.lstat(p)
-                if st.st_mtime < t and stat.S_ISREG(st.st_mode):
-                    os.utime(p, (st.st_atime, t), follow_symlinks=False)
+                if st.st_atime_ns < t_ns and stat.S_ISREG(st.st_mode):
+                    os.utime(p, ns=(t_ns, st.st_mtime_ns), follow_symlinks=False)
 
     def used_bytes(self) -> int:
         return sum(o.bytes for o in self.scan())
@@ -388,9 +391,10 @@ class Cache:
 
     def note_stage(self, *, digest: str, dataset_id: str, source: str, algo: str,
                    files: list[tuple[str, str, str, int]], hit_bytes: int, filled_bytes: int,
-                   access: tuple[int, int] | None = None) -> None:
+                   access: tuple[int, int] | None = None, seals: dict[str, list[Any]] | None = None) -> None:
         """Update the dataset's record after a stage: its files (name, algo, key, bytes), a use, the
-        bytes found and copied; ``access``: the ``(mode, gid)`` a site cache's record gets."""
+        bytes found and copied; ``access``: the ``(mode, gid)`` a site cache's record gets; ``seals``:
+        objects verified by this stage (key -> seal, :mod:`stager.cache.seal`), over the record's."""
         if not self.writable:
             return
         rec = self.read_record(digest) or {"schema": RECORD_SCHEMA, "digest": digest, "dataset_id": dataset_id,
@@ -409,6 +413,10 @@ class Cache:
         rec["stages"] = [*stages, time.time()][-RECORD_STAGES_KEPT:]
         if access is not None:
             rec["access"] = list(access)
+        old_seals = rec.get("seals")
+        kept = {k: v for k, v in old_seals.items() if k in {f[2] for f in known.values()}} \
+            if isinstance(old_seals, dict) else {}
+        rec["seals"] = {**kept, **(seals or {})}
         self.write_record(rec)
 
     # ---- the log --------------------------------------------------------------------------------

@@ -5,7 +5,9 @@ not already hold, before the plain copy:
 
 1. **Lease** every object the plan needs (:class:`~stager.cache.lease.Lease`: held until the run
    ends, so no eviction removes what this run is about to link), then look each one up
-   (:meth:`~stager.cache.store.Cache.find`: the key comes from this run's own manifest and SRC).
+   (:meth:`~stager.cache.store.Cache.find`: the key comes from this run's own manifest and SRC), and
+   check that it is still what was verified (:class:`~stager.cache.seal.HitCheck`: its seal, else a
+   re-hash; ``--verify-cache`` re-hashes every hit): a changed object is never linked.
 2. **Link hits** into DEST: a hard link when the cache is the caller's own and on DEST's file system
    (the file in DEST *is* the object; its link count keeps it from eviction while DEST exists), a
    symbolic link otherwise (a site cache, another file system), then leased for as long as DEST
@@ -37,7 +39,7 @@ import errno
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +49,7 @@ from stager.cache.fillsource import FillGate, fill_reader, via_fd
 from stager.cache.layout import ROOM_LOCK, object_key
 from stager.cache.lease import Lease, read_leases, reserved_bytes, write_dest_lease
 from stager.cache.locks import FillLock
+from stager.cache.seal import HitCheck, iso, seals_of
 from stager.cache.store import Cache, fsync_dirs
 from stager.checksum import new_hasher
 from stager.errors import DestinationError, StagerTimeoutError, UnsafePathError, VerificationError
@@ -85,6 +88,9 @@ class CacheStats:
     evicted_files: int = 0
     evicted_bytes: int = 0
     eviction: dict[str, Any] | None = None
+    files_rehashed: int = 0  # hits whose seal did not match (or --verify-cache): hashed again
+    files_damaged: int = 0  # hits whose bytes were not their name's: never linked
+    verified: dict[str, str] = field(default_factory=dict)  # file -> "copied" or "cached, verified <time>"
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "hit_rate": round(self.hit_rate, 4)}
@@ -145,6 +151,7 @@ class _Fill:
         self.cache, self.algo, self.keys, self.linker, self.stats = cache, algo, keys, linker, stats
         self.locks: dict[str, FillLock] = {}
         self.placed_paths: list[Path] = []
+        self.placed_keys: list[tuple[str, Path]] = []  # (key, object) filled and verified by this run
         self.sources: dict[str, tuple[int, int]] = {}  # a gated fill's checked sources: name -> (fd, gid)
         self._lock = threading.Lock()
 
@@ -165,7 +172,9 @@ class _Fill:
             lock = self.locks.pop(task.name, None)
             self.stats.files_filled += 1
             self.stats.bytes_filled += task.bytes
+            self.stats.verified[task.name] = "copied"
             self.placed_paths.append(obj)
+            self.placed_keys.append((self.keys[task.name], obj))
         if lock is not None:
             lock.release()
 
@@ -223,6 +232,13 @@ class _Run:
     lease: Lease | None = None  # this stage's process lease: what it fills is reserved in it
     gate: FillGate | None = None  # a site cache's fill: sources as the job's user would read them
     access: tuple[int, int] | None = None  # a site cache's dataset record: the manifest's (mode, gid)
+    hits: HitCheck | None = None  # each hit checked against its seal before it is linked
+
+    def __post_init__(self) -> None:
+        m = self.plan.manifest
+        rec = self.cache.read_record(m.digest or m.compute_digest())
+        everything = self.options.cache is not None and self.options.cache.verify
+        self.hits = HitCheck(self.algo, seals_of(rec), everything=everything, owner=self.cache.writable)
 
     @property
     def algo(self) -> str:
@@ -236,13 +252,17 @@ class _Run:
             self.journal.add_file(t.name, t.bytes)
 
     def link_hits(self, tasks: list[FileTask]) -> list[FileTask]:
-        """Link every cached file into DEST (journaled); return the misses."""
+        """Link every cached file that is still what was verified into DEST (journaled); return the
+        misses (a changed object is one: its owner removed it, a reader leaves it)."""
         misses, used = [], []
+        assert self.hits is not None
         for t in tasks:
             obj = self.cache.find(self.algo, self.keys[t.name], t.bytes)
-            if obj is None:
+            when = self.hits.check(self.keys[t.name], obj, t.bytes) if obj is not None else None
+            if obj is None or when is None:
                 misses.append(t)
                 continue
+            self.stats.verified[t.name] = f"cached, verified {iso(when)}"
             self.link(t, obj)
             self.stats.files_hit += 1
             self.stats.bytes_hit += t.bytes
@@ -284,6 +304,9 @@ class _Run:
                         copier.run(claimed)
                     finally:
                         placement.release_all()
+                        for key, obj in placement.placed_keys:
+                            assert self.hits is not None
+                            self.hits.filled(key, obj)
                     fsync_dirs(placement.placed_paths)
                 elif rest:
                     self.wait_for(self.keys[rest[0].name])
@@ -334,6 +357,9 @@ class _Run:
             obj = self.cache.find(self.algo, key, t.bytes)
             if obj is not None:
                 lock.release()
+                assert self.hits is not None
+                self.hits.filled(key, obj)  # filled (and hashed) by the stage whose lock we waited for
+                self.stats.verified[t.name] = "copied (by another stage on this node)"
                 self.link(t, obj)
                 self.stats.files_from_peer += 1
                 self.stats.bytes_from_peer += t.bytes
@@ -409,10 +435,12 @@ class _Run:
     def note(self, tasks: list[FileTask]) -> None:
         m = self.plan.manifest
         files = [(t.name, m.hash_algo, self.keys[t.name], t.bytes) for t in tasks]
+        seals = {k: s.to_json() for k, s in self.hits.new.items()} if self.hits is not None else None
         self.cache.note_stage(digest=m.digest or m.compute_digest(), dataset_id=m.dataset_id,
                               source=redact(self.plan.src),
                               algo=m.hash_algo, files=files, hit_bytes=self.stats.bytes_hit,
-                              filled_bytes=self.stats.bytes_filled + self.stats.bytes_from_peer, access=self.access)
+                              filled_bytes=self.stats.bytes_filled + self.stats.bytes_from_peer, access=self.access,
+                              seals=seals)
 
     def finish(self, uncached: list[FileTask]) -> dict[str, Any]:
         """The stats as ``result.cache``."""
@@ -421,6 +449,11 @@ class _Run:
         stats.files_uncached += len(uncached)
         stats.bytes_uncached += sum(t.bytes for t in uncached)
         stats.waited_s = round(stats.waited_s, 3)
+        if self.hits is not None:
+            stats.files_rehashed, stats.files_damaged = self.hits.rehashed, len(self.hits.damaged)
+            line = self.hits.summary()
+            if line is not None:
+                self.warnings.append(line)
         return stats.to_json()
 
 
@@ -513,6 +546,8 @@ def adopt(run: _Run) -> dict[str, Any]:
                 if cache.find(run.algo, key, t.bytes) is None:
                     cache.remove_partials(run.algo, key)
                     placed.append(_adopt_one(cache, run.algo, key, plan.dest / t.name, t))
+                    if run.hits is not None:
+                        run.hits.filled(key, placed[-1])  # DEST's verified file (or a re-hashed copy of it)
                     stats.files_filled += 1
                     stats.bytes_filled += t.bytes
             finally:

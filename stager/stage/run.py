@@ -329,9 +329,12 @@ def _seal(plan: StagePlan, options: StageOptions, journal: Journal, result: Stag
         "seconds": round(result.seconds, 3),
         "created_dest": not plan.explicit_dest,
     }
-    cache = result.cache and {k: result.cache[k] for k in ("dir", "kind", "links")}
-    write_receipt(plan, verified=f"{plan.manifest.hash_algo} while copying", stats=stats, durable=result.durable,
-                  cache=cache)
+    # How each file was verified: hashed while copied now, unless cache.files says it was linked from the
+    # cache ("cached, verified <time>": its seal, or a re-hash by this stage; stager/cache/seal.py).
+    cache = result.cache and {**{k: result.cache[k] for k in ("dir", "kind", "links")},
+                              "files": result.cache.get("verified", {})}
+    verified = f"{plan.manifest.hash_algo} while copying" + ("; cached files: see cache.files" if cache else "")
+    write_receipt(plan, verified=verified, stats=stats, durable=result.durable, cache=cache)
 
 
 __all__ = ["run_stage", "stage"]
