@@ -212,7 +212,9 @@ if how == "shard_root":                  # no link at all: the manifest says the
     found = [p for p in found if p.parent == found[0].parent]
 for i, obj in enumerate(found):
     name = obj.name if how == "shard_root" else f"s{i}.tar"
-    if how != "shard_root":
+    if how == "fifo":
+        os.mkfifo(out / name, 0o644)      # a fill that opened it blocking would hang the prolog
+    elif how != "shard_root":
         (out / name).symlink_to(obj)      # the "shard" is the licensed object itself
     shards.append(ShardInfo(name, obj.stat().st_size, obj.name.split("-")[0], [], empty, empty, empty))
 m = Manifest(format="tar", classes=[], shards=shards)
@@ -226,16 +228,19 @@ print(json.dumps(len(shards)))
 """
 
 READ_ALL = r"""
-import json, os, sys
+import json, os, stat, sys
 got = {}
 for root in sys.argv[1:]:
     for d, _, fs in os.walk(root):
         for f in fs:
             p = os.path.join(d, f)
             try:
-                got[p] = open(p, "rb").read().hex()
+                fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
             except OSError:
-                pass
+                continue
+            with os.fdopen(fd, "rb") as f:
+                if stat.S_ISREG(os.fstat(fd).st_mode):
+                    got[p] = f.read().hex()
 print(json.dumps(got))
 """
 
@@ -283,10 +288,11 @@ def test_the_service_account_never_lends_its_rights(service, node: Node) -> None
     assert service.run("stager-epilog", MEMBER_ACCOUNT).returncode == 0
     # The non-member forges a dataset of links to the licensed objects and submits a job with it; then,
     # attacking the fix, hard links to them (made by root: this node protects hard links, a node with
-    # fs.protected_hardlinks=0 lets anyone make them) and a manifest whose shard_root is in the cache.
+    # fs.protected_hardlinks=0 lets anyone make them), a manifest whose shard_root is in the cache, and
+    # FIFOs as the shards (the fill must neither block nor read them).
     home = node.home(NONMEMBER)
     home.chmod(0o755)
-    for how in ("symlinks", "hard links", "shard_root"):
+    for how in ("symlinks", "hard links", "shard_root", "fifo"):
         forged = home / how.replace(" ", "-")
         r = python_as(NONMEMBER, FORGE, str(cache / "objects"), str(forged), how, env=node.env(NONMEMBER))
         assert r.returncode == 0, r.stderr

@@ -143,3 +143,22 @@ def test_a_prolog_root_through_roots_own_link_is_used_at_its_real_path(
     t = service.run("stager-taskprolog", JOB_USER, as_user=JOB_USER)
     assert t.stdout.splitlines()[0] == f"export STAGER_DEST={job_dir}", t.stdout
     assert service.run("stager-epilog", JOB_USER).returncode == 0 and not job_dir.exists()
+
+
+def test_check_chain_walks_links_as_the_kernel_does(tmp_path: Path) -> None:
+    """Attacking the walk itself: a loop of links is refused (not followed for ever), `..` inside a link
+    is its target's parent (as the kernel resolves it, not the lexical one), and a relative link
+    resolves against its own directory. (A path given is made absolute lexically first, as stager
+    does with every path it is given.)"""
+    from stager.errors import UnsafePathError
+    from stager.fs.safe import check_chain
+
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "l1").symlink_to("l2")
+    (tmp_path / "l2").symlink_to("l1")
+    with pytest.raises(UnsafePathError, match="more than 40 symbolic links"):
+        check_chain(tmp_path / "l1" / "x")
+    (tmp_path / "tob").symlink_to("a/b")
+    (tmp_path / "a" / "b" / "up").symlink_to("../../tob/..")
+    assert check_chain(tmp_path / "tob" / "up" / "c") == str(tmp_path / "a" / "c")
+    assert check_chain(tmp_path / "tob" / "new" / "deeper") == str(tmp_path / "a" / "b" / "new" / "deeper")
