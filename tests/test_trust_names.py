@@ -97,7 +97,7 @@ def test_the_loader_logs_a_planted_directory_name_escaped(node: Node) -> None:
     forged_receipt(src, planted)
     os.chown(planted, ATTACKER.uid, ATTACKER.gid)
     code = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stderr); "
-            "from stager.loader.access import resolve; resolve(sys.argv[1])")
+            "from stager.loader.shard_access import resolve; resolve(sys.argv[1])")
     r = python_as(VICTIM, code, str(src), env=node.env(VICTIM))
     assert r.returncode == 0, r.stderr
     assert "skipped the staged copy" in r.stderr and "\\x1b[2J" in r.stderr, r.stderr
