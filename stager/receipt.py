@@ -42,7 +42,7 @@ from stager.fs.atomic import atomic_write_bytes
 from stager.fs.kernel import boot_id
 from stager.fs.safe import check_chain, describe, problem, read_regular, read_trusted, trusted_size
 from stager.manifest import MIX_RECEIPT_NAME, RECEIPT_NAME, Manifest
-from stager.redact import redact
+from stager.redact import printable, redact
 
 log = logging.getLogger("stager.receipt")
 MAX_RECEIPT_BYTES = 64 << 20
@@ -201,7 +201,7 @@ def find_staged_copy(
             why = untrusted_because(d, rec, sizes)
             if why is None:
                 return d, rec
-            say(f"stager: skipped the staged copy at {d}: {why}")
+            say(printable(f"stager: skipped the staged copy at {d}: {why}"))  # d: a name anyone may pick
     return None
 
 

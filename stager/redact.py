@@ -12,6 +12,13 @@ returned unchanged (local paths are never altered); in a URL, the scheme, host, 
 kept, userinfo becomes ``***`` and every query or fragment value becomes ``***`` (keys are kept: they
 say which parameter was given, not its value).
 
+Printed text is also made harmless: :func:`printable` escapes control characters (``ESC`` and the
+other C0 and C1 controls, ``DEL``, the bidirectional overrides), so a name someone else wrote (a
+file, a lease, a dataset path) can never move the cursor, recolour or rewrite a terminal or forge a
+line; :func:`redact_text` applies it to everything it returns (keeping newlines and tabs, which the
+CLI's own multi-line text uses), so the CLI's text, ``--json`` strings, warnings and every
+:class:`~stager.errors.StagerError` message are printable.
+
 This module is pure string handling with no imports from stager: it sits at the bottom layer so that
 :mod:`stager.errors` can use it.
 """
@@ -22,6 +29,9 @@ import os
 import re
 
 MASK = "***"
+# C0 controls, DEL, C1 controls, and the bidirectional embeddings, overrides and isolates.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+_CONTROL_BUT_LINES = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 _URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://(?P<auth>[^/?#]*)(?P<path>[^?#]*)"
                   r"(?:\?(?P<query>[^#]*))?(?:#(?P<frag>.*))?$", re.S)
 # A URL inside free text: up to whitespace or a quote/bracket; trailing punctuation is not part of it.
@@ -64,11 +74,37 @@ def redact(location: str | os.PathLike[str]) -> str:
     return out
 
 
+def _escape(m: re.Match[str]) -> str:
+    c = ord(m.group(0))
+    return f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
+
+
+def printable(text: str, *, lines: bool = False) -> str:
+    """``text`` with every control character escaped as ``\\xNN`` (``\\uNNNN`` for the bidirectional
+    controls): ``"a\\x1b[2Jb"`` stays visible as such instead of clearing the screen. ``lines=True``
+    keeps newlines and tabs (text that is meant to have several lines); else they are escaped too
+    (one value on one line). Idempotent; text without control characters is returned unchanged."""
+    return (_CONTROL_BUT_LINES if lines else _CONTROL).sub(_escape, text)
+
+
 def redact_text(text: str) -> str:
-    """``text`` with every URL in it passed through :func:`redact` (free text: messages, logs)."""
+    """``text`` with every URL in it passed through :func:`redact` (free text: messages, logs), and its
+    control characters escaped (:func:`printable`, newlines and tabs kept)."""
+    text = printable(text, lines=True)
     if "://" not in text:
         return text
     return _URL_IN_TEXT.sub(lambda m: redact(m.group(0)), text)
+
+
+def location_path(location: str | os.PathLike[str]) -> str:
+    """The part of ``location`` a name may be made from: a URL's path (no scheme, host, userinfo, query
+    or fragment: ``https://u:pw@h/d/ds?sig=X`` -> ``/d/ds``), a local path unchanged. Names built from
+    a location (a mix stream's default name, a spool file) start here, so they never carry a secret."""
+    s = os.fspath(location)
+    if "://" not in s:
+        return s
+    m = _URL.match(s)
+    return m.group("path") if m is not None else ""
 
 
 def has_secret(location: str | os.PathLike[str]) -> bool:
@@ -76,4 +112,4 @@ def has_secret(location: str | os.PathLike[str]) -> bool:
     return redact(location) != os.fspath(location)
 
 
-__all__ = ["MASK", "has_secret", "redact", "redact_text"]
+__all__ = ["MASK", "has_secret", "location_path", "printable", "redact", "redact_text"]

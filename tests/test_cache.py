@@ -80,8 +80,13 @@ def test_second_stage_links_every_file_and_copies_nothing(ds, tmp_path: Path) ->
     for s in m.shards:  # DEST's file is the object itself, read-only
         st = (tmp_path / "d2" / s.name).stat()
         assert st.st_nlink == 3 and not st.st_mode & 0o222
+    assert second["cache"]["files_rehashed"] == 0  # every object still matched its seal: none read again
     rec = load_receipt(tmp_path / "d2")
-    assert rec is not None and rec.cache == {"dir": str(cache), "kind": "user", "links": "hard"}
+    assert rec is not None and {k: rec.cache[k] for k in ("dir", "kind", "links")} == \
+        {"dir": str(cache), "kind": "user", "links": "hard"}
+    assert set(rec.cache["files"]) == {n for n, _, _ in files}
+    assert all(v.startswith("cached, verified ") for v in rec.cache["files"].values()), rec.cache["files"]
+    assert set(first["cache"]["verified"].values()) == {"copied"}
     assert stager("verify", str(tmp_path / "d2"), "-q").returncode == 0
 
 

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from stager.errors import SourceNotFoundError
-from stager.redact import MASK, has_secret, redact, redact_text
+from stager.redact import MASK, has_secret, printable, redact, redact_text
 
 SECRET = st.text(alphabet="abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.~%+", min_size=6,
                  max_size=20)
@@ -37,4 +37,21 @@ def test_secrets_never_survive(user: str, password: str, token: str, path: str, 
 
 @given(st.text(max_size=60).filter(lambda s: "://" not in s))
 def test_everything_else_is_untouched(text: str) -> None:
-    assert redact(text) == text and redact_text(text) == text
+    """redact() never alters a path; redact_text() alters it only to escape control characters."""
+    assert redact(text) == text
+    assert redact_text(text) == printable(text, lines=True)
+    if not any((ord(c) < 32 and c not in "\n\t") or 0x7F <= ord(c) <= 0x9F or 0x202A <= ord(c) <= 0x202E
+               or 0x2066 <= ord(c) <= 0x2069 for c in text):
+        assert redact_text(text) == text
+
+
+@given(st.text(max_size=60))
+def test_printed_text_never_carries_control_characters(text: str) -> None:
+    """Issue 39: a name someone else wrote (a lease's text, a dataset path) reached the admin's terminal
+    with its escape sequences. printable() escapes every control character (newlines too, unless the
+    text is meant to have lines), is idempotent, and so is every StagerError message."""
+    for out in (printable(text), redact_text(text), str(SourceNotFoundError(text))):
+        assert not any((ord(c) < 32 and c not in "\n\t") or 0x7F <= ord(c) <= 0x9F for c in out), out
+        assert "\x1b" not in out and "\u202e" not in out
+    assert "\n" not in printable(text) and printable(printable(text)) == printable(text)
+    assert printable("a\x1b[2Jb\u202ec") == "a\\x1b[2Jb\\u202ec"

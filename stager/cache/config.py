@@ -6,9 +6,11 @@
   system (``0.5``, ``50%``): :class:`Quota`.
 * The site configuration is the prolog service's file (``/etc/stager/prolog.conf``, or
   ``$STAGER_PROLOG_CONF``; shell ``KEY=VALUE`` lines, tools/slurm/stager-prolog): ``STAGER_CACHE_DIR``
-  (the site-wide cache), ``STAGER_CACHE_USER`` (the service account that alone writes it) and
-  ``STAGER_CACHE_QUOTA``. It is read only when root or the caller owns it and nobody else may write
-  it: otherwise it is ignored (and said so), since it decides whose files a reader trusts.
+  (the site-wide cache), ``STAGER_CACHE_USER`` (the service account that alone writes it),
+  ``STAGER_CACHE_QUOTA`` and ``STAGER_CACHE_LEASE_DAYS`` (the longest a lease of a user other than the
+  cache's owner keeps objects: :data:`DEFAULT_DEST_LEASE_DAYS`; give it the site's longest job). It is
+  read only when root or the caller owns it and nobody else may write it: otherwise it is ignored
+  (and said so), since it decides whose files a reader trusts.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ QUOTA_ENV = "STAGER_CACHE_QUOTA"
 SITE_CONF_ENV = "STAGER_PROLOG_CONF"
 SITE_CONF = "/etc/stager/prolog.conf"
 DEFAULT_QUOTA = "50%"  # of the cache's file system: leaves room for the jobs' own scratch
-DEFAULT_DEST_LEASE_DAYS = 7.0  # a destination lease nobody can check expires after this
+DEFAULT_DEST_LEASE_DAYS = 7.0  # a destination lease expires after this; and any lease of another user's
+MAX_LEASE_DAYS = 366.0  # what STAGER_CACHE_LEASE_DAYS may say at most
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
 _SI = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "p": 10**15}
@@ -97,11 +100,13 @@ def disk_size(path: str | os.PathLike[str]) -> int:
 class CacheOptions:
     """What ``stager stage`` was asked about the cache: ``dir``; ``quota`` (None: the cache's own or
     the default); ``only``: fill the cache without a destination (``--cache-only``, the prolog's
-    service account)."""
+    service account); ``verify``: re-hash every object found before it is linked (``--verify-cache``;
+    else only those whose seal no longer matches, :mod:`stager.cache.seal`)."""
 
     dir: str
     quota: Quota | None = None
     only: bool = False
+    verify: bool = False
 
 
 @dataclass(frozen=True)
@@ -113,6 +118,7 @@ class SiteConfig:
     quota: Quota | None = None
     path: str = ""
     warnings: list[str] = field(default_factory=list)
+    lease_days: float = DEFAULT_DEST_LEASE_DAYS
 
     @property
     def trusted_owners(self) -> frozenset[int]:
@@ -169,8 +175,19 @@ def site_config(env: dict[str, str] | None = None) -> SiteConfig:
     quota = None
     if values.get("STAGER_CACHE_QUOTA"):
         quota = Quota.parse(values["STAGER_CACHE_QUOTA"], f"{path}: STAGER_CACHE_QUOTA")
+    lease_days = DEFAULT_DEST_LEASE_DAYS
+    given = values.get("STAGER_CACHE_LEASE_DAYS")
+    if given:
+        try:
+            lease_days = float(given)
+        except ValueError:
+            lease_days = -1.0
+        if not 0 < lease_days <= MAX_LEASE_DAYS:
+            warnings.append(f"{path}: STAGER_CACHE_LEASE_DAYS={given}: expected days in (0, {MAX_LEASE_DAYS:g}]; "
+                            f"using {DEFAULT_DEST_LEASE_DAYS:g}")
+            lease_days = DEFAULT_DEST_LEASE_DAYS
     return SiteConfig(cache_dir=values.get("STAGER_CACHE_DIR") or None, service_uid=uid, quota=quota, path=path,
-                      warnings=warnings)
+                      warnings=warnings, lease_days=lease_days)
 
 
 def cache_from_env(env: dict[str, str] | None = None) -> str | None:

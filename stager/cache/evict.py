@@ -3,15 +3,18 @@
 :func:`collect` brings a cache down to a target (its quota, ``stager cache gc --max-bytes N``, or the
 room a stage needs for new files). An object is a candidate only if
 
-* no live lease names it (:mod:`stager.cache.lease`: a running stage or loader, a destination that
-  still holds symbolic links to it),
-* its link count is 1 (a hard link in a destination that still exists is a job's copy: evicting
-  the cache's name would free nothing),
+* no live lease keeps it (:mod:`stager.cache.lease`: a running stage or loader, a destination that
+  still holds symbolic links to it; a lease of another user's keeps only what they could read, and
+  for a bounded time: :func:`~stager.cache.lease.protected_keys`),
+* in a user's cache, its link count is 1 (a hard link in a destination that still exists is a job's
+  copy: evicting the cache's name would free nothing). A site cache links only symbolically, so a
+  hard link to one of its objects is someone else's doing and keeps nothing,
 * no pinned dataset (``stager cache pin``) needs it.
 
-Candidates go oldest use first (an object's modification time is its last use: stages, loaders
-and the leases they leave set it). The cache holds copies only: eviction removes files under
-``objects/`` that the cache itself wrote, never a source, never a destination's file.
+Candidates go oldest use first (an object's access time is its last use: stages, loaders and the
+leases they leave set it; its modification time stays when its bytes were written,
+:mod:`stager.cache.seal`). The cache holds copies only: eviction removes files under ``objects/``
+that the cache itself wrote, never a source, never a destination's file.
 
 **No race with a new user of an object.** A user takes its lease *before* it checks that an object is
 there, and eviction moves each victim aside (renamed to a partial name, so nobody finds it) *before*
@@ -21,7 +24,9 @@ from its name, and such a user sees it missing and copies it again.
 
 Every run takes ``locks/.gc`` (one eviction at a time), folds the leases' use times into the LRU
 clock, removes dead leases and the partial files of dead fillers, and reports every eviction (key,
-bytes, last use, the datasets it belonged to, why) in its result and in ``log.jsonl``.
+bytes, last use, the datasets it belonged to, why) in its result and in ``log.jsonl``. What users
+put into ``leases/`` never makes it fail: entries that are not leases are skipped, counted and
+reported in one line (``junk``), and removed when they are files.
 """
 
 from __future__ import annotations
@@ -34,10 +39,10 @@ from pathlib import Path
 from typing import Any
 
 from stager.cache.layout import GC_LOCK, LEASES
-from stager.cache.lease import LeaseInfo, read_leases
+from stager.cache.lease import LeaseInfo, junk_line, protected_keys, read_leases
 from stager.cache.locks import FillLock, lock_held
-from stager.cache.store import Cache, ObjectInfo, now_iso
-from stager.errors import StagerTimeoutError
+from stager.cache.store import Cache, ObjectInfo, now_iso, record_files
+from stager.errors import StagerTimeoutError, UnsafePathError
 from stager.fs.atomic import partial_base, partial_path
 
 BATCH = 64  # victims moved aside before the leases are read again
@@ -81,6 +86,8 @@ class GcReport:
     shortfall_bytes: int = 0
     live_leases: int = 0
     dead_leases_removed: int = 0
+    junk_leases: int = 0
+    junk: str | None = None  # one line about them
     partials_removed: int = 0
     dry_run: bool = False
 
@@ -108,6 +115,8 @@ class GcReport:
         if self.shortfall_bytes:
             lines.append(f"  still {self.shortfall_bytes / 1e9:.3f} GB over the target: everything else is in use "
                          "or pinned")
+        if self.junk:
+            lines.append(f"  {self.junk}")
         return "\n".join(lines)
 
 
@@ -138,6 +147,8 @@ def collect(cache: Cache, *, target_bytes: int | None = None, need_bytes: int = 
 def _run(cache: Cache, report: GcReport, target: int, dry_run: bool) -> None:
     now = time.time()
     leases = read_leases(cache, now)
+    report.junk_leases = sum(1 for le in leases if le.junk)
+    report.junk = junk_line(leases, cache.leases_dir)
     if not dry_run:
         _fold_use_times(cache, leases)
         report.dead_leases_removed = _remove_dead(cache, leases)
@@ -146,27 +157,28 @@ def _run(cache: Cache, report: GcReport, target: int, dry_run: bool) -> None:
     total = sum(o.bytes for o in objects)
     report.before_bytes = total
     report.live_leases = sum(1 for le in leases if le.live)
-    leased = set().union(*(le.keys for le in leases if le.live)) if leases else set()
+    leased = protected_keys(cache, leases, {o.key: o for o in objects})
     pinned = _pinned_keys(cache)
+    hard_links_count = cache.kind == "user"
     candidates = []
     for o in objects:
         if o.key in leased:
             report.in_use.add(o)
-        elif o.nlink > 1:
+        elif o.nlink > 1 and hard_links_count:
             report.linked.add(o)
         elif o.key in pinned:
             report.pinned.add(o)
         else:
             candidates.append(o)
-    candidates.sort(key=lambda o: (o.mtime, o.key))
+    candidates.sort(key=lambda o: (o.used, o.key))
     datasets = _datasets_of(cache)
     batch: list[tuple[ObjectInfo, Path]] = []
     for o in candidates:
         if total <= target:
             break
-        reason = (f"least recently used (last used {now_iso(o.mtime)}): the cache held {total / 1e9:.3f} GB, over its "
+        reason = (f"least recently used (last used {now_iso(o.used)}): the cache held {total / 1e9:.3f} GB, over its "
                   f"target {target / 1e9:.3f} GB ({report.why})")
-        ev = Eviction(o.key, o.algo, o.bytes, now_iso(o.mtime), datasets.get(o.key, []), reason)
+        ev = Eviction(o.key, o.algo, o.bytes, now_iso(o.used), datasets.get(o.key, []), reason)
         if dry_run:
             report.evicted.append(ev)
             total -= o.bytes
@@ -201,7 +213,7 @@ def _move_aside(o: ObjectInfo) -> Path | None:
 def _settle(cache: Cache, batch: list[tuple[ObjectInfo, Path]], report: GcReport) -> int:
     """Read the leases again: put back the victims a new lease names, delete the rest; return the bytes
     put back (the module docstring's race)."""
-    leased = set().union(*(le.keys for le in read_leases(cache) if le.live))
+    leased = protected_keys(cache, read_leases(cache), {o.key: o for o, _ in batch})
     restored = 0
     for o, aside in batch:
         if o.key in leased:
@@ -217,8 +229,9 @@ def _settle(cache: Cache, batch: list[tuple[ObjectInfo, Path]], report: GcReport
         with contextlib.suppress(FileNotFoundError):
             os.unlink(aside)
         lock = FillLock(cache.locks_dir, o.key)
-        if lock.try_acquire():
-            lock.release(remove=True)
+        with contextlib.suppress(OSError, UnsafePathError):  # a lock file that is not one stays, reported by verify
+            if lock.try_acquire():
+                lock.release(remove=True)
     return restored
 
 
@@ -237,28 +250,37 @@ def prune_leases(cache: Cache, threshold: int = PRUNE_AT) -> int:
 
 
 def _fold_use_times(cache: Cache, leases: list[LeaseInfo]) -> None:
-    """A lease's time is a use of its objects (readers of a site cache cannot set it themselves)."""
+    """A lease's time (never later than its file's ``ctime``) is a use of the objects its writer could
+    read (readers of a site cache cannot set an object's time themselves)."""
+    objects = {o.key: o for o in cache.scan()}
     latest: dict[str, float] = {}
     for le in leases:
-        for k in le.keys:
+        if le.junk or not le.keys:
+            continue
+        for k in protected_keys(cache, [_as_live(le)], objects):
             latest[k] = max(latest.get(k, 0.0), le.time)
-    if not latest:
-        return
-    for o in cache.scan():
-        t = latest.get(o.key)
-        if t and t > o.mtime:
+    for k, t in latest.items():
+        o = objects[k]
+        if t > o.used:
             cache.touch([o.path], min(t, time.time()))
 
 
+def _as_live(le: LeaseInfo) -> LeaseInfo:
+    """``le`` judged live (a dead lease's time still counts as a use)."""
+    return LeaseInfo(le.name, le.kind, True, le.why, le.keys, le.time, le.uid)
+
+
 def _remove_dead(cache: Cache, leases: list[LeaseInfo]) -> int:
+    """Remove dead leases and junk files (never a directory: that is left to its owner); return how many
+    went. What cannot be removed (another user's, in the sticky ``leases/``) stays, judged again next time."""
     n = 0
     d = cache.root / LEASES
     for le in leases:
-        if le.live:
+        if le.live or not le.removable:
             continue
         if le.kind == "partial" and lock_held(d / le.name):
             continue
-        with contextlib.suppress(FileNotFoundError, PermissionError):
+        with contextlib.suppress(OSError, ValueError):
             os.unlink(d / le.name)
             n += 1
     return n
@@ -281,15 +303,14 @@ def _remove_dead_partials(cache: Cache) -> int:
 def _pinned_keys(cache: Cache) -> set[str]:
     out: set[str] = set()
     for rec in cache.records():
-        if rec.get("pinned"):
-            out.update(str(f[2]) for f in rec.get("files", []) if isinstance(f, list) and len(f) == 4)
+        if rec.get("pinned") is True:
+            out.update(f[2] for f in record_files(rec))
     return out
 
 
 def _datasets_of(cache: Cache) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for rec in cache.records():
-        for f in rec.get("files", []):
-            if isinstance(f, list) and len(f) == 4:
-                out.setdefault(str(f[2]), []).append(str(rec.get("dataset_id", "?")))
+        for f in record_files(rec):
+            out.setdefault(f[2], []).append(str(rec.get("dataset_id", "?")))
     return out

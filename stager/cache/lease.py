@@ -21,8 +21,21 @@ A lease is a small JSON file in the cache's ``leases/`` naming object keys. Two 
 Liveness is judged by :func:`read_leases`. In a site cache ``leases/`` is the one directory its
 readers may write (sticky, world-writable): every lease there is untrusted input. It is opened
 without following links and must be a small regular file; it can only ever *keep* objects (and be
-removed itself when dead), never make anything else happen. A lease that cannot be read protects
-nothing.
+removed itself when dead), never make anything else happen, and nothing in it can make a reader of
+it fail: whatever is not a lease (a directory, a FIFO, a link, broken JSON, numbers that are not
+finite, a path with a NUL) is *junk*, protects nothing, and is reported (:func:`junk_line`: one
+line) and removed when it is a file (a directory of another user's stays, and stays reported).
+
+What a lease keeps is bounded, whoever wrote it (:func:`protected_keys`):
+
+* only objects its writer could read (an object's mode and group against the writer's uid and
+  groups, :mod:`stager.fs.asuser`): a lease cannot pin a licensed dataset its writer is not
+  licensed for;
+* a lease of anyone but the cache's owner is dead :attr:`~stager.cache.store.Cache.lease_max_s`
+  after its file last changed (its ``ctime``, which nobody can set back; the site configuration's
+  ``STAGER_CACHE_LEASE_DAYS``, default 7), whatever its ``expires`` says, and a process lease also
+  dies with its holder, a destination lease with its destination;
+* a lease's time counts as a use of its objects (the LRU clock) only up to its file's ``ctime``.
 """
 
 from __future__ import annotations
@@ -31,11 +44,13 @@ import contextlib
 import errno
 import fcntl
 import json
+import math
 import os
 import socket
+import stat
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -44,13 +59,14 @@ from typing import TYPE_CHECKING, Any
 from stager.cache.config import DEFAULT_DEST_LEASE_DAYS
 from stager.cache.layout import LEASE_SUFFIX, is_object_name
 from stager.errors import UnsafePathError
+from stager.fs.asuser import Reader
 from stager.fs.atomic import partial_base, partial_path
 from stager.fs.kernel import boot_id
-from stager.fs.safe import O_CLOEXEC, O_NOFOLLOW, open_regular
-from stager.redact import redact_text
+from stager.fs.safe import O_CLOEXEC, O_DIRECTORY, O_NOFOLLOW, kind_of, open_regular, owner_name
+from stager.redact import printable, redact_text
 
 if TYPE_CHECKING:
-    from stager.cache.store import Cache
+    from stager.cache.store import Cache, ObjectInfo
 
 LEASE_SCHEMA = "stager.cache.lease/1"
 LEASE_MAX_BYTES = 16 << 20
@@ -172,7 +188,11 @@ def write_dest_lease(cache: Cache, keys: Iterable[str], dest: Path, *,
 
 @dataclass
 class LeaseInfo:
-    """A lease as eviction judged it: ``live`` or not and ``why``; ``keys`` it protects while live."""
+    """A lease as eviction judged it: ``live`` or not and ``why``; ``keys`` it protects while live.
+
+    ``junk``: not a lease at all (see the module docstring); ``removable``: a regular file or a link,
+    which eviction may remove once dead (a directory is left to its owner); ``changed``: its file's
+    ``ctime``."""
 
     name: str
     kind: str
@@ -185,70 +205,155 @@ class LeaseInfo:
     pid: int = 0
     host: str = ""
     reserve: dict[str, int] = field(default_factory=dict)
+    junk: bool = False
+    removable: bool = True
+    changed: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "kind": self.kind, "live": self.live, "why": self.why, "objects": len(self.keys),
                 "time": self.time, "uid": self.uid, "what": self.what, "pid": self.pid, "host": self.host,
-                "reserved_bytes": sum(self.reserve.values())}
+                "reserved_bytes": sum(self.reserve.values()), "junk": self.junk}
 
 
 def read_leases(cache: Cache, now: float | None = None) -> list[LeaseInfo]:
-    """Every lease in ``cache``, judged live or dead (module docstring). Partial files of a lease being
-    written count as live while their writer holds them, so nothing they will protect is evicted."""
+    """Every entry of ``cache``'s ``leases/``, judged live, dead or junk (module docstring); never raises
+    for what an entry holds. Partial files of a lease being written count as live while their writer
+    holds them, so nothing they will protect is evicted."""
     now = time.time() if now is None else now
-    out = []
-    with contextlib.suppress(FileNotFoundError), os.scandir(cache.leases_dir) as it:
-        entries = list(it)
-    for e in entries:
-        out.append(_judge(Path(e.path), now))
+    max_age = cache.lease_max_s
+    out: list[LeaseInfo] = []
+    try:
+        dfd = os.open(cache.leases_dir, os.O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
+    except OSError:
+        return out
+    try:
+        for name in os.listdir(dfd):
+            try:
+                info = _judge(dfd, name, now)
+            except (OSError, ValueError, TypeError, OverflowError, RecursionError) as exc:
+                info = LeaseInfo(name, "?", False, f"unreadable ({type(exc).__name__}): protects nothing", junk=True)
+            if info.live and info.uid != cache.owner and now - info.changed > max_age:
+                info.live = False
+                info.why = f"older than {max_age / 86400:g} days (the longest a lease of another user's lasts)"
+            out.append(info)
+    finally:
+        os.close(dfd)
     return out
 
 
-def _judge(path: Path, now: float) -> LeaseInfo:
-    name = path.name
+def _judge(dfd: int, name: str, now: float) -> LeaseInfo:
+    """One entry of ``leases/`` (open as ``dfd``), judged."""
     base = partial_base(name)
     kind = "partial" if base is not None else "?"
     try:
-        fd = open_regular(path, follow=False)  # never through a link, never blocked by a FIFO
-    except UnsafePathError:
-        return LeaseInfo(name, kind, False, "not a regular file: protects nothing")
-    except OSError as exc:
-        return LeaseInfo(name, kind, False, f"cannot be opened ({exc.strerror}): protects nothing")
+        fd = open_regular(name, dir_fd=dfd, follow=False)  # never through a link, never blocked by a FIFO
+    except FileNotFoundError:
+        return LeaseInfo(name, kind, False, "gone meanwhile", removable=False)
+    except (UnsafePathError, OSError) as exc:
+        st = _lstat_at(dfd, name)
+        return LeaseInfo(name, kind, False, f"{_found(st, exc)}, not a lease: protects nothing", junk=True,
+                         uid=st.st_uid if st else -1, removable=st is not None and not stat.S_ISDIR(st.st_mode))
     try:
         st = os.fstat(fd)
         if st.st_size > LEASE_MAX_BYTES:
-            return LeaseInfo(name, kind, False, "too large: protects nothing", uid=st.st_uid)
+            return LeaseInfo(name, kind, False, "too large: protects nothing", uid=st.st_uid, junk=True,
+                             changed=st.st_ctime)
         held = _flock_held(fd)
         if base is not None:
             # Being written: its keys are not readable yet; it is live while its writer holds it.
             return LeaseInfo(name, kind, held, "being written" if held else "a dead writer's partial file",
-                             uid=st.st_uid)
-        chunks = []
-        while chunk := os.read(fd, 1 << 20):
-            chunks.append(chunk)
+                             uid=st.st_uid, changed=st.st_ctime)
+        data = _read_bounded(fd)
     finally:
         os.close(fd)
+    return _parse(name, data, st, held, now)
+
+
+def _parse(name: str, data: bytes, st: os.stat_result, held: bool, now: float) -> LeaseInfo:
+    """A lease file's content, judged: anything but the schema's shapes is junk."""
     try:
-        body = json.loads(b"".join(chunks))
+        body = json.loads(data)
     except (ValueError, RecursionError):
         body = None
     if not isinstance(body, dict) or body.get("schema") != LEASE_SCHEMA or not isinstance(body.get("keys"), list):
-        return LeaseInfo(name, kind, False, "malformed: protects nothing", uid=st.st_uid)
+        return LeaseInfo(name, "?", False, "malformed: protects nothing", uid=st.st_uid, junk=True,
+                         changed=st.st_ctime)
     keys = {k for k in body["keys"] if isinstance(k, str) and is_object_name(k)}
-    info = LeaseInfo(name, str(body.get("kind")), False, "", keys, _num(body.get("time")), st.st_uid,
-                     str(body.get("what", ""))[:200], int(_num(body.get("pid"))), str(body.get("host", ""))[:100])
+    pid = _num(body.get("pid"))
+    info = LeaseInfo(name, _text(body.get("kind"), 20), False, "", keys, min(_num(body.get("time")), st.st_ctime),
+                     st.st_uid, _text(body.get("what"), 200), int(pid) if 0 <= pid < 1 << 31 else 0,
+                     _text(body.get("host"), 100), changed=st.st_ctime)
     reserve = body.get("reserve")
     if isinstance(reserve, dict):
-        info.reserve = {k: int(v) for k, v in reserve.items() if isinstance(k, str) and is_object_name(k)
-                        and isinstance(v, int) and not isinstance(v, bool) and v >= 0}
+        info.reserve = {k: v for k, v in reserve.items() if isinstance(k, str) and is_object_name(k)
+                        and isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 62}
     if info.kind == "process":
         info.live = held
         info.why = "its holder is running" if held else "its holder exited (no lock held)"
     elif info.kind == "dest":
         info.live, info.why = _dest_alive(body, now, st.st_uid)
+        info.junk = info.why.startswith("malformed")
     else:
         info.why = f"unknown kind {info.kind!r}: protects nothing"
+        info.junk = True
     return info
+
+
+def _read_bounded(fd: int) -> bytes:
+    chunks = []
+    total = 0
+    while chunk := os.read(fd, 1 << 20):
+        chunks.append(chunk)
+        total += len(chunk)
+        if total > LEASE_MAX_BYTES:
+            raise ValueError("grew past the size a lease may have")
+    return b"".join(chunks)
+
+
+def _lstat_at(dfd: int, name: str) -> os.stat_result | None:
+    try:
+        return os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    except OSError:
+        return None
+
+
+def _found(st: os.stat_result | None, exc: BaseException) -> str:
+    if st is None:
+        return f"unreadable ({type(exc).__name__})"
+    if stat.S_ISREG(st.st_mode):
+        return f"a regular file of {owner_name(st.st_uid)} that cannot be read ({getattr(exc, 'strerror', exc)})"
+    return f"a {kind_of(st)} of {owner_name(st.st_uid)}"
+
+
+def _text(v: Any, limit: int) -> str:
+    """A free-text field of a lease, for listings: a string, cut, control characters escaped."""
+    return printable(v[:limit]) if isinstance(v, str) else ""
+
+
+def protected_keys(cache: Cache, leases: Iterable[LeaseInfo], objects: Mapping[str, ObjectInfo]) -> set[str]:
+    """Keys of ``objects`` that the live ``leases`` keep from eviction: every key a lease of the cache's
+    owner names; of a lease of anyone else only objects its writer could read (module docstring)."""
+    out: set[str] = set()
+    for le in leases:
+        if not le.live or not le.keys:
+            continue
+        if le.uid == cache.owner:
+            out |= le.keys & objects.keys()
+            continue
+        reader = Reader.of_uid(le.uid)
+        out |= {k for k in le.keys if k in objects
+                and reader.allows(objects[k].mode, objects[k].uid, objects[k].gid)}
+    return out
+
+
+def junk_line(leases: Iterable[LeaseInfo], where: Path) -> str | None:
+    """One line about the entries of ``leases/`` that are not leases (None when there are none)."""
+    junk = [le for le in leases if le.junk]
+    if not junk:
+        return None
+    first = junk[0]
+    return (f"{where}: {len(junk)} entr{'y is' if len(junk) == 1 else 'ies are'} not a lease and protect nothing "
+            f"(first: {printable(first.name)}: {first.why}); removed when a file, else left to its owner")
 
 
 def reserved_bytes(cache: Cache, leases: Iterable[LeaseInfo], present: set[str], *, mine: Path | None = None) -> int:
@@ -266,7 +371,8 @@ def reserved_bytes(cache: Cache, leases: Iterable[LeaseInfo], present: set[str],
 
 
 def _num(v: Any) -> float:
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0.0
+    """A lease's number, or 0.0 when it is not a finite one (JSON's ``Infinity`` and ``NaN`` included)."""
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else 0.0
 
 
 def _flock_held(fd: int) -> bool:
@@ -282,26 +388,30 @@ def _dest_alive(body: dict[str, Any], now: float, writer: int) -> tuple[bool, st
     """A destination lease is live while the first directory of its chain that can be looked at is
     the same directory and belongs to whoever wrote the lease (a job's destination and its job
     directory are the user's: a lease naming a directory of someone else's, ``/`` say, keeps nothing)."""
-    if _num(body.get("expires")) < now:
+    expires = body.get("expires")
+    if not (isinstance(expires, (int, float)) and not isinstance(expires, bool) and math.isfinite(expires)):
+        return False, "malformed: no finite expiry: protects nothing"
+    if expires < now:
         return False, "expired"
     chain = body.get("dest")
     if not isinstance(chain, list):
         return False, "malformed: protects nothing"
     for i, entry in enumerate(chain[:DEST_CHAIN]):
-        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)):
+        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str) and "\0" not in entry[0]
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in entry[1:])):
             return False, "malformed: protects nothing"
         path, dev, ino = entry
         try:
             st = os.lstat(path)
         except FileNotFoundError:
-            return False, f"{path} is gone"
+            return False, f"{printable(path)} is gone"
         except OSError:
             continue  # not ours to look at: try the directory above
         if (st.st_dev, st.st_ino) != (dev, ino):
-            return False, f"{path} is another directory now"
+            return False, f"{printable(path)} is another directory now"
         if st.st_uid != writer:
-            return False, f"{path} is not the lease writer's (uid {writer}): protects nothing"
+            return False, f"{printable(path)} is not the lease writer's (uid {writer}): protects nothing"
         if i == 0:
-            return True, f"{path} exists"
-        return True, f"{path} (above the destination) exists"
+            return True, f"{printable(path)} exists"
+        return True, f"{printable(path)} (above the destination) exists"
     return True, "cannot be checked: kept until it expires"

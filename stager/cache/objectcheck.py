@@ -4,6 +4,9 @@ Each object is hashed again with its algorithm and compared with the hash its na
 also be read-only and the owner's. A damaged one is removed (the owner's run; a reader only reports),
 so the next stage copies it again: a repair, never a deletion of anything but the cache's own copy.
 Partial files whose filler is gone are removed too. Exit code 3 when anything was damaged.
+
+A reader of a site cache checks what it may read: an object of a group it is not in (a licensed
+dataset) is counted as ``not_readable`` and left alone, never reported damaged and never read.
 """
 
 from __future__ import annotations
@@ -14,10 +17,9 @@ import stat
 from dataclasses import dataclass, field
 from typing import Any
 
-from stager.cache.layout import key_hash
 from stager.cache.locks import lock_held
+from stager.cache.seal import rehash
 from stager.cache.store import Cache
-from stager.checksum import hash_file
 from stager.fs.atomic import partial_base
 from stager.progress import Progress
 
@@ -30,6 +32,7 @@ class VerifyReport:
     damaged: list[dict[str, Any]] = field(default_factory=list)
     removed: list[str] = field(default_factory=list)
     partials_removed: int = 0
+    not_readable: int = 0  # a reader's run: objects of groups it is not in, not checked
 
     @property
     def ok(self) -> bool:
@@ -37,7 +40,7 @@ class VerifyReport:
 
     def to_json(self) -> dict[str, Any]:
         return {"ok": self.ok, "dir": self.dir, "objects": self.objects, "bytes": self.bytes, "damaged": self.damaged,
-                "removed": self.removed, "partials_removed": self.partials_removed}
+                "removed": self.removed, "partials_removed": self.partials_removed, "not_readable": self.not_readable}
 
     def summary(self) -> str:
         head = (f"{self.dir}: {self.objects} objects, {self.bytes / 1e9:.3f} GB verified"
@@ -46,7 +49,12 @@ class VerifyReport:
         lines += [f"  {d['object']}: {d['problem']}" for d in self.damaged[:20]]
         if self.removed:
             lines.append(f"  removed {len(self.removed)} damaged objects: the next stage copies them again")
+        if self.not_readable:
+            lines.append(f"  {self.not_readable} objects not readable by you (another group's dataset): not checked")
         return "\n".join(lines)
+
+
+_EFFECTIVE = os.access in os.supports_effective_ids
 
 
 def verify_cache(cache: Cache, *, quiet: bool = True, repair: bool = True) -> VerifyReport:
@@ -60,18 +68,16 @@ def verify_cache(cache: Cache, *, quiet: bool = True, repair: bool = True) -> Ve
         for o in objects:
             rel = f"{o.algo}/{o.key}"
             problem = None
+            if not cache.writable and not os.access(o.path, os.R_OK, effective_ids=_EFFECTIVE):
+                rep.not_readable += 1
+                progress.update(1, o.bytes)
+                continue
             if o.uid != cache.owner:
                 problem = f"owned by uid {o.uid}, not the cache's owner {cache.owner}"
             elif o.mode & 0o222:
                 problem = f"writable (mode {o.mode:04o}): an object is read-only"
             else:
-                try:
-                    n, got = hash_file(o.path, o.algo)
-                except OSError as exc:
-                    problem = f"unreadable ({exc.strerror})"
-                else:
-                    if got != key_hash(o.key):
-                        problem = f"{o.algo} of its {n} bytes is {got[:16]}..., its name says {key_hash(o.key)[:16]}..."
+                problem = rehash(o.path, o.algo, o.key, o.bytes)
             rep.objects += 1
             rep.bytes += o.bytes
             progress.update(1, o.bytes)

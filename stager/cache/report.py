@@ -16,44 +16,55 @@ from collections import Counter
 from typing import Any
 
 from stager.cache.layout import object_key
-from stager.cache.lease import read_leases
-from stager.cache.store import RECORD_SCHEMA, Cache, now_iso
+from stager.cache.lease import junk_line, protected_keys, read_leases
+from stager.cache.store import RECORD_SCHEMA, Cache, now_iso, record_files, record_int
 from stager.errors import UsageError
 from stager.fs.open import join
 from stager.manifest import dataset_root, load_manifest, shard_root
-from stager.redact import redact
+from stager.redact import printable, redact
 
 
 def _present(cache: Cache, rec: dict[str, Any]) -> tuple[int, int, int]:
-    """(files, files present, bytes present) of a dataset record."""
-    files = [f for f in rec.get("files", []) if isinstance(f, list) and len(f) == 4]
-    have = [f for f in files if cache.find(str(f[1]), str(f[2]), int(f[3])) is not None]
-    return len(files), len(have), sum(int(f[3]) for f in have)
+    """(files, files the caller may use, their bytes) of a dataset record."""
+    files = record_files(rec)
+    have = [f for f in files if cache.find(f[1], f[2], f[3]) is not None]
+    return len(files), len(have), sum(f[3] for f in have)
+
+
+def _str(v: Any) -> str | None:
+    """A record's free-text field as listed: a string with its control characters escaped, or None."""
+    return printable(v) if isinstance(v, str) else None
 
 
 def listing(cache: Cache, *, log_lines: int = 10) -> dict[str, Any]:
+    """``stager cache ls``: every dataset record (what of it the caller may use), objects, leases (junk
+    reported in one line, ``junk``) and the last evictions. Text that someone else wrote is escaped."""
     records = cache.records()
     objects = {o.key: o for o in cache.scan()}
     named: set[str] = set()
     rows = []
     for rec in records:
         files, have, have_bytes = _present(cache, rec)
-        named.update(str(f[2]) for f in rec.get("files", []) if isinstance(f, list) and len(f) == 4)
-        rows.append({"dataset_id": rec.get("dataset_id"), "digest": rec.get("digest"), "source": rec.get("source"),
-                     "files": files, "present": have, "bytes": int(rec.get("bytes", 0)), "present_bytes": have_bytes,
-                     "complete": files > 0 and have == files, "uses": int(rec.get("uses", 0)),
-                     "last_used": rec.get("last_used"), "pinned": bool(rec.get("pinned"))})
+        named.update(f[2] for f in record_files(rec))
+        rows.append({"dataset_id": _str(rec.get("dataset_id")), "digest": _str(rec.get("digest")),
+                     "source": _str(rec.get("source")), "files": files, "present": have,
+                     "bytes": record_int(rec, "bytes"), "present_bytes": have_bytes,
+                     "complete": files > 0 and have == files, "uses": record_int(rec, "uses"),
+                     "last_used": _str(rec.get("last_used")), "pinned": rec.get("pinned") is True})
     orphans = [k for k in objects if k not in named]
-    leases = [le.to_json() for le in read_leases(cache)]
+    judged = read_leases(cache)
+    leases = [{**le.to_json(), "name": printable(le.name)} for le in judged]
+    evictions = [{k: (printable(v) if isinstance(v, str) else v) for k, v in e.items()}
+                 for e in cache.read_log(log_lines)]
     return {"ok": True, "cache": cache.to_json(), "datasets": rows, "objects": len(objects),
             "bytes": sum(o.bytes for o in objects.values()), "unnamed_objects": len(orphans),
-            "leases": leases, "evictions": cache.read_log(log_lines)}
+            "leases": leases, "junk": junk_line(judged, cache.leases_dir), "evictions": evictions}
 
 
 def human_listing(rep: dict[str, Any]) -> str:
     c = rep["cache"]
-    lines = [f"{c['dir']}: {c['kind']} cache of uid {c['owner']}, {rep['objects']} objects, "
-             f"{rep['bytes'] / 1e9:.3f} GB (quota {c['quota']})"]
+    lines = [f"{printable(c['dir'])}: {c['kind']} cache of uid {c['owner']}, {rep['objects']} objects, "
+             f"{rep['bytes'] / 1e9:.3f} GB (quota {printable(c['quota'])})"]
     for r in rep["datasets"]:
         state = "complete" if r["complete"] else f"{r['present']}/{r['files']} files"
         lines.append(f"  {r['dataset_id']}  {r['present_bytes'] / 1e9:8.3f} GB  {state:>14}  uses {r['uses']:<4} "
@@ -64,9 +75,15 @@ def human_listing(rep: dict[str, Any]) -> str:
     if live:
         lines.append(f"  {len(live)} live leases: " + "; ".join(f"{le['what'] or le['kind']} (uid {le['uid']}, "
                                                                    f"{le['objects']} objects)" for le in live[:5]))
+    if rep.get("junk"):
+        lines.append(f"  {rep['junk']}")
     for e in rep["evictions"][-5:]:
+        datasets = e.get("datasets")
+        names = ", ".join(printable(d) for d in datasets if isinstance(d, str)) if isinstance(datasets, list) else ""
+        size = e.get("bytes")
+        size = size if isinstance(size, (int, float)) and not isinstance(size, bool) else 0
         lines.append(f"  evicted {e.get('time')}: {e.get('algo')}/{str(e.get('key'))[:16]} "
-                     f"{int(e.get('bytes', 0)) / 1e6:.1f} MB [{', '.join(e.get('datasets') or [])}]: {e.get('reason')}")
+                     f"{size / 1e6:.1f} MB [{names}]: {e.get('reason')}")
     return "\n".join(lines)
 
 
@@ -76,20 +93,20 @@ def usage(cache: Cache) -> dict[str, Any]:
     refs: Counter[str] = Counter()
     per: list[tuple[dict[str, Any], set[str]]] = []
     for rec in cache.records():
-        keys = {str(f[2]) for f in rec.get("files", []) if isinstance(f, list) and len(f) == 4 and str(f[2]) in objects}
+        keys = {f[2] for f in record_files(rec) if f[2] in objects}
         refs.update(keys)
         per.append((rec, keys))
-    datasets = [{"dataset_id": rec.get("dataset_id"), "source": rec.get("source"),
+    datasets = [{"dataset_id": _str(rec.get("dataset_id")), "source": _str(rec.get("source")),
                  "bytes": sum(objects[k].bytes for k in keys),
                  "unique_bytes": sum(objects[k].bytes for k in keys if refs[k] == 1),
                  "shared_bytes": sum(objects[k].bytes for k in keys if refs[k] > 1)} for rec, keys in per]
-    live = set().union(*(le.keys for le in read_leases(cache) if le.live))
+    live = protected_keys(cache, read_leases(cache), objects)
     disk = shutil.disk_usage(cache.root)
     quota = cache.quota_bytes if cache.quota_bytes is not None else cache.quota.resolve(disk.total, str(cache.root))
     return {"ok": True, "cache": cache.to_json(), "objects": len(objects), "bytes": total, "quota_bytes": quota,
             "disk_bytes": disk.total, "disk_free_bytes": disk.free,
             "in_use_bytes": sum(o.bytes for o in objects.values() if o.key in live),
-            "linked_bytes": sum(o.bytes for o in objects.values() if o.nlink > 1),
+            "linked_bytes": sum(o.bytes for o in objects.values() if o.nlink > 1 and cache.kind == "user"),
             "shared_bytes": sum(objects[k].bytes for k, n in refs.items() if n > 1), "datasets": datasets}
 
 

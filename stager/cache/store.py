@@ -37,7 +37,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stager.cache.config import DEFAULT_QUOTA, Quota, SiteConfig, disk_size, quota_from_env, site_config
+from stager.cache.config import (
+    DEFAULT_DEST_LEASE_DAYS,
+    DEFAULT_QUOTA,
+    Quota,
+    SiteConfig,
+    disk_size,
+    quota_from_env,
+    site_config,
+)
 from stager.cache.layout import (
     DATASETS,
     HASH_ALGOS,
@@ -49,6 +57,7 @@ from stager.cache.layout import (
     OBJECTS,
     SCHEMA,
     foreign_entries,
+    is_object_name,
     object_relpath,
     record_name,
 )
@@ -63,6 +72,25 @@ LOG_MAX_BYTES = 1 << 20  # log.jsonl is halved when it grows past this
 RECORD_STAGES_KEPT = 32  # stage times kept per dataset (stager hints: staged again within a day)
 
 
+def record_files(rec: dict[str, Any]) -> list[tuple[str, str, str, int]]:
+    """A dataset record's files as ``(name, algo, key, bytes)``, every entry checked: one that is not a
+    well-formed list (a damaged record, or one an older stager wrote) is skipped, never fatal."""
+    out = []
+    files = rec.get("files")
+    for f in files if isinstance(files, list) else ():
+        if (isinstance(f, list) and len(f) == 4 and isinstance(f[0], str) and f[1] in HASH_ALGOS
+                and isinstance(f[2], str) and is_object_name(f[2]) and isinstance(f[3], int)
+                and not isinstance(f[3], bool) and f[3] >= 0):
+            out.append((f[0], f[1], f[2], f[3]))
+    return out
+
+
+def record_int(rec: dict[str, Any], key: str) -> int:
+    """A count of a dataset record (``uses``, ``hit_bytes``...), 0 when it is not a non-negative integer."""
+    v = rec.get(key)
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
+
+
 def now_iso(t: float | None = None) -> str:
     return _dt.datetime.fromtimestamp(time.time() if t is None else t, _dt.timezone.utc).isoformat(
         timespec="seconds")
@@ -70,23 +98,27 @@ def now_iso(t: float | None = None) -> str:
 
 @dataclass(frozen=True)
 class ObjectInfo:
-    """One object file as a scan found it: ``mtime`` is its last use (LRU), ``nlink`` > 1 means it is
-    hard-linked into a destination that still exists."""
+    """One object file as a scan found it: ``used`` is its last use (the LRU clock: its access time,
+    which :meth:`Cache.touch` sets, or when it was written if later), ``nlink`` > 1 means it is
+    hard-linked into a destination that still exists (in a user's cache: a site cache links only
+    symbolically, so there a hard link is someone else's and means nothing)."""
 
     algo: str
     key: str
     path: Path
     bytes: int
-    mtime: float
+    used: float
     nlink: int
     mode: int
     uid: int
+    gid: int = -1
 
 
 @dataclass
 class Cache:
     """An opened cache (see the module docstring). ``writable``: the caller owns it; ``quota_bytes``:
-    the resolved quota (None when opened only to read); ``warnings``: to print."""
+    the resolved quota (None when opened only to read); ``warnings``: to print; ``lease_max_s``: the
+    longest a lease of anyone but the owner keeps objects (:mod:`stager.cache.lease`)."""
 
     root: Path
     kind: str
@@ -97,6 +129,7 @@ class Cache:
     disk_bytes: int
     fstype: str
     warnings: list[str] = field(default_factory=list)
+    lease_max_s: float = DEFAULT_DEST_LEASE_DAYS * 86400
     _dirs_ok: set[Path] = field(default_factory=set, repr=False)
 
     # ---- opening --------------------------------------------------------------------------------
@@ -141,7 +174,7 @@ class Cache:
         chosen = quota or quota_from_env() or own or site.quota or Quota.parse(DEFAULT_QUOTA)
         disk = disk_size(root)
         cache = cls(root=root, kind=cache_kind, owner=st.st_uid, writable=mine, quota=chosen, quota_bytes=None,
-                    disk_bytes=disk, fstype="", warnings=list(site.warnings))
+                    disk_bytes=disk, fstype="", warnings=list(site.warnings), lease_max_s=site.lease_days * 86400)
         cache._check_dirs(create=mine)
         if not read_only:
             fix = (f"record one that fits: `stager cache init --quota {DEFAULT_QUOTA} {root}`" if chosen is own
@@ -272,8 +305,8 @@ class Cache:
                         except FileNotFoundError:
                             continue
                         if stat.S_ISREG(st.st_mode):
-                            yield ObjectInfo(algo, e.name, Path(e.path), st.st_size, st.st_mtime, st.st_nlink,
-                                             stat.S_IMODE(st.st_mode), st.st_uid)
+                            yield ObjectInfo(algo, e.name, Path(e.path), st.st_size, max(st.st_atime, st.st_mtime),
+                                             st.st_nlink, stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid)
 
     def partial_files(self) -> Iterator[Path]:
         """Partial files under ``objects/`` (a filler's in progress, or a dead one's)."""
@@ -287,15 +320,17 @@ class Cache:
                                 yield Path(e.path)
 
     def touch(self, paths: Iterable[Path], when: float | None = None) -> None:
-        """Record a use of these objects (their mtime is the LRU clock); only the owner can."""
+        """Record a use of these objects; only the owner can. The LRU clock is an object's access time:
+        its modification time is never moved, so that it keeps telling whether its bytes changed since
+        they were verified (:mod:`stager.cache.seal`)."""
         if not self.writable:
             return
-        t = time.time() if when is None else when
+        t_ns = time.time_ns() if when is None else int(when * 1e9)
         for p in paths:
             with contextlib.suppress(OSError):
                 st = os.lstat(p)
-                if st.st_mtime < t and stat.S_ISREG(st.st_mode):
-                    os.utime(p, (st.st_atime, t), follow_symlinks=False)
+                if st.st_atime_ns < t_ns and stat.S_ISREG(st.st_mode):
+                    os.utime(p, ns=(t_ns, st.st_mtime_ns), follow_symlinks=False)
 
     def used_bytes(self) -> int:
         return sum(o.bytes for o in self.scan())
@@ -331,15 +366,23 @@ class Cache:
     def write_record(self, rec: dict[str, Any]) -> None:
         """Replace a dataset's record (atomically; not fsynced: a record is what ``ls`` and pins read,
         the objects are the cache, and a record a crash lost is written again by the next stage;
-        a pin is fsynced, :func:`set_pinned`)."""
+        a pin is fsynced, :func:`set_pinned`). A user's cache's records are 0600; a site cache's
+        have the access of the dataset's manifest (``access``: ``[mode, gid]``, its read bits and
+        group, as the objects do: a licensed dataset's record is its group's only), else 0644."""
         if not self.writable:
             return
         final = self.record_path(rec["digest"])
         tmp = partial_path(final)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600 if self.kind == "user" else 0o644)
+        mode, gid = (0o600, None) if self.kind == "user" else _record_access(rec.get("access"))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.write(fd, (json.dumps(rec) + "\n").encode())
+            if gid is not None and gid != os.getegid():
+                try:
+                    os.fchown(fd, -1, gid)
+                except PermissionError:
+                    mode = mode if mode & 0o004 else 0o600  # never another group's read bit
+            os.fchmod(fd, mode)
             if rec.get("pinned"):
                 os.fsync(fd)
         finally:
@@ -347,22 +390,33 @@ class Cache:
         os.replace(tmp, final)
 
     def note_stage(self, *, digest: str, dataset_id: str, source: str, algo: str,
-                   files: list[tuple[str, str, str, int]], hit_bytes: int, filled_bytes: int) -> None:
+                   files: list[tuple[str, str, str, int]], hit_bytes: int, filled_bytes: int,
+                   access: tuple[int, int] | None = None, seals: dict[str, list[Any]] | None = None) -> None:
         """Update the dataset's record after a stage: its files (name, algo, key, bytes), a use, the
-        bytes found and copied."""
+        bytes found and copied; ``access``: the ``(mode, gid)`` a site cache's record gets; ``seals``:
+        objects verified by this stage (key -> seal, :mod:`stager.cache.seal`), over the record's."""
         if not self.writable:
             return
         rec = self.read_record(digest) or {"schema": RECORD_SCHEMA, "digest": digest, "dataset_id": dataset_id,
                                            "first_cached": now_iso(), "uses": 0, "pinned": False, "stages": [],
                                            "hit_bytes": 0, "filled_bytes": 0}
-        known = {f[0]: f for f in rec.get("files", [])}
-        known.update({f[0]: list(f) for f in files})
-        rec.update(source=source, algo=algo, files=sorted(known.values()),
-                   bytes=sum(int(f[3]) for f in known.values()), last_used=now_iso())
-        rec["uses"] = int(rec.get("uses", 0)) + 1
-        rec["hit_bytes"] = int(rec.get("hit_bytes", 0)) + hit_bytes
-        rec["filled_bytes"] = int(rec.get("filled_bytes", 0)) + filled_bytes
-        rec["stages"] = ([*list(rec.get("stages", [])), time.time()])[-RECORD_STAGES_KEPT:]
+        known = {f[0]: f for f in record_files(rec)}
+        known.update({f[0]: f for f in files})
+        rec.update(source=source, algo=algo, files=sorted(list(f) for f in known.values()),
+                   bytes=sum(f[3] for f in known.values()), last_used=now_iso())
+        rec["uses"] = record_int(rec, "uses") + 1
+        rec["hit_bytes"] = record_int(rec, "hit_bytes") + hit_bytes
+        rec["filled_bytes"] = record_int(rec, "filled_bytes") + filled_bytes
+        stages = rec.get("stages")
+        stages = [t for t in stages if isinstance(t, (int, float)) and not isinstance(t, bool)] \
+            if isinstance(stages, list) else []
+        rec["stages"] = [*stages, time.time()][-RECORD_STAGES_KEPT:]
+        if access is not None:
+            rec["access"] = list(access)
+        old_seals = rec.get("seals")
+        kept = {k: v for k, v in old_seals.items() if k in {f[2] for f in known.values()}} \
+            if isinstance(old_seals, dict) else {}
+        rec["seals"] = {**kept, **(seals or {})}
         self.write_record(rec)
 
     # ---- the log --------------------------------------------------------------------------------
@@ -383,14 +437,18 @@ class Cache:
             atomic_write_bytes(path, b"".join(lines[len(lines) // 2:]), mode=0o600)
 
     def read_log(self, last: int = 20) -> list[dict[str, Any]]:
+        """The last eviction events (lines that are not JSON objects skipped)."""
         try:
-            lines = (self.root / LOG).read_bytes().splitlines()[-last:]
-        except OSError:
+            data = read_trusted(self.root / LOG, what="cache log", limit=4 * LOG_MAX_BYTES,
+                                owners=frozenset({self.owner}))
+        except (OSError, UnsafePathError):
             return []
         out = []
-        for ln in lines:
-            with contextlib.suppress(ValueError):
-                out.append(json.loads(ln))
+        for ln in (data or b"").splitlines()[-last:]:
+            with contextlib.suppress(ValueError, RecursionError):
+                e = json.loads(ln)
+                if isinstance(e, dict):
+                    out.append(e)
         return out
 
     def to_json(self) -> dict[str, Any]:
@@ -400,6 +458,16 @@ class Cache:
 
 
 # ---- helpers -----------------------------------------------------------------------------------
+def _record_access(acc: Any) -> tuple[int, int | None]:
+    """A site cache record's ``(mode, gid)`` from its ``access`` entry: read bits only (owner read
+    always); 0644 when there is none (a record written before records had one)."""
+    if (isinstance(acc, list) and len(acc) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in acc)
+            and acc[1] >= 0):
+        return (acc[0] & 0o444) | 0o400, acc[1]
+    return 0o644, None
+
+
+
 def _lstat(p: Path) -> os.stat_result | None:
     try:
         return os.lstat(p)

@@ -121,6 +121,9 @@ def _add_cache_args(p: argparse.ArgumentParser) -> None:
                    "(default: $STAGER_CACHE_QUOTA, else the cache's own, else 50%%)")
     g.add_argument("--cache-only", action="store_true",
                    help="fill the cache only, no DEST (a site cache's service account in the prolog)")
+    g.add_argument("--verify-cache", action="store_true",
+                   help="hash every cached file again before it is linked (by default only those changed since "
+                   "they were verified)")
 
 
 def _cache_options(args: argparse.Namespace) -> CacheOptions | None:
@@ -129,13 +132,13 @@ def _cache_options(args: argparse.Namespace) -> CacheOptions | None:
 
     where = None if args.no_cache else (args.cache or cache_from_env())
     if where is None:
-        if args.cache_only or args.cache_quota:
-            raise UsageError("--cache-only and --cache-quota need --cache DIR (or $STAGER_CACHE)")
+        if args.cache_only or args.cache_quota or args.verify_cache:
+            raise UsageError("--cache-only, --cache-quota and --verify-cache need --cache DIR (or $STAGER_CACHE)")
         return None
     if args.cache_only and args.dest is not None:
         raise UsageError("--cache-only fills the cache only: give no DEST")
     quota = Quota.parse(args.cache_quota) if args.cache_quota else None
-    return CacheOptions(dir=where, quota=quota, only=args.cache_only)
+    return CacheOptions(dir=where, quota=quota, only=args.cache_only, verify=args.verify_cache)
 
 
 def run(args: argparse.Namespace) -> CommandResult:

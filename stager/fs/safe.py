@@ -157,30 +157,80 @@ def require(st: os.stat_result, path: str | os.PathLike[str], what: str, fix: st
 def check_chain(path: str | os.PathLike[str], *, owners: frozenset[int] | None = None,
                 what: str = "directory", fix: str = "choose a path whose directories only you or root can change"
                 ) -> str:
-    """Check that nobody untrusted can rename or replace ``path`` or any directory above it; return
-    its real path (symlinks resolved: use that from then on).
+    """Check that nobody untrusted can rename or replace ``path`` or any directory above it, or any
+    link on the way to it; return its real path (no symlinks: use that from then on).
 
-    Every existing directory from ``/`` down to ``path`` must be owned by a trusted uid and not
-    writable by others, or be sticky (``/tmp``). A symlink on the way is resolved, and its target is
-    what is checked. Components that do not exist yet are not checked (the caller creates them with
-    :meth:`SafeDir.mkdir`). Raises :class:`UnsafePathError` naming the first offending directory.
+    ``path`` is walked from ``/`` one component at a time, as the kernel resolves it. Every existing
+    directory met must be owned by a trusted uid and not writable by others, or be sticky (``/tmp``).
+    A symbolic link is followed only when nobody untrusted can have put it there or change it: its
+    directory is not writable by others, or (a sticky directory others may write) the link is a
+    trusted uid's. That is the kernel's ``fs.protected_symlinks`` rule, which stager does not rely
+    on: in a shared ``/tmp`` another user's ``/tmp/x -> /home/you/dir`` is refused, since they could
+    point it elsewhere at any moment. Components that do not exist yet are not checked (the caller
+    creates them with :meth:`SafeDir.mkdir`). Raises :class:`UnsafePathError` naming the first
+    offending directory or link.
     """
-    real = os.path.realpath(os.fspath(path))
-    cur = "/"
-    parts = [p for p in real.split("/") if p]
-    for i in range(len(parts) + 1):
+    owners = trusted_uids() if owners is None else owners
+    shown = os.path.abspath(os.fspath(path))
+    todo = [c for c in shown.split("/") if c][::-1]  # the next component last
+    cur, cur_st = "/", os.lstat("/")
+    where = (shown, owners, what, fix)
+    _check_dir(where, cur, cur_st)
+    links = 0
+    while todo:
+        comp = todo.pop()
+        if comp == ".":
+            continue
+        if comp == "..":
+            cur = os.path.dirname(cur)
+            cur_st = os.lstat(cur)  # checked on the way down already
+            continue
+        nxt = os.path.join(cur, comp)
         try:
-            st = os.lstat(cur)
-        except FileNotFoundError:
-            break
+            st = os.lstat(nxt)
+        except (FileNotFoundError, NotADirectoryError):
+            return os.path.join(nxt, *reversed(todo))  # the rest is created (and checked) by the caller
+        if stat.S_ISLNK(st.st_mode):
+            _check_link(where, nxt, st, cur, cur_st)
+            links += 1
+            if links > _MAX_LINKS:
+                raise UnsafePathError(f"{shown}: {what}: more than {_MAX_LINKS} symbolic links on the way; {fix}")
+            target = os.readlink(nxt)
+            if target.startswith("/"):
+                cur, cur_st = "/", os.lstat("/")
+            todo.extend(c for c in reversed(target.split("/")) if c)
+            continue
         if not stat.S_ISDIR(st.st_mode):
-            break  # the caller's open or mkdir reports it
-        why = problem(st, expect="dir", owners=owners, sticky_ok=True)
-        if why is not None:
-            raise UnsafePathError(f"{real}: {what} lies in {cur}, which is {describe(st)} ({why}); {fix}")
-        if i < len(parts):
-            cur = os.path.join(cur, parts[i])
-    return real
+            return os.path.join(nxt, *reversed(todo))  # the caller's open or mkdir reports it
+        _check_dir(where, nxt, st)
+        cur, cur_st = nxt, st
+    return cur
+
+
+_MAX_LINKS: Final = 40  # the kernel's ELOOP limit
+
+
+_Where = tuple[str, "frozenset[int] | None", str, str]  # check_chain's path as given, owners, what, fix
+
+
+def _check_dir(where: _Where, d: str, st: os.stat_result) -> None:
+    shown, owners, what, fix = where
+    why = problem(st, expect="dir", owners=owners, sticky_ok=True)
+    if why is not None:
+        raise UnsafePathError(f"{shown}: {what} lies in {d}, which is {describe(st)} ({why}); {fix}")
+
+
+def _check_link(where: _Where, link: str, st: os.stat_result, d: str, dst: os.stat_result) -> None:
+    """A link in the (checked) directory ``d`` may be followed when nobody untrusted can replace it."""
+    shown, owners, what, fix = where
+    if problem(dst, expect="dir", owners=owners) is None:
+        return  # only trusted uids may create, rename or remove names in d
+    if st.st_uid in (trusted_uids() if owners is None else owners):
+        return  # a sticky directory: only the link's owner (trusted) or d's owner (trusted) can replace it
+    raise UnsafePathError(f"{shown}: {what} is reached through the symbolic link {link}, owned by "
+                          f"{owner_name(st.st_uid)} in {d}, which others may write (mode "
+                          f"{stat.S_IMODE(dst.st_mode):04o}): they could point it elsewhere at any moment; give the "
+                          f"real path, or {fix}")
 
 
 def trusted_size(path: str | os.PathLike[str], *, owners: frozenset[int] | None = None) -> int:

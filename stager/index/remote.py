@@ -20,6 +20,7 @@ from stager.errors import SourceNotFoundError
 from stager.fs.atomic import space_error
 from stager.fs.open import filesystem, open_read
 from stager.fs.remote import list_names, object_info, read_range, stream_to
+from stager.redact import location_path
 
 PARTIAL_SUFFIX = ".download.partial"  # objects being copied down (state directory; stale ones removed)
 
@@ -68,7 +69,7 @@ def stamp(url: str, storage_options: Mapping[str, Any] | None) -> tuple[int, int
 def local_copy(url: str, spool_dir: str, storage_options: Mapping[str, Any] | None, size: int) -> Iterator[str]:
     """A temporary local copy of the ``size``-byte object at ``url`` in ``spool_dir``, removed on exit
     (also on error). ``size`` comes from the caller's :func:`stamp` (no second HEAD)."""
-    name = url.rstrip("/").rsplit("/", 1)[-1]
+    name = location_path(url).rstrip("/").rsplit("/", 1)[-1] or "object"  # never a query's secret
     tmp = os.path.join(spool_dir, f"{name}.{uuid.uuid4().hex[:12]}{PARTIAL_SUFFIX}")
     try:
         try:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stager.errors import StagerError, UsageError
-from stager.redact import redact
+from stager.redact import location_path, redact
 
 COMPOSITIONS = ("random", "stratified", "per_stream")
 STREAM_KEYS = ("name", "path", "weight", "samples", "repeat", "storage_options")
@@ -37,9 +37,11 @@ def _is_number(v: Any) -> bool:
 
 
 def default_name(path: str) -> str:
-    """A stream's name when none is given: the last component of its path (``manifest.json`` and
-    URL schemes skipped), reduced to the characters a stream name allows."""
-    p = path.split("://", 1)[-1].rstrip("/")
+    """A stream's name when none is given: the last component of its path (``manifest.json`` skipped),
+    reduced to the characters a stream name allows. Of a URL only its path counts
+    (:func:`~stager.redact.location_path`): a secret in its userinfo, query or fragment (``?sig=...``)
+    never becomes part of a name, which is printed, stored and made a directory (``DEST/<name>``)."""
+    p = location_path(path).rstrip("/")
     parts = [x for x in p.split("/") if x]
     if parts and parts[-1].endswith(".json"):
         parts = parts[:-1]

@@ -5,7 +5,9 @@ not already hold, before the plain copy:
 
 1. **Lease** every object the plan needs (:class:`~stager.cache.lease.Lease`: held until the run
    ends, so no eviction removes what this run is about to link), then look each one up
-   (:meth:`~stager.cache.store.Cache.find`: the key comes from this run's own manifest and SRC).
+   (:meth:`~stager.cache.store.Cache.find`: the key comes from this run's own manifest and SRC), and
+   check that it is still what was verified (:class:`~stager.cache.seal.HitCheck`: its seal, else a
+   re-hash; ``--verify-cache`` re-hashes every hit): a changed object is never linked.
 2. **Link hits** into DEST: a hard link when the cache is the caller's own and on DEST's file system
    (the file in DEST *is* the object; its link count keeps it from eviction while DEST exists), a
    symbolic link otherwise (a site cache, another file system), then leased for as long as DEST
@@ -21,7 +23,9 @@ not already hold, before the plain copy:
    lock: the next one removes the partial and copies again.
 4. What the cache cannot take (a site cache the caller may only read, the quota, a file another
    user's group may not share) is returned to the plain copy into DEST: a partly cached dataset
-   copies only the rest, once.
+   copies only the rest, once. A site cache's fill reads a source only as the job's user would
+   (:class:`~stager.cache.fillsource.FillGate`: the service account never lends its rights), through
+   the descriptor it checked; what it refuses is left to the job's own stage.
 
 :func:`fill_only` is the same without a DEST (``--cache-only``: the prolog's service account filling
 a site cache). Collective staging links hits before its exchange (:func:`link_hits`) and adds what it
@@ -35,21 +39,24 @@ import errno
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from stager.cache.config import site_config
 from stager.cache.evict import collect, prune_leases
+from stager.cache.fillsource import FillGate, fill_reader, via_fd
 from stager.cache.layout import ROOM_LOCK, object_key
 from stager.cache.lease import Lease, read_leases, reserved_bytes, write_dest_lease
 from stager.cache.locks import FillLock
+from stager.cache.seal import HitCheck, iso, seals_of
 from stager.cache.store import Cache, fsync_dirs
 from stager.checksum import new_hasher
-from stager.errors import DestinationError, StagerTimeoutError, VerificationError
+from stager.errors import DestinationError, StagerTimeoutError, UnsafePathError, VerificationError
 from stager.fs.access import size_or_missing
 from stager.fs.atomic import fsync_dir, partial_path
 from stager.fs.copy import copy_hashed
+from stager.manifest import manifest_path
 from stager.progress import Progress
 from stager.redact import redact
 from stager.stage.copier import Copier
@@ -81,6 +88,9 @@ class CacheStats:
     evicted_files: int = 0
     evicted_bytes: int = 0
     eviction: dict[str, Any] | None = None
+    files_rehashed: int = 0  # hits whose seal did not match (or --verify-cache): hashed again
+    files_damaged: int = 0  # hits whose bytes were not their name's: never linked
+    verified: dict[str, str] = field(default_factory=dict)  # file -> "copied" or "cached, verified <time>"
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "hit_rate": round(self.hit_rate, 4)}
@@ -141,6 +151,8 @@ class _Fill:
         self.cache, self.algo, self.keys, self.linker, self.stats = cache, algo, keys, linker, stats
         self.locks: dict[str, FillLock] = {}
         self.placed_paths: list[Path] = []
+        self.placed_keys: list[tuple[str, Path]] = []  # (key, object) filled and verified by this run
+        self.sources: dict[str, tuple[int, int]] = {}  # a gated fill's checked sources: name -> (fd, gid)
         self._lock = threading.Lock()
 
     def final(self, task: FileTask) -> Path:
@@ -151,21 +163,42 @@ class _Fill:
 
     def placed(self, task: FileTask) -> None:
         obj = self.final(task)
+        source = self.sources.get(task.name)
+        if source is not None:
+            _require_group(obj, source[1])
         if self.linker is not None:
             self.linker.link(task.name, obj, self.keys[task.name])
         with self._lock:
             lock = self.locks.pop(task.name, None)
             self.stats.files_filled += 1
             self.stats.bytes_filled += task.bytes
+            self.stats.verified[task.name] = "copied"
             self.placed_paths.append(obj)
+            self.placed_keys.append((self.keys[task.name], obj))
         if lock is not None:
             lock.release()
 
     def release_all(self) -> None:
         with self._lock:
             locks, self.locks = list(self.locks.values()), {}
+            sources, self.sources = list(self.sources.values()), {}
         for lock in locks:
             lock.release()
+        for fd, _gid in sources:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _require_group(obj: Path, gid: int) -> None:
+    """A site cache's object whose group only may read it must have its source's group: if the group
+    could not be given after all (changed meanwhile), the object goes, never placed with another
+    group's read bit (:mod:`stager.cache.fillsource`)."""
+    st = os.lstat(obj)
+    if st.st_mode & 0o040 and not st.st_mode & 0o004 and st.st_gid != gid:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(obj)
+        raise UnsafePathError(f"{obj}: could not be given its source's group {gid}: removed, the job's stage copies "
+                              "it as its user")
 
 
 # ---- the phases ---------------------------------------------------------------------------------
@@ -197,6 +230,15 @@ class _Run:
     journal: Journal | None
     stats: CacheStats
     lease: Lease | None = None  # this stage's process lease: what it fills is reserved in it
+    gate: FillGate | None = None  # a site cache's fill: sources as the job's user would read them
+    access: tuple[int, int] | None = None  # a site cache's dataset record: the manifest's (mode, gid)
+    hits: HitCheck | None = None  # each hit checked against its seal before it is linked
+
+    def __post_init__(self) -> None:
+        m = self.plan.manifest
+        rec = self.cache.read_record(m.digest or m.compute_digest())
+        everything = self.options.cache is not None and self.options.cache.verify
+        self.hits = HitCheck(self.algo, seals_of(rec), everything=everything, owner=self.cache.writable)
 
     @property
     def algo(self) -> str:
@@ -210,13 +252,17 @@ class _Run:
             self.journal.add_file(t.name, t.bytes)
 
     def link_hits(self, tasks: list[FileTask]) -> list[FileTask]:
-        """Link every cached file into DEST (journaled); return the misses."""
+        """Link every cached file that is still what was verified into DEST (journaled); return the
+        misses (a changed object is one: its owner removed it, a reader leaves it)."""
         misses, used = [], []
+        assert self.hits is not None
         for t in tasks:
             obj = self.cache.find(self.algo, self.keys[t.name], t.bytes)
-            if obj is None:
+            when = self.hits.check(self.keys[t.name], obj, t.bytes) if obj is not None else None
+            if obj is None or when is None:
                 misses.append(t)
                 continue
+            self.stats.verified[t.name] = f"cached, verified {iso(when)}"
             self.link(t, obj)
             self.stats.files_hit += 1
             self.stats.bytes_hit += t.bytes
@@ -232,6 +278,8 @@ class _Run:
         if not options.fsync:
             warnings.append("--no-fsync ignored for the cache: its copies outlive the job (and a reboot)")
         prune_leases(cache)
+        if cache.kind == "site" and not self.open_gate():
+            return misses
         fillable, uncached = self.make_room(misses)
         if uncached:
             warnings.append(
@@ -247,7 +295,7 @@ class _Run:
                             unit="files", quiet=options.quiet)
         try:
             while pending:
-                claimed, rest = self.claim(pending, placement)
+                claimed, rest = self.claim(pending, placement, uncached)
                 if claimed:
                     copier = Copier(self.plan, block=block, workers=options.copy_streams, journal=self.journal,
                                     progress=progress, warnings=warnings, tuning=options.tuning, fsync=True,
@@ -256,6 +304,9 @@ class _Run:
                         copier.run(claimed)
                     finally:
                         placement.release_all()
+                        for key, obj in placement.placed_keys:
+                            assert self.hits is not None
+                            self.hits.filled(key, obj)
                     fsync_dirs(placement.placed_paths)
                 elif rest:
                     self.wait_for(self.keys[rest[0].name])
@@ -263,11 +314,35 @@ class _Run:
         finally:
             placement.release_all()
             progress.close()
+            self.close_gate()
         return uncached
 
-    def claim(self, pending: list[FileTask], placement: _Fill) -> tuple[list[FileTask], list[FileTask]]:
+    def open_gate(self) -> bool:
+        """A site cache's fill: check the manifest as the job's user would read it (its access becomes
+        the dataset record's); False (a warning said why) when the user may not, and nothing is filled."""
+        self.gate = FillGate(self.cache, fill_reader())
+        opened = self.gate.open(manifest_path(self.plan.src), "manifest")
+        if opened is None:
+            self.warnings.append(self.gate.summary() or "")
+            self.close_gate()
+            return False
+        os.close(opened[0])
+        self.access = (self.cache.object_mode(opened[1].st_mode), opened[1].st_gid)
+        return True
+
+    def close_gate(self) -> None:
+        if self.gate is not None:
+            line = self.gate.summary()
+            if line is not None and line not in self.warnings:
+                self.warnings.append(line)
+            self.gate.close()
+            self.gate = None
+
+    def claim(self, pending: list[FileTask], placement: _Fill, uncached: list[FileTask]
+              ) -> tuple[list[FileTask], list[FileTask]]:
         """One round: claim up to :data:`CLAIM_BATCH` unclaimed objects (link those another stage filled
-        meanwhile); return ``(claimed, still pending)``."""
+        meanwhile); return ``(claimed, still pending)``. A site cache's fill claims a source only once
+        its gate opened it (the claimed task then reads that descriptor); refused ones join ``uncached``."""
         claimed: list[FileTask] = []
         rest: list[FileTask] = []
         for t in pending:
@@ -282,10 +357,21 @@ class _Run:
             obj = self.cache.find(self.algo, key, t.bytes)
             if obj is not None:
                 lock.release()
+                assert self.hits is not None
+                self.hits.filled(key, obj)  # filled (and hashed) by the stage whose lock we waited for
+                self.stats.verified[t.name] = "copied (by another stage on this node)"
                 self.link(t, obj)
                 self.stats.files_from_peer += 1
                 self.stats.bytes_from_peer += t.bytes
                 continue
+            if self.gate is not None:
+                opened = self.gate.open(t.src_path)
+                if opened is None:
+                    lock.release()
+                    uncached.append(t)
+                    continue
+                placement.sources[t.name] = (opened[0], opened[1].st_gid)
+                t = replace(t, src_path=via_fd(opened[0]))
             self.cache.remove_partials(self.algo, key)  # a dead filler's
             self.cache.partial_for(self.algo, key)  # makes its directories
             placement.locks[t.name] = lock
@@ -327,7 +413,10 @@ class _Run:
                 stats.evicted_bytes += rep.freed_bytes
                 stats.eviction = {"why": rep.why, "freed_bytes": rep.freed_bytes, "evicted": len(rep.evicted),
                                   "in_use_bytes": rep.in_use.bytes, "linked_bytes": rep.linked.bytes,
-                                  "pinned_bytes": rep.pinned.bytes, "reserved_bytes": reserved}
+                                  "pinned_bytes": rep.pinned.bytes, "reserved_bytes": reserved,
+                                  "junk_leases": rep.junk_leases}
+                if rep.junk:
+                    self.warnings.append(rep.junk)
                 used = rep.after_bytes
             room = cache.quota_bytes - used - reserved
             fits, rest = [], []
@@ -346,10 +435,12 @@ class _Run:
     def note(self, tasks: list[FileTask]) -> None:
         m = self.plan.manifest
         files = [(t.name, m.hash_algo, self.keys[t.name], t.bytes) for t in tasks]
+        seals = {k: s.to_json() for k, s in self.hits.new.items()} if self.hits is not None else None
         self.cache.note_stage(digest=m.digest or m.compute_digest(), dataset_id=m.dataset_id,
                               source=redact(self.plan.src),
                               algo=m.hash_algo, files=files, hit_bytes=self.stats.bytes_hit,
-                              filled_bytes=self.stats.bytes_filled + self.stats.bytes_from_peer)
+                              filled_bytes=self.stats.bytes_filled + self.stats.bytes_from_peer, access=self.access,
+                              seals=seals)
 
     def finish(self, uncached: list[FileTask]) -> dict[str, Any]:
         """The stats as ``result.cache``."""
@@ -358,6 +449,11 @@ class _Run:
         stats.files_uncached += len(uncached)
         stats.bytes_uncached += sum(t.bytes for t in uncached)
         stats.waited_s = round(stats.waited_s, 3)
+        if self.hits is not None:
+            stats.files_rehashed, stats.files_damaged = self.hits.rehashed, len(self.hits.damaged)
+            line = self.hits.summary()
+            if line is not None:
+                self.warnings.append(line)
         return stats.to_json()
 
 
@@ -450,6 +546,8 @@ def adopt(run: _Run) -> dict[str, Any]:
                 if cache.find(run.algo, key, t.bytes) is None:
                     cache.remove_partials(run.algo, key)
                     placed.append(_adopt_one(cache, run.algo, key, plan.dest / t.name, t))
+                    if run.hits is not None:
+                        run.hits.filled(key, placed[-1])  # DEST's verified file (or a re-hashed copy of it)
                     stats.files_filled += 1
                     stats.bytes_filled += t.bytes
             finally:

@@ -84,12 +84,14 @@ def receipt_done(plan: StagePlan) -> Receipt | None:
 DEST_FIX = "choose another DEST (if it is yours: chmod go-w it, or remove it)"
 
 
-def make_dest_dir(plan: StagePlan) -> None:
+def make_dest_dir(plan: StagePlan) -> Path:
     """Refuse a DEST that is, contains or lies inside SRC, or holds something other than a copy of
     this dataset (:mod:`stager.stage.place`: exit 2, nothing created); create DEST exclusively
     (SRC's directory access less the umask, 0700 for a URL), or accept an existing directory that
     is the user's (see the module docstring); check the unpack directory, journal and lock it
-    already holds. Raises :class:`~stager.errors.UnsafePathError` (exit 2)."""
+    already holds. Returns DEST's real path (no link on the way that anyone else could re-point:
+    everything after uses it, :func:`stager.fs.safe.check_chain`). Raises
+    :class:`~stager.errors.UnsafePathError` (exit 2)."""
     dest = plan.dest
     check_dest_place(dest, {dataset_root(plan.src), plan.src_dir})  # before anything is created
     mode = 0o700
@@ -108,6 +110,7 @@ def make_dest_dir(plan: StagePlan) -> None:
     with handle:
         check_own_files(plan, handle)  # first: one that is not the user's is named as such
         check_dest_holds(handle, plan.manifest, plan.manifest_bytes, stage_writes(plan))
+        return Path(handle.path)
 
 
 def check_own_files(plan: StagePlan, dest: SafeDir) -> None:
@@ -382,6 +385,24 @@ def write_receipt(plan: StagePlan, *, verified: str, stats: dict[str, Any], dura
         cache=cache,
     )
     rec.write(dest, *plan.src_access)
+
+
+def confirm_staged(plan: StagePlan) -> None:
+    """The last check before a stage reports ``ok``: DEST, opened without following a link and still
+    the user's, holds the manifest it staged, byte for byte, and its receipt (relative to the DEST
+    handle, so a path swapped meanwhile cannot answer for it). Else :class:`VerificationError`."""
+    fix = f"stage again into {plan.dest} (a DEST only you can change)"
+    try:
+        with SafeDir.open(plan.dest, what="staging destination", fix=DEST_FIX) as d:
+            got = d.read_bytes(MANIFEST_NAME, what="staged manifest")
+            receipt = d.lstat(RECEIPT_NAME)
+    except FileNotFoundError:
+        got, receipt = None, None
+    if got != plan.manifest_bytes:
+        raise VerificationError(f"{plan.dest}: the staged {MANIFEST_NAME} is "
+                                f"{'missing' if got is None else 'not the one staged'} after the copy; {fix}")
+    if receipt is None:
+        raise VerificationError(f"{plan.dest}: {RECEIPT_NAME} is missing after the copy; {fix}")
 
 
 # ---- quiet reads ----------------------------------------------------------------------------------

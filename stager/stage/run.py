@@ -54,6 +54,7 @@ from stager.stage.dest import (
     begin_journal,
     check_free_space,
     claim_dest,
+    confirm_staged,
     kept_files,
     make_dest_dir,
     make_durable,
@@ -135,14 +136,19 @@ def run_stage(src: str | os.PathLike[str], dest: str | os.PathLike[str] | None, 
     result.durable = options.fsync
     if options.cache is not None and options.cache.quota is not None:
         options.cache.quota.check_fits(options.cache.dir, "--cache-quota")  # refused before DEST or the cache is made
-    make_dest_dir(plan)  # first: a DEST that is not the user's is refused even when it looks staged
+    # First: a DEST that is not the user's is refused even when it looks staged. From here on DEST is
+    # its real path, reached through no link anyone else could point elsewhere (docs/security.md).
+    plan = replace(plan, dest=make_dest_dir(plan))
+    result.dest, result.receipt = str(plan.dest), str(plan.dest / RECEIPT_NAME)
     if _already_staged(plan, options, result, t0, locked=False):
+        confirm_staged(plan)
         return result
     with NodeLock(plan.lock_path, timeout=options.timeout, on_wait=None if options.quiet else _waiting(plan)) as lock:
         result.waited_s = lock.waited
         result.lock_takeover = lock.took_over
         if not _already_staged(plan, options, result, t0, locked=True):
             _stage_locked(plan, options, result, t0)
+        confirm_staged(plan)  # ok only when DEST holds the verified manifest
     _remember(plan, result)
     return result
 
@@ -323,9 +329,12 @@ def _seal(plan: StagePlan, options: StageOptions, journal: Journal, result: Stag
         "seconds": round(result.seconds, 3),
         "created_dest": not plan.explicit_dest,
     }
-    cache = result.cache and {k: result.cache[k] for k in ("dir", "kind", "links")}
-    write_receipt(plan, verified=f"{plan.manifest.hash_algo} while copying", stats=stats, durable=result.durable,
-                  cache=cache)
+    # How each file was verified: hashed while copied now, unless cache.files says it was linked from the
+    # cache ("cached, verified <time>": its seal, or a re-hash by this stage; stager/cache/seal.py).
+    cache = result.cache and {**{k: result.cache[k] for k in ("dir", "kind", "links")},
+                              "files": result.cache.get("verified", {})}
+    verified = f"{plan.manifest.hash_algo} while copying" + ("; cached files: see cache.files" if cache else "")
+    write_receipt(plan, verified=verified, stats=stats, durable=result.durable, cache=cache)
 
 
 __all__ = ["run_stage", "stage"]

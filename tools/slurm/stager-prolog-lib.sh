@@ -40,12 +40,58 @@ stager_dir_problem() {
     return 0
 }
 
-# stager_chain_problem PATH: prints why a directory above PATH could be changed by someone other than
-# root (owned by another uid, or writable by others and not sticky) and returns 1; else returns 0.
+# stager_resolve PATH: prints PATH's real path, walked from / one component at a time as the kernel
+# resolves it, and returns 0 when no symbolic link on the way could have been put there or re-pointed by
+# anyone but root: a link is followed only when it is root's, or its directory is root's and not
+# writable by group or others (the kernel's fs.protected_symlinks rule, which this does not rely on: a
+# user's /tmp/x -> /root-only is refused). Components that do not exist yet are appended as given
+# (normalised). Prints why not and returns 1 otherwise. Everything after a check uses the real path,
+# never the one given (nobody else can rename or replace a component of it: stager_chain_problem).
+stager_resolve() {
+    local rest=$1 cur=/ comp next luid dinfo duid dmode target links=0 missing=""
+    case "$rest" in /*) ;; *) echo "$1 is not an absolute path"; return 1 ;; esac
+    while :; do
+        rest=${rest#"${rest%%[!/]*}"}
+        [ -n "$rest" ] || break
+        comp=${rest%%/*}
+        case "$rest" in */*) rest=${rest#*/} ;; *) rest="" ;; esac
+        case "$comp" in
+            .) continue ;;
+            ..) cur=$(dirname -- "$cur"); continue ;;
+        esac
+        next=${cur%/}/$comp
+        if [ -n "$missing" ]; then
+            cur=$next
+        elif [ -L "$next" ]; then
+            luid=$(stat -c %u -- "$next" 2>/dev/null) || { echo "cannot stat $next"; return 1; }
+            dinfo=$(stat -c %u:%a -- "$cur" 2>/dev/null) || { echo "cannot stat $cur"; return 1; }
+            duid=${dinfo%%:*}; dmode=${dinfo#*:}
+            if [ "$luid" != 0 ] && { [ "$duid" != 0 ] || [ $((8#$dmode & 8#022)) -ne 0 ]; }; then
+                echo "$1 passes through the symbolic link $next, owned by uid $luid in $cur (uid $duid, mode $dmode), which others can re-point; give its real path"
+                return 1
+            fi
+            links=$((links + 1))
+            [ "$links" -le 40 ] || { echo "$1: more than 40 symbolic links on the way"; return 1; }
+            target=$(readlink -- "$next") || { echo "cannot read the link $next"; return 1; }
+            case "$target" in /*) cur=/ ;; esac
+            rest=$target${rest:+/$rest}
+        elif [ -e "$next" ]; then
+            cur=$next
+        else
+            missing=1
+            cur=$next
+        fi
+    done
+    printf '%s\n' "$cur"
+}
+
+# stager_chain_problem REAL: prints why a directory above the real path REAL (stager_resolve) could be
+# changed by someone other than root (owned by another uid, or writable by others and not sticky) and
+# returns 1; else returns 0. Directories that do not exist yet are skipped (their creator checks them).
 stager_chain_problem() {
     local p info uid mode
     p=$(dirname -- "$1")
-    p=$(realpath -e -- "$p" 2>/dev/null) || { echo "$(dirname -- "$1") does not exist"; return 1; }
+    while [ ! -e "$p" ] && [ ! -L "$p" ]; do p=$(dirname -- "$p"); done
     while :; do
         info=$(stat -c '%u:%a' -- "$p" 2>/dev/null) || { echo "cannot stat $p"; return 1; }
         uid=${info%%:*}; mode=${info#*:}
@@ -57,30 +103,59 @@ stager_chain_problem() {
     done
 }
 
-# stager_root_dir PATH [create]: PATH is a safe root-owned directory (created 0755 when missing and
-# "create" is given). Prints the reason and returns 1 otherwise.
+# stager_mkdirs REAL: makes the missing directories above REAL (a real path), one at a time, each
+# exclusively (mkdir never follows a name planted meanwhile) and checked to be root's. Prints why not.
+stager_mkdirs() {
+    local p=$1 todo=""
+    p=$(dirname -- "$p")
+    while [ ! -e "$p" ] && [ ! -L "$p" ]; do todo="$p${todo:+
+$todo}"; p=$(dirname -- "$p"); done
+    [ -n "$todo" ] || return 0
+    while IFS= read -r p; do
+        mkdir -m 0755 -- "$p" 2>/dev/null
+        stager_dir_problem "$p" 0 || return 1
+    done <<< "$todo"
+}
+
+# stager_root_dir PATH [create]: prints the real path of PATH, a safe root-owned directory (created 0755
+# when missing and "create" is given) reached through no link anyone but root controls, and returns 0.
+# Prints the reason and returns 1 otherwise. Use the printed path from then on.
 stager_root_dir() {
-    stager_chain_problem "$1" || return 1
-    if [ "${2:-}" = create ] && [ ! -e "$1" ] && [ ! -L "$1" ]; then
-        mkdir -p -m 0755 -- "$(dirname -- "$1")" 2>/dev/null
-        mkdir -m 0755 -- "$1" 2>/dev/null  # exclusive: never through a name planted meanwhile
+    local real
+    real=$(stager_resolve "$1") || { echo "$real"; return 1; }
+    stager_chain_problem "$real" || return 1
+    if [ "${2:-}" = create ] && [ ! -e "$real" ] && [ ! -L "$real" ]; then
+        stager_mkdirs "$real" || return 1
+        mkdir -m 0755 -- "$real" 2>/dev/null  # exclusive: never through a name planted meanwhile
     fi
-    stager_dir_problem "$1" 0
+    stager_dir_problem "$real" 0 || return 1
+    printf '%s\n' "$real"
 }
 
-# stager_redact TEXT: TEXT with URL credentials and query values masked (stager.redact's rule).
+# stager_redact TEXT: TEXT with URL credentials and query values masked (stager.redact's rule) and its
+# control characters (C0 and C1, DEL, newlines, the bidirectional overrides) replaced by '?': it goes into
+# the job's AdminComment, root's failure record and the job's output (names others chose end up there).
 stager_redact() {
-    printf '%s\n' "$1" | sed -E 's#([A-Za-z][A-Za-z0-9+.-]*://)[^/@ ]*@#\1***@#g; s#(://[^ ?]*)\?[^ ]*#\1?***#g'
+    printf '%s' "$1" | tr '\n' ' ' |
+        LC_ALL=C sed -E 's#([A-Za-z][A-Za-z0-9+.-]*://)[^/@ ]*@#\1***@#g; s#(://[^ ?]*)\?[^ ]*#\1?***#g;
+                         s#\xc2[\x80-\x9f]#?#g; s#\xe2\x80[\xaa-\xae]#?#g; s#\xe2\x81[\xa6-\xa9]#?#g' |
+        LC_ALL=C tr '\000-\010\013-\037\177' '?'
+    echo
 }
 
-# stager_cache_dir PATH SERVICE_UID: the site cache's directory, made for the service account when missing
-# (exclusively, 0755, then given to it) under directories only root can change; prints why not and
-# returns 1 when it is not a real directory of SERVICE_UID's that others cannot write. Root does nothing
-# else with it: the service account fills it (stager/cache/, docs/security.md).
+# stager_cache_dir PATH SERVICE_UID: prints the real path of the site cache's directory, made for the
+# service account when missing (exclusively, 0755, then given to it) under directories only root can
+# change and reached through no link anyone but root controls; prints why not and returns 1 when it is
+# not a real directory of SERVICE_UID's that others cannot write. Root does nothing else with it: the
+# service account fills it (stager/cache/, docs/security.md).
 stager_cache_dir() {
-    stager_chain_problem "$1" || return 1
-    if [ ! -e "$1" ] && [ ! -L "$1" ]; then
-        mkdir -m 0755 -- "$1" 2>/dev/null && chown -h "$2" -- "$1"
+    local real
+    real=$(stager_resolve "$1") || { echo "$real"; return 1; }
+    stager_chain_problem "$real" || return 1
+    if [ ! -e "$real" ] && [ ! -L "$real" ]; then
+        stager_mkdirs "$real" || return 1
+        mkdir -m 0755 -- "$real" 2>/dev/null && chown -h "$2" -- "$real"
     fi
-    stager_dir_problem "$1" "$2"
+    stager_dir_problem "$real" "$2" || return 1
+    printf '%s\n' "$real"
 }

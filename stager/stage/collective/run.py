@@ -134,7 +134,7 @@ def run_collective(src: str | os.PathLike[str], dest: str | os.PathLike[str] | N
             _record_plain_stage(res, run_stage(src, dest, options.stage))
             res.share_shards = len(plan.shard_indices)
         else:
-            make_dest_dir(plan)
+            plan = replace(plan, dest=make_dest_dir(plan))  # its real path: no link anyone else can re-point
             with NodeLock(plan.lock_path, timeout=options.timeout):
                 _stage_full(plan, group, res, options)
         res.exchange_s = time.perf_counter() - t_data
@@ -253,8 +253,11 @@ def _stage_full(plan: StagePlan, group: Group, res: CollectiveResult, options: C
              "exchange_bytes": res.exchange_bytes, "files_written": res.files_written,
              "files_kept": res.files_kept, "chunk_bytes": res.chunk_bytes, "steps": res.steps,
              "created_dest": not plan.explicit_dest}
-    cache = res.cache and {k: res.cache[k] for k in ("dir", "kind", "links")}
-    write_receipt(plan, verified=f"{plan.manifest.hash_algo} while copying (collective)", stats=stats, cache=cache)
+    cache = res.cache and {**{k: res.cache[k] for k in ("dir", "kind", "links")},
+                           "files": res.cache.get("verified", {})}
+    verified = f"{plan.manifest.hash_algo} while copying (collective)" + ("; cached files: see cache.files"
+                                                                            if cache else "")
+    write_receipt(plan, verified=verified, stats=stats, cache=cache)
 
 
 def _held_by_every_node(group: Group, files: list[FileEntry], have: set[str]) -> set[str]:
