@@ -1,0 +1,224 @@
+"""The directory tree of an image, level by level, into an :class:`~.listing.ImageListing`.
+
+Each level (the root's entries, then their subdirectories' entries, ...) is one
+:func:`~.dirtable.parse_listings` call and one :func:`~.inodes.decode_inodes` call over all of its
+directories at once, so an ImageNet-shaped image (one root, 1,000 class folders, 1.28M files) is two
+vectorised passes. Checks, each a one-line :class:`~stager.errors.SourceError` or
+:class:`~stager.errors.UnsafeArchiveError` naming the image and the entry: a directory reached twice
+(a loop, or two directories sharing a listing), names that are empty, ``.``/``..``, or hold ``/``,
+NUL or control characters, an entry whose inode disagrees with it, and file data, fragments or
+listings outside the image.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from stager.errors import SourceError, UnsafeArchiveError
+from stager.formats.squashfs.columns import ByteView, ragged_gather, range_mask, segment_starts
+from stager.formats.squashfs.dirtable import parse_listings
+from stager.formats.squashfs.inodes import Inodes, decode_inodes, dir_index
+from stager.formats.squashfs.layout import DATA_SIZE_MASK, DIR, LDIR, REG, split_ref
+from stager.formats.squashfs.listing import ImageListing, raw_offsets
+from stager.formats.squashfs.meta import MetaTable
+from stager.manifest.table import Ragged, Strings
+
+
+@dataclass
+class _Level:
+    """One level's entries (int64 columns), their inodes, and their path bytes (Ragged)."""
+
+    parent: np.ndarray
+    name_pos: np.ndarray
+    name_len: np.ndarray
+    ino_ref: np.ndarray
+    inodes: Inodes
+    path_values: np.ndarray
+    path_starts: np.ndarray
+
+
+def walk(inode_t: MetaTable, dir_t: MetaTable, root_ref: int, block_size: int, fragments: np.ndarray,
+         data_end: int, image: str) -> ImageListing:
+    """Every entry under the root; see :class:`ImageListing` for the order and columns."""
+    iv, dv = ByteView(inode_t.array), ByteView(dir_t.array)
+    root_pos = np.asarray([inode_t.locate(*split_ref(root_ref))], dtype=np.int64)
+    root = decode_inodes(iv, root_pos, np.asarray([DIR]), block_size, image, lambda i: "/")
+    levels: list[_Level] = []
+    # The directories of the level being listed: entry index (-1: root), their inodes, path strings.
+    dir_entries = np.asarray([-1], dtype=np.int64)
+    dir_inodes, dir_paths = root, [""]
+    seen = {root_ref}
+    base = 0
+    while len(dir_entries):
+        starts = dir_t.locate_many(dir_inodes.dir_block, dir_inodes.dir_offset)
+        sizes = dir_inodes.listing
+        over = starts + sizes > len(dir_t.data)
+        if over.any():
+            i = int(np.argmax(over))
+            raise SourceError(f"{image}: damaged directory table: the listing of {dir_paths[i] or '/'!r} runs past "
+                              "the table's end; the image is damaged: re-copy or re-make it")
+        cuts = [dir_index(iv, inode_t.data, int(dir_inodes.index_pos[i]), int(dir_inodes.index_count[i]), image,
+                          dir_paths[i]) if dir_inodes.itype[i] == LDIR else [] for i in range(len(dir_entries))]
+        parsed = parse_listings(dir_t.data, dv, np.arange(len(dir_entries), dtype=np.int64), starts, sizes, cuts,
+                                image, [p or "/" for p in dir_paths])
+        parent = dir_entries[parsed.dir]
+        _check_names(dir_t, parsed.name_pos, parsed.name_len, image, dir_paths, parsed.dir)
+        values, pstarts = _paths(dir_t, parsed.name_pos, parsed.name_len, parsed.dir, dir_paths)
+        pos = inode_t.locate_many(parsed.ino_block, parsed.ino_offset)
+        etype = np.where(parsed.type > 7, parsed.type - 7, parsed.type)
+        names = _LazyPaths(values, pstarts)
+        inodes = decode_inodes(iv, pos, etype, block_size, image, names.__getitem__)
+        bad = inodes.number != parsed.ino_number
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise SourceError(f"{image}: damaged directory table: the entry {names[i]!r} says inode "
+                              f"{int(parsed.ino_number[i])}, its inode is {int(inodes.number[i])}; the image is damaged: "
+                              "re-copy or re-make it")
+        refs = (parsed.ino_block << 16) | parsed.ino_offset
+        levels.append(_Level(parent, parsed.name_pos, parsed.name_len, refs, inodes, values, pstarts))
+        sub = np.flatnonzero(etype == DIR)
+        for i in sub.tolist():
+            r = int(refs[i])
+            if r in seen:
+                raise SourceError(f"{image}: the directory {names[i]!r} is reached twice (a directory loop); the "
+                                  "image is damaged or hostile: re-make it with mksquashfs")
+            seen.add(r)
+        dir_entries = base + sub
+        dir_inodes = _take(inodes, sub)
+        dir_paths = [names[i] for i in sub.tolist()]
+        base += len(parent)
+    return _assemble(levels, block_size, fragments, data_end, image)
+
+
+class _LazyPaths:
+    """Paths of one level, decoded only when a message or a directory needs one."""
+
+    def __init__(self, values: np.ndarray, starts: np.ndarray) -> None:
+        self._values, self._starts = values, starts
+
+    def __getitem__(self, i: int) -> str:
+        a, b = int(self._starts[i]), int(self._starts[i + 1])
+        return self._values[a:b].tobytes().decode("utf-8", "surrogateescape")
+
+
+def _take(ino: Inodes, idx: np.ndarray) -> Inodes:
+    cols = {f: getattr(ino, f)[idx] for f in ("itype", "mode", "number", "nlink", "start_block", "size", "fragment",
+                                              "frag_offset", "dir_block", "dir_offset", "listing", "index_pos",
+                                              "index_count")}
+    return Inodes(block_ptr=np.zeros(len(idx) + 1, dtype=np.int64), block_words=np.zeros(0, dtype=np.uint32),
+                  **cols)
+
+
+def _check_names(dir_t: MetaTable, pos: np.ndarray, length: np.ndarray, image: str, dir_paths: list[str],
+                 owner: np.ndarray) -> None:
+    """Names must be path components: not ``.``/``..``, no ``/``, NUL or control characters."""
+    arr = dir_t.array
+    one = (length == 1) & (arr[pos] == 0x2E)
+    two = (length == 2) & (arr[pos] == 0x2E) & (arr[np.minimum(pos + 1, len(arr) - 1)] == 0x2E)
+    bad_entry = one | two
+    if len(pos):
+        mask = range_mask(len(arr), pos, length)
+        hits = np.flatnonzero(mask & ((arr < 0x20) | (arr == 0x2F) | (arr == 0x7F)))
+        if len(hits):
+            bad_entry[np.searchsorted(pos, hits, side="right") - 1] = True
+    if bad_entry.any():
+        i = int(np.argmax(bad_entry))
+        raw = arr[int(pos[i]) : int(pos[i] + length[i])].tobytes()
+        where = dir_paths[int(owner[i])] or "/"
+        raise UnsafeArchiveError(f"{image}: the directory {where!r} holds an entry named {raw!r}, which is not a "
+                                 "file name (., .., or a name with '/', NUL or control characters); stager reads "
+                                 "no such image: re-make it from a tree of plain names")
+
+
+def _paths(dir_t: MetaTable, pos: np.ndarray, length: np.ndarray, owner: np.ndarray,
+           dir_paths: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """UTF-8 path bytes of one level's entries: each parent's path and ``/`` (none at the top), then
+    the name. Entries of one directory are consecutive (listing order), so prefixes are tiled per run."""
+    prefixes = [(p + "/").encode("utf-8", "surrogateescape") if p else b"" for p in dir_paths]
+    plen = np.fromiter((len(b) for b in prefixes), dtype=np.int64, count=len(prefixes))
+    lengths = plen[owner] + length
+    starts = segment_starts(lengths)
+    values = np.empty(int(starts[-1]), dtype=np.uint8)
+    if len(pos) == 0:
+        return values, starts
+    name_mask = range_mask(len(values), starts[:-1] + plen[owner], length)
+    values[name_mask] = ragged_gather(dir_t.array, pos, length)
+    if plen.any():
+        run_ends = np.flatnonzero(np.diff(owner)) + 1
+        run_starts = np.concatenate([[0], run_ends])
+        counts = np.diff(np.concatenate([run_starts, [len(owner)]]))
+        values[~name_mask] = np.frombuffer(b"".join(prefixes[int(owner[s])] * int(c)
+                                                    for s, c in zip(run_starts, counts, strict=True)), dtype=np.uint8)
+    return values, starts
+
+
+def _assemble(levels: list[_Level], block_size: int, fragments: np.ndarray, data_end: int,
+              image: str) -> ImageListing:
+    """All levels as one :class:`ImageListing`, checked against the data area and fragment table."""
+
+    def cat(get: object) -> np.ndarray:
+        parts = [get(lv) for lv in levels]  # type: ignore[operator]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+    name_pos = cat(lambda lv: lv.name_pos)
+    if len(np.unique(name_pos)) != len(name_pos):
+        raise SourceError(f"{image}: damaged directory table: two directories share one listing; the image is "
+                          "damaged or hostile: re-make it with mksquashfs")
+    parent = cat(lambda lv: lv.parent)
+    n = len(parent)
+    top = np.arange(n, dtype=np.int64)
+    at_top = parent < 0
+    for _ in range(len(levels)):  # parents come before children, one level per pass
+        top = np.where(at_top, top, top[np.maximum(parent, 0)])
+    ino = [lv.inodes for lv in levels]
+    kind = cat(lambda lv: np.where(lv.inodes.itype > 7, lv.inodes.itype - 7, lv.inodes.itype))
+    size = np.concatenate([i.size for i in ino]) if ino else np.zeros(0, dtype=np.int64)
+    nb = np.concatenate([np.diff(i.block_ptr) for i in ino]) if ino else np.zeros(0, dtype=np.int64)
+    words = np.concatenate([i.block_words for i in ino]) if ino else np.zeros(0, dtype=np.uint32)
+    start = cat(lambda lv: lv.inodes.start_block)
+    fragment = cat(lambda lv: lv.inodes.fragment)
+    frag_offset = cat(lambda lv: lv.inodes.frag_offset)
+    values = np.concatenate([lv.path_values for lv in levels]) if levels else np.zeros(0, dtype=np.uint8)
+    pstarts = segment_starts(np.concatenate([np.diff(lv.path_starts) for lv in levels]) if levels
+                             else np.zeros(0, dtype=np.int64))
+    paths = Strings(Ragged(values, pstarts))
+    block_ptr = segment_starts(nb)
+    _check_data(kind, size, start, block_ptr, words, fragment, frag_offset, fragments, block_size, data_end,
+                paths, image)
+    raw = raw_offsets(kind, size, start, block_ptr, words, fragment, frag_offset, fragments, block_size)
+    return ImageListing(paths, kind, parent, top, size, cat(lambda lv: lv.inodes.mode), cat(lambda lv: lv.inodes.nlink),
+                        cat(lambda lv: lv.inodes.number), cat(lambda lv: lv.ino_ref), start, block_ptr, words,
+                        fragment, frag_offset, raw, fragments, block_size)
+
+
+def _check_data(kind: np.ndarray, size: np.ndarray, start: np.ndarray, block_ptr: np.ndarray, words: np.ndarray,
+                fragment: np.ndarray, frag_offset: np.ndarray, fragments: np.ndarray, block_size: int,
+                data_end: int, paths: Strings, image: str) -> None:
+    """Every file's blocks and fragment tail lie in the data area; size words are sane."""
+    n = len(kind)
+    nb = np.diff(block_ptr)
+    owner = np.repeat(np.arange(n, dtype=np.int64), nb)
+    w = words.astype(np.int64)
+    stored = w & DATA_SIZE_MASK
+    bad = np.zeros(n, dtype=bool)
+    bad[owner[(w >> 25 != 0) | (stored > block_size)]] = True
+    total = np.bincount(owner, weights=stored, minlength=n).astype(np.int64)
+    files = kind == REG
+    bad |= files & (nb > 0) & ((start < 96) | (start + total > data_end))
+    has = files & (fragment >= 0)
+    nfrag = len(fragments)
+    bad |= has & (fragment >= nfrag)
+    tail = size - nb * block_size
+    bad |= has & ((tail <= 0) | (tail >= block_size))
+    if has.any() and nfrag:
+        f = np.where(has & (fragment < nfrag), fragment, 0)
+        fw = fragments[f, 1]
+        fstored = (fw & (1 << 24)) != 0
+        bad |= has & fstored & (frag_offset + tail > (fw & DATA_SIZE_MASK))
+        bad |= has & (frag_offset + tail > block_size)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise SourceError(f"{image}: damaged inode of {paths[i]!r}: its data blocks or fragment lie outside the image "
+                          "or have impossible sizes; the image is damaged or truncated: re-copy or re-make it")
