@@ -100,7 +100,7 @@ class MetaTable:
     def locate(self, block: int, offset: int) -> int:
         """The buffer offset of reference ``(block, offset)``."""
         k = int(np.searchsorted(self.disk, block))
-        if k >= len(self.disk) or int(self.disk[k]) != block or offset >= METADATA_SIZE:
+        if k >= len(self.disk) or block < 0 or int(self.disk[k]) != block or offset >= METADATA_SIZE:
             raise SourceError(f"{self.image}: damaged {self.what}: a reference to block {block} offset {offset} "
                               "points at no metadata block; the image is damaged: re-copy or re-make it")
         pos = int(self.mem[k]) + offset
@@ -111,6 +111,10 @@ class MetaTable:
 
     def locate_many(self, blocks: np.ndarray, offsets: np.ndarray) -> np.ndarray:
         """:meth:`locate` of arrays of references (int64 in, int64 out)."""
+        if len(self.disk) == 0:
+            if len(blocks):
+                self.locate(int(blocks[0]), int(offsets[0]))  # raises the one-line error
+            return np.zeros(0, dtype=np.int64)
         k = np.searchsorted(self.disk, blocks)
         kc = np.minimum(k, len(self.disk) - 1)
         bad = (k >= len(self.disk)) | (self.disk[kc] != blocks) | (offsets >= METADATA_SIZE)

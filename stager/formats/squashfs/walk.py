@@ -52,8 +52,10 @@ def walk(inode_t: MetaTable, dir_t: MetaTable, root_ref: int, block_size: int, f
     seen = {root_ref}
     base = 0
     while len(dir_entries):
-        starts = dir_t.locate_many(dir_inodes.dir_block, dir_inodes.dir_offset)
         sizes = dir_inodes.listing
+        starts = np.zeros(len(sizes), dtype=np.int64)
+        has = sizes > 0  # an empty directory may point past the table's end (an empty table)
+        starts[has] = dir_t.locate_many(dir_inodes.dir_block[has], dir_inodes.dir_offset[has])
         over = starts + sizes > len(dir_t.data)
         if over.any():
             i = int(np.argmax(over))
@@ -206,7 +208,7 @@ def _check_data(kind: np.ndarray, size: np.ndarray, start: np.ndarray, block_ptr
     bad[owner[(w >> 25 != 0) | (stored > block_size)]] = True
     total = np.bincount(owner, weights=stored, minlength=n).astype(np.int64)
     files = kind == REG
-    bad |= files & (nb > 0) & ((start < 96) | (start + total > data_end))
+    bad |= files & (total > 0) & ((start < 96) | (start + total > data_end))
     has = files & (fragment >= 0)
     nfrag = len(fragments)
     bad |= has & (fragment >= nfrag)
