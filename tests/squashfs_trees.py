@@ -14,12 +14,9 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
-
 from stager.formats.squashfs import SquashImage
 
 HAVE_TOOLS = shutil.which("mksquashfs") is not None and shutil.which("unsquashfs") is not None
-TOOLS_REASON = "needs squashfs-tools: apt-get install squashfs-tools (tools/setup_venv.sh does as root)"
 SIZES = (0, 1, 100, 4095, 4096, 4097, 8191, 65536, 131071, 131072, 131073, 262144, 300001)
 
 
@@ -33,7 +30,7 @@ def make_tree(root: Path, *, seed: int = 0, big_dir: int = 600, depth: int = 40)
     files["dups/one.bin"] = files["dups/two.bin"] = rng.randbytes(150_000)
     files["large/file.bin"] = rng.randbytes(3_000_000) + bytes(400_000) + rng.randbytes(5)
     files["names/with space.txt"] = b"space"
-    files["names/ünïcödé ñame.txt"] = "unicode".encode()
+    files["names/ünïcödé ñame.txt"] = b"unicode"
     files["names/日本語.jpg"] = rng.randbytes(2000)
     deep = "/".join(f"d{k}" for k in range(depth))
     files[f"deep/{deep}/leaf.txt"] = b"deep leaf"
@@ -86,8 +83,3 @@ def dirs_of(files: dict[str, bytes], extra: tuple[str, ...] = ()) -> set[str]:
         parts = rel.split("/")[:-1]
         out.update("/".join(parts[: k + 1]) for k in range(len(parts)))
     return out
-
-
-def skip_unless_tools() -> None:
-    if not HAVE_TOOLS:
-        pytest.skip(TOOLS_REASON)

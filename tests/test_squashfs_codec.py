@@ -9,6 +9,7 @@ devices, FIFOs and sockets are reported, not read as samples.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -24,9 +25,9 @@ import pytest
 
 from stager.errors import MissingBackendError, UnsafeArchiveError
 from stager.formats.squashfs import SquashImage
-from tests.squashfs_trees import HAVE_TOOLS, TOOLS_REASON, assert_reads, dirs_of, make_tree, mksquashfs
+from tests.squashfs_trees import HAVE_TOOLS, assert_reads, dirs_of, make_tree, mksquashfs
 
-pytestmark = pytest.mark.skipif(not HAVE_TOOLS or shutil.which("unsquashfs") is None, reason=TOOLS_REASON)
+pytestmark = pytest.mark.skipif(not HAVE_TOOLS or shutil.which("unsquashfs") is None, reason="needs squashfs-tools: apt-get install squashfs-tools")
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +79,7 @@ def test_mksquashfs_images_read_byte_exact(tree: tuple[Path, dict[str, bytes]], 
 
 def test_uncompressed_images_are_contiguous_ranges(tree: tuple[Path, dict[str, bytes]], tmp_path: Path) -> None:
     """-noD -no-fragments: every file is one stored range (sparse ones aside), read with one pread."""
-    src, files = tree
+    src, _files = tree
     image = mksquashfs(src, tmp_path / "raw.sqfs", "-noD", "-no-fragments", "-no-sparse")
     with SquashImage(image) as im:
         lst = im.listing()
@@ -106,7 +107,8 @@ def test_lzo_reads_or_names_its_package(tree: tuple[Path, dict[str, bytes]], tmp
             SquashImage(image)
 
 
-def test_a_missing_compressor_package_is_one_line_naming_it(tree: tuple[Path, dict[str, bytes]], tmp_path: Path) -> None:
+def test_a_missing_compressor_package_is_one_line_naming_it(tree: tuple[Path, dict[str, bytes]],
+                                                            tmp_path: Path) -> None:
     """With zstandard unimportable, a zstd image is refused with the package to install (exit 2)."""
     src, _ = tree
     image = mksquashfs(src, tmp_path / "z.sqfs", "-comp", "zstd")
@@ -148,10 +150,8 @@ def test_links_and_special_files_are_reported(tmp_path: Path) -> None:
     s = socket.socket(socket.AF_UNIX)
     s.bind(str(src / "cls" / "sock"))
     s.close()
-    try:
+    with contextlib.suppress(PermissionError):
         os.mknod(src / "cls" / "dev", stat.S_IFCHR | 0o600, os.makedev(1, 3))
-    except PermissionError:
-        pass
     image = mksquashfs(src, tmp_path / "img.sqfs")
     with SquashImage(image) as im:
         lst = im.listing()
@@ -175,7 +175,7 @@ def test_imagenet_shaped_listing_uses_the_chains(tmp_path: Path) -> None:
     for c in range(30):
         d = src / f"n{c:08d}"
         d.mkdir(parents=True)
-        for k in range(1300 if c % 10 == 0 else 40):
+        for _ in range(1300 if c % 10 == 0 else 40):
             (d / f"n{c:08d}_{int(rng.integers(1 << 30))}.JPEG").write_bytes(b"")
     image = mksquashfs(src, tmp_path / "img.sqfs", "-b", "4K")
     out = subprocess.run(["unsquashfs", "-lc", "-d", "", str(image)], check=True, capture_output=True).stdout

@@ -180,9 +180,10 @@ def compressor(codec: Codec, level: int | None, block_size: int) -> Compress:
     mod = codec.require("the writer")
     lvl = codec.default_level if level is None else level
     if codec.id == GZIP:
-        if not 1 <= int(lvl or 0) <= 9:
+        glevel = int(lvl or 0)
+        if not 1 <= glevel <= 9:
             raise UsageError(f"gzip level must be 1..9, got {lvl}")
-        return lambda data: zlib.compress(data, lvl)
+        return lambda data: zlib.compress(data, glevel)
     if codec.id == XZ:
         if not 0 <= int(lvl or 0) <= 9:
             raise UsageError(f"xz level must be 0..9, got {lvl}")

@@ -72,7 +72,7 @@ class _Chains:
                        self.hino[mask])
 
 
-def parse_listings(table: bytes, view: ByteView, dirs: np.ndarray, starts: np.ndarray, sizes: np.ndarray,
+def parse_listings(table: bytes, view: ByteView, dirs: np.ndarray, *, starts: np.ndarray, sizes: np.ndarray,
                    cuts: list[list[int]], image: str, names: list[str]) -> Parsed:
     """The entries of directories ``dirs`` (ids, int64) whose listings are ``sizes`` bytes at buffer
     offsets ``starts``; ``cuts[i]`` are listing offsets of headers from directory ``i``'s index
@@ -98,7 +98,7 @@ def parse_listings(table: bytes, view: ByteView, dirs: np.ndarray, starts: np.nd
     for i in bad_dirs:  # again from the listing's start, ignoring the index
         s, n = int(starts[i]), int(sizes[i])
         try:
-            r = _walk_py(table, s, s + n, 0, 0, 0)
+            r = _walk_py(table, s, s + n)
         except _ChainError as exc:
             raise SourceError(f"{image}: damaged directory listing of {names[i]!r}: {exc}; the image is damaged: "
                               "re-copy or re-make it") from exc
@@ -116,7 +116,8 @@ def _from_records(recs: dict[str, np.ndarray], chain_dir: np.ndarray, dirs: np.n
                    recs["pos"], recs["len"], recs["blk"], recs["off"], recs["ino"], recs["type"])
 
 
-def _lockstep(table: bytes, v: ByteView, starts: np.ndarray, ends: np.ndarray) -> tuple[dict[str, np.ndarray], set[int]]:
+def _lockstep(table: bytes, v: ByteView, starts: np.ndarray,
+              ends: np.ndarray) -> tuple[dict[str, np.ndarray], set[int]]:
     """Walk every chain ``[starts[i], ends[i])`` one record per step; ``(records, failed chains)``."""
     n = len(starts)
     z = np.zeros(n, dtype=np.int64)
@@ -161,8 +162,8 @@ def _lockstep(table: bytes, v: ByteView, starts: np.ndarray, ends: np.ndarray) -
         live = live.keep(~(bad | (at_end & (live.rem == 0))))
     for i in range(len(live.chain)):  # the few chains left: a plain loop
         try:
-            r = _walk_py(table, int(live.pos[i]), int(live.end[i]), int(live.rem[i]), int(live.hblk[i]),
-                         int(live.hino[i]))
+            r = _walk_py(table, int(live.pos[i]), int(live.end[i]), rem=int(live.rem[i]), hblk=int(live.hblk[i]),
+                         hino=int(live.hino[i]))
         except _ChainError:
             failed.add(int(live.chain[i]))
             continue
@@ -172,7 +173,7 @@ def _lockstep(table: bytes, v: ByteView, starts: np.ndarray, ends: np.ndarray) -
     return {k: (np.concatenate(a) if a else np.zeros(0, dtype=np.int64)) for k, a in out.items()}, failed
 
 
-def _walk_py(data: bytes, pos: int, end: int, rem: int, hblk: int, hino: int) -> dict[str, list[int]]:
+def _walk_py(data: bytes, pos: int, end: int, *, rem: int = 0, hblk: int = 0, hino: int = 0) -> dict[str, list[int]]:
     """One chain from ``pos`` to exactly ``end``, ``rem`` entries left under the current header."""
     r: dict[str, list[int]] = {k: [] for k in ("pos", "len", "blk", "off", "ino", "type")}
     unpack_h, unpack_e = DIR_HEADER.unpack_from, DIR_ENTRY.unpack_from

@@ -64,7 +64,7 @@ def _damaged(image: str, what: str) -> SourceError:
     return SourceError(f"{image}: damaged inode table: {what}; the image is damaged: re-copy or re-make it")
 
 
-def decode_inodes(v: ByteView, pos: np.ndarray, entry_types: np.ndarray, block_size: int, image: str,
+def decode_inodes(v: ByteView, pos: np.ndarray, entry_types: np.ndarray, *, block_size: int, image: str,
                   name_of: Callable[[int], str] | None = None) -> Inodes:
     """Decode the inodes at buffer positions ``pos`` whose directory entries say ``entry_types``
     (basic types). ``name_of(i)`` (optional) names entry ``i`` in messages; otherwise positions do."""
@@ -94,12 +94,13 @@ def decode_inodes(v: ByteView, pos: np.ndarray, entry_types: np.ndarray, block_s
         raise _damaged(image, f"{where(i)} runs past the table's end")
     other = (itype != REG) & (itype != LREG) & (itype != DIR)
     out.nlink[other] = v.u32(q[other] + 16)  # LDIR, symlinks, devices, IPC: nlink at byte 16
-    _files(v, q, out, block_size, image, where)
-    _dirs(v, q, out, image, where)
+    _files(v, q, out, block_size=block_size, image=image, where=where)
+    _dirs(v, q, out, image=image, where=where)
     return out
 
 
-def _files(v: ByteView, q: np.ndarray, out: Inodes, block_size: int, image: str, where: Callable[[int], str]) -> None:
+def _files(v: ByteView, q: np.ndarray, out: Inodes, *, block_size: int, image: str,
+           where: Callable[[int], str]) -> None:
     reg, lreg = out.itype == REG, out.itype == LREG
     rq, lq = q[reg], q[lreg]
     out.start_block[reg] = v.u32(rq + 16)
@@ -132,7 +133,7 @@ def _files(v: ByteView, q: np.ndarray, out: Inodes, block_size: int, image: str,
     out.block_words = v.u32(idx).astype(np.uint32)
 
 
-def _dirs(v: ByteView, q: np.ndarray, out: Inodes, image: str, where: Callable[[int], str]) -> None:
+def _dirs(v: ByteView, q: np.ndarray, out: Inodes, *, image: str, where: Callable[[int], str]) -> None:
     d, ld = out.itype == DIR, out.itype == LDIR
     dq, lq = q[d], q[ld]
     out.dir_block[d] = v.u32(dq + 16)
@@ -150,7 +151,7 @@ def _dirs(v: ByteView, q: np.ndarray, out: Inodes, image: str, where: Callable[[
         raise _damaged(image, f"{where(i)}: a directory of {int(out.listing[i]) + 3} bytes (at least 3)")
 
 
-def dir_index(v: ByteView, table: bytes, pos: int, count: int, image: str, name: str) -> list[int]:
+def dir_index(v: ByteView, table: bytes, pos: int, *, count: int, image: str, name: str) -> list[int]:
     """The listing offsets of an extended directory's ``count`` index entries at buffer ``pos``."""
     offsets = []
     for _ in range(count):

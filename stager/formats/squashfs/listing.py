@@ -120,14 +120,14 @@ class ImageListing:
                                      "the image from a tree of plain files (mksquashfs SRC IMG)")
 
 
-def raw_offsets(kind: np.ndarray, size: np.ndarray, start: np.ndarray, block_ptr: np.ndarray,
-                words: np.ndarray, fragment: np.ndarray, frag_offset: np.ndarray, fragments: np.ndarray,
-                block_size: int) -> np.ndarray:
-    """Each file's ``raw_offset`` (see :class:`ImageListing`); -1 for other entries."""
+def raw_offsets(lst: ImageListing) -> np.ndarray:
+    """Each entry's ``raw_offset`` (see :class:`ImageListing`): -1 but for files stored as one range."""
+    kind, size, start, block_ptr = lst.kind, lst.size, lst.start_block, lst.block_ptr
+    fragment, frag_offset, fragments, block_size = lst.fragment, lst.frag_offset, lst.fragments, lst.block_size
     n = len(kind)
     nb = np.diff(block_ptr)
     owner = np.repeat(np.arange(n, dtype=np.int64), nb)
-    w = words.astype(np.int64)
+    w = lst.block_words.astype(np.int64)
     stored = w & DATA_SIZE_MASK
     # The bytes a stored block must hold: a full block, or the file's remainder for its last block.
     k = np.arange(len(w), dtype=np.int64) - block_ptr[owner]

@@ -37,7 +37,8 @@ def pread_exact(fd: int, size: int, offset: int, image: str, what: str) -> bytes
     return buf
 
 
-def _split_blocks(raw: bytes, image: str, what: str, base: int) -> tuple[list[int], list[bytes | memoryview], list[bool]]:
+def _split_blocks(raw: bytes, image: str, what: str,
+                  base: int) -> tuple[list[int], list[bytes | memoryview], list[bool]]:
     """The blocks of a run of metadata blocks: disk starts (relative), payloads, stored flags."""
     starts: list[int] = []
     payloads: list[bytes | memoryview] = []
@@ -60,7 +61,7 @@ def _split_blocks(raw: bytes, image: str, what: str, base: int) -> tuple[list[in
     return starts, payloads, stored
 
 
-def decompress_blocks(payloads: Sequence[bytes | memoryview], stored: Sequence[bool], decompress: Decompress,
+def decompress_blocks(payloads: Sequence[bytes | memoryview], stored: Sequence[bool], decompress: Decompress, *,
                       image: str, what: str, starts: Sequence[int], base: int) -> list[bytes]:
     """Each metadata block's uncompressed bytes (at most 8 KiB each)."""
 
@@ -126,14 +127,14 @@ class MetaTable:
         return pos
 
 
-def read_table(fd: int, start: int, end: int, decompress: Decompress, image: str, what: str) -> MetaTable:
+def read_table(fd: int, start: int, end: int, *, decompress: Decompress, image: str, what: str) -> MetaTable:
     """The metadata table occupying bytes ``[start, end)`` of the image, decompressed."""
     if end < start:
         raise SourceError(f"{image}: damaged superblock: the {what} would end before it starts "
                           f"({start} > {end}); the image is damaged: re-copy or re-make it")
     raw = pread_exact(fd, end - start, start, image, what)
     starts, payloads, stored = _split_blocks(raw, image, what, start)
-    blocks = decompress_blocks(payloads, stored, decompress, image, what, starts, start)
+    blocks = decompress_blocks(payloads, stored, decompress, image=image, what=what, starts=starts, base=start)
     sizes = np.fromiter((len(b) for b in blocks), dtype=np.int64, count=len(blocks))
     if len(sizes) > 1 and (sizes[:-1] != METADATA_SIZE).any():
         i = int(np.argmax(sizes[:-1] != METADATA_SIZE))
@@ -145,7 +146,7 @@ def read_table(fd: int, start: int, end: int, decompress: Decompress, image: str
     return MetaTable(b"".join(blocks), np.asarray(starts, dtype=np.int64), mem, image, what)
 
 
-def read_index(fd: int, index_start: int, nbytes: int, next_table: int, image: str, what: str) -> np.ndarray:
+def read_index(fd: int, index_start: int, nbytes: int, *, next_table: int, image: str, what: str) -> np.ndarray:
     """The u64 block positions of an indexed table of ``nbytes`` record bytes at ``index_start``,
     checked as the kernel checks them (before ``next_table``, blocks just before their index)."""
     n = -(-nbytes // METADATA_SIZE)
@@ -162,7 +163,7 @@ def read_index(fd: int, index_start: int, nbytes: int, next_table: int, image: s
     return idx
 
 
-def read_indexed(fd: int, index: np.ndarray, index_start: int, nbytes: int, decompress: Decompress,
+def read_indexed(fd: int, index: np.ndarray, index_start: int, *, nbytes: int, decompress: Decompress,
                  image: str, what: str) -> bytes:
     """``nbytes`` of records of an indexed table whose block positions are ``index``."""
     if len(index) == 0:
@@ -173,7 +174,7 @@ def read_indexed(fd: int, index: np.ndarray, index_start: int, nbytes: int, deco
     if [first + s for s in starts] != index.tolist():
         raise SourceError(f"{image}: damaged {what}: its index does not match its metadata blocks; the image is "
                           "damaged: re-copy or re-make it")
-    data = b"".join(decompress_blocks(payloads, stored, decompress, image, what, starts, first))
+    data = b"".join(decompress_blocks(payloads, stored, decompress, image=image, what=what, starts=starts, base=first))
     if len(data) < nbytes:
         raise SourceError(f"{image}: damaged {what}: {len(data)} bytes of records, {nbytes} expected; the image "
                           "is damaged: re-copy or re-make it")

@@ -18,6 +18,7 @@ names that are not file names. Reading a damaged block of one file raises
 from __future__ import annotations
 
 import os
+import stat
 import struct
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -29,7 +30,6 @@ from stager.formats.base import pread_runs
 from stager.formats.squashfs.compress import Codec, DecompressError, codec_by_id, decompressor
 from stager.formats.squashfs.layout import (
     DATA_SIZE_MASK,
-    DATA_STORED,
     FLAG_COMP_OPT,
     INVALID_TABLE,
     MAGIC,
@@ -85,12 +85,16 @@ class SquashImage:
     def fd(self) -> int:
         """This process's descriptor (reopened after ``fork()``)."""
         if self._fd is None or self._pid != os.getpid():
-            try:
-                self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            try:  # O_NONBLOCK: a FIFO planted under the image's name must not block the open
+                fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
             except FileNotFoundError as exc:
                 raise SourceNotFoundError(f"{self.name}: no such image") from exc
-            except IsADirectoryError as exc:
-                raise SourceError(f"{self.name}: a directory, not a SquashFS image") from exc
+            mode = os.fstat(fd).st_mode
+            if not (stat.S_ISREG(mode) or stat.S_ISBLK(mode)):
+                os.close(fd)
+                what = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+                raise SourceError(f"{self.name}: {what}, not a SquashFS image; name an image file")
+            self._fd = fd
             self._pid = os.getpid()
         return self._fd
 
@@ -130,18 +134,19 @@ class SquashImage:
             nxt = kv_start
         if sb.no_ids == 0:
             raise _damaged(name, "the id table is empty")
-        idx = read_index(fd, sb.id_table_start, 4 * sb.no_ids, nxt, name, "id table")
-        self.ids = np.frombuffer(read_indexed(fd, idx, sb.id_table_start, 4 * sb.no_ids, self._decompress, name,
-                                              "id table"), dtype="<u4")
+        idx = read_index(fd, sb.id_table_start, 4 * sb.no_ids, next_table=nxt, image=name, what="id table")
+        self.ids = np.frombuffer(read_indexed(fd, idx, sb.id_table_start, nbytes=4 * sb.no_ids,
+                                              decompress=self._decompress, image=name, what="id table"), dtype="<u4")
         nxt = int(idx[0])
         if sb.lookup_table_start != INVALID_TABLE:
-            idx = read_index(fd, sb.lookup_table_start, 8 * sb.inodes, nxt, name, "export table")
+            idx = read_index(fd, sb.lookup_table_start, 8 * sb.inodes, next_table=nxt, image=name, what="export table")
             nxt = int(idx[0]) if len(idx) else nxt
         self.fragments = np.zeros((0, 2), dtype=np.int64)
         if sb.fragments:
-            idx = read_index(fd, sb.fragment_table_start, 16 * sb.fragments, nxt, name, "fragment table")
-            raw = read_indexed(fd, idx, sb.fragment_table_start, 16 * sb.fragments, self._decompress, name,
-                               "fragment table")
+            idx = read_index(fd, sb.fragment_table_start, 16 * sb.fragments, next_table=nxt, image=name,
+                             what="fragment table")
+            raw = read_indexed(fd, idx, sb.fragment_table_start, nbytes=16 * sb.fragments,
+                               decompress=self._decompress, image=name, what="fragment table")
             rec = np.frombuffer(raw, dtype=np.dtype([("start", "<u8"), ("size", "<u4"), ("unused", "<u4")]))
             self.fragments = np.stack([rec["start"].astype(np.int64), rec["size"].astype(np.int64)], axis=1)
             st, sz = self.fragments[:, 0], self.fragments[:, 1] & DATA_SIZE_MASK
@@ -167,17 +172,17 @@ class SquashImage:
         if self._inode_table is None:
             sb = self.superblock
             self._inode_table = read_table(self.fd(), sb.inode_table_start, sb.directory_table_start,
-                                           self._decompress, self.name, "inode table")
+                                           decompress=self._decompress, image=self.name, what="inode table")
         return self._inode_table
 
     def listing(self) -> ImageListing:
         """Every entry of the image (decoded once, then cached)."""
         if self._listing is None:
             sb = self.superblock
-            dir_t = read_table(self.fd(), sb.directory_table_start, self._dir_end, self._decompress, self.name,
-                               "directory table")
-            self._listing = walk(self.inode_table(), dir_t, sb.root_inode, sb.block_size, self.fragments,
-                                 sb.inode_table_start, self.name)
+            dir_t = read_table(self.fd(), sb.directory_table_start, self._dir_end, decompress=self._decompress,
+                               image=self.name, what="directory table")
+            self._listing = walk(self.inode_table(), dir_t, sb.root_inode, block_size=sb.block_size,
+                                 fragments=self.fragments, data_end=sb.inode_table_start, image=self.name)
         return self._listing
 
     # ---- reading files --------------------------------------------------------------------------

@@ -236,7 +236,7 @@ def _listing(entries: list[tuple[bytes, int, int, int]], at: int) -> tuple[bytes
     its bytes, and ``(listing offset, first name)`` of each header."""
     out = bytearray()
     headers: list[tuple[int, bytes]] = []
-    count = 0
+    count = hpos = 0
     hblock = base = hstart = -1
     for name, typ, num, ref in entries:
         block, off = ref >> 16, ref & 0xFFFF

@@ -39,12 +39,12 @@ class _Level:
     path_starts: np.ndarray
 
 
-def walk(inode_t: MetaTable, dir_t: MetaTable, root_ref: int, block_size: int, fragments: np.ndarray,
+def walk(inode_t: MetaTable, dir_t: MetaTable, root_ref: int, *, block_size: int, fragments: np.ndarray,
          data_end: int, image: str) -> ImageListing:
     """Every entry under the root; see :class:`ImageListing` for the order and columns."""
     iv, dv = ByteView(inode_t.array), ByteView(dir_t.array)
     root_pos = np.asarray([inode_t.locate(*split_ref(root_ref))], dtype=np.int64)
-    root = decode_inodes(iv, root_pos, np.asarray([DIR]), block_size, image, lambda i: "/")
+    root = decode_inodes(iv, root_pos, np.asarray([DIR]), block_size=block_size, image=image, name_of=lambda i: "/")
     levels: list[_Level] = []
     # The directories of the level being listed: entry index (-1: root), their inodes, path strings.
     dir_entries = np.asarray([-1], dtype=np.int64)
@@ -61,23 +61,24 @@ def walk(inode_t: MetaTable, dir_t: MetaTable, root_ref: int, block_size: int, f
             i = int(np.argmax(over))
             raise SourceError(f"{image}: damaged directory table: the listing of {dir_paths[i] or '/'!r} runs past "
                               "the table's end; the image is damaged: re-copy or re-make it")
-        cuts = [dir_index(iv, inode_t.data, int(dir_inodes.index_pos[i]), int(dir_inodes.index_count[i]), image,
-                          dir_paths[i]) if dir_inodes.itype[i] == LDIR else [] for i in range(len(dir_entries))]
-        parsed = parse_listings(dir_t.data, dv, np.arange(len(dir_entries), dtype=np.int64), starts, sizes, cuts,
-                                image, [p or "/" for p in dir_paths])
+        cuts = [dir_index(iv, inode_t.data, int(dir_inodes.index_pos[i]), count=int(dir_inodes.index_count[i]),
+                          image=image, name=dir_paths[i]) if dir_inodes.itype[i] == LDIR else []
+                for i in range(len(dir_entries))]
+        parsed = parse_listings(dir_t.data, dv, np.arange(len(dir_entries), dtype=np.int64), starts=starts, sizes=sizes,
+                                cuts=cuts, image=image, names=[p or "/" for p in dir_paths])
         parent = dir_entries[parsed.dir]
-        _check_names(dir_t, parsed.name_pos, parsed.name_len, image, dir_paths, parsed.dir)
+        _check_names(dir_t, parsed.name_pos, parsed.name_len, image=image, dir_paths=dir_paths, owner=parsed.dir)
         values, pstarts = _paths(dir_t, parsed.name_pos, parsed.name_len, parsed.dir, dir_paths)
         pos = inode_t.locate_many(parsed.ino_block, parsed.ino_offset)
         etype = np.where(parsed.type > 7, parsed.type - 7, parsed.type)
         names = _LazyPaths(values, pstarts)
-        inodes = decode_inodes(iv, pos, etype, block_size, image, names.__getitem__)
+        inodes = decode_inodes(iv, pos, etype, block_size=block_size, image=image, name_of=names.__getitem__)
         bad = inodes.number != parsed.ino_number
         if bad.any():
             i = int(np.argmax(bad))
             raise SourceError(f"{image}: damaged directory table: the entry {names[i]!r} says inode "
-                              f"{int(parsed.ino_number[i])}, its inode is {int(inodes.number[i])}; the image is damaged: "
-                              "re-copy or re-make it")
+                              f"{int(parsed.ino_number[i])}, its inode is {int(inodes.number[i])}; the image is "
+                              "damaged: re-copy or re-make it")
         refs = (parsed.ino_block << 16) | parsed.ino_offset
         levels.append(_Level(parent, parsed.name_pos, parsed.name_len, refs, inodes, values, pstarts))
         sub = np.flatnonzero(etype == DIR)
@@ -113,7 +114,7 @@ def _take(ino: Inodes, idx: np.ndarray) -> Inodes:
                   **cols)
 
 
-def _check_names(dir_t: MetaTable, pos: np.ndarray, length: np.ndarray, image: str, dir_paths: list[str],
+def _check_names(dir_t: MetaTable, pos: np.ndarray, length: np.ndarray, *, image: str, dir_paths: list[str],
                  owner: np.ndarray) -> None:
     """Names must be path components: not ``.``/``..``, no ``/``, NUL or control characters."""
     arr = dir_t.array
@@ -187,18 +188,20 @@ def _assemble(levels: list[_Level], block_size: int, fragments: np.ndarray, data
                              else np.zeros(0, dtype=np.int64))
     paths = Strings(Ragged(values, pstarts))
     block_ptr = segment_starts(nb)
-    _check_data(kind, size, start, block_ptr, words, fragment, frag_offset, fragments, block_size, data_end,
-                paths, image)
-    raw = raw_offsets(kind, size, start, block_ptr, words, fragment, frag_offset, fragments, block_size)
-    return ImageListing(paths, kind, parent, top, size, cat(lambda lv: lv.inodes.mode), cat(lambda lv: lv.inodes.nlink),
-                        cat(lambda lv: lv.inodes.number), cat(lambda lv: lv.ino_ref), start, block_ptr, words,
-                        fragment, frag_offset, raw, fragments, block_size)
+    lst = ImageListing(paths, kind, parent, top, size, cat(lambda lv: lv.inodes.mode),
+                       cat(lambda lv: lv.inodes.nlink), cat(lambda lv: lv.inodes.number), cat(lambda lv: lv.ino_ref),
+                       start, block_ptr, words, fragment, frag_offset, np.zeros(0, dtype=np.int64), fragments,
+                       block_size)
+    _check_data(lst, data_end, image)
+    lst.raw_offset = raw_offsets(lst)
+    return lst
 
 
-def _check_data(kind: np.ndarray, size: np.ndarray, start: np.ndarray, block_ptr: np.ndarray, words: np.ndarray,
-                fragment: np.ndarray, frag_offset: np.ndarray, fragments: np.ndarray, block_size: int,
-                data_end: int, paths: Strings, image: str) -> None:
+def _check_data(lst: ImageListing, data_end: int, image: str) -> None:
     """Every file's blocks and fragment tail lie in the data area; size words are sane."""
+    kind, size, start, block_ptr = lst.kind, lst.size, lst.start_block, lst.block_ptr
+    fragment, frag_offset, fragments, block_size = lst.fragment, lst.frag_offset, lst.fragments, lst.block_size
+    words, paths = lst.block_words, lst.paths
     n = len(kind)
     nb = np.diff(block_ptr)
     owner = np.repeat(np.arange(n, dtype=np.int64), nb)

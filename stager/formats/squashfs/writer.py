@@ -55,9 +55,11 @@ from stager.formats.squashfs.layout import (
 from stager.formats.squashfs.meta import indexed_table
 from stager.formats.squashfs.tables import FIXED_MTIME, Files, Tree, build_tables
 
-PRECOMPRESSED = frozenset(
-    "jpg jpeg jpe jfif png gif webp avif heic heif jp2 jxl mp4 m4v mov mkv webm avi mp3 aac ogg opus flac "
-    "zip gz tgz bz2 xz zst lz4 7z rar npz parquet".split())
+PRECOMPRESSED = frozenset((
+    "jpg", "jpeg", "jpe", "jfif", "png", "gif", "webp", "avif", "heic", "heif", "jp2", "jxl",  # images
+    "mp4", "m4v", "mov", "mkv", "webm", "avi", "mp3", "aac", "ogg", "opus", "flac",  # audio and video
+    "zip", "gz", "tgz", "bz2", "xz", "zst", "lz4", "7z", "rar", "npz", "parquet",  # archives
+))
 _WINDOW = 32 << 20  # input bytes of compression jobs in flight before the oldest is written (fixed: determinism)
 _FLUSH = 4 << 20  # bytes buffered before a write()
 
@@ -67,7 +69,7 @@ class AddedFile(NamedTuple):
     ``size``, and ``raw_offset``: the image offset of its bytes when they are stored as one
     contiguous range (a stored file), else -1 (its blocks are placed when compressed)."""
 
-    index: int
+    file_id: int
     size: int
     raw_offset: int
 
