@@ -12,14 +12,30 @@ import numpy as np
 _CHUNK = 1 << 22  # bytes gathered per pass: bounds the int64 index arrays to 32 MiB
 
 
-class ByteView:
-    """Unaligned little-endian views of a uint8 buffer: ``u16(pos)`` etc. gather the integers that
-    start at each byte offset in ``pos`` (int64 array). Callers check ``pos + width <= len``."""
+PAD = 64  # zero bytes after a table's buffer, so that a record gather near its end stays in bounds
 
-    def __init__(self, buf: np.ndarray) -> None:
-        self.buf = buf
-        self.n = len(buf)
-        self._views: dict[str, np.ndarray] = {}
+
+class ByteView:
+    """Unaligned little-endian views of a uint8 buffer of ``n`` bytes followed by :data:`PAD` zero
+    bytes: ``u16(pos)`` etc. gather the integers that start at each byte offset in ``pos`` (int64
+    array); ``records(pos, dtype)`` gathers whole little-endian structs (one copy of their bytes, all
+    fields at once). Callers check ``pos + width <= n``; the padding only keeps a struct wider than
+    what its type uses (a short inode at the table's end) in bounds."""
+
+    def __init__(self, padded: np.ndarray, n: int) -> None:
+        self.buf = padded
+        self.n = n
+        self._views: dict[object, np.ndarray] = {}
+
+    def records(self, pos: np.ndarray, dtype: np.dtype) -> np.ndarray:
+        """The structs of ``dtype`` at byte offsets ``pos``: a structured array of shape ``(len(pos),)``."""
+        w = dtype.itemsize
+        rows = self._views.get(w)
+        if rows is None:
+            rows = np.lib.stride_tricks.as_strided(self.buf, shape=(max(len(self.buf) - w + 1, 0), w),
+                                                   strides=(1, 1), writeable=False)
+            self._views[w] = rows
+        return rows[pos].view(dtype).reshape(-1)
 
     def _view(self, dtype: str, width: int) -> np.ndarray:
         v = self._views.get(dtype)
@@ -52,12 +68,17 @@ def segment_starts(lengths: np.ndarray) -> np.ndarray:
 
 
 def ragged_index(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """The flat positions ``starts[i] + 0 .. starts[i] + lengths[i] - 1``, concatenated (int64)."""
+    """The flat positions ``starts[i] + 0 .. starts[i] + lengths[i] - 1``, concatenated (int64, or
+    int32 when every position fits: half the memory traffic)."""
     total = int(lengths.sum())
     if total == 0:
         return np.zeros(0, dtype=np.int64)
     first = segment_starts(lengths)[:-1]
-    return np.repeat(starts - first, lengths) + np.arange(total, dtype=np.int64)
+    small = len(starts) == 0 or (int(starts.max()) + int(lengths.max()) < 1 << 31 and total < 1 << 31)
+    dt = np.int32 if small else np.int64
+    idx = np.repeat((starts - first).astype(dt), lengths)
+    idx += np.arange(total, dtype=dt)
+    return idx
 
 
 def ragged_gather(src: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -69,7 +90,7 @@ def ragged_gather(src: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> n
     while i < n:
         j = int(np.searchsorted(ends, ends[i] + _CHUNK, side="right"))
         j = min(max(j - 1, i + 1), n)
-        out[ends[i] : ends[j]] = src[ragged_index(starts[i:j], lengths[i:j])]
+        out[ends[i] : ends[j]] = src.take(ragged_index(starts[i:j], lengths[i:j]))
         i = j
     return out
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from stager.errors import SourceError
 from stager.formats.squashfs.columns import ByteView
-from stager.formats.squashfs.layout import DIR_COUNT, DIR_ENTRY, DIR_HEADER, MAX_NAME
+from stager.formats.squashfs.layout import DIR_COUNT, DIR_ENTRY, DIR_HEADER, ENTRY_DTYPE, HEADER_DTYPE, MAX_NAME
 
 _FEW = 24  # below this many live chains, a Python loop beats a numpy step
 
@@ -131,29 +131,37 @@ def _lockstep(table: bytes, v: ByteView, starts: np.ndarray,
         if h.any():
             hp = live.pos[h]
             hbad = hp + DIR_HEADER.size > live.end[h]
-            hq = np.where(hbad, 0, hp)
-            count = v.u32(hq) + 1
+            head = v.records(np.where(hbad, 0, hp), HEADER_DTYPE)
+            count = head["count"].astype(np.int64) + 1
             hbad |= count > DIR_COUNT
             live.rem[h] = count
-            live.hblk[h] = v.u32(hq + 4)
-            live.hino[h] = v.u32(hq + 8)
+            live.hblk[h] = head["start"]
+            live.hino[h] = head["number"]
             live.pos[h] = hp + DIR_HEADER.size
             bad[h] = hbad
         p = live.pos
         bad |= p + DIR_ENTRY.size > live.end
-        q = np.where(bad | (p > last), 0, p)
-        size = v.u16(q + 6) + 1
-        bad |= size > MAX_NAME
+        e = v.records(np.where(bad | (p > last), 0, p), ENTRY_DTYPE)
+        size = e["size"].astype(np.int64) + 1
         nxt = p + DIR_ENTRY.size + size
-        bad |= nxt > live.end
+        bad |= (nxt > live.end) | (size > MAX_NAME)
         ok = ~bad
-        out["chain"].append(live.chain[ok])
-        out["pos"].append((p + DIR_ENTRY.size)[ok])
-        out["len"].append(size[ok])
-        out["blk"].append(live.hblk[ok])
-        out["off"].append(v.u16(q)[ok])
-        out["ino"].append((live.hino + v.i16(q + 2))[ok])
-        out["type"].append(v.u16(q + 4)[ok])
+        if ok.all():
+            out["chain"].append(live.chain)
+            out["pos"].append(p + DIR_ENTRY.size)
+            out["len"].append(size)
+            out["blk"].append(live.hblk)
+            out["off"].append(e["offset"])
+            out["ino"].append(live.hino + e["delta"])
+            out["type"].append(e["type"])
+        else:
+            out["chain"].append(live.chain[ok])
+            out["pos"].append((p + DIR_ENTRY.size)[ok])
+            out["len"].append(size[ok])
+            out["blk"].append(live.hblk[ok])
+            out["off"].append(e["offset"][ok])
+            out["ino"].append((live.hino + e["delta"])[ok])
+            out["type"].append(e["type"][ok])
         live.pos = nxt
         live.rem = live.rem - 1
         at_end = live.pos == live.end
@@ -170,7 +178,8 @@ def _lockstep(table: bytes, v: ByteView, starts: np.ndarray,
         out["chain"].append(np.full(len(r["pos"]), live.chain[i], dtype=np.int64))
         for k in ("pos", "len", "blk", "off", "ino", "type"):
             out[k].append(np.asarray(r[k], dtype=np.int64))
-    return {k: (np.concatenate(a) if a else np.zeros(0, dtype=np.int64)) for k, a in out.items()}, failed
+    return {k: (np.concatenate(a).astype(np.int64, copy=False) if a else np.zeros(0, dtype=np.int64))
+            for k, a in out.items()}, failed
 
 
 def _walk_py(data: bytes, pos: int, end: int, *, rem: int = 0, hblk: int = 0, hino: int = 0) -> dict[str, list[int]]:

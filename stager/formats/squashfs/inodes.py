@@ -25,12 +25,17 @@ from stager.errors import SourceError
 from stager.formats.squashfs.columns import ByteView, segment_starts
 from stager.formats.squashfs.layout import (
     DIR,
+    DIR_DTYPE,
     DIR_INDEX,
+    HEAD_DTYPE,
     LDIR,
+    LDIR_DTYPE,
     LREG,
+    LREG_DTYPE,
     MAX_NAME,
     NO_FRAGMENT,
     REG,
+    REG_DTYPE,
     basic_type,
 )
 
@@ -77,15 +82,16 @@ def decode_inodes(v: ByteView, pos: np.ndarray, entry_types: np.ndarray, *, bloc
         i = int(np.argmax((pos < 0) | (pos + 16 > v.n)))
         raise _damaged(image, f"{where(i)} lies past the table's end")
     q = pos
-    itype = v.u16(q)
+    head = v.records(q, HEAD_DTYPE)
+    itype = head["type"].astype(np.int64)
     mismatch = (itype < 1) | (itype > 14) | (np.where(itype > 7, itype - 7, itype) != entry_types)
     if mismatch.any():
         i = int(np.argmax(mismatch))
         raise _damaged(image, f"{where(i)}: its directory entry says type {int(entry_types[i])}, the inode "
                               f"{int(itype[i])}")
     z = np.zeros(n, dtype=np.int64)
-    out = Inodes(itype, v.u16(q + 2), v.u32(q + 12), np.ones(n, dtype=np.int64), z.copy(), z.copy(),
-                 np.full(n, -1, dtype=np.int64), z.copy(), np.zeros(n + 1, dtype=np.int64),
+    out = Inodes(itype, head["mode"].astype(np.int64), head["number"].astype(np.int64), np.ones(n, dtype=np.int64),
+                 z.copy(), z.copy(), np.full(n, -1, dtype=np.int64), z.copy(), np.zeros(n + 1, dtype=np.int64),
                  np.zeros(0, dtype=np.uint32), z.copy(), z.copy(), z.copy(), z.copy(), z.copy())
     need = np.where(itype == REG, 32, np.where(itype == LREG, 56, np.where(itype == LDIR, 40,
                     np.where(itype == DIR, 32, 20))))
@@ -93,27 +99,32 @@ def decode_inodes(v: ByteView, pos: np.ndarray, entry_types: np.ndarray, *, bloc
         i = int(np.argmax(q + need > v.n))
         raise _damaged(image, f"{where(i)} runs past the table's end")
     other = (itype != REG) & (itype != LREG) & (itype != DIR)
-    out.nlink[other] = v.u32(q[other] + 16)  # LDIR, symlinks, devices, IPC: nlink at byte 16
+    out.nlink[other] = head["nlink"][other]  # LDIR, symlinks, devices, IPC: nlink at byte 16
     _files(v, q, out, block_size=block_size, image=image, where=where)
     _dirs(v, q, out, image=image, where=where)
     return out
 
 
+def _fragments(col: np.ndarray) -> np.ndarray:
+    return np.where(col == NO_FRAGMENT, -1, col.astype(np.int64))
+
+
 def _files(v: ByteView, q: np.ndarray, out: Inodes, *, block_size: int, image: str,
            where: Callable[[int], str]) -> None:
     reg, lreg = out.itype == REG, out.itype == LREG
-    rq, lq = q[reg], q[lreg]
-    out.start_block[reg] = v.u32(rq + 16)
-    frag = v.u32(rq + 20)
-    out.fragment[reg] = np.where(frag == NO_FRAGMENT, -1, frag)
-    out.frag_offset[reg] = v.u32(rq + 24)
-    out.size[reg] = v.u32(rq + 28)
-    out.start_block[lreg] = v.u64(lq + 16)
-    out.size[lreg] = v.u64(lq + 24)
-    out.nlink[lreg] = v.u32(lq + 40)
-    frag = v.u32(lq + 44)
-    out.fragment[lreg] = np.where(frag == NO_FRAGMENT, -1, frag)
-    out.frag_offset[lreg] = v.u32(lq + 48)
+    if reg.all():  # the usual case: every entry a plain file
+        r = v.records(q, REG_DTYPE)
+        out.start_block, out.fragment = r["start"].astype(np.int64), _fragments(r["fragment"])
+        out.frag_offset, out.size = r["offset"].astype(np.int64), r["size"].astype(np.int64)
+    elif reg.any():
+        r = v.records(q[reg], REG_DTYPE)
+        out.start_block[reg], out.fragment[reg] = r["start"], _fragments(r["fragment"])
+        out.frag_offset[reg], out.size[reg] = r["offset"], r["size"]
+    if lreg.any():
+        r = v.records(q[lreg], LREG_DTYPE)
+        out.start_block[lreg] = r["start"].view(np.int64)  # past 2**63: negative, refused below
+        out.size[lreg] = r["size"].view(np.int64)
+        out.nlink[lreg], out.fragment[lreg], out.frag_offset[lreg] = r["nlink"], _fragments(r["fragment"]), r["offset"]
     files = reg | lreg
     size = out.size
     if (size[files] < 0).any() or (out.start_block[files] < 0).any():
@@ -122,29 +133,35 @@ def _files(v: ByteView, q: np.ndarray, out: Inodes, *, block_size: int, image: s
     nb = np.where(out.fragment >= 0, size // block_size, -(-size // block_size))
     nb[~files] = 0
     lists = q + np.where(out.itype == REG, 32, 56)
-    if (files & (lists + 4 * nb > v.n)).any():
-        i = int(np.argmax(files & (lists + 4 * nb > v.n)))
+    over = files & (lists + 4 * nb > v.n)
+    if over.any():
+        i = int(np.argmax(over))
         raise _damaged(image, f"{where(i)}: a file of {int(size[i])} bytes needs {int(nb[i])} block sizes, "
                               "past the table's end")
     out.block_ptr = segment_starts(nb)
+    if (nb == 1).all():  # one block each (most photos at 128 KiB blocks): a plain gather
+        out.block_words = v.records(lists, _WORD).astype(np.uint32)
+        return
     fnb = nb[files]
     first = segment_starts(fnb)[:-1]
     idx = np.repeat(lists[files] - 4 * first, fnb) + 4 * np.arange(int(fnb.sum()), dtype=np.int64)
-    out.block_words = v.u32(idx).astype(np.uint32)
+    out.block_words = v.records(idx, _WORD).astype(np.uint32)
+
+
+_WORD = np.dtype("<u4")
 
 
 def _dirs(v: ByteView, q: np.ndarray, out: Inodes, *, image: str, where: Callable[[int], str]) -> None:
     d, ld = out.itype == DIR, out.itype == LDIR
-    dq, lq = q[d], q[ld]
-    out.dir_block[d] = v.u32(dq + 16)
-    out.nlink[d] = v.u32(dq + 20)
-    out.listing[d] = v.u16(dq + 24) - 3
-    out.dir_offset[d] = v.u16(dq + 26)
-    out.listing[ld] = v.u32(lq + 20) - 3
-    out.dir_block[ld] = v.u32(lq + 24)
-    out.index_count[ld] = v.u16(lq + 32)
-    out.dir_offset[ld] = v.u16(lq + 34)
-    out.index_pos[ld] = lq + 40
+    if d.any():
+        r = v.records(q[d], DIR_DTYPE)
+        out.dir_block[d], out.nlink[d], out.dir_offset[d] = r["start"], r["nlink"], r["offset"]
+        out.listing[d] = r["size"].astype(np.int64) - 3
+    if ld.any():
+        r = v.records(q[ld], LDIR_DTYPE)
+        out.listing[ld] = r["size"].astype(np.int64) - 3
+        out.dir_block[ld], out.index_count[ld], out.dir_offset[ld] = r["start"], r["count"], r["offset"]
+        out.index_pos[ld] = q[ld] + 40
     bad = (d | ld) & (out.listing < 0)
     if bad.any():
         i = int(np.argmax(bad))

@@ -28,6 +28,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, fields
 
+import numpy as np
+
 MAGIC = 0x73717368  # b"hsqs" read as a little-endian u32
 SUPERBLOCK = struct.Struct("<IIIIIHHHHHHQQQQQQQQ")
 SUPERBLOCK_SIZE = SUPERBLOCK.size  # 96
@@ -84,6 +86,20 @@ DIR_HEADER = struct.Struct("<III")  # count - 1, start_block (inode table), base
 DIR_ENTRY = struct.Struct("<HhHH")  # offset (in inode block), inode number delta, type, name size - 1; then the name
 FRAGMENT_ENTRY = struct.Struct("<QII")  # start, size word, unused
 assert (REG_INODE.size, LREG_INODE.size, DIR_INODE.size, LDIR_INODE.size) == (32, 56, 32, 40)
+
+# The same layouts as numpy dtypes, for decoding many at once (stager.formats.squashfs.inodes).
+_COMMON = [("type", "<u2"), ("mode", "<u2"), ("uid", "<u2"), ("gid", "<u2"), ("mtime", "<u4"), ("number", "<u4")]
+HEAD_DTYPE = np.dtype([*_COMMON, ("nlink", "<u4")])  # nlink: every type but REG and DIR has it here
+REG_DTYPE = np.dtype([*_COMMON, ("start", "<u4"), ("fragment", "<u4"), ("offset", "<u4"), ("size", "<u4")])
+LREG_DTYPE = np.dtype([*_COMMON, ("start", "<u8"), ("size", "<u8"), ("sparse", "<u8"), ("nlink", "<u4"),
+                       ("fragment", "<u4"), ("offset", "<u4"), ("xattr", "<u4")])
+DIR_DTYPE = np.dtype([*_COMMON, ("start", "<u4"), ("nlink", "<u4"), ("size", "<u2"), ("offset", "<u2"),
+                      ("parent", "<u4")])
+LDIR_DTYPE = np.dtype([*_COMMON, ("nlink", "<u4"), ("size", "<u4"), ("start", "<u4"), ("parent", "<u4"),
+                       ("count", "<u2"), ("offset", "<u2"), ("xattr", "<u4")])
+ENTRY_DTYPE = np.dtype([("offset", "<u2"), ("delta", "<i2"), ("type", "<u2"), ("size", "<u2")])
+HEADER_DTYPE = np.dtype([("count", "<u4"), ("start", "<u4"), ("number", "<u4")])
+assert (REG_DTYPE.itemsize, LREG_DTYPE.itemsize, DIR_DTYPE.itemsize, LDIR_DTYPE.itemsize) == (32, 56, 32, 40)
 
 # Compressor ids (the superblock's ``compression``).
 GZIP, LZMA, LZO, XZ, LZ4, ZSTD = 1, 2, 3, 4, 5, 6

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from stager.errors import SourceError
+from stager.formats.squashfs.columns import PAD, ByteView
 from stager.formats.squashfs.compress import Compress, Decompress, DecompressError
 from stager.formats.squashfs.layout import META_SIZE_MASK, META_STORED, METADATA_SIZE
 
@@ -74,11 +75,14 @@ def decompress_blocks(payloads: Sequence[bytes | memoryview], stored: Sequence[b
             raise SourceError(f"{image}: damaged {what}: metadata block at byte {base + starts[i]}: {exc}; "
                               "the image is damaged: re-copy or re-make it") from exc
 
-    idx = range(len(payloads))
-    if len(payloads) > _PARALLEL_BLOCKS and (os.cpu_count() or 1) > 1:
-        with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
-            return list(pool.map(one, idx, chunksize=16))
-    return [one(i) for i in idx]
+    n, workers = len(payloads), min(8, os.cpu_count() or 1)
+    if n <= _PARALLEL_BLOCKS or workers == 1:
+        return [one(i) for i in range(n)]
+    # One task per contiguous share (a future per 8 KiB block would cost more than the block).
+    cuts = [n * k // (2 * workers) for k in range(2 * workers + 1)]
+    with ThreadPoolExecutor(workers) as pool:
+        shares = pool.map(lambda k: [one(i) for i in range(cuts[k], cuts[k + 1])], range(2 * workers))
+        return [b for share in shares for b in share]
 
 
 class MetaTable:
@@ -97,6 +101,11 @@ class MetaTable:
         self.image = image
         self.what = what
         self.array = np.frombuffer(data, dtype=np.uint8)
+        self.padded = np.concatenate([self.array, np.zeros(PAD, dtype=np.uint8)])
+
+    def view(self) -> ByteView:
+        """A :class:`ByteView` of the table's bytes."""
+        return ByteView(self.padded, len(self.array))
 
     def locate(self, block: int, offset: int) -> int:
         """The buffer offset of reference ``(block, offset)``."""

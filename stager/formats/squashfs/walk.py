@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from stager.errors import SourceError, UnsafeArchiveError
-from stager.formats.squashfs.columns import ByteView, ragged_gather, range_mask, segment_starts
+from stager.formats.squashfs.columns import ragged_gather, segment_starts
 from stager.formats.squashfs.dirtable import parse_listings
 from stager.formats.squashfs.inodes import Inodes, decode_inodes, dir_index
 from stager.formats.squashfs.layout import DATA_SIZE_MASK, DIR, LDIR, REG, split_ref
@@ -42,7 +42,7 @@ class _Level:
 def walk(inode_t: MetaTable, dir_t: MetaTable, root_ref: int, *, block_size: int, fragments: np.ndarray,
          data_end: int, image: str) -> ImageListing:
     """Every entry under the root; see :class:`ImageListing` for the order and columns."""
-    iv, dv = ByteView(inode_t.array), ByteView(dir_t.array)
+    iv, dv = inode_t.view(), dir_t.view()
     root_pos = np.asarray([inode_t.locate(*split_ref(root_ref))], dtype=np.int64)
     root = decode_inodes(iv, root_pos, np.asarray([DIR]), block_size=block_size, image=image, name_of=lambda i: "/")
     levels: list[_Level] = []
@@ -50,6 +50,7 @@ def walk(inode_t: MetaTable, dir_t: MetaTable, root_ref: int, *, block_size: int
     dir_entries = np.asarray([-1], dtype=np.int64)
     dir_inodes, dir_paths = root, [""]
     seen = {root_ref}
+    spans: list[np.ndarray] = []  # (start, size) of every listing: they may not overlap
     base = 0
     while len(dir_entries):
         sizes = dir_inodes.listing
@@ -61,22 +62,23 @@ def walk(inode_t: MetaTable, dir_t: MetaTable, root_ref: int, *, block_size: int
             i = int(np.argmax(over))
             raise SourceError(f"{image}: damaged directory table: the listing of {dir_paths[i] or '/'!r} runs past "
                               "the table's end; the image is damaged: re-copy or re-make it")
+        spans.append(np.stack([starts[has], sizes[has]], axis=1))
         cuts = [dir_index(iv, inode_t.data, int(dir_inodes.index_pos[i]), count=int(dir_inodes.index_count[i]),
                           image=image, name=dir_paths[i]) if dir_inodes.itype[i] == LDIR else []
                 for i in range(len(dir_entries))]
         parsed = parse_listings(dir_t.data, dv, np.arange(len(dir_entries), dtype=np.int64), starts=starts, sizes=sizes,
                                 cuts=cuts, image=image, names=[p or "/" for p in dir_paths])
         parent = dir_entries[parsed.dir]
-        _check_names(dir_t, parsed.name_pos, parsed.name_len, image=image, dir_paths=dir_paths, owner=parsed.dir)
-        values, pstarts = _paths(dir_t, parsed.name_pos, parsed.name_len, parsed.dir, dir_paths)
+        values, pstarts, name_at = _paths(dir_t.array, parsed.name_pos, parsed.name_len, parsed.dir, dir_paths)
+        _check_names(values, pstarts, name_at, len(levels), image=image, dir_paths=dir_paths, owner=parsed.dir)
         pos = inode_t.locate_many(parsed.ino_block, parsed.ino_offset)
         etype = np.where(parsed.type > 7, parsed.type - 7, parsed.type)
-        names = _LazyPaths(values, pstarts)
-        inodes = decode_inodes(iv, pos, etype, block_size=block_size, image=image, name_of=names.__getitem__)
+        paths = _LazyPaths(values, pstarts)
+        inodes = decode_inodes(iv, pos, etype, block_size=block_size, image=image, name_of=paths.__getitem__)
         bad = inodes.number != parsed.ino_number
         if bad.any():
             i = int(np.argmax(bad))
-            raise SourceError(f"{image}: damaged directory table: the entry {names[i]!r} says inode "
+            raise SourceError(f"{image}: damaged directory table: the entry {paths[i]!r} says inode "
                               f"{int(parsed.ino_number[i])}, its inode is {int(inodes.number[i])}; the image is "
                               "damaged: re-copy or re-make it")
         refs = (parsed.ino_block << 16) | parsed.ino_offset
@@ -85,14 +87,23 @@ def walk(inode_t: MetaTable, dir_t: MetaTable, root_ref: int, *, block_size: int
         for i in sub.tolist():
             r = int(refs[i])
             if r in seen:
-                raise SourceError(f"{image}: the directory {names[i]!r} is reached twice (a directory loop); the "
+                raise SourceError(f"{image}: the directory {paths[i]!r} is reached twice (a directory loop); the "
                                   "image is damaged or hostile: re-make it with mksquashfs")
             seen.add(r)
         dir_entries = base + sub
         dir_inodes = _take(inodes, sub)
-        dir_paths = [names[i] for i in sub.tolist()]
+        dir_paths = [paths[i] for i in sub.tolist()]
         base += len(parent)
+    _check_spans(np.concatenate(spans), image)
     return _assemble(levels, block_size, fragments, data_end, image)
+
+
+def _check_spans(spans: np.ndarray, image: str) -> None:
+    """Two directories whose listings overlap (the same entries under two names) are a damaged image."""
+    spans = spans[np.argsort(spans[:, 0], kind="stable")]
+    if (spans[1:, 0] < spans[:-1, 0] + spans[:-1, 1]).any():
+        raise SourceError(f"{image}: damaged directory table: two directories share listing entries; the image is "
+                          "damaged or hostile: re-make it with mksquashfs")
 
 
 class _LazyPaths:
@@ -114,47 +125,50 @@ def _take(ino: Inodes, idx: np.ndarray) -> Inodes:
                   **cols)
 
 
-def _check_names(dir_t: MetaTable, pos: np.ndarray, length: np.ndarray, *, image: str, dir_paths: list[str],
-                 owner: np.ndarray) -> None:
-    """Names must be path components: not ``.``/``..``, no ``/``, NUL or control characters."""
-    arr = dir_t.array
-    one = (length == 1) & (arr[pos] == 0x2E)
-    two = (length == 2) & (arr[pos] == 0x2E) & (arr[np.minimum(pos + 1, len(arr) - 1)] == 0x2E)
-    bad_entry = one | two
-    if len(pos):
-        mask = range_mask(len(arr), pos, length)
-        hits = np.flatnonzero(mask & ((arr < 0x20) | (arr == 0x2F) | (arr == 0x7F)))
-        if len(hits):
-            bad_entry[np.searchsorted(pos, hits, side="right") - 1] = True
+def _check_names(values: np.ndarray, starts: np.ndarray, name_at: np.ndarray, depth: int, *, image: str,
+                 dir_paths: list[str], owner: np.ndarray) -> None:
+    """One level's paths (``values``, entry ``i`` at ``starts[i]:starts[i + 1]``, its name from
+    ``name_at[i]``, ``depth`` slashes before it) must end in a path component: not ``.``/``..``, no
+    ``/``, NUL or control characters (the prefixes are names already checked)."""
+    n = len(starts) - 1
+    length = starts[1:] - name_at
+    last = max(len(values) - 1, 0)
+    first = values[np.minimum(name_at, last)] if len(values) else np.zeros(n, np.uint8)
+    second = values[np.minimum(name_at + 1, last)] if len(values) else first
+    bad_entry = (first == 0x2E) & ((length == 1) | ((length == 2) & (second == 0x2E)))
+    hits = np.flatnonzero((values < 0x20) | (values == 0x7F))
+    if len(hits):
+        bad_entry[np.searchsorted(starts, hits, side="right") - 1] = True
+    slashes = np.flatnonzero(values == 0x2F)
+    if len(slashes) != n * depth:  # a '/' inside a name
+        per = np.bincount(np.searchsorted(starts, slashes, side="right") - 1, minlength=n)
+        bad_entry |= per != depth
     if bad_entry.any():
         i = int(np.argmax(bad_entry))
-        raw = arr[int(pos[i]) : int(pos[i] + length[i])].tobytes()
+        raw = values[int(name_at[i]) : int(starts[i + 1])].tobytes()
         where = dir_paths[int(owner[i])] or "/"
         raise UnsafeArchiveError(f"{image}: the directory {where!r} holds an entry named {raw!r}, which is not a "
                                  "file name (., .., or a name with '/', NUL or control characters); stager reads "
                                  "no such image: re-make it from a tree of plain names")
 
 
-def _paths(dir_t: MetaTable, pos: np.ndarray, length: np.ndarray, owner: np.ndarray,
-           dir_paths: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """UTF-8 path bytes of one level's entries: each parent's path and ``/`` (none at the top), then
-    the name. Entries of one directory are consecutive (listing order), so prefixes are tiled per run."""
+def _paths(table: np.ndarray, pos: np.ndarray, length: np.ndarray, owner: np.ndarray,
+           dir_paths: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """UTF-8 path bytes of one level's entries, whose names are ``length`` bytes at ``pos`` in the
+    directory table: each parent's path and ``/`` (none at the top), then the name, gathered in one
+    pass. Returns ``(values, starts (n + 1,), where each name starts in values)``."""
+    if not any(dir_paths):
+        starts = segment_starts(length)
+        return ragged_gather(table, pos, length), starts, starts[:-1]
     prefixes = [(p + "/").encode("utf-8", "surrogateescape") if p else b"" for p in dir_paths]
     plen = np.fromiter((len(b) for b in prefixes), dtype=np.int64, count=len(prefixes))
-    lengths = plen[owner] + length
-    starts = segment_starts(lengths)
-    values = np.empty(int(starts[-1]), dtype=np.uint8)
-    if len(pos) == 0:
-        return values, starts
-    name_mask = range_mask(len(values), starts[:-1] + plen[owner], length)
-    values[name_mask] = ragged_gather(dir_t.array, pos, length)
-    if plen.any():
-        run_ends = np.flatnonzero(np.diff(owner)) + 1
-        run_starts = np.concatenate([[0], run_ends])
-        counts = np.diff(np.concatenate([run_starts, [len(owner)]]))
-        values[~name_mask] = np.frombuffer(b"".join(prefixes[int(owner[s])] * int(c)
-                                                    for s, c in zip(run_starts, counts, strict=True)), dtype=np.uint8)
-    return values, starts
+    poff = segment_starts(plen)[:-1] + len(table)
+    source = np.concatenate([table, np.frombuffer(b"".join(prefixes), dtype=np.uint8)])
+    # Two ranges per entry, the parent's prefix then the name.
+    range_starts = np.stack([poff[owner], pos], axis=1).reshape(-1)
+    range_lens = np.stack([plen[owner], length], axis=1).reshape(-1)
+    starts = segment_starts(plen[owner] + length)
+    return ragged_gather(source, range_starts, range_lens), starts, starts[:-1] + plen[owner]
 
 
 def _assemble(levels: list[_Level], block_size: int, fragments: np.ndarray, data_end: int,
@@ -165,10 +179,6 @@ def _assemble(levels: list[_Level], block_size: int, fragments: np.ndarray, data
         parts = [get(lv) for lv in levels]  # type: ignore[operator]
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
-    name_pos = cat(lambda lv: lv.name_pos)
-    if len(np.unique(name_pos)) != len(name_pos):
-        raise SourceError(f"{image}: damaged directory table: two directories share one listing; the image is "
-                          "damaged or hostile: re-make it with mksquashfs")
     parent = cat(lambda lv: lv.parent)
     n = len(parent)
     top = np.arange(n, dtype=np.int64)
