@@ -102,8 +102,9 @@ class Tree:
         self.root = Dir()
         self.dirs = 1
 
-    def add(self, relpath: str, fid: int, image: str) -> None:
-        parts = relpath.split("/")
+    def add(self, parts: list[str], fid: int, image: str) -> None:
+        """Place file ``fid`` at the path of components ``parts`` (checked by the caller)."""
+        relpath = "/".join(parts)
         node = self.root
         for k, part in enumerate(parts[:-1]):
             key = part.encode("utf-8", "surrogateescape")
@@ -144,12 +145,11 @@ class _Emitter:
         self.total = total_inodes
         self.next_number = 1
 
-    def file_inode(self, fid: int) -> bytes:
+    def file_inode(self, fid: int, num: int) -> bytes:
         f = self.files
         start, size, frag = f.start[fid], f.size[fid], f.fragment[fid]
         words = f.words[f.ptr[fid] : f.ptr[fid] + f.nb[fid]]
         fr = NO_FRAGMENT if frag < 0 else frag
-        num = self.next_number
         if start < 1 << 32 and size < 1 << 32 and f.sparse[fid] == 0:
             head = REG_INODE.pack(REG, FILE_MODE, 0, 0, FIXED_MTIME, num, start, fr, f.frag_offset[fid], size)
         else:
@@ -159,37 +159,30 @@ class _Emitter:
 
     def directory(self, d: Dir, parent_number: int) -> tuple[int, int]:
         """Write ``d`` (subtree first); return ``(its inode number, its inode reference)``."""
-        names = sorted(d.children)
-        entries: list[tuple[bytes, int, int, int]] = []  # name, basic type, inode number, reference
-        subdirs = 0
+        items = sorted(d.children.items(), key=lambda kv: kv[0])
+        subdirs = [(n, c) for n, c in items if isinstance(c, Dir)]
+        files = [(n, c) for n, c in items if not isinstance(c, Dir)] if subdirs else items
         # Subdirectories first: they need d's number as their parent, known only after d's files are
-        # numbered; number d's files and d itself by counting the subtree sizes ahead of time.
+        # numbered; every subtree's size is known (Dir.inodes), so d's number is too.
         number_of_d = self.next_number + d.inodes - 1
-        for n in names:
-            c = d.children[n]
-            if isinstance(c, Dir):
-                num, ref = self.directory(c, number_of_d)
-                entries.append((n, DIR, num, ref))
-                subdirs += 1
+        entries: list[tuple[bytes, int, int, int]] = []  # name, basic type, inode number, reference
+        for n, c in subdirs:
+            num, ref = self.directory(c, number_of_d)  # type: ignore[arg-type]
+            entries.append((n, DIR, num, ref))
+        first = self.next_number
+        chunks = [self.file_inode(fid, first + k) for k, (_n, fid) in enumerate(files)]  # type: ignore[arg-type]
+        self.next_number += len(files)
         pos = self.inodes.written
-        placed: list[tuple[bytes, int, int]] = []  # name, inode number, table position
-        chunks = []
-        for n in names:
-            c = d.children[n]
-            if not isinstance(c, Dir):
-                b = self.file_inode(c)
-                placed.append((n, self.next_number, pos))
-                self.next_number += 1
-                chunks.append(b)
-                pos += len(b)
         self.inodes.write(b"".join(chunks))  # the blocks before each position are final now
-        for n, num, p in placed:
-            ref = inode_ref(*self.inodes.ref(p))
+        for k, ((n, _fid), chunk) in enumerate(zip(files, chunks, strict=True)):
+            ref = inode_ref(*self.inodes.ref(pos))
+            pos += len(chunk)
             self.refs.append(ref)
-            entries.append((n, REG, num, ref))
-        entries.sort(key=lambda e: e[0])
+            entries.append((n, REG, first + k, ref))
+        if subdirs:
+            entries.sort(key=lambda e: e[0])
         assert self.next_number == number_of_d
-        return number_of_d, self._dir_inode(entries, subdirs, parent_number)
+        return number_of_d, self._dir_inode(entries, len(subdirs), parent_number)
 
     def _dir_inode(self, entries: list[tuple[bytes, int, int, int]], subdirs: int, parent: int) -> int:
         start_pos = self.dirs.written

@@ -19,7 +19,7 @@ fragment block, as mksquashfs does by default.
 from __future__ import annotations
 
 import os
-import posixpath
+import re
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -85,16 +85,20 @@ class _Job:
     nbytes: int
 
 
-def _check_relpath(relpath: str) -> str:
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _check_relpath(relpath: str) -> list[str]:
+    """The components of ``relpath``, checked: plain names of at most 255 bytes, no control characters."""
     if not isinstance(relpath, str) or not relpath:
         raise UsageError(f"a path in a SquashFS image must be a non-empty str, got {relpath!r}")
     parts = relpath.split("/")
-    for part in parts:
-        raw = part.encode("utf-8", "surrogateescape")
-        if part in ("", ".", "..") or any(c < 0x20 or c == 0x7F for c in raw) or len(raw) > MAX_NAME - 1:
-            raise UsageError(f"{relpath!r} is not a relative path of plain names (no empty, '.' or '..' parts, no "
-                             "control characters, at most 255 bytes a name)")
-    return relpath
+    if ("" in parts or "." in parts or ".." in parts or _CONTROL.search(relpath) is not None
+            or (max(map(len, parts)) > 63  # 63 characters are at most 252 bytes: encode only longer names
+                and max(len(p.encode("utf-8", "surrogateescape")) for p in parts) > MAX_NAME - 1)):
+        raise UsageError(f"{relpath!r} is not a relative path of plain names (no empty, '.' or '..' parts, no "
+                         "control characters, at most 255 bytes a name)")
+    return parts
 
 
 class SquashWriter:
@@ -157,11 +161,12 @@ class SquashWriter:
         """Add a regular file at ``relpath`` (``/``-separated, relative, parents created)."""
         if self._closed:
             raise UsageError(f"{self.name}: add_file after close")
-        _check_relpath(relpath)
+        parts = _check_relpath(relpath)
         view = memoryview(data).cast("B")
         fid = self.files.add(len(view))
-        self.tree.add(relpath, fid, self.name)
-        ext = posixpath.splitext(relpath)[1][1:].lower()
+        self.tree.add(parts, fid, self.name)
+        dot = parts[-1].rfind(".")
+        ext = parts[-1][dot + 1 :].lower() if dot > 0 else ""
         if self._none or (self._precompressed and ext in PRECOMPRESSED):
             return AddedFile(fid, len(view), self._store(fid, view))
         self._add_compressed(fid, view)
