@@ -167,7 +167,7 @@ class _Emitter:
         number_of_d = self.next_number + d.inodes - 1
         entries: list[tuple[bytes, int, int, int]] = []  # name, basic type, inode number, reference
         for n, c in subdirs:
-            num, ref = self.directory(c, number_of_d)  # type: ignore[arg-type]
+            num, ref = self.directory(c, number_of_d)
             entries.append((n, DIR, num, ref))
         first = self.next_number
         chunks = [self.file_inode(fid, first + k) for k, (_n, fid) in enumerate(files)]  # type: ignore[arg-type]
