@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from stager.errors import SourceError
-from stager.formats.squashfs.columns import ByteView
+from stager.formats.squashfs.columns import ByteView, segment_starts
 from stager.formats.squashfs.layout import DIR_COUNT, DIR_ENTRY, DIR_HEADER, ENTRY_DTYPE, HEADER_DTYPE, MAX_NAME
 
 _FEW = 24  # below this many live chains, a Python loop beats a numpy step
@@ -91,10 +91,13 @@ def parse_listings(table: bytes, view: ByteView, dirs: np.ndarray, *, starts: np
     recs, failed = _lockstep(table, view, np.asarray(chain_start, dtype=np.int64),
                              np.asarray(chain_end, dtype=np.int64))
     bad_dirs = sorted({int(cd[c]) for c in failed})
-    if bad_dirs:
-        bad_chains = np.isin(cd[recs["chain"]], bad_dirs)
-        recs = {k: v[~bad_chains] for k, v in recs.items()}
-    parts = [_from_records(recs, cd, dirs)]
+    if bad_dirs:  # drop what the lockstep read of them; read them again whole
+        keep = ~np.isin(cd[recs["chain"]], bad_dirs)
+        recs = {k: v[keep] for k, v in recs.items()}
+    out = _from_records(recs, cd, dirs)
+    if not bad_dirs:
+        return out  # already in listing order: directory by directory, each in its order
+    parts = [out]
     for i in bad_dirs:  # again from the listing's start, ignoring the index
         s, n = int(starts[i]), int(sizes[i])
         try:
@@ -106,7 +109,7 @@ def parse_listings(table: bytes, view: ByteView, dirs: np.ndarray, *, starts: np
         cols["chain"] = np.zeros(len(cols["pos"]), dtype=np.int64)
         parts.append(_from_records(cols, np.full(1, i, dtype=np.int64), dirs))
     out = Parsed.concat(parts)
-    order = np.argsort(out.name_pos, kind="stable")  # listing order (directories never overlap in the table)
+    order = np.argsort(out.dir, kind="stable")  # back to the order of the directories given
     return Parsed(*(getattr(out, f)[order] for f in ("dir", "name_pos", "name_len", "ino_block", "ino_offset",
                                                       "ino_number", "type")))
 
@@ -123,8 +126,11 @@ def _lockstep(table: bytes, v: ByteView, starts: np.ndarray,
     z = np.zeros(n, dtype=np.int64)
     live = _Chains(np.arange(n, dtype=np.int64), starts.copy(), ends.copy(), z.copy(), z.copy(), z.copy())
     out: dict[str, list[np.ndarray]] = {k: [] for k in ("chain", "pos", "len", "blk", "off", "ino", "type")}
+    first_index: list[int] = []  # per part of out: the index of its first record within its chain
+    loops: list[bool] = []  # per part: a plain-loop rest of one chain (else one lockstep step)
     failed: set[int] = set()
     last = v.n - 8  # the last position an 8-byte read may start at
+    step = 0
     while len(live.chain) >= _FEW:
         h = live.rem == 0
         bad = np.zeros(len(live.chain), dtype=bool)
@@ -162,6 +168,9 @@ def _lockstep(table: bytes, v: ByteView, starts: np.ndarray,
             out["off"].append(e["offset"][ok])
             out["ino"].append((live.hino + e["delta"])[ok])
             out["type"].append(e["type"][ok])
+        first_index.append(step)  # a live chain reads one record a step, from step 0
+        loops.append(False)
+        step += 1
         live.pos = nxt
         live.rem = live.rem - 1
         at_end = live.pos == live.end
@@ -178,8 +187,36 @@ def _lockstep(table: bytes, v: ByteView, starts: np.ndarray,
         out["chain"].append(np.full(len(r["pos"]), live.chain[i], dtype=np.int64))
         for k in ("pos", "len", "blk", "off", "ino", "type"):
             out[k].append(np.asarray(r[k], dtype=np.int64))
-    return {k: (np.concatenate(a).astype(np.int64, copy=False) if a else np.zeros(0, dtype=np.int64))
-            for k, a in out.items()}, failed
+        first_index.append(step)
+        loops.append(True)
+    return _chain_order(out, first_index, loops, n, failed), failed
+
+
+def _chain_order(out: dict[str, list[np.ndarray]], first_index: list[int], loops: list[bool], n: int,
+                 failed: set[int]) -> dict[str, np.ndarray]:
+    """The records of the lockstep parts (a part: one step's records, or a chain's plain-loop rest)
+    scattered into chain order, each chain's records in reading order: record ``k`` of a part of
+    chain ``c`` goes to ``offs[c] + first_index + k``. One copy, no sort."""
+    counts = np.zeros(n, dtype=np.int64)
+    for chain, loop in zip(out["chain"], loops, strict=True):
+        if loop:
+            counts[chain[:1]] += len(chain)
+        else:
+            counts[chain] += 1  # a step: each chain once
+    dead = np.zeros(n, dtype=bool)
+    dead[list(failed)] = True
+    counts[dead] = 0
+    offs = segment_starts(counts)
+    cols = {k: np.empty(int(offs[-1]), dtype=np.int64) for k in out}
+    for j, chain in enumerate(out["chain"]):
+        if not len(chain):
+            continue
+        dest = (offs[chain[0]] + first_index[j] + np.arange(len(chain)) if loops[j]
+                else offs[chain] + first_index[j])
+        keep = ~dead[chain] if failed else slice(None)
+        for k in out:
+            cols[k][dest[keep]] = out[k][j][keep]
+    return cols
 
 
 def _walk_py(data: bytes, pos: int, end: int, *, rem: int = 0, hblk: int = 0, hino: int = 0) -> dict[str, list[int]]:

@@ -90,9 +90,12 @@ def decode_inodes(v: ByteView, pos: np.ndarray, entry_types: np.ndarray, *, bloc
         raise _damaged(image, f"{where(i)}: its directory entry says type {int(entry_types[i])}, the inode "
                               f"{int(itype[i])}")
     z = np.zeros(n, dtype=np.int64)
+    # Directory columns only where there are directories (a level of a million files has none).
+    nd = n if ((itype == DIR) | (itype == LDIR)).any() else 0
+    zd = np.zeros(nd, dtype=np.int64)
     out = Inodes(itype, head["mode"].astype(np.int64), head["number"].astype(np.int64), np.ones(n, dtype=np.int64),
-                 z.copy(), z.copy(), np.full(n, -1, dtype=np.int64), z.copy(), np.zeros(n + 1, dtype=np.int64),
-                 np.zeros(0, dtype=np.uint32), z.copy(), z.copy(), z.copy(), z.copy(), z.copy())
+                 z.copy(), z, np.full(n, -1, dtype=np.int64), z.copy(), np.zeros(n + 1, dtype=np.int64),
+                 np.zeros(0, dtype=np.uint32), zd.copy(), zd.copy(), zd.copy(), zd.copy(), zd.copy())
     need = np.where(itype == REG, 32, np.where(itype == LREG, 56, np.where(itype == LDIR, 40,
                     np.where(itype == DIR, 32, 20))))
     if (q + need > v.n).any():
@@ -162,6 +165,8 @@ def _dirs(v: ByteView, q: np.ndarray, out: Inodes, *, image: str, where: Callabl
         out.listing[ld] = r["size"].astype(np.int64) - 3
         out.dir_block[ld], out.index_count[ld], out.dir_offset[ld] = r["start"], r["count"], r["offset"]
         out.index_pos[ld] = q[ld] + 40
+    if not (d.any() or ld.any()):
+        return
     bad = (d | ld) & (out.listing < 0)
     if bad.any():
         i = int(np.argmax(bad))

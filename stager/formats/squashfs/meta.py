@@ -63,49 +63,64 @@ def _split_blocks(raw: bytes, image: str, what: str,
 
 
 def decompress_blocks(payloads: Sequence[bytes | memoryview], stored: Sequence[bool], decompress: Decompress, *,
-                      image: str, what: str, starts: Sequence[int], base: int) -> list[bytes]:
-    """Each metadata block's uncompressed bytes (at most 8 KiB each)."""
+                      image: str, what: str, starts: Sequence[int], base: int) -> tuple[bytearray, list[int]]:
+    """The metadata blocks' uncompressed bytes back to back in one buffer (at most 8 KiB a block, then
+    :data:`PAD` zero bytes), and each block's uncompressed length."""
+    n = len(payloads)
+    out = bytearray(n * METADATA_SIZE + PAD)
+    sizes = [0] * n
 
-    def one(i: int) -> bytes:
+    def one(i: int) -> None:
         if stored[i]:
-            return bytes(payloads[i])
-        try:
-            return decompress(bytes(payloads[i]), METADATA_SIZE)
-        except DecompressError as exc:
-            raise SourceError(f"{image}: damaged {what}: metadata block at byte {base + starts[i]}: {exc}; "
-                              "the image is damaged: re-copy or re-make it") from exc
+            data: bytes | memoryview = payloads[i]
+        else:
+            try:
+                data = decompress(bytes(payloads[i]), METADATA_SIZE)
+            except DecompressError as exc:
+                raise SourceError(f"{image}: damaged {what}: metadata block at byte {base + starts[i]}: {exc}; "
+                                  "the image is damaged: re-copy or re-make it") from exc
+        sizes[i] = len(data)
+        out[i * METADATA_SIZE : i * METADATA_SIZE + len(data)] = data
 
-    n, workers = len(payloads), min(8, os.cpu_count() or 1)
+    workers = min(8, os.cpu_count() or 1)
     if n <= _PARALLEL_BLOCKS or workers == 1:
-        return [one(i) for i in range(n)]
-    # One task per contiguous share (a future per 8 KiB block would cost more than the block).
-    cuts = [n * k // (2 * workers) for k in range(2 * workers + 1)]
-    with ThreadPoolExecutor(workers) as pool:
-        shares = pool.map(lambda k: [one(i) for i in range(cuts[k], cuts[k + 1])], range(2 * workers))
-        return [b for share in shares for b in share]
+        for i in range(n):
+            one(i)
+    else:  # one task per contiguous share (a future per 8 KiB block would cost more than the block)
+        cuts = [n * k // (2 * workers) for k in range(2 * workers + 1)]
+        with ThreadPoolExecutor(workers) as pool:
+            list(pool.map(lambda k: [one(i) for i in range(cuts[k], cuts[k + 1])], range(2 * workers)))
+    # Every block but the last is full (checked by the caller), so the buffer is already contiguous;
+    # trim the unused tail of the last block's slot, keeping the padding.
+    if n:
+        del out[(n - 1) * METADATA_SIZE + sizes[-1] : n * METADATA_SIZE]
+    return out, sizes
 
 
 class MetaTable:
     """A metadata table decompressed into one buffer.
 
-    ``data``: the concatenated uncompressed blocks (bytes); ``disk``: int64 block starts relative to
-    the table's start on disk, shape ``(blocks,)``; ``mem``: int64 offsets of the same blocks in
+    ``data``: the concatenated uncompressed blocks (a bytearray of ``size`` bytes, then :data:`PAD`
+    zero bytes); ``array``: the ``size`` bytes as uint8; ``disk``: int64 block starts relative to the
+    table's start on disk, shape ``(blocks,)``; ``mem``: int64 offsets of the same blocks in
     ``data``. Every block but the last holds exactly 8 KiB (checked), which is what lets a structure
     run across a block boundary.
     """
 
-    def __init__(self, data: bytes, disk: np.ndarray, mem: np.ndarray, image: str, what: str) -> None:
+    def __init__(self, data: bytearray, size: int, disk: np.ndarray, mem: np.ndarray, image: str,
+                 what: str) -> None:
         self.data = data
+        self.size = size
         self.disk = disk
         self.mem = mem
         self.image = image
         self.what = what
-        self.array = np.frombuffer(data, dtype=np.uint8)
-        self.padded = np.concatenate([self.array, np.zeros(PAD, dtype=np.uint8)])
+        self.padded = np.frombuffer(data, dtype=np.uint8)
+        self.array = self.padded[:size]
 
     def view(self) -> ByteView:
         """A :class:`ByteView` of the table's bytes."""
-        return ByteView(self.padded, len(self.array))
+        return ByteView(self.padded, self.size)
 
     def locate(self, block: int, offset: int) -> int:
         """The buffer offset of reference ``(block, offset)``."""
@@ -114,7 +129,7 @@ class MetaTable:
             raise SourceError(f"{self.image}: damaged {self.what}: a reference to block {block} offset {offset} "
                               "points at no metadata block; the image is damaged: re-copy or re-make it")
         pos = int(self.mem[k]) + offset
-        if pos >= len(self.data):
+        if pos >= self.size:
             raise SourceError(f"{self.image}: damaged {self.what}: reference ({block}, {offset}) is past the "
                               "table's end; the image is damaged: re-copy or re-make it")
         return pos
@@ -129,7 +144,7 @@ class MetaTable:
         kc = np.minimum(k, len(self.disk) - 1)
         bad = (k >= len(self.disk)) | (self.disk[kc] != blocks) | (offsets >= METADATA_SIZE)
         pos = self.mem[kc] + offsets
-        bad |= pos >= len(self.data)
+        bad |= pos >= self.size
         if bad.any():
             i = int(np.argmax(bad))
             self.locate(int(blocks[i]), int(offsets[i]))  # raises the one-line error
@@ -143,8 +158,9 @@ def read_table(fd: int, start: int, end: int, *, decompress: Decompress, image: 
                           f"({start} > {end}); the image is damaged: re-copy or re-make it")
     raw = pread_exact(fd, end - start, start, image, what)
     starts, payloads, stored = _split_blocks(raw, image, what, start)
-    blocks = decompress_blocks(payloads, stored, decompress, image=image, what=what, starts=starts, base=start)
-    sizes = np.fromiter((len(b) for b in blocks), dtype=np.int64, count=len(blocks))
+    data, block_sizes = decompress_blocks(payloads, stored, decompress, image=image, what=what, starts=starts,
+                                          base=start)
+    sizes = np.asarray(block_sizes, dtype=np.int64)
     if len(sizes) > 1 and (sizes[:-1] != METADATA_SIZE).any():
         i = int(np.argmax(sizes[:-1] != METADATA_SIZE))
         raise SourceError(f"{image}: damaged {what}: metadata block at byte {start + starts[i]} holds "
@@ -152,7 +168,7 @@ def read_table(fd: int, start: int, end: int, *, decompress: Decompress, image: 
     mem = np.zeros(len(sizes), dtype=np.int64)
     if len(sizes) > 1:
         np.cumsum(sizes[:-1], out=mem[1:])
-    return MetaTable(b"".join(blocks), np.asarray(starts, dtype=np.int64), mem, image, what)
+    return MetaTable(data, int(sizes.sum()), np.asarray(starts, dtype=np.int64), mem, image, what)
 
 
 def read_index(fd: int, index_start: int, nbytes: int, *, next_table: int, image: str, what: str) -> np.ndarray:
@@ -183,7 +199,11 @@ def read_indexed(fd: int, index: np.ndarray, index_start: int, *, nbytes: int, d
     if [first + s for s in starts] != index.tolist():
         raise SourceError(f"{image}: damaged {what}: its index does not match its metadata blocks; the image is "
                           "damaged: re-copy or re-make it")
-    data = b"".join(decompress_blocks(payloads, stored, decompress, image=image, what=what, starts=starts, base=first))
+    buf, sizes = decompress_blocks(payloads, stored, decompress, image=image, what=what, starts=starts, base=first)
+    if len(sizes) > 1 and min(sizes[:-1]) != METADATA_SIZE:
+        raise SourceError(f"{image}: damaged {what}: a metadata block before the last holds less than "
+                          f"{METADATA_SIZE} bytes; the image is damaged: re-copy or re-make it")
+    data = bytes(buf[: sum(sizes)])
     if len(data) < nbytes:
         raise SourceError(f"{image}: damaged {what}: {len(data)} bytes of records, {nbytes} expected; the image "
                           "is damaged: re-copy or re-make it")

@@ -12,8 +12,6 @@ listings outside the image.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from stager.errors import SourceError, UnsafeArchiveError
@@ -26,17 +24,13 @@ from stager.formats.squashfs.meta import MetaTable
 from stager.manifest.table import Ragged, Strings
 
 
-@dataclass
-class _Level:
-    """One level's entries (int64 columns), their inodes, and their path bytes (Ragged)."""
-
-    parent: np.ndarray
-    name_pos: np.ndarray
-    name_len: np.ndarray
-    ino_ref: np.ndarray
-    inodes: Inodes
-    path_values: np.ndarray
-    path_starts: np.ndarray
+def _level(parent: np.ndarray, refs: np.ndarray, ino: Inodes, values: np.ndarray,
+           starts: np.ndarray) -> dict[str, np.ndarray]:
+    """The columns of one level that the listing keeps (the level's other arrays can go)."""
+    return {"parent": parent, "kind": np.where(ino.itype > 7, ino.itype - 7, ino.itype), "size": ino.size,
+            "mode": ino.mode, "nlink": ino.nlink, "number": ino.number, "ref": refs, "start": ino.start_block,
+            "fragment": ino.fragment, "frag_offset": ino.frag_offset, "nb": np.diff(ino.block_ptr),
+            "words": ino.block_words, "path_values": values, "path_lens": np.diff(starts)}
 
 
 def walk(inode_t: MetaTable, dir_t: MetaTable, root_ref: int, *, block_size: int, fragments: np.ndarray,
@@ -45,7 +39,7 @@ def walk(inode_t: MetaTable, dir_t: MetaTable, root_ref: int, *, block_size: int
     iv, dv = inode_t.view(), dir_t.view()
     root_pos = np.asarray([inode_t.locate(*split_ref(root_ref))], dtype=np.int64)
     root = decode_inodes(iv, root_pos, np.asarray([DIR]), block_size=block_size, image=image, name_of=lambda i: "/")
-    levels: list[_Level] = []
+    levels: list[dict[str, np.ndarray]] = []
     # The directories of the level being listed: entry index (-1: root), their inodes, path strings.
     dir_entries = np.asarray([-1], dtype=np.int64)
     dir_inodes, dir_paths = root, [""]
@@ -57,7 +51,7 @@ def walk(inode_t: MetaTable, dir_t: MetaTable, root_ref: int, *, block_size: int
         starts = np.zeros(len(sizes), dtype=np.int64)
         has = sizes > 0  # an empty directory may point past the table's end (an empty table)
         starts[has] = dir_t.locate_many(dir_inodes.dir_block[has], dir_inodes.dir_offset[has])
-        over = starts + sizes > len(dir_t.data)
+        over = starts + sizes > dir_t.size
         if over.any():
             i = int(np.argmax(over))
             raise SourceError(f"{image}: damaged directory table: the listing of {dir_paths[i] or '/'!r} runs past "
@@ -82,7 +76,7 @@ def walk(inode_t: MetaTable, dir_t: MetaTable, root_ref: int, *, block_size: int
                               f"{int(parsed.ino_number[i])}, its inode is {int(inodes.number[i])}; the image is "
                               "damaged: re-copy or re-make it")
         refs = (parsed.ino_block << 16) | parsed.ino_offset
-        levels.append(_Level(parent, parsed.name_pos, parsed.name_len, refs, inodes, values, pstarts))
+        levels.append(_level(parent, refs, inodes, values, pstarts))
         sub = np.flatnonzero(etype == DIR)
         for i in sub.tolist():
             r = int(refs[i])
@@ -171,37 +165,27 @@ def _paths(table: np.ndarray, pos: np.ndarray, length: np.ndarray, owner: np.nda
     return ragged_gather(source, range_starts, range_lens), starts, starts[:-1] + plen[owner]
 
 
-def _assemble(levels: list[_Level], block_size: int, fragments: np.ndarray, data_end: int,
+def _assemble(levels: list[dict[str, np.ndarray]], block_size: int, fragments: np.ndarray, data_end: int,
               image: str) -> ImageListing:
     """All levels as one :class:`ImageListing`, checked against the data area and fragment table."""
 
-    def cat(get: object) -> np.ndarray:
-        parts = [get(lv) for lv in levels]  # type: ignore[operator]
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    def cat(name: str) -> np.ndarray:
+        """One column over all levels; each level's part is dropped once copied (peak memory)."""
+        parts = [lv.pop(name) for lv in levels]
+        parts = [p for p in parts if len(p)] or parts[:1]
+        if not parts:
+            return np.zeros(0, dtype=np.uint8 if name == "path_values" else np.int64)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
-    parent = cat(lambda lv: lv.parent)
-    n = len(parent)
-    top = np.arange(n, dtype=np.int64)
+    parent = cat("parent")
+    top = np.arange(len(parent), dtype=np.int64)
     at_top = parent < 0
     for _ in range(len(levels)):  # parents come before children, one level per pass
         top = np.where(at_top, top, top[np.maximum(parent, 0)])
-    ino = [lv.inodes for lv in levels]
-    kind = cat(lambda lv: np.where(lv.inodes.itype > 7, lv.inodes.itype - 7, lv.inodes.itype))
-    size = np.concatenate([i.size for i in ino]) if ino else np.zeros(0, dtype=np.int64)
-    nb = np.concatenate([np.diff(i.block_ptr) for i in ino]) if ino else np.zeros(0, dtype=np.int64)
-    words = np.concatenate([i.block_words for i in ino]) if ino else np.zeros(0, dtype=np.uint32)
-    start = cat(lambda lv: lv.inodes.start_block)
-    fragment = cat(lambda lv: lv.inodes.fragment)
-    frag_offset = cat(lambda lv: lv.inodes.frag_offset)
-    values = np.concatenate([lv.path_values for lv in levels]) if levels else np.zeros(0, dtype=np.uint8)
-    pstarts = segment_starts(np.concatenate([np.diff(lv.path_starts) for lv in levels]) if levels
-                             else np.zeros(0, dtype=np.int64))
-    paths = Strings(Ragged(values, pstarts))
-    block_ptr = segment_starts(nb)
-    lst = ImageListing(paths, kind, parent, top, size, cat(lambda lv: lv.inodes.mode),
-                       cat(lambda lv: lv.inodes.nlink), cat(lambda lv: lv.inodes.number), cat(lambda lv: lv.ino_ref),
-                       start, block_ptr, words, fragment, frag_offset, np.zeros(0, dtype=np.int64), fragments,
-                       block_size)
+    paths = Strings(Ragged(cat("path_values"), segment_starts(cat("path_lens"))))
+    lst = ImageListing(paths, cat("kind"), parent, top, cat("size"), cat("mode"), cat("nlink"), cat("number"),
+                       cat("ref"), cat("start"), segment_starts(cat("nb")), cat("words").astype(np.uint32, copy=False),
+                       cat("fragment"), cat("frag_offset"), np.zeros(0, dtype=np.int64), fragments, block_size)
     _check_data(lst, data_end, image)
     lst.raw_offset = raw_offsets(lst)
     return lst
