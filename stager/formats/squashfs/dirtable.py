@@ -72,7 +72,7 @@ class _Chains:
                        self.hino[mask])
 
 
-def parse_listings(table: bytes, view: ByteView, dirs: np.ndarray, *, starts: np.ndarray, sizes: np.ndarray,
+def parse_listings(table: bytes | bytearray, view: ByteView, dirs: np.ndarray, *, starts: np.ndarray, sizes: np.ndarray,
                    cuts: list[list[int]], image: str, names: list[str]) -> Parsed:
     """The entries of directories ``dirs`` (ids, int64) whose listings are ``sizes`` bytes at buffer
     offsets ``starts``; ``cuts[i]`` are listing offsets of headers from directory ``i``'s index
@@ -119,7 +119,7 @@ def _from_records(recs: dict[str, np.ndarray], chain_dir: np.ndarray, dirs: np.n
                    recs["pos"], recs["len"], recs["blk"], recs["off"], recs["ino"], recs["type"])
 
 
-def _lockstep(table: bytes, v: ByteView, starts: np.ndarray,
+def _lockstep(table: bytes | bytearray, v: ByteView, starts: np.ndarray,
               ends: np.ndarray) -> tuple[dict[str, np.ndarray], set[int]]:
     """Walk every chain ``[starts[i], ends[i])`` one record per step; ``(records, failed chains)``."""
     n = len(starts)
@@ -132,42 +132,7 @@ def _lockstep(table: bytes, v: ByteView, starts: np.ndarray,
     last = v.n - 8  # the last position an 8-byte read may start at
     step = 0
     while len(live.chain) >= _FEW:
-        h = live.rem == 0
-        bad = np.zeros(len(live.chain), dtype=bool)
-        if h.any():
-            hp = live.pos[h]
-            hbad = hp + DIR_HEADER.size > live.end[h]
-            head = v.records(np.where(hbad, 0, hp), HEADER_DTYPE)
-            count = head["count"].astype(np.int64) + 1
-            hbad |= count > DIR_COUNT
-            live.rem[h] = count
-            live.hblk[h] = head["start"]
-            live.hino[h] = head["number"]
-            live.pos[h] = hp + DIR_HEADER.size
-            bad[h] = hbad
-        p = live.pos
-        bad |= p + DIR_ENTRY.size > live.end
-        e = v.records(np.where(bad | (p > last), 0, p), ENTRY_DTYPE)
-        size = e["size"].astype(np.int64) + 1
-        nxt = p + DIR_ENTRY.size + size
-        bad |= (nxt > live.end) | (size > MAX_NAME)
-        ok = ~bad
-        if ok.all():
-            out["chain"].append(live.chain)
-            out["pos"].append(p + DIR_ENTRY.size)
-            out["len"].append(size)
-            out["blk"].append(live.hblk)
-            out["off"].append(e["offset"])
-            out["ino"].append(live.hino + e["delta"])
-            out["type"].append(e["type"])
-        else:
-            out["chain"].append(live.chain[ok])
-            out["pos"].append((p + DIR_ENTRY.size)[ok])
-            out["len"].append(size[ok])
-            out["blk"].append(live.hblk[ok])
-            out["off"].append(e["offset"][ok])
-            out["ino"].append((live.hino + e["delta"])[ok])
-            out["type"].append(e["type"][ok])
+        bad, nxt = _step(v, live, last, out)
         first_index.append(step)  # a live chain reads one record a step, from step 0
         loops.append(False)
         step += 1
@@ -190,6 +155,36 @@ def _lockstep(table: bytes, v: ByteView, starts: np.ndarray,
         first_index.append(step)
         loops.append(True)
     return _chain_order(out, first_index, loops, n, failed), failed
+
+
+def _step(v: ByteView, live: _Chains, last: int, out: dict[str, list[np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """One lockstep step: every live chain reads its header if one is due, then one entry, appended to
+    ``out``. Returns ``(chains that broke, each chain's next position)``; ``live`` gets the headers."""
+    h = live.rem == 0
+    bad = np.zeros(len(live.chain), dtype=bool)
+    if h.any():
+        hp = live.pos[h]
+        hbad = hp + DIR_HEADER.size > live.end[h]
+        head = v.records(np.where(hbad, 0, hp), HEADER_DTYPE)
+        count = head["count"].astype(np.int64) + 1
+        hbad |= count > DIR_COUNT
+        live.rem[h] = count
+        live.hblk[h] = head["start"]
+        live.hino[h] = head["number"]
+        live.pos[h] = hp + DIR_HEADER.size
+        bad[h] = hbad
+    p = live.pos
+    bad |= p + DIR_ENTRY.size > live.end
+    e = v.records(np.where(bad | (p > last), 0, p), ENTRY_DTYPE)
+    size = e["size"].astype(np.int64) + 1
+    nxt = p + DIR_ENTRY.size + size
+    bad |= (nxt > live.end) | (size > MAX_NAME)
+    cols = {"chain": live.chain, "pos": p + DIR_ENTRY.size, "len": size, "blk": live.hblk, "off": e["offset"],
+            "ino": live.hino + e["delta"], "type": e["type"]}
+    ok = None if not bad.any() else ~bad
+    for k, col in cols.items():
+        out[k].append(col if ok is None else col[ok])
+    return bad, nxt
 
 
 def _chain_order(out: dict[str, list[np.ndarray]], first_index: list[int], loops: list[bool], n: int,
@@ -219,7 +214,8 @@ def _chain_order(out: dict[str, list[np.ndarray]], first_index: list[int], loops
     return cols
 
 
-def _walk_py(data: bytes, pos: int, end: int, *, rem: int = 0, hblk: int = 0, hino: int = 0) -> dict[str, list[int]]:
+def _walk_py(data: bytes | bytearray, pos: int, end: int, *, rem: int = 0, hblk: int = 0,
+             hino: int = 0) -> dict[str, list[int]]:
     """One chain from ``pos`` to exactly ``end``, ``rem`` entries left under the current header."""
     r: dict[str, list[int]] = {k: [] for k in ("pos", "len", "blk", "off", "ino", "type")}
     unpack_h, unpack_e = DIR_HEADER.unpack_from, DIR_ENTRY.unpack_from

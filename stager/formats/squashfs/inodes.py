@@ -173,7 +173,7 @@ def _dirs(v: ByteView, q: np.ndarray, out: Inodes, *, image: str, where: Callabl
         raise _damaged(image, f"{where(i)}: a directory of {int(out.listing[i]) + 3} bytes (at least 3)")
 
 
-def dir_index(v: ByteView, table: bytes, pos: int, *, count: int, image: str, name: str) -> list[int]:
+def dir_index(v: ByteView, table: bytes | bytearray, pos: int, *, count: int, image: str, name: str) -> list[int]:
     """The listing offsets of an extended directory's ``count`` index entries at buffer ``pos``."""
     offsets = []
     for _ in range(count):

@@ -88,8 +88,12 @@ def decompress_blocks(payloads: Sequence[bytes | memoryview], stored: Sequence[b
             one(i)
     else:  # one task per contiguous share (a future per 8 KiB block would cost more than the block)
         cuts = [n * k // (2 * workers) for k in range(2 * workers + 1)]
+        def share(k: int) -> None:
+            for i in range(cuts[k], cuts[k + 1]):
+                one(i)
+
         with ThreadPoolExecutor(workers) as pool:
-            list(pool.map(lambda k: [one(i) for i in range(cuts[k], cuts[k + 1])], range(2 * workers)))
+            list(pool.map(share, range(2 * workers)))
     # Every block but the last is full (checked by the caller), so the buffer is already contiguous;
     # trim the unused tail of the last block's slot, keeping the padding.
     if n:
@@ -107,7 +111,7 @@ class MetaTable:
     run across a block boundary.
     """
 
-    def __init__(self, data: bytearray, size: int, disk: np.ndarray, mem: np.ndarray, image: str,
+    def __init__(self, data: bytearray, size: int, *, disk: np.ndarray, mem: np.ndarray, image: str,
                  what: str) -> None:
         self.data = data
         self.size = size
@@ -168,7 +172,7 @@ def read_table(fd: int, start: int, end: int, *, decompress: Decompress, image: 
     mem = np.zeros(len(sizes), dtype=np.int64)
     if len(sizes) > 1:
         np.cumsum(sizes[:-1], out=mem[1:])
-    return MetaTable(data, int(sizes.sum()), np.asarray(starts, dtype=np.int64), mem, image, what)
+    return MetaTable(data, int(sizes.sum()), disk=np.asarray(starts, dtype=np.int64), mem=mem, image=image, what=what)
 
 
 def read_index(fd: int, index_start: int, nbytes: int, *, next_table: int, image: str, what: str) -> np.ndarray:
