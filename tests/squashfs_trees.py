@@ -69,6 +69,8 @@ def assert_reads(image: Path, files: dict[str, bytes], dirs: set[str] | None = N
     for i in idx.tolist():
         assert im.read(i) == files[paths[i]], paths[i]
     assert im.read_many(idx[::-1]) == [files[paths[i]] for i in idx[::-1].tolist()]
+    for i in idx[:: max(1, len(idx) // 50)].tolist():  # by inode reference, without the listing
+        assert im.read_ref(int(lst.inode_ref[i])) == files[paths[i]]
     raw = idx[lst.raw_offset[idx] >= 0]
     with open(image, "rb") as f:
         for i in raw.tolist():

@@ -28,6 +28,7 @@ import numpy as np
 from stager.errors import CorruptSampleError, SourceError, SourceNotFoundError
 from stager.formats.base import pread_runs
 from stager.formats.squashfs.compress import Codec, DecompressError, codec_by_id, decompressor
+from stager.formats.squashfs.inodes import decode_inodes
 from stager.formats.squashfs.layout import (
     DATA_SIZE_MASK,
     FLAG_COMP_OPT,
@@ -37,6 +38,7 @@ from stager.formats.squashfs.layout import (
     META_SIZE_MASK,
     META_STORED,
     MIN_BLOCK_LOG,
+    REG,
     SUPERBLOCK_SIZE,
     Superblock,
     split_ref,
@@ -44,6 +46,7 @@ from stager.formats.squashfs.layout import (
 from stager.formats.squashfs.listing import ImageListing, Piece
 from stager.formats.squashfs.meta import MetaTable, pread_exact, read_index, read_indexed, read_table
 from stager.formats.squashfs.walk import walk
+from stager.manifest.table import Strings
 
 _FRAGMENT_CACHE = 32  # decompressed fragment blocks kept (4 MiB at the default 128 KiB block size)
 
@@ -186,6 +189,28 @@ class SquashImage:
         return self._listing
 
     # ---- reading files --------------------------------------------------------------------------
+
+    def ref_pieces(self, ref: int) -> tuple[int, list[Piece]]:
+        """``(size, pieces)`` of the regular file whose inode is at reference ``ref``
+        (``ImageListing.inode_ref``), from the inode table alone: no directory walk, so a reader that
+        kept each sample's reference (a loader) needs no listing."""
+        table = self.inode_table()
+        pos = np.asarray([table.locate(*split_ref(ref))], dtype=np.int64)
+        ino = decode_inodes(table.view(), pos, np.asarray([REG]), block_size=self.block_size, image=self.name,
+                            name_of=lambda i: f"inode {ref:#x}")
+        one = ImageListing(Strings.from_strings([f"inode {ref:#x}"]), np.asarray([REG]), np.asarray([-1]),
+                           np.asarray([0]), ino.size, ino.mode, ino.nlink, ino.number, np.asarray([ref]),
+                           ino.start_block, ino.block_ptr, ino.block_words, ino.fragment, ino.frag_offset,
+                           np.asarray([-1]), self.fragments, self.block_size)
+        if one.fragment[0] >= len(self.fragments):
+            raise CorruptSampleError(f"{self.name}: inode {ref:#x} names fragment {int(one.fragment[0])} of "
+                                     f"{len(self.fragments)}; the image is damaged: re-copy or re-make it")
+        return int(one.size[0]), one.pieces(0)
+
+    def read_ref(self, ref: int) -> bytes:
+        """The bytes of the regular file whose inode is at reference ``ref`` (see :meth:`ref_pieces`)."""
+        size, pieces = self.ref_pieces(ref)
+        return self.read_pieces(pieces, size, f"inode {ref:#x}")
 
     def read(self, i: int) -> bytes:
         """The bytes of listing entry ``i`` (a regular file)."""
