@@ -12,7 +12,7 @@ import numpy as np
 _CHUNK = 1 << 22  # bytes gathered per pass: bounds the int64 index arrays to 32 MiB
 
 
-PAD = 64  # zero bytes after a table's buffer, so that a record gather near its end stays in bounds
+PAD = 320  # zero bytes after a table's buffer, so that a gather near its end (a name: 256) stays in bounds
 
 
 class ByteView:
@@ -27,15 +27,19 @@ class ByteView:
         self.n = n
         self._views: dict[object, np.ndarray] = {}
 
+    def rows(self, pos: np.ndarray, width: int) -> np.ndarray:
+        """The ``width`` bytes at each offset in ``pos``: a uint8 array of shape ``(len(pos), width)``
+        (``width`` at most :data:`PAD` past what the caller checked)."""
+        rows = self._views.get(width)
+        if rows is None:
+            rows = np.lib.stride_tricks.as_strided(self.buf, shape=(max(len(self.buf) - width + 1, 0), width),
+                                                   strides=(1, 1), writeable=False)
+            self._views[width] = rows
+        return rows[pos]
+
     def records(self, pos: np.ndarray, dtype: np.dtype) -> np.ndarray:
         """The structs of ``dtype`` at byte offsets ``pos``: a structured array of shape ``(len(pos),)``."""
-        w = dtype.itemsize
-        rows = self._views.get(w)
-        if rows is None:
-            rows = np.lib.stride_tricks.as_strided(self.buf, shape=(max(len(self.buf) - w + 1, 0), w),
-                                                   strides=(1, 1), writeable=False)
-            self._views[w] = rows
-        return rows[pos].view(dtype).reshape(-1)
+        return self.rows(pos, dtype.itemsize).view(dtype).reshape(-1)
 
     def _view(self, dtype: str, width: int) -> np.ndarray:
         v = self._views.get(dtype)
@@ -93,6 +97,19 @@ def ragged_gather(src: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> n
         out[ends[i] : ends[j]] = src.take(ragged_index(starts[i:j], lengths[i:j]))
         i = j
     return out
+
+
+def ragged_copy(dst: np.ndarray, dst_starts: np.ndarray, src: np.ndarray, src_starts: np.ndarray,
+                lengths: np.ndarray) -> None:
+    """``dst[dst_starts[i]:+lengths[i]] = src[src_starts[i]:+lengths[i]]`` for every ``i``, a chunk of
+    rows at a time (bounded index arrays)."""
+    ends = segment_starts(lengths)
+    i, n = 0, len(lengths)
+    while i < n:
+        j = int(np.searchsorted(ends, ends[i] + _CHUNK, side="right"))
+        j = min(max(j - 1, i + 1), n)
+        dst[ragged_index(dst_starts[i:j], lengths[i:j])] = src.take(ragged_index(src_starts[i:j], lengths[i:j]))
+        i = j
 
 
 def range_mask(n: int, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:

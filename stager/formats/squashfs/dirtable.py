@@ -72,7 +72,7 @@ class _Chains:
                        self.hino[mask])
 
 
-def parse_listings(table: bytes | bytearray, view: ByteView, dirs: np.ndarray, *, starts: np.ndarray, sizes: np.ndarray,
+def parse_listings(table: memoryview, view: ByteView, dirs: np.ndarray, *, starts: np.ndarray, sizes: np.ndarray,
                    cuts: list[list[int]], image: str, names: list[str]) -> Parsed:
     """The entries of directories ``dirs`` (ids, int64) whose listings are ``sizes`` bytes at buffer
     offsets ``starts``; ``cuts[i]`` are listing offsets of headers from directory ``i``'s index
@@ -119,7 +119,7 @@ def _from_records(recs: dict[str, np.ndarray], chain_dir: np.ndarray, dirs: np.n
                    recs["pos"], recs["len"], recs["blk"], recs["off"], recs["ino"], recs["type"])
 
 
-def _lockstep(table: bytes | bytearray, v: ByteView, starts: np.ndarray,
+def _lockstep(table: memoryview, v: ByteView, starts: np.ndarray,
               ends: np.ndarray) -> tuple[dict[str, np.ndarray], set[int]]:
     """Walk every chain ``[starts[i], ends[i])`` one record per step; ``(records, failed chains)``."""
     n = len(starts)
@@ -214,7 +214,7 @@ def _chain_order(out: dict[str, list[np.ndarray]], first_index: list[int], loops
     return cols
 
 
-def _walk_py(data: bytes | bytearray, pos: int, end: int, *, rem: int = 0, hblk: int = 0,
+def _walk_py(data: memoryview, pos: int, end: int, *, rem: int = 0, hblk: int = 0,
              hino: int = 0) -> dict[str, list[int]]:
     """One chain from ``pos`` to exactly ``end``, ``rem`` entries left under the current header."""
     r: dict[str, list[int]] = {k: [] for k in ("pos", "len", "blk", "off", "ino", "type")}

@@ -69,6 +69,11 @@ def _damaged(image: str, what: str) -> SourceError:
     return SourceError(f"{image}: damaged inode table: {what}; the image is damaged: re-copy or re-make it")
 
 
+_CHUNK = 1 << 18  # inodes decoded per pass: bounds the temporaries (a million files' structs are ~40 MB)
+_COLUMNS = ("itype", "mode", "number", "nlink", "start_block", "size", "fragment", "frag_offset", "dir_block",
+            "dir_offset", "listing", "index_pos", "index_count")
+
+
 def decode_inodes(v: ByteView, pos: np.ndarray, entry_types: np.ndarray, *, block_size: int, image: str,
                   name_of: Callable[[int], str] | None = None) -> Inodes:
     """Decode the inodes at buffer positions ``pos`` whose directory entries say ``entry_types``
@@ -81,21 +86,38 @@ def decode_inodes(v: ByteView, pos: np.ndarray, entry_types: np.ndarray, *, bloc
     if n and (pos.min() < 0 or pos.max() + 16 > v.n):
         i = int(np.argmax((pos < 0) | (pos + 16 > v.n)))
         raise _damaged(image, f"{where(i)} lies past the table's end")
-    q = pos
+    # Directory columns only where there are directories (a level of a million files has none).
+    nd = n if (entry_types == DIR).any() else 0
+    cols = {c: np.zeros(n if k < 8 else nd, dtype=np.int64) for k, c in enumerate(_COLUMNS)}
+    out = Inodes(block_ptr=np.zeros(n + 1, dtype=np.int64), block_words=np.zeros(0, dtype=np.uint32), **cols)
+    out.nlink[:] = 1
+    out.fragment[:] = -1
+    nb = np.zeros(n, dtype=np.int64)
+    words: list[np.ndarray] = []
+    for a in range(0, n, _CHUNK):  # each chunk writes into its slice of the columns
+        b = min(n, a + _CHUNK)
+        part = Inodes(block_ptr=out.block_ptr, block_words=out.block_words,
+                      **{c: col[a:b] if len(col) else col for c, col in cols.items()})
+        _decode(v, pos[a:b], entry_types[a:b], part, nb=nb[a:b], words=words, block_size=block_size, image=image,
+                where=lambda i, a=a: where(a + i))  # type: ignore[misc]
+    out.block_ptr = segment_starts(nb)
+    out.block_words = np.concatenate(words) if words else np.zeros(0, dtype=np.uint32)
+    return out
+
+
+def _decode(v: ByteView, q: np.ndarray, entry_types: np.ndarray, out: Inodes, *, nb: np.ndarray,
+            words: list[np.ndarray], block_size: int, image: str, where: Callable[[int], str]) -> None:
+    """One chunk of :func:`decode_inodes`, written into ``out`` (views of the columns' slices)."""
     head = v.records(q, HEAD_DTYPE)
-    itype = head["type"].astype(np.int64)
+    itype = out.itype
+    itype[:] = head["type"]
     mismatch = (itype < 1) | (itype > 14) | (np.where(itype > 7, itype - 7, itype) != entry_types)
     if mismatch.any():
         i = int(np.argmax(mismatch))
         raise _damaged(image, f"{where(i)}: its directory entry says type {int(entry_types[i])}, the inode "
                               f"{int(itype[i])}")
-    z = np.zeros(n, dtype=np.int64)
-    # Directory columns only where there are directories (a level of a million files has none).
-    nd = n if ((itype == DIR) | (itype == LDIR)).any() else 0
-    zd = np.zeros(nd, dtype=np.int64)
-    out = Inodes(itype, head["mode"].astype(np.int64), head["number"].astype(np.int64), np.ones(n, dtype=np.int64),
-                 z.copy(), z, np.full(n, -1, dtype=np.int64), z.copy(), np.zeros(n + 1, dtype=np.int64),
-                 np.zeros(0, dtype=np.uint32), zd.copy(), zd.copy(), zd.copy(), zd.copy(), zd.copy())
+    out.mode[:] = head["mode"]
+    out.number[:] = head["number"]
     need = np.where(itype == REG, 32, np.where(itype == LREG, 56, np.where(itype == LDIR, 40,
                     np.where(itype == DIR, 32, 20))))
     if (q + need > v.n).any():
@@ -103,22 +125,21 @@ def decode_inodes(v: ByteView, pos: np.ndarray, entry_types: np.ndarray, *, bloc
         raise _damaged(image, f"{where(i)} runs past the table's end")
     other = (itype != REG) & (itype != LREG) & (itype != DIR)
     out.nlink[other] = head["nlink"][other]  # LDIR, symlinks, devices, IPC: nlink at byte 16
-    _files(v, q, out, block_size=block_size, image=image, where=where)
+    _files(v, q, out, nb, words, block_size=block_size, image=image, where=where)
     _dirs(v, q, out, image=image, where=where)
-    return out
 
 
 def _fragments(col: np.ndarray) -> np.ndarray:
     return np.where(col == NO_FRAGMENT, -1, col.astype(np.int64))
 
 
-def _files(v: ByteView, q: np.ndarray, out: Inodes, *, block_size: int, image: str,
-           where: Callable[[int], str]) -> None:
+def _files(v: ByteView, q: np.ndarray, out: Inodes, nb: np.ndarray, words: list[np.ndarray], *, block_size: int,
+           image: str, where: Callable[[int], str]) -> None:
     reg, lreg = out.itype == REG, out.itype == LREG
     if reg.all():  # the usual case: every entry a plain file
         r = v.records(q, REG_DTYPE)
-        out.start_block, out.fragment = r["start"].astype(np.int64), _fragments(r["fragment"])
-        out.frag_offset, out.size = r["offset"].astype(np.int64), r["size"].astype(np.int64)
+        out.start_block[:], out.fragment[:] = r["start"], _fragments(r["fragment"])
+        out.frag_offset[:], out.size[:] = r["offset"], r["size"]
     elif reg.any():
         r = v.records(q[reg], REG_DTYPE)
         out.start_block[reg], out.fragment[reg] = r["start"], _fragments(r["fragment"])
@@ -133,7 +154,7 @@ def _files(v: ByteView, q: np.ndarray, out: Inodes, *, block_size: int, image: s
     if (size[files] < 0).any() or (out.start_block[files] < 0).any():
         i = int(np.argmax(files & ((size < 0) | (out.start_block < 0))))
         raise _damaged(image, f"{where(i)}: file size or start out of range")
-    nb = np.where(out.fragment >= 0, size // block_size, -(-size // block_size))
+    nb[:] = np.where(out.fragment >= 0, size // block_size, -(-size // block_size))
     nb[~files] = 0
     lists = q + np.where(out.itype == REG, 32, 56)
     over = files & (lists + 4 * nb > v.n)
@@ -141,14 +162,13 @@ def _files(v: ByteView, q: np.ndarray, out: Inodes, *, block_size: int, image: s
         i = int(np.argmax(over))
         raise _damaged(image, f"{where(i)}: a file of {int(size[i])} bytes needs {int(nb[i])} block sizes, "
                               "past the table's end")
-    out.block_ptr = segment_starts(nb)
-    if (nb == 1).all():  # one block each (most photos at 128 KiB blocks): a plain gather
-        out.block_words = v.records(lists, _WORD).astype(np.uint32)
+    if files.all() and (nb == 1).all():  # one block each (most photos at 128 KiB blocks): a plain gather
+        words.append(v.records(lists, _WORD).astype(np.uint32))
         return
     fnb = nb[files]
     first = segment_starts(fnb)[:-1]
     idx = np.repeat(lists[files] - 4 * first, fnb) + 4 * np.arange(int(fnb.sum()), dtype=np.int64)
-    out.block_words = v.records(idx, _WORD).astype(np.uint32)
+    words.append(v.records(idx, _WORD).astype(np.uint32))
 
 
 _WORD = np.dtype("<u4")
@@ -173,7 +193,7 @@ def _dirs(v: ByteView, q: np.ndarray, out: Inodes, *, image: str, where: Callabl
         raise _damaged(image, f"{where(i)}: a directory of {int(out.listing[i]) + 3} bytes (at least 3)")
 
 
-def dir_index(v: ByteView, table: bytes | bytearray, pos: int, *, count: int, image: str, name: str) -> list[int]:
+def dir_index(v: ByteView, table: memoryview, pos: int, *, count: int, image: str, name: str) -> list[int]:
     """The listing offsets of an extended directory's ``count`` index entries at buffer ``pos``."""
     offsets = []
     for _ in range(count):

@@ -12,10 +12,12 @@ listings outside the image.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from stager.errors import SourceError, UnsafeArchiveError
-from stager.formats.squashfs.columns import ragged_gather, segment_starts
+from stager.formats.squashfs.columns import ByteView, segment_starts
 from stager.formats.squashfs.dirtable import parse_listings
 from stager.formats.squashfs.inodes import Inodes, decode_inodes, dir_index
 from stager.formats.squashfs.layout import DATA_SIZE_MASK, DIR, LDIR, REG, split_ref
@@ -41,55 +43,80 @@ def walk(inode_t: MetaTable, dir_t: MetaTable, root_ref: int, *, block_size: int
     root = decode_inodes(iv, root_pos, np.asarray([DIR]), block_size=block_size, image=image, name_of=lambda i: "/")
     levels: list[dict[str, np.ndarray]] = []
     # The directories of the level being listed: entry index (-1: root), their inodes, path strings.
-    dir_entries = np.asarray([-1], dtype=np.int64)
-    dir_inodes, dir_paths = root, [""]
+    todo = _Dirs(np.asarray([-1], dtype=np.int64), root, [""])
     seen = {root_ref}
     spans: list[np.ndarray] = []  # (start, size) of every listing: they may not overlap
-    base = 0
-    while len(dir_entries):
-        sizes = dir_inodes.listing
-        starts = np.zeros(len(sizes), dtype=np.int64)
-        has = sizes > 0  # an empty directory may point past the table's end (an empty table)
-        starts[has] = dir_t.locate_many(dir_inodes.dir_block[has], dir_inodes.dir_offset[has])
-        over = starts + sizes > dir_t.size
-        if over.any():
-            i = int(np.argmax(over))
-            raise SourceError(f"{image}: damaged directory table: the listing of {dir_paths[i] or '/'!r} runs past "
-                              "the table's end; the image is damaged: re-copy or re-make it")
-        spans.append(np.stack([starts[has], sizes[has]], axis=1))
-        cuts = [dir_index(iv, inode_t.data, int(dir_inodes.index_pos[i]), count=int(dir_inodes.index_count[i]),
-                          image=image, name=dir_paths[i]) if dir_inodes.itype[i] == LDIR else []
-                for i in range(len(dir_entries))]
-        parsed = parse_listings(dir_t.data, dv, np.arange(len(dir_entries), dtype=np.int64), starts=starts, sizes=sizes,
-                                cuts=cuts, image=image, names=[p or "/" for p in dir_paths])
-        parent = dir_entries[parsed.dir]
-        values, pstarts, name_at = _paths(dir_t.array, parsed.name_pos, parsed.name_len, parsed.dir, dir_paths)
-        _check_names(values, pstarts, name_at, len(levels), image=image, dir_paths=dir_paths, owner=parsed.dir)
-        pos = inode_t.locate_many(parsed.ino_block, parsed.ino_offset)
-        etype = np.where(parsed.type > 7, parsed.type - 7, parsed.type)
-        paths = _LazyPaths(values, pstarts)
-        inodes = decode_inodes(iv, pos, etype, block_size=block_size, image=image, name_of=paths.__getitem__)
-        bad = inodes.number != parsed.ino_number
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise SourceError(f"{image}: damaged directory table: the entry {paths[i]!r} says inode "
-                              f"{int(parsed.ino_number[i])}, its inode is {int(inodes.number[i])}; the image is "
-                              "damaged: re-copy or re-make it")
-        refs = (parsed.ino_block << 16) | parsed.ino_offset
-        levels.append(_level(parent, refs, inodes, values, pstarts))
-        sub = np.flatnonzero(etype == DIR)
-        for i in sub.tolist():
-            r = int(refs[i])
-            if r in seen:
-                raise SourceError(f"{image}: the directory {paths[i]!r} is reached twice (a directory loop); the "
-                                  "image is damaged or hostile: re-make it with mksquashfs")
-            seen.add(r)
-        dir_entries = base + sub
-        dir_inodes = _take(inodes, sub)
-        dir_paths = [paths[i] for i in sub.tolist()]
-        base += len(parent)
+    ctx = _Walk(inode_t, dir_t, iv, dv, block_size, image)
+    while len(todo.entries):
+        level, todo = _one_level(ctx, todo, levels, spans, seen)
+        levels.append(level)
     _check_spans(np.concatenate(spans), image)
     return _assemble(levels, block_size, fragments, data_end, image)
+
+
+@dataclass
+class _Walk:
+    inode_t: MetaTable
+    dir_t: MetaTable
+    iv: ByteView
+    dv: ByteView
+    block_size: int
+    image: str
+
+
+@dataclass
+class _Dirs:
+    """The directories whose listings the next level reads: their entry indices (-1: the root),
+    inodes and paths."""
+
+    entries: np.ndarray
+    inodes: Inodes
+    paths: list[str]
+
+
+def _one_level(ctx: _Walk, todo: _Dirs, levels: list[dict[str, np.ndarray]], spans: list[np.ndarray],
+               seen: set[int]) -> tuple[dict[str, np.ndarray], _Dirs]:
+    """List the directories ``todo``: the level's columns, and the directories of the next level.
+    (A function of its own, so that the level's intermediate arrays are freed when it returns.)"""
+    image, dir_t, dino, dir_paths = ctx.image, ctx.dir_t, todo.inodes, todo.paths
+    sizes = dino.listing
+    starts = np.zeros(len(sizes), dtype=np.int64)
+    has = sizes > 0  # an empty directory may point past the table's end (an empty table)
+    starts[has] = dir_t.locate_many(dino.dir_block[has], dino.dir_offset[has])
+    over = starts + sizes > dir_t.size
+    if over.any():
+        i = int(np.argmax(over))
+        raise SourceError(f"{image}: damaged directory table: the listing of {dir_paths[i] or '/'!r} runs past "
+                          "the table's end; the image is damaged: re-copy or re-make it")
+    spans.append(np.stack([starts[has], sizes[has]], axis=1))
+    cuts = [dir_index(ctx.iv, ctx.inode_t.buffer, int(dino.index_pos[i]), count=int(dino.index_count[i]),
+                      image=image, name=dir_paths[i]) if dino.itype[i] == LDIR else []
+            for i in range(len(todo.entries))]
+    parsed = parse_listings(dir_t.buffer, ctx.dv, np.arange(len(todo.entries), dtype=np.int64), starts=starts,
+                            sizes=sizes, cuts=cuts, image=image, names=[p or "/" for p in dir_paths])
+    values, pstarts, name_at = _paths(ctx.dv, parsed.name_pos, parsed.name_len, parsed.dir, dir_paths)
+    _check_names(values, pstarts, name_at, len(levels), image=image, dir_paths=dir_paths, owner=parsed.dir)
+    pos = ctx.inode_t.locate_many(parsed.ino_block, parsed.ino_offset)
+    etype = np.where(parsed.type > 7, parsed.type - 7, parsed.type)
+    paths = _LazyPaths(values, pstarts)
+    inodes = decode_inodes(ctx.iv, pos, etype, block_size=ctx.block_size, image=image, name_of=paths.__getitem__)
+    bad = inodes.number != parsed.ino_number
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise SourceError(f"{image}: damaged directory table: the entry {paths[i]!r} says inode "
+                          f"{int(parsed.ino_number[i])}, its inode is {int(inodes.number[i])}; the image is "
+                          "damaged: re-copy or re-make it")
+    refs = (parsed.ino_block << 16) | parsed.ino_offset
+    sub = np.flatnonzero(etype == DIR)
+    for i in sub.tolist():
+        r = int(refs[i])
+        if r in seen:
+            raise SourceError(f"{image}: the directory {paths[i]!r} is reached twice (a directory loop); the "
+                              "image is damaged or hostile: re-make it with mksquashfs")
+        seen.add(r)
+    base = sum(len(lv["parent"]) for lv in levels)
+    nxt = _Dirs(base + sub, _take(inodes, sub), [paths[i] for i in sub.tolist()])
+    return _level(todo.entries[parsed.dir], refs, inodes, values, pstarts), nxt
 
 
 def _check_spans(spans: np.ndarray, image: str) -> None:
@@ -119,6 +146,9 @@ def _take(ino: Inodes, idx: np.ndarray) -> Inodes:
                   **cols)
 
 
+_BYTES = 1 << 22  # path bytes checked per pass
+
+
 def _check_names(values: np.ndarray, starts: np.ndarray, name_at: np.ndarray, depth: int, *, image: str,
                  dir_paths: list[str], owner: np.ndarray) -> None:
     """One level's paths (``values``, entry ``i`` at ``starts[i]:starts[i + 1]``, its name from
@@ -130,12 +160,18 @@ def _check_names(values: np.ndarray, starts: np.ndarray, name_at: np.ndarray, de
     first = values[np.minimum(name_at, last)] if len(values) else np.zeros(n, np.uint8)
     second = values[np.minimum(name_at + 1, last)] if len(values) else first
     bad_entry = (first == 0x2E) & ((length == 1) | ((length == 2) & (second == 0x2E)))
-    hits = np.flatnonzero((values < 0x20) | (values == 0x7F))
-    if len(hits):
-        bad_entry[np.searchsorted(starts, hits, side="right") - 1] = True
-    slashes = np.flatnonzero(values == 0x2F)
-    if len(slashes) != n * depth:  # a '/' inside a name
-        per = np.bincount(np.searchsorted(starts, slashes, side="right") - 1, minlength=n)
+    slashes = 0
+    for a in range(0, len(values), _BYTES):
+        chunk = values[a : a + _BYTES]
+        control = (chunk < 0x20) | (chunk == 0x7F)
+        if control.any():
+            bad_entry[np.searchsorted(starts, a + np.flatnonzero(control), side="right") - 1] = True
+        slashes += int(np.count_nonzero(chunk == 0x2F))
+    if slashes != n * depth:  # a '/' inside a name
+        per = np.zeros(n, dtype=np.int64)
+        for a in range(0, len(values), _BYTES):
+            hits = a + np.flatnonzero(values[a : a + _BYTES] == 0x2F)
+            np.add.at(per, np.searchsorted(starts, hits, side="right") - 1, 1)
         bad_entry |= per != depth
     if bad_entry.any():
         i = int(np.argmax(bad_entry))
@@ -146,23 +182,40 @@ def _check_names(values: np.ndarray, starts: np.ndarray, name_at: np.ndarray, de
                                  "no such image: re-make it from a tree of plain names")
 
 
-def _paths(table: np.ndarray, pos: np.ndarray, length: np.ndarray, owner: np.ndarray,
+_ROWS = 1 << 16  # entries per pass of _paths: (rows x widest name) bytes, at most 16 MiB
+
+
+def _paths(table: ByteView, pos: np.ndarray, length: np.ndarray, owner: np.ndarray,
            dir_paths: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """UTF-8 path bytes of one level's entries, whose names are ``length`` bytes at ``pos`` in the
-    directory table: each parent's path and ``/`` (none at the top), then the name, gathered in one
-    pass. Returns ``(values, starts (n + 1,), where each name starts in values)``."""
-    if not any(dir_paths):
-        starts = segment_starts(length)
-        return ragged_gather(table, pos, length), starts, starts[:-1]
+    directory table: each parent's path and ``/`` (none at the top), then the name. Returns
+    ``(values, starts (n + 1,), where each name starts in values)``.
+
+    A pass gathers its entries' names as rows of the widest name's width (one copy per row, as
+    :meth:`ByteView.records` does), puts each parent's prefix before them the same way, and keeps the
+    bytes that belong (a boolean mask, row by row): no per-byte index arrays."""
     prefixes = [(p + "/").encode("utf-8", "surrogateescape") if p else b"" for p in dir_paths]
     plen = np.fromiter((len(b) for b in prefixes), dtype=np.int64, count=len(prefixes))
-    poff = segment_starts(plen)[:-1] + len(table)
-    source = np.concatenate([table, np.frombuffer(b"".join(prefixes), dtype=np.uint8)])
-    # Two ranges per entry, the parent's prefix then the name.
-    range_starts = np.stack([poff[owner], pos], axis=1).reshape(-1)
-    range_lens = np.stack([plen[owner], length], axis=1).reshape(-1)
-    starts = segment_starts(plen[owner] + length)
-    return ragged_gather(source, range_starts, range_lens), starts, starts[:-1] + plen[owner]
+    width = int(plen.max()) if len(plen) else 0
+    ptable = np.zeros((len(prefixes), width), dtype=np.uint8)
+    for i, prefix in enumerate(prefixes):
+        ptable[i, : len(prefix)] = np.frombuffer(prefix, dtype=np.uint8)
+    elen = plen[owner]
+    starts = segment_starts(elen + length)
+    values = np.empty(int(starts[-1]), dtype=np.uint8)
+    n = len(pos)
+    for a in range(0, n, _ROWS):
+        b = min(n, a + _ROWS)
+        ln, pl = length[a:b], elen[a:b]
+        w, pw = int(ln.max()), int(pl.max())
+        rows = table.rows(pos[a:b], w)
+        col = np.arange(pw + w)
+        keep = (col >= pw) & (col < pw + ln[:, None])
+        if pw:
+            rows = np.concatenate([ptable[owner[a:b], :pw], rows], axis=1)
+            keep |= col < pl[:, None]
+        values[starts[a] : starts[b]] = rows[keep]
+    return values, starts, starts[:-1] + elen
 
 
 def _assemble(levels: list[dict[str, np.ndarray]], block_size: int, fragments: np.ndarray, data_end: int,
