@@ -33,20 +33,19 @@ _FEW = 24  # below this many live chains, a Python loop beats a numpy step
 class Parsed:
     """Parsed directory entries, in listing order of the directories given, int64 columns of shape
     ``(entries,)``: ``dir`` (the caller's directory id), ``name_pos``/``name_len`` (the name's bytes in
-    the directory table buffer), ``ino_block``/``ino_offset`` (the inode reference), ``ino_number``,
+    the directory table buffer), ``ino_ref`` (the inode reference, block << 16 | offset), ``ino_number``,
     ``type`` (the entry's inode type)."""
 
     dir: np.ndarray
     name_pos: np.ndarray
     name_len: np.ndarray
-    ino_block: np.ndarray
-    ino_offset: np.ndarray
+    ino_ref: np.ndarray
     ino_number: np.ndarray
     type: np.ndarray
 
     @classmethod
     def concat(cls, parts: list[Parsed]) -> Parsed:
-        names = ("dir", "name_pos", "name_len", "ino_block", "ino_offset", "ino_number", "type")
+        names = ("dir", "name_pos", "name_len", "ino_ref", "ino_number", "type")
         if not parts:
             return cls(*(np.zeros(0, dtype=np.int64) for _ in names))
         return cls(*(np.concatenate([getattr(p, n) for p in parts]) for n in names))
@@ -110,13 +109,13 @@ def parse_listings(table: memoryview, view: ByteView, dirs: np.ndarray, *, start
         parts.append(_from_records(cols, np.full(1, i, dtype=np.int64), dirs))
     out = Parsed.concat(parts)
     order = np.argsort(out.dir, kind="stable")  # back to the order of the directories given
-    return Parsed(*(getattr(out, f)[order] for f in ("dir", "name_pos", "name_len", "ino_block", "ino_offset",
-                                                      "ino_number", "type")))
+    return Parsed(*(getattr(out, f)[order] for f in ("dir", "name_pos", "name_len", "ino_ref", "ino_number",
+                                                      "type")))
 
 
 def _from_records(recs: dict[str, np.ndarray], chain_dir: np.ndarray, dirs: np.ndarray) -> Parsed:
     return Parsed(dirs[chain_dir[recs["chain"]]] if len(recs["chain"]) else np.zeros(0, dtype=np.int64),
-                   recs["pos"], recs["len"], recs["blk"], recs["off"], recs["ino"], recs["type"])
+                   recs["pos"], recs["len"], recs["ref"], recs["ino"], recs["type"])
 
 
 def _lockstep(table: memoryview, v: ByteView, starts: np.ndarray,
@@ -125,7 +124,7 @@ def _lockstep(table: memoryview, v: ByteView, starts: np.ndarray,
     n = len(starts)
     z = np.zeros(n, dtype=np.int64)
     live = _Chains(np.arange(n, dtype=np.int64), starts.copy(), ends.copy(), z.copy(), z.copy(), z.copy())
-    out: dict[str, list[np.ndarray]] = {k: [] for k in ("chain", "pos", "len", "blk", "off", "ino", "type")}
+    out: dict[str, list[np.ndarray]] = {k: [] for k in ("chain", "pos", "len", "ref", "ino", "type")}
     first_index: list[int] = []  # per part of out: the index of its first record within its chain
     loops: list[bool] = []  # per part: a plain-loop rest of one chain (else one lockstep step)
     failed: set[int] = set()
@@ -150,7 +149,7 @@ def _lockstep(table: memoryview, v: ByteView, starts: np.ndarray,
             failed.add(int(live.chain[i]))
             continue
         out["chain"].append(np.full(len(r["pos"]), live.chain[i], dtype=np.int64))
-        for k in ("pos", "len", "blk", "off", "ino", "type"):
+        for k in ("pos", "len", "ref", "ino", "type"):
             out[k].append(np.asarray(r[k], dtype=np.int64))
         first_index.append(step)
         loops.append(True)
@@ -179,7 +178,7 @@ def _step(v: ByteView, live: _Chains, last: int, out: dict[str, list[np.ndarray]
     size = e["size"].astype(np.int64) + 1
     nxt = p + DIR_ENTRY.size + size
     bad |= (nxt > live.end) | (size > MAX_NAME)
-    cols = {"chain": live.chain, "pos": p + DIR_ENTRY.size, "len": size, "blk": live.hblk, "off": e["offset"],
+    cols = {"chain": live.chain, "pos": p + DIR_ENTRY.size, "len": size, "ref": (live.hblk << 16) | e["offset"],
             "ino": live.hino + e["delta"], "type": e["type"]}
     ok = None if not bad.any() else ~bad
     for k, col in cols.items():
@@ -217,7 +216,7 @@ def _chain_order(out: dict[str, list[np.ndarray]], first_index: list[int], loops
 def _walk_py(data: memoryview, pos: int, end: int, *, rem: int = 0, hblk: int = 0,
              hino: int = 0) -> dict[str, list[int]]:
     """One chain from ``pos`` to exactly ``end``, ``rem`` entries left under the current header."""
-    r: dict[str, list[int]] = {k: [] for k in ("pos", "len", "blk", "off", "ino", "type")}
+    r: dict[str, list[int]] = {k: [] for k in ("pos", "len", "ref", "ino", "type")}
     unpack_h, unpack_e = DIR_HEADER.unpack_from, DIR_ENTRY.unpack_from
     try:
         while pos < end or rem:
@@ -237,8 +236,7 @@ def _walk_py(data: memoryview, pos: int, end: int, *, rem: int = 0, hblk: int = 
                 raise _ChainError(f"an entry at byte {pos} has a name of {size} bytes past the listing's end")
             r["pos"].append(pos + DIR_ENTRY.size)
             r["len"].append(size)
-            r["blk"].append(hblk)
-            r["off"].append(off)
+            r["ref"].append(hblk << 16 | off)
             r["ino"].append(hino + delta)
             r["type"].append(typ)
             pos += DIR_ENTRY.size + size

@@ -96,7 +96,8 @@ def _one_level(ctx: _Walk, todo: _Dirs, levels: list[dict[str, np.ndarray]], spa
                             sizes=sizes, cuts=cuts, image=image, names=[p or "/" for p in dir_paths])
     values, pstarts, name_at = _paths(ctx.dv, parsed.name_pos, parsed.name_len, parsed.dir, dir_paths)
     _check_names(values, pstarts, name_at, len(levels), image=image, dir_paths=dir_paths, owner=parsed.dir)
-    pos = ctx.inode_t.locate_many(parsed.ino_block, parsed.ino_offset)
+    refs = parsed.ino_ref
+    pos = ctx.inode_t.locate_many(refs >> 16, refs & 0xFFFF)
     etype = np.where(parsed.type > 7, parsed.type - 7, parsed.type)
     paths = _LazyPaths(values, pstarts)
     inodes = decode_inodes(ctx.iv, pos, etype, block_size=ctx.block_size, image=image, name_of=paths.__getitem__)
@@ -106,7 +107,6 @@ def _one_level(ctx: _Walk, todo: _Dirs, levels: list[dict[str, np.ndarray]], spa
         raise SourceError(f"{image}: damaged directory table: the entry {paths[i]!r} says inode "
                           f"{int(parsed.ino_number[i])}, its inode is {int(inodes.number[i])}; the image is "
                           "damaged: re-copy or re-make it")
-    refs = (parsed.ino_block << 16) | parsed.ino_offset
     sub = np.flatnonzero(etype == DIR)
     for i in sub.tolist():
         r = int(refs[i])
