@@ -213,7 +213,7 @@ def markdown(res: dict[str, object]) -> str:
         lines.append("")
     lst = res["list"]
     lines += ["**List** (an image of mksquashfs's defaults)", "",
-              "| entries | stager process s | stager listing() s | unsquashfs -l s | ratio | stager CPU s | "
+              "| entries | stager process s | stager import + listing() s | unsquashfs -l s | ratio | stager CPU s | "
               "unsquashfs CPU s |", "|---|---|---|---|---|---|---|",
               f"| {lst['entries']} | {lst['stager_s']:.2f} | {lst['stager_listing_call_s']:.2f} | "  # type: ignore[index]
               f"{lst['unsquashfs_s']:.2f} | {lst['ratio']:.2f} | {lst['stager_cpu_s']:.2f} | "  # type: ignore[index]
