@@ -46,6 +46,11 @@ SUITE: dict[str, tuple[str, list[str], list[str], str]] = {
                                                   if os.environ.get("STAGER_DALI_SCRIPTS") else [])],
               ["--n", "200", "--rounds", "1"], "index.md"),
     "footprint": ("bench_footprint.py", [], ["--n", "100000"], "footprint.md"),
+    # SquashFS codec (issue 41): writer vs mksquashfs, listing an ImageNet-sized image vs unsquashfs -l.
+    "squashfs_codec": ("bench_squashfs_codec.py", [],
+                       ["--classes", "2", "--per-class", "20", "--text", "100", "--big-classes", "10",
+                        "--big-per-class", "100", "--rounds", "1", "--work", "/tmp/stager-bench-squashfs-quick"],
+                       "squashfs_codec.md"),
     # DALI's rec2idx.py imports MXNet: $STAGER_MXNET_PYTHON names a venv's python with mxnet==1.9.1, numpy<1.24.
     "legacy": ("bench_legacy.py", [*(["--dali-scripts", os.environ["STAGER_DALI_SCRIPTS"]]
                                      if os.environ.get("STAGER_DALI_SCRIPTS") else [])],

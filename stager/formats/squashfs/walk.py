@@ -1,0 +1,276 @@
+"""The directory tree of an image, level by level, into an :class:`~.listing.ImageListing`.
+
+Each level (the root's entries, then their subdirectories' entries, ...) is one
+:func:`~.dirtable.parse_listings` call and one :func:`~.inodes.decode_inodes` call over all of its
+directories at once, so an ImageNet-shaped image (one root, 1,000 class folders, 1.28M files) is two
+vectorised passes. Checks, each a one-line :class:`~stager.errors.SourceError` or
+:class:`~stager.errors.UnsafeArchiveError` naming the image and the entry: a directory reached twice
+(a loop, or two directories sharing a listing), names that are empty, ``.``/``..``, or hold ``/``,
+NUL or control characters, an entry whose inode disagrees with it, and file data, fragments or
+listings outside the image.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from stager.errors import SourceError, UnsafeArchiveError
+from stager.formats.squashfs.columns import ByteView, segment_starts
+from stager.formats.squashfs.dirtable import parse_listings
+from stager.formats.squashfs.inodes import Inodes, decode_inodes, dir_index
+from stager.formats.squashfs.layout import DATA_SIZE_MASK, DIR, LDIR, REG, split_ref
+from stager.formats.squashfs.listing import ImageListing, raw_offsets
+from stager.formats.squashfs.meta import MetaTable
+from stager.manifest.table import Ragged, Strings
+
+
+def _level(parent: np.ndarray, refs: np.ndarray, ino: Inodes, values: np.ndarray,
+           starts: np.ndarray) -> dict[str, np.ndarray]:
+    """The columns of one level that the listing keeps (the level's other arrays can go)."""
+    return {"parent": parent, "kind": np.where(ino.itype > 7, ino.itype - 7, ino.itype), "size": ino.size,
+            "mode": ino.mode, "nlink": ino.nlink, "number": ino.number, "ref": refs, "start": ino.start_block,
+            "fragment": ino.fragment, "frag_offset": ino.frag_offset, "nb": np.diff(ino.block_ptr),
+            "words": ino.block_words, "path_values": values, "path_lens": np.diff(starts)}
+
+
+def walk(inode_t: MetaTable, dir_t: MetaTable, root_ref: int, *, block_size: int, fragments: np.ndarray,
+         data_end: int, image: str) -> ImageListing:
+    """Every entry under the root; see :class:`ImageListing` for the order and columns."""
+    iv, dv = inode_t.view(), dir_t.view()
+    root_pos = np.asarray([inode_t.locate(*split_ref(root_ref))], dtype=np.int64)
+    root = decode_inodes(iv, root_pos, np.asarray([DIR]), block_size=block_size, image=image, name_of=lambda i: "/")
+    levels: list[dict[str, np.ndarray]] = []
+    # The directories of the level being listed: entry index (-1: root), their inodes, path strings.
+    todo = _Dirs(np.asarray([-1], dtype=np.int64), root, [""])
+    seen = {root_ref}
+    spans: list[np.ndarray] = []  # (start, size) of every listing: they may not overlap
+    ctx = _Walk(inode_t, dir_t, iv, dv, block_size, image)
+    while len(todo.entries):
+        level, todo = _one_level(ctx, todo, levels, spans, seen)
+        levels.append(level)
+    _check_spans(np.concatenate(spans), image)
+    return _assemble(levels, block_size, fragments, data_end, image)
+
+
+@dataclass
+class _Walk:
+    inode_t: MetaTable
+    dir_t: MetaTable
+    iv: ByteView
+    dv: ByteView
+    block_size: int
+    image: str
+
+
+@dataclass
+class _Dirs:
+    """The directories whose listings the next level reads: their entry indices (-1: the root),
+    inodes and paths."""
+
+    entries: np.ndarray
+    inodes: Inodes
+    paths: list[str]
+
+
+def _one_level(ctx: _Walk, todo: _Dirs, levels: list[dict[str, np.ndarray]], spans: list[np.ndarray],
+               seen: set[int]) -> tuple[dict[str, np.ndarray], _Dirs]:
+    """List the directories ``todo``: the level's columns, and the directories of the next level.
+    (A function of its own, so that the level's intermediate arrays are freed when it returns.)"""
+    image, dir_t, dino, dir_paths = ctx.image, ctx.dir_t, todo.inodes, todo.paths
+    sizes = dino.listing
+    starts = np.zeros(len(sizes), dtype=np.int64)
+    has = sizes > 0  # an empty directory may point past the table's end (an empty table)
+    starts[has] = dir_t.locate_many(dino.dir_block[has], dino.dir_offset[has])
+    over = starts + sizes > dir_t.size
+    if over.any():
+        i = int(np.argmax(over))
+        raise SourceError(f"{image}: damaged directory table: the listing of {dir_paths[i] or '/'!r} runs past "
+                          "the table's end; the image is damaged: re-copy or re-make it")
+    spans.append(np.stack([starts[has], sizes[has]], axis=1))
+    cuts = [dir_index(ctx.iv, ctx.inode_t.buffer, int(dino.index_pos[i]), count=int(dino.index_count[i]),
+                      image=image, name=dir_paths[i]) if dino.itype[i] == LDIR else []
+            for i in range(len(todo.entries))]
+    parsed = parse_listings(dir_t.buffer, ctx.dv, np.arange(len(todo.entries), dtype=np.int64), starts=starts,
+                            sizes=sizes, cuts=cuts, image=image, names=[p or "/" for p in dir_paths])
+    values, pstarts, name_at = _paths(ctx.dv, parsed.name_pos, parsed.name_len, parsed.dir, dir_paths)
+    _check_names(values, pstarts, name_at, len(levels), image=image, dir_paths=dir_paths, owner=parsed.dir)
+    refs = parsed.ino_ref
+    pos = ctx.inode_t.locate_many(refs >> 16, refs & 0xFFFF)
+    etype = np.where(parsed.type > 7, parsed.type - 7, parsed.type)
+    paths = _LazyPaths(values, pstarts)
+    inodes = decode_inodes(ctx.iv, pos, etype, block_size=ctx.block_size, image=image, name_of=paths.__getitem__)
+    bad = inodes.number != parsed.ino_number
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise SourceError(f"{image}: damaged directory table: the entry {paths[i]!r} says inode "
+                          f"{int(parsed.ino_number[i])}, its inode is {int(inodes.number[i])}; the image is "
+                          "damaged: re-copy or re-make it")
+    sub = np.flatnonzero(etype == DIR)
+    for i in sub.tolist():
+        r = int(refs[i])
+        if r in seen:
+            raise SourceError(f"{image}: the directory {paths[i]!r} is reached twice (a directory loop); the "
+                              "image is damaged or hostile: re-make it with mksquashfs")
+        seen.add(r)
+    base = sum(len(lv["parent"]) for lv in levels)
+    nxt = _Dirs(base + sub, _take(inodes, sub), [paths[i] for i in sub.tolist()])
+    return _level(todo.entries[parsed.dir], refs, inodes, values, pstarts), nxt
+
+
+def _check_spans(spans: np.ndarray, image: str) -> None:
+    """Two directories whose listings overlap (the same entries under two names) are a damaged image."""
+    spans = spans[np.argsort(spans[:, 0], kind="stable")]
+    if (spans[1:, 0] < spans[:-1, 0] + spans[:-1, 1]).any():
+        raise SourceError(f"{image}: damaged directory table: two directories share listing entries; the image is "
+                          "damaged or hostile: re-make it with mksquashfs")
+
+
+class _LazyPaths:
+    """Paths of one level, decoded only when a message or a directory needs one."""
+
+    def __init__(self, values: np.ndarray, starts: np.ndarray) -> None:
+        self._values, self._starts = values, starts
+
+    def __getitem__(self, i: int) -> str:
+        a, b = int(self._starts[i]), int(self._starts[i + 1])
+        return self._values[a:b].tobytes().decode("utf-8", "surrogateescape")
+
+
+def _take(ino: Inodes, idx: np.ndarray) -> Inodes:
+    cols = {f: getattr(ino, f)[idx] for f in ("itype", "mode", "number", "nlink", "start_block", "size", "fragment",
+                                              "frag_offset", "dir_block", "dir_offset", "listing", "index_pos",
+                                              "index_count")}
+    return Inodes(block_ptr=np.zeros(len(idx) + 1, dtype=np.int64), block_words=np.zeros(0, dtype=np.uint32),
+                  **cols)
+
+
+_BYTES = 1 << 22  # path bytes checked per pass
+
+
+def _check_names(values: np.ndarray, starts: np.ndarray, name_at: np.ndarray, depth: int, *, image: str,
+                 dir_paths: list[str], owner: np.ndarray) -> None:
+    """One level's paths (``values``, entry ``i`` at ``starts[i]:starts[i + 1]``, its name from
+    ``name_at[i]``, ``depth`` slashes before it) must end in a path component: not ``.``/``..``, no
+    ``/``, NUL or control characters (the prefixes are names already checked)."""
+    n = len(starts) - 1
+    length = starts[1:] - name_at
+    last = max(len(values) - 1, 0)
+    first = values[np.minimum(name_at, last)] if len(values) else np.zeros(n, np.uint8)
+    second = values[np.minimum(name_at + 1, last)] if len(values) else first
+    bad_entry = (first == 0x2E) & ((length == 1) | ((length == 2) & (second == 0x2E)))
+    slashes = 0
+    for a in range(0, len(values), _BYTES):
+        chunk = values[a : a + _BYTES]
+        control = (chunk < 0x20) | (chunk == 0x7F)
+        if control.any():
+            bad_entry[np.searchsorted(starts, a + np.flatnonzero(control), side="right") - 1] = True
+        slashes += int(np.count_nonzero(chunk == 0x2F))
+    if slashes != n * depth:  # a '/' inside a name
+        per = np.zeros(n, dtype=np.int64)
+        for a in range(0, len(values), _BYTES):
+            hits = a + np.flatnonzero(values[a : a + _BYTES] == 0x2F)
+            np.add.at(per, np.searchsorted(starts, hits, side="right") - 1, 1)
+        bad_entry |= per != depth
+    if bad_entry.any():
+        i = int(np.argmax(bad_entry))
+        raw = values[int(name_at[i]) : int(starts[i + 1])].tobytes()
+        where = dir_paths[int(owner[i])] or "/"
+        raise UnsafeArchiveError(f"{image}: the directory {where!r} holds an entry named {raw!r}, which is not a "
+                                 "file name (., .., or a name with '/', NUL or control characters); stager reads "
+                                 "no such image: re-make it from a tree of plain names")
+
+
+_ROWS = 1 << 16  # entries per pass of _paths: (rows x widest name) bytes, at most 16 MiB
+
+
+def _paths(table: ByteView, pos: np.ndarray, length: np.ndarray, owner: np.ndarray,
+           dir_paths: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """UTF-8 path bytes of one level's entries, whose names are ``length`` bytes at ``pos`` in the
+    directory table: each parent's path and ``/`` (none at the top), then the name. Returns
+    ``(values, starts (n + 1,), where each name starts in values)``.
+
+    A pass gathers its entries' names as rows of the widest name's width (one copy per row, as
+    :meth:`ByteView.records` does), puts each parent's prefix before them the same way, and keeps the
+    bytes that belong (a boolean mask, row by row): no per-byte index arrays."""
+    prefixes = [(p + "/").encode("utf-8", "surrogateescape") if p else b"" for p in dir_paths]
+    plen = np.fromiter((len(b) for b in prefixes), dtype=np.int64, count=len(prefixes))
+    width = int(plen.max()) if len(plen) else 0
+    ptable = np.zeros((len(prefixes), width), dtype=np.uint8)
+    for i, prefix in enumerate(prefixes):
+        ptable[i, : len(prefix)] = np.frombuffer(prefix, dtype=np.uint8)
+    elen = plen[owner]
+    starts = segment_starts(elen + length)
+    values = np.empty(int(starts[-1]), dtype=np.uint8)
+    n = len(pos)
+    for a in range(0, n, _ROWS):
+        b = min(n, a + _ROWS)
+        ln, pl = length[a:b], elen[a:b]
+        w, pw = int(ln.max()), int(pl.max())
+        rows = table.rows(pos[a:b], w)
+        col = np.arange(pw + w)
+        keep = (col >= pw) & (col < pw + ln[:, None])
+        if pw:
+            rows = np.concatenate([ptable[owner[a:b], :pw], rows], axis=1)
+            keep |= col < pl[:, None]
+        values[starts[a] : starts[b]] = rows[keep]
+    return values, starts, starts[:-1] + elen
+
+
+def _assemble(levels: list[dict[str, np.ndarray]], block_size: int, fragments: np.ndarray, data_end: int,
+              image: str) -> ImageListing:
+    """All levels as one :class:`ImageListing`, checked against the data area and fragment table."""
+
+    def cat(name: str) -> np.ndarray:
+        """One column over all levels; each level's part is dropped once copied (peak memory)."""
+        parts = [lv.pop(name) for lv in levels]
+        parts = [p for p in parts if len(p)] or parts[:1]
+        if not parts:
+            return np.zeros(0, dtype=np.uint8 if name == "path_values" else np.int64)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    parent = cat("parent")
+    top = np.arange(len(parent), dtype=np.int64)
+    at_top = parent < 0
+    for _ in range(len(levels)):  # parents come before children, one level per pass
+        top = np.where(at_top, top, top[np.maximum(parent, 0)])
+    paths = Strings(Ragged(cat("path_values"), segment_starts(cat("path_lens"))))
+    lst = ImageListing(paths, cat("kind"), parent, top, cat("size"), cat("mode"), cat("nlink"), cat("number"),
+                       cat("ref"), cat("start"), segment_starts(cat("nb")), cat("words").astype(np.uint32, copy=False),
+                       cat("fragment"), cat("frag_offset"), np.zeros(0, dtype=np.int64), fragments, block_size)
+    _check_data(lst, data_end, image)
+    lst.raw_offset = raw_offsets(lst)
+    return lst
+
+
+def _check_data(lst: ImageListing, data_end: int, image: str) -> None:
+    """Every file's blocks and fragment tail lie in the data area; size words are sane."""
+    kind, size, start, block_ptr = lst.kind, lst.size, lst.start_block, lst.block_ptr
+    fragment, frag_offset, fragments, block_size = lst.fragment, lst.frag_offset, lst.fragments, lst.block_size
+    words, paths = lst.block_words, lst.paths
+    n = len(kind)
+    nb = np.diff(block_ptr)
+    owner = np.repeat(np.arange(n, dtype=np.int64), nb)
+    w = words.astype(np.int64)
+    stored = w & DATA_SIZE_MASK
+    bad = np.zeros(n, dtype=bool)
+    bad[owner[(w >> 25 != 0) | (stored > block_size)]] = True
+    total = np.bincount(owner, weights=stored, minlength=n).astype(np.int64)
+    files = kind == REG
+    bad |= files & (total > 0) & ((start < 96) | (start + total > data_end))
+    has = files & (fragment >= 0)
+    nfrag = len(fragments)
+    bad |= has & (fragment >= nfrag)
+    tail = size - nb * block_size
+    bad |= has & ((tail <= 0) | (tail >= block_size))
+    if has.any() and nfrag:
+        f = np.where(has & (fragment < nfrag), fragment, 0)
+        fw = fragments[f, 1]
+        fstored = (fw & (1 << 24)) != 0
+        bad |= has & fstored & (frag_offset + tail > (fw & DATA_SIZE_MASK))
+        bad |= has & (frag_offset + tail > block_size)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise SourceError(f"{image}: damaged inode of {paths[i]!r}: its data blocks or fragment lie outside the image "
+                          "or have impossible sizes; the image is damaged or truncated: re-copy or re-make it")
