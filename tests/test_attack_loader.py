@@ -197,17 +197,27 @@ if sys.argv[2] == "1":
 it = iter(loader)
 held = next(it)  # kept: its ring slot must stay the parent's
 copy = held["image"].clone()
+r, w = os.pipe()
 pid = os.fork()
 if pid == 0:  # drops every copy it has (the slot's finalizer runs), then a normal exit (atexit handlers run)
+    try:
+        next(it)  # the parent's epoch: its workers' batches are the parent's
+        said = "continued the parent's epoch"
+    except Exception as e:
+        said = f"{type(e).__name__}: {e}"
+    os.write(w, said.encode())
     del held, it
     loader = None
     gc.collect()
     sys.exit(0)
+os.close(w)
+child_said = os.read(r, 4096).decode()
 _, status = os.waitpid(pid, 0)
 rest = [b["index"].tolist() for b in it]  # the workers go on writing the epoch's batches into free slots
 intact = torch.equal(held["image"], copy)
 nxt = sorted(i for b in loader for i in b["index"].tolist())
-print(json.dumps({"status": status, "rest": len(rest), "intact": intact, "next": nxt}), flush=True)
+print(json.dumps({"status": status, "rest": len(rest), "intact": intact, "next": nxt, "child": child_said}),
+      flush=True)
 """
 
 
@@ -222,6 +232,8 @@ def test_a_forked_child_leaves_the_parents_batches_and_workers_alone(frameworks_
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(p.stdout.splitlines()[-1])
     assert got["status"] == 0
+    assert got["child"].startswith("UsageError: this epoch's batches come from the DataLoader workers of process")
+    assert "\n" not in got["child"]
     assert got["intact"], "a batch the parent holds was overwritten after its forked child exited"
     assert got["rest"] == 25
     assert got["next"] == list(range(203)), "the next epoch, on the parent's workers"

@@ -117,7 +117,7 @@ class Loader(LoaderBase):
                 if not clean:  # a worker error or a broken contract: start afresh next epoch
                     self.close()
 
-            return EpochBatches(_next_of(pool.epoch_iter(ds)), end_persistent)
+            return EpochBatches(_in_this_process(_next_of(pool.epoch_iter(ds))), end_persistent)
         from torch.utils.data import DataLoader  # noqa: PLC0415 (torch is imported only where a process group is used)
 
         channel = shm.open_channel()
@@ -138,7 +138,7 @@ class Loader(LoaderBase):
             if channel is not None:
                 shm.cleanup(channel.token)
 
-        return EpochBatches(_next_of(it), end_fresh)
+        return EpochBatches(_in_this_process(_next_of(it)), end_fresh)
 
     def _finish(self, batch: dict[str, Any]) -> dict[str, Any]:
         return finish_batch(batch)
@@ -169,6 +169,21 @@ class Loader(LoaderBase):
         if self._pool_finalizer is not None:
             self._pool_finalizer()
         self._pool = self._pool_finalizer = None
+
+
+def _in_this_process(next_batch: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
+    """``next_batch``, refused in one line in a process forked from this one: the epoch's DataLoader workers are
+    this process' (stager.loader.fork_guard leaves them to it), and a forked child starts its own with a new pass."""
+    owner = os.getpid()
+
+    def next_here() -> dict[str, Any]:
+        if os.getpid() != owner:
+            raise UsageError(f"this epoch's batches come from the DataLoader workers of process {owner}, which "
+                             "this process was forked from: iterate the Loader anew here (a new pass starts "
+                             "workers of its own)")
+        return next_batch()
+
+    return next_here
 
 
 def _identity(batch: Any) -> Any:
