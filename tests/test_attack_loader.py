@@ -371,3 +371,109 @@ def test_gather_over_a_mix_gives_advice_that_applies_to_a_mix(mix_sets: dict[str
     said = [r.getMessage() for r in caplog.records if "gather_for_metrics keeps them" in r.getMessage()]
     assert len(said) == 1 and "evaluate with shuffle=False" not in said[0], said
     assert "each dataset with its own shuffle=False loader" in said[0]
+
+
+# ---- Accelerate and the HF Trainer at the edges (held: regressions) -------------------------------------
+
+ACCELERATE_EVAL = """
+import json, sys
+from pathlib import Path
+from accelerate import Accelerator
+from torch.utils.data import DataLoader
+from stager.loader import make_loader
+
+acc = Accelerator()
+out = {}
+for batch, drop_last in ((8, False), (8, True), (5, False), (7, True), (16, False)):
+    loader = acc.prepare(make_loader(sys.argv[1], batch, shuffle=False, drop_last=drop_last, num_workers=1,
+                                     image_size=8, transform="eval", staged=False))
+    passes = []
+    for _ in range(2):  # an eval loader reused every epoch
+        passes.append([i for b in loader for i in acc.gather_for_metrics(b["index"]).tolist()])
+    theirs = acc.prepare(DataLoader(list(range(203)), batch_size=batch, drop_last=drop_last))
+    ref = [i for b in theirs for i in acc.gather_for_metrics(b).tolist()]
+    out[f"{batch}-{drop_last}"] = {"passes": passes, "accelerate": ref}
+Path(sys.argv[2], f"rank{acc.process_index}.json").write_text(json.dumps(out))
+"""
+
+
+@pytest.mark.timeout(600)
+def test_gather_for_metrics_on_3_processes_is_accelerates_own_order(frameworks_pack: Path, tmp_path: Path) -> None:
+    """``shuffle=False`` under ``accelerator.prepare`` on 3 processes (203 samples: uneven tails), with and without
+    ``drop_last``, the loader reused for a second pass: ``gather_for_metrics`` gives exactly what Accelerate's own
+    DataLoader gives (the dataset's order, padding dropped), on every rank and every pass."""
+    pytest.importorskip("accelerate", reason="accelerate is in the test extra: make venv (tools/setup_venv.sh)")
+    from tests.frameworks.common import free_port, python, run
+
+    script = tmp_path / "accelerate_eval.py"
+    script.write_text(textwrap.dedent(ACCELERATE_EVAL))
+    run([python(), "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "3", "--num_machines", "1",
+         "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()), str(script),
+         str(frameworks_pack), str(tmp_path)], cwd=tmp_path, env={"ACCELERATE_USE_CPU": "1"})
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    for case, got in ranks[0].items():
+        assert got["passes"] == [got["accelerate"]] * 2, case
+        assert got["accelerate"] == list(range(len(got["accelerate"]))), case
+        assert all(r[case] == got for r in ranks[1:]), case
+
+
+TRAINER_ACCUMULATING = """
+import json, sys
+from pathlib import Path
+import torch
+from transformers import Trainer, TrainingArguments
+from stager.loader import make_loader
+
+DATA, OUT = sys.argv[1], Path(sys.argv[2])
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.seen = []
+    def forward(self, image, labels, index):
+        self.seen.append(index.tolist())
+        return {"loss": self.w.sum() * 0.0 + image.float().mean() * 0.0}
+
+class LoaderTrainer(Trainer):
+    def get_train_dataloader(self):
+        loader = make_loader(DATA, 8, num_workers=1, image_size=8, transform="train", staged=False, seed=7)
+        loader.collate_fn = lambda b: {"image": b["image"], "labels": b["label"], "index": b["index"]}
+        return loader
+
+def run(resume):
+    args = TrainingArguments(output_dir=str(OUT / "ckpt"), per_device_train_batch_size=8, num_train_epochs=3,
+                             gradient_accumulation_steps=3, save_strategy="steps", save_steps=1, report_to="none",
+                             use_cpu=True, logging_strategy="no", disable_tqdm=True, seed=7, dataloader_num_workers=1)
+    model = Tiny()
+    trainer = LoaderTrainer(model=model, args=args)
+    trainer.train(resume_from_checkpoint=None if resume is None else str(OUT / "ckpt" / f"checkpoint-{resume}"))
+    return model.seen, trainer.args.process_index, trainer.state.global_step
+
+full, rank, steps = run(None)
+resumed = {k: run(k)[0] for k in (1, 4, 5, 7, 15)}
+(OUT / f"rank{rank}.json").write_text(json.dumps({"full": full, "steps": steps, "resumed": resumed}))
+"""
+
+
+@pytest.mark.timeout(600)
+def test_trainer_resume_with_gradient_accumulation_at_the_edges(frameworks_pack: Path, tmp_path: Path) -> None:
+    """The HF Trainer over ``make_loader(...)`` with ``gradient_accumulation_steps=3`` (13 batches per epoch: optimizer
+    steps at batches 3, 6, 9, 12 and the epoch's last), resumed from the first step, the step before an epoch's
+    partial accumulation, an epoch's end, mid-epoch and the last step: the resumed run's batches are exactly the
+    uninterrupted run's from the batch after that step (none after the last)."""
+    pytest.importorskip("transformers", reason="transformers is in the test extra: make venv (tools/setup_venv.sh)")
+    from tests.frameworks.common import PER_RANK_BATCHES, free_port, python, run
+
+    script = tmp_path / "trainer_accumulating.py"
+    script.write_text(textwrap.dedent(TRAINER_ACCUMULATING))
+    run([python(), "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+         str(script), str(frameworks_pack), str(tmp_path)], cwd=tmp_path)
+    per_epoch = -(-PER_RANK_BATCHES // 3)  # optimizer steps per epoch: 5
+    for r in range(2):
+        got = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert got["steps"] == 3 * per_epoch and len(got["full"]) == 3 * PER_RANK_BATCHES
+        for step, seen in got["resumed"].items():
+            epoch, within = divmod(int(step), per_epoch)
+            done = epoch * PER_RANK_BATCHES + min(3 * within, PER_RANK_BATCHES)
+            assert seen == got["full"][done:], f"rank {r} resumed at step {step}"
