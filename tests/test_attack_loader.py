@@ -31,6 +31,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -329,7 +330,7 @@ class _LoaderInside(torch.utils.data.IterableDataset):
         self.pack = pack
         self.num_workers = num_workers
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self) -> Iterator[torch.Tensor]:
         from stager.loader import make_loader
 
         loader = make_loader(self.pack, 8, rank=0, world_size=1, num_workers=self.num_workers, image_size=8,
