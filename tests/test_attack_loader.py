@@ -123,7 +123,8 @@ def _descendants(pid: int) -> list[int]:
             parent[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
     out, todo = [], [pid]
     while todo:
-        kids = [k for k, ppid in parent.items() if ppid == todo.pop()]
+        of = todo.pop()
+        kids = [k for k, ppid in parent.items() if ppid == of]
         out += kids
         todo += kids
     return out
