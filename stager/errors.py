@@ -216,6 +216,13 @@ class RemotePermissionError(RemoteAccessError, PermissionError):
     """The store refused the credentials (403, none found): still a PermissionError for callers."""
 
 
+class ResourceLimitError(StagerError, OSError):
+    """A limit of this process ran out (open files: ``ulimit -n``): the message names the limit and how to stay
+    under it or raise it, the user's to fix."""
+
+    exit_code = ExitCode.USAGE
+
+
 def install_hint(packages: str, extra: str | None = None) -> str:
     """How to install an optional dependency: the PyPI packages themselves (what works in any environment;
     stager is installed from a checkout, not from PyPI), and the checkout's extra where there is one."""

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from stager.loader.assemble import byte_views, copy_images, copy_raw, image_shape, raw_offsets, raw_views
-from stager.loader.shm import WorkerRing
+from stager.loader.shm import WorkerRing, check_batch
 
 __all__ = ["finish_batch", "pack_raw", "raw_views", "stack_images"]
 
@@ -98,7 +98,9 @@ def pack_raw(items: Sequence[Any], shared: bool = False, ring: WorkerRing | None
 
 
 def finish_batch(batch: dict[str, Any]) -> dict[str, Any]:
-    """In the consuming process: small arrays to tensors, raw buffers to per-sample views."""
+    """In the consuming process: small arrays to tensors, raw buffers to per-sample views (a buffer that could
+    not be received raises its error here: :func:`stager.loader.shm.check_batch`)."""
+    check_batch(batch)
     for k in ("label", "index", "offsets", "stream"):
         if isinstance(batch.get(k), np.ndarray):
             batch[k] = torch.from_numpy(batch[k])

@@ -6,7 +6,7 @@ in-process when ``num_workers=0``, and turns raw batches' shared buffers into pe
 ``memoryview`` slices and small arrays into tensors (:func:`~stager.loader.batching.finish_batch`).
 Counting, epochs, resume state and stats are :class:`~stager.loader.base.LoaderBase`'s, shared with
 the numpy transport. It moves the dataset only through the dataset's public surface
-(``set_epoch``, ``resume``, ``start_batch``, ``shm_token``, ``group``, ``samples_in_epoch``).
+(``set_epoch``, ``resume``, ``start_batch``, ``worker_batches``, ``group``, ``samples_in_epoch``).
 
 What training frameworks look for (:mod:`stager.loader.frameworks`): ``sampler``, an object whose
 ``set_epoch`` Lightning and Fabric call at every epoch's start (as they do for a DistributedSampler);
@@ -16,11 +16,14 @@ Accelerate's ``end_of_dataloader``/``remainder`` while an Accelerator is active.
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from stager.loader import frameworks, shm
+from stager.errors import UsageError
+from stager.loader import fork_guard, frameworks, shm
 from stager.loader.base import EpochBatches, LoaderBase
 from stager.loader.batching import finish_batch
 from stager.loader.frameworks import convert
@@ -99,7 +102,14 @@ class Loader(LoaderBase):
         """The epoch's batch source: in this process, from the persistent pool, or from fresh workers."""
         ds = self.dataset
         if self.num_workers == 0:
-            return EpochBatches(ds.dataloader_batches().__next__, lambda clean: None)
+            # In this process, whatever process it is (not dataloader_batches(), which would take a
+            # DataLoader worker running this Loader for one of the Loader's own workers).
+            return EpochBatches(ds.worker_batches(0, in_worker=False).__next__, lambda clean: None)
+        if multiprocessing.current_process().daemon:
+            raise UsageError(
+                f"a Loader with num_workers={self.num_workers} cannot start worker processes inside a daemonic "
+                "process (a DataLoader worker, a multiprocessing Pool's): build it with num_workers=0 there"
+            )
         if self.persistent_workers:
             pool = self._worker_pool()
 
@@ -107,24 +117,28 @@ class Loader(LoaderBase):
                 if not clean:  # a worker error or a broken contract: start afresh next epoch
                     self.close()
 
-            return EpochBatches(_next_of(pool.epoch_iter(ds)), end_persistent)
+            return EpochBatches(_in_this_process(_next_of(pool.epoch_iter(ds))), end_persistent)
         from torch.utils.data import DataLoader  # noqa: PLC0415 (torch is imported only where a process group is used)
 
-        dl = DataLoader(WorkerStreams(ds), batch_size=None, num_workers=self.num_workers, **self._dl_kwargs())
-        token = ds.shm_token = shm.new_token()
-        it = iter(dl)
+        channel = shm.open_channel()
+        dl = DataLoader(WorkerStreams(ds, channel), batch_size=None, num_workers=self.num_workers,
+                        **self._dl_kwargs())
+        try:
+            it = iter(dl)
+            fork_guard.track(it)
+        finally:
+            if channel is not None:
+                channel.close()  # the workers (started by iter()) hold their end
 
         def end_fresh(clean: bool) -> None:
             shutdown = getattr(it, "_shutdown_workers", None)
             if shutdown is not None:
                 shutdown()
-            # This epoch's token: an abandoned epoch's iterator may be closed after the next one began.
-            if token is not None:
-                shm.cleanup(token)
-                if ds.shm_token == token:
-                    ds.shm_token = None
+            # This epoch's channel: an abandoned epoch's iterator may be closed after the next one began.
+            if channel is not None:
+                shm.cleanup(channel.token)
 
-        return EpochBatches(_next_of(it), end_fresh)
+        return EpochBatches(_in_this_process(_next_of(it)), end_fresh)
 
     def _finish(self, batch: dict[str, Any]) -> dict[str, Any]:
         return finish_batch(batch)
@@ -143,7 +157,8 @@ class Loader(LoaderBase):
         return kwargs
 
     def _worker_pool(self) -> WorkerPool:
-        if self._pool is None or self._pool.closed:
+        if self._pool is None or self._pool.closed or self._pool.owner != os.getpid():
+            # (A forked process' inherited pool is its parent's: never used, never closed here.)
             self._pool = WorkerPool(self.dataset, self.num_workers, self._dl_kwargs())
             # Not a bound method: the finalizer must not keep the Loader alive.
             self._pool_finalizer = weakref.finalize(self, self._pool.close)
@@ -154,6 +169,21 @@ class Loader(LoaderBase):
         if self._pool_finalizer is not None:
             self._pool_finalizer()
         self._pool = self._pool_finalizer = None
+
+
+def _in_this_process(next_batch: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
+    """``next_batch``, refused in one line in a process forked from this one: the epoch's DataLoader workers are
+    this process' (stager.loader.fork_guard leaves them to it), and a forked child starts its own with a new pass."""
+    owner = os.getpid()
+
+    def next_here() -> dict[str, Any]:
+        if os.getpid() != owner:
+            raise UsageError(f"this epoch's batches come from the DataLoader workers of process {owner}, which "
+                             "this process was forked from: iterate the Loader anew here (a new pass starts "
+                             "workers of its own)")
+        return next_batch()
+
+    return next_here
 
 
 def _identity(batch: Any) -> Any:

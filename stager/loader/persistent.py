@@ -5,22 +5,28 @@ second, and starting the DataLoader's worker processes was a third to a half of 
 ``persistent_workers=True`` the workers stay alive and torch calls ``iter()`` again on *their own
 copy* of the dataset at each epoch, so the main process' ``set_epoch`` / ``load_state_dict`` never
 reach them by themselves. Here each epoch's parameters (epoch, resume position, elastic-resume
-sequence, shared-memory ring token) travel as one message per worker:
+sequence) travel as one message per worker:
 
 * main process, before each epoch (:meth:`WorkerPool.epoch_iter`): bump a shared generation counter,
   put an :class:`EpochMessage` (generation, the dataset's
-  :class:`~stager.loader.torch_dataset.EpochPosition`, the ring token) on every worker's queue, then
-  ``iter()`` the DataLoader (torch sends its resume marker to each worker after that);
+  :class:`~stager.loader.torch_dataset.EpochPosition`) on every worker's queue, then ``iter()`` the
+  DataLoader (torch sends its resume marker to each worker after that);
 * worker, at the start of its epoch (:meth:`EpochFeed.__iter__`): read the generation and take
   messages off its queue until it holds the one of that generation (a late run of an abandoned
   epoch may already have taken it: then it is reused), move its dataset copy there
-  (``seek``, ``shm_token``), iterate it.
+  (``seek``), iterate it.
 
 The order is therefore exactly the non-persistent one (same plan, same worker round robin: torch
-restarts its cycle at worker 0 each epoch). The shared-memory token lives as long as the pool, so
+restarts its cycle at worker 0 each epoch). The shared-memory channel lives as long as the pool: the
+feed carries its workers' end into them when they start (the main process then closes its copy), and
 each worker keeps one batch ring across epochs; :meth:`WorkerPool.close` stops the workers first,
-then closes the token's inbox (:mod:`stager.loader.shm`). A ``weakref.finalize`` on the Loader calls it
+then closes the channel's inbox (:mod:`stager.loader.shm`). A ``weakref.finalize`` on the Loader calls it
 when the Loader is collected or at interpreter exit.
+
+A pool belongs to the process that started it: a process forked from it (``os.fork``) inherits the
+Loader and the pool's objects, but the workers are not its children. There the Loader starts a pool of
+its own, and never stops the parent's workers (its inherited finalizer, run when the child drops the
+Loader or exits, does nothing).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from stager.loader import shm
+from stager.loader import fork_guard, shm
 from stager.loader.torch_dataset import EpochPosition, TorchRankDataset
 
 # How long a worker waits for its epoch message between checks that the main process still lives.
@@ -51,20 +57,21 @@ def _context(mp_context: Any) -> Any:
 
 @dataclass(frozen=True)
 class EpochMessage:
-    """One epoch's parameters for every persistent worker: generation ``gen``, where to read, the ring token."""
+    """One epoch's parameters for every persistent worker: generation ``gen``, where to read."""
 
     gen: int
     position: EpochPosition
-    token: str | None
 
 
 class EpochFeed(IterableDataset):
-    """What the persistent workers iterate: the dataset, re-parameterised by each epoch's message."""
+    """What the persistent workers iterate: the dataset, re-parameterised by each epoch's message, its batch
+    buffers sent over ``channel`` (the pool's :class:`~stager.loader.shm.Channel`; None: torch's tensors)."""
 
-    def __init__(self, ds: TorchRankDataset, queues: list[Any], gen: Any) -> None:
+    def __init__(self, ds: TorchRankDataset, queues: list[Any], gen: Any, channel: shm.Channel | None) -> None:
         self.ds = ds
         self.queues = queues
         self.gen = gen
+        self.channel = channel
         self.parent_pid = os.getpid()
         self._msg: EpochMessage | None = None
 
@@ -85,7 +92,7 @@ class EpochFeed(IterableDataset):
             raise RuntimeError("EpochFeed runs only inside persistent DataLoader workers")
         m = self._message(info.id)
         self.ds.seek(m.position)
-        self.ds.shm_token = m.token
+        self.ds.shm_channel = self.channel
         yield from self.ds.dataloader_batches()
 
 
@@ -96,26 +103,32 @@ class WorkerPool:
         ctx = _context(dl_kwargs.get("multiprocessing_context"))
         self.queues = [ctx.Queue() for _ in range(num_workers)]
         self.gen = ctx.Value("q", 0, lock=False)
-        self.token = shm.new_token()
-        self.feed = EpochFeed(ds, self.queues, self.gen)
+        self.channel = shm.open_channel()
+        self.feed = EpochFeed(ds, self.queues, self.gen, self.channel)
         self.dl: DataLoader[Any] | None = DataLoader(
             self.feed, batch_size=None, num_workers=num_workers, persistent_workers=True, **dl_kwargs
         )
         self.closed = False
+        self.owner = os.getpid()
 
     def epoch_iter(self, ds: TorchRankDataset) -> Iterator[Any]:
         """Send the main process' epoch parameters (``ds``) to every worker; the DataLoader's iterator."""
         assert self.dl is not None, "closed pool"
         g = int(self.gen.value) + 1
         self.gen.value = g
-        msg = EpochMessage(g, ds.position, self.token)
+        msg = EpochMessage(g, ds.position)
         for q in self.queues:
             q.put(msg)
-        return iter(self.dl)
+        it = iter(self.dl)
+        fork_guard.track(it)
+        if self.channel is not None:
+            self.channel.close()  # the workers (started by the first iter()) hold their end
+        return it
 
     def close(self) -> None:
-        """Stop the workers (joined), then close their rings' inbox. Idempotent."""
-        if self.closed:
+        """Stop the workers (joined), then close their rings' inbox. Idempotent; nothing in a forked process
+        (the workers are its parent's)."""
+        if self.closed or os.getpid() != self.owner:
             return
         self.closed = True
         dl, self.dl = self.dl, None
@@ -125,5 +138,6 @@ class WorkerPool:
         for q in self.queues:
             q.cancel_join_thread()  # an unread message must not block the exit
             q.close()
-        if self.token is not None:
-            shm.cleanup(self.token)
+        if self.channel is not None:
+            self.channel.close()
+            shm.cleanup(self.channel.token)

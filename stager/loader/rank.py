@@ -189,8 +189,8 @@ class RankDataset:
 
     Between epochs the owner moves it with :meth:`set_epoch`, :meth:`resume` (an explicit order
     after an elastic resume), ``start_batch`` (where the next pass starts) or :meth:`seek` (all
-    three at once, as persistent workers receive it); ``shm_token`` (set by the Loader) makes
-    workers send batches through reused shared-memory rings named by it (:mod:`stager.loader.shm`).
+    three at once, as persistent workers receive it); ``shm_channel`` (set inside a worker) makes
+    it send batches through reused shared-memory rings over that channel (:mod:`stager.loader.shm`).
 
     ``deal_batches`` (False: each rank a contiguous slice of the epoch): the ranks take the epoch's
     batches in turn, as Accelerate's own DataLoader deals them (:meth:`deal_batches_in_turn`).
@@ -237,7 +237,7 @@ class RankDataset:
         self.epoch = 0
         self.start_batch = 0
         self._remaining: np.ndarray | None = None
-        self.shm_token: str | None = None
+        self.shm_channel: Any = None  # a worker's stager.loader.shm.Channel (set in the worker only)
         # The worker's ring, kept across the epochs a persistent worker serves under one token.
         self._ring: Any = None
         self._keys: np.ndarray | None = None
@@ -274,7 +274,7 @@ class RankDataset:
         return 0
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_keys": None, "_ring": None}  # rebuilt where needed
+        return {**self.__dict__, "_keys": None, "_ring": None, "shm_channel": None}  # rebuilt where needed
 
     # ---- the plan's arguments -------------------------------------------------------------------
     @property

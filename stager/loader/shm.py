@@ -21,26 +21,42 @@ of batches). A worker whose slots are all held (a consumer that keeps batches) a
 **Nothing has a name.** Every segment is an anonymous file (``memfd_create``), never a name under
 ``/dev/shm``: a name outlives the processes that know it, and a trainer killed with SIGKILL (the OOM
 killer, ``scancel`` past its grace time) left its workers' segments there until the next reboot. The
-worker hands each segment's descriptor to the main process instead, over a Unix socket (``SCM_RIGHTS``)
-of the epoch's token: :func:`new_token` opens the main process' :class:`Inbox`, listening on an
-abstract address (no file either) that dies with the process; each ring connects once and sends a
-descriptor, tagged with its key, before the first ref that needs it, so the main process finds it on
-that connection when it unpickles the ref. The inbox takes a connection only from a process of the
-same user whose kernel-reported pid is the ring's worker (``SO_PEERCRED``). A segment's memory is then
-freed by the kernel when the last mapping or descriptor of it goes, whoever exits, however.
-:func:`cleanup` closes a token's inbox (batches already handed out stay valid: they hold their own
-mappings). Without ``memfd_create`` or descriptor passing (not Linux), :func:`new_token` gives None and
-the caller falls back to torch's shared tensors.
+worker hands each segment's descriptor to the main process instead (``SCM_RIGHTS``), tagged with its pid
+and key, before the first ref that needs it, so the main process finds it there when it unpickles the
+ref. The descriptors travel over a **socket pair** that :func:`open_channel` makes for one epoch (or one
+worker pool): the main process keeps one end (its :class:`Inbox`), the DataLoader's dataset carries the
+other (:class:`Channel`) into the workers it starts (inherited by ``fork``, passed by ``spawn`` and
+``forkserver`` as multiprocessing passes sockets), and the main process closes its copy of that end
+once they have started (:meth:`Channel.close`). Nothing listens and nothing has an address, so no other
+process, of this user or another, can connect, squat a name or fill a queue (an abstract address did:
+anyone on the node could read it in ``/proc/net/unix`` and fill its listen backlog, and the workers'
+``connect`` then hung the epoch; tests/test_attack_loader.py). A segment's memory is freed by the kernel
+when the last mapping or descriptor of it goes, whoever exits, however.
+
+Each mapping the main process holds keeps one descriptor open (Python's ``mmap`` keeps its own): a
+ring's control block and slots (``MAX_SLOTS + 1`` per worker), plus one per one-off batch still held.
+A descriptor that cannot be received (the process is at its ``ulimit -n``) is not dropped silently
+(the kernel discards it, and the epoch would wait for it forever): the batch that needed it raises
+:class:`~stager.errors.ResourceLimitError` in one line when the Loader finishes it (:func:`check_batch`).
+
+A process forked from the main process (a user's ``os.fork``, a DataLoader worker) inherits every
+mapping and its batches' finalizers: a slot is released only by the process that received it, so a
+child that drops or exits with its copies never frees a slot the parent still holds; and the child
+closes its copies of the inboxes (``os.register_at_fork``). :func:`cleanup` closes a channel's inbox
+(batches already handed out stay valid: they hold their own mappings). Without ``memfd_create`` or
+descriptor passing (not Linux, a sandbox that refuses them), :func:`open_channel` gives None and the
+caller falls back to torch's shared tensors.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import mmap
 import os
+import resource
 import socket
-import struct
 import sys
 import threading
 import uuid
@@ -50,9 +66,11 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from stager.errors import ResourceLimitError
+
 MAX_SLOTS = 16
 _FREE, _BUSY = 0, 1
-_KEY_BYTES = 64  # a key message's longest text ("ctl", "<slot>-<gen>", "x<n>")
+_KEY_BYTES = 64  # a key message's longest text ("<pid> ctl", "<pid> <slot>-<gen>", "<pid> x<n>")
 
 
 @functools.cache
@@ -68,23 +86,36 @@ def available() -> bool:
     return True
 
 
-def _address(token: str) -> str:
-    return f"\0stager-{token}"  # Linux's abstract namespace: no file to leave behind
+class Channel:
+    """The workers' end of one token's socket pair: what a DataLoader's dataset carries into its workers.
+
+    Pickled (``spawn``, ``forkserver``) it travels as multiprocessing passes a socket (a duplicate of the
+    descriptor); ``fork`` inherits it. Every worker of the pool shares it (one message is one descriptor
+    and its key, sent whole). :meth:`close` in the main process once the workers have started.
+    """
+
+    def __init__(self, token: str, sock: socket.socket) -> None:
+        self.token = token
+        self.sock = sock
+
+    def close(self) -> None:
+        self.sock.close()
 
 
-def new_token() -> str | None:
-    """Open the main process' inbox for one epoch's (or one worker pool's) rings: its token, or None when
-    rings are not available here (the caller then uses torch's shared tensors). :func:`cleanup` closes it."""
+def open_channel() -> Channel | None:
+    """Open one epoch's (or one worker pool's) channel: the main process' :class:`Inbox` and the workers' end,
+    or None when rings are not available here (the caller then uses torch's shared tensors).
+    :func:`cleanup` closes the inbox."""
     if not available():
         return None
-    token = f"{os.getpid()}{uuid.uuid4().hex[:8]}"
+    token = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
     try:
-        inbox = Inbox(token)
+        main_end, worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     except OSError:
         return None
     with _LOCK:
-        _INBOXES[token] = inbox
-    return token
+        _INBOXES[token] = Inbox(main_end)
+    return Channel(token, worker_end)
 
 
 def _segment(tag: str, nbytes: int) -> tuple[mmap.mmap, int]:
@@ -101,7 +132,7 @@ def _segment(tag: str, nbytes: int) -> tuple[mmap.mmap, int]:
 class ShmRef(NamedTuple):
     """A batch buffer in a worker's ring; unpickles in the receiving process as a uint8 tensor of ``shape``.
 
-    ``ring``: ``<token>:<worker pid>``. ``key``: the segment's key on the ring's connection (``<slot>-<gen>``,
+    ``ring``: ``<token>:<worker pid>``. ``key``: the segment's key on the channel (``<slot>-<gen>``,
     or ``x<n>`` for a one-off segment, ``slot`` -1, used once).
     """
 
@@ -119,15 +150,11 @@ class ShmRef(NamedTuple):
 class WorkerRing:
     """The worker's side: slots it writes batches into, reused once the main process released them."""
 
-    def __init__(self, token: str) -> None:
-        self.token = token
-        self.ring = f"{token}:{os.getpid()}"
-        self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            self._conn.connect(_address(token))
-        except OSError:
-            self._conn.close()
-            raise
+    def __init__(self, channel: Channel) -> None:
+        self.token = channel.token
+        self._pid = os.getpid()
+        self.ring = f"{channel.token}:{self._pid}"
+        self._conn = channel.sock
         self._ctl = self._share("ctl", MAX_SLOTS)
         self._ctl_view = np.frombuffer(self._ctl, dtype=np.uint8)
         self._slots: list[tuple[mmap.mmap | None, int]] = []  # (mapping, capacity)
@@ -139,7 +166,7 @@ class WorkerRing:
         """A new segment, its descriptor sent to the main process under ``key`` (before any ref names it)."""
         mm, fd = _segment(key, nbytes)
         try:
-            socket.send_fds(self._conn, [key.encode()], [fd])
+            socket.send_fds(self._conn, [f"{self._pid} {key}".encode()], [fd])
         except BaseException:
             mm.close()
             raise
@@ -186,118 +213,149 @@ class WorkerRing:
 
 
 class _Ring:
-    """The main process' view of one worker's ring: its connection, its control block, its mapped slots."""
+    """The main process' view of one worker's ring: its control block and its mapped slots."""
 
-    def __init__(self, conn: socket.socket) -> None:
-        self.conn = conn
-        self.waiting: dict[str, int] = {}  # descriptors received before their refs: key -> fd
-        self.ctl: mmap.mmap | None = None
+    def __init__(self, ctl: mmap.mmap) -> None:
+        self.ctl = ctl
         self.slots: dict[int, tuple[int, memoryview]] = {}  # slot -> (generation, view of its mapping)
 
-    def take(self, key: str) -> int:
-        """The descriptor the worker sent under ``key`` (read off the connection, in the order sent)."""
-        while key not in self.waiting:
-            msg, fds, _flags, _addr = socket.recv_fds(self.conn, _KEY_BYTES, 1)
+
+class Inbox:
+    """The main process' end of one channel: the descriptors its workers sent, and their rings (by worker pid)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.waiting: dict[tuple[int, str], int] = {}  # descriptors received before their refs
+        self.rings: dict[int, _Ring] = {}
+
+    def take(self, pid: int, key: str) -> int:
+        """The descriptor worker ``pid`` sent under ``key`` (read off the channel, in the order sent)."""
+        while (pid, key) not in self.waiting:
+            msg, fds, flags, _addr = socket.recv_fds(self.sock, _KEY_BYTES, 1)
             if not msg:
-                raise RuntimeError(f"stager.loader: a DataLoader worker's ring closed before it sent {key!r}")
+                raise RuntimeError(f"stager.loader: the DataLoader workers' channel closed before worker {pid} "
+                                   f"sent {key!r}")
             for fd in fds[1:]:
                 os.close(fd)
-            if fds:
-                self.waiting[msg.decode()] = fds[0]
-        return self.waiting.pop(key)
+            if not fds or flags & socket.MSG_CTRUNC:
+                raise _descriptor_limit()  # the kernel dropped it: waiting for it would wait forever
+            sender, name = msg.decode().split(" ", 1)
+            self.waiting[(int(sender), name)] = fds[0]
+        return self.waiting.pop((pid, key))
 
-    def map(self, key: str, nbytes: int | None = None) -> mmap.mmap:
-        fd = self.take(key)
+    def map(self, pid: int, key: str, nbytes: int | None = None) -> mmap.mmap:
+        fd = self.take(pid, key)
         try:
             return mmap.mmap(fd, nbytes if nbytes is not None else os.fstat(fd).st_size)
+        except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE):  # mmap keeps a duplicate of the descriptor
+                raise _descriptor_limit() from None
+            raise
         finally:
             os.close(fd)
+
+    def ring(self, pid: int) -> _Ring:
+        """Worker ``pid``'s ring (its control block is the first segment it sent)."""
+        r = self.rings.get(pid)
+        if r is None:
+            r = self.rings[pid] = _Ring(self.map(pid, "ctl", MAX_SLOTS))
+        return r
 
     def close(self) -> None:
         for fd in self.waiting.values():
             os.close(fd)
         self.waiting.clear()
-        self.conn.close()
-
-
-class Inbox:
-    """One token's listening socket in the main process and the rings that connected to it (by worker pid)."""
-
-    def __init__(self, token: str) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            self.sock.bind(_address(token))
-            self.sock.listen(socket.SOMAXCONN)
-        except OSError:
-            self.sock.close()
-            raise
-        self.rings: dict[int, _Ring] = {}
-
-    def ring(self, pid: int) -> _Ring:
-        """Worker ``pid``'s ring; its connection is accepted here (a worker connects before its first ref)."""
-        while pid not in self.rings:
-            conn, _ = self.sock.accept()
-            peer_pid, peer_uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-            if peer_uid != os.getuid() or peer_pid in self.rings:
-                conn.close()  # not this user's, or not a new ring: never a source of batches
-                continue
-            self.rings[peer_pid] = _Ring(conn)
-        return self.rings[pid]
-
-    def close(self) -> None:
-        for r in self.rings.values():
-            r.close()
         self.rings.clear()
         self.sock.close()
+
+
+def _descriptor_limit() -> ResourceLimitError:
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return ResourceLimitError(
+        f"stager.loader: this process reached its limit of {soft} open files (ulimit -n), so a batch from a "
+        "DataLoader worker cannot be received; every batch kept beyond the workers' "
+        f"{MAX_SLOTS} reused buffers holds one open file until it is dropped: keep fewer batches (or keep "
+        "copies: batch['image'].clone()), or raise the limit (ulimit -n in the job script)")
+
+
+class _Lost:
+    """What :func:`attach` gives instead of a tensor when the batch could not be received: the error, raised by
+    :func:`check_batch` in the Loader (an error raised while torch unpickles the batch would be replaced by
+    torch's own message, which suggests another sharing strategy, or kill the pin-memory thread)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: ResourceLimitError) -> None:
+        self.error = error
 
 
 _LOCK = threading.Lock()  # the pin-memory thread unpickles batches while the main thread may clean up
 _INBOXES: dict[str, Inbox] = {}
 
 
-def _release(ctl: mmap.mmap, slot: int) -> None:
+def _forget_inboxes() -> None:
+    """In a forked child: close the copies of the parent's inboxes (the parent reads them, never the child)."""
+    global _LOCK  # noqa: PLW0603 (a fresh lock: a thread of the parent may have held it at the fork)
+    _LOCK = threading.Lock()
+    for inbox in _INBOXES.values():
+        inbox.sock.close()  # the waiting descriptors are the parent's too: closing a copy frees nothing of his
+        for fd in inbox.waiting.values():
+            os.close(fd)
+    _INBOXES.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_inboxes)
+
+
+def _release(ctl: mmap.mmap, slot: int, owner: int) -> None:
+    if os.getpid() != owner:
+        return  # a forked child's copy of a parent's batch: the parent still holds it
     with contextlib.suppress(ValueError):  # mapping already closed at interpreter exit
         ctl[slot] = _FREE
 
 
-def _ring_of(ring: str) -> _Ring:
-    token, pid = ring.rsplit(":", 1)
-    inbox = _INBOXES.get(token)
-    if inbox is None:
-        raise RuntimeError(f"stager.loader: a batch of a finished epoch's ring {ring} arrived after its cleanup")
-    r = inbox.ring(int(pid))
-    if r.ctl is None:
-        r.ctl = r.map("ctl", MAX_SLOTS)
-    return r
-
-
-def attach(spec: tuple[str, str, int, int, int, tuple[int, ...]]) -> torch.Tensor:
+def attach(spec: tuple[str, str, int, int, int, tuple[int, ...]]) -> torch.Tensor | _Lost:
     """Unpickle a :class:`ShmRef`: a uint8 tensor of ``shape`` over the slot (no copy)."""
     ring, key, slot, gen, nbytes, shape = spec
-    with _LOCK:
-        r = _ring_of(ring)
-        ctl = r.ctl
-        assert ctl is not None
-        if slot < 0:
-            if nbytes == 0:
-                os.close(r.take(key))
-                return torch.empty(shape, dtype=torch.uint8)
-            view = memoryview(r.map(key, nbytes))
-        else:
-            got = r.slots.get(slot)
-            if got is None or got[0] != gen:
-                got = r.slots[slot] = (gen, memoryview(r.map(key)))
-            view = got[1][:nbytes]
+    token, wpid = ring.rsplit(":", 1)
+    pid = int(wpid)
+    try:
+        with _LOCK:
+            inbox = _INBOXES.get(token)
+            if inbox is None:
+                raise RuntimeError(f"stager.loader: a batch of a finished epoch's ring {ring} arrived after its "
+                                   "cleanup")
+            r = inbox.ring(pid)
+            if slot < 0:
+                if nbytes == 0:
+                    os.close(inbox.take(pid, key))
+                    return torch.empty(shape, dtype=torch.uint8)
+                view = memoryview(inbox.map(pid, key, nbytes))
+            else:
+                got = r.slots.get(slot)
+                if got is None or got[0] != gen:
+                    got = r.slots[slot] = (gen, memoryview(inbox.map(pid, key)))
+                view = got[1][:nbytes]
+    except ResourceLimitError as e:
+        return _Lost(e)
     if slot >= 0:
         if nbytes == 0:
-            _release(ctl, slot)
+            _release(r.ctl, slot, os.getpid())
             return torch.empty(shape, dtype=torch.uint8)
-        weakref.finalize(view, _release, ctl, slot)
+        weakref.finalize(view, _release, r.ctl, slot, os.getpid())
     return torch.frombuffer(view, dtype=torch.uint8).view(shape)
 
 
+def check_batch(batch: dict[str, Any]) -> None:
+    """Raise the error of a buffer of ``batch`` that could not be received (:func:`attach`), if any."""
+    for value in batch.values():
+        if isinstance(value, _Lost):
+            raise value.error
+
+
 def cleanup(token: str) -> None:
-    """Close this token's inbox: its rings' connections and the descriptors not yet claimed.
+    """Close this token's inbox: its channel and the descriptors not yet claimed.
 
     Batches already handed out stay valid (they hold their own mappings); the memory of every segment
     is freed once the last mapping of it, on either side, is gone.

@@ -37,7 +37,7 @@ from stager.loader.rank import (
     plan_group,
     run_size,
 )
-from stager.loader.shm import WorkerRing
+from stager.loader.shm import Channel, WorkerRing
 
 __all__ = [
     "LOCAL_MIN_RUN",
@@ -73,8 +73,9 @@ class TorchRankDataset(RankDataset):
 
     Between epochs the owner moves it with :meth:`set_epoch`, :meth:`resume` (an explicit order
     after an elastic resume), ``start_batch`` (where the next pass starts) or :meth:`seek` (all
-    three at once, as persistent workers receive it); ``shm_token`` (set by the Loader) makes
-    workers send batches through reused shared-memory rings named by it (:mod:`stager.loader.shm`).
+    three at once, as persistent workers receive it); ``shm_channel`` (set inside each worker from the
+    Loader's :class:`WorkerStreams` or persistent feed) makes workers send batches through reused
+    shared-memory rings over that channel (:mod:`stager.loader.shm`).
     """
 
     def _runtime_workers(self) -> int:
@@ -95,11 +96,11 @@ class TorchRankDataset(RankDataset):
         yield from self.worker_batches(phys, in_worker=info is not None)
 
     def _worker_ring(self) -> WorkerRing | None:
-        """This worker's shared-memory batch ring for the Loader's current token (None: torch's tensors)."""
-        if self.shm_token is None:
+        """This worker's shared-memory batch ring on the Loader's current channel (None: torch's tensors)."""
+        if self.shm_channel is None:
             return None
-        if self._ring is None or self._ring.token != self.shm_token:
-            self._ring = WorkerRing(self.shm_token)
+        if self._ring is None or self._ring.token != self.shm_channel.token:
+            self._ring = WorkerRing(self.shm_channel)
         return self._ring
 
     def _image_fields(self, items: list[Any], *, in_worker: bool, ring: Any) -> dict[str, Any]:
@@ -115,10 +116,13 @@ class TorchRankDataset(RankDataset):
 
 
 class WorkerStreams(IterableDataset):
-    """What a Loader's DataLoader iterates: ``ds``'s :meth:`~TorchRankDataset.dataloader_batches`."""
+    """What a Loader's DataLoader iterates: ``ds``'s :meth:`~TorchRankDataset.dataloader_batches`, its batch
+    buffers sent over ``channel`` (the epoch's :class:`~stager.loader.shm.Channel`; None: torch's tensors)."""
 
-    def __init__(self, ds: TorchRankDataset) -> None:
+    def __init__(self, ds: TorchRankDataset, channel: Channel | None = None) -> None:
         self.ds = ds
+        self.channel = channel
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        self.ds.shm_channel = self.channel  # this worker's copy of the dataset
         return self.ds.dataloader_batches()

@@ -150,7 +150,8 @@ def gather_remainder(loader: FrameworkLoader) -> int:
     gathered batch: always when ``shuffle=False`` batches are dealt to the ranks in turn (what
     ``accelerator.prepare`` asks: the repeats are the epoch's last positions, the end of its last round),
     and with contiguous rank slices when they sit at the end of the last rank's last batch. Otherwise
-    (shuffled padding lies anywhere in the last rank's share) nothing can be dropped there: 0, logged once.
+    (shuffled padding lies anywhere in the last rank's share; a mix pads each stream's share on its own, inside
+    its batches) nothing can be dropped there: 0, logged once with what to evaluate with instead.
     """
     ds = loader.dataset
     sizes = ds.batch_sizes()
@@ -160,16 +161,19 @@ def gather_remainder(loader: FrameworkLoader) -> int:
         return 0
     if ds.deal_batches and ds.mode == "none":  # pad < world <= the last round's rows
         return world * int(sizes[-1]) - pad
+    advice = "evaluate with shuffle=False (or drop_last=True)"
     try:
         last = None if ds.group.node_partitioned else ds.plan(rank=world - 1)
     except UsageError:  # a mix: one plan per stream, its padding anywhere in the layout
         last = None
+        advice = ("a mix pads each stream on its own: evaluate each dataset with its own shuffle=False loader "
+                  "(or the mix with drop_last=True)")
     if last is not None and _padding_at_tail(last, pad):
         return world * int(sizes[-1]) - pad
     if loader not in _PAD_LOGGED:
         _PAD_LOGGED.add(loader)
         log.info("stager.loader: %d padding repeats of this epoch are not at the end of the last batch, so "
-                 "accelerate's gather_for_metrics keeps them; evaluate with shuffle=False (or drop_last=True)", pad)
+                 "accelerate's gather_for_metrics keeps them; %s", pad, advice)
     return 0
 
 

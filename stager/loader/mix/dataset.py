@@ -156,7 +156,7 @@ class MixDataset(RankDataset):
         self.epoch = 0
         self.start_batch = 0
         self._remaining: np.ndarray | None = None
-        self.shm_token: str | None = None
+        self.shm_channel: Any = None  # a worker's stager.loader.shm.Channel (set in the worker only)
         self._ring: Any = None
         self._keys = None
         # Per-rank counts of the current position (key: epoch, explicit order): a partitioned stream's
