@@ -56,3 +56,32 @@ def test_a_site_quota_this_node_cannot_hold_fails_no_users_stage_or_loader(node:
         # The service account's fill goes on with the default quota (and says why).
         fill = _fill(node, conf_env, public, cache)
         assert any("STAGER_CACHE_QUOTA" in w for w in fill["warnings"]), fill["warnings"]
+
+
+# ---- what a dataset record tells ------------------------------------------------------------------------
+def test_a_manifest_the_fill_refuses_leaves_no_record_others_can_read(node: Node, site) -> None:  # noqa: F811
+    """A licensed, group-only dataset whose ``manifest.json`` is a symbolic link (to the current
+    version's file, as many trees keep it): the fill refuses the link, so it caches nothing, as it
+    should; but it still wrote the dataset's record with no access to give it, 0644, so every user
+    of the node read the licensed dataset's path, id and files in `stager cache ls`. Now a site
+    cache's record is written only with the access of a manifest the job's user may read."""
+    from stager.manifest import load_manifest
+
+    cache, conf_env = site
+    src = node.data / "licensed"
+    make_dataset(src, n=3, size=16 << 10, seed=11)
+    (src / "manifest.json").rename(src / "manifest.v2.json")
+    (src / "manifest.json").symlink_to("manifest.v2.json")
+    _chmod_tree(src, 0o750, 0o640, gid=LICENSED_GID)
+    fill = _fill(node, conf_env, src, cache, user=SERVICE_AS_MEMBER)
+    assert fill["cache"]["files_filled"] == 0 and any("symbolic link" in w for w in fill["warnings"]), fill
+    for p in (cache / "datasets").iterdir():
+        assert not stat.S_IMODE(p.stat().st_mode) & 0o004, f"{p} is world-readable"
+    ls = stager_as(ATTACKER, "cache", "ls", cache, "--json", env=node.env(ATTACKER, **conf_env))
+    text = ls.stdout + ls.stderr
+    assert ls.returncode == 0 and str(src) not in text and load_manifest(src).dataset_id not in text, text
+    # The member's own stage is unaffected: it copies as the user (the plain copy), and verifies.
+    home = node.home(VICTIM)
+    res = _json(stager_as(MEMBER, "stage", src, home / "d", "--cache", cache, "--json",
+                          env=node.env(VICTIM, **conf_env)))
+    assert res["files_copied"] > 0
