@@ -85,3 +85,46 @@ def test_a_manifest_the_fill_refuses_leaves_no_record_others_can_read(node: Node
     res = _json(stager_as(MEMBER, "stage", src, home / "d", "--cache", cache, "--json",
                           env=node.env(VICTIM, **conf_env)))
     assert res["files_copied"] > 0
+
+
+# ---- groups: a setgid directory -----------------------------------------------------------------------
+PROJECT_GID = 64300  # a project's group: the victim is a member, the attacker too
+
+
+def test_a_setgid_directory_never_gives_its_group_a_copy(node: Node) -> None:
+    """The victim's directory in a project tree is setgid with the project's group (``2750``, the
+    way sites make project trees share). A dataset that grants read only to the victim's own group
+    was staged there (plainly, and through the victim's own cache) as ``<victim>:<project> 0640``:
+    every member of the project read it, and could list DEST. Copies took the directory's group
+    because stager compared the source's group with its own process's, not with the group the file
+    got. Now every copy, DEST itself, the receipt and a cache's objects have the source's group."""
+    src = node.data / "ds"
+    make_dataset(src, n=3, size=16 << 10, seed=4)
+    _chmod_tree(src, 0o750, 0o640, gid=VICTIM.gid)  # the victim's group only
+    proj = node.base / "proj"
+    proj.mkdir()
+    os.chown(proj, VICTIM.uid, PROJECT_GID)
+    proj.chmod(0o2750)
+    victim = User("victim", VICTIM.uid, VICTIM.gid, (PROJECT_GID,))
+    member = User("colleague", ATTACKER.uid, ATTACKER.gid, (PROJECT_GID,))
+    env = node.env(VICTIM)
+    _json(stager_as(victim, "stage", src, proj / "plain", "--json", env=env))
+    _json(stager_as(victim, "stage", src, proj / "cached", "--cache", proj / "cache", "--json", env=env))
+    _json(stager_as(victim, "stage", src, proj / "again", "--cache", proj / "cache", "--json", env=env))
+    from stager.pack import pack
+    from tools.datagen import make_imagefolder
+
+    packed = node.data / "packed"
+    pack(make_imagefolder(node.base / "img", num_classes=2, per_class=3, seed=2, size=(32, 24)), packed, format="tar",
+         samples_per_shard=3)
+    _chmod_tree(packed, 0o750, 0o640, gid=VICTIM.gid)
+    _json(stager_as(victim, "stage", packed, proj / "unpacked", "--unpack", "--json", env=env))
+    assert len([p for p in (proj / "unpacked").rglob("*") if p.is_file()]) > 6  # the samples too
+    wrong = [(str(p), p.lstat().st_gid, oct(stat.S_IMODE(p.lstat().st_mode)))
+             for d in ("plain", "cached", "again", "cache", "unpacked") for p in [proj / d, *(proj / d).rglob("*")]
+             if p.lstat().st_gid != VICTIM.gid and p.lstat().st_mode & 0o070]
+    assert not wrong, f"given the project's group: {wrong[:6]}"
+    # What the colleague (a project member, not in the victim's group) can read of it: nothing.
+    r = python_as(member, "import os, sys; print(sum(1 for _ in os.scandir(sys.argv[1])))", str(proj / "plain"),
+                  env=node.env(ATTACKER))
+    assert r.returncode != 0 and "Permission denied" in r.stderr, r.stdout

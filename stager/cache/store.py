@@ -62,7 +62,7 @@ from stager.cache.layout import (
     record_name,
 )
 from stager.errors import ManifestError, UnsafePathError, UsageError
-from stager.fs.access import current_umask
+from stager.fs.access import current_umask, give_group
 from stager.fs.atomic import atomic_write_bytes, fsync_dir, partial_base, partial_path, remove_partials
 from stager.fs.info import detect_fs
 from stager.fs.safe import check_chain, owner_name, problem, read_trusted, require, trusted_uids
@@ -378,12 +378,7 @@ class Cache:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.write(fd, (json.dumps(rec) + "\n").encode())
-            if gid is not None and gid != os.getegid():
-                try:
-                    os.fchown(fd, -1, gid)
-                except PermissionError:
-                    mode = mode if mode & 0o004 else 0o600  # never another group's read bit
-            os.fchmod(fd, mode)
+            give_group(fd, gid, mode)  # never another group's read bit (nor a setgid directory's group)
             if rec.get("pinned"):
                 os.fsync(fd)
         finally:
