@@ -29,8 +29,8 @@ def _fill(node: Node, conf_env: dict[str, str], src: Path, cache: Path, user: Us
 
 
 # ---- a newcomer's site configuration --------------------------------------------------------------------
-def test_a_site_quota_this_node_cannot_hold_fails_no_users_stage_or_loader(node: Node, site,
-                                                                          public: Path) -> None:  # noqa: F811
+def test_a_site_quota_this_node_cannot_hold_fails_no_users_stage_or_loader(
+        node: Node, site, public: Path) -> None:  # noqa: F811
     """One prolog.conf serves a cluster's nodes, whose disks differ, and every stage and loader on a
     node reads it. A STAGER_CACHE_QUOTA that did not parse (``60 %%``) made every user's `stage
     --cache` (of their own cache too) exit 2 and every loader die with a traceback; one larger than
@@ -128,3 +128,53 @@ def test_a_setgid_directory_never_gives_its_group_a_copy(node: Node) -> None:
     r = python_as(member, "import os, sys; print(sum(1 for _ in os.scandir(sys.argv[1])))", str(proj / "plain"),
                   env=node.env(ATTACKER))
     assert r.returncode != 0 and "Permission denied" in r.stderr, r.stdout
+
+
+# ---- leases/: what one user may make the service account read ----------------------------------------------
+BIG_LEASES = r"""
+import json, os, sys, time
+leases, mine, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+st = os.stat(mine)
+keys = [f"{i:032x}-{i:016x}" for i in range((15 << 20) // 52)]        # well-formed keys: each one is kept
+body = json.dumps({"schema": "stager.cache.lease/1", "kind": "dest", "keys": keys, "time": time.time(),
+                   "expires": time.time() + 3600, "dest": [[mine, st.st_dev, st.st_ino]], "uid": os.getuid()})
+for i in range(n):
+    with open(os.path.join(leases, f"big{i}.lease"), "w") as f:
+        f.write(body)
+    os.chmod(os.path.join(leases, f"big{i}.lease"), 0o644)
+"""
+
+PEAK = r"""
+import json, resource, runpy, sys
+sys.argv = ["stager", *sys.argv[1:]]
+try:
+    runpy.run_module("stager", run_name="__main__")
+except SystemExit:
+    pass
+print(json.dumps({"maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+def test_one_users_leases_cannot_exhaust_the_service_account(node: Node, site, public: Path) -> None:  # noqa: F811
+    """``leases/`` is world-writable and every entry of it was read whole by every fill over quota and
+    every `cache gc` (several times: once per batch of evictions), each lease up to 16 MiB of
+    well-formed object keys, every key kept: 30 such leases of one user (450 MiB of disk) took the
+    service account's gc to about 1.3 GB of memory, and a few hundred would kill every fill on the
+    node. Now the entries of each user other than the cache's owner are read up to a budget (1024
+    entries, 64 MiB together); the rest are not opened and are reported as one line of junk."""
+    cache, conf_env = site
+    _fill(node, conf_env, public, cache)
+    mine = node.home(ATTACKER) / "job"
+    r = python_as(ATTACKER, f"import os; os.mkdir({str(mine)!r})", env=node.env(ATTACKER))
+    assert r.returncode == 0, r.stderr
+    r = python_as(ATTACKER, BIG_LEASES, str(cache / "leases"), str(mine), "30", env=node.env(ATTACKER))
+    assert r.returncode == 0, r.stderr
+    out = python_as(OTHER, PEAK, "cache", "gc", str(cache), "--max-bytes", "0", "--json",
+                    env=node.env(OTHER, **conf_env))
+    lines = out.stdout.strip().splitlines()
+    assert out.returncode == 0 and len(lines) >= 2, out.stderr
+    peak = json.loads(lines[-1])["maxrss_mib"]
+    rep = json.loads(lines[-2])
+    assert peak < 1000, f"the service account's gc took {peak:.0f} MiB reading one user's leases"
+    assert rep["evicted"] and rep["junk"].count("\n") == 0 and "64 MiB" in rep["junk"], rep["junk"]
+    assert rep["junk_leases"] >= 26, rep
