@@ -14,6 +14,7 @@ from pathlib import Path
 from tests.asuser import ATTACKER, OTHER, VICTIM, Node, User, python_as, stager_as
 from tests.test_cache_users import LICENSED_GID, LOADER, MEMBER, _chmod_tree, public, site  # noqa: F401 (fixtures)
 from tests.test_stage_support import make_dataset
+from tests.test_trust_prolog import service  # noqa: F401 (the fixture)
 
 SERVICE_AS_MEMBER = User("service", OTHER.uid, MEMBER.gid, MEMBER.groups)  # the prolog's fill for a member
 
@@ -178,3 +179,61 @@ def test_one_users_leases_cannot_exhaust_the_service_account(node: Node, site, p
     assert peak < 1000, f"the service account's gc took {peak:.0f} MiB reading one user's leases"
     assert rep["evicted"] and rep["junk"].count("\n") == 0 and "64 MiB" in rep["junk"], rep["junk"]
     assert rep["junk_leases"] >= 26, rep
+
+
+# ---- bytes that are not UTF-8 ----------------------------------------------------------------------------
+RAW_NAME = r"""
+import os, sys
+with open(os.path.join(os.fsencode(sys.argv[1]), b"\x9b2J\x9b31m\xff.lease"), "w") as f:
+    f.write("{}")
+"""
+
+
+def _no_controls(data: bytes) -> None:
+    """``data`` is UTF-8 without a control character (newlines and tabs aside) or an undecodable byte."""
+    text = data.decode("utf-8")  # strict: a lone 0x9b (an 8-bit CSI) is not UTF-8
+    bad = [c for c in text if (ord(c) < 32 and c not in "\n\t") or 0x7F <= ord(c) <= 0x9F]
+    assert not bad, repr(text)
+
+
+def test_a_name_that_is_not_utf8_reaches_no_terminal_raw(node: Node, site, public: Path) -> None:  # noqa: F811
+    """A lease named with raw bytes that are not UTF-8 (``\\x9b2J``: an 8-bit CSI that clears the screen
+    of a terminal honouring C1 controls) was printed raw by the admin's `stager cache ls` and `cache gc`:
+    names from ``os.listdir`` carry such bytes as lone surrogates, which ``printable`` let through and
+    stdout wrote back as the bytes. Now they are escaped (``\\x9b``) like every control character."""
+    import subprocess
+
+    from tests.asuser import python_argv
+
+    cache, conf_env = site
+    _fill(node, conf_env, public, cache)
+    r = python_as(ATTACKER, RAW_NAME, str(cache / "leases"), env=node.env(ATTACKER))
+    assert r.returncode == 0, r.stderr
+    for args in (("ls",), ("ls", "--json"), ("gc", "--dry-run"), ("gc", "--dry-run", "--json")):
+        out = subprocess.run([*OTHER.setpriv(), *python_argv(), "-m", "stager", "cache", args[0], str(cache),
+                              *args[1:]], capture_output=True, env=node.env(OTHER, **conf_env), cwd="/", check=False)
+        assert out.returncode == 0, out.stderr
+        _no_controls(out.stdout + out.stderr)
+        assert b"\\x9b2J" in out.stdout, (args, out.stdout)
+
+
+def test_a_comment_that_is_not_utf8_reaches_no_record_raw(service) -> None:  # noqa: F811
+    """The job's comment carries raw bytes that are not UTF-8 (``stager:ds\\x9b2J``): the prolog's
+    refusal put them, raw, into root's world-readable failure record, the AdminComment (read by
+    admins' ``scontrol show job``) and the job's output. ``stager_redact`` replaced the C0 controls
+    and UTF-8-encoded C1 controls only; bytes that are not UTF-8 now become ``?`` too."""
+    import subprocess
+
+    from tests.test_trust_prolog import VICTIM as JOB_USER
+
+    (service.shims / "comment").write_bytes(b"stager:ds\x9b2J\xff/x\n")
+    r = subprocess.run(service.argv("stager-prolog", None), env=service.env(JOB_USER), cwd="/", capture_output=True,
+                       timeout=300, check=False)
+    assert r.returncode == 0, r.stderr
+    record = service.failure_record.read_bytes()
+    assert record.startswith(b"stager-prolog exit 2: ") and b"not an absolute path" in record, record
+    admin = (service.shims / "admin").read_bytes()
+    t = subprocess.run(service.argv("stager-taskprolog", JOB_USER), env=service.env(JOB_USER), cwd="/",
+                       capture_output=True, timeout=300, check=False)
+    for data in (record, admin, r.stderr, t.stdout):
+        _no_controls(data)
