@@ -237,3 +237,38 @@ def test_a_comment_that_is_not_utf8_reaches_no_record_raw(service) -> None:  # n
                        capture_output=True, timeout=300, check=False)
     for data in (record, admin, r.stderr, t.stdout):
         _no_controls(data)
+
+
+# ---- the job's user against root's prolog ------------------------------------------------------------------
+def test_the_job_cannot_keep_the_prolog_past_its_deadline(service, node: Node) -> None:  # noqa: F811
+    """How long the prolog runs is the job's user's to decide (how big and how many datasets, a slow
+    file system of theirs, the same dataset named a thousand times in the comment), and Slurm kills a
+    prolog at PrologEpilogTimeout and *drains the node*: one user's job took a node from everyone.
+    Now each dataset is staged once however often the comment names it, and past
+    STAGER_PROLOG_TIMEOUT the prolog stops the stage and fails the job (exit 5) instead. The stage
+    here is held at one byte a second (the copier's test throttle), so only the deadline ends it."""
+    import subprocess
+
+    from tests.test_trust_prolog import JOB, dataset, processes_with
+    from tests.test_trust_prolog import VICTIM as JOB_USER
+
+    src = dataset(node)
+    service.comment("stager:" + ",".join([str(src)] * 5))
+    r = service.run("stager-prolog", JOB_USER)
+    assert r.returncode == 0 and not service.failure_record.exists(), (r.stderr, service.admin_comment)
+    assert len(list((service.state / f"job{JOB}").glob("stage-*.json"))) == 1  # staged once
+    assert service.run("stager-epilog", JOB_USER).returncode == 0
+    service.conf.write_text(service.conf.read_text() + "STAGER_PROLOG_TIMEOUT=3\n")
+    try:
+        r = subprocess.run(service.argv("stager-prolog", None),
+                           env=service.env(JOB_USER, STAGER_TEST_THROTTLE_BPS="1"), cwd="/", capture_output=True,
+                           text=True, timeout=120, check=False)
+        record = service.failure_record.read_text() if service.failure_record.exists() else ""
+        left = processes_with(f"STAGER_PROLOG_JOB={JOB}")  # the prolog ended its stage itself
+    except subprocess.TimeoutExpired:
+        raise AssertionError("the prolog staged past its deadline (Slurm would have drained the node)") from None
+    finally:
+        service.run("stager-epilog", JOB_USER)  # ends a stage left running
+    assert r.returncode == 0, r.stderr
+    assert record.startswith("stager-prolog exit 5: ") and "STAGER_PROLOG_TIMEOUT" in record, (record, r.stderr)
+    assert not left, left
