@@ -272,3 +272,34 @@ def test_the_job_cannot_keep_the_prolog_past_its_deadline(service, node: Node) -
     assert r.returncode == 0, r.stderr
     assert record.startswith("stager-prolog exit 5: ") and "STAGER_PROLOG_TIMEOUT" in record, (record, r.stderr)
     assert not left, left
+
+
+def test_a_licensed_datasets_path_is_not_told_to_every_user_by_its_leases(node: Node, site) -> None:  # noqa: F811
+    """A licensed dataset's record is its group's only, so that the node's other users do not learn
+    which licensed data it caches; but ``leases/`` is every user's to read, and the fill's (and each
+    stage's) lease said ``stage --cache-only /proj/licensed/...``: a non-member's `cache ls` named the
+    licensed dataset while a member's job used it. Now a site cache's leases say what they are for
+    without a location. (The fill is held at one byte a second, the copier's test throttle, so its
+    lease is there to be read: the test waits for the file, never for a time.)"""
+    from tests.asuser import popen_as, python_argv
+    from tests.test_trust_prolog import wait_for
+
+    cache, conf_env = site
+    src = node.data / "licensed-imagenet"
+    make_dataset(src, n=3, size=16 << 10, seed=11)
+    _chmod_tree(src, 0o750, 0o640, gid=LICENSED_GID)
+    fill = popen_as(SERVICE_AS_MEMBER, [*python_argv(), "-m", "stager", "stage", str(src), "--cache", str(cache),
+                                        "--cache-only", "--json"],
+                    env=node.env(OTHER, STAGER_TEST_THROTTLE_BPS="1", **conf_env))
+    try:
+        # Copying (a partial object is there): its lease was written and rewritten with its reservation.
+        wait_for(lambda: any(p.name.endswith(".partial") for p in (cache / "objects").rglob("*")), "the fill's copy")
+        ls = stager_as(ATTACKER, "cache", "ls", cache, "--json", env=node.env(ATTACKER, **conf_env))
+        raw = python_as(ATTACKER, "import os, sys; d = sys.argv[1]; print([open(os.path.join(d, n)).read() "
+                        "for n in os.listdir(d)])", str(cache / "leases"), env=node.env(ATTACKER))
+    finally:
+        fill.kill()
+        fill.communicate()
+    leases = _json(ls)["leases"]
+    assert leases and all(le["what"] == "stage --cache-only" for le in leases), leases
+    assert raw.returncode == 0 and "licensed-imagenet" not in raw.stdout + ls.stdout, raw.stdout

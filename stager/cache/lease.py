@@ -81,6 +81,20 @@ LEASE_BYTES_PER_USER = 64 << 20
 DEST_CHAIN = 3  # the destination and two directories above it
 
 
+def public_what(cache: Cache, what: str) -> str:
+    """What a lease says it is for: in a site cache, whose ``leases/`` every user of the node reads, only
+    the words before the first location (``stage --cache-only``, not the dataset's path: a licensed
+    dataset's record is its group's only, and its leases must not name it to everyone)."""
+    if cache.kind != "site":
+        return what
+    words = []
+    for w in what.split():
+        if "/" in w:
+            break
+        words.append(w)
+    return " ".join(words)
+
+
 def _lease_body(kind: str, keys: Iterable[str], what: str, **extra: Any) -> bytes:
     body = {"schema": LEASE_SCHEMA, "kind": kind, "what": redact_text(what), "pid": os.getpid(), "uid": os.geteuid(),
             "host": socket.gethostname(), "boot_id": boot_id(), "time": time.time(), "keys": sorted(set(keys)),
@@ -127,7 +141,8 @@ class Lease:
 
     def acquire(self) -> Lease:
         extra = {"reserve": dict(sorted(self.reserved.items()))} if self.reserved else {}
-        self.path, self.fd = _create(self.cache.leases_dir, _lease_body("process", self.keys, self.what, **extra),
+        self.path, self.fd = _create(self.cache.leases_dir,
+                                     _lease_body("process", self.keys, public_what(self.cache, self.what), **extra),
                                      lock=True)
         return self
 
@@ -188,7 +203,8 @@ def write_dest_lease(cache: Cache, keys: Iterable[str], dest: Path, *,
         if p.parent == p:
             break
         p = p.parent
-    body = _lease_body("dest", keys, f"links in {dest}", dest=chain, expires=time.time() + max_age_days * 86400)
+    body = _lease_body("dest", keys, public_what(cache, f"links in {dest}"), dest=chain,
+                       expires=time.time() + max_age_days * 86400)
     path, fd = _create(cache.leases_dir, body, lock=False)
     os.close(fd)
     return path
