@@ -303,3 +303,14 @@ def test_a_licensed_datasets_path_is_not_told_to_every_user_by_its_leases(node: 
     leases = _json(ls)["leases"]
     assert leases and all(le["what"] == "stage --cache-only" for le in leases), leases
     assert raw.returncode == 0 and "licensed-imagenet" not in raw.stdout + ls.stdout, raw.stdout
+
+
+def test_a_destination_too_deep_leaves_no_trail_of_directories(node: Node, public: Path) -> None:  # noqa: F811
+    """A newcomer's mistyped DEST (a path past PATH_MAX: a loop in a script appending a directory) was
+    refused in one line, but only after making some 400 directories one at a time, left behind. Now
+    the directories a refused DEST made are removed again: nothing half-made."""
+    home = node.home(VICTIM)
+    deep = home / "x" / ("abcdefghi/" * 500 + "d")
+    r = stager_as(VICTIM, "stage", public, deep, env=node.env(VICTIM))
+    assert r.returncode != 0 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (home / "x").exists(), "directories of the refused destination were left"
