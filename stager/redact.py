@@ -13,7 +13,8 @@ kept, userinfo becomes ``***`` and every query or fragment value becomes ``***``
 say which parameter was given, not its value).
 
 Printed text is also made harmless: :func:`printable` escapes control characters (``ESC`` and the
-other C0 and C1 controls, ``DEL``, the bidirectional overrides), so a name someone else wrote (a
+other C0 and C1 controls, ``DEL``, the bidirectional overrides) and bytes that are not UTF-8 (a file
+name's raw ``0x9b`` is an 8-bit CSI to some terminals), so a name someone else wrote (a
 file, a lease, a dataset path) can never move the cursor, recolour or rewrite a terminal or forge a
 line; :func:`redact_text` applies it to everything it returns (keeping newlines and tabs, which the
 CLI's own multi-line text uses), so the CLI's text, ``--json`` strings, warnings and every
@@ -29,9 +30,11 @@ import os
 import re
 
 MASK = "***"
-# C0 controls, DEL, C1 controls, and the bidirectional embeddings, overrides and isolates.
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
-_CONTROL_BUT_LINES = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+# C0 controls, DEL, C1 controls, the bidirectional embeddings, overrides and isolates, and the bytes of
+# a name that are not UTF-8 (os.listdir and sys.argv carry them as lone surrogates U+DC80-U+DCFF, which
+# the CLI's stdout writes back as the raw byte: a lone 0x9b is a terminal's 8-bit CSI).
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\udc80-\udcff]")
+_CONTROL_BUT_LINES = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\udc80-\udcff]")
 _URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://(?P<auth>[^/?#]*)(?P<path>[^?#]*)"
                   r"(?:\?(?P<query>[^#]*))?(?:#(?P<frag>.*))?$", re.S)
 # A URL inside free text: up to whitespace or a quote/bracket; trailing punctuation is not part of it.
@@ -76,6 +79,8 @@ def redact(location: str | os.PathLike[str]) -> str:
 
 def _escape(m: re.Match[str]) -> str:
     c = ord(m.group(0))
+    if 0xDC80 <= c <= 0xDCFF:
+        return f"\\x{c - 0xDC00:02x}"  # the byte that was not UTF-8, as such
     return f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
 
 

@@ -174,7 +174,12 @@ def site_config(env: dict[str, str] | None = None) -> SiteConfig:
             warnings.append(f"{path}: STAGER_CACHE_USER={values['STAGER_CACHE_USER']}: no such user")
     quota = None
     if values.get("STAGER_CACHE_QUOTA"):
-        quota = Quota.parse(values["STAGER_CACHE_QUOTA"], f"{path}: STAGER_CACHE_QUOTA")
+        # A typo here is the site's, not the user's: every stage and loader on the node reads this file,
+        # so it is a warning and the default quota, never a failure of theirs (as STAGER_CACHE_LEASE_DAYS).
+        try:
+            quota = Quota.parse(values["STAGER_CACHE_QUOTA"], f"{path}: STAGER_CACHE_QUOTA")
+        except UsageError as exc:
+            warnings.append(f"{exc}; using the cache's own or {DEFAULT_QUOTA}")
     lease_days = DEFAULT_DEST_LEASE_DAYS
     given = values.get("STAGER_CACHE_LEASE_DAYS")
     if given:

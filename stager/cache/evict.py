@@ -147,7 +147,7 @@ def collect(cache: Cache, *, target_bytes: int | None = None, need_bytes: int = 
 def _run(cache: Cache, report: GcReport, target: int, dry_run: bool) -> None:
     now = time.time()
     leases = read_leases(cache, now)
-    report.junk_leases = sum(1 for le in leases if le.junk)
+    report.junk_leases = sum(le.count for le in leases if le.junk)
     report.junk = junk_line(leases, cache.leases_dir)
     if not dry_run:
         _fold_use_times(cache, leases)

@@ -24,7 +24,9 @@ without following links and must be a small regular file; it can only ever *keep
 removed itself when dead), never make anything else happen, and nothing in it can make a reader of
 it fail: whatever is not a lease (a directory, a FIFO, a link, broken JSON, numbers that are not
 finite, a path with a NUL) is *junk*, protects nothing, and is reported (:func:`junk_line`: one
-line) and removed when it is a file (a directory of another user's stays, and stays reported).
+line) and removed when it is a file (a directory of another user's stays, and stays reported). Each
+user other than the cache's owner has their entries read up to a budget (:data:`LEASE_ENTRIES_PER_USER`,
+:data:`LEASE_BYTES_PER_USER` together): past it they are not opened, and count as junk.
 
 What a lease keeps is bounded, whoever wrote it (:func:`protected_keys`):
 
@@ -70,7 +72,27 @@ if TYPE_CHECKING:
 
 LEASE_SCHEMA = "stager.cache.lease/1"
 LEASE_MAX_BYTES = 16 << 20
+# What one user other than the cache's owner may have judged in leases/, all their entries together:
+# beyond it their entries are not opened (nor kept one by one), so nobody can make every fill and gc
+# read gigabytes of leases (a 16 MiB lease of valid keys costs ~40 MiB of memory to hold). A user's
+# real leases are one per running stage or loader and per DEST (a 100,000-shard dataset's is ~5 MiB).
+LEASE_ENTRIES_PER_USER = 1024
+LEASE_BYTES_PER_USER = 64 << 20
 DEST_CHAIN = 3  # the destination and two directories above it
+
+
+def public_what(cache: Cache, what: str) -> str:
+    """What a lease says it is for: in a site cache, whose ``leases/`` every user of the node reads, only
+    the words before the first location (``stage --cache-only``, not the dataset's path: a licensed
+    dataset's record is its group's only, and its leases must not name it to everyone)."""
+    if cache.kind != "site":
+        return what
+    words = []
+    for w in what.split():
+        if "/" in w:
+            break
+        words.append(w)
+    return " ".join(words)
 
 
 def _lease_body(kind: str, keys: Iterable[str], what: str, **extra: Any) -> bytes:
@@ -119,7 +141,8 @@ class Lease:
 
     def acquire(self) -> Lease:
         extra = {"reserve": dict(sorted(self.reserved.items()))} if self.reserved else {}
-        self.path, self.fd = _create(self.cache.leases_dir, _lease_body("process", self.keys, self.what, **extra),
+        self.path, self.fd = _create(self.cache.leases_dir,
+                                     _lease_body("process", self.keys, public_what(self.cache, self.what), **extra),
                                      lock=True)
         return self
 
@@ -180,7 +203,8 @@ def write_dest_lease(cache: Cache, keys: Iterable[str], dest: Path, *,
         if p.parent == p:
             break
         p = p.parent
-    body = _lease_body("dest", keys, f"links in {dest}", dest=chain, expires=time.time() + max_age_days * 86400)
+    body = _lease_body("dest", keys, public_what(cache, f"links in {dest}"), dest=chain,
+                       expires=time.time() + max_age_days * 86400)
     path, fd = _create(cache.leases_dir, body, lock=False)
     os.close(fd)
     return path
@@ -208,6 +232,7 @@ class LeaseInfo:
     junk: bool = False
     removable: bool = True
     changed: float = 0.0
+    count: int = 1  # entries this stands for (those of one user past :data:`LEASE_ENTRIES_PER_USER`: many)
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "kind": self.kind, "live": self.live, "why": self.why, "objects": len(self.keys),
@@ -226,19 +251,52 @@ def read_leases(cache: Cache, now: float | None = None) -> list[LeaseInfo]:
         dfd = os.open(cache.leases_dir, os.O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
     except OSError:
         return out
+    budget = _Budget(cache.owner)
     try:
-        for name in os.listdir(dfd):
-            try:
-                info = _judge(dfd, name, now)
-            except (OSError, ValueError, TypeError, OverflowError, RecursionError) as exc:
-                info = LeaseInfo(name, "?", False, f"unreadable ({type(exc).__name__}): protects nothing", junk=True)
-            if info.live and info.uid != cache.owner and now - info.changed > max_age:
-                info.live = False
-                info.why = f"older than {max_age / 86400:g} days (the longest a lease of another user's lasts)"
-            out.append(info)
+        with os.scandir(dfd) as entries:  # an iterator: a million names are never one list
+            for entry in entries:
+                name = entry.name
+                if not budget.admits(_lstat_at(dfd, name)):
+                    continue
+                try:
+                    info = _judge(dfd, name, now)
+                except (OSError, ValueError, TypeError, OverflowError, RecursionError) as exc:
+                    info = LeaseInfo(name, "?", False, f"unreadable ({type(exc).__name__}): protects nothing",
+                                     junk=True)
+                if info.live and info.uid != cache.owner and now - info.changed > max_age:
+                    info.live = False
+                    info.why = f"older than {max_age / 86400:g} days (the longest a lease of another user's lasts)"
+                out.append(info)
     finally:
         os.close(dfd)
-    return out
+    return out + budget.past()
+
+
+class _Budget:
+    """Counts each user's entries of ``leases/`` (the cache's owner's excepted) against
+    :data:`LEASE_ENTRIES_PER_USER` and :data:`LEASE_BYTES_PER_USER`, in directory order."""
+
+    def __init__(self, owner: int) -> None:
+        self.owner = owner
+        self.spent: dict[int, tuple[int, int]] = {}
+        self.over: dict[int, int] = {}
+
+    def admits(self, st: os.stat_result | None) -> bool:
+        if st is None or st.st_uid == self.owner:
+            return True
+        n, size = self.spent.get(st.st_uid, (0, 0))
+        if n >= LEASE_ENTRIES_PER_USER or size + st.st_size > LEASE_BYTES_PER_USER:
+            self.over[st.st_uid] = self.over.get(st.st_uid, 0) + 1
+            return False
+        self.spent[st.st_uid] = (n + 1, size + st.st_size)
+        return True
+
+    def past(self) -> list[LeaseInfo]:
+        """One entry per user past the budget, standing for all of theirs that were not read."""
+        return [LeaseInfo(f"{n} more entries of {owner_name(uid)}", "?", False,
+                          f"past what one user's leases may hold together ({LEASE_ENTRIES_PER_USER} entries, "
+                          f"{LEASE_BYTES_PER_USER >> 20} MiB): not read, protect nothing", uid=uid, junk=True,
+                          removable=False, count=n) for uid, n in sorted(self.over.items())]
 
 
 def _judge(dfd: int, name: str, now: float) -> LeaseInfo:
@@ -352,7 +410,8 @@ def junk_line(leases: Iterable[LeaseInfo], where: Path) -> str | None:
     if not junk:
         return None
     first = junk[0]
-    return (f"{where}: {len(junk)} entr{'y is' if len(junk) == 1 else 'ies are'} not a lease and protect nothing "
+    n = sum(le.count for le in junk)
+    return (f"{where}: {n} entr{'y is' if n == 1 else 'ies are'} not a lease and protect nothing "
             f"(first: {printable(first.name)}: {first.why}); removed when a file, else left to its owner")
 
 

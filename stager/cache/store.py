@@ -62,7 +62,7 @@ from stager.cache.layout import (
     record_name,
 )
 from stager.errors import ManifestError, UnsafePathError, UsageError
-from stager.fs.access import current_umask
+from stager.fs.access import current_umask, give_group
 from stager.fs.atomic import atomic_write_bytes, fsync_dir, partial_base, partial_path, remove_partials
 from stager.fs.info import detect_fs
 from stager.fs.safe import check_chain, owner_name, problem, read_trusted, require, trusted_uids
@@ -171,12 +171,13 @@ class Cache:
             raise UnsafePathError(f"{root}: a user's shard cache of {owner_name(st.st_uid)}, not yours; only a site "
                                   f"cache is shared; {fix}")
         own = _marker_quota(root, marker)
-        chosen = quota or quota_from_env() or own or site.quota or Quota.parse(DEFAULT_QUOTA)
         disk = disk_size(root)
+        warnings = list(site.warnings)
+        chosen = quota or quota_from_env() or own or _site_quota(site, disk, warnings) or Quota.parse(DEFAULT_QUOTA)
         cache = cls(root=root, kind=cache_kind, owner=st.st_uid, writable=mine, quota=chosen, quota_bytes=None,
-                    disk_bytes=disk, fstype="", warnings=list(site.warnings), lease_max_s=site.lease_days * 86400)
+                    disk_bytes=disk, fstype="", warnings=warnings, lease_max_s=site.lease_days * 86400)
         cache._check_dirs(create=mine)
-        if not read_only:
+        if not read_only and mine:  # a reader never evicts: the owner's quota is not its to refuse
             fix = (f"record one that fits: `stager cache init --quota {DEFAULT_QUOTA} {root}`" if chosen is own
                    else "give at most the disk's size or a fraction (0.5)")
             cache.quota_bytes = chosen.resolve(disk, f"cache {root}", fix)
@@ -377,12 +378,7 @@ class Cache:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.write(fd, (json.dumps(rec) + "\n").encode())
-            if gid is not None and gid != os.getegid():
-                try:
-                    os.fchown(fd, -1, gid)
-                except PermissionError:
-                    mode = mode if mode & 0o004 else 0o600  # never another group's read bit
-            os.fchmod(fd, mode)
+            give_group(fd, gid, mode)  # never another group's read bit (nor a setgid directory's group)
             if rec.get("pinned"):
                 os.fsync(fd)
         finally:
@@ -466,6 +462,20 @@ def _record_access(acc: Any) -> tuple[int, int | None]:
         return (acc[0] & 0o444) | 0o400, acc[1]
     return 0o644, None
 
+
+
+def _site_quota(site: SiteConfig, disk: int, warnings: list[str]) -> Quota | None:
+    """The site configuration's quota when it fits this node's disk; else None and a warning (one
+    prolog.conf serves nodes with different disks: a quota another node's disk holds is not this
+    node's users' failure)."""
+    if site.quota is None:
+        return None
+    try:
+        site.quota.resolve(disk, f"{site.path}: STAGER_CACHE_QUOTA")
+    except UsageError as exc:
+        warnings.append(f"{exc}; using {DEFAULT_QUOTA} on this node")
+        return None
+    return site.quota
 
 
 def _lstat(p: Path) -> os.stat_result | None:

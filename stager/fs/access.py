@@ -7,6 +7,11 @@ one stays readable for the job's other users. Directories get the source directo
 search bits for group and others (``0o055``), the owner everything. Never write: a copy is never
 writable by group or others, which is what :mod:`stager.fs.safe` requires of a file it trusts.
 
+The group is the source's, compared with the group each new file actually has (never assumed to
+be the process's: in a setgid directory, a project tree say, a new file takes the directory's
+group), and where it cannot be given the group class gets only what others get
+(:func:`give_group`), so no copy grants a group its source did not.
+
 The umask applies on top, everywhere (shards, manifest, index, receipt, DEST, unpacked files):
 it can only take group and other bits away (``umask 077`` makes every copy private), never the
 owner's. A copy of an object-store file (which has no POSIX modes) is private: ``0600``.
@@ -14,7 +19,6 @@ owner's. A copy of an object-store file (which has no POSIX modes) is private: `
 
 from __future__ import annotations
 
-import contextlib
 import os
 import stat
 
@@ -62,11 +66,44 @@ def source_access(source: str | os.PathLike[str]) -> tuple[int, int | None]:
     return copy_mode(st.st_mode), st.st_gid
 
 
+def give_group(fd: int, gid: int | None, mode: int | None = None) -> bool:
+    """Give the open file or directory ``fd`` the group ``gid`` (its source's), then ``mode`` (when given).
+
+    The group is compared with the one the file has, never assumed to be ours: in a setgid directory
+    (a project tree) a new file takes the directory's group, and a copy must not grant that group
+    the read bits its source grants its own. Where ``gid`` cannot be given (EPERM: a group we are not
+    in), the group class gets what others get (``0640`` becomes ``0600``, ``0644`` stays), so no other
+    group reads more than everyone may. Returns False then.
+    ``gid=None`` (an object-store source, no group to keep) leaves the group alone."""
+    ok = True
+    if gid is not None and os.fstat(fd).st_gid != gid:
+        try:
+            os.fchown(fd, -1, gid)
+        except PermissionError:
+            ok = False
+            mode = _group_as_others(stat.S_IMODE(os.fstat(fd).st_mode) if mode is None else mode)
+    if mode is not None:
+        os.fchmod(fd, mode)
+    return ok
+
+
+def _group_as_others(mode: int) -> int:
+    return (mode & ~0o070) | ((mode & 0o007) << 3)
+
+
 def chgrp_quiet(path: str | os.PathLike[str], gid: int | None) -> None:
-    """Give ``path`` group ``gid`` when it differs from ours; skipped where we may not (EPERM)."""
-    if gid is not None and gid != os.getegid():
-        with contextlib.suppress(PermissionError):
-            os.chown(path, -1, gid, follow_symlinks=False)
+    """:func:`give_group` for ``path`` (never through a link; a path that cannot be opened is skipped)."""
+    if gid is None:
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+                     | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return
+    try:
+        give_group(fd, gid)
+    finally:
+        os.close(fd)
 
 
 def size_or_missing(path: str | os.PathLike[str]) -> int:

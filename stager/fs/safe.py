@@ -637,11 +637,21 @@ def private_dir(parent: str | os.PathLike[str], name: str, mode: int = 0o700, *,
     while not os.path.lexists(cur):
         missing.append(cur)
         cur = os.path.dirname(cur)
-    for d in reversed(missing):
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(d, mode)
-        SafeDir.open(d, what=what, fix=fix, sticky_ok=True).close()
-    return SafeDir.create(os.path.join(real_parent, name), mode, what=what, fix=fix)
+    made: list[str] = []
+    try:
+        for d in reversed(missing):
+            try:
+                os.mkdir(d, mode)
+                made.append(d)
+            except FileExistsError:
+                pass
+            SafeDir.open(d, what=what, fix=fix, sticky_ok=True).close()
+        return SafeDir.create(os.path.join(real_parent, name), mode, what=what, fix=fix)
+    except BaseException:
+        for d in reversed(made):  # nothing half-made: a path too long or deep leaves no trail of directories
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
+        raise
 
 
 __all__ = [

@@ -321,14 +321,35 @@ class _Run:
         """A site cache's fill: check the manifest as the job's user would read it (its access becomes
         the dataset record's); False (a warning said why) when the user may not, and nothing is filled."""
         self.gate = FillGate(self.cache, fill_reader())
-        opened = self.gate.open(manifest_path(self.plan.src), "manifest")
-        if opened is None:
-            self.warnings.append(self.gate.summary() or "")
+        if not self.gate_manifest(self.gate):
             self.close_gate()
+            return False
+        return True
+
+    def gate_manifest(self, gate: FillGate) -> bool:
+        """Set :attr:`access` from the manifest opened through ``gate``; False (and its warning) when refused."""
+        opened = gate.open(manifest_path(self.plan.src), "manifest")
+        if opened is None:
+            line = gate.summary() or ""
+            if line not in self.warnings:
+                self.warnings.append(line)
             return False
         os.close(opened[0])
         self.access = (self.cache.object_mode(opened[1].st_mode), opened[1].st_gid)
         return True
+
+    def may_record(self) -> bool:
+        """Whether this stage may write the dataset's record: always in a user's cache; in a site cache only
+        with the access of a manifest the job's user may read (a record says what a dataset holds, and
+        one written for a manifest the fill refused, or never opened because every file was a hit, would
+        be world-readable)."""
+        if self.cache.kind != "site" or self.access is not None:
+            return True
+        gate = FillGate(self.cache, fill_reader())
+        try:
+            return self.gate_manifest(gate)
+        finally:
+            gate.close()
 
     def close_gate(self) -> None:
         if self.gate is not None:
@@ -433,6 +454,8 @@ class _Run:
         return fits, rest
 
     def note(self, tasks: list[FileTask]) -> None:
+        if not self.cache.writable or not self.may_record():
+            return
         m = self.plan.manifest
         files = [(t.name, m.hash_algo, self.keys[t.name], t.bytes) for t in tasks]
         seals = {k: s.to_json() for k, s in self.hits.new.items()} if self.hits is not None else None

@@ -30,7 +30,7 @@ from typing import Any, NoReturn, Protocol
 
 from stager.checksum import new_hasher
 from stager.errors import ShardMissingError, StagerError, VerificationError
-from stager.fs.access import copy_mode, current_umask
+from stager.fs.access import copy_mode, current_umask, give_group
 from stager.fs.atomic import partial_path, space_error
 from stager.fs.copy import DIRECT_ALIGN, CopyTuning, aligned_buffer, copy_hashed, copy_hashed_direct, open_partial
 from stager.fs.open import is_url, open_read
@@ -228,15 +228,12 @@ class Copier:
         try:
             if self.cancel.is_set():
                 raise _CancelledError()
-            os.fchmod(fd, mode)
-            if gid is not None and gid != os.getegid():
-                try:
-                    os.fchown(fd, -1, gid)
-                except PermissionError:
-                    with self._lock:
-                        if not self._warned_group:
-                            self._warned_group = True
-                            self.warnings.append(f"cannot give staged files the source's group {gid} (EPERM)")
+            if not give_group(fd, gid, mode):  # the file's own group, not ours: a setgid DEST gives its own
+                with self._lock:
+                    if not self._warned_group:
+                        self._warned_group = True
+                        self.warnings.append(f"cannot give staged files the source's group {gid} (EPERM): "
+                                             "their group may read only what others may")
             if self.fsync:
                 os.fsync(fd)
             os.close(fd)

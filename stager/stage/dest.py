@@ -45,7 +45,7 @@ from stager.errors import (
     StagerTimeoutError,
     VerificationError,
 )
-from stager.fs.access import chgrp_quiet, dir_mode
+from stager.fs.access import chgrp_quiet, dir_mode, give_group
 from stager.fs.atomic import atomic_write_bytes, partial_path, remove_partials, space_error
 from stager.fs.copy import copy_hashed, write_all
 from stager.fs.kernel import boot_id, syncfs
@@ -94,12 +94,13 @@ def make_dest_dir(plan: StagePlan) -> Path:
     :class:`~stager.errors.UnsafePathError` (exit 2)."""
     dest = plan.dest
     check_dest_place(dest, {dataset_root(plan.src), plan.src_dir})  # before anything is created
-    mode = 0o700
+    mode, gid = 0o700, None
     if not is_url(plan.src_dir):
         with contextlib.suppress(OSError):
-            mode = dir_mode(os.stat(plan.src_dir).st_mode)
+            st = os.stat(plan.src_dir)
+            mode, gid = dir_mode(st.st_mode), st.st_gid
     try:
-        handle, _created = private_dir(dest.parent, dest.name, mode, what="staging destination", fix=DEST_FIX)
+        handle, created = private_dir(dest.parent, dest.name, mode, what="staging destination", fix=DEST_FIX)
     except StagerError:
         raise
     except OSError as exc:
@@ -108,6 +109,8 @@ def make_dest_dir(plan: StagePlan) -> Path:
             raise err from exc
         raise DestinationError(f"{dest}: cannot create the destination ({exc.strerror}); choose another DEST") from exc
     with handle:
+        if created:  # SRC's group, not a setgid parent's (fs/access.py)
+            give_group(handle.fd, gid)
         check_own_files(plan, handle)  # first: one that is not the user's is named as such
         check_dest_holds(handle, plan.manifest, plan.manifest_bytes, stage_writes(plan))
         return Path(handle.path)

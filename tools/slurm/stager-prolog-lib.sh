@@ -133,14 +133,25 @@ stager_root_dir() {
 }
 
 # stager_redact TEXT: TEXT with URL credentials and query values masked (stager.redact's rule) and its
-# control characters (C0 and C1, DEL, newlines, the bidirectional overrides) replaced by '?': it goes into
-# the job's AdminComment, root's failure record and the job's output (names others chose end up there).
+# control characters (C0 and C1, DEL, newlines, the bidirectional overrides) replaced by '?' and every
+# byte that is not part of UTF-8 (a lone 0x9b is an 8-bit CSI to some terminals) dropped: it goes into the job's
+# AdminComment, root's failure record and the job's output (names others chose end up there).
 stager_redact() {
-    printf '%s' "$1" | tr '\n' ' ' |
+    printf '%s' "$1" | tr '\n' ' ' | stager_utf8_only |
         LC_ALL=C sed -E 's#([A-Za-z][A-Za-z0-9+.-]*://)[^/@ ]*@#\1***@#g; s#(://[^ ?]*)\?[^ ]*#\1?***#g;
                          s#\xc2[\x80-\x9f]#?#g; s#\xe2\x80[\xaa-\xae]#?#g; s#\xe2\x81[\xa6-\xa9]#?#g' |
         LC_ALL=C tr '\000-\010\013-\037\177' '?'
     echo
+}
+
+# stager_utf8_only: stdin to stdout without the bytes that are not part of well-formed UTF-8 (iconv -c;
+# where iconv is missing, every byte past ASCII becomes '?').
+stager_utf8_only() {
+    if command -v iconv >/dev/null 2>&1; then
+        iconv -c -f UTF-8 -t UTF-8 2>/dev/null
+        return 0
+    fi
+    LC_ALL=C tr '\200-\377' '?'
 }
 
 # stager_cache_dir PATH SERVICE_UID: prints the real path of the site cache's directory, made for the
