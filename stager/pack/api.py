@@ -29,7 +29,7 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -83,6 +83,10 @@ class PackResult:
     dry_run: bool = False
     plan: PackPlan | None = None
     payload_bytes: int = 0
+    # Seconds spent in each phase (list, plan, resume, write, publish; docs/benchmarks.md profiles them),
+    # wall-clock and this process's CPU time (user + system; pool workers not included).
+    phases: dict[str, float] = field(default_factory=dict)
+    phases_cpu: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         dt = max(self.seconds, 1e-9)
@@ -180,15 +184,22 @@ def pack(
         allow_empty_classes=allow_empty_classes,
     )
     with _worker_pool(options.workers) as pool, PackRun(out, options, pool, started) as run:
-        listing = run.list_source(src, run.check())
-        plan = run.plan(listing)
+        with run.phase("list"):
+            listing = run.list_source(src, run.check())
+        with run.phase("plan"):
+            plan = run.plan(listing)
         if options.dry_run:
             return run.planned(plan)
-        kept = run.resume(listing, plan)
+        with run.phase("resume"):
+            kept = run.resume(listing, plan)
         if kept.complete:
             return run.publish_complete(plan, kept)
-        done = run.write(listing, plan, kept)
-        return run.publish(listing, plan, kept, done)
+        with run.phase("write"):
+            done = run.write(listing, plan, kept)
+        with run.phase("publish"):
+            result = run.publish(listing, plan, kept, done)
+        result.phases, result.phases_cpu = dict(run.phases), dict(run.phases_cpu)
+        return result
 
 
 @contextmanager
@@ -219,7 +230,8 @@ class Listing:
 class PackRun:
     """One call of :func:`pack`: its phases, sharing OUT (absolute), the options and the worker pool.
 
-    Each phase is a method that takes what earlier phases returned; none keeps state on ``self``.
+    Each phase is a method that takes what earlier phases returned; none keeps state on ``self``
+    (but for ``phases``, the seconds each took).
     """
 
     def __init__(
@@ -234,9 +246,22 @@ class PackRun:
         self.options = options
         self.pool = pool
         self.started = started
+        self.phases: dict[str, float] = {}
+        self.phases_cpu: dict[str, float] = {}
 
     def __enter__(self) -> PackRun:
         return self
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Add the seconds the ``with`` block takes to ``self.phases[name]`` (wall) and
+        ``self.phases_cpu[name]`` (this process's CPU time): a run's profile."""
+        t, c = time.perf_counter(), time.process_time()
+        try:
+            yield
+        finally:
+            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - t
+            self.phases_cpu[name] = self.phases_cpu.get(name, 0.0) + time.process_time() - c
 
     def __exit__(self, *exc: object) -> None:
         if self.remote is not None:

@@ -1,0 +1,328 @@
+"""Packing small sets (issue 40): ``stager pack`` against MDSWriter and webdataset, each in a fresh fork.
+
+Most sets people pack are small (CIFAR, a fine-tuning set, a validation split), so the fixed and
+per-file costs decide. This benchmark times what a new user would try, with every tool's defaults
+(stager's 256 MiB shards, MDSWriter's 64 MiB, webdataset's 3 GB), on two ImageFolder trees made by
+tools/datagen.py: 20,000 CIFAR-like 32x32 PNGs (~2.5 KB) and 3,000 ImageNet-like JPEGs (~85 KB).
+
+Method. One parent process imports every contender (stager's pack with its formats and h5py,
+MosaicML streaming, webdataset) and reads every source file once (warm page cache). Then, in
+``--rounds`` interleaved rounds, it forks one fresh child per contender; the child times the job from
+the source directory to finished output (listing included, imports not: they happened before the
+fork, for every contender alike) and reports its wall time, and the parent takes the child's CPU time
+(user + system, of the child and of the workers it waited for) from ``os.wait4``. Reported: medians
+over the rounds. On a shared machine CPU per sample is the figure to judge a change by; wall time
+needs a quiet one. stager's rows also report its phases (``PackResult.phases``: list, plan, resume,
+write, publish) and, with ``--workers 2``, the CPU time of each worker process and how much of the
+wall time only one process was busy (``PackResult.phases``' ``serial``; see docs/benchmarks.md).
+
+``stager pack`` (whole command) runs the CLI in a new interpreter (``python -m stager pack``), so it
+adds interpreter start-up and imports to the in-process figure.
+
+    python tools/bench/bench_pack_small.py --rounds 5 [--work DIR] [--sets cifar imagenet]
+        [--only 'stager tar' MDSWriter ...] [--json FILE]
+
+prints the Markdown tables of docs/benchmarks.md ("Packing small sets (issue 40)") and, with
+``--json``, writes the raw figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from tools.datagen import make_cifar, make_imagefolder  # noqa: E402
+
+SETS = {
+    "cifar": "CIFAR-like PNG, 20,000 files",
+    "imagenet": "ImageNet-like JPEG, 3,000 files",
+}
+
+
+def make_set(name: str, work: Path) -> Path:
+    """The source tree of set ``name`` under ``work`` (made by tools/datagen.py when missing)."""
+    if name == "cifar":
+        src = work / "cifar" / "cifar-png" / "train"
+        if not src.exists():
+            make_cifar(work / "cifar", n_train=20_000, n_test=10, seed=0, png_folder=True)
+        return src
+    src = work / "imagenet"
+    if not src.exists():
+        make_imagefolder(src, num_classes=20, per_class=150, seed=0)
+    return src
+
+
+def list_imagefolder(root: Path) -> list[tuple[str, Path, int]]:
+    """``(key, path, label)`` of every file, sorted, labels from sorted class folders: what a user of
+    MDSWriter or webdataset writes first (the listing is part of their timed job, as it is of stager's)."""
+    classes = sorted(d.name for d in root.iterdir() if d.is_dir())
+    out = []
+    for label, c in enumerate(classes):
+        for f in sorted((root / c).iterdir()):
+            out.append((f"{c}/{f.stem}", f, label))
+    return out
+
+
+def run_mds(src: Path, out: Path) -> dict[str, Any]:
+    from streaming import MDSWriter  # type: ignore[import-not-found]
+
+    items = list_imagefolder(src)
+    with MDSWriter(out=str(out), columns={"image": "bytes", "label": "int"}) as w:
+        for _, path, label in items:
+            w.write({"image": path.read_bytes(), "label": label})
+    return {"samples": len(items)}
+
+
+def run_webdataset(src: Path, out: Path) -> dict[str, Any]:
+    import webdataset as wds  # type: ignore[import-not-found]
+
+    items = list_imagefolder(src)
+    out.mkdir(parents=True)
+    with wds.ShardWriter(str(out / "shard-%06d.tar"), verbose=0) as w:
+        for key, path, label in items:
+            w.write({"__key__": key, path.suffix.lower().lstrip("."): path.read_bytes(), "cls": label})
+    return {"samples": len(items)}
+
+
+def run_stager(fmt: str, workers: int) -> Callable[[Path, Path], dict[str, Any]]:
+    def run(src: Path, out: Path) -> dict[str, Any]:
+        from stager.pack import pack
+
+        r = pack(str(src), str(out), fmt, workers=workers)
+        return {"samples": r.samples, "phases": r.phases}
+
+    return run
+
+
+CONTENDERS: dict[str, Callable[[Path, Path], dict[str, Any]]] = {
+    "stager tar": run_stager("tar", 1),
+    "stager hdf5": run_stager("hdf5", 1),
+    "stager tar --workers 2": run_stager("tar", 2),
+    "stager hdf5 --workers 2": run_stager("hdf5", 2),
+    "MDSWriter": run_mds,
+    "webdataset ShardWriter": run_webdataset,
+}
+PEERS = ("MDSWriter", "webdataset ShardWriter")
+WHOLE = "stager pack (whole command, tar)"
+IMPORTS = [
+    "stager.pack",
+    "stager.pack.workers",
+    "stager.fs.lustre",
+    "stager.formats.tar",
+    "stager.formats.hdf5",
+    "h5py",
+    "webdataset",
+]
+
+
+def preimport() -> list[str]:
+    """Import every contender here, before any fork; return the ones that are missing."""
+    missing = []
+    for mod in IMPORTS:
+        try:
+            importlib.import_module(mod)
+        except ImportError:
+            missing.append(mod)
+    from tools.bench.bench_shard_writers import import_streaming
+
+    if not import_streaming():
+        missing.append("streaming")
+    return missing
+
+
+def run_forked(fn: Callable[[Path, Path], dict[str, Any]], src: Path, out: Path) -> dict[str, Any]:
+    """Run ``fn(src, out)`` in a child forked from this process: its result, wall seconds (timed in
+    the child) and CPU seconds (``wait4``: the child and the workers it waited for)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: time the job, report, leave without running the parent's exit handlers
+        os.close(r)
+        code = 0
+        try:
+            t = time.perf_counter()
+            res = fn(src, out)
+            res["wall"] = time.perf_counter() - t
+            if res.get("phases"):  # what the phases do not cover: pack()'s set-up, the pool's shutdown
+                res["phases"]["other"] = res["wall"] - sum(res["phases"].values())
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+            res, code = {"error": f"{type(exc).__name__}: {exc}"[:300]}, 1
+        os.write(w, json.dumps(res).encode())
+        os._exit(code)
+    os.close(w)
+    chunks = []
+    while chunk := os.read(r, 1 << 16):
+        chunks.append(chunk)
+    os.close(r)
+    _, _, ru = os.wait4(pid, 0)
+    res = json.loads(b"".join(chunks) or b'{"error": "child died"}')
+    res["cpu"] = ru.ru_utime + ru.ru_stime
+    res["sys"] = ru.ru_stime
+    return res
+
+
+def run_whole_command(src: Path, out: Path) -> dict[str, Any]:
+    """``python -m stager pack SRC OUT --format tar`` in a new interpreter: wall and CPU seconds."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t = time.perf_counter()
+    p = subprocess.run(
+        [sys.executable, "-m", "stager", "pack", str(src), str(out), "--format", "tar", "-q"],
+        capture_output=True, text=True, check=False, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    wall = time.perf_counter() - t
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if p.returncode != 0:
+        return {"error": (p.stderr.strip().splitlines() or ["failed"])[-1][:300]}
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return {"wall": wall, "cpu": cpu, "sys": after.ru_stime - before.ru_stime}
+
+
+def warm(src: Path) -> tuple[int, int]:
+    """Read every file of ``src`` once; ``(files, bytes)``."""
+    n = total = 0
+    for dirpath, _, files in os.walk(src):
+        for f in files:
+            with open(os.path.join(dirpath, f), "rb") as fh:
+                total += len(fh.read())
+            n += 1
+    return n, total
+
+
+def bench_set(name: str, src: Path, work: Path, rounds: int, labels: list[str]) -> dict[str, Any]:
+    nfiles, nbytes = warm(src)
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label in labels}
+    errors: dict[str, str] = {}
+    loads = []
+    for _ in range(rounds):  # interleaved: every contender sees the same spread of machine load
+        for label in labels:
+            if label in errors:
+                continue
+            out = work / f"out-{name}"
+            shutil.rmtree(out, ignore_errors=True)
+            loads.append(os.getloadavg()[0])
+            res = run_whole_command(src, out) if label == WHOLE else run_forked(CONTENDERS[label], src, out)
+            shutil.rmtree(out, ignore_errors=True)
+            if "error" in res:
+                errors[label] = res["error"]
+                continue
+            if "samples" in res and res["samples"] != nfiles:
+                errors[label] = f"packed {res['samples']} of {nfiles} files"
+                continue
+            runs[label].append(res)
+    rows: dict[str, Any] = {}
+    for label in labels:
+        rs = runs[label]
+        if not rs:
+            rows[label] = {"error": errors.get(label, "not run")}
+            continue
+        wall = statistics.median(r["wall"] for r in rs)
+        cpu = statistics.median(r["cpu"] for r in rs)
+        row: dict[str, Any] = {
+            "wall_s": round(wall, 4),
+            "cpu_s": round(cpu, 4),
+            "sys_s": round(statistics.median(r["sys"] for r in rs), 4),
+            "us_per_sample": round(wall / nfiles * 1e6, 2),
+            "cpu_us_per_sample": round(cpu / nfiles * 1e6, 2),
+            "runs": len(rs),
+        }
+        phases = [r["phases"] for r in rs if r.get("phases")]
+        if phases:
+            row["phases"] = {k: round(statistics.median(p.get(k, 0.0) for p in phases), 4) for k in phases[0]}
+        rows[label] = row
+    _ratios(rows)
+    return {"files": nfiles, "bytes": nbytes, "load_avg_1min": [min(loads), max(loads)] if loads else None,
+            "rows": rows}
+
+
+def _ratios(rows: dict[str, Any]) -> None:
+    """Each row's speed against the fastest peer (median wall) and its CPU against the leanest."""
+    peers = [rows[p] for p in PEERS if p in rows and "wall_s" in rows[p]]
+    if not peers:
+        return
+    fastest = min(p["wall_s"] for p in peers)
+    leanest = min(p["cpu_s"] for p in peers)
+    for r in rows.values():
+        if "wall_s" in r:
+            r["speed_vs_fastest_peer"] = round(fastest / r["wall_s"], 2)
+            r["cpu_vs_leanest_peer"] = round(r["cpu_s"] / leanest, 2)
+    w1, w2 = rows.get("stager tar", {}), rows.get("stager tar --workers 2", {})
+    if "wall_s" in w1 and "wall_s" in w2:
+        w2["speed_vs_workers_1"] = round(w1["wall_s"] / w2["wall_s"], 2)
+
+
+def markdown(res: dict[str, Any]) -> str:
+    lines = [
+        f"`{res['command']}`; {res['machine']}; medians of {res['rounds']} interleaved rounds, each contender in "
+        "a child forked after the imports.",
+        "",
+    ]
+    for name, s in res["sets"].items():
+        load = s["load_avg_1min"]
+        lines += [
+            f"**{SETS[name]}** ({s['bytes'] / 1e6:,.1f} MB; 1-minute load average {load[0]:.1f}-{load[1]:.1f}):",
+            "",
+            "| contender | wall s | CPU s (sys) | CPU us/sample | speed vs fastest peer | CPU vs leanest peer |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for label, r in s["rows"].items():
+            if "error" in r:
+                lines.append(f"| {label} | not run: {r['error']} | | | | |")
+                continue
+            extra = f" ({r['speed_vs_workers_1']}x `--workers 1`)" if "speed_vs_workers_1" in r else ""
+            lines.append(
+                f"| {label} | {r['wall_s']:.3f} | {r['cpu_s']:.3f} ({r['sys_s']:.3f}) | {r['cpu_us_per_sample']:.1f} | "
+                f"{r.get('speed_vs_fastest_peer', '-')}x{extra} | {r.get('cpu_vs_leanest_peer', '-')}x |"
+            )
+        phased = {label: r["phases"] for label, r in s["rows"].items() if "phases" in r}
+        if phased:
+            keys = list(next(iter(phased.values())))
+            lines += ["", "| stager phases, ms (median) | " + " | ".join(keys) + " |",
+                      "| --- |" + " ---: |" * len(keys)]
+            for label, ph in phased.items():
+                lines.append(f"| {label} | " + " | ".join(f"{ph.get(k, 0.0) * 1e3:.1f}" for k in keys) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (medians are reported)")
+    p.add_argument("--work", default="/tmp/stager-bench-pack-small", help="where the sets and outputs go (kept)")
+    p.add_argument("--sets", nargs="+", choices=list(SETS), default=list(SETS))
+    p.add_argument("--only", nargs="+", choices=[*CONTENDERS, WHOLE], default=[*CONTENDERS, WHOLE])
+    p.add_argument("--json", default=None, help="also write the raw figures here")
+    args = p.parse_args(argv)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    missing = preimport()
+    labels = [lb for lb in args.only if not (lb == "MDSWriter" and "streaming" in missing)
+              and not (lb.startswith("webdataset") and "webdataset" in missing)]
+    res: dict[str, Any] = {
+        "command": "python tools/bench/bench_pack_small.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+        "rounds": args.rounds,
+        "missing": missing,
+        "sets": {name: bench_set(name, make_set(name, work), work, args.rounds, labels) for name in args.sets},
+    }
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1))
+    print(markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
