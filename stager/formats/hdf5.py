@@ -29,21 +29,24 @@ known. That works because ``/images`` is created first with early allocation, so
 starts at the same file offset whatever its size; :func:`images_data_offset` measures that offset
 once on an in-memory file and ``close()`` checks the built file agrees.
 
-HDF5 never writes to the shard path. ``close()`` builds the file's metadata in memory with the
-"core" driver (no backing store; ``/images`` allocated but never written there), takes its image
-(``H5Fget_file_image``) and writes what precedes ``/images`` and everything after it to ``path``
-with plain ``os.pwrite``. Reason: when libhdf5 itself hits a write error (EFBIG under
-``RLIMIT_FSIZE``, ENOSPC, EDQUOT), h5py/libhdf5 can crash with SIGSEGV while closing the file, so
-a full disk killed ``stager pack`` instead of giving exit 4. Our own writes raise a plain
-``OSError`` that ``stager.pack`` turns into :class:`~stager.errors.OutOfSpaceError`. The core
-driver lays files out exactly like the default POSIX driver, so shards are byte-identical to the
-ones HDF5 wrote directly. Cost: ``close()`` briefly holds about the shard file's size in memory
-(the core buffer's unwritten ``/images`` region and its image copy), released before it returns.
+HDF5 never writes to the shard path. ``close()`` builds the file's metadata in memory through
+h5py's file-object driver, into a :class:`_GapFile` that keeps what HDF5 writes below ``/images``
+and after it and nothing for the ``/images`` region itself (allocated, never written there), then
+writes those two pieces to ``path`` with plain ``os.pwrite``. Reason: when libhdf5 itself hits a
+write error (EFBIG under ``RLIMIT_FSIZE``, ENOSPC, EDQUOT), h5py/libhdf5 can crash with SIGSEGV
+while closing the file, so a full disk killed ``stager pack`` instead of giving exit 4. Our own
+writes raise a plain ``OSError`` that ``stager.pack`` turns into
+:class:`~stager.errors.OutOfSpaceError`. Why not HDF5's in-memory "core" driver (used before): it
+fills the whole address space with zeros, ``/images`` included, and copies it out again, ~0.3 s
+and twice the shard's size in memory for a 256 MB shard, as long as the rest of packing it; the
+file-object driver does not aggregate metadata into 2 KiB blocks as the POSIX and core drivers do,
+so ``/images`` starts at a smaller offset (measured by :func:`images_data_offset` on the same driver).
 """
 
 from __future__ import annotations
 
 import functools
+import io
 import json
 import os
 from collections.abc import Iterator, Sequence
@@ -89,17 +92,94 @@ def _create_images(h5file: Any, nbytes: int) -> Any:
     return h5py.h5d.create(h5file.id, b"images", h5py.h5t.NATIVE_UINT8, space, dcpl=dcpl)
 
 
-def _open_new(target: str, **driver: Any) -> Any:
-    return _h5py().File(target, "w", libver=LIBVER, track_order=False, locking=False, **driver)
+def _open_new(target: _GapFile) -> Any:
+    return _h5py().File(target, "w", libver=LIBVER, track_order=False, locking=False)
+
+
+class _GapFile(io.RawIOBase):
+    """The file HDF5 writes a shard's metadata into, in memory, less the ``/images`` region.
+
+    h5py's file-object driver reads and writes through it. Bytes below ``gap_start`` are kept in
+    ``head``, bytes from ``gap_start + gap_len`` on in ``tail``; the gap (``/images``, whose bytes are
+    in the shard file already) is never written by HDF5 (a write there is a :class:`StagerError`)
+    and reads as zeros. ``size`` is the file's length (HDF5 sets it with ``truncate``).
+    """
+
+    def __init__(self, gap_start: int = 1 << 62, gap_len: int = 0) -> None:
+        super().__init__()
+        self.gap_start = gap_start
+        self.gap_end = gap_start + gap_len
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.size = 0
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self.size}[whence]
+        self._pos = base + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def write(self, data: Any) -> int:
+        n = len(data)
+        a, e = self._pos, self._pos + n
+        if e <= self.gap_start:
+            part, at = self.head, a
+        elif a >= self.gap_end:
+            part, at = self.tail, a - self.gap_end
+        else:
+            raise StagerError(f"HDF5 wrote {n} bytes at {a}, inside /images [{self.gap_start}, {self.gap_end}); "
+                              "this h5py/HDF5 build lays files out differently: report it with `h5py.version.info`")
+        if len(part) < at + n:
+            part.extend(bytes(at + n - len(part)))
+        part[at : at + n] = data
+        self._pos = e
+        self.size = max(self.size, e)
+        return n
+
+    def readinto(self, buf: Any) -> int:
+        n = max(0, min(len(buf), self.size - self._pos))
+        a = self._pos
+        out = memoryview(buf).cast("B")
+        out[:n] = bytes(n)
+        if a < self.gap_start:  # the part of [a, a + n) in head
+            got = self.head[a : min(a + n, self.gap_start)]
+            out[: len(got)] = got
+        if a + n > self.gap_end:  # the part in tail
+            s = max(a, self.gap_end)
+            got = self.tail[s - self.gap_end : a + n - self.gap_end]
+            out[s - a : s - a + len(got)] = got
+        self._pos += n
+        return n
+
+    def truncate(self, size: int | None = None) -> int:
+        self.size = self._pos if size is None else size
+        return self.size
+
+    def pieces(self) -> tuple[bytes, bytes]:
+        """``(the file's bytes before the gap, its bytes after it)``, zero-padded to their full lengths."""
+        head = bytes(self.head[: self.gap_start]).ljust(min(self.gap_start, self.size), b"\0")
+        tail = bytes(self.tail).ljust(max(0, self.size - self.gap_end), b"\0")
+        return head, tail
 
 
 @functools.lru_cache(maxsize=1)
 def images_data_offset() -> int:
-    """File offset at which ``/images`` data starts in every shard this writer produces."""
+    """File offset at which ``/images`` data starts in every shard this writer produces (the same
+    driver, the same first objects: only the superblock and the root group precede it)."""
     offset = None
-    # The in-memory "core" driver allocates like the default POSIX driver (both aggregate metadata
-    # into 2 KiB blocks); Python file objects do not, so they must not be used for the probe.
-    with _open_new("stager-probe.h5", driver="core", backing_store=False) as f:
+    with _open_new(_GapFile()) as f:
         offset = _create_images(f, 1).get_offset()
     if offset is None:  # pragma: no cover - only if HDF5 changes its allocation strategy
         raise StagerError("HDF5 did not allocate /images early; this h5py/HDF5 build is unsupported")
@@ -262,10 +342,11 @@ class Hdf5Writer:
         total = self._bounds[-1]
         strings = h5py.string_dtype("utf-8")
         try:
-            with _open_new("stager-shard.h5", driver="core", backing_store=False) as f:
+            image = _GapFile(self._base, total)
+            with _open_new(image) as f:
                 dsid = _create_images(f, total)
                 offset = dsid.get_offset()
-                if total and offset != self._base:
+                if total and offset != self._base:  # an empty /images has no storage at all
                     raise StagerError(
                         f"{self.path}: HDF5 placed /images at byte {offset}, expected {self._base}; "
                         "this HDF5 build lays files out differently: report it with `h5py.version.info`"
@@ -285,14 +366,11 @@ class Hdf5Writer:
                 f.attrs["classes"] = json.dumps(self.classes)
                 f.flush()
                 self.field_bases = {name: int(dsid.get_offset()) for name, dsid in located}
-                # The image of a flushed file equals what closing it on disk writes (the open-for-
-                # write superblock flag is cleared in the copy); tests/test_formats.py checks that
-                # h5py reads it back and that identical input gives identical bytes.
-                image = f.id.get_file_image()
-            # Everything but the image bytes: what precedes /images and the metadata after it.
-            _write_at(self._fd, memoryview(image)[: self._base if total else len(image)], 0)
-            if total:
-                _write_at(self._fd, memoryview(image)[self._base + total :], self._base + total)
+            # Closed: what HDF5 wrote on closing (the superblock's end of file and clean-close state)
+            # is in ``image`` too. Everything but the image bytes: what precedes /images and the rest.
+            head, tail = image.pieces()
+            _write_at(self._fd, memoryview(head), 0)
+            _write_at(self._fd, memoryview(tail), self._base + total)
         finally:
             os.close(self._fd)
             self._fd = None

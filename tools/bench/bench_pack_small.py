@@ -159,7 +159,7 @@ def run_forked(fn: Callable[[Path, Path], dict[str, Any]], src: Path, out: Path)
             res["wall"] = time.perf_counter() - t
             if res.get("phases"):  # what the phases do not cover: pack()'s set-up, the pool's shutdown
                 res["phases"]["other"] = res["wall"] - sum(res["phases"].values())
-        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        except BaseException as exc:
             res, code = {"error": f"{type(exc).__name__}: {exc}"[:300]}, 1
         os.write(w, json.dumps(res).encode())
         os._exit(code)
