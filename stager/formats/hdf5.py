@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 
 from stager.errors import CorruptSampleError, ShardMissingError, SourceError, StagerError
-from stager.formats.base import Extent, ExtentReader, Format, Sample, SizeInputs, ascii_lengths
+from stager.formats.base import Extent, ExtentReader, Format, Sample, SizeInputs, ascii_lengths, write_parts
 from stager.formats.registry import format_spec
 from stager.fs.writeback import start_writeback
 from stager.manifest.fields import FieldSpec
@@ -238,7 +238,8 @@ class Hdf5Writer:
         # time with the kernel's writeback started, so the disk works while samples are read; close()
         # adds the metadata around them.
         self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o666)
-        self._buf = bytearray()
+        self._parts: list[bytes | bytearray | memoryview] = []  # image bytes not yet written, in order
+        self._queued = 0  # their length
         self._flushed = 0  # image bytes already written to the file
         self._bounds: list[int] = [0]
         self._keys: list[str] = []
@@ -262,8 +263,11 @@ class Hdf5Writer:
             raise SourceError(f"{sample.key}: sample metadata is not JSON-serialisable ({exc})") from exc
         start = self._bounds[-1]
         size = len(data)
-        self._buf += data
-        if len(self._buf) >= FLUSH_BYTES:
+        # Queued as they are (immutable bytes), written by one pwritev a few MB at a time: never
+        # copied in user space.
+        self._parts.append(data if type(data) is bytes else bytes(data))
+        self._queued += size
+        if self._queued >= FLUSH_BYTES:
             self._flush()
         self._bounds.append(start + size)
         self._keys.append(sample.key)
@@ -321,17 +325,13 @@ class Hdf5Writer:
         return located
 
     def _flush(self) -> None:
-        """Write the buffered image bytes at their place in the file and start their writeback."""
+        """Write the queued image bytes at their place in the file and start their writeback."""
         assert self._fd is not None
-        view = memoryview(self._buf)
         at = self._base + self._flushed
-        done = 0
-        while done < len(view):  # a short write is followed by one that raises the error
-            done += os.pwrite(self._fd, view[done:], at + done)
-        view.release()
+        done = write_parts(self._fd, self._parts, at)
         start_writeback(self._fd, at, done)
         self._flushed += done
-        self._buf = bytearray()
+        self._parts, self._queued = [], 0
 
     def close(self) -> list[tuple[str, str]]:
         """Write the HDF5 metadata around the image bytes already in the file; no companion files."""
@@ -380,7 +380,7 @@ class Hdf5Writer:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        self._buf = bytearray()
+        self._parts, self._queued = [], 0
 
 
 def _write_at(fd: int, view: memoryview, offset: int) -> None:

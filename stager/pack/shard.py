@@ -50,8 +50,8 @@ class SampleSink(Protocol):
 
 
 class FragmentWriter(SampleSink, Protocol):
-    def take(self) -> bytearray:
-        """The fragment's bytes; the writer is finished afterwards."""
+    def take(self) -> list[bytes | bytearray]:
+        """The fragment's bytes, as parts in order (large payloads uncopied); the writer is finished afterwards."""
         ...
 
 

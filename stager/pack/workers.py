@@ -50,6 +50,7 @@ import numpy as np
 
 from stager.errors import StagerError
 from stager.formats import get_format
+from stager.formats.base import write_parts
 from stager.fs.atomic import partial_path, space_error
 from stager.fs.writeback import start_writeback
 from stager.pack.plan import cut_shards
@@ -342,17 +343,15 @@ def _run_segment(task: SegmentTask) -> SegmentDone:
             fields=job.fields,
         )
         write_samples(w, refs, _WORKER.source_for(jf), job, rows, progress=None)
-        buf = w.take()
+        parts = w.take()
+        size = sum(map(len, parts))
         start = _wait_slot(slots, slot)
-        slots[slot + 1] = start + len(buf)
+        slots[slot + 1] = start + size
         published = True
         fd = os.open(path, os.O_WRONLY)
         try:
-            view = memoryview(buf)
-            done = 0
-            while done < len(view):
-                done += os.pwrite(fd, view[done:], start + done)
-            start_writeback(fd, start, len(view))
+            write_parts(fd, parts, start)
+            start_writeback(fd, start, size)
         finally:
             os.close(fd)
     except BaseException as exc:

@@ -300,7 +300,7 @@ class FormatTests(ReaderTests):
             got = [w.write(s) for s in samples[start : start + n]]
             base = sum(map(len, parts))
             assert [Extent(e.offset + base, e.size, e.fields) for e in got] == extents[start : start + n]
-            parts.append(bytes(w.take()))
+            parts.append(b"".join(w.take()))
             start += n
         assert b"".join(parts) + f.END_MARKER == (tmp_path / m.shards[0].name).read_bytes()
 

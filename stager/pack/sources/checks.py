@@ -11,14 +11,14 @@ import io
 import os
 import re
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from stager.decode.jpeg_header import SOF_MARKERS
 from stager.errors import SourceError, UnsuitableSourceError, UsageError
-from stager.formats.base import Sample
+from stager.formats.base import Lines, Sample
 from stager.fs.nesting import overlap
 from stager.manifest import BAD_NAME_CHARS, NAME_MAX_BYTES, class_dir_name, entry_name_problem, unpacked_stem
 from stager.pack.sources.base import SampleRef, Source, sniff_ext
@@ -218,12 +218,14 @@ def probe_hw(source: Source, refs: Sequence[SampleRef], *, skip_bad: bool = Fals
 _DOT_KEY = re.compile(r"(?m)^(?:.*/)?\.\.?$")
 
 
-def check_names(source: Source) -> None:
+def check_names(source: Source, keys: Sequence[str] | None = None) -> None:
     """Refuse, before anything is written, a class or sample name that ``stage --unpack`` could not
     create (:func:`stager.manifest.entry_name_problem`, the one rule for names from the data), and two
     samples that would unpack to one file name (:func:`check_unpack_collisions`): one line naming the
     class folder or the samples. Every key is checked through a few regular-expression passes over
-    chunks of keys joined into one string, so the check costs milliseconds per million."""
+    keys joined into one string, so the check costs milliseconds per million. ``keys``: the source's
+    keys in listing order when the caller has them already (:class:`Lines` spares the joining), else
+    they are taken from the source a chunk at a time."""
     for c in source.classes:
         why = entry_name_problem(c)
         if why is not None:
@@ -231,15 +233,20 @@ def check_names(source: Source) -> None:
             raise SourceError(f"{shown(str(where))}: class name {c!r} {why}; rename it (any letter and spaces are "
                               "fine; not '/', NUL or control characters)")
     refs = source.refs
-    chunks = refs.key_chunks() if isinstance(refs, ListingRefs) else _key_chunks([r.key for r in refs])
+    if keys is not None:
+        chunks: Iterable[Sequence[str]] = [keys]
+    else:
+        chunks = refs.key_chunks() if isinstance(refs, ListingRefs) else _key_chunks([r.key for r in refs])
     start = 0
     for chunk in chunks:
-        joined = "/".join(chunk)  # '/' is allowed in a key: it never hides a bad character
+        lines = chunk.text if isinstance(chunk, Lines) else "\n".join(chunk)
         suspects = set()
-        if BAD_NAME_CHARS.search(joined) or max(map(len, chunk), default=0) * 4 > NAME_MAX_BYTES:
+        # '/' is allowed in a key: joined by it, no character of the joint is a bad one.
+        longest = int(chunk.lengths.max(initial=0)) if isinstance(chunk, Lines) else max(map(len, chunk), default=0) * 4
+        if BAD_NAME_CHARS.search(lines.replace("\n", "/")) or longest > NAME_MAX_BYTES:
             suspects = {i for i, k in enumerate(chunk)
                         if BAD_NAME_CHARS.search(k) or len(k.encode(errors="surrogatepass")) > NAME_MAX_BYTES}
-        if _DOT_KEY.search("\n".join(chunk)):
+        if _DOT_KEY.search(lines):
             suspects |= {i for i, k in enumerate(chunk) if _DOT_KEY.search(k)}
         for i in sorted(suspects):
             ref = refs[start + i]

@@ -29,6 +29,7 @@ from typing import NamedTuple, overload
 
 import numpy as np
 
+from stager.formats.base import Lines
 from stager.fs.kernel import release_free_heap
 from stager.pack.sources.base import SampleRef
 
@@ -52,6 +53,40 @@ class StrColumn(NamedTuple):
         """String ``i``."""
         a = int(self.ends[i - 1]) if i > 0 else 0
         return self.blob[a : int(self.ends[i])].decode("utf-8", "surrogateescape")
+
+    def lengths(self) -> np.ndarray:
+        """Each string's length in bytes (int64)."""
+        return np.diff(self.ends, prepend=0)
+
+    def joined(self, positions: np.ndarray | None = None, sep: int = 0x0A) -> bytes:
+        """The strings at ``positions`` (all, in order, for None) joined by the byte ``sep``, gathered
+        from the blob by numpy (no Python object per string)."""
+        blob = np.frombuffer(self.blob, dtype=np.uint8) if len(self.blob) else np.zeros(0, np.uint8)
+        if positions is None:
+            return np.insert(blob, self.ends[:-1], sep).tobytes()
+        if len(positions) == 0:
+            return b""
+        stops = self.ends[positions]
+        starts = np.where(positions > 0, self.ends[np.maximum(positions - 1, 0)], 0)
+        take = stops - starts + 1  # each string and a separator after it
+        firsts = np.cumsum(take) - take  # where each one starts in the result
+        idx_type = np.int32 if len(blob) < (1 << 31) - 1 and int(firsts[-1] + take[-1]) < (1 << 31) else np.int64
+        # Result byte j is blob byte (start of its string) + (j - where its string starts); the
+        # separators read one byte past the blob, where ``sep`` is.
+        total = int(firsts[-1] + take[-1])
+        idx = np.repeat((starts - firsts).astype(idx_type), take) + np.arange(total, dtype=idx_type)
+        idx[firsts[1:] - 1] = len(blob)
+        return np.append(blob, np.uint8(sep))[idx[:-1]].tobytes()
+
+    def lines(self, positions: np.ndarray | None = None, *, unique: bool = False) -> Sequence[str]:
+        """The strings at ``positions`` (all for None) as :class:`~stager.formats.base.Lines`, decoded in
+        one go; as a list where a string holds a newline (a file name may), which only the per-string
+        checks then refuse. ``unique``: the caller knows that they hold no repeat."""
+        text = self.joined(positions).decode("utf-8", "surrogateescape")
+        lengths = self.lengths() if positions is None else self.lengths()[positions]
+        if text.count("\n") != max(len(lengths) - 1, 0):
+            return self.take(np.arange(len(self.ends), dtype=np.int64) if positions is None else positions)
+        return Lines(text, lengths, unique=unique)
 
     def take(self, positions: np.ndarray) -> list[str]:
         """The strings at ``positions`` (int64), in that order."""
