@@ -20,8 +20,9 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import stager.pack.workers as pw
+import stager.pack.segments as pw
 from stager.errors import SourceError, UsageError
+from stager.formats import FORMAT_NAMES, format_spec
 from stager.formats.tar import check_key, check_keys
 from stager.manifest import load_manifest
 from stager.pack import pack
@@ -40,22 +41,27 @@ def _manifest(out: Path) -> dict:
     return m
 
 
+FRAGMENTS = [n for n in FORMAT_NAMES if format_spec(n).fragments]  # written in parallel segments
+
+
+@pytest.mark.parametrize("fmt", FRAGMENTS)
 @pytest.mark.parametrize("seg_samples", [1, 3, 1000])
 def test_segments_give_the_same_bytes_as_one_process(
-    imagenet_tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seg_samples: int
+    imagenet_tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seg_samples: int, fmt: str
 ) -> None:
     monkeypatch.setattr(pw, "SEG_SAMPLES", seg_samples)
-    ref = pack(imagenet_tiny, tmp_path / "w1", "tar", workers=1)  # one 256 MiB shard
+    ref = pack(imagenet_tiny, tmp_path / "w1", fmt, workers=1)  # one 256 MiB shard
     assert ref.shards == 1
     for w in (2, 3):
-        got = pack(imagenet_tiny, tmp_path / f"w{w}", "tar", workers=w)
+        got = pack(imagenet_tiny, tmp_path / f"w{w}", fmt, workers=w)
         assert _files(tmp_path / f"w{w}") == _files(tmp_path / "w1")
         assert _manifest(tmp_path / f"w{w}") == _manifest(tmp_path / "w1")
         assert got.samples == ref.samples == 24
 
 
+@pytest.mark.parametrize("fmt", FRAGMENTS)
 def test_segments_with_skipped_samples_match_one_process(
-    imagenet_tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    imagenet_tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str
 ) -> None:
     src = tmp_path / "src"
     shutil.copytree(imagenet_tiny, src)
@@ -66,15 +72,16 @@ def test_segments_with_skipped_samples_match_one_process(
     outs = []
     for w in (1, 2):
         out = tmp_path / f"w{w}"
-        r = pack(src, out, "tar", workers=w, on_error="skip", samples_per_shard=9)
+        r = pack(src, out, fmt, workers=w, on_error="skip", samples_per_shard=9)
         assert len(r.skipped) == len(bad)
         outs.append(out)
     assert _files(outs[0]) == _files(outs[1])
     assert _manifest(outs[0]) == _manifest(outs[1])
 
 
+@pytest.mark.parametrize("fmt", FRAGMENTS)
 def test_bad_sample_in_a_middle_segment_names_the_file(
-    imagenet_tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    imagenet_tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str
 ) -> None:
     src = tmp_path / "src"
     shutil.copytree(imagenet_tiny, src)
@@ -83,9 +90,9 @@ def test_bad_sample_in_a_middle_segment_names_the_file(
     monkeypatch.setattr(pw, "SEG_SAMPLES", 2)
     out = tmp_path / "out"
     with pytest.raises(SourceError, match=victim.name):
-        pack(src, out, "tar", workers=2)
+        pack(src, out, fmt, workers=2)
     assert not (out / "manifest.json").exists()
-    assert not [p for p in out.iterdir() if p.name.endswith(".partial") or p.suffix == ".tar"]
+    assert not [p for p in out.iterdir() if p.name.endswith(".partial") or p.name.startswith("shard-")]
 
 
 def test_parallel_listing_equals_serial(imagenet_tiny: Path, tmp_path: Path) -> None:
@@ -153,7 +160,8 @@ def test_workers_do_not_leave_processes_or_partials(imagenet_tiny: Path, tmp_pat
     assert not mp.active_children()
 
 
-@pytest.mark.parametrize("fmt", ["record", "hdf5"])
+@pytest.mark.parametrize("fmt", [n for n in FORMAT_NAMES if format_spec(n).writable and not format_spec(n).fragments
+                                 and format_spec(n).sample_kind == "encoded"])
 def test_shard_level_formats_on_a_pool_started_for_listing(imagenet_tiny: Path, tmp_path: Path, fmt: str) -> None:
     # The pool starts while listing the ImageFolder, before the plan exists: its workers get the
     # plan and the source from the plan file instead of inheriting them.

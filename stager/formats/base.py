@@ -80,6 +80,19 @@ class Extent(NamedTuple):
     fields: dict[str, tuple[int, int]] | None = None
 
 
+class FragmentsDone(NamedTuple):
+    """What finishing a shard written as fragments needs (``Format.finish_fragments``, formats whose
+    entry declares ``fragments``): its samples' rows in shard order and each fragment's ``extra()``
+    in order (what the format keeps of its samples besides their bytes; None for tar)."""
+
+    shard_name: str
+    classes: Sequence[str]
+    keys: Sequence[str]
+    labels: Sequence[int]
+    sizes: Sequence[int]
+    extras: list[Any]
+
+
 class ShardWriter(Protocol):
     def write(self, sample: Sample) -> Extent: ...
 

@@ -49,14 +49,23 @@ import functools
 import io
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from json.encoder import encode_basestring_ascii
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from stager.errors import CorruptSampleError, ShardMissingError, SourceError, StagerError
-from stager.formats.base import Extent, ExtentReader, Format, Sample, SizeInputs, ascii_lengths, write_parts
+from stager.errors import CorruptSampleError, ShardMissingError, SourceError, StagerError, UsageError
+from stager.formats.base import (
+    Extent,
+    ExtentReader,
+    Format,
+    FragmentsDone,
+    Sample,
+    SizeInputs,
+    ascii_lengths,
+    write_parts,
+)
 from stager.formats.registry import format_spec
 from stager.fs.writeback import start_writeback
 from stager.manifest.fields import FieldSpec
@@ -221,6 +230,79 @@ def _meta_json(meta: dict[str, Any]) -> str:
     return json.dumps(meta, sort_keys=True, separators=(",", ":"))
 
 
+class _Columns(NamedTuple):
+    """A shard's per-sample datasets besides ``/images`` (``bounds``: ``/offsets``, n + 1 entries)."""
+
+    keys: Sequence[str]
+    labels: Sequence[int]
+    exts: Sequence[str]
+    metas: Sequence[str]
+    bounds: Sequence[int] | np.ndarray
+
+
+_FieldsWriter = Callable[[Any, dict[str, Any]], list[tuple[str, Any]]]  # (h5py file, dataset options) -> located
+
+
+def _write_metadata(fd: int, path: str, columns: _Columns, classes: Sequence[str],
+                    write_fields: _FieldsWriter | None = None) -> dict[str, int]:
+    """Write the HDF5 file around the image bytes already in ``fd`` at ``[base, base + bounds[-1])``
+    (``base``: :func:`images_data_offset`): what precedes ``/images`` and everything after it, built in
+    a :class:`_GapFile`. ``write_fields(file, dataset options)`` adds the fields' datasets and returns
+    the byte ones to locate. Returns each byte field's data offset (``field_bases``)."""
+    h5py = _h5py()
+    base = images_data_offset()
+    total = int(columns.bounds[-1])
+    strings = h5py.string_dtype("utf-8")
+    image = _GapFile(base, total)
+    with _open_new(image) as f:
+        dsid = _create_images(f, total)
+        offset = dsid.get_offset()
+        if total and offset != base:  # an empty /images has no storage at all
+            raise StagerError(
+                f"{path}: HDF5 placed /images at byte {offset}, expected {base}; "
+                "this HDF5 build lays files out differently: report it with `h5py.version.info`"
+            )
+        # /images is allocated but never written here: its bytes are already in the file.
+        n = len(columns.keys)
+        opts: dict[str, Any] = {"track_times": False}
+        f.create_dataset("offsets", data=np.asarray(columns.bounds, dtype=np.int64), **opts)
+        f.create_dataset("labels", data=np.asarray(columns.labels, dtype=np.int64), **opts)
+        f.create_dataset("keys", shape=(n,), dtype=strings, data=columns.keys, **opts)
+        f.create_dataset("exts", shape=(n,), dtype=strings, data=columns.exts, **opts)
+        f.create_dataset("meta", shape=(n,), dtype=strings, data=columns.metas, **opts)
+        located = write_fields(f, opts) if write_fields is not None else []
+        f.attrs["stager_format"] = FORMAT_VERSION
+        f.attrs["layout"] = LAYOUT
+        f.attrs["num_samples"] = np.int64(n)
+        f.attrs["classes"] = json.dumps(list(classes))
+        f.flush()
+        field_bases = {name: int(d.get_offset()) for name, d in located}
+    # Closed: what HDF5 wrote on closing (the superblock's end of file and clean-close state) is in
+    # ``image`` too. Everything but the image bytes: what precedes /images and the rest.
+    head, tail = image.pieces()
+    _write_at(fd, memoryview(head), 0)
+    _write_at(fd, memoryview(tail), base + total)
+    return field_bases
+
+
+def _image_bytes(sample: Sample) -> bytes:
+    """The sample's encoded image bytes (immutable), or :class:`SourceError` for anything else."""
+    data = sample.data
+    if isinstance(data, np.ndarray) or not isinstance(data, (bytes, bytearray, memoryview)):
+        raise SourceError(
+            f"{sample.key}: the hdf5 format stores encoded image bytes, got {type(data).__name__}; "
+            "use --format zarr for decoded arrays"
+        )
+    return data if type(data) is bytes else bytes(data)
+
+
+def _sample_meta(sample: Sample) -> str:
+    try:
+        return _meta_json(sample.meta)
+    except (TypeError, ValueError) as exc:
+        raise SourceError(f"{sample.key}: sample metadata is not JSON-serialisable ({exc})") from exc
+
+
 class Hdf5Writer:
     """Writes one HDF5 shard at ``path`` (see the module docstring for the layout)."""
 
@@ -251,21 +333,13 @@ class Hdf5Writer:
         """Append ``sample`` (encoded bytes); return where its bytes will sit in the final file."""
         if self._fd is None:
             raise StagerError(f"{self.shard_name}: write() after close()")
-        data = sample.data
-        if isinstance(data, np.ndarray) or not isinstance(data, (bytes, bytearray, memoryview)):
-            raise SourceError(
-                f"{sample.key}: the hdf5 format stores encoded image bytes, got {type(data).__name__}; "
-                "use --format zarr for decoded arrays"
-            )
-        try:
-            meta = _meta_json(sample.meta)
-        except (TypeError, ValueError) as exc:
-            raise SourceError(f"{sample.key}: sample metadata is not JSON-serialisable ({exc})") from exc
+        data = _image_bytes(sample)
+        meta = _sample_meta(sample)
         start = self._bounds[-1]
         size = len(data)
         # Queued as they are (immutable bytes), written by one pwritev a few MB at a time: never
         # copied in user space.
-        self._parts.append(data if type(data) is bytes else bytes(data))
+        self._parts.append(data)
         self._queued += size
         if self._queued >= FLUSH_BYTES:
             self._flush()
@@ -338,39 +412,9 @@ class Hdf5Writer:
         if self._fd is None:
             raise StagerError(f"{self.shard_name}: close() called twice")
         self._flush()
-        h5py = _h5py()
-        total = self._bounds[-1]
-        strings = h5py.string_dtype("utf-8")
         try:
-            image = _GapFile(self._base, total)
-            with _open_new(image) as f:
-                dsid = _create_images(f, total)
-                offset = dsid.get_offset()
-                if total and offset != self._base:  # an empty /images has no storage at all
-                    raise StagerError(
-                        f"{self.path}: HDF5 placed /images at byte {offset}, expected {self._base}; "
-                        "this HDF5 build lays files out differently: report it with `h5py.version.info`"
-                    )
-                # /images is allocated but never written here: its bytes are already in the file.
-                n = len(self._keys)
-                opts: dict[str, Any] = {"track_times": False}
-                f.create_dataset("offsets", data=np.asarray(self._bounds, dtype=np.int64), **opts)
-                f.create_dataset("labels", data=np.asarray(self._labels, dtype=np.int64), **opts)
-                f.create_dataset("keys", shape=(n,), dtype=strings, data=self._keys, **opts)
-                f.create_dataset("exts", shape=(n,), dtype=strings, data=self._exts, **opts)
-                f.create_dataset("meta", shape=(n,), dtype=strings, data=self._meta, **opts)
-                located = self._write_fields(f, opts) if self._fields else []
-                f.attrs["stager_format"] = FORMAT_VERSION
-                f.attrs["layout"] = LAYOUT
-                f.attrs["num_samples"] = np.int64(n)
-                f.attrs["classes"] = json.dumps(self.classes)
-                f.flush()
-                self.field_bases = {name: int(dsid.get_offset()) for name, dsid in located}
-            # Closed: what HDF5 wrote on closing (the superblock's end of file and clean-close state)
-            # is in ``image`` too. Everything but the image bytes: what precedes /images and the rest.
-            head, tail = image.pieces()
-            _write_at(self._fd, memoryview(head), 0)
-            _write_at(self._fd, memoryview(tail), self._base + total)
+            columns = _Columns(self._keys, self._labels, self._exts, self._meta, self._bounds)
+            self.field_bases = _write_metadata(self._fd, self.path, columns, self.classes, self._write_fields)
         finally:
             os.close(self._fd)
             self._fd = None
@@ -470,12 +514,74 @@ class Hdf5Reader(ExtentReader):
         return bounds, labels, keys, exts, metas, images
 
 
+class Hdf5FragmentWriter:
+    """A run of a shard's samples built in memory, for ``pack --workers``: their image bytes (parts,
+    uncopied) and what ``/keys``, ``/exts`` and ``/meta`` need of them (:meth:`extra`). A shard is its
+    fragments' bytes written one after the other from :func:`images_data_offset` on, then
+    :meth:`Hdf5Format.finish_fragments`: byte for byte what :class:`Hdf5Writer` writes. Samples with
+    fields are not written in fragments (their datasets are laid out at the end)."""
+
+    def __init__(self, *, shard_name: str, classes: Sequence[str], **options: Any) -> None:
+        if options.get("fields"):
+            raise UsageError(f"{shard_name}: hdf5 fields are written per shard, not in fragments")
+        self.shard_name = shard_name
+        self._parts: list[bytes] = []
+        self._size = 0
+        self._exts: list[str] = []
+        self._metas: list[str] = []
+
+    def write(self, sample: Sample) -> Extent:
+        """Append ``sample``; its extent is relative to the fragment's first byte."""
+        data = _image_bytes(sample)
+        meta = _sample_meta(sample)
+        if sample.fields:
+            raise UsageError(f"{self.shard_name}: hdf5 fields are written per shard, not in fragments")
+        start = self._size
+        self._parts.append(data)
+        self._size += len(data)
+        self._exts.append(sample.ext)
+        self._metas.append(meta)
+        return Extent(start, len(data))
+
+    def take(self) -> list[bytes]:
+        """The fragment's image bytes, as parts in order."""
+        parts, self._parts = self._parts, []
+        return parts
+
+    def extra(self) -> tuple[list[str], list[str]]:
+        """``(exts, metas)`` of the fragment's samples, for :meth:`Hdf5Format.finish_fragments`."""
+        return self._exts, self._metas
+
+
 class Hdf5Format(Format):
     """The ``hdf5`` format: encoded images in one contiguous HDF5 dataset per shard."""
 
     spec = format_spec("hdf5")
     reader = Hdf5Reader
     writer = Hdf5Writer
+
+    def fragment_base(self) -> int:
+        """Where a shard's first fragment goes: ``/images``'s first byte."""
+        return images_data_offset()
+
+    def open_fragment(self, *, shard_name: str, classes: Sequence[str], **options: Any) -> Hdf5FragmentWriter:
+        """An in-memory writer for a run of a shard's samples (see :class:`Hdf5FragmentWriter`)."""
+        return Hdf5FragmentWriter(shard_name=shard_name, classes=classes, **options)
+
+    def finish_fragments(self, path: str, end: int, done: FragmentsDone) -> list[tuple[str, str]]:
+        """Write the metadata of the shard at ``path`` whose fragments fill ``[fragment_base(), end)``."""
+        exts = [e for x in done.extras for e in x[0]]
+        metas = [m for x in done.extras for m in x[1]]
+        bounds = np.zeros(len(done.sizes) + 1, dtype=np.int64)
+        np.cumsum(np.asarray(done.sizes, dtype=np.int64), out=bounds[1:])
+        if int(bounds[-1]) != end - images_data_offset():
+            raise StagerError(f"{path}: fragments end at {end}, their samples at {int(bounds[-1])} image bytes")
+        fd = os.open(path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            _write_metadata(fd, path, _Columns(done.keys, done.labels, exts, metas, bounds), done.classes)
+        finally:
+            os.close(fd)
+        return []
 
     def disk_bytes(self, inputs: SizeInputs) -> tuple[np.ndarray, int]:
         """Each sample's bytes in a shard file and the fixed bytes (:func:`sample_disk_bytes`)."""

@@ -45,6 +45,7 @@ from stager.formats.base import (
     Extent,
     ExtentReader,
     Format,
+    FragmentsDone,
     Lines,
     Sample,
     SizeInputs,
@@ -393,6 +394,10 @@ class TarFragmentWriter(TarShardWriter):
         self._open = False
         return []
 
+    def extra(self) -> None:
+        """Nothing: a tar shard is finished by its end marker alone."""
+        return None
+
 
 # ---- reading -----------------------------------------------------------------------------------
 def split_member_name(name: str) -> tuple[str, str]:
@@ -507,11 +512,23 @@ class TarFormat(Format):
     spec = format_spec("tar")
     reader = TarShardReader
     writer = TarShardWriter
-    END_MARKER = END_OF_ARCHIVE  # what follows the concatenated fragments of a shard
+
+    def fragment_base(self) -> int:
+        """Where a shard's first fragment goes: the archive has no header."""
+        return 0
 
     def open_fragment(self, *, shard_name: str, classes: Sequence[str], **options: Any) -> TarFragmentWriter:
         """An in-memory writer for a run of a shard's samples (see :class:`TarFragmentWriter`)."""
         return TarFragmentWriter(shard_name=shard_name, classes=classes, **options)
+
+    def finish_fragments(self, path: str, end: int, done: FragmentsDone) -> list[tuple[str, str]]:
+        """End the archive whose fragments fill ``[0, end)`` of ``path``: the end-of-archive marker."""
+        fd = os.open(path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            os.pwrite(fd, END_OF_ARCHIVE, end)
+        finally:
+            os.close(fd)
+        return []
 
     def check_keys(self, keys: Sequence[str], where: str = "") -> None:
         """Validate a whole plan's keys before anything is written (see :func:`check_keys`)."""

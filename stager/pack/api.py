@@ -429,7 +429,7 @@ class PackRun:
     def _write_jobs(self, jobs: list[ShardJob], listing: Listing, progress: Progress) -> Iterable[ShardDone]:
         """Write ``jobs`` here, one after the other, or on the pool (not worth it for one whole shard)."""
         pool = self.pool
-        if pool is None or not jobs or (len(jobs) == 1 and not fragmentable(listing.fmt)):
+        if pool is None or not jobs or (len(jobs) == 1 and not fragmentable(listing.fmt, listing.source.fields)):
             return (write_shard(job, listing.source, progress) for job in jobs)
         return pool.run(jobs, listing.source, progress, self.out / STATE_DIR)
 

@@ -25,7 +25,7 @@ import numpy as np
 from stager.checksum import new_hasher
 from stager.errors import SourceError, StagerError
 from stager.formats import get_format
-from stager.formats.base import Sample
+from stager.formats.base import FragmentsDone, Sample
 from stager.fs.atomic import partial_path, space_error
 from stager.manifest import AuxFile, ShardInfo, Strings
 from stager.manifest.fields import FieldSpec, build_field_columns, offset_column, size_column, values_column
@@ -54,20 +54,29 @@ class FragmentWriter(SampleSink, Protocol):
         """The fragment's bytes, as parts in order (large payloads uncopied); the writer is finished afterwards."""
         ...
 
+    def extra(self) -> Any:
+        """What the format's ``finish_fragments`` needs of this fragment's samples besides their rows."""
+        ...
+
 
 class FragmentFormat(Protocol):
-    """A format whose shards the workers write in parallel segments (tar): a shard is the
-    concatenation of its segments' fragments, each built in memory without knowing its offset,
-    followed by ``END_MARKER``."""
+    """A format whose shards the workers write in parallel segments (tar, hdf5): a shard is its
+    segments' fragments, each built in memory without knowing its offset, written one after the
+    other from ``fragment_base()``, then finished by ``finish_fragments`` (tar's end marker, HDF5's
+    metadata), which may also write companion files."""
 
-    END_MARKER: bytes
+    def fragment_base(self) -> int: ...
 
     def open_fragment(self, *, shard_name: str, classes: Sequence[str], **options: Any) -> FragmentWriter: ...
 
+    def finish_fragments(self, path: str, end: int, done: FragmentsDone) -> list[tuple[str, str]]: ...
 
-def fragmentable(fmt: Format) -> TypeGuard[FragmentFormat]:
-    """Whether ``fmt`` shards can be written in parallel segments (its entry's ``fragments``)."""
-    return fmt.spec.fragments
+
+def fragmentable(fmt: Format, fields: Sequence[FieldSpec] = ()) -> TypeGuard[FragmentFormat]:
+    """Whether ``fmt`` shards of samples with ``fields`` can be written in parallel segments (its
+    entry's ``fragments``; with fields only where they ``span``: a separate field's data is laid out
+    at the end)."""
+    return fmt.spec.fragments and (not fields or fmt.spec.fields == "span")
 
 
 @dataclass(frozen=True)
