@@ -13,8 +13,10 @@ import json
 import os
 import shutil
 import tarfile
+from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import pytest
 import xxhash
 from hypothesis import given, settings
@@ -23,9 +25,11 @@ from hypothesis import strategies as st
 import stager.pack.segments as pw
 from stager.errors import SourceError, UsageError
 from stager.formats import FORMAT_NAMES, format_spec
+from stager.formats.base import Lines
 from stager.formats.tar import check_key, check_keys
 from stager.manifest import load_manifest
 from stager.pack import pack
+from stager.pack.sources.columns import StrColumn
 from stager.pack.sources.select import open_source
 from stager.pack.workers import PackPool
 
@@ -143,12 +147,36 @@ def test_check_keys_agrees_with_check_key(keys: list[str]) -> None:
             return False
         return len(set(keys)) == len(keys)
 
-    try:
-        check_keys(keys)
-        ok = True
-    except UsageError:
-        ok = False
-    assert ok == one_by_one()
+    def at_once(ks: Sequence[str]) -> bool:
+        try:
+            check_keys(ks)
+        except UsageError:
+            return False
+        return True
+
+    want = one_by_one()
+    assert at_once(keys) == want
+    # As a listing hands them over: one newline-joined text of its key column (a key holding a
+    # newline comes as a list of strings instead).
+    column = StrColumn.of(keys)
+    lines = column.lines()
+    assert list(lines) == keys
+    assert at_once(lines) == want
+    if isinstance(lines, Lines):
+        assert lines.text == "\n".join(keys) and lines.lengths.tolist() == [len(k.encode()) for k in keys]
+
+
+@settings(max_examples=200, deadline=None)
+@given(texts=st.lists(st.text(_key_chars, max_size=6), max_size=8), picks=st.lists(st.integers(0, 7), max_size=10))
+def test_string_column_gathers_like_its_strings(texts: list[str], picks: list[int]) -> None:
+    """StrColumn.joined/lines (numpy gathers from the blob: the plan's fingerprints and the key checks)
+    give the bytes and strings of the strings themselves."""
+    column = StrColumn.of(texts)
+    pos = np.array([p for p in picks if p < len(texts)], dtype=np.int64)
+    assert column.joined(pos, sep=0) == "\0".join(texts[p] for p in pos.tolist()).encode()
+    assert column.joined(None, sep=10) == "\n".join(texts).encode()
+    assert list(column.lines(pos)) == [texts[p] for p in pos.tolist()]
+    assert column.lengths().tolist() == [len(t.encode()) for t in texts]
 
 
 def test_workers_do_not_leave_processes_or_partials(imagenet_tiny: Path, tmp_path: Path) -> None:

@@ -170,8 +170,11 @@ class Lines(Sequence[str]):
 
     @classmethod
     def of(cls, texts: Sequence[str]) -> Lines:
-        """The strings ``texts`` (none holding a newline) as lines."""
-        return cls("\n".join(texts), ascii_lengths(list(texts)))
+        """The strings ``texts`` as lines (:class:`ValueError` if one holds a newline)."""
+        text = "\n".join(texts)
+        if text.count("\n") != max(len(texts) - 1, 0):
+            raise ValueError("a string holds a newline")
+        return cls(text, ascii_lengths(list(texts)))
 
     def _lines(self) -> list[str]:
         if self._split is None:

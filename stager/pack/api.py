@@ -87,6 +87,8 @@ class PackResult:
     # wall-clock and this process's CPU time (user + system; pool workers not included).
     phases: dict[str, float] = field(default_factory=dict)
     phases_cpu: dict[str, float] = field(default_factory=dict)
+    # With workers writing in segments: the CPU seconds each pool process had used (by pid), listing included.
+    workers_cpu: dict[int, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         dt = max(self.seconds, 1e-9)
@@ -184,22 +186,28 @@ def pack(
         allow_empty_classes=allow_empty_classes,
     )
     with _worker_pool(options.workers) as pool, PackRun(out, options, pool, started) as run:
-        with run.phase("list"):
-            listing = run.list_source(src, run.check())
-        with run.phase("plan"):
-            plan = run.plan(listing)
-        if options.dry_run:
-            return run.planned(plan)
-        with run.phase("resume"):
-            kept = run.resume(listing, plan)
-        if kept.complete:
-            return run.publish_complete(plan, kept)
-        with run.phase("write"):
-            done = run.write(listing, plan, kept)
-        with run.phase("publish"):
-            result = run.publish(listing, plan, kept, done)
+        result = _run_phases(run, src)
         result.phases, result.phases_cpu = dict(run.phases), dict(run.phases_cpu)
+        result.workers_cpu = dict(pool.workers_cpu) if pool is not None else {}
         return result
+
+
+def _run_phases(run: PackRun, src: str | os.PathLike[str]) -> PackResult:
+    """The phases of :func:`pack`, each timed (``PackResult.phases``), as far as this run goes."""
+    with run.phase("list"):
+        listing = run.list_source(src, run.check())
+    with run.phase("plan"):
+        plan = run.plan(listing)
+    if run.options.dry_run:
+        return run.planned(plan)
+    with run.phase("resume"):
+        kept = run.resume(listing, plan)
+    if kept.complete:
+        return run.publish_complete(plan, kept)
+    with run.phase("write"):
+        done = run.write(listing, plan, kept)
+    with run.phase("publish"):
+        return run.publish(listing, plan, kept, done)
 
 
 @contextmanager

@@ -124,6 +124,7 @@ class SegmentDone(NamedTuple):
     size: int
     rows: SampleRows
     extra: Any
+    worker: tuple[int, float]  # the worker's pid and the CPU seconds it has used so far (a run's profile)
 
 
 def run_segment(task: SegmentTask, job: ShardJob, refs: Sequence[SampleRef], source: Source,
@@ -162,7 +163,7 @@ def run_segment(task: SegmentTask, job: ShardJob, refs: Sequence[SampleRef], sou
             if err is not None:
                 raise err from exc
         raise
-    return SegmentDone(task.job, start, size, rows, w.extra())
+    return SegmentDone(task.job, start, size, rows, w.extra(), (os.getpid(), time.process_time()))
 
 
 class _ShardHash:
@@ -227,8 +228,9 @@ class SegmentRun:
     """
 
     def __init__(self, submit: Callable[[SegmentTask], Future[SegmentDone]], jobs: list[ShardJob], jobs_file: str,
-                 state_dir: Path, *, in_flight: int) -> None:
+                 state_dir: Path, *, in_flight: int, workers_cpu: dict[int, float]) -> None:
         self.submit = submit
+        self.workers_cpu = workers_cpu  # pid -> CPU seconds, as the latest segment of each worker said
         self.in_flight = in_flight
         self.jobs = jobs
         self.fmt = cast("FragmentFormat", get_format(jobs[0].options.format))
@@ -268,6 +270,8 @@ class SegmentRun:
                     out.append(res)
                     continue
                 progress.update(len(res.rows.keys), res.rows.payload)
+                pid, cpu = res.worker
+                self.workers_cpu[pid] = max(cpu, self.workers_cpu.get(pid, 0.0))
                 if self.shards[res.job].add(res):
                     self._finish(res.job)
             self._refill()
@@ -353,10 +357,12 @@ def _publish(job: ShardJob, tmp: Path, companions: list[tuple[str, str]], rows: 
 
 
 def run_segments(submit: Callable[[SegmentTask], Future[SegmentDone]], workers: int, jobs: list[ShardJob],
-                 jobs_file: str, *, progress: Progress, state_dir: Path) -> list[ShardDone]:
+                 jobs_file: str, *, progress: Progress, state_dir: Path,
+                 workers_cpu: dict[int, float] | None = None) -> list[ShardDone]:
     """Write ``jobs`` in segments (``submit(task)`` runs :func:`run_segment` on the pool); return their
-    :class:`ShardDone` (in completion order)."""
-    run = SegmentRun(submit, jobs, jobs_file, state_dir, in_flight=2 * workers)
+    :class:`ShardDone` (in completion order). ``workers_cpu`` gets each worker's CPU seconds by pid."""
+    run = SegmentRun(submit, jobs, jobs_file, state_dir, in_flight=2 * workers,
+                     workers_cpu=workers_cpu if workers_cpu is not None else {})
     try:
         return run.run(progress)
     except BaseException as exc:

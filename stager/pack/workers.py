@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 
 from stager.formats import get_format
+from stager.fs.kernel import keep_freed_heap
 from stager.pack.plan import ShardRefs
 from stager.pack.segments import SEG_BYTES, SEG_SAMPLES, SegmentDone, SegmentTask, Slots, run_segment, run_segments
 from stager.pack.shard import ShardJob, fragmentable, write_shard
@@ -122,6 +123,7 @@ _WORKER = _WorkerState()  # in each worker process (unused in the parent)
 
 
 def _init_worker(source: Source | None = None) -> None:
+    keep_freed_heap()  # a worker reads segment after segment: reuse their memory, do not fault it in again
     _WORKER.source = source
     _WORKER.jobs_files.clear()
     _WORKER.slots.clear()
@@ -148,6 +150,8 @@ class PackPool:
     def __init__(self, workers: int) -> None:
         self.workers = workers
         self._ex: ProcessPoolExecutor | None = None
+        # CPU seconds each worker (by pid) had used at its last segment: how evenly the work was shared.
+        self.workers_cpu: dict[int, float] = {}
 
     def _executor(self, source: Source | None = None) -> ProcessPoolExecutor:
         if self._ex is None:
@@ -172,7 +176,8 @@ class PackPool:
         jobs_file = _publish_jobs(state_dir, jobs, source, ship_source=not inherited)
         if fragmentable(get_format(jobs[0].options.format), jobs[0].fields):
             submit: Callable[[SegmentTask], Future[SegmentDone]] = lambda task: ex.submit(_run_segment, task)  # noqa: E731
-            return run_segments(submit, self.workers, jobs, jobs_file, progress=progress, state_dir=state_dir)
+            return run_segments(submit, self.workers, jobs, jobs_file, progress=progress, state_dir=state_dir,
+                                workers_cpu=self.workers_cpu)
         return _run_shards(ex, jobs, jobs_file, progress)
 
     def close(self) -> None:

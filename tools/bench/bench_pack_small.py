@@ -5,16 +5,20 @@ per-file costs decide. This benchmark times what a new user would try, with ever
 (stager's 256 MiB shards, MDSWriter's 64 MiB, webdataset's 3 GB), on two ImageFolder trees made by
 tools/datagen.py: 20,000 CIFAR-like 32x32 PNGs (~2.5 KB) and 3,000 ImageNet-like JPEGs (~85 KB).
 
-Method. One parent process imports every contender (stager's pack with its formats and h5py,
-MosaicML streaming, webdataset) and reads every source file once (warm page cache). Then, in
-``--rounds`` interleaved rounds, it forks one fresh child per contender; the child times the job from
-the source directory to finished output (listing included, imports not: they happened before the
-fork, for every contender alike) and reports its wall time, and the parent takes the child's CPU time
-(user + system, of the child and of the workers it waited for) from ``os.wait4``. Reported: medians
-over the rounds. On a shared machine CPU per sample is the figure to judge a change by; wall time
-needs a quiet one. stager's rows also report its phases (``PackResult.phases``: list, plan, resume,
-write, publish) and, with ``--workers 2``, the CPU time of each worker process and how much of the
-wall time only one process was busy (``PackResult.phases``' ``serial``; see docs/benchmarks.md).
+Method. For each family of contenders (stager's, MDSWriter's, webdataset's) one server process
+imports what that family needs (stager's pack with its formats and h5py; MosaicML streaming;
+webdataset) and reads every source file once (warm page cache); no contender inherits another's
+imports (streaming loads torch: a process that forks pack workers would fork torch's pages too).
+In ``--rounds`` interleaved rounds the bench asks the servers in turn; for every request a server
+forks one fresh child, which times the job from the source directory to finished output (listing
+included, imports not: they happened before the fork, for every contender alike) and reports its
+wall time, and the server takes the child's CPU time (user + system, of the child and of the
+workers it waited for) from ``os.wait4``. Reported: medians over the rounds. On a shared machine
+CPU per sample is the figure to judge a change by; wall time needs a quiet one. stager's rows also
+report its phases (``PackResult.phases``: list, plan, resume, write, publish) and, with
+``--workers 2``, each worker's CPU seconds (``PackResult.workers_cpu``) and the serial part: the
+phases in which the parent works alone (plan, resume, publish and what no phase covers), as a
+share of the wall time.
 
 ``stager pack`` (whole command) runs the CLI in a new interpreter (``python -m stager pack``), so it
 adds interpreter start-up and imports to the in-process figure.
@@ -104,7 +108,7 @@ def run_stager(fmt: str, workers: int) -> Callable[[Path, Path], dict[str, Any]]
         from stager.pack import pack
 
         r = pack(str(src), str(out), fmt, workers=workers)
-        return {"samples": r.samples, "phases": r.phases}
+        return {"samples": r.samples, "phases": r.phases, "workers_cpu": sorted(r.workers_cpu.values())}
 
     return run
 
@@ -125,24 +129,66 @@ IMPORTS = [
     "stager.fs.lustre",
     "stager.formats.tar",
     "stager.formats.hdf5",
-    "h5py",
+    "h5py",  # the hdf5 writer imports it on first use; the peers' imports are not timed either
     "webdataset",
 ]
 
 
-def preimport() -> list[str]:
-    """Import every contender here, before any fork; return the ones that are missing."""
-    missing = []
-    for mod in IMPORTS:
-        try:
-            importlib.import_module(mod)
-        except ImportError:
-            missing.append(mod)
-    from tools.bench.bench_shard_writers import import_streaming
+FAMILIES = {"stager": IMPORTS[:-1], "mds": [], "webdataset": ["webdataset"]}
 
-    if not import_streaming():
-        missing.append("streaming")
-    return missing
+
+def family(label: str) -> str:
+    """Which server runs contender ``label``."""
+    return "mds" if label == "MDSWriter" else label.split(maxsplit=1)[0]
+
+
+def preimport(fam: str) -> bool:
+    """Import family ``fam``'s modules here, before any fork; whether they are all there."""
+    try:
+        for mod in FAMILIES[fam]:
+            importlib.import_module(mod)
+    except ImportError:
+        return False
+    if fam == "mds":
+        from tools.bench.bench_shard_writers import import_streaming
+
+        return import_streaming()
+    return True
+
+
+def serve(fam: str) -> int:
+    """A family's server: import it, then per request line ``{"label", "src", "out"}`` on stdin fork
+    one child (:func:`run_forked`) and answer one JSON line on stdout."""
+    ok = preimport(fam)
+    print(json.dumps({"ready": ok}), flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        res = run_forked(CONTENDERS[req["label"]], Path(req["src"]), Path(req["out"]))
+        print(json.dumps(res), flush=True)
+    return 0
+
+
+class Server:
+    """The bench's handle on one family's server process."""
+
+    def __init__(self, fam: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--serve", fam], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        assert self.proc.stdout is not None
+        self.ok = bool(json.loads(self.proc.stdout.readline() or '{"ready": false}')["ready"])
+
+    def run(self, label: str, src: Path, out: Path) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps({"label": label, "src": str(src), "out": str(out)}) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline() or '{"error": "server died"}')
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait()
 
 
 def run_forked(fn: Callable[[Path, Path], dict[str, Any]], src: Path, out: Path) -> dict[str, Any]:
@@ -202,7 +248,8 @@ def warm(src: Path) -> tuple[int, int]:
     return n, total
 
 
-def bench_set(name: str, src: Path, work: Path, rounds: int, labels: list[str]) -> dict[str, Any]:
+def bench_set(name: str, src: Path, work: Path, rounds: int, labels: list[str], *,
+              servers: dict[str, Server]) -> dict[str, Any]:
     nfiles, nbytes = warm(src)
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label in labels}
     errors: dict[str, str] = {}
@@ -214,7 +261,7 @@ def bench_set(name: str, src: Path, work: Path, rounds: int, labels: list[str]) 
             out = work / f"out-{name}"
             shutil.rmtree(out, ignore_errors=True)
             loads.append(os.getloadavg()[0])
-            res = run_whole_command(src, out) if label == WHOLE else run_forked(CONTENDERS[label], src, out)
+            res = run_whole_command(src, out) if label == WHOLE else servers[family(label)].run(label, src, out)
             shutil.rmtree(out, ignore_errors=True)
             if "error" in res:
                 errors[label] = res["error"]
@@ -242,6 +289,14 @@ def bench_set(name: str, src: Path, work: Path, rounds: int, labels: list[str]) 
         phases = [r["phases"] for r in rs if r.get("phases")]
         if phases:
             row["phases"] = {k: round(statistics.median(p.get(k, 0.0) for p in phases), 4) for k in phases[0]}
+            # The parent alone: every phase but listing (on the pool with workers) and writing.
+            serial = [sum(v for k, v in p.items() if k not in ("list", "write")) / r["wall"]
+                      for p, r in zip(phases, rs, strict=True)]
+            row["serial_share"] = round(statistics.median(serial), 3)
+        cpus = [r["workers_cpu"] for r in rs if r.get("workers_cpu")]
+        if cpus:
+            row["workers_cpu_s"] = [round(statistics.median(c[i] for c in cpus if len(c) > i), 3)
+                                    for i in range(max(map(len, cpus)))]
         rows[label] = row
     _ratios(rows)
     return {"files": nfiles, "bytes": nbytes, "load_avg_1min": [min(loads), max(loads)] if loads else None,
@@ -294,6 +349,10 @@ def markdown(res: dict[str, Any]) -> str:
                       "| --- |" + " ---: |" * len(keys)]
             for label, ph in phased.items():
                 lines.append(f"| {label} | " + " | ".join(f"{ph.get(k, 0.0) * 1e3:.1f}" for k in keys) + " |")
+        for label, r in s["rows"].items():
+            if "workers_cpu_s" in r:
+                lines += ["", f"{label}: CPU seconds per worker {', '.join(map(str, r['workers_cpu_s']))}; the parent "
+                              f"alone (plan, resume, publish, other) {r['serial_share'] * 100:.0f}% of the wall time."]
         lines.append("")
     return "\n".join(lines)
 
@@ -305,19 +364,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sets", nargs="+", choices=list(SETS), default=list(SETS))
     p.add_argument("--only", nargs="+", choices=[*CONTENDERS, WHOLE], default=[*CONTENDERS, WHOLE])
     p.add_argument("--json", default=None, help="also write the raw figures here")
+    p.add_argument("--serve", choices=list(FAMILIES), help=argparse.SUPPRESS)  # a family's server (internal)
     args = p.parse_args(argv)
+    if args.serve:
+        return serve(args.serve)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    missing = preimport()
-    labels = [lb for lb in args.only if not (lb == "MDSWriter" and "streaming" in missing)
-              and not (lb.startswith("webdataset") and "webdataset" in missing)]
-    res: dict[str, Any] = {
-        "command": "python tools/bench/bench_pack_small.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
-        "rounds": args.rounds,
-        "missing": missing,
-        "sets": {name: bench_set(name, make_set(name, work), work, args.rounds, labels) for name in args.sets},
-    }
+    servers = {fam: Server(fam) for fam in {family(lb) for lb in args.only if lb != WHOLE}}
+    try:
+        missing = sorted(fam for fam, sv in servers.items() if not sv.ok)
+        labels = [lb for lb in args.only if lb == WHOLE or family(lb) not in missing]
+        res: dict[str, Any] = {
+            "command": "python tools/bench/bench_pack_small.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+            "rounds": args.rounds,
+            "missing": missing,
+            "sets": {name: bench_set(name, make_set(name, work), work, args.rounds, labels, servers=servers)
+                     for name in args.sets},
+        }
+    finally:
+        for sv in servers.values():
+            sv.close()
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
     print(markdown(res))

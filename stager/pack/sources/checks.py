@@ -239,14 +239,18 @@ def check_names(source: Source, keys: Sequence[str] | None = None) -> None:
         chunks = refs.key_chunks() if isinstance(refs, ListingRefs) else _key_chunks([r.key for r in refs])
     start = 0
     for chunk in chunks:
-        lines = chunk.text if isinstance(chunk, Lines) else "\n".join(chunk)
+        if isinstance(chunk, Lines):  # no key holds a newline (Lines' contract)
+            lines, joints_ok = chunk.text, True
+            longest = int(chunk.lengths.max(initial=0))
+        else:
+            lines = "\n".join(chunk)
+            joints_ok = lines.count("\n") == len(chunk) - 1  # else a key holds a newline: a bad character
+            longest = max(map(len, chunk), default=0) * 4
         suspects = set()
-        # '/' is allowed in a key: joined by it, no character of the joint is a bad one.
-        longest = int(chunk.lengths.max(initial=0)) if isinstance(chunk, Lines) else max(map(len, chunk), default=0) * 4
-        if BAD_NAME_CHARS.search(lines.replace("\n", "/")) or longest > NAME_MAX_BYTES:
+        if not joints_ok or _has_bad_chars(lines) or longest > NAME_MAX_BYTES:
             suspects = {i for i, k in enumerate(chunk)
                         if BAD_NAME_CHARS.search(k) or len(k.encode(errors="surrogatepass")) > NAME_MAX_BYTES}
-        if _DOT_KEY.search(lines):
+        if "." in lines and _DOT_KEY.search(lines):  # memchr first: most keys hold no dot at all
             suspects |= {i for i, k in enumerate(chunk) if _DOT_KEY.search(k)}
         for i in sorted(suspects):
             ref = refs[start + i]
@@ -320,6 +324,15 @@ def _collide(source: Source, a: int, b: int) -> None:
     raise SourceError(f"{shown(source.path_of(ra))} and {shown(source.path_of(rb))}: samples {ra.key!r} and {rb.key!r} "
                       f"would both unpack to the file {cls}/{unpacked_stem(ra.key, cls)}.<ext> (`stage --unpack` "
                       "writes <class>/<key less its class folder, '/' as '_'>); rename one of them")
+
+
+def _has_bad_chars(lines: str) -> bool:
+    """Whether ``lines`` (keys joined by newlines) holds a character of :data:`BAD_NAME_CHARS`
+    besides the newlines: for ASCII text, whether it is printable once the newlines are spaces (one
+    C pass, ~5x the regular expression's speed)."""
+    if lines.isascii():
+        return not lines.replace("\n", " ").isprintable()
+    return BAD_NAME_CHARS.search(lines.replace("\n", "/")) is not None  # '/' is allowed in a key
 
 
 def _key_chunks(keys: list[str], step: int = 16384) -> Iterator[list[str]]:
