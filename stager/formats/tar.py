@@ -49,6 +49,7 @@ from stager.formats.base import (
     Lines,
     Sample,
     SizeInputs,
+    all_ascii,
     ascii_lengths,
     field_payload,
 )
@@ -199,11 +200,9 @@ def sample_disk_bytes(inputs: SizeInputs) -> tuple[np.ndarray, int]:
     sizes = inputs.sizes.astype(np.int64, copy=False)
     keys = inputs.keys
     out = 3 * BLOCK + _padded(sizes)  # image header, .cls header + data block
-    if not "".join(keys).isascii():
+    if not all_ascii(keys):
         odd: Sequence[int] = range(len(keys))
-    elif max(map(len, keys), default=0) <= 95:  # every name fits the name field (the usual case)
-        odd = []
-    else:
+    else:  # a name that fits the name field (the usual case) has a header of constant pieces
         odd = np.flatnonzero(ascii_lengths(keys) > 95).tolist()
     for i in odd:  # names too long for the name field, or not ASCII: exact headers
         key, ext, size = keys[i], inputs.exts[i], int(sizes[i])

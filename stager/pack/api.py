@@ -22,12 +22,13 @@ bytes whatever ``workers`` is and however often the pack was interrupted and res
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -187,6 +188,7 @@ def pack(
     )
     with _worker_pool(options.workers) as pool, PackRun(out, options, pool, started) as run:
         result = _run_phases(run, src)
+        result.seconds = run.elapsed()  # after the last phase: the phases fit in it
         result.phases, result.phases_cpu = dict(run.phases), dict(run.phases_cpu)
         result.workers_cpu = dict(pool.workers_cpu) if pool is not None else {}
         return result
@@ -305,7 +307,7 @@ class PackRun:
             raise UsageError(f"{self.out}: output is the source pack itself; choose another directory")
         # A columnar listing's keys, decoded at once into one text (no Python string per key), for
         # both checks below; its keys are unique by construction (the source contract).
-        keys = source.refs.columns.keys.lines(unique=True) if isinstance(source.refs, ListingRefs) else None
+        keys = source.refs.key_lines() if isinstance(source.refs, ListingRefs) else None
         check_names(source, keys)  # every name `stage --unpack` creates is refused here or never
         # Keys are checked once for the whole plan (one pass), so writers need not check each one.
         keys_checked = fmt.spec.named_keys
@@ -368,10 +370,11 @@ class PackRun:
         check_destination(self.out, found, listing.source, plan, self.options.overwrite)
         reusable = find_reusable(self.out, found, plan, self.options.hash_algo)
         complete = holds_complete_pack(found, plan, reusable)
-        if not complete:
-            # From here on OUT changes: the old manifest goes first so it never describes replaced shards.
-            clear_out(self.out, found, reusable, plan, listing.source)
-        return Kept(found, reusable, complete)
+        if complete:
+            return Kept(found, reusable, complete)
+        # From here on OUT changes: the old manifest goes first so it never describes replaced shards.
+        record = clear_out(self.out, found, reusable, plan, listing.source)
+        return Kept(found, reusable, complete, record)
 
     def _resume_remote(self, listing: Listing, plan: PackPlan, shard_prefix: str) -> Kept:
         """:meth:`resume` for a URL OUT (:mod:`stager.pack.remote`): the same checks, on objects."""
@@ -423,9 +426,12 @@ class PackRun:
         progress = Progress(f"pack {opts.format}", total_items=sum(len(s.refs) for s in todo), quiet=opts.quiet)
         done: dict[str, ShardDone] = dict(kept.shards)
         try:
-            for d in self._write_jobs(jobs, listing, progress):
+            for d in self._write_jobs(jobs, listing, progress, kept.ready):
                 done[d.info.name] = d
+            kept.ready()  # plan.json is durable (and its thread done) whatever was written
         except BaseException:
+            with contextlib.suppress(BaseException):  # its thread is done before the state is touched
+                kept.ready()
             remove_partials(self.out)
             raise
         finally:
@@ -434,12 +440,14 @@ class PackRun:
         release_free_heap()  # the written samples' rows, freed: publishing needs the room
         return done
 
-    def _write_jobs(self, jobs: list[ShardJob], listing: Listing, progress: Progress) -> Iterable[ShardDone]:
-        """Write ``jobs`` here, one after the other, or on the pool (not worth it for one whole shard)."""
+    def _write_jobs(self, jobs: list[ShardJob], listing: Listing, progress: Progress,
+                    ready: Callable[[], None]) -> Iterable[ShardDone]:
+        """Write ``jobs`` here, one after the other, or on the pool (not worth it for one whole shard).
+        ``ready()`` returns once shards may be renamed into place (:meth:`Kept.ready`)."""
         pool = self.pool
         if pool is None or not jobs or (len(jobs) == 1 and not fragmentable(listing.fmt, listing.source.fields)):
-            return (write_shard(job, listing.source, progress) for job in jobs)
-        return pool.run(jobs, listing.source, progress, self.out / STATE_DIR)
+            return (write_shard(job, listing.source, progress, ready=ready) for job in jobs)
+        return pool.run(jobs, listing.source, progress, self.out / STATE_DIR, ready=ready)
 
     def publish(self, listing: Listing, plan: PackPlan, kept: Kept, done: dict[str, ShardDone]) -> PackResult:
         """Publish: ``manifest.json`` (atomic, last) lists the shards in plan order; then the state

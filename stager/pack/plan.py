@@ -36,7 +36,7 @@ from stager.formats import get_format
 from stager.formats.base import Lines, SizeInputs
 from stager.order import streams
 from stager.pack.sources.base import SampleRef
-from stager.pack.sources.columns import Columns, ListingRefs, StrColumn
+from stager.pack.sources.columns import ListingRefs, StrColumn
 
 if TYPE_CHECKING:
     from stager.pack.options import PackOptions
@@ -222,7 +222,7 @@ def plan_shards(
     if isinstance(refs, ListingRefs):  # a columnar listing: no Python object per sample (columns.py)
         cols = refs.columns
         labels_src, sizes_src, mtimes_src = cols.labels, cols.sizes, cols.mtimes
-        costs_src, fixed = _listing_costs(cols, options, classes=classes, image_shape=image_shape)
+        costs_src, fixed = _listing_costs(refs, options, classes=classes, image_shape=image_shape)
         keys_at: Callable[[np.ndarray], tuple[bytes, np.ndarray]] = lambda pos: _key_bytes(cols.keys, pos)  # noqa: E731
     else:
         # Columns taken at C speed in source order (walking the refs in listing order is ~8x faster
@@ -264,13 +264,20 @@ def plan_shards(
 
 
 def _listing_costs(
-    cols: Columns, options: PackOptions, *, classes: Sequence[str], image_shape: tuple[int, int, int] | None
+    refs: ListingRefs, options: PackOptions, *, classes: Sequence[str], image_shape: tuple[int, int, int] | None
 ) -> tuple[np.ndarray, int]:
     """:func:`shard_costs` of a columnar listing, in listing order: its keys and locators are handed
-    over as :class:`~stager.formats.base.Lines` (decoded in one go, no Python string per sample;
-    a locator's prefix does not change its extension)."""
+    over as :class:`~stager.formats.base.Lines` (decoded in one go, no Python string per sample), or
+    the locators as one suffix when they all share it (a locator's prefix does not change that)."""
+    cols = refs.columns
+    first = cols.locators.at(0) if len(cols.sizes) else ""
+    suffix = "." + first.rpartition(".")[2]
+    if len(suffix) > 1 and suffix[1:].isalnum() and cols.locators.all_end_with(suffix.encode()):
+        locators: Sequence[str] = [first] * len(cols.sizes)  # only their extension matters
+    else:
+        locators = cols.locators.lines()
     return shard_costs(
-        cols.keys.lines(), cols.labels.astype(np.int64), cols.sizes, cols.locators.lines(), options,
+        refs.key_lines(), cols.labels.astype(np.int64), cols.sizes, locators, options,
         classes=classes, image_shape=image_shape,
     )
 

@@ -228,8 +228,10 @@ class SegmentRun:
     """
 
     def __init__(self, submit: Callable[[SegmentTask], Future[SegmentDone]], jobs: list[ShardJob], jobs_file: str,
-                 state_dir: Path, *, in_flight: int, workers_cpu: dict[int, float]) -> None:
+                 state_dir: Path, *, in_flight: int, workers_cpu: dict[int, float],
+                 ready: Callable[[], None] = lambda: None) -> None:
         self.submit = submit
+        self.ready = ready  # waited for before a shard is renamed into place
         self.workers_cpu = workers_cpu  # pid -> CPU seconds, as the latest segment of each worker said
         self.in_flight = in_flight
         self.jobs = jobs
@@ -310,7 +312,7 @@ class SegmentRun:
             if err is not None:
                 raise err from exc
             raise
-        g = self.finisher.submit(_publish, job, shard.tmp, companions, rows, shard.hash)
+        g = self.finisher.submit(_publish, job, shard.tmp, companions, rows, shard.hash, self.ready)
         self.finishing.add(g)
         self.submitted[g] = None
 
@@ -336,14 +338,16 @@ class SegmentRun:
         self.slots.close()
 
 
-def _publish(job: ShardJob, tmp: Path, companions: list[tuple[str, str]], rows: SampleRows,
-             shard_hash: _ShardHash) -> ShardDone:
+def _publish(job: ShardJob, tmp: Path, companions: list[tuple[str, str]], rows: SampleRows,  # noqa: PLR0917
+             shard_hash: _ShardHash, ready: Callable[[], None]) -> ShardDone:
     """On a finishing thread: fsync the finished shard (and its companions), rename them into place,
-    companions first, and write its done-record (as :func:`stager.pack.shard.write_shard` does)."""
+    companions first, once ``ready()``, and write its done-record (as
+    :func:`stager.pack.shard.write_shard` does)."""
     final = Path(job.out) / job.shard.name
     try:
         aux = [AuxFile(cname, *fsync_and_hash(ctmp, job.options.hash_algo)) for cname, ctmp in companions]
         nbytes = fsync_file(tmp)
+        ready()
         for cname, ctmp in companions:
             os.replace(ctmp, Path(job.out) / cname)
         os.replace(tmp, final)  # durable with the manifest's directory fsync, as in write_shard
@@ -358,11 +362,13 @@ def _publish(job: ShardJob, tmp: Path, companions: list[tuple[str, str]], rows: 
 
 def run_segments(submit: Callable[[SegmentTask], Future[SegmentDone]], workers: int, jobs: list[ShardJob],
                  jobs_file: str, *, progress: Progress, state_dir: Path,
-                 workers_cpu: dict[int, float] | None = None) -> list[ShardDone]:
+                 workers_cpu: dict[int, float] | None = None, ready: Callable[[], None] = lambda: None,
+                 ) -> list[ShardDone]:
     """Write ``jobs`` in segments (``submit(task)`` runs :func:`run_segment` on the pool); return their
-    :class:`ShardDone` (in completion order). ``workers_cpu`` gets each worker's CPU seconds by pid."""
+    :class:`ShardDone` (in completion order). ``workers_cpu`` gets each worker's CPU seconds by pid;
+    ``ready()`` is waited for before a shard is renamed into place."""
     run = SegmentRun(submit, jobs, jobs_file, state_dir, in_flight=2 * workers,
-                     workers_cpu=workers_cpu if workers_cpu is not None else {})
+                     workers_cpu=workers_cpu if workers_cpu is not None else {}, ready=ready)
     try:
         return run.run(progress)
     except BaseException as exc:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
@@ -124,7 +124,8 @@ def fsync_and_hash(path: str | os.PathLike[str], algo: str) -> tuple[int, str]:
     return total, h.hexdigest()
 
 
-def write_shard(job: ShardJob, source: Source, progress: Progress | None = None) -> ShardDone:
+def write_shard(job: ShardJob, source: Source, progress: Progress | None = None, *,
+                ready: Callable[[], None] | None = None) -> ShardDone:
     """Write ``job.shard`` from ``source`` into ``job.out`` atomically; return its ShardInfo.
 
     Per-sample source failures raise :class:`SourceError` (``on_error="raise"``) or are skipped and
@@ -132,7 +133,8 @@ def write_shard(job: ShardJob, source: Source, progress: Progress | None = None)
     final name on failure: the writer's ``.partial`` files are removed.
 
     Formats that hash while writing (``spec.hashes_while_writing``: tar, record) are handed the hasher, so
-    the shard is not read back: it is only fsynced before the rename.
+    the shard is not read back: it is only fsynced before the rename. ``ready()``, when given, is
+    waited for before the rename (the run's ``plan.json`` must be durable first).
     """
     opts = job.options
     fmt = get_format(opts.format)
@@ -171,6 +173,8 @@ def write_shard(job: ShardJob, source: Source, progress: Progress | None = None)
         # Companions first: a shard under its final name always has its companions beside it. The
         # data are fsynced; the renames become durable with the directory fsync that publishes the
         # manifest (a crash before it loses at most renames, and a rerun rewrites those shards).
+        if ready is not None:
+            ready()
         for cname, ctmp in companions:
             os.replace(ctmp, out / cname)
         os.replace(tmp, final)

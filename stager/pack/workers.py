@@ -169,15 +169,20 @@ class PackPool:
         chunk = max(1, min(16, len(items) // (self.workers * 4)))
         return self._executor().map(fn, items, chunksize=chunk)
 
-    def run(self, jobs: list[ShardJob], source: Source, progress: Progress, state_dir: Path) -> list[ShardDone]:
-        """Write ``jobs`` (segments where the format allows, else whole shards); see the module doc."""
+    def run(self, jobs: list[ShardJob], source: Source, progress: Progress, state_dir: Path, *,
+            ready: Callable[[], None] = lambda: None) -> list[ShardDone]:
+        """Write ``jobs`` (segments where the format allows, else whole shards); see the module doc.
+        ``ready()`` returns once shards may be renamed into place (their ``plan.json`` is durable)."""
         inherited = self._ex is None  # started now, with the loaded source
+        if inherited:
+            ready()  # its writing thread ends before a fork (fork copies only the forking thread)
         ex = self._executor(source)
         jobs_file = _publish_jobs(state_dir, jobs, source, ship_source=not inherited)
         if fragmentable(get_format(jobs[0].options.format), jobs[0].fields):
             submit: Callable[[SegmentTask], Future[SegmentDone]] = lambda task: ex.submit(_run_segment, task)  # noqa: E731
             return run_segments(submit, self.workers, jobs, jobs_file, progress=progress, state_dir=state_dir,
-                                workers_cpu=self.workers_cpu)
+                                workers_cpu=self.workers_cpu, ready=ready)
+        ready()  # whole shards are renamed by the workers
         return _run_shards(ex, jobs, jobs_file, progress)
 
     def close(self) -> None:

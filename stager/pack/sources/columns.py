@@ -78,6 +78,15 @@ class StrColumn(NamedTuple):
         idx[firsts[1:] - 1] = len(blob)
         return np.append(blob, np.uint8(sep))[idx[:-1]].tobytes()
 
+    def all_end_with(self, suffix: bytes) -> bool:
+        """Whether every string ends with ``suffix`` (one numpy comparison over the blob's bytes)."""
+        lengths = self.lengths()
+        if not len(lengths) or int(lengths.min()) < len(suffix):
+            return len(lengths) == 0
+        blob = np.frombuffer(self.blob, dtype=np.uint8)
+        tails = blob[(self.ends - len(suffix))[:, None] + np.arange(len(suffix))]
+        return bool((tails == np.frombuffer(suffix, dtype=np.uint8)).all())
+
     def lines(self, positions: np.ndarray | None = None, *, unique: bool = False) -> Sequence[str]:
         """The strings at ``positions`` (all for None) as :class:`~stager.formats.base.Lines`, decoded in
         one go; as a list where a string holds a newline (a file name may), which only the per-string
@@ -168,11 +177,19 @@ class ListingRefs(Sequence[SampleRef]):
     once, iteration a few thousand at a time). ``columns`` are the listing itself: the planner and
     the pack workers use them directly."""
 
-    __slots__ = ("columns", "stem")
+    __slots__ = ("_key_lines", "columns", "stem")
 
     def __init__(self, columns: Columns) -> None:
         self.columns = columns
         self.stem: str | None = None  # where the columns are saved and mapped from, once spilled
+        self._key_lines: Sequence[str] | None = None
+
+    def key_lines(self) -> Sequence[str]:
+        """The keys as :class:`~stager.formats.base.Lines` (``unique``: a listing's keys are, by the
+        source contract), decoded once for the list phase's checks and the plan."""
+        if self._key_lines is None:
+            self._key_lines = self.columns.keys.lines(unique=True)
+        return self._key_lines
 
     def spill(self, stem: str) -> None:
         """Save the columns at ``stem`` and map them from there: their pages become the page cache's
@@ -180,6 +197,7 @@ class ListingRefs(Sequence[SampleRef]):
         self.columns.save(stem)
         self.columns = Columns.open(stem)
         self.stem = stem
+        self._key_lines = None
         release_free_heap()
 
     @property
