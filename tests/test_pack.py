@@ -124,6 +124,32 @@ def test_a_newline_or_control_character_in_a_file_name_is_refused(imagenet_tiny:
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
 
 
+def test_keys_checked_and_planned_in_chunks_as_at_once(imagenet_tiny: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A columnar listing's keys are checked and sized a chunk of text at a time (bounded memory at
+    ImageNet's count): the same plan and shards as one chunk, and a bad name in a later chunk is
+    still refused, naming its file."""
+    from stager.pack.sources import columns
+
+    for fmt in ("tar", "hdf5"):
+        whole = pack(imagenet_tiny, tmp_path / f"whole-{fmt}", fmt, samples_per_shard=7)
+        monkeypatch.setattr(columns, "CHUNK_LINES", 5)
+        chunked = pack(imagenet_tiny, tmp_path / f"chunked-{fmt}", fmt, samples_per_shard=7)
+        monkeypatch.undo()
+        assert chunked.plan is not None and whole.plan is not None
+        assert chunked.plan.fingerprint == whole.plan.fingerprint
+        assert [s.est_bytes for s in chunked.plan.shards] == [s.est_bytes for s in whole.plan.shards]
+        for name in (s.name for s in whole.manifest.shards):  # type: ignore[union-attr]
+            assert (tmp_path / f"chunked-{fmt}" / name).read_bytes() == (tmp_path / f"whole-{fmt}" / name).read_bytes()
+    src = tmp_path / "src"
+    shutil.copytree(imagenet_tiny, src)
+    last = sorted(src.rglob("*.JPEG"))[-1]
+    last.rename(last.with_name("bad\x02.JPEG"))
+    monkeypatch.setattr(columns, "CHUNK_LINES", 5)
+    with pytest.raises(SourceError, match="control character"):
+        pack(src, tmp_path / "bad", "tar")
+
+
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)
 def test_cifar_round_trip(cifar_tiny: Path, tmp_path: Path, fmt: str) -> None:
     for split in ("train", "test"):

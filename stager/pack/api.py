@@ -305,14 +305,17 @@ class PackRun:
                              f"--format {fmt.name} stores one image and a label")
         if source.kind == "pack" and self.remote is None and self.out == source.root:
             raise UsageError(f"{self.out}: output is the source pack itself; choose another directory")
-        # A columnar listing's keys, decoded at once into one text (no Python string per key), for
-        # both checks below; its keys are unique by construction (the source contract).
-        keys = source.refs.key_lines() if isinstance(source.refs, ListingRefs) else None
-        check_names(source, keys)  # every name `stage --unpack` creates is refused here or never
+        check_names(source)  # every name `stage --unpack` creates is refused here or never
         # Keys are checked once for the whole plan (one pass), so writers need not check each one.
         keys_checked = fmt.spec.named_keys
         if keys_checked:
-            fmt.check_keys(keys if keys is not None else [r.key for r in source.refs], f"{source.root}: ")
+            if isinstance(source.refs, ListingRefs):
+                # A chunk at a time, each one text (Lines: no Python string per key); a columnar
+                # listing's keys are unique by construction (the source contract), across chunks too.
+                for chunk in source.refs.key_chunks():
+                    fmt.check_keys(chunk, f"{source.root}: ")
+            else:
+                fmt.check_keys([r.key for r in source.refs], f"{source.root}: ")
         image_shape = self._image_shape(source) if fmt.sample_kind == "decoded" else None
         return Listing(source, fmt, fmt.sample_kind, image_shape, keys_checked=keys_checked)
 

@@ -266,20 +266,30 @@ def plan_shards(
 def _listing_costs(
     refs: ListingRefs, options: PackOptions, *, classes: Sequence[str], image_shape: tuple[int, int, int] | None
 ) -> tuple[np.ndarray, int]:
-    """:func:`shard_costs` of a columnar listing, in listing order: its keys and locators are handed
-    over as :class:`~stager.formats.base.Lines` (decoded in one go, no Python string per sample), or
-    the locators as one suffix when they all share it (a locator's prefix does not change that)."""
+    """:func:`shard_costs` of a columnar listing, in listing order, a chunk of samples at a time: each
+    chunk's keys (and locators, unless they all share one suffix: only their extension matters)
+    handed over as :class:`~stager.formats.base.Lines`, one decoded text each, never a Python string
+    per sample (each sample's cost depends on that sample alone)."""
     cols = refs.columns
-    first = cols.locators.at(0) if len(cols.sizes) else ""
+    n = len(cols.sizes)
+    first = cols.locators.at(0) if n else ""
     suffix = "." + first.rpartition(".")[2]
-    if len(suffix) > 1 and suffix[1:].isalnum() and cols.locators.all_end_with(suffix.encode()):
-        locators: Sequence[str] = [first] * len(cols.sizes)  # only their extension matters
-    else:
-        locators = cols.locators.lines()
-    return shard_costs(
-        refs.key_lines(), cols.labels.astype(np.int64), cols.sizes, locators, options,
-        classes=classes, image_shape=image_shape,
-    )
+    one_suffix = len(suffix) > 1 and suffix[1:].isalnum() and cols.locators.all_end_with(suffix.encode())
+    costs = np.empty(n, dtype=np.int64)
+    fixed = shard_costs([], np.zeros(0, np.int64), np.zeros(0, np.int64), [], options, classes=classes,
+                        image_shape=image_shape)[1]
+    a = 0
+    for keys in refs.key_chunks():
+        b = a + len(keys)
+        locators: Sequence[str] = (
+            [first] * (b - a) if one_suffix else cols.locators.lines(np.arange(a, b, dtype=np.int64))
+        )
+        costs[a:b] = shard_costs(
+            keys, cols.labels[a:b].astype(np.int64), cols.sizes[a:b], locators, options,
+            classes=classes, image_shape=image_shape,
+        )[0]
+        a = b
+    return costs, fixed
 
 
 class ShardRefs(Sequence[SampleRef]):

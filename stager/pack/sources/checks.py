@@ -218,14 +218,13 @@ def probe_hw(source: Source, refs: Sequence[SampleRef], *, skip_bad: bool = Fals
 _DOT_KEY = re.compile(r"(?m)^(?:.*/)?\.\.?$")
 
 
-def check_names(source: Source, keys: Sequence[str] | None = None) -> None:
+def check_names(source: Source) -> None:
     """Refuse, before anything is written, a class or sample name that ``stage --unpack`` could not
     create (:func:`stager.manifest.entry_name_problem`, the one rule for names from the data), and two
     samples that would unpack to one file name (:func:`check_unpack_collisions`): one line naming the
-    class folder or the samples. Every key is checked through a few regular-expression passes over
-    keys joined into one string, so the check costs milliseconds per million. ``keys``: the source's
-    keys in listing order when the caller has them already (:class:`Lines` spares the joining), else
-    they are taken from the source a chunk at a time."""
+    class folder or the samples. Every key is checked through a few passes over chunks of keys joined
+    into one string (a columnar listing's chunks come joined: :class:`Lines`), so the check costs
+    milliseconds per million."""
     for c in source.classes:
         why = entry_name_problem(c)
         if why is not None:
@@ -233,10 +232,9 @@ def check_names(source: Source, keys: Sequence[str] | None = None) -> None:
             raise SourceError(f"{shown(str(where))}: class name {c!r} {why}; rename it (any letter and spaces are "
                               "fine; not '/', NUL or control characters)")
     refs = source.refs
-    if keys is not None:
-        chunks: Iterable[Sequence[str]] = [keys]
-    else:
-        chunks = refs.key_chunks() if isinstance(refs, ListingRefs) else _key_chunks([r.key for r in refs])
+    chunks: Iterable[Sequence[str]] = (
+        refs.key_chunks() if isinstance(refs, ListingRefs) else _key_chunks([r.key for r in refs])
+    )
     start = 0
     for chunk in chunks:
         if isinstance(chunk, Lines):  # no key holds a newline (Lines' contract)
@@ -290,7 +288,7 @@ def check_unpack_collisions(source: Source) -> None:
         labels = refs.columns.labels
         start = 0
         for chunk in refs.key_chunks():
-            if _NESTED_KEY.search("\n".join(chunk)):
+            if _NESTED_KEY.search(chunk.text if isinstance(chunk, Lines) else "\n".join(chunk)):
                 for i, k in enumerate(chunk):
                     if k.count("/") > 1:
                         _claim(source, seen, k, int(labels[start + i]), start + i)

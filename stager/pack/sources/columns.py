@@ -169,6 +169,7 @@ def sizes_of(refs: Sequence[SampleRef]) -> np.ndarray:
 
 
 _CHUNK = 4096  # refs built per step when iterating a ListingRefs (vectorised, yet bounded memory)
+CHUNK_LINES = 1 << 18  # strings decoded at once as Lines (~7 MB of text for ImageNet's keys)
 
 
 class ListingRefs(Sequence[SampleRef]):
@@ -177,19 +178,11 @@ class ListingRefs(Sequence[SampleRef]):
     once, iteration a few thousand at a time). ``columns`` are the listing itself: the planner and
     the pack workers use them directly."""
 
-    __slots__ = ("_key_lines", "columns", "stem")
+    __slots__ = ("columns", "stem")
 
     def __init__(self, columns: Columns) -> None:
         self.columns = columns
         self.stem: str | None = None  # where the columns are saved and mapped from, once spilled
-        self._key_lines: Sequence[str] | None = None
-
-    def key_lines(self) -> Sequence[str]:
-        """The keys as :class:`~stager.formats.base.Lines` (``unique``: a listing's keys are, by the
-        source contract), decoded once for the list phase's checks and the plan."""
-        if self._key_lines is None:
-            self._key_lines = self.columns.keys.lines(unique=True)
-        return self._key_lines
 
     def spill(self, stem: str) -> None:
         """Save the columns at ``stem`` and map them from there: their pages become the page cache's
@@ -197,7 +190,6 @@ class ListingRefs(Sequence[SampleRef]):
         self.columns.save(stem)
         self.columns = Columns.open(stem)
         self.stem = stem
-        self._key_lines = None
         release_free_heap()
 
     @property
@@ -222,10 +214,16 @@ class ListingRefs(Sequence[SampleRef]):
         loc = c.prefix + c.locators.at(i)
         return SampleRef(c.keys.at(i), int(c.labels[i]), loc, int(c.sizes[i]), int(c.mtimes[i]))
 
-    def key_chunks(self, step: int = 16384) -> Iterator[list[str]]:
-        """The keys in listing order, ``step`` at a time (never all of them as Python strings)."""
-        for a in range(0, len(self), step):
-            yield self.columns.keys.take(np.arange(a, min(a + step, len(self)), dtype=np.int64))
+    def key_chunks(self, step: int | None = None) -> Iterator[Sequence[str]]:
+        """The keys in listing order, ``step`` (default :data:`CHUNK_LINES`) at a time, each chunk
+        decoded at once as :class:`~stager.formats.base.Lines` (``unique``: a listing's keys are, by
+        the source contract, across chunks too): never a Python string per key, and a bounded text at
+        a time."""
+        n = len(self)
+        step = step or CHUNK_LINES
+        for a in range(0, n, step):
+            pos = None if a == 0 and n <= step else np.arange(a, min(a + step, n), dtype=np.int64)
+            yield self.columns.keys.lines(pos, unique=True)
 
     def take(self, positions: np.ndarray) -> tuple[SampleRef, ...]:
         """The refs at ``positions`` (int64 indices), in that order."""
