@@ -255,3 +255,28 @@ def test_tar_fast_path_equals_generic_headers(
         SizeInputs([key], np.array([label]), np.array([size]), [ext], classes, None, {"json_member": with_json})
     )
     assert int(per[0]) + fixed == len(got)
+
+
+@settings(max_examples=100, deadline=None)
+@given(parts=st.lists(st.binary(max_size=3000), max_size=40), at=st.integers(0, 5000))
+def test_write_parts_writes_every_part_in_order(parts: list[bytes], at: int) -> None:
+    """write_parts (the writers' writev/pwritev of queued parts, empty ones included) leaves exactly
+    the parts' concatenation, appended or at an offset, and counts its bytes."""
+    import tempfile
+
+    from stager.formats.base import write_parts
+
+    want = b"".join(parts)
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "f")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT)
+        try:
+            assert write_parts(fd, [memoryview(p) if i % 2 else p for i, p in enumerate(parts)]) == len(want)
+            assert write_parts(fd, parts, at) == len(want)
+        finally:
+            os.close(fd)
+        got = Path(path).read_bytes()
+    tail = max(len(want), at + len(want)) if want else 0  # writing nothing extends nothing
+    expect = bytearray(want.ljust(tail, b"\0"))
+    expect[at : at + len(want)] = want
+    assert got == bytes(expect)

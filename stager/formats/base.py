@@ -393,7 +393,7 @@ def write_parts(fd: int, parts: Sequence[bytes | bytearray | memoryview], offset
     up to :data:`_IOV_MAX` at a time, so that large payloads reach the kernel without being joined
     first (one copy of the bytes less); return the byte count. A short write is continued; an error
     (a full disk) raises :class:`OSError`."""
-    todo = list(parts)
+    todo = [p for p in parts if len(p)]  # an empty part would make a write of nothing look stuck
     total = 0
     while todo:
         batch = todo[:_IOV_MAX]
