@@ -49,6 +49,11 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+# A baseline server (--baseline DIR) imports stager from another checkout: the same bench, other code.
+TREE = Path(os.environ.get("STAGER_BENCH_TREE") or ROOT)
+if TREE != ROOT:
+    sys.path.insert(0, str(TREE))
+BASELINE = " (baseline)"  # the suffix of a contender run from --baseline's tree
 
 from tools.datagen import make_cifar, make_imagefolder  # noqa: E402
 
@@ -108,7 +113,9 @@ def run_stager(fmt: str, workers: int) -> Callable[[Path, Path], dict[str, Any]]
         from stager.pack import pack
 
         r = pack(str(src), str(out), fmt, workers=workers)
-        return {"samples": r.samples, "phases": r.phases, "workers_cpu": sorted(r.workers_cpu.values())}
+        # getattr: a baseline tree may predate the phases (issue 40).
+        return {"samples": r.samples, "phases": getattr(r, "phases", {}),
+                "workers_cpu": sorted(getattr(r, "workers_cpu", {}).values())}
 
     return run
 
@@ -138,7 +145,9 @@ FAMILIES = {"stager": IMPORTS[:-1], "mds": [], "webdataset": ["webdataset"]}
 
 
 def family(label: str) -> str:
-    """Which server runs contender ``label``."""
+    """Which server runs contender ``label`` (a baseline contender: the baseline tree's stager server)."""
+    if label.endswith(BASELINE):
+        return "baseline"
     return "mds" if label == "MDSWriter" else label.split(maxsplit=1)[0]
 
 
@@ -171,16 +180,17 @@ def serve(fam: str) -> int:
 class Server:
     """The bench's handle on one family's server process."""
 
-    def __init__(self, fam: str) -> None:
+    def __init__(self, fam: str, tree: Path = ROOT) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--serve", fam], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            env={**os.environ, "PYTHONPATH": str(tree), "STAGER_BENCH_TREE": str(tree)},
         )
         assert self.proc.stdout is not None
         self.ok = bool(json.loads(self.proc.stdout.readline() or '{"ready": false}')["ready"])
 
     def run(self, label: str, src: Path, out: Path) -> dict[str, Any]:
         assert self.proc.stdin is not None and self.proc.stdout is not None
+        label = label.removesuffix(BASELINE)
         self.proc.stdin.write(json.dumps({"label": label, "src": str(src), "out": str(out)}) + "\n")
         self.proc.stdin.flush()
         return json.loads(self.proc.stdout.readline() or '{"error": "server died"}')
@@ -405,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="also write the raw figures here")
     p.add_argument("--markdown", default=str(ROOT / "docs" / "bench" / "pack_small.md"),
                    help="write the tables here too (make bench splices it into docs/benchmarks.md)")
+    p.add_argument("--baseline", metavar="DIR", default=None,
+                   help="also run stager's contenders from the checkout at DIR (e.g. a worktree of main), interleaved")
     p.add_argument("--serve", choices=list(FAMILIES), help=argparse.SUPPRESS)  # a family's server (internal)
     p.add_argument("--phase-profile", type=int, metavar="RUNS", default=0,
                    help="instead: CPU us/sample of each pack phase in this process, least of RUNS runs")
@@ -418,10 +430,15 @@ def main(argv: list[str] | None = None) -> int:
                 for name in args.sets for fmt in ("tar", "hdf5")}
         print(json.dumps(prof, indent=1))
         return 0
-    servers = {fam: Server(fam) for fam in {family(lb) for lb in args.only if lb != WHOLE}}
+    only = list(args.only)
+    if args.baseline:  # each stager contender of --only, then the same from the baseline tree
+        only = [x for lb in only for x in ([lb, lb + BASELINE] if family(lb) == "stager" else [lb])]
+    servers = {fam: Server(fam) for fam in {family(lb) for lb in only if lb != WHOLE} if fam != "baseline"}
+    if args.baseline:
+        servers["baseline"] = Server("stager", Path(args.baseline).resolve())
     try:
         missing = sorted(fam for fam, sv in servers.items() if not sv.ok)
-        labels = [lb for lb in args.only if lb == WHOLE or family(lb) not in missing]
+        labels = [lb for lb in only if lb == WHOLE or family(lb) not in missing]
         res: dict[str, Any] = {
             "command": "python tools/bench/bench_pack_small.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
