@@ -33,6 +33,7 @@ docs/bench/pack_small.md (``make bench`` splices that in) and, with ``--json``, 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -145,7 +146,10 @@ FAMILIES = {"stager": IMPORTS[:-1], "mds": [], "webdataset": ["webdataset"]}
 
 
 def family(label: str) -> str:
-    """Which server runs contender ``label`` (a baseline contender: the baseline tree's stager server)."""
+    """Which server runs contender ``label`` (a baseline contender: the baseline tree's stager server;
+    the whole command runs in a new interpreter, no server)."""
+    if label.removesuffix(BASELINE) == WHOLE:
+        return "whole"
     if label.endswith(BASELINE):
         return "baseline"
     return "mds" if label == "MDSWriter" else label.split(maxsplit=1)[0]
@@ -197,7 +201,8 @@ class Server:
 
     def close(self) -> None:
         if self.proc.stdin is not None:
-            self.proc.stdin.close()
+            with contextlib.suppress(BrokenPipeError):  # a server that died already
+                self.proc.stdin.close()
         self.proc.wait()
 
 
@@ -231,13 +236,14 @@ def run_forked(fn: Callable[[Path, Path], dict[str, Any]], src: Path, out: Path)
     return res
 
 
-def run_whole_command(src: Path, out: Path) -> dict[str, Any]:
-    """``python -m stager pack SRC OUT --format tar`` in a new interpreter: wall and CPU seconds."""
+def run_whole_command(src: Path, out: Path, tree: Path = ROOT) -> dict[str, Any]:
+    """``python -m stager pack SRC OUT --format tar`` (stager from ``tree``) in a new interpreter: wall
+    and CPU seconds."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
     p = subprocess.run(
         [sys.executable, "-m", "stager", "pack", str(src), str(out), "--format", "tar", "-q"],
-        capture_output=True, text=True, check=False, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True, text=True, check=False, env={**os.environ, "PYTHONPATH": str(tree)},
     )
     wall = time.perf_counter() - t
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -259,7 +265,7 @@ def warm(src: Path) -> tuple[int, int]:
 
 
 def bench_set(name: str, src: Path, work: Path, rounds: int, labels: list[str], *,
-              servers: dict[str, Server]) -> dict[str, Any]:
+              servers: dict[str, Server], baseline: Path | None = None) -> dict[str, Any]:
     nfiles, nbytes = warm(src)
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label in labels}
     errors: dict[str, str] = {}
@@ -271,7 +277,10 @@ def bench_set(name: str, src: Path, work: Path, rounds: int, labels: list[str], 
             out = work / f"out-{name}"
             shutil.rmtree(out, ignore_errors=True)
             loads.append(os.getloadavg()[0])
-            res = run_whole_command(src, out) if label == WHOLE else servers[family(label)].run(label, src, out)
+            if label.removesuffix(BASELINE) == WHOLE:
+                res = run_whole_command(src, out, baseline if label.endswith(BASELINE) and baseline else ROOT)
+            else:
+                res = servers[family(label)].run(label, src, out)
             shutil.rmtree(out, ignore_errors=True)
             if "error" in res:
                 errors[label] = res["error"]
@@ -432,19 +441,20 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     only = list(args.only)
     if args.baseline:  # each stager contender of --only, then the same from the baseline tree
-        only = [x for lb in only for x in ([lb, lb + BASELINE] if family(lb) == "stager" else [lb])]
-    servers = {fam: Server(fam) for fam in {family(lb) for lb in only if lb != WHOLE} if fam != "baseline"}
+        only = [x for lb in only for x in ([lb, lb + BASELINE] if family(lb) in ("stager", "whole") else [lb])]
+    servers = {fam: Server(fam) for fam in {family(lb) for lb in only} if fam not in ("baseline", "whole")}
     if args.baseline:
         servers["baseline"] = Server("stager", Path(args.baseline).resolve())
     try:
         missing = sorted(fam for fam, sv in servers.items() if not sv.ok)
-        labels = [lb for lb in only if lb == WHOLE or family(lb) not in missing]
+        labels = [lb for lb in only if family(lb) == "whole" or family(lb) not in missing]
         res: dict[str, Any] = {
             "command": "python tools/bench/bench_pack_small.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
             "rounds": args.rounds,
             "missing": missing,
-            "sets": {name: bench_set(name, make_set(name, work), work, args.rounds, labels, servers=servers)
+            "sets": {name: bench_set(name, make_set(name, work), work, args.rounds, labels, servers=servers,
+                                     baseline=Path(args.baseline).resolve() if args.baseline else None)
                      for name in args.sets},
         }
     finally:
