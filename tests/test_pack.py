@@ -15,6 +15,7 @@ import itertools
 import json
 import os
 import pickle
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,58 @@ def test_imagefolder_round_trip_bytes_exact(imagenet_tiny: Path, tmp_path: Path,
     for k, (label, data) in truth.items():
         assert got[k][0] == label and bytes(got[k][1]) == data, k
     assert verify(tmp_path / "o", deep=True).ok
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_result_profiles_its_phases(imagenet_tiny: Path, tmp_path: Path, workers: int) -> None:
+    """``PackResult.phases`` (wall) and ``phases_cpu`` (this process) give each phase's seconds, the
+    profile docs/benchmarks.md reports; together they take no longer than the whole call."""
+    r = pack(imagenet_tiny, tmp_path / "out", "tar", workers=workers, samples_per_shard=10)
+    assert list(r.phases) == list(r.phases_cpu) == ["list", "plan", "resume", "write", "publish"]
+    assert all(v >= 0 for v in [*r.phases.values(), *r.phases_cpu.values()])
+    assert sum(r.phases.values()) <= r.seconds
+    done = pack(imagenet_tiny, tmp_path / "out", "tar", workers=workers, samples_per_shard=10)
+    assert done.reused == done.shards and list(done.phases) == ["list", "plan", "resume"]  # nothing to write
+
+
+@pytest.mark.parametrize("name", ["a\nb.JPEG", "a\x01b.JPEG", "\n.JPEG", "a\n\nb.JPEG"])
+def test_a_newline_or_control_character_in_a_file_name_is_refused(imagenet_tiny: Path, tmp_path: Path,
+                                                                    name: str) -> None:
+    """The keys are checked all at once in one newline-joined text (issue 40): a key that holds a
+    newline itself is still refused, naming the file, before anything is written."""
+    src = tmp_path / "src"
+    shutil.copytree(imagenet_tiny, src)
+    first = sorted(p for p in src.rglob("*.JPEG"))[3]
+    first.rename(first.with_name(name))
+    with pytest.raises(SourceError, match="control character"):
+        pack(src, tmp_path / "out", "tar")
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+
+
+def test_keys_checked_and_planned_in_chunks_as_at_once(imagenet_tiny: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A columnar listing's keys are checked and sized a chunk of text at a time (bounded memory at
+    ImageNet's count): the same plan and shards as one chunk, and a bad name in a later chunk is
+    still refused, naming its file."""
+    from stager.pack.sources import columns
+
+    for fmt in ("tar", "hdf5"):
+        whole = pack(imagenet_tiny, tmp_path / f"whole-{fmt}", fmt, samples_per_shard=7)
+        monkeypatch.setattr(columns, "CHUNK_LINES", 5)
+        chunked = pack(imagenet_tiny, tmp_path / f"chunked-{fmt}", fmt, samples_per_shard=7)
+        monkeypatch.undo()
+        assert chunked.plan is not None and whole.plan is not None
+        assert chunked.plan.fingerprint == whole.plan.fingerprint
+        assert [s.est_bytes for s in chunked.plan.shards] == [s.est_bytes for s in whole.plan.shards]
+        for name in (s.name for s in whole.manifest.shards):  # type: ignore[union-attr]
+            assert (tmp_path / f"chunked-{fmt}" / name).read_bytes() == (tmp_path / f"whole-{fmt}" / name).read_bytes()
+    src = tmp_path / "src"
+    shutil.copytree(imagenet_tiny, src)
+    last = sorted(src.rglob("*.JPEG"))[-1]
+    last.rename(last.with_name("bad\x02.JPEG"))
+    monkeypatch.setattr(columns, "CHUNK_LINES", 5)
+    with pytest.raises(SourceError, match="control character"):
+        pack(src, tmp_path / "bad", "tar")
 
 
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)

@@ -25,12 +25,13 @@ Contract (tested for every format by :class:`stager.testing.formats.FormatTests`
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, BinaryIO, ClassVar, Protocol
+from typing import Any, BinaryIO, ClassVar, NamedTuple, Protocol
 
 import numpy as np
 
@@ -44,7 +45,7 @@ FLUSH_BYTES = 4 << 20  # what a buffered writer accumulates before one write() c
 _NO_FIELD_BASES: Mapping[str, int] = MappingProxyType({})
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Sample:
     """One training example.
 
@@ -54,6 +55,10 @@ class Sample:
     fields (schema: :mod:`stager.manifest.fields`): encoded bytes for the byte kinds (mask, image,
     array as ``.npy``, json as UTF-8, bytes), numpy arrays for the ragged kinds (boxes ``(n, 4)``
     float32, box_labels ``(n,)`` int64, per_box ``(n, ...)``); empty for image + label samples.
+
+    Treated as immutable (``dataclasses.replace`` makes a changed copy) but not ``frozen``: pack builds
+    one per sample, and a frozen dataclass's ``__init__`` costs 2.9 us against 0.8 us for this one
+    (docs/benchmarks.md, "Packing small sets").
     """
 
     key: str
@@ -64,15 +69,28 @@ class Sample:
     fields: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class Extent:
+class Extent(NamedTuple):
     """Where a sample's payload lives inside its shard file: ``size`` bytes at ``offset``.
 
-    ``fields``: ``{name: (offset, size)}`` of each byte field stored in the shard (same file)."""
+    ``fields``: ``{name: (offset, size)}`` of each byte field stored in the shard (same file).
+    A named tuple: writers return one per sample (0.6 us to build against 1.6 us for a frozen dataclass)."""
 
     offset: int
     size: int
     fields: dict[str, tuple[int, int]] | None = None
+
+
+class FragmentsDone(NamedTuple):
+    """What finishing a shard written as fragments needs (``Format.finish_fragments``, formats whose
+    entry declares ``fragments``): its samples' rows in shard order and each fragment's ``extra()``
+    in order (what the format keeps of its samples besides their bytes; None for tar)."""
+
+    shard_name: str
+    classes: Sequence[str]
+    keys: Sequence[str]
+    labels: Sequence[int]
+    sizes: Sequence[int]
+    extras: list[Any]
 
 
 class ShardWriter(Protocol):
@@ -131,8 +149,57 @@ def varint_lengths(x: np.ndarray) -> np.ndarray:
     return n
 
 
+class Lines(Sequence[str]):
+    """Strings without a newline, held as one newline-joined ``text`` (a listing's column decoded in
+    one go, :meth:`stager.pack.sources.columns.StrColumn.lines`), with each one's UTF-8 byte length
+    (``lengths``, int64); ``unique``: known to hold no string twice.
+
+    What the pack plan hands to :meth:`Format.check_keys` and, in :class:`SizeInputs`, to
+    :meth:`Format.disk_bytes`: they check and measure a million keys with a few passes over ``text``
+    (:func:`all_ascii`, :func:`ascii_lengths`) instead of a Python call per key. The strings themselves
+    are split out only when indexed (an odd key to report or to size exactly).
+    """
+
+    __slots__ = ("_split", "lengths", "text", "unique")
+
+    def __init__(self, text: str, lengths: np.ndarray, *, unique: bool = False) -> None:
+        self.text = text
+        self.lengths = lengths
+        self.unique = unique
+        self._split: list[str] | None = None
+
+    @classmethod
+    def of(cls, texts: Sequence[str]) -> Lines:
+        """The strings ``texts`` as lines (:class:`ValueError` if one holds a newline)."""
+        text = "\n".join(texts)
+        if text.count("\n") != max(len(texts) - 1, 0):
+            raise ValueError("a string holds a newline")
+        return cls(text, ascii_lengths(list(texts)))
+
+    def _lines(self) -> list[str]:
+        if self._split is None:
+            self._split = self.text.split("\n") if len(self.lengths) else []
+        return self._split
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._lines()[i]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._lines())
+
+
+def all_ascii(texts: Sequence[str]) -> bool:
+    """Whether every string in ``texts`` is ASCII (one pass over a :class:`Lines` text)."""
+    return texts.text.isascii() if isinstance(texts, Lines) else "".join(texts).isascii()
+
+
 def ascii_lengths(texts: Sequence[str]) -> np.ndarray:
     """UTF-8 byte length of each string (int64): ``len`` when they are all ASCII (the usual case)."""
+    if isinstance(texts, Lines):
+        return texts.lengths
     if "".join(texts).isascii():
         return np.fromiter(map(len, texts), dtype=np.int64, count=len(texts))
     return np.fromiter((len(t.encode()) for t in texts), dtype=np.int64, count=len(texts))
@@ -317,16 +384,48 @@ class ExtentReader:
         self.close()
 
 
+BY_REFERENCE = 8 << 10  # payloads from this size on are queued as they are, not copied into the buffer
+_IOV_MAX = 1024  # the iovecs of one writev (POSIX's minimum IOV_MAX is 16; Linux and macOS: 1024)
+
+
+def write_parts(fd: int, parts: Sequence[bytes | bytearray | memoryview], offset: int | None = None) -> int:
+    """Write ``parts`` (bytes-like, in order) to ``fd`` with ``writev`` (at ``offset`` with ``pwritev``),
+    up to :data:`_IOV_MAX` at a time, so that large payloads reach the kernel without being joined
+    first (one copy of the bytes less); return the byte count. A short write is continued; an error
+    (a full disk) raises :class:`OSError`."""
+    todo = [p for p in parts if len(p)]  # an empty part would make a write of nothing look stuck
+    total = 0
+    while todo:
+        batch = todo[:_IOV_MAX]
+        n = os.writev(fd, batch) if offset is None else os.pwritev(fd, batch, offset + total)
+        if n <= 0:
+            raise OSError(errno.EIO, "write made no progress")
+        total += n
+        done = 0
+        for p in batch:  # drop what went out; keep the rest of a part written in part
+            size = memoryview(p).nbytes
+            if n < size:
+                todo[done] = memoryview(p).cast("B")[n:]
+                break
+            n -= size
+            done += 1
+        del todo[:done]
+    return total
+
+
 class BufferedShardFile:
     """Shared plumbing of writers that stream one shard file sequentially (tar, record).
 
     Bytes accumulate in ``self._buf`` and reach the file in ``flush_bytes`` chunks (a few syscalls
-    per MB, not several per sample). Every byte is fed once to ``hasher`` (so pack hashes while
-    writing, no re-read) and, with ``writeback``, the kernel starts writing each chunk at once so
-    the final fsync is short. ``bytes_written`` counts buffered bytes too, so it is the offset of
-    the next byte: what writers return in :class:`Extent`. With ``path`` None the bytes are built
-    in memory and never flushed: the caller takes them with :meth:`take` (a fragment of a shard). Unknown
-    ``options`` are ignored, so that one option set can be passed to every format.
+    per MB, not several per sample); a payload of :data:`BY_REFERENCE` bytes or more is queued as it
+    is (:meth:`_put`) and written with the buffers around it by one ``writev``, so it is never
+    copied in user space. Every byte is fed once to ``hasher`` (so pack hashes while writing, no
+    re-read) and, with ``writeback``, the kernel starts writing each chunk at once so the final
+    fsync is short. ``bytes_written`` counts queued bytes too, so it is the offset of the next
+    byte: what writers return in :class:`Extent` (``self._written + len(self._buf)``). With ``path``
+    None the bytes are built in memory and never flushed: the caller takes them with :meth:`take`
+    (a fragment of a shard). Unknown ``options`` are ignored, so that one option set can be passed
+    to every format.
     """
 
     def __init__(
@@ -344,7 +443,10 @@ class BufferedShardFile:
         self._f: BinaryIO | None = None if path is None else open(path, "wb", buffering=0)  # noqa: SIM115
         self._open = True
         self._buf = bytearray()
-        self._written = 0  # bytes already handed to the OS
+        self._parts: list[bytes | bytearray] = []  # queued before _buf, in file order
+        self._parted = 0  # bytes in _parts
+        self._written = 0  # bytes before _buf: handed to the OS or queued in _parts
+        self._flushed = 0  # bytes handed to the OS
 
     @property
     def field_bases(self) -> Mapping[str, int]:
@@ -359,19 +461,40 @@ class BufferedShardFile:
         if not self._open:
             raise UsageError(f"{self.shard_name}: write() after close()")
 
+    def _put(self, data: bytes) -> None:
+        """Queue ``data`` (immutable) after the buffer without copying it; ``self._buf`` is a new,
+        empty buffer afterwards (a writer holding the old one must take it again)."""
+        buf = self._buf
+        if buf:
+            self._parts.append(buf)
+            self._buf = bytearray()
+        self._parts.append(data)
+        n = len(buf) + len(data)
+        self._parted += n
+        self._written += n
+
+    def _pending(self) -> int:
+        """Bytes queued or buffered, not yet handed to the OS."""
+        return self._parted + len(self._buf)
+
+    def _take_parts(self) -> list[bytes | bytearray]:
+        parts = self._parts
+        if self._buf:
+            parts.append(self._buf)
+            self._written += len(self._buf)
+        self._parts, self._buf, self._parted = [], bytearray(), 0
+        return parts
+
     def _flush(self) -> None:
         assert self._f is not None
-        view = memoryview(self._buf)
+        parts = self._take_parts()
         if self._hasher is not None:
-            self._hasher.update(view)
-        done = 0
-        while done < len(view):
-            done += self._f.write(view[done:]) or 0
-        view.release()
+            for p in parts:
+                self._hasher.update(p)
+        n = write_parts(self._f.fileno(), parts)
         if self._writeback:
-            start_writeback(self._f.fileno(), self._written, len(self._buf))
-        self._written += len(self._buf)
-        self._buf = bytearray()
+            start_writeback(self._f.fileno(), self._flushed, n)
+        self._flushed += n
 
     def _finish(self) -> None:
         """Flush what is buffered, fsync if asked, close the file."""
@@ -383,11 +506,10 @@ class BufferedShardFile:
         self._f = None
         self._open = False
 
-    def take(self) -> bytearray:
-        """The bytes built in memory (``path`` None); the writer is finished afterwards."""
+    def take(self) -> list[bytes | bytearray]:
+        """The bytes built in memory (``path`` None), as parts in order; the writer is finished afterwards."""
         self._open = False
-        buf, self._buf = self._buf, bytearray()
-        return buf
+        return self._take_parts()
 
     def abort(self) -> None:
         if self._f is not None:
@@ -395,6 +517,7 @@ class BufferedShardFile:
             self._f = None
         self._open = False
         self._buf = bytearray()
+        self._parts, self._parted = [], 0
 
     @property
     def bytes_written(self) -> int:

@@ -29,31 +29,43 @@ known. That works because ``/images`` is created first with early allocation, so
 starts at the same file offset whatever its size; :func:`images_data_offset` measures that offset
 once on an in-memory file and ``close()`` checks the built file agrees.
 
-HDF5 never writes to the shard path. ``close()`` builds the file's metadata in memory with the
-"core" driver (no backing store; ``/images`` allocated but never written there), takes its image
-(``H5Fget_file_image``) and writes what precedes ``/images`` and everything after it to ``path``
-with plain ``os.pwrite``. Reason: when libhdf5 itself hits a write error (EFBIG under
-``RLIMIT_FSIZE``, ENOSPC, EDQUOT), h5py/libhdf5 can crash with SIGSEGV while closing the file, so
-a full disk killed ``stager pack`` instead of giving exit 4. Our own writes raise a plain
-``OSError`` that ``stager.pack`` turns into :class:`~stager.errors.OutOfSpaceError`. The core
-driver lays files out exactly like the default POSIX driver, so shards are byte-identical to the
-ones HDF5 wrote directly. Cost: ``close()`` briefly holds about the shard file's size in memory
-(the core buffer's unwritten ``/images`` region and its image copy), released before it returns.
+HDF5 never writes to the shard path. ``close()`` builds the file's metadata in memory through
+h5py's file-object driver, into a :class:`_GapFile` that keeps what HDF5 writes below ``/images``
+and after it and nothing for the ``/images`` region itself (allocated, never written there), then
+writes those two pieces to ``path`` with plain ``os.pwrite``. Reason: when libhdf5 itself hits a
+write error (EFBIG under ``RLIMIT_FSIZE``, ENOSPC, EDQUOT), h5py/libhdf5 can crash with SIGSEGV
+while closing the file, so a full disk killed ``stager pack`` instead of giving exit 4. Our own
+writes raise a plain ``OSError`` that ``stager.pack`` turns into
+:class:`~stager.errors.OutOfSpaceError`. Why not HDF5's in-memory "core" driver (used before): it
+fills the whole address space with zeros, ``/images`` included, and copies it out again, ~0.3 s
+and twice the shard's size in memory for a 256 MB shard, as long as the rest of packing it; the
+file-object driver does not aggregate metadata into 2 KiB blocks as the POSIX and core drivers do,
+so ``/images`` starts at a smaller offset (measured by :func:`images_data_offset` on the same driver).
 """
 
 from __future__ import annotations
 
 import functools
+import io
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from json.encoder import encode_basestring_ascii
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from stager.errors import CorruptSampleError, ShardMissingError, SourceError, StagerError
-from stager.formats.base import Extent, ExtentReader, Format, Sample, SizeInputs, ascii_lengths
+from stager.errors import CorruptSampleError, ShardMissingError, SourceError, StagerError, UsageError
+from stager.formats.base import (
+    Extent,
+    ExtentReader,
+    Format,
+    FragmentsDone,
+    Sample,
+    SizeInputs,
+    ascii_lengths,
+    write_parts,
+)
 from stager.formats.registry import format_spec
 from stager.fs.writeback import start_writeback
 from stager.manifest.fields import FieldSpec
@@ -89,17 +101,94 @@ def _create_images(h5file: Any, nbytes: int) -> Any:
     return h5py.h5d.create(h5file.id, b"images", h5py.h5t.NATIVE_UINT8, space, dcpl=dcpl)
 
 
-def _open_new(target: str, **driver: Any) -> Any:
-    return _h5py().File(target, "w", libver=LIBVER, track_order=False, locking=False, **driver)
+def _open_new(target: _GapFile) -> Any:
+    return _h5py().File(target, "w", libver=LIBVER, track_order=False, locking=False)
+
+
+class _GapFile(io.RawIOBase):
+    """The file HDF5 writes a shard's metadata into, in memory, less the ``/images`` region.
+
+    h5py's file-object driver reads and writes through it. Bytes below ``gap_start`` are kept in
+    ``head``, bytes from ``gap_start + gap_len`` on in ``tail``; the gap (``/images``, whose bytes are
+    in the shard file already) is never written by HDF5 (a write there is a :class:`StagerError`)
+    and reads as zeros. ``size`` is the file's length (HDF5 sets it with ``truncate``).
+    """
+
+    def __init__(self, gap_start: int = 1 << 62, gap_len: int = 0) -> None:
+        super().__init__()
+        self.gap_start = gap_start
+        self.gap_end = gap_start + gap_len
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.size = 0
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self.size}[whence]
+        self._pos = base + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def write(self, data: Any) -> int:
+        n = len(data)
+        a, e = self._pos, self._pos + n
+        if e <= self.gap_start:
+            part, at = self.head, a
+        elif a >= self.gap_end:
+            part, at = self.tail, a - self.gap_end
+        else:
+            raise StagerError(f"HDF5 wrote {n} bytes at {a}, inside /images [{self.gap_start}, {self.gap_end}); "
+                              "this h5py/HDF5 build lays files out differently: report it with `h5py.version.info`")
+        if len(part) < at + n:
+            part.extend(bytes(at + n - len(part)))
+        part[at : at + n] = data
+        self._pos = e
+        self.size = max(self.size, e)
+        return n
+
+    def readinto(self, buf: Any) -> int:
+        n = max(0, min(len(buf), self.size - self._pos))
+        a = self._pos
+        out = memoryview(buf).cast("B")
+        out[:n] = bytes(n)
+        if a < self.gap_start:  # the part of [a, a + n) in head
+            got = self.head[a : min(a + n, self.gap_start)]
+            out[: len(got)] = got
+        if a + n > self.gap_end:  # the part in tail
+            s = max(a, self.gap_end)
+            got = self.tail[s - self.gap_end : a + n - self.gap_end]
+            out[s - a : s - a + len(got)] = got
+        self._pos += n
+        return n
+
+    def truncate(self, size: int | None = None) -> int:
+        self.size = self._pos if size is None else size
+        return self.size
+
+    def pieces(self) -> tuple[bytes, bytes]:
+        """``(the file's bytes before the gap, its bytes after it)``, zero-padded to their full lengths."""
+        head = bytes(self.head[: self.gap_start]).ljust(min(self.gap_start, self.size), b"\0")
+        tail = bytes(self.tail).ljust(max(0, self.size - self.gap_end), b"\0")
+        return head, tail
 
 
 @functools.lru_cache(maxsize=1)
 def images_data_offset() -> int:
-    """File offset at which ``/images`` data starts in every shard this writer produces."""
+    """File offset at which ``/images`` data starts in every shard this writer produces (the same
+    driver, the same first objects: only the superblock and the root group precede it)."""
     offset = None
-    # The in-memory "core" driver allocates like the default POSIX driver (both aggregate metadata
-    # into 2 KiB blocks); Python file objects do not, so they must not be used for the probe.
-    with _open_new("stager-probe.h5", driver="core", backing_store=False) as f:
+    with _open_new(_GapFile()) as f:
         offset = _create_images(f, 1).get_offset()
     if offset is None:  # pragma: no cover - only if HDF5 changes its allocation strategy
         raise StagerError("HDF5 did not allocate /images early; this h5py/HDF5 build is unsupported")
@@ -141,6 +230,79 @@ def _meta_json(meta: dict[str, Any]) -> str:
     return json.dumps(meta, sort_keys=True, separators=(",", ":"))
 
 
+class _Columns(NamedTuple):
+    """A shard's per-sample datasets besides ``/images`` (``bounds``: ``/offsets``, n + 1 entries)."""
+
+    keys: Sequence[str]
+    labels: Sequence[int]
+    exts: Sequence[str]
+    metas: Sequence[str]
+    bounds: Sequence[int] | np.ndarray
+
+
+_FieldsWriter = Callable[[Any, dict[str, Any]], list[tuple[str, Any]]]  # (h5py file, dataset options) -> located
+
+
+def _write_metadata(fd: int, path: str, columns: _Columns, classes: Sequence[str],
+                    write_fields: _FieldsWriter | None = None) -> dict[str, int]:
+    """Write the HDF5 file around the image bytes already in ``fd`` at ``[base, base + bounds[-1])``
+    (``base``: :func:`images_data_offset`): what precedes ``/images`` and everything after it, built in
+    a :class:`_GapFile`. ``write_fields(file, dataset options)`` adds the fields' datasets and returns
+    the byte ones to locate. Returns each byte field's data offset (``field_bases``)."""
+    h5py = _h5py()
+    base = images_data_offset()
+    total = int(columns.bounds[-1])
+    strings = h5py.string_dtype("utf-8")
+    image = _GapFile(base, total)
+    with _open_new(image) as f:
+        dsid = _create_images(f, total)
+        offset = dsid.get_offset()
+        if total and offset != base:  # an empty /images has no storage at all
+            raise StagerError(
+                f"{path}: HDF5 placed /images at byte {offset}, expected {base}; "
+                "this HDF5 build lays files out differently: report it with `h5py.version.info`"
+            )
+        # /images is allocated but never written here: its bytes are already in the file.
+        n = len(columns.keys)
+        opts: dict[str, Any] = {"track_times": False}
+        f.create_dataset("offsets", data=np.asarray(columns.bounds, dtype=np.int64), **opts)
+        f.create_dataset("labels", data=np.asarray(columns.labels, dtype=np.int64), **opts)
+        f.create_dataset("keys", shape=(n,), dtype=strings, data=columns.keys, **opts)
+        f.create_dataset("exts", shape=(n,), dtype=strings, data=columns.exts, **opts)
+        f.create_dataset("meta", shape=(n,), dtype=strings, data=columns.metas, **opts)
+        located = write_fields(f, opts) if write_fields is not None else []
+        f.attrs["stager_format"] = FORMAT_VERSION
+        f.attrs["layout"] = LAYOUT
+        f.attrs["num_samples"] = np.int64(n)
+        f.attrs["classes"] = json.dumps(list(classes))
+        f.flush()
+        field_bases = {name: int(d.get_offset()) for name, d in located}
+    # Closed: what HDF5 wrote on closing (the superblock's end of file and clean-close state) is in
+    # ``image`` too. Everything but the image bytes: what precedes /images and the rest.
+    head, tail = image.pieces()
+    _write_at(fd, memoryview(head), 0)
+    _write_at(fd, memoryview(tail), base + total)
+    return field_bases
+
+
+def _image_bytes(sample: Sample) -> bytes:
+    """The sample's encoded image bytes (immutable), or :class:`SourceError` for anything else."""
+    data = sample.data
+    if isinstance(data, np.ndarray) or not isinstance(data, (bytes, bytearray, memoryview)):
+        raise SourceError(
+            f"{sample.key}: the hdf5 format stores encoded image bytes, got {type(data).__name__}; "
+            "use --format zarr for decoded arrays"
+        )
+    return data if type(data) is bytes else bytes(data)
+
+
+def _sample_meta(sample: Sample) -> str:
+    try:
+        return _meta_json(sample.meta)
+    except (TypeError, ValueError) as exc:
+        raise SourceError(f"{sample.key}: sample metadata is not JSON-serialisable ({exc})") from exc
+
+
 class Hdf5Writer:
     """Writes one HDF5 shard at ``path`` (see the module docstring for the layout)."""
 
@@ -158,7 +320,8 @@ class Hdf5Writer:
         # time with the kernel's writeback started, so the disk works while samples are read; close()
         # adds the metadata around them.
         self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o666)
-        self._buf = bytearray()
+        self._parts: list[bytes | bytearray | memoryview] = []  # image bytes not yet written, in order
+        self._queued = 0  # their length
         self._flushed = 0  # image bytes already written to the file
         self._bounds: list[int] = [0]
         self._keys: list[str] = []
@@ -170,20 +333,15 @@ class Hdf5Writer:
         """Append ``sample`` (encoded bytes); return where its bytes will sit in the final file."""
         if self._fd is None:
             raise StagerError(f"{self.shard_name}: write() after close()")
-        data = sample.data
-        if isinstance(data, np.ndarray) or not isinstance(data, (bytes, bytearray, memoryview)):
-            raise SourceError(
-                f"{sample.key}: the hdf5 format stores encoded image bytes, got {type(data).__name__}; "
-                "use --format zarr for decoded arrays"
-            )
-        try:
-            meta = _meta_json(sample.meta)
-        except (TypeError, ValueError) as exc:
-            raise SourceError(f"{sample.key}: sample metadata is not JSON-serialisable ({exc})") from exc
+        data = _image_bytes(sample)
+        meta = _sample_meta(sample)
         start = self._bounds[-1]
         size = len(data)
-        self._buf += data
-        if len(self._buf) >= FLUSH_BYTES:
+        # Queued as they are (immutable bytes), written by one pwritev a few MB at a time: never
+        # copied in user space.
+        self._parts.append(data)
+        self._queued += size
+        if self._queued >= FLUSH_BYTES:
             self._flush()
         self._bounds.append(start + size)
         self._keys.append(sample.key)
@@ -241,58 +399,22 @@ class Hdf5Writer:
         return located
 
     def _flush(self) -> None:
-        """Write the buffered image bytes at their place in the file and start their writeback."""
+        """Write the queued image bytes at their place in the file and start their writeback."""
         assert self._fd is not None
-        view = memoryview(self._buf)
         at = self._base + self._flushed
-        done = 0
-        while done < len(view):  # a short write is followed by one that raises the error
-            done += os.pwrite(self._fd, view[done:], at + done)
-        view.release()
+        done = write_parts(self._fd, self._parts, at)
         start_writeback(self._fd, at, done)
         self._flushed += done
-        self._buf = bytearray()
+        self._parts, self._queued = [], 0
 
     def close(self) -> list[tuple[str, str]]:
         """Write the HDF5 metadata around the image bytes already in the file; no companion files."""
         if self._fd is None:
             raise StagerError(f"{self.shard_name}: close() called twice")
         self._flush()
-        h5py = _h5py()
-        total = self._bounds[-1]
-        strings = h5py.string_dtype("utf-8")
         try:
-            with _open_new("stager-shard.h5", driver="core", backing_store=False) as f:
-                dsid = _create_images(f, total)
-                offset = dsid.get_offset()
-                if total and offset != self._base:
-                    raise StagerError(
-                        f"{self.path}: HDF5 placed /images at byte {offset}, expected {self._base}; "
-                        "this HDF5 build lays files out differently: report it with `h5py.version.info`"
-                    )
-                # /images is allocated but never written here: its bytes are already in the file.
-                n = len(self._keys)
-                opts: dict[str, Any] = {"track_times": False}
-                f.create_dataset("offsets", data=np.asarray(self._bounds, dtype=np.int64), **opts)
-                f.create_dataset("labels", data=np.asarray(self._labels, dtype=np.int64), **opts)
-                f.create_dataset("keys", shape=(n,), dtype=strings, data=self._keys, **opts)
-                f.create_dataset("exts", shape=(n,), dtype=strings, data=self._exts, **opts)
-                f.create_dataset("meta", shape=(n,), dtype=strings, data=self._meta, **opts)
-                located = self._write_fields(f, opts) if self._fields else []
-                f.attrs["stager_format"] = FORMAT_VERSION
-                f.attrs["layout"] = LAYOUT
-                f.attrs["num_samples"] = np.int64(n)
-                f.attrs["classes"] = json.dumps(self.classes)
-                f.flush()
-                self.field_bases = {name: int(dsid.get_offset()) for name, dsid in located}
-                # The image of a flushed file equals what closing it on disk writes (the open-for-
-                # write superblock flag is cleared in the copy); tests/test_formats.py checks that
-                # h5py reads it back and that identical input gives identical bytes.
-                image = f.id.get_file_image()
-            # Everything but the image bytes: what precedes /images and the metadata after it.
-            _write_at(self._fd, memoryview(image)[: self._base if total else len(image)], 0)
-            if total:
-                _write_at(self._fd, memoryview(image)[self._base + total :], self._base + total)
+            columns = _Columns(self._keys, self._labels, self._exts, self._meta, self._bounds)
+            self.field_bases = _write_metadata(self._fd, self.path, columns, self.classes, self._write_fields)
         finally:
             os.close(self._fd)
             self._fd = None
@@ -302,7 +424,7 @@ class Hdf5Writer:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        self._buf = bytearray()
+        self._parts, self._queued = [], 0
 
 
 def _write_at(fd: int, view: memoryview, offset: int) -> None:
@@ -392,12 +514,74 @@ class Hdf5Reader(ExtentReader):
         return bounds, labels, keys, exts, metas, images
 
 
+class Hdf5FragmentWriter:
+    """A run of a shard's samples built in memory, for ``pack --workers``: their image bytes (parts,
+    uncopied) and what ``/keys``, ``/exts`` and ``/meta`` need of them (:meth:`extra`). A shard is its
+    fragments' bytes written one after the other from :func:`images_data_offset` on, then
+    :meth:`Hdf5Format.finish_fragments`: byte for byte what :class:`Hdf5Writer` writes. Samples with
+    fields are not written in fragments (their datasets are laid out at the end)."""
+
+    def __init__(self, *, shard_name: str, classes: Sequence[str], **options: Any) -> None:
+        if options.get("fields"):
+            raise UsageError(f"{shard_name}: hdf5 fields are written per shard, not in fragments")
+        self.shard_name = shard_name
+        self._parts: list[bytes] = []
+        self._size = 0
+        self._exts: list[str] = []
+        self._metas: list[str] = []
+
+    def write(self, sample: Sample) -> Extent:
+        """Append ``sample``; its extent is relative to the fragment's first byte."""
+        data = _image_bytes(sample)
+        meta = _sample_meta(sample)
+        if sample.fields:
+            raise UsageError(f"{self.shard_name}: hdf5 fields are written per shard, not in fragments")
+        start = self._size
+        self._parts.append(data)
+        self._size += len(data)
+        self._exts.append(sample.ext)
+        self._metas.append(meta)
+        return Extent(start, len(data))
+
+    def take(self) -> list[bytes]:
+        """The fragment's image bytes, as parts in order."""
+        parts, self._parts = self._parts, []
+        return parts
+
+    def extra(self) -> tuple[list[str], list[str]]:
+        """``(exts, metas)`` of the fragment's samples, for :meth:`Hdf5Format.finish_fragments`."""
+        return self._exts, self._metas
+
+
 class Hdf5Format(Format):
     """The ``hdf5`` format: encoded images in one contiguous HDF5 dataset per shard."""
 
     spec = format_spec("hdf5")
     reader = Hdf5Reader
     writer = Hdf5Writer
+
+    def fragment_base(self) -> int:
+        """Where a shard's first fragment goes: ``/images``'s first byte."""
+        return images_data_offset()
+
+    def open_fragment(self, *, shard_name: str, classes: Sequence[str], **options: Any) -> Hdf5FragmentWriter:
+        """An in-memory writer for a run of a shard's samples (see :class:`Hdf5FragmentWriter`)."""
+        return Hdf5FragmentWriter(shard_name=shard_name, classes=classes, **options)
+
+    def finish_fragments(self, path: str, end: int, done: FragmentsDone) -> list[tuple[str, str]]:
+        """Write the metadata of the shard at ``path`` whose fragments fill ``[fragment_base(), end)``."""
+        exts = [e for x in done.extras for e in x[0]]
+        metas = [m for x in done.extras for m in x[1]]
+        bounds = np.zeros(len(done.sizes) + 1, dtype=np.int64)
+        np.cumsum(np.asarray(done.sizes, dtype=np.int64), out=bounds[1:])
+        if int(bounds[-1]) != end - images_data_offset():
+            raise StagerError(f"{path}: fragments end at {end}, their samples at {int(bounds[-1])} image bytes")
+        fd = os.open(path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            _write_metadata(fd, path, _Columns(done.keys, done.labels, exts, metas, bounds), done.classes)
+        finally:
+            os.close(fd)
+        return []
 
     def disk_bytes(self, inputs: SizeInputs) -> tuple[np.ndarray, int]:
         """Each sample's bytes in a shard file and the fixed bytes (:func:`sample_disk_bytes`)."""

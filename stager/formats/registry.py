@@ -54,8 +54,11 @@ class FormatSpec:
     * ``named_keys``: keys are names inside the container that readers group members by (tar's
       ``KEY.ext``): ``stager pack`` checks a whole plan's keys with ``Format.check_keys`` before
       writing, and ``stager index`` refuses a repeated key instead of renumbering the samples.
-    * ``fragments``: a shard is the concatenation of fragments built without knowing their offset,
-      then ``END_MARKER`` (``Format.open_fragment``): ``pack --workers`` writes one shard in parallel.
+    * ``fragments``: a shard is fragments built without knowing their offset (``Format.open_fragment``),
+      written one after the other from ``Format.fragment_base()``, then what ``Format.finish_fragments``
+      writes around them (tar's end marker, HDF5's metadata): ``pack --workers`` writes one shard in
+      parallel. Samples with fields only where they ``span`` (a ``separate`` field's data is laid out
+      at the end).
     * ``hashes_while_writing``: the writer feeds every byte of the shard to a ``hasher`` option, so
       pack never reads the shard back to hash it.
     * ``stream_unpack``: the shard is a stream of file members that ``stage --unpack`` writes out
@@ -127,7 +130,7 @@ def _register(spec: FormatSpec) -> None:
 _register(FormatSpec(
     "tar", "stager.formats.tar", ".tar", "tar", fields="span", named_keys=True, fragments=True,
     hashes_while_writing=True, stream_unpack=True, adopt_suffixes=(".tar",), label_key="cls"))
-_register(FormatSpec("hdf5", "stager.formats.hdf5", ".h5", "HDF5", fields="separate"))
+_register(FormatSpec("hdf5", "stager.formats.hdf5", ".h5", "HDF5", fields="separate", fragments=True))
 _register(FormatSpec(
     "record", "stager.formats.record", ".tfrecord", "TFRecord", fields="span", hashes_while_writing=True,
     companion="{name}.idx", companion_line=b"%d %d\n", adopt_suffixes=(".tfrecord", ".tfrecords", ".record", ".tfr"),

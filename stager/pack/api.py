@@ -22,14 +22,15 @@ bytes whatever ``workers`` is and however often the pack was interrupted and res
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -83,6 +84,12 @@ class PackResult:
     dry_run: bool = False
     plan: PackPlan | None = None
     payload_bytes: int = 0
+    # Seconds spent in each phase (list, plan, resume, write, publish; docs/benchmarks.md profiles them),
+    # wall-clock and this process's CPU time (user + system; pool workers not included).
+    phases: dict[str, float] = field(default_factory=dict)
+    phases_cpu: dict[str, float] = field(default_factory=dict)
+    # With workers writing in segments: the CPU seconds each pool process had used (by pid), listing included.
+    workers_cpu: dict[int, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         dt = max(self.seconds, 1e-9)
@@ -180,14 +187,28 @@ def pack(
         allow_empty_classes=allow_empty_classes,
     )
     with _worker_pool(options.workers) as pool, PackRun(out, options, pool, started) as run:
+        result = _run_phases(run, src)
+        result.seconds = run.elapsed()  # after the last phase: the phases fit in it
+        result.phases, result.phases_cpu = dict(run.phases), dict(run.phases_cpu)
+        result.workers_cpu = dict(pool.workers_cpu) if pool is not None else {}
+        return result
+
+
+def _run_phases(run: PackRun, src: str | os.PathLike[str]) -> PackResult:
+    """The phases of :func:`pack`, each timed (``PackResult.phases``), as far as this run goes."""
+    with run.phase("list"):
         listing = run.list_source(src, run.check())
+    with run.phase("plan"):
         plan = run.plan(listing)
-        if options.dry_run:
-            return run.planned(plan)
+    if run.options.dry_run:
+        return run.planned(plan)
+    with run.phase("resume"):
         kept = run.resume(listing, plan)
-        if kept.complete:
-            return run.publish_complete(plan, kept)
+    if kept.complete:
+        return run.publish_complete(plan, kept)
+    with run.phase("write"):
         done = run.write(listing, plan, kept)
+    with run.phase("publish"):
         return run.publish(listing, plan, kept, done)
 
 
@@ -219,7 +240,8 @@ class Listing:
 class PackRun:
     """One call of :func:`pack`: its phases, sharing OUT (absolute), the options and the worker pool.
 
-    Each phase is a method that takes what earlier phases returned; none keeps state on ``self``.
+    Each phase is a method that takes what earlier phases returned; none keeps state on ``self``
+    (but for ``phases``, the seconds each took).
     """
 
     def __init__(
@@ -234,9 +256,22 @@ class PackRun:
         self.options = options
         self.pool = pool
         self.started = started
+        self.phases: dict[str, float] = {}
+        self.phases_cpu: dict[str, float] = {}
 
     def __enter__(self) -> PackRun:
         return self
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Add the seconds the ``with`` block takes to ``self.phases[name]`` (wall) and
+        ``self.phases_cpu[name]`` (this process's CPU time): a run's profile."""
+        t, c = time.perf_counter(), time.process_time()
+        try:
+            yield
+        finally:
+            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - t
+            self.phases_cpu[name] = self.phases_cpu.get(name, 0.0) + time.process_time() - c
 
     def __exit__(self, *exc: object) -> None:
         if self.remote is not None:
@@ -275,7 +310,7 @@ class PackRun:
         keys_checked = fmt.spec.named_keys
         if keys_checked:
             if isinstance(source.refs, ListingRefs):
-                # A chunk at a time, so that the keys never all exist as Python strings; a columnar
+                # A chunk at a time, each one text (Lines: no Python string per key); a columnar
                 # listing's keys are unique by construction (the source contract), across chunks too.
                 for chunk in source.refs.key_chunks():
                     fmt.check_keys(chunk, f"{source.root}: ")
@@ -338,10 +373,11 @@ class PackRun:
         check_destination(self.out, found, listing.source, plan, self.options.overwrite)
         reusable = find_reusable(self.out, found, plan, self.options.hash_algo)
         complete = holds_complete_pack(found, plan, reusable)
-        if not complete:
-            # From here on OUT changes: the old manifest goes first so it never describes replaced shards.
-            clear_out(self.out, found, reusable, plan, listing.source)
-        return Kept(found, reusable, complete)
+        if complete:
+            return Kept(found, reusable, complete)
+        # From here on OUT changes: the old manifest goes first so it never describes replaced shards.
+        record = clear_out(self.out, found, reusable, plan, listing.source)
+        return Kept(found, reusable, complete, record)
 
     def _resume_remote(self, listing: Listing, plan: PackPlan, shard_prefix: str) -> Kept:
         """:meth:`resume` for a URL OUT (:mod:`stager.pack.remote`): the same checks, on objects."""
@@ -393,9 +429,12 @@ class PackRun:
         progress = Progress(f"pack {opts.format}", total_items=sum(len(s.refs) for s in todo), quiet=opts.quiet)
         done: dict[str, ShardDone] = dict(kept.shards)
         try:
-            for d in self._write_jobs(jobs, listing, progress):
+            for d in self._write_jobs(jobs, listing, progress, kept.ready):
                 done[d.info.name] = d
+            kept.ready()  # plan.json is durable (and its thread done) whatever was written
         except BaseException:
+            with contextlib.suppress(BaseException):  # its thread is done before the state is touched
+                kept.ready()
             remove_partials(self.out)
             raise
         finally:
@@ -404,12 +443,14 @@ class PackRun:
         release_free_heap()  # the written samples' rows, freed: publishing needs the room
         return done
 
-    def _write_jobs(self, jobs: list[ShardJob], listing: Listing, progress: Progress) -> Iterable[ShardDone]:
-        """Write ``jobs`` here, one after the other, or on the pool (not worth it for one whole shard)."""
+    def _write_jobs(self, jobs: list[ShardJob], listing: Listing, progress: Progress,
+                    ready: Callable[[], None]) -> Iterable[ShardDone]:
+        """Write ``jobs`` here, one after the other, or on the pool (not worth it for one whole shard).
+        ``ready()`` returns once shards may be renamed into place (:meth:`Kept.ready`)."""
         pool = self.pool
-        if pool is None or not jobs or (len(jobs) == 1 and not fragmentable(listing.fmt)):
-            return (write_shard(job, listing.source, progress) for job in jobs)
-        return pool.run(jobs, listing.source, progress, self.out / STATE_DIR)
+        if pool is None or not jobs or (len(jobs) == 1 and not fragmentable(listing.fmt, listing.source.fields)):
+            return (write_shard(job, listing.source, progress, ready=ready) for job in jobs)
+        return pool.run(jobs, listing.source, progress, self.out / STATE_DIR, ready=ready)
 
     def publish(self, listing: Listing, plan: PackPlan, kept: Kept, done: dict[str, ShardDone]) -> PackResult:
         """Publish: ``manifest.json`` (atomic, last) lists the shards in plan order; then the state

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
@@ -25,12 +25,12 @@ import numpy as np
 from stager.checksum import new_hasher
 from stager.errors import SourceError, StagerError
 from stager.formats import get_format
-from stager.formats.base import Sample
+from stager.formats.base import FragmentsDone, Sample
 from stager.fs.atomic import partial_path, space_error
 from stager.manifest import AuxFile, ShardInfo, Strings
 from stager.manifest.fields import FieldSpec, build_field_columns, offset_column, size_column, values_column
 from stager.pack.fields import prepare_fields
-from stager.pack.read_order import load_batches, load_in_fs_order
+from stager.pack.read_order import load_batch, load_batches
 from stager.pack.sources.checks import check_encoded, prepare_sample
 from stager.pack.state import ShardDone, Uploader, done_record_path, write_hint
 
@@ -50,24 +50,33 @@ class SampleSink(Protocol):
 
 
 class FragmentWriter(SampleSink, Protocol):
-    def take(self) -> bytearray:
-        """The fragment's bytes; the writer is finished afterwards."""
+    def take(self) -> list[bytes | bytearray]:
+        """The fragment's bytes, as parts in order (large payloads uncopied); the writer is finished afterwards."""
+        ...
+
+    def extra(self) -> Any:
+        """What the format's ``finish_fragments`` needs of this fragment's samples besides their rows."""
         ...
 
 
 class FragmentFormat(Protocol):
-    """A format whose shards the workers write in parallel segments (tar): a shard is the
-    concatenation of its segments' fragments, each built in memory without knowing its offset,
-    followed by ``END_MARKER``."""
+    """A format whose shards the workers write in parallel segments (tar, hdf5): a shard is its
+    segments' fragments, each built in memory without knowing its offset, written one after the
+    other from ``fragment_base()``, then finished by ``finish_fragments`` (tar's end marker, HDF5's
+    metadata), which may also write companion files."""
 
-    END_MARKER: bytes
+    def fragment_base(self) -> int: ...
 
     def open_fragment(self, *, shard_name: str, classes: Sequence[str], **options: Any) -> FragmentWriter: ...
 
+    def finish_fragments(self, path: str, end: int, done: FragmentsDone) -> list[tuple[str, str]]: ...
 
-def fragmentable(fmt: Format) -> TypeGuard[FragmentFormat]:
-    """Whether ``fmt`` shards can be written in parallel segments (its entry's ``fragments``)."""
-    return fmt.spec.fragments
+
+def fragmentable(fmt: Format, fields: Sequence[FieldSpec] = ()) -> TypeGuard[FragmentFormat]:
+    """Whether ``fmt`` shards of samples with ``fields`` can be written in parallel segments (its
+    entry's ``fragments``; with fields only where they ``span``: a separate field's data is laid out
+    at the end)."""
+    return fmt.spec.fragments and (not fields or fmt.spec.fields == "span")
 
 
 @dataclass(frozen=True)
@@ -115,7 +124,8 @@ def fsync_and_hash(path: str | os.PathLike[str], algo: str) -> tuple[int, str]:
     return total, h.hexdigest()
 
 
-def write_shard(job: ShardJob, source: Source, progress: Progress | None = None) -> ShardDone:
+def write_shard(job: ShardJob, source: Source, progress: Progress | None = None, *,
+                ready: Callable[[], None] | None = None) -> ShardDone:
     """Write ``job.shard`` from ``source`` into ``job.out`` atomically; return its ShardInfo.
 
     Per-sample source failures raise :class:`SourceError` (``on_error="raise"``) or are skipped and
@@ -123,7 +133,8 @@ def write_shard(job: ShardJob, source: Source, progress: Progress | None = None)
     final name on failure: the writer's ``.partial`` files are removed.
 
     Formats that hash while writing (``spec.hashes_while_writing``: tar, record) are handed the hasher, so
-    the shard is not read back: it is only fsynced before the rename.
+    the shard is not read back: it is only fsynced before the rename. ``ready()``, when given, is
+    waited for before the rename (the run's ``plan.json`` must be durable first).
     """
     opts = job.options
     fmt = get_format(opts.format)
@@ -162,6 +173,8 @@ def write_shard(job: ShardJob, source: Source, progress: Progress | None = None)
         # Companions first: a shard under its final name always has its companions beside it. The
         # data are fsynced; the renames become durable with the directory fsync that publishes the
         # manifest (a crash before it loses at most renames, and a rerun rewrites those shards).
+        if ready is not None:
+            ready()
         for cname, ctmp in companions:
             os.replace(ctmp, out / cname)
         os.replace(tmp, final)
@@ -273,59 +286,89 @@ def write_samples(
     Per-sample source failures raise :class:`SourceError` (``on_error="raise"``) or are recorded in
     ``rows.skipped``.
     """
-    opts = job.options
-    sh_name = job.shard.name
-    keys, labels, offsets, sizes = rows.keys, rows.labels, rows.offsets, rows.sizes
-    # Encoded files that pass through unchanged need only the cheap structure check: done inline, with
-    # the error message (naming the file) built only when the check fails.
-    passthrough = opts.passes_through(job.target_kind)
-    write = writer.write
-    specs = job.fields
+    # Encoded files that pass through unchanged need only the cheap structure check: done inline (the
+    # loop below costs ~1 us a sample: it is most of what pack adds to reading and writing bytes).
+    fast = job.options.passes_through(job.target_kind) and not job.fields
     for a, b in load_batches(refs):  # read in file-system order, written in plan order (read_order.py)
-        batch = refs[a:b]
-        loaded = load_in_fs_order(source, batch)
-        nbytes = 0
-        before = len(keys)
-        for ref, res in zip(batch, loaded, strict=True):
-            try:
-                if isinstance(res, BaseException):
-                    raise _as_source_error(res, source.path_of(ref))
-                if specs:
-                    res = prepare_fields(res, specs, source.where_of(ref), opts.resize)
-                data = res.data
-                if passthrough and type(data) is bytes:
-                    try:
-                        ext = check_encoded(data, "")
-                    except SourceError:
-                        check_encoded(data, source.path_of(ref))  # raises, naming the file
-                        raise
-                    sample = res if ext == res.ext else Sample(res.key, res.label, data, ext, res.meta, res.fields)
-                else:
-                    sample = prepare_sample(
-                        res,
-                        target_kind=job.target_kind,
-                        where=source.path_of(ref),
-                        resize=opts.resize,
-                        quality=opts.quality,
-                        image_shape=job.image_shape,
-                    )
-            except SourceError as exc:
-                if opts.on_error != "skip":
-                    raise
-                rows.skipped.append({"key": ref.key, "path": source.path_of(ref), "error": str(exc), "shard": sh_name})
-                continue
-            ext_ = write(sample)
-            if specs:
-                rows.add_fields(specs, sample, ext_)
-            keys.append(sample.key)
-            labels.append(sample.label)
-            offsets.append(ext_.offset)
-            sizes.append(ext_.size)
-            d = sample.data
-            nbytes += d.nbytes if isinstance(d, np.ndarray) else len(d)
-        rows.payload += nbytes
+        batch, loaded = load_batch(source, refs, a, b)
+        before, payload = len(rows.keys), rows.payload
+        if fast:
+            _write_passthrough(writer, batch, loaded, source, job=job, rows=rows)
+        else:
+            for ref, res in zip(batch, loaded, strict=True):
+                _write_one(writer, ref, res, source, job=job, rows=rows)
         if progress is not None:
-            progress.update(len(keys) - before, nbytes)
+            progress.update(len(rows.keys) - before, rows.payload - payload)
+
+
+def _write_passthrough(writer: SampleSink, batch: Sequence[SampleRef], loaded: list[Sample | BaseException],
+                       source: Source, *, job: ShardJob, rows: SampleRows) -> None:
+    """:func:`_write_one` for encoded files written unchanged, without fields: the same results."""
+    write = writer.write
+    keys, labels, offsets, sizes = rows.keys, rows.labels, rows.offsets, rows.sizes
+    nbytes = 0
+    for i, res in enumerate(loaded):
+        if type(res) is not Sample or type(res.data) is not bytes:  # an error, or another payload
+            _write_one(writer, batch[i], res, source, job=job, rows=rows)
+            continue
+        data = res.data
+        try:
+            ext = check_encoded(data, "")
+        except SourceError:
+            _write_one(writer, batch[i], res, source, job=job, rows=rows)  # raises or skips, naming the file
+            continue
+        if ext != res.ext:
+            res = Sample(res.key, res.label, data, ext, res.meta, res.fields)
+        offset, size, _ = write(res)
+        keys.append(res.key)
+        labels.append(res.label)
+        offsets.append(offset)
+        sizes.append(size)
+        nbytes += len(data)
+    rows.payload += nbytes
+
+
+def _write_one(writer: SampleSink, ref: SampleRef, res: Sample | BaseException, source: Source, *, job: ShardJob,
+               rows: SampleRows) -> None:
+    """Check or re-encode one loaded sample and write it, appending its row; or raise or skip (``on_error``)."""
+    opts = job.options
+    specs = job.fields
+    try:
+        if isinstance(res, BaseException):
+            raise _as_source_error(res, source.path_of(ref))
+        if specs:
+            res = prepare_fields(res, specs, source.where_of(ref), opts.resize)
+        data = res.data
+        if opts.passes_through(job.target_kind) and type(data) is bytes:
+            try:
+                ext = check_encoded(data, "")
+            except SourceError:
+                check_encoded(data, source.path_of(ref))  # raises, naming the file
+                raise
+            sample = res if ext == res.ext else Sample(res.key, res.label, data, ext, res.meta, res.fields)
+        else:
+            sample = prepare_sample(
+                res,
+                target_kind=job.target_kind,
+                where=source.path_of(ref),
+                resize=opts.resize,
+                quality=opts.quality,
+                image_shape=job.image_shape,
+            )
+    except SourceError as exc:
+        if opts.on_error != "skip":
+            raise
+        rows.skipped.append({"key": ref.key, "path": source.path_of(ref), "error": str(exc), "shard": job.shard.name})
+        return
+    ext_ = writer.write(sample)
+    if specs:
+        rows.add_fields(specs, sample, ext_)
+    rows.keys.append(sample.key)
+    rows.labels.append(sample.label)
+    rows.offsets.append(ext_.offset)
+    rows.sizes.append(ext_.size)
+    d = sample.data
+    rows.payload += d.nbytes if isinstance(d, np.ndarray) else len(d)
 
 
 def fsync_file(path: str | os.PathLike[str]) -> int:

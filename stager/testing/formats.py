@@ -39,7 +39,7 @@ import pytest
 from stager.checksum import hash_file, new_hasher
 from stager.errors import CorruptSampleError, ShardMissingError, StagerError, UnsafeArchiveError, UsageError
 from stager.formats import FORMAT_SPECS, FormatSpec, format_spec, get_format
-from stager.formats.base import Extent, Format, Sample, SizeInputs, field_payload
+from stager.formats.base import Extent, Format, FragmentsDone, Sample, SizeInputs, field_payload
 from stager.fs.atomic import partial_path
 from stager.manifest import AuxFile, Manifest, ShardInfo, check_safe_name, load_manifest
 from stager.manifest.fields import FieldSpec, build_field_columns, offset_column, size_column, values_column
@@ -286,23 +286,32 @@ class FormatTests(ReaderTests):
         assert [s.key for s in self.read_all(tmp_path, m)] == ["a/b.c"]
 
     def test_fragments_concatenate_to_the_shard(self, tmp_path: Path) -> None:
-        """``fragments``: runs of a shard's samples built apart, concatenated and ended with
-        ``END_MARKER``, are the writer's shard byte for byte, extents relative to each fragment."""
+        """``fragments``: runs of a shard's samples built apart, written one after the other from
+        ``fragment_base()`` and finished by ``finish_fragments``, are the writer's shard byte for
+        byte, extents relative to each fragment."""
         if not self.spec.fragments:
             pytest.skip("no fragments")
         samples = self.samples(17, seed=12)
         m, extents = write_dataset(self.format_name, tmp_path, samples)
-        f: Any = self.fmt  # a FragmentFormat (stager.pack.shard): open_fragment, END_MARKER
-        parts: list[bytes] = []
+        f: Any = self.fmt  # a FragmentFormat (stager.pack.shard): fragment_base, open_fragment, finish_fragments
+        path = tmp_path / "fragments.partial"
+        at = base = f.fragment_base()
+        extras = []
         start = 0
-        for n in (5, 1, 11):
-            w = f.open_fragment(shard_name=m.shards[0].name, classes=list(CLASSES))
-            got = [w.write(s) for s in samples[start : start + n]]
-            base = sum(map(len, parts))
-            assert [Extent(e.offset + base, e.size, e.fields) for e in got] == extents[start : start + n]
-            parts.append(bytes(w.take()))
-            start += n
-        assert b"".join(parts) + f.END_MARKER == (tmp_path / m.shards[0].name).read_bytes()
+        with open(path, "wb") as out:
+            for n in (5, 1, 11):
+                w = f.open_fragment(shard_name=m.shards[0].name, classes=list(CLASSES))
+                got = [w.write(s) for s in samples[start : start + n]]
+                assert [Extent(e.offset + at, e.size, e.fields) for e in got] == extents[start : start + n]
+                out.seek(at)
+                at += out.write(b"".join(w.take()))
+                extras.append(w.extra())
+                start += n
+        done = FragmentsDone(m.shards[0].name, list(CLASSES), [s.key for s in samples],
+                             [s.label for s in samples], [e.size for e in extents], extras)
+        assert f.finish_fragments(str(path), at, done) == []
+        assert at > base or not samples
+        assert path.read_bytes() == (tmp_path / m.shards[0].name).read_bytes()
 
     def test_hasher_sees_every_byte(self, tmp_path: Path) -> None:
         """``hashes_while_writing``: the ``hasher`` option is fed the whole shard, once, in order."""

@@ -31,6 +31,9 @@ BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 # topic -> (script, full-size args, quick args, markdown file it writes)
 SUITE: dict[str, tuple[str, list[str], list[str], str]] = {
     "pack": ("bench_pack.py", [], ["--imagenet", "200", "--cifar", "2000", "--repeat", "1"], "pack.md"),
+    # Small sets (issue 40): every contender in a child forked after its imports; medians of interleaved rounds.
+    "pack_small": ("bench_pack_small.py", ["--rounds", "5"],
+                   ["--rounds", "1", "--sets", "cifar", "--only", "stager tar", "MDSWriter"], "pack_small.md"),
     # ImageNet count (1.28M ~1 KB JPEGs): stager vs MDSWriter vs webdataset, loader start-up; ~25 min.
     "scale": ("bench_scale.py", [], ["--counts", "2000", "--repeat", "1"], "scale.md"),
     "shard_writers": ("bench_shard_writers.py", [], [], "shard_writers.md"),

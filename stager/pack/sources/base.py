@@ -48,6 +48,9 @@ class Source:
 
     kind = "?"
     sample_kind = "encoded"  # what load_many() returns natively: encoded bytes or decoded arrays
+    # ``refs`` (a listing of files) is in the order of their paths, so reading a run of samples sorted
+    # by their listing positions reads them in file-system order (pack/read_order.py).
+    listing_in_path_order = False
 
     def __init__(self, root: Path) -> None:
         self.root = root

@@ -11,14 +11,14 @@ import io
 import os
 import re
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from stager.decode.jpeg_header import SOF_MARKERS
 from stager.errors import SourceError, UnsuitableSourceError, UsageError
-from stager.formats.base import Sample
+from stager.formats.base import Lines, Sample
 from stager.fs.nesting import overlap
 from stager.manifest import BAD_NAME_CHARS, NAME_MAX_BYTES, class_dir_name, entry_name_problem, unpacked_stem
 from stager.pack.sources.base import SampleRef, Source, sniff_ext
@@ -222,8 +222,9 @@ def check_names(source: Source) -> None:
     """Refuse, before anything is written, a class or sample name that ``stage --unpack`` could not
     create (:func:`stager.manifest.entry_name_problem`, the one rule for names from the data), and two
     samples that would unpack to one file name (:func:`check_unpack_collisions`): one line naming the
-    class folder or the samples. Every key is checked through a few regular-expression passes over
-    chunks of keys joined into one string, so the check costs milliseconds per million."""
+    class folder or the samples. Every key is checked through a few passes over chunks of keys joined
+    into one string (a columnar listing's chunks come joined: :class:`Lines`), so the check costs
+    milliseconds per million."""
     for c in source.classes:
         why = entry_name_problem(c)
         if why is not None:
@@ -231,15 +232,23 @@ def check_names(source: Source) -> None:
             raise SourceError(f"{shown(str(where))}: class name {c!r} {why}; rename it (any letter and spaces are "
                               "fine; not '/', NUL or control characters)")
     refs = source.refs
-    chunks = refs.key_chunks() if isinstance(refs, ListingRefs) else _key_chunks([r.key for r in refs])
+    chunks: Iterable[Sequence[str]] = (
+        refs.key_chunks() if isinstance(refs, ListingRefs) else _key_chunks([r.key for r in refs])
+    )
     start = 0
     for chunk in chunks:
-        joined = "/".join(chunk)  # '/' is allowed in a key: it never hides a bad character
+        if isinstance(chunk, Lines):  # no key holds a newline (Lines' contract)
+            lines, joints_ok = chunk.text, True
+            longest = int(chunk.lengths.max(initial=0))
+        else:
+            lines = "\n".join(chunk)
+            joints_ok = lines.count("\n") == len(chunk) - 1  # else a key holds a newline: a bad character
+            longest = max(map(len, chunk), default=0) * 4
         suspects = set()
-        if BAD_NAME_CHARS.search(joined) or max(map(len, chunk), default=0) * 4 > NAME_MAX_BYTES:
+        if not joints_ok or _has_bad_chars(lines) or longest > NAME_MAX_BYTES:
             suspects = {i for i, k in enumerate(chunk)
                         if BAD_NAME_CHARS.search(k) or len(k.encode(errors="surrogatepass")) > NAME_MAX_BYTES}
-        if _DOT_KEY.search("\n".join(chunk)):
+        if "." in lines and _DOT_KEY.search(lines):  # memchr first: most keys hold no dot at all
             suspects |= {i for i, k in enumerate(chunk) if _DOT_KEY.search(k)}
         for i in sorted(suspects):
             ref = refs[start + i]
@@ -279,7 +288,7 @@ def check_unpack_collisions(source: Source) -> None:
         labels = refs.columns.labels
         start = 0
         for chunk in refs.key_chunks():
-            if _NESTED_KEY.search("\n".join(chunk)):
+            if _NESTED_KEY.search(chunk.text if isinstance(chunk, Lines) else "\n".join(chunk)):
                 for i, k in enumerate(chunk):
                     if k.count("/") > 1:
                         _claim(source, seen, k, int(labels[start + i]), start + i)
@@ -313,6 +322,15 @@ def _collide(source: Source, a: int, b: int) -> None:
     raise SourceError(f"{shown(source.path_of(ra))} and {shown(source.path_of(rb))}: samples {ra.key!r} and {rb.key!r} "
                       f"would both unpack to the file {cls}/{unpacked_stem(ra.key, cls)}.<ext> (`stage --unpack` "
                       "writes <class>/<key less its class folder, '/' as '_'>); rename one of them")
+
+
+def _has_bad_chars(lines: str) -> bool:
+    """Whether ``lines`` (keys joined by newlines) holds a character of :data:`BAD_NAME_CHARS`
+    besides the newlines: for ASCII text, whether it is printable once the newlines are spaces (one
+    C pass, ~5x the regular expression's speed)."""
+    if lines.isascii():
+        return not lines.replace("\n", " ").isprintable()
+    return BAD_NAME_CHARS.search(lines.replace("\n", "/")) is not None  # '/' is allowed in a key
 
 
 def _key_chunks(keys: list[str], step: int = 16384) -> Iterator[list[str]]:

@@ -29,6 +29,7 @@ from typing import NamedTuple, overload
 
 import numpy as np
 
+from stager.formats.base import Lines
 from stager.fs.kernel import release_free_heap
 from stager.pack.sources.base import SampleRef
 
@@ -52,6 +53,49 @@ class StrColumn(NamedTuple):
         """String ``i``."""
         a = int(self.ends[i - 1]) if i > 0 else 0
         return self.blob[a : int(self.ends[i])].decode("utf-8", "surrogateescape")
+
+    def lengths(self) -> np.ndarray:
+        """Each string's length in bytes (int64)."""
+        return np.diff(self.ends, prepend=0)
+
+    def joined(self, positions: np.ndarray | None = None, sep: int = 0x0A) -> bytes:
+        """The strings at ``positions`` (all, in order, for None) joined by the byte ``sep``, gathered
+        from the blob by numpy (no Python object per string)."""
+        blob = np.frombuffer(self.blob, dtype=np.uint8) if len(self.blob) else np.zeros(0, np.uint8)
+        if positions is None:
+            return np.insert(blob, self.ends[:-1], sep).tobytes()
+        if len(positions) == 0:
+            return b""
+        stops = self.ends[positions]
+        starts = np.where(positions > 0, self.ends[np.maximum(positions - 1, 0)], 0)
+        take = stops - starts + 1  # each string and a separator after it
+        firsts = np.cumsum(take) - take  # where each one starts in the result
+        idx_type = np.int32 if len(blob) < (1 << 31) - 1 and int(firsts[-1] + take[-1]) < (1 << 31) else np.int64
+        # Result byte j is blob byte (start of its string) + (j - where its string starts); the
+        # separators read one byte past the blob, where ``sep`` is.
+        total = int(firsts[-1] + take[-1])
+        idx = np.repeat((starts - firsts).astype(idx_type), take) + np.arange(total, dtype=idx_type)
+        idx[firsts[1:] - 1] = len(blob)
+        return np.append(blob, np.uint8(sep))[idx[:-1]].tobytes()
+
+    def all_end_with(self, suffix: bytes) -> bool:
+        """Whether every string ends with ``suffix`` (one numpy comparison over the blob's bytes)."""
+        lengths = self.lengths()
+        if not len(lengths) or int(lengths.min()) < len(suffix):
+            return len(lengths) == 0
+        blob = np.frombuffer(self.blob, dtype=np.uint8)
+        tails = blob[(self.ends - len(suffix))[:, None] + np.arange(len(suffix))]
+        return bool((tails == np.frombuffer(suffix, dtype=np.uint8)).all())
+
+    def lines(self, positions: np.ndarray | None = None, *, unique: bool = False) -> Sequence[str]:
+        """The strings at ``positions`` (all for None) as :class:`~stager.formats.base.Lines`, decoded in
+        one go; as a list where a string holds a newline (a file name may), which only the per-string
+        checks then refuse. ``unique``: the caller knows that they hold no repeat."""
+        text = self.joined(positions).decode("utf-8", "surrogateescape")
+        lengths = self.lengths() if positions is None else self.lengths()[positions]
+        if text.count("\n") != max(len(lengths) - 1, 0):
+            return self.take(np.arange(len(self.ends), dtype=np.int64) if positions is None else positions)
+        return Lines(text, lengths, unique=unique)
 
     def take(self, positions: np.ndarray) -> list[str]:
         """The strings at ``positions`` (int64), in that order."""
@@ -125,6 +169,7 @@ def sizes_of(refs: Sequence[SampleRef]) -> np.ndarray:
 
 
 _CHUNK = 4096  # refs built per step when iterating a ListingRefs (vectorised, yet bounded memory)
+CHUNK_LINES = 1 << 18  # strings decoded at once as Lines (~7 MB of text for ImageNet's keys)
 
 
 class ListingRefs(Sequence[SampleRef]):
@@ -169,10 +214,16 @@ class ListingRefs(Sequence[SampleRef]):
         loc = c.prefix + c.locators.at(i)
         return SampleRef(c.keys.at(i), int(c.labels[i]), loc, int(c.sizes[i]), int(c.mtimes[i]))
 
-    def key_chunks(self, step: int = 16384) -> Iterator[list[str]]:
-        """The keys in listing order, ``step`` at a time (never all of them as Python strings)."""
-        for a in range(0, len(self), step):
-            yield self.columns.keys.take(np.arange(a, min(a + step, len(self)), dtype=np.int64))
+    def key_chunks(self, step: int | None = None) -> Iterator[Sequence[str]]:
+        """The keys in listing order, ``step`` (default :data:`CHUNK_LINES`) at a time, each chunk
+        decoded at once as :class:`~stager.formats.base.Lines` (``unique``: a listing's keys are, by
+        the source contract, across chunks too): never a Python string per key, and a bounded text at
+        a time."""
+        n = len(self)
+        step = step or CHUNK_LINES
+        for a in range(0, n, step):
+            pos = None if a == 0 and n <= step else np.arange(a, min(a + step, n), dtype=np.int64)
+            yield self.columns.keys.lines(pos, unique=True)
 
     def take(self, positions: np.ndarray) -> tuple[SampleRef, ...]:
         """The refs at ``positions`` (int64 indices), in that order."""
