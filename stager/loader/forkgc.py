@@ -6,7 +6,7 @@ the first *full* collection in a worker touches every container object inherited
 (a process that imported torch holds ~170,000) and makes the kernel copy each page they sit on.
 When that collection comes depends only on the allocation counters the worker inherits: a few
 hundred more objects in the parent (a module more) put it on the worker's first steps, before its
-first batch, at ~0.1-0.17 s of CPU per worker at 1.28M samples and ~70 MB of copied pages
+first batch: ~0.1 s of CPU per worker and ~40 MB of copied pages, whatever the dataset's size
 (docs/benchmarks.md, "Loader start-up (issue 40)").
 
 :func:`frozen_for_fork` moves every object the parent holds into the collector's permanent

@@ -17,6 +17,13 @@ with the same interpreter over the same pack, rounds interleaved), medians over 
   minor page faults (copied or newly mapped pages). On a shared machine CPU seconds are the steadier
   figure: wall time includes waiting for a core.
 
+Each tree's ``stager`` package is byte-compiled before the rounds (``compileall``), and each tree is
+probed once unrecorded first.
+
+``--phases`` adds each worker's CPU timeline: set-up after the fork (torch's worker loop, and the
+full garbage collections in it), the plan, the read schedule, the fetcher and the first batch, from
+stamps around stager's own ``RankDataset`` methods (any version's; installed after the timed import).
+
 ``--budget S`` makes the command exit 1 when this tree's median ``first_batch_s`` exceeds ``S``
 seconds (issue 40: 0.3 s on an idle machine), so that the start-up cannot creep unnoticed.
 ``bench_scale.py`` reports the same probe on the pack it builds.
@@ -29,6 +36,7 @@ seconds (issue 40: 0.3 s on an idle machine), so that the start-up cannot creep 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -36,6 +44,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +77,12 @@ def mark(name):
 from stager.loader import make_loader
 import stager.loader.loader  # the torch transport
 mark("import")
+timeline = sys.argv[3] if len(sys.argv) > 3 else ""
+if timeline:  # the workers' CPU timeline (--phases): installed untimed
+    _t, _c = time.perf_counter(), time.process_time()
+    HOOKS  # (replaced)
+    _t, _c = time.perf_counter() - _t, time.process_time() - _c
+    marks = [(n, t + _t, c + _c) for n, t, c in marks]
 loader = make_loader(sys.argv[1], 256, num_workers=int(sys.argv[2]), decode="raw", staged=False)
 mark("make_loader")
 it = iter(loader)
@@ -76,13 +91,72 @@ mark("first")
 workers = [stat(p) for p in children()]
 assert len(batch["key"]) == 256
 phases = {marks[i][0]: [marks[i][1] - marks[i - 1][1], marks[i][2] - marks[i - 1][2]] for i in range(1, len(marks))}
-print(json.dumps({"first_batch_s": marks[-1][1] - marks[1][1], "with_import_s": marks[-1][1] - marks[0][1],
-                  "phases": phases, "main_cpu_s": marks[-1][2] - marks[0][2],
-                  "workers_cpu_s": sum(w[0] for w in workers), "workers_minflt": sum(w[1] for w in workers),
-                  "workers": len(workers)}))
+res = {"first_batch_s": marks[-1][1] - marks[1][1], "with_import_s": marks[-1][1] - marks[0][1],
+       "phases": phases, "main_cpu_s": marks[-1][2] - marks[0][2],
+       "workers_cpu_s": sum(w[0] for w in workers), "workers_minflt": sum(w[1] for w in workers),
+       "workers": len(workers)}
+if timeline:
+    for _ in range(len(workers) - 1):
+        next(it)  # every worker has made its first batch
+    res["worker_phases"] = [json.load(open(os.path.join(timeline, f))) for f in sorted(os.listdir(timeline))]
+print(json.dumps(res))
 del it
 loader.close()
 """
+
+# --phases: CPU-time stamps in each worker (fork, the full garbage collections, the plan, the read
+# schedule and fetcher, the first batch), through stager's own RankDataset methods of any version.
+HOOKS = r"""
+from stager.loader import rank as _rank
+_events = []
+def _ev(name):
+    _events.append((name, time.process_time()))
+def _gc_event(phase, info):
+    if info["generation"] == 2:
+        _ev("gc>" if phase == "start" else "gc<")
+def _forked():
+    _events.clear()
+    _ev("forked")
+    gc.callbacks.append(_gc_event)
+os.register_at_fork(after_in_child=_forked)
+def _stamped(name):
+    f = getattr(_rank.RankDataset, name, None)
+    if f is None:
+        return
+    def g(self, *a, **k):
+        _ev(name + ">")
+        r = f(self, *a, **k)
+        _ev(name + "<")
+        return r
+    setattr(_rank.RankDataset, name, g)
+for _name in ("plan", "worker_plan", "_fetcher"):
+    _stamped(_name)
+_batches = _rank.RankDataset.worker_batches
+def _worker_batches(self, *a, **k):
+    _ev("worker_batches")
+    for i, b in enumerate(_batches(self, *a, **k)):
+        if i == 0 and os.getpid() != _main:
+            _ev("first")
+            with open(os.path.join(timeline, f".{os.getpid()}"), "w") as f:
+                json.dump(_events, f)
+            os.replace(os.path.join(timeline, f".{os.getpid()}"), os.path.join(timeline, f"w{os.getpid()}"))
+        yield b
+_rank.RankDataset.worker_batches = _worker_batches
+_main = os.getpid()
+"""
+
+
+def worker_phases(events: list[list[Any]]) -> dict[str, float]:
+    """One worker's CPU seconds per phase from its stamps: set-up after the fork (torch's worker loop;
+    ``gc``: the full collections in it), the plan, the read schedule (plan to fetcher), the fetcher and
+    the first batch."""
+    t = {name: c for name, c in events}
+    first = dict(events[:1])
+    gc_s = sum(c2 - c1 for (n1, c1), (n2, c2) in itertools.pairwise(events) if n1 == "gc>" and n2 == "gc<")
+    plan = "worker_plan" if "worker_plan>" in t else "plan"
+    return {"setup": t["worker_batches"] - first["forked"], "gc": gc_s, "plan": t[f"{plan}<"] - t[f"{plan}>"],
+            "schedule": t["_fetcher>"] - t[f"{plan}<"], "fetcher": t["_fetcher<"] - t["_fetcher>"],
+            "first": t["first"] - t["_fetcher<"], "total": t["first"] - first["forked"]}
 
 
 def fabricate(out: Path, samples: int, shards: int) -> None:
@@ -96,15 +170,21 @@ def fabricate(out: Path, samples: int, shards: int) -> None:
     part.rename(out)
 
 
-def probe(tree: Path, pack: Path, workers: int) -> dict[str, Any]:
-    """One round: the probe in a fresh interpreter with ``tree`` first on its path."""
+def probe(tree: Path, pack: Path, workers: int, phases: bool = False) -> dict[str, Any]:
+    """One round: the probe in a fresh interpreter with ``tree`` first on its path (``phases``: with the
+    workers' CPU timeline)."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    p = subprocess.run([sys.executable, "-c", PROBE, str(pack), str(workers)], capture_output=True, text=True,
-                       env=env, check=False, cwd=tempfile.gettempdir(), timeout=600)
+    code = PROBE.replace("HOOKS  #", textwrap.indent(HOOKS, "    ").strip() + "  #")
+    with tempfile.TemporaryDirectory(prefix="stager-bench-startup-") as timeline:
+        p = subprocess.run([sys.executable, "-c", code, str(pack), str(workers), *([timeline] if phases else [])],
+                           capture_output=True, text=True, env=env, check=False, cwd=tempfile.gettempdir(), timeout=600)
     lines = [x for x in p.stdout.splitlines() if x.startswith("{")]
     if p.returncode != 0 or not lines:
         raise RuntimeError(f"{tree}: {(p.stderr.strip().splitlines() or ['failed'])[-1][:300]}")
-    return json.loads(lines[-1])
+    got = json.loads(lines[-1])
+    if phases:
+        got["worker_phases"] = [worker_phases(ev) for ev in got["worker_phases"]]
+    return got
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -125,15 +205,26 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     for phase in runs[0]["phases"]:
         out[f"{phase}_wall_s"] = med(lambda r, ph=phase: r["phases"][ph][0])
         out[f"{phase}_cpu_s"] = med(lambda r, ph=phase: r["phases"][ph][1])
+    per_worker = [w for r in runs for w in r.get("worker_phases", [])]
+    if per_worker:  # medians over every worker of every round
+        out["worker_cpu_s"] = {k: round(statistics.median(w[k] for w in per_worker), 3) for k in per_worker[0]}
     return out
 
 
-def measure(pack: Path, trees: list[Path], rounds: int, workers: int = 2) -> dict[str, dict[str, Any]]:
-    """``rounds`` interleaved rounds over ``trees`` (one probe each per round); medians per tree."""
+def measure(pack: Path, trees: list[Path], rounds: int, workers: int = 2, phases: bool = False
+            ) -> dict[str, dict[str, Any]]:
+    """``rounds`` interleaved rounds over ``trees`` (one probe each per round); medians per tree.
+
+    Every tree is byte-compiled first (a tree run under ``PYTHONDONTWRITEBYTECODE`` would otherwise
+    compile its modules in every round) and probed once unrecorded (page cache, shard mappings)."""
+    for t in trees:
+        subprocess.run([sys.executable, "-m", "compileall", "-q", str(t / "stager")], check=True,
+                       capture_output=True)
+        probe(t, pack, workers)
     runs: dict[str, list[dict[str, Any]]] = {str(t): [] for t in trees}
     for rnd in range(rounds):
         for t in trees:
-            r = probe(t, pack, workers)
+            r = probe(t, pack, workers, phases)
             runs[str(t)].append(r)
             print(f"bench_startup: round {rnd + 1}/{rounds} {t}: first batch {r['first_batch_s']:.3f} s, "
                   f"workers {r['workers_cpu_s']:.2f} s CPU, load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
@@ -150,6 +241,15 @@ def table(res: dict[str, dict[str, Any]]) -> str:
         lines.append(f"| {tree} | **{s['first_batch_s']:.3f} s** ({lo:.2f}-{hi:.2f}) | {s['with_import_s']:.3f} s | "
                      f"{s['import_wall_s']:.3f} s | {s['make_loader_wall_s']:.3f} s | {s['first_wall_s']:.3f} s | "
                      f"{s['main_cpu_s']:.3f} s | {s['workers_cpu_s']:.2f} s | {s['workers_minflt']:,} |")
+    if all("worker_cpu_s" in s for s in res.values()):
+        lines += ["", "Per worker, CPU seconds up to its first batch (medians over every worker of every round):", "",
+                  "| tree | set-up after fork | of which full garbage collections | plan | read schedule | "
+                  "fetcher | first batch | total |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for tree, s in res.items():
+            w = s["worker_cpu_s"]
+            lines.append(f"| {tree} | {w['setup']:.3f} | {w['gc']:.3f} | {w['plan']:.3f} | {w['schedule']:.3f} | "
+                         f"{w['fetcher']:.3f} | {w['first']:.3f} | **{w['total']:.3f}** |")
     return "\n".join(lines)
 
 
@@ -163,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default=None, help="where the pack is written (default: a temp dir, removed after)")
     ap.add_argument("--keep", action="store_true", help="keep the pack in --work (and reuse it next time)")
     ap.add_argument("--budget", type=float, default=None, help="exit 1 when this tree's median exceeds it (s)")
+    ap.add_argument("--phases", action="store_true",
+                    help="also time each worker's phases (CPU: set-up, garbage collection, plan, reads, first batch)")
     ap.add_argument("--markdown", default=str(ROOT / "docs" / "bench" / "startup.md"))
     args = ap.parse_args(argv)
     work = Path(args.work or tempfile.mkdtemp(prefix="stager-bench-startup-"))
@@ -172,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bench_startup: writing {pack}", file=sys.stderr, flush=True)
             fabricate(pack, args.samples, args.shards)
         trees = [ROOT, *(Path(t).resolve() for t in args.against)]
-        res = measure(pack, trees, args.rounds, args.workers)
+        res = measure(pack, trees, args.rounds, args.workers, args.phases)
     finally:
         if not args.keep:
             shutil.rmtree(pack, ignore_errors=True)
