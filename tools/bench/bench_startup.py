@@ -231,6 +231,13 @@ def measure(pack: Path, trees: list[Path], rounds: int, workers: int = 2, phases
     return {t: summarize(rs) for t, rs in runs.items()}
 
 
+def label(tree: str) -> str:
+    """A tree as a table names it: this checkout or the directory, with its commit when it is a git checkout."""
+    p = subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
+    name = "this checkout" if Path(tree) == ROOT else Path(tree).name
+    return f"{name} ({p.stdout.strip()})" if p.returncode == 0 and p.stdout.strip() else name
+
+
 def table(res: dict[str, dict[str, Any]]) -> str:
     """A markdown table, one row per tree."""
     lines = ["| tree | first batch (median, range) | with import | import | make_loader | iter + first batch | "
@@ -238,7 +245,8 @@ def table(res: dict[str, dict[str, Any]]) -> str:
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for tree, s in res.items():
         lo, hi = s["first_batch_range_s"]
-        lines.append(f"| {tree} | **{s['first_batch_s']:.3f} s** ({lo:.2f}-{hi:.2f}) | {s['with_import_s']:.3f} s | "
+        lines.append(f"| {label(tree)} | **{s['first_batch_s']:.3f} s** ({lo:.2f}-{hi:.2f}) | "
+                     f"{s['with_import_s']:.3f} s | "
                      f"{s['import_wall_s']:.3f} s | {s['make_loader_wall_s']:.3f} s | {s['first_wall_s']:.3f} s | "
                      f"{s['main_cpu_s']:.3f} s | {s['workers_cpu_s']:.2f} s | {s['workers_minflt']:,} |")
     if all("worker_cpu_s" in s for s in res.values()):
@@ -248,8 +256,8 @@ def table(res: dict[str, dict[str, Any]]) -> str:
                   "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for tree, s in res.items():
             w = s["worker_cpu_s"]
-            lines.append(f"| {tree} | {w['setup']:.3f} | {w['gc']:.3f} | {w['plan']:.3f} | {w['schedule']:.3f} | "
-                         f"{w['fetcher']:.3f} | {w['first']:.3f} | **{w['total']:.3f}** |")
+            lines.append(f"| {label(tree)} | {w['setup']:.3f} | {w['gc']:.3f} | {w['plan']:.3f} | "
+                         f"{w['schedule']:.3f} | {w['fetcher']:.3f} | {w['first']:.3f} | **{w['total']:.3f}** |")
     return "\n".join(lines)
 
 
