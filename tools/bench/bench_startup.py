@@ -261,6 +261,21 @@ def table(res: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def shown_args(argv: list[str]) -> str:
+    """The command line as the markdown shows it: a machine's own paths (the pack's directory, the other
+    checkouts) as ``<DIR>`` and ``<checkout at COMMIT>``."""
+    out = []
+    for a in argv:
+        if a.startswith("/") and Path(a).is_dir():
+            p = subprocess.run(["git", "-C", a, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                               check=False)
+            out.append(f"<checkout at {p.stdout.strip()}>" if p.returncode == 0 and (Path(a) / "stager").is_dir()
+                       else "<DIR>")
+        else:
+            out.append(a)
+    return " ".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--samples", type=int, default=1_281_167)
@@ -291,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     md = "\n".join([
         "### Loader start-up: first batch with worker processes",
         "",
-        f"`python tools/bench/bench_startup.py {' '.join(argv if argv is not None else sys.argv[1:])}`: "
+        f"`python tools/bench/bench_startup.py {shown_args(argv if argv is not None else sys.argv[1:])}`: "
         f"{args.samples:,} samples in {args.shards} tar shards, {args.workers} workers, `decode=\"raw\"`, torch "
         f"imported first; medians of {args.rounds} interleaved rounds on {os.cpu_count()} cores "
         f"(1-minute load average {os.getloadavg()[0]:.1f} at the end). Seconds are wall time unless marked CPU.",
