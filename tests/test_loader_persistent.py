@@ -7,6 +7,7 @@ order the other loader tests pin to the plan.
 
 from __future__ import annotations
 
+import gc
 import glob
 import os
 import shutil
@@ -17,10 +18,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from stager.errors import CorruptSampleError
-from stager.loader import make_loader
+from stager.loader import make_loader, make_numpy_loader
 from stager.manifest import load_manifest
 from stager.pack import pack
 from tools.datagen import make_imagefolder
@@ -201,3 +203,51 @@ def test_worker_error_restarts_the_workers(packed: Path, tmp_path: Path) -> None
         with pytest.raises(CorruptSampleError, match=shard.name):
             epoch(loader)
         assert loader._pool is None
+
+
+def _freeze_count(image: Any, rng: Any) -> np.ndarray:
+    """A transform run in the worker: the worker's ``gc.get_freeze_count()`` as a (1, 1, 4) image."""
+    return np.frombuffer(gc.get_freeze_count().to_bytes(4, "little"), np.uint8).reshape(1, 1, 4).copy()
+
+
+@pytest.mark.parametrize("transport", ["persistent", "fresh", "numpy"])
+def test_forked_workers_inherit_the_heap_frozen(packed: Path, transport: str) -> None:
+    """A forked worker holds every object inherited from the parent in the collector's permanent
+    generation: its garbage collections never walk (and so never copy) the parent's heap, whenever its
+    inherited allocation counters would have started one (docs/benchmarks.md, "Loader start-up"). The
+    parent's own objects are unfrozen again once the workers run."""
+    assert gc.get_freeze_count() == 0
+    inherited = len(gc.get_objects())
+    kw = {k: v for k, v in KW.items() if k != "decode"} | {"decode": "uint8", "transform": _freeze_count}
+    if transport == "numpy":
+        loader: Any = make_numpy_loader(packed, 7, num_workers=2, **kw)
+    else:
+        loader = make_loader(packed, 7, num_workers=2, persistent_workers=transport == "persistent", **kw)
+    try:
+        counts = set()
+        for _ in range(2):
+            for b in loader:
+                images = np.asarray(b["image"]).reshape(len(b["key"]), 4)
+                counts |= {int.from_bytes(bytes(x.tolist()), "little") for x in images}
+            assert gc.get_freeze_count() == 0, "the parent's heap stays frozen"
+        assert min(counts) >= inherited // 2, (counts, inherited)
+    finally:
+        loader.close()
+
+
+def test_a_program_that_froze_its_heap_keeps_its_freeze(packed: Path) -> None:
+    """A training script that calls ``gc.freeze()`` itself before its workers start keeps that freeze: the
+    loader neither unfreezes nor adds to it in the parent."""
+    sentinel: list[Any] = [object()]  # a container the collector tracks
+    gc.freeze()
+    try:
+        loader = make_loader(packed, 7, num_workers=2, **KW)
+        epoch(loader)
+        epoch(make_loader(packed, 7, num_workers=2, persistent_workers=False, **KW))
+        loader.close()
+        # get_objects() lists the collected generations, never the permanent one.
+        assert gc.get_freeze_count() > 0
+        assert not any(o is sentinel for o in gc.get_objects()), "the program's freeze was undone"
+    finally:
+        gc.unfreeze()
+    assert any(o is sentinel for o in gc.get_objects())

@@ -60,9 +60,15 @@ def test_every_sample_once_equal_counts(  # noqa: PLR0917 (hypothesis passes str
         assert padded < world or n < world
     for p in plans:
         assert int(p.batch_padding().sum()) == p.padded
+        # What the main process asks before its workers start: from the layout alone, no epoch order.
+        assert planlib.batch_padding(n, cfg, p.rank, epoch=3).tolist() == p.batch_padding().tolist()
         for w in p.workers:
             assert sorted(w.emit.tolist()) == list(range(len(w.stream)))
             assert np.all(w.batches % cfg.streams == w.worker)
+            # What a worker process plans: its own stream alone, equal to its part of the rank's plan.
+            alone = planlib.plan_worker(starts, run_len, cfg, p.rank, w.worker, epoch=3)
+            assert all(np.array_equal(getattr(alone, f.name), getattr(w, f.name))
+                       for f in dataclasses.fields(w)), w.worker
     if deal:
         contiguous = _all_rank_batches(starts, run_len, dataclasses.replace(cfg, deal_batches=False), epoch=3)
         _assert_dealt(plans, contiguous, n, ordered=mode == "none")
@@ -283,7 +289,8 @@ def _buffer_shuffle_reference(n: int, buffer: int, rng: np.random.Generator) -> 
 
 
 @pytest.mark.parametrize("n,buffer", [(0, 4), (1, 4), (2, 2), (7, 3), (10, 10), (10, 50), (1000, 1), (1000, 2),
-                                      (1000, 37), (5000, 4096), (3001, 1000)])
+                                      (1000, 37), (5000, 4096), (3001, 1000), (70000, 65536), (70000, 65537),
+                                      (140000, 66000)])
 def test_buffer_shuffle_equals_the_one_at_a_time_definition(n: int, buffer: int) -> None:
     for seed in range(5):
         got = planlib.buffer_shuffle(n, buffer, np.random.default_rng(seed))

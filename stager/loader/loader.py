@@ -26,6 +26,7 @@ from stager.errors import UsageError
 from stager.loader import fork_guard, frameworks, shm
 from stager.loader.base import EpochBatches, LoaderBase
 from stager.loader.batching import finish_batch
+from stager.loader.forkgc import frozen_for_fork
 from stager.loader.frameworks import convert
 from stager.loader.frameworks.hooks import EpochHook, epoch_batches
 from stager.loader.options import LoaderOptions
@@ -124,7 +125,8 @@ class Loader(LoaderBase):
         dl = DataLoader(WorkerStreams(ds, channel), batch_size=None, num_workers=self.num_workers,
                         **self._dl_kwargs())
         try:
-            it = iter(dl)
+            with frozen_for_fork():  # iter() forks the workers
+                it = iter(dl)
             fork_guard.track(it)
         finally:
             if channel is not None:

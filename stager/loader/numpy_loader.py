@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 from stager.errors import UsageError
 from stager.loader.assemble import raw_views
 from stager.loader.base import EpochBatches, LoaderBase
+from stager.loader.forkgc import frozen_for_fork
 from stager.loader.mix.dataset import MixDataset
 from stager.loader.options import LoaderOptions
 from stager.loader.rank import EpochPosition, RankDataset
@@ -125,8 +126,9 @@ class WorkerProcesses:
             )
             for k in range(num_workers)
         ]
-        for p in self.procs:
-            p.start()
+        with frozen_for_fork():
+            for p in self.procs:
+                p.start()
         self.closed = False
 
     def start_epoch(self, position: EpochPosition) -> None:

@@ -41,6 +41,7 @@ from typing import Any
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from stager.loader import fork_guard, shm
+from stager.loader.forkgc import frozen_for_fork
 from stager.loader.torch_dataset import EpochPosition, TorchRankDataset
 
 # How long a worker waits for its epoch message between checks that the main process still lives.
@@ -119,7 +120,8 @@ class WorkerPool:
         msg = EpochMessage(g, ds.position)
         for q in self.queues:
             q.put(msg)
-        it = iter(self.dl)
+        with frozen_for_fork():  # the first iter() forks the workers
+            it = iter(self.dl)
         fork_guard.track(it)
         if self.channel is not None:
             self.channel.close()  # the workers (started by the first iter()) hold their end

@@ -53,9 +53,11 @@ from stager.order.epoch import (
     PlanConfig,
     RankPlan,
     WorkerPlan,
+    batch_padding,
     batch_sizes,
     epoch_sequence,
     plan_rank,
+    plan_worker,
     run_lengths,
     unconsumed,
 )
@@ -394,9 +396,22 @@ class RankDataset:
         """This rank's plan of ``epoch`` (default: the current one, over its explicit order if any);
         ``rank``: another rank of the plan group instead."""
         e = self.epoch if epoch is None else epoch
-        seq = self._remaining if (self._remaining is not None and e == self.epoch) else self.epoch_sequence(e)
         r = self.group.rank if rank is None else rank
-        return plan_rank(self.items.starts, self.run_len, self.config(), r, epoch=e, seq=seq)
+        return plan_rank(self.items.starts, self.run_len, self.config(), r, epoch=e, seq=self._sequence(e))
+
+    def worker_plan(self, worker: int) -> WorkerPlan:
+        """Worker stream ``worker``'s plan of the current epoch: ``plan().workers[worker]``, without
+        simulating the other streams' shuffle buffers (a worker process needs only its own)."""
+        e = self.epoch
+        return plan_worker(self.items.starts, self.run_len, self.config(), self.group.rank, worker, epoch=e,
+                           seq=self._sequence(e))
+
+    def _sequence(self, epoch: int) -> np.ndarray:
+        """The order ``epoch`` is planned over: the explicit one (an elastic resume's) for the current epoch, or
+        the epoch sequence."""
+        if self._remaining is not None and epoch == self.epoch:
+            return self._remaining
+        return self.epoch_sequence(epoch)
 
     def read_schedule(self, epoch: int | None = None, *, start_batch: int = 0) -> ReadSchedule:
         """The shard reads of :meth:`plan` ``(epoch)`` from ``start_batch`` on (:mod:`stager.order.reads`;
@@ -454,7 +469,9 @@ class RankDataset:
 
     def batch_padding(self) -> np.ndarray:
         """Per batch of the current epoch: how many of its samples are padding repeats (int64 (batches,))."""
-        return self.plan().batch_padding()
+        # Which positions are padding depends on the layout alone: no epoch order, and only the
+        # shuffle buffers of workers that hold padding (the main process asks this before its workers start).
+        return batch_padding(self.samples_in_epoch(), self.config(), self.group.rank, epoch=self.epoch)
 
     def unconsumed(self, state: LoaderState, seq: np.ndarray | None) -> np.ndarray:
         """``state``'s epoch minus what every rank of its world consumed, in the old order (int64): what an
@@ -475,7 +492,7 @@ class RankDataset:
         process (raw payloads are copied into one buffer; the cv2 thread pool is cut to one thread)."""
         streams = self.config().streams
         logical = (worker + self.start_batch) % streams
-        wp = self.plan().workers[logical]
+        wp = self.worker_plan(logical)
         access = ShardAccess(self.resolved, use_mmap=self.options.use_mmap)
         try:
             yield from self._worker_batches(wp, access, in_worker=in_worker, trim=True)

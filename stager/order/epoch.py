@@ -231,6 +231,15 @@ def _take_wrapped(seq: np.ndarray, pos: np.ndarray) -> np.ndarray:
     return np.asarray(seq[pos % len(seq)], dtype=np.int64)
 
 
+def _stable_order(picks: np.ndarray, k: int) -> np.ndarray:
+    """``np.argsort(picks, kind="stable")`` for values in ``[0, k)``, faster: a radix sort of 16-bit keys
+    (``k <= 65536``, the default buffer's bound: ~8x faster than sorting int64), else a sort of unique
+    keys ``(value, position)`` (the order is then the only one, so it is the stable one)."""
+    if k <= 1 << 16:
+        return np.argsort(picks.astype(np.uint16), kind="stable").astype(np.int64, copy=False)
+    return np.argsort(picks * len(picks) + np.arange(len(picks), dtype=np.int64)).astype(np.int64, copy=False)
+
+
 def buffer_shuffle(n: int, buffer: int, rng: np.random.Generator) -> np.ndarray:
     """Emission order (int64 permutation of ``range(n)``) of a fill-then-swap shuffle buffer.
 
@@ -248,7 +257,7 @@ def buffer_shuffle(n: int, buffer: int, rng: np.random.Generator) -> np.ndarray:
     # the slot's previous arrival put there (or the slot's initial position ``picks[t]``). Grouping
     # the arrivals by slot (stable, so by time within a slot) makes "previous arrival in the same
     # slot" a shift by one; the draws are the same as before, so orders are unchanged.
-    order = np.argsort(picks, kind="stable")
+    order = _stable_order(picks, k)
     slot = picks[order]
     first = np.ones(len(order), dtype=bool)
     first[1:] = slot[1:] != slot[:-1]
@@ -323,6 +332,118 @@ class RankPlan:
         return out
 
 
+@dataclass(frozen=True)
+class RankShare:
+    """What a rank's epoch is before any worker's shuffle buffer: its samples and where they sit.
+
+    ``ids``: the rank's sample ids (int64, shape (``sizes.sum()``,)), in the order its workers' streams
+    are cut from; ``pos``: each one's position in the epoch sequence (``>= n`` is a padding repeat);
+    ``n``: the sequence's length; ``sizes``: the rank's batch sizes.
+    """
+
+    rank: int
+    epoch: int
+    ids: np.ndarray
+    pos: np.ndarray
+    n: int
+    sizes: np.ndarray
+    padded: int
+    dropped: int
+
+
+def _rank_layout(n: int, cfg: PlanConfig, rank: int) -> tuple[int, np.ndarray, np.ndarray]:
+    """For an epoch sequence of ``n`` samples: ``(per_rank, sizes, pos)``, the count every rank gets, this
+    rank's batch sizes and its samples' positions in the sequence (``>= n``: padding). No sequence needed."""
+    per_rank = cfg.samples_per_rank
+    if per_rank is None:
+        per_rank = samples_per_rank(n, cfg.world_size, cfg.drop_last)
+    sizes = batch_sizes(per_rank, cfg.batch_size, cfg.drop_last)
+    return per_rank, sizes, rank_positions(rank, cfg.world_size, per_rank, sizes, deal_batches=cfg.deal_batches)
+
+
+def rank_share(seq: np.ndarray, cfg: PlanConfig, rank: int, *, epoch: int) -> RankShare:
+    """Rank ``rank``'s share of the epoch sequence ``seq``: its samples, padded or truncated to the count
+    every rank gets (contiguous, or its batches dealt in turn: ``cfg.deal_batches``)."""
+    per_rank, sizes, pos = _rank_layout(len(seq), cfg, rank)
+    used = int(sizes.sum())
+    if cfg.deal_batches:
+        ids = _take_wrapped(seq, pos)
+        padded = int((pos >= len(seq)).sum())
+    else:
+        ids, padded = rank_slice(seq, rank, cfg.world_size, per_rank)
+        ids = ids[:used]
+        padded = min(padded, used)
+    # Samples of the epoch that no rank's batches hold (drop_last): the same figure on every rank.
+    dropped = max(0, len(seq) - cfg.world_size * used)
+    return RankShare(rank, epoch, ids, pos, len(seq), sizes, padded, dropped)
+
+
+def _stream_layout(
+    sizes: np.ndarray, cfg: PlanConfig, worker: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | slice]:
+    """Worker stream ``worker`` of a rank with batch sizes ``sizes``: ``(batches, their sizes, where its
+    stream lies in the rank's samples)`` (an index array, or a slice for the shuffled modes)."""
+    nw = cfg.streams
+    if not 0 <= worker < nw:
+        raise UsageError(f"worker {worker} out of range for {nw} worker stream(s)")
+    mine = np.arange(worker, len(sizes), nw, dtype=np.int64)
+    wsizes = sizes[mine]
+    if cfg.mode == "none":
+        # Exact manifest order on the rank: worker k takes the slices of its own batches.
+        cum = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        pieces = [np.arange(cum[j], cum[j + 1], dtype=np.int64) for j in mine.tolist()]
+        return mine, wsizes, np.concatenate(pieces) if pieces else np.zeros(0, np.int64)
+    # Shuffled modes: one contiguous chunk per worker (after the earlier workers') keeps runs whole.
+    lo = sum(int(sizes[k::nw].sum()) for k in range(worker))
+    return mine, wsizes, slice(lo, lo + int(wsizes.sum()))
+
+
+def _emission(cfg: PlanConfig, epoch: int, rank: int, worker: int, q: int) -> np.ndarray:
+    """Worker ``worker``'s shuffle buffer over its ``q`` stream positions (its own random stream)."""
+    rng = streams.shuffle_buffer(cfg.seed, epoch, cfg.world_size, rank, workers=cfg.streams, worker=worker)
+    return buffer_shuffle(q, cfg.buffer_samples if cfg.mode in ("runs", "shards") else 0, rng)
+
+
+def worker_plan(share: RankShare, cfg: PlanConfig, worker: int) -> WorkerPlan:
+    """Worker stream ``worker`` of ``share``: the rank's batches ``worker, worker + W, ...`` and the shuffle
+    buffer's emission order over them (its own random stream: no other worker's draws are needed)."""
+    mine, wsizes, spos = _stream_layout(share.sizes, cfg, worker)
+    # A copy, not a view of the rank's ids: a worker keeps only its own stream once the share is freed.
+    stream = share.ids[spos].copy()
+    # From epoch position n on, the sequence wraps around: padding repeats.
+    is_pad = share.pos[spos] >= share.n
+    emit = _emission(cfg, share.epoch, share.rank, worker, len(stream))
+    return WorkerPlan(worker, stream, emit, mine, wsizes, is_pad)
+
+
+def batch_padding(n: int, cfg: PlanConfig, rank: int, *, epoch: int) -> np.ndarray:
+    """``plan_rank(...).batch_padding()`` for an epoch sequence of ``n`` samples, without the sequence: which
+    positions are padding depends on the layout alone, and only a worker whose stream holds any needs its
+    shuffle buffer simulated (int64, shape (batches,))."""
+    _per_rank, sizes, pos = _rank_layout(n, cfg, rank)
+    out = np.zeros(len(sizes), dtype=np.int64)
+    for k in range(cfg.streams):
+        mine, wsizes, spos = _stream_layout(sizes, cfg, k)
+        is_pad = pos[spos] >= n
+        if not is_pad.any():
+            continue
+        pads = np.concatenate([[0], np.cumsum(is_pad[_emission(cfg, epoch, rank, k, len(is_pad))])])
+        cum = np.concatenate([[0], np.cumsum(wsizes)]).astype(np.int64)
+        out[mine] = pads[cum[1:]] - pads[cum[:-1]]
+    return out
+
+
+def plan_worker(
+    starts: np.ndarray, run_len: np.ndarray, cfg: PlanConfig, rank: int, worker: int, *, epoch: int,
+    seq: np.ndarray | None = None,
+) -> WorkerPlan:
+    """``plan_rank(...).workers[worker]`` alone (what a worker process needs): the other workers' shuffle
+    buffers are not simulated."""
+    if seq is None:
+        seq = epoch_sequence(starts, run_len, cfg, epoch)
+    return worker_plan(rank_share(seq, cfg, rank, epoch=epoch), cfg, worker)
+
+
 def plan_rank(
     starts: np.ndarray, run_len: np.ndarray, cfg: PlanConfig, rank: int, *, epoch: int, seq: np.ndarray | None = None
 ) -> RankPlan:
@@ -335,46 +456,9 @@ def plan_rank(
     """
     if seq is None:
         seq = epoch_sequence(starts, run_len, cfg, epoch)
-    per_rank = cfg.samples_per_rank
-    if per_rank is None:
-        per_rank = samples_per_rank(len(seq), cfg.world_size, cfg.drop_last)
-    sizes = batch_sizes(per_rank, cfg.batch_size, cfg.drop_last)
-    used = int(sizes.sum())
-    if cfg.deal_batches:
-        pos = rank_positions(rank, cfg.world_size, per_rank, sizes, deal_batches=True)
-        ids = _take_wrapped(seq, pos)
-        padded = int((pos >= len(seq)).sum())
-    else:
-        ids, padded = rank_slice(seq, rank, cfg.world_size, per_rank)
-        pos = rank_positions(rank, cfg.world_size, per_rank, sizes, deal_batches=False)
-        ids = ids[:used]
-        padded = min(padded, used)
-    # Samples of the epoch that no rank's batches hold (drop_last): the same figure on every rank.
-    dropped = max(0, len(seq) - cfg.world_size * used)
-    nw = cfg.streams
-    cum = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    workers = []
-    lo = 0
-    for k in range(nw):
-        mine = np.arange(k, len(sizes), nw, dtype=np.int64)
-        wsizes = sizes[mine]
-        q = int(wsizes.sum())
-        if cfg.mode == "none":
-            # Exact manifest order on the rank: worker k takes the slices of its own batches.
-            pieces = [np.arange(cum[j], cum[j + 1], dtype=np.int64) for j in mine.tolist()]
-            spos = np.concatenate(pieces) if pieces else np.zeros(0, np.int64)
-        else:
-            # Shuffled modes: one contiguous chunk per worker keeps runs whole (one read each).
-            spos = np.arange(lo, lo + q, dtype=np.int64)
-            lo += q
-        stream = ids[spos]
-        # From epoch position len(seq) on, the sequence wraps around: padding repeats.
-        is_pad = pos[spos] >= len(seq)
-        rng = streams.shuffle_buffer(cfg.seed, epoch, cfg.world_size, rank, workers=nw, worker=k)
-        buf = cfg.buffer_samples if cfg.mode in ("runs", "shards") else 0
-        emit = buffer_shuffle(q, buf, rng)
-        workers.append(WorkerPlan(k, stream, emit, mine, wsizes, is_pad))
-    return RankPlan(rank, epoch, ids, sizes, padded, dropped, tuple(workers))
+    share = rank_share(seq, cfg, rank, epoch=epoch)
+    workers = tuple(worker_plan(share, cfg, k) for k in range(cfg.streams))
+    return RankPlan(rank, epoch, share.ids, share.sizes, share.padded, share.dropped, workers)
 
 
 def unconsumed(

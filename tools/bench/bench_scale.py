@@ -16,7 +16,9 @@ Reported per writer: the best wall time, the output's bytes (every file under OU
 resident memory (``ru_maxrss`` of the process and of its largest child). Then stager's loader on
 the ``w2`` output, in a fresh process: start-up (``make_loader`` + the first batch of 256, what a
 training script waits for) and a raw epoch (``decode="raw"``, in-process: samples/s with no image
-decoding), with its peak memory. The page cache, not the disk, serves every read.
+decoding), with its peak memory; and the start-up with 2 worker processes (``bench_startup.py``'s
+probe, median of ``max(--repeat, 3)`` rounds; that script alone measures it without building the
+tree, against other checkouts too). The page cache, not the disk, serves every read.
 
 Writes docs/bench/scale.md (tables) and docs/bench/scale.png (time and bytes against the sample
 count), and prints one JSON object. Peers come from ``make bench-setup``; a missing one is reported.
@@ -41,6 +43,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from tools.bench.bench_startup import measure as measure_startup  # noqa: E402
 from tools.datagen import make_tiny_imagefolder  # noqa: E402
 
 SHARD_BYTES = 256 << 20  # stager's default --shard-size, used by every writer
@@ -190,6 +193,8 @@ def bench_count(count: int, work: Path, repeat: int, keep: bool) -> dict[str, An
             "peak_rss_mb": round(max(t["peak_rss"] for t in tries) / 2**20, 1),
             # manifest.json and, from manifest v2 on, the index files beside it: all but the shards
             "metadata_bytes": sum(f.stat().st_size for f in out.rglob("*") if f.is_file() and ".tar" not in f.name),
+            # With 2 worker processes, what a training script waits for (tools/bench/bench_startup.py; issue 40).
+            "startup": measure_startup(out, [ROOT], max(repeat, 3))[str(ROOT)],
         }
     if not keep:
         shutil.rmtree(out, ignore_errors=True)
@@ -243,6 +248,14 @@ def write_markdown(res: dict[str, Any], path: Path, plot: str | None) -> None:
                 f"**{ld['epoch_samples_per_s']:,} samples/s** (in-process, no decoding), peak RSS "
                 f"{ld['peak_rss_mb']:,.0f} MB.",
             ]
+            su = ld.get("startup")
+            if su:
+                lines += [
+                    "",
+                    f"Start-up with 2 worker processes (`bench_startup.py`'s probe, median of {su['rounds']}): first "
+                    f"batch after **{su['first_batch_s']} s** from `make_loader` ({su['with_import_s']} s with the "
+                    f"import of stager's loader; torch imported before), workers {su['workers_cpu_s']} s CPU.",
+                ]
         lines.append("")
     if plot:
         lines += [f"![time and bytes against the sample count]({plot})", ""]

@@ -54,6 +54,8 @@ SUITE: dict[str, tuple[str, list[str], list[str], str]] = {
                        ["--classes", "2", "--per-class", "20", "--text", "100", "--big-classes", "10",
                         "--big-per-class", "100", "--rounds", "1", "--work", "/tmp/stager-bench-squashfs-quick"],
                        "squashfs_codec.md"),
+    # The first batch with 2 worker processes at 1.28M samples (issue 40); ~3 min with the pack.
+    "startup": ("bench_startup.py", [], ["--samples", "20000", "--shards", "4", "--rounds", "1"], "startup.md"),
     # DALI's rec2idx.py imports MXNet: $STAGER_MXNET_PYTHON names a venv's python with mxnet==1.9.1, numpy<1.24.
     "legacy": ("bench_legacy.py", [*(["--dali-scripts", os.environ["STAGER_DALI_SCRIPTS"]]
                                      if os.environ.get("STAGER_DALI_SCRIPTS") else [])],
