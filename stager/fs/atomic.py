@@ -85,14 +85,16 @@ def atomic_write(final: str | os.PathLike[str], mode: int | None = None) -> Iter
             os.chmod(tmp, mode)
         commit_partial(tmp, final)
     except OSError as exc:
-        f.close()
+        with contextlib.suppress(OSError):  # a close that flushes what the failed write left fails the same way
+            f.close()
         _unlink_quiet(tmp)
         err = space_error(exc, final)
         if err is not None:
             raise err from exc
         raise
     except BaseException:
-        f.close()
+        with contextlib.suppress(OSError):
+            f.close()
         _unlink_quiet(tmp)
         raise
 
