@@ -19,8 +19,10 @@ file is expected, files of their own. The rules, each enforced here and nowhere 
 3. **Work relative to a directory handle.** Once a directory is opened and checked (:class:`SafeDir`),
    every name inside it is reached with ``*at()`` calls on its descriptor, never by a path string again,
    so swapping a path component for a symlink after the check changes nothing.
-4. **Create exclusively.** Files with ``O_CREAT|O_EXCL``, directories with ``mkdir`` (neither follows a
-   planted name); published with ``rename``/``link`` inside the same handle (:meth:`SafeDir.write_atomic`).
+4. **Create exclusively.** Files with ``O_CREAT|O_EXCL|O_NOFOLLOW|O_CLOEXEC`` (:func:`create_exclusive`,
+   :func:`open_exclusive`, :meth:`SafeDir.create_file`: the only spelling of ``O_EXCL`` in stager,
+   ``tests/test_fs_safe.py`` scans for others), directories with ``mkdir`` (neither follows a planted
+   name); published with ``rename``/``link`` inside the same handle (:meth:`SafeDir.write_atomic`).
 5. **A stable path.** Path-based code (the copy streams, libraries that take a file name) may use a
    path under a directory only when every ancestor of it is trusted or sticky (:func:`check_chain`):
    then nobody else can rename or replace any component of it, and the checks above stay true.
@@ -39,7 +41,7 @@ import os
 import stat
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Final
+from typing import BinaryIO, Final
 
 from stager.errors import UnsafePathError
 
@@ -242,6 +244,34 @@ def trusted_size(path: str | os.PathLike[str], *, owners: frozenset[int] | None 
     except OSError:
         return -1
     return st.st_size if problem(st, owners=owners) is None else -1
+
+
+# ---- creating -------------------------------------------------------------------------------------
+CREATE_FLAGS: Final = os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC
+
+
+def create_exclusive(path: str | os.PathLike[str], mode: int = 0o600, flags: int = os.O_WRONLY, *,
+                     dir_fd: int | None = None) -> int:
+    """Create ``path`` (relative to ``dir_fd`` when given) exclusively and return its descriptor.
+
+    ``flags`` is the access (``O_WRONLY``, ``O_RDWR``, plus extras such as ``O_DIRECT``);
+    ``O_CREAT|O_EXCL|O_NOFOLLOW|O_CLOEXEC`` are always added: FileExistsError when any entry (a
+    planted symlink included) is there already, and nothing outside is ever opened through it.
+    ``mode`` less the umask, as ``open`` gives: shared-memory slots, leases, partial files, the
+    files an unpack writes.
+    """
+    return os.open(path, flags | CREATE_FLAGS, mode, dir_fd=dir_fd)
+
+
+def open_exclusive(path: str | os.PathLike[str], mode: int = 0o666) -> BinaryIO:
+    """:func:`create_exclusive` as a binary file object for writing (``open(path, "xb")``, whose
+    mode is ``0o666`` less the umask: the same here, for the atomic writers that ``chmod`` later)."""
+    fd = create_exclusive(path, mode)
+    try:
+        return os.fdopen(fd, "wb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 # ---- opening --------------------------------------------------------------------------------------
@@ -481,8 +511,7 @@ class SafeDir:
     def create_file(self, name: str, mode: int = 0o600, flags: int = os.O_WRONLY) -> int:
         """Create ``name`` exclusively (``O_CREAT|O_EXCL|O_NOFOLLOW``) with ``mode`` less the umask;
         FileExistsError when any entry (a symlink included) is there already."""
-        return os.open(self._name(name), flags | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode,
-                       dir_fd=self.fd)
+        return create_exclusive(self._name(name), mode, flags, dir_fd=self.fd)
 
     def read_bytes(self, name: str, *, what: str = "file", limit: int = MAX_SMALL_FILE,
                    owners: frozenset[int] | None = None) -> bytes | None:
@@ -655,6 +684,7 @@ def private_dir(parent: str | os.PathLike[str], name: str, mode: int = 0o700, *,
 
 
 __all__ = [
+    "CREATE_FLAGS",
     "MAX_SMALL_FILE",
     "O_CLOEXEC",
     "O_DIRECTORY",
@@ -662,9 +692,11 @@ __all__ = [
     "O_NONBLOCK",
     "SafeDir",
     "check_chain",
+    "create_exclusive",
     "describe",
     "expected",
     "kind_of",
+    "open_exclusive",
     "open_regular",
     "open_trusted",
     "owner_name",
