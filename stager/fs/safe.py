@@ -21,7 +21,7 @@ file is expected, files of their own. The rules, each enforced here and nowhere 
    so swapping a path component for a symlink after the check changes nothing.
 4. **Create exclusively.** Files with ``O_CREAT|O_EXCL|O_NOFOLLOW|O_CLOEXEC`` (:func:`create_exclusive`,
    :func:`open_exclusive`, :meth:`SafeDir.create_file`: the only spelling of ``O_EXCL`` in stager,
-   ``tests/test_fs_safe.py`` scans for others), directories with ``mkdir`` (neither follows a planted
+   ``tests/test_one_mechanism.py`` scans for others), directories with ``mkdir`` (neither follows a planted
    name); published with ``rename``/``link`` inside the same handle (:meth:`SafeDir.write_atomic`).
 5. **A stable path.** Path-based code (the copy streams, libraries that take a file name) may use a
    path under a directory only when every ancestor of it is trusted or sticky (:func:`check_chain`):

@@ -6,8 +6,8 @@ index (``stage/dest.py``), the collective's stream sinks and the prefetcher (``s
 and a cache adopting DEST's verified files (``stage/cached.py``). Unpacking compares the tar stream
 it extracts with :func:`check`; ``stager verify`` and ``stager cache verify`` re-hash existing files
 with :func:`verify_file`. Like CPython's one ``shutil.copyfileobj`` and ``tarfile``'s one filter
-core, the rules below are decided here and nowhere else (``tests/test_verified.py`` scans stager/ for
-another hash comparison or partial-file create):
+core, the rules below are decided here and nowhere else (``tests/test_one_mechanism.py`` scans
+stager/ for another hash comparison or hash-while-copy loop):
 
 * **The partial file**: ``<final>.<12 hex>.partial`` (:func:`stager.fs.atomic.partial_path`) beside the
   final name, or inside a checked directory handle (:class:`~stager.fs.safe.SafeDir`) where the caller
