@@ -311,6 +311,27 @@ def _no_follow_error(exc: OSError, display: str, name: str, dir_fd: int | None, 
     return None
 
 
+def _open_held(p: str, flags: int, *, dir_fd: int | None, shown: str, what: str, fix: str, want: str,
+               check: Callable[[int, os.stat_result], None]) -> tuple[int, os.stat_result]:
+    """Open ``p`` with ``flags`` (which carry ``O_NOFOLLOW``: a link there is
+    :class:`UnsafePathError` naming what was found), then ``check(fd, fstat)`` what is held; the
+    descriptor is closed if anything fails. Returns ``(fd, stat)``."""
+    try:
+        fd = os.open(p, flags, dir_fd=dir_fd)
+    except OSError as exc:
+        err = _no_follow_error(exc, shown, p, dir_fd, what=what, fix=fix, want=want)
+        if err is not None:
+            raise err from exc
+        raise
+    try:
+        st = os.fstat(fd)
+        check(fd, st)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
 def open_trusted(path: str | os.PathLike[str], flags: int = os.O_RDONLY, *, what: str = "file",
                  fix: str = "remove it and rerun", dir_fd: int | None = None, display: str | None = None,
                  single_link: bool = False, owners: frozenset[int] | None = None) -> tuple[int, os.stat_result]:
@@ -323,21 +344,13 @@ def open_trusted(path: str | os.PathLike[str], flags: int = os.O_RDONLY, *, what
     """
     p = os.fspath(path)
     shown = display or p
-    try:
-        fd = os.open(p, flags | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, dir_fd=dir_fd)
-    except OSError as exc:
-        err = _no_follow_error(exc, shown, p, dir_fd, what=what, fix=fix, want="regular file")
-        if err is not None:
-            raise err from exc
-        raise
-    try:
-        st = os.fstat(fd)
+
+    def check(fd: int, st: os.stat_result) -> None:
         require(st, shown, what, fix, expect="file", owners=owners, single_link=single_link)
         os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, st
+
+    return _open_held(p, flags | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, dir_fd=dir_fd, shown=shown, what=what, fix=fix,
+                      want="regular file", check=check)
 
 
 def read_trusted(path: str | os.PathLike[str], *, what: str = "file", limit: int = MAX_SMALL_FILE,
@@ -418,20 +431,13 @@ class SafeDir:
         ``path`` is relative to ``dir_fd`` when given; ``display`` is the path the handle reports."""
         p = os.fspath(path)
         shown = display or p
-        try:
-            fd = os.open(p, _DIR_FLAGS, dir_fd=dir_fd)
-        except OSError as exc:
-            err = _no_follow_error(exc, shown, p, dir_fd, what=what, fix=fix, want="directory")
-            if err is not None:
-                raise err from exc
-            raise
-        try:
-            st = os.fstat(fd)
+
+        def trusted(fd: int, st: os.stat_result) -> None:
             if check:
                 require(st, shown, what, fix, expect="dir", owners=owners, sticky_ok=sticky_ok)
-        except BaseException:
-            os.close(fd)
-            raise
+
+        fd, st = _open_held(p, _DIR_FLAGS, dir_fd=dir_fd, shown=shown, what=what, fix=fix, want="directory",
+                            check=trusted)
         return cls(fd, shown, st)
 
     @classmethod

@@ -170,14 +170,20 @@ class Copier:
         """Copy and verify ``task`` into a partial file, then finish it (inline or on a finisher)."""
         final = self.placement.final(task) if self.placement is not None else self.plan.dest / task.name
         expect = Expected(task.name, task.bytes, task.hash, self.plan.manifest.hash_algo)
-        with open_src_file(task.src_path, self.plan.storage_options) as f:
-            mode, gid = self._copy_access(task, f)
-            if self.placement is not None:
-                mode = self.placement.mode(None if is_url(task.src_path) else os.fstat(f.fileno()).st_mode)
-            # Write-behind waits for the disk: only worth it when the fsync would wait anyway.
-            part = copy_verified(f, final, expect, context=f" copying {task.src_path}", fix=SRC_FIX, buf=buf,
-                                 direct=self.tuning.direct, window=self.tuning.window if self.fsync else -1,
-                                 on_block=self._on_block())
+        part: PartialCopy | None = None
+        try:
+            with open_src_file(task.src_path, self.plan.storage_options) as f:
+                mode, gid = self._copy_access(task, f)
+                if self.placement is not None:
+                    mode = self.placement.mode(None if is_url(task.src_path) else os.fstat(f.fileno()).st_mode)
+                # Write-behind waits for the disk: only worth it when the fsync would wait anyway.
+                part = copy_verified(f, final, expect, context=f" copying {task.src_path}", fix=SRC_FIX, buf=buf,
+                                     direct=self.tuning.direct, window=self.tuning.window if self.fsync else -1,
+                                     on_block=self._on_block())
+        except BaseException as exc:
+            if part is not None:  # verified, but closing the source failed: keep nothing
+                part.fail(exc)
+            raise
         if part.direct:
             with self._lock:
                 self.direct_files += 1

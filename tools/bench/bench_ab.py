@@ -4,8 +4,9 @@ Each staging path runs in a fresh child process per run, importing stager from t
 (``--base``: a checkout of the commit before, e.g. ``git worktree add /tmp/base main`` or
 ``git archive main | tar -x -C /tmp/base``; the other: this repository). Runs alternate base, new,
 new, base, ... for ``--rounds`` rounds, on the same hot-cache sources, each into a fresh DEST
-(deleted afterwards), so both trees see the same disk and load. The paths, each timed around the
-call only (no interpreter start or import):
+(deleted afterwards), so both trees see the same disk and load; a first round per path is not
+counted (it byte-compiles what each tree imports lazily). The paths, each timed around the call
+only (no interpreter start or import):
 
 * ``stage``: ``stage(packed, DEST)``, the copy streams (default tuning: write-behind, finishers);
 * ``stage --cache``: the same through a fresh shard cache (fill, then hard links into DEST);
@@ -14,7 +15,8 @@ call only (no interpreter start or import):
 * ``unpack only``: ``stage(packed, DEST, unpack="only")`` of a CIFAR-like set (one create per file).
 
 For each path and tree: wall seconds (median and best), CPU seconds per GB of the child (user +
-system, less sensitive to other load), and the ratio new/base as the median of per-round ratios.
+system, less sensitive to other load), the ratio new/base as the median of per-round ratios, and
+every run's ``[wall, cpu]``.
 Prints JSON; nothing is written to docs/.
 
 Usage: ``python tools/bench/bench_ab.py --base /tmp/base [--rounds 7] [--scale 10] [--work DIR]``
@@ -116,11 +118,13 @@ def main() -> None:
     for path in args.paths.split(","):
         src = packed[PATHS[path]]
         runs[path] = {"base": [], "new": []}
-        for r in range(args.rounds):
+        for r in range(-1, args.rounds):  # round -1 warms up (byte-compiles lazily imported modules), not counted
             order = ["base", "new"] if r % 2 == 0 else ["new", "base"]
             for who in order:
                 dest = work / f"dest-{who}-{r}"
-                runs[path][who].append(_run(trees[who], path, src, dest))
+                got = _run(trees[who], path, src, dest)
+                if r >= 0:
+                    runs[path][who].append(got)
                 for d in (dest, Path(f"{dest}-cache")):
                     shutil.rmtree(d, ignore_errors=True)
     res: dict[str, Any] = {"paths": {}, "load_average": {"start": load0, "end": os.getloadavg()},
@@ -134,6 +138,7 @@ def main() -> None:
                         "cpu_s_per_GB_median": round(statistics.median(x["cpu"] for x in rs) / gb, 3)}
         ratios = [n["wall"] / b["wall"] for b, n in zip(by["base"], by["new"], strict=True)]
         row["new/base wall, median of rounds"] = round(statistics.median(ratios), 3)
+        row["runs"] = {who: [[round(x["wall"], 3), round(x["cpu"], 3)] for x in rs] for who, rs in by.items()}
         res["paths"][path] = row
     print(json.dumps(res, indent=1))
 
