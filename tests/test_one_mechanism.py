@@ -1,4 +1,5 @@
-"""One mechanism each, checked on the source: a scan of every module of stager/ (AST, not grep).
+"""One mechanism each, checked on the source: a scan of every module of stager/ (AST, not grep; not
+stager/testing/, the conformance suites whose assertions compare what a writer hashed).
 
 * **Verified copies** (stager/fs/verified.py): no other module compares a running hash's digest
   with an expected checksum, or drives the copy engine's partial create and hash-while-copy loops
@@ -22,8 +23,12 @@ SAFE = PKG / "fs" / "safe.py"
 ENGINE = {"open_partial", "copy_hashed", "copy_hashed_direct"}  # fs/copy.py's partial create and loops
 
 
+TESTING = PKG / "testing"  # conformance suites shipped for others to subclass: assertions, not mechanisms
+
+
 def _modules() -> list[tuple[Path, ast.AST]]:
-    return [(p, ast.parse(p.read_text(), filename=str(p))) for p in sorted(PKG.rglob("*.py"))]
+    return [(p, ast.parse(p.read_text(), filename=str(p))) for p in sorted(PKG.rglob("*.py"))
+            if TESTING not in p.parents]
 
 
 def _called_name(node: ast.Call) -> str | None:

@@ -66,10 +66,11 @@ class _Verified:
 class Copier:
     """Runs the copy streams; the first error cancels the others and is re-raised.
 
-    ``workers`` threads each take the next file and copy it with :func:`~stager.fs.copy.copy_hashed`
-    (one reused buffer per stream, write-back started per block). A verified copy is then handed to
-    one of ``tuning.sync_threads`` finisher threads (fchmod, fchown, fsync, rename, journal), so a
-    stream goes on with its next file while the disk absorbs the last one; 0 finishes inline.
+    ``workers`` threads each take the next file and copy it with
+    :func:`~stager.fs.verified.copy_verified` (one reused buffer per stream, write-back started per
+    block). A verified copy is then handed to one of ``tuning.sync_threads`` finisher threads
+    (fchmod, fchown, fsync, rename, journal), so a stream goes on with its next file while the disk
+    absorbs the last one; 0 finishes inline.
     """
 
     def __init__(self, plan: StagePlan, *, block: int, workers: int, journal: Journal | None, progress: Progress,
