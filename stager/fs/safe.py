@@ -257,7 +257,7 @@ def create_exclusive(path: str | os.PathLike[str], mode: int = 0o600, flags: int
     ``flags`` is the access (``O_WRONLY``, ``O_RDWR``, plus extras such as ``O_DIRECT``);
     ``O_CREAT|O_EXCL|O_NOFOLLOW|O_CLOEXEC`` are always added: FileExistsError when any entry (a
     planted symlink included) is there already, and nothing outside is ever opened through it.
-    ``mode`` less the umask, as ``open`` gives: shared-memory slots, leases, partial files, the
+    ``mode`` less the umask, as ``open`` gives: leases, partial files, cache records, the
     files an unpack writes.
     """
     return os.open(path, flags | CREATE_FLAGS, mode, dir_fd=dir_fd)
