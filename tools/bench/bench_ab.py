@@ -4,9 +4,9 @@ Each staging path runs in a fresh child process per run, importing stager from t
 (``--base``: a checkout of the commit before, e.g. ``git worktree add /tmp/base main`` or
 ``git archive main | tar -x -C /tmp/base``; the other: this repository). Runs alternate base, new,
 new, base, ... for ``--rounds`` rounds, on the same hot-cache sources, each into a fresh DEST
-(deleted afterwards), so both trees see the same disk and load; a first round per path is not
-counted (it byte-compiles what each tree imports lazily). The paths, each timed around the call
-only (no interpreter start or import):
+(deleted afterwards; the unpacked trees after the path's last run), so both trees see the same
+disk and load; a first round per path is not counted (it byte-compiles what each tree imports
+lazily). The paths, each timed around the call only (no interpreter start or import):
 
 * ``stage``: ``stage(packed, DEST)``, the copy streams (default tuning: write-behind, finishers);
 * ``stage --cache``: the same through a fresh shard cache (fill, then hard links into DEST);
@@ -16,8 +16,9 @@ only (no interpreter start or import):
 
 For each path and tree: wall seconds (median and best), CPU seconds per GB of the child (user +
 system, less sensitive to other load), the ratio new/base as the median of per-round ratios, and
-every run's ``[wall, cpu]``.
-Prints JSON; nothing is written to docs/.
+every run's ``[wall, cpu]``. Prints JSON; nothing is written to docs/. On a shared, loaded machine
+the figures scatter widely: compare the system calls too (``strace -f -c`` of one run per tree),
+which do not depend on load.
 
 Usage: ``python tools/bench/bench_ab.py --base /tmp/base [--rounds 7] [--scale 10] [--work DIR]``
 """
@@ -85,6 +86,15 @@ def _run(tree: Path, path: str, src: Path, dest: Path) -> dict[str, float]:
     return got
 
 
+def _remove(paths: list[Path]) -> None:
+    """Delete the runs' trees. Many small files deleted right before the next run slow its creates
+    (ext4 skips recently deleted inodes one by one: tools/bench/bench_stage.py), so the unpack runs'
+    trees are deleted only after the path's last run."""
+    for d in paths:
+        shutil.rmtree(d, ignore_errors=True)
+    paths.clear()
+
+
 def _bytes(packed: Path) -> int:
     return sum(p.stat().st_size for p in packed.iterdir() if p.suffix == ".tar")
 
@@ -118,6 +128,7 @@ def main() -> None:
     for path in args.paths.split(","):
         src = packed[PATHS[path]]
         runs[path] = {"base": [], "new": []}
+        made: list[Path] = []
         for r in range(-1, args.rounds):  # round -1 warms up (byte-compiles lazily imported modules), not counted
             order = ["base", "new"] if r % 2 == 0 else ["new", "base"]
             for who in order:
@@ -125,8 +136,10 @@ def main() -> None:
                 got = _run(trees[who], path, src, dest)
                 if r >= 0:
                     runs[path][who].append(got)
-                for d in (dest, Path(f"{dest}-cache")):
-                    shutil.rmtree(d, ignore_errors=True)
+                made += [dest, Path(f"{dest}-cache")]
+                if PATHS[path] == "big":  # small files are deleted after the path's last run: see below
+                    _remove(made)
+        _remove(made)
     res: dict[str, Any] = {"paths": {}, "load_average": {"start": load0, "end": os.getloadavg()},
                            "cpus": os.cpu_count(), "rounds": args.rounds, "work": str(work)}
     for path, by in runs.items():
