@@ -284,19 +284,29 @@ def open_regular(path: str | os.PathLike[str], flags: int = os.O_RDONLY, *, dir_
     :class:`UnsafePathError` naming what it is (a directory: IsADirectoryError, as ``open`` says).
     ``follow=False`` also refuses a symlink. The descriptor is blocking again when returned.
     """
-    fd = os.open(path, flags | O_NONBLOCK | O_CLOEXEC | (0 if follow else O_NOFOLLOW), dir_fd=dir_fd)
-    try:
-        st = os.fstat(fd)
+    def regular(fd: int, st: os.stat_result) -> None:
         if stat.S_ISDIR(st.st_mode):
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), os.fspath(path))
         if not stat.S_ISREG(st.st_mode):
             raise UnsafePathError(f"{os.fspath(path)}: is {describe(st)}, expected a regular file; "
                                   "replace it with the file the manifest lists")
         os.set_blocking(fd, True)
+
+    fd = os.open(path, flags | O_NONBLOCK | O_CLOEXEC | (0 if follow else O_NOFOLLOW), dir_fd=dir_fd)
+    _hold(fd, regular)
+    return fd
+
+
+def _hold(fd: int, check: Callable[[int, os.stat_result], None]) -> os.stat_result:
+    """``fstat`` the open ``fd`` and ``check(fd, stat)`` what is held; ``fd`` is closed if anything
+    fails. Every open here decides about what it holds, never about what a path named."""
+    try:
+        st = os.fstat(fd)
+        check(fd, st)
     except BaseException:
         os.close(fd)
         raise
-    return fd
+    return st
 
 
 def _no_follow_error(exc: OSError, display: str, name: str, dir_fd: int | None, *, what: str, fix: str,
@@ -312,35 +322,32 @@ def _no_follow_error(exc: OSError, display: str, name: str, dir_fd: int | None, 
 
 
 def _open_held(p: str, flags: int, *, dir_fd: int | None, shown: str, what: str, fix: str, want: str,
-               check: Callable[[int, os.stat_result], None]) -> tuple[int, os.stat_result]:
+               check: Callable[[int, os.stat_result], None], mode: int = 0o600) -> tuple[int, os.stat_result]:
     """Open ``p`` with ``flags`` (which carry ``O_NOFOLLOW``: a link there is
-    :class:`UnsafePathError` naming what was found), then ``check(fd, fstat)`` what is held; the
-    descriptor is closed if anything fails. Returns ``(fd, stat)``."""
+    :class:`UnsafePathError` naming what was found; with ``O_CREAT`` a new file gets ``mode`` less
+    the umask), then ``check(fd, fstat)`` what is held; the descriptor is closed if anything fails.
+    Returns ``(fd, stat)``."""
     try:
-        fd = os.open(p, flags, dir_fd=dir_fd)
+        fd = os.open(p, flags, mode, dir_fd=dir_fd)
     except OSError as exc:
         err = _no_follow_error(exc, shown, p, dir_fd, what=what, fix=fix, want=want)
         if err is not None:
             raise err from exc
         raise
-    try:
-        st = os.fstat(fd)
-        check(fd, st)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, st
+    return fd, _hold(fd, check)
 
 
 def open_trusted(path: str | os.PathLike[str], flags: int = os.O_RDONLY, *, what: str = "file",
                  fix: str = "remove it and rerun", dir_fd: int | None = None, display: str | None = None,
-                 single_link: bool = False, owners: frozenset[int] | None = None) -> tuple[int, os.stat_result]:
+                 single_link: bool = False, owners: frozenset[int] | None = None, mode: int = 0o600
+                 ) -> tuple[int, os.stat_result]:
     """Open an existing file we must trust (a receipt, a journal, a lock) and check what we hold.
 
     ``O_NOFOLLOW|O_NONBLOCK``; then ``fstat``: a regular file, owned by a trusted uid, not writable
     by group or others (and, with ``single_link``, not hard-linked). ``path`` is relative to
-    ``dir_fd`` when given (``display`` then names it in messages). Returns ``(fd, stat)``; raises
-    FileNotFoundError when absent and :class:`UnsafePathError` otherwise.
+    ``dir_fd`` when given (``display`` then names it in messages). With ``O_CREAT`` in ``flags`` a
+    missing file is made with ``mode`` less the umask (a lock file: whoever comes first makes it).
+    Returns ``(fd, stat)``; raises FileNotFoundError when absent and :class:`UnsafePathError` otherwise.
     """
     p = os.fspath(path)
     shown = display or p
@@ -350,7 +357,7 @@ def open_trusted(path: str | os.PathLike[str], flags: int = os.O_RDONLY, *, what
         os.set_blocking(fd, True)
 
     return _open_held(p, flags | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, dir_fd=dir_fd, shown=shown, what=what, fix=fix,
-                      want="regular file", check=check)
+                      want="regular file", check=check, mode=mode)
 
 
 def read_trusted(path: str | os.PathLike[str], *, what: str = "file", limit: int = MAX_SMALL_FILE,
