@@ -35,13 +35,14 @@ from typing import Any
 
 import numpy as np
 
-from stager.checksum import hash_file, new_hasher
+from stager.checksum import new_hasher
 from stager.decode import decode_rgb
 from stager.errors import StagerError
 from stager.formats import get_format
 from stager.fs.open import filesystem, local_path_of
 from stager.fs.remote import RemoteFile, stream_to
 from stager.fs.safe import kind_of
+from stager.fs.verified import Expected, mismatch, verify_file
 from stager.index import rescan_shard
 from stager.manifest import Manifest, ShardInfo, dataset_root, load_manifest, shard_root
 from stager.manifest.fields import offset_column, size_column, values_column
@@ -95,14 +96,9 @@ def _check_file(root: str, name: str, nbytes: int, digest: str, algo: str) -> st
     if size != nbytes:
         return f"size {size} bytes, expected {nbytes}"
     try:
-        got_n, got = hash_file(path, algo)
+        return verify_file(path, Expected(name, nbytes, digest, algo))
     except OSError as exc:
         return f"unreadable ({exc.strerror})"
-    if got_n != nbytes:
-        return f"read {got_n} bytes, expected {nbytes}"
-    if got != digest:
-        return f"{algo} checksum {got}, expected {digest}"
-    return None
 
 
 def _deep_check(root: str, info: ShardInfo, m: Manifest) -> str | None:
@@ -221,10 +217,7 @@ def _check_remote(fs: Any, root: str, url: str, entry: tuple[str, int, str], alg
     h = new_hasher(algo)
     with src, (open(keep, "wb") if keep else contextlib.nullcontext()) as out:
         total = stream_to(src, out, h, REMOTE_BLOCK)
-    if total != nbytes:
-        return f"read {total} bytes, expected {nbytes}"
-    got = h.hexdigest()
-    return None if got == digest else f"{algo} checksum {got}, expected {digest}"
+    return mismatch(Expected(name, nbytes, digest, algo), total, h.hexdigest())
 
 
 def _verify_remote(root_url: str, m: Manifest, storage_options: Mapping[str, Any] | None, *, deep: bool,

@@ -5,7 +5,9 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -684,3 +686,21 @@ def test_progress_reporter_iterate_follows_the_loaders_epochs_and_resume(packed:
         assert (read_reports(dest)[1]["epoch"], read_reports(dest)[1]["done"]) == (1, 2)
         assert sum(1 for _ in progress.iterate(resumed)) == n - 2
         assert (read_reports(dest)[1]["epoch"], read_reports(dest)[1]["done"]) == (1, n)
+
+
+def test_prefetched_copies_never_grant_more_than_the_source(packed: Path, tmp_path: Path) -> None:
+    """A fetched shard gets what stage gives its copies (fs/access.py): a group-only dataset stays
+    group-only (world-readable 0644 less the umask, before)."""
+    src = tmp_path / "src"
+    shutil.copytree(packed, src)
+    for p in src.iterdir():
+        p.chmod(0o640)
+    old = os.umask(0o022)
+    try:
+        with Prefetcher(src, tmp_path / "d", budget=load_manifest(src).num_bytes, ranks=[0],
+                        loader_kwargs=LOADER_KW) as pf:
+            assert pf.wait_ready(0, 0, timeout=120)
+    finally:
+        os.umask(old)
+    local = [p for p in (tmp_path / "d").iterdir() if p.is_file() and not p.is_symlink() and p.suffix == ".tar"]
+    assert local and {stat.S_IMODE(p.stat().st_mode) for p in local} == {0o640}

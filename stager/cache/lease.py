@@ -64,7 +64,7 @@ from stager.errors import UnsafePathError
 from stager.fs.asuser import Reader
 from stager.fs.atomic import partial_base, partial_path
 from stager.fs.kernel import boot_id
-from stager.fs.safe import O_CLOEXEC, O_DIRECTORY, O_NOFOLLOW, kind_of, open_regular, owner_name
+from stager.fs.safe import O_CLOEXEC, O_DIRECTORY, O_NOFOLLOW, create_exclusive, kind_of, open_regular, owner_name
 from stager.redact import printable, redact_text
 
 if TYPE_CHECKING:
@@ -107,7 +107,7 @@ def _create(dirpath: Path, data: bytes, *, lock: bool) -> tuple[Path, int]:
     fresh ``<id>.lease``; return its path and the open fd."""
     final = dirpath / f"{uuid.uuid4().hex}{LEASE_SUFFIX}"
     tmp = partial_path(final)
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0o644)
+    fd = create_exclusive(tmp, 0o644, os.O_RDWR)
     try:
         os.fchmod(fd, 0o644)  # past the umask: a site cache's eviction (another uid) must read it
         view = memoryview(data)

@@ -1,9 +1,9 @@
 """Fill locks: one writer per object, and one eviction at a time (``DIR/locks/<key>``, ``locks/.gc``).
 
 A lock is an ``flock`` on a small file the cache owner creates in ``locks/`` (never through a link:
-``O_NOFOLLOW``, a regular file of the caller's). The kernel drops an ``flock`` when its holder dies,
-so a filler killed mid-copy never blocks the next one: whoever takes the lock next removes the
-dead filler's partial file and copies again. Lock files are removed only by eviction, with the lock
+:func:`stager.fs.safe.open_trusted`, a regular file of the caller's). The kernel drops an ``flock``
+when its holder dies, so a filler killed mid-copy never blocks the next one: whoever takes the lock
+next removes the dead filler's partial file and copies again. Lock files are removed only by eviction, with the lock
 held; a waiter that opened the removed file notices (its inode is no longer the path's) and retries.
 """
 
@@ -17,8 +17,22 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-from stager.errors import UnsafePathError
-from stager.fs.safe import O_CLOEXEC, O_NOFOLLOW, O_NONBLOCK, require
+from stager.fs.safe import O_CLOEXEC, O_NOFOLLOW, O_NONBLOCK, open_trusted
+
+
+def _flock_current(fd: int, st: os.stat_result, path: Path) -> bool | None:
+    """``flock`` the lock file open as ``fd`` without waiting: True when held and still the file at
+    ``path``, False when someone else holds it, None when it was removed meanwhile (lock the new one)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    try:
+        return True if os.lstat(path).st_ino == st.st_ino else None
+    except FileNotFoundError:
+        return None
 
 
 class FillLock:
@@ -32,36 +46,21 @@ class FillLock:
     def try_acquire(self) -> bool:
         fix = "the cache's lock files are its own: its owner runs `stager cache verify` on the cache"
         while True:
+            # Made if missing, never through a link; a regular file of the caller's, not hard-linked.
+            fd, st = open_trusted(self.path, os.O_RDWR | os.O_CREAT, what="fill lock", fix=fix,
+                                  owners=frozenset({os.geteuid()}), single_link=True, mode=0o600)
             try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK, 0o600)
-            except OSError as exc:
-                if exc.errno == errno.ELOOP:
-                    raise UnsafePathError(f"{self.path}: fill lock is a symlink (links are not followed); "
-                                          f"{fix}") from exc
-                raise
-            try:
-                st = os.fstat(fd)
-                require(st, self.path, "fill lock", fix, expect="file", owners=frozenset({os.geteuid()}),
-                        single_link=True)
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except OSError as exc:
-                    if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                        os.close(fd)
-                        return False
-                    raise
-                try:
-                    same = os.lstat(self.path).st_ino == st.st_ino
-                except FileNotFoundError:
-                    same = False
-                if same:
-                    self.fd = fd
-                    return True
+                held = _flock_current(fd, st, self.path)
             except BaseException:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+                os.close(fd)
                 raise
-            os.close(fd)  # removed (evicted) while we waited: take the new file
+            if held:
+                self.fd = fd
+                return True
+            os.close(fd)
+            if held is False:
+                return False
+            # None: removed (evicted) while we waited: take the new file
 
     def acquire(self, timeout: float | None = None, poll: float = 0.05) -> bool:
         start = time.monotonic()

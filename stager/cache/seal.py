@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from stager.cache.layout import is_object_name, key_hash
-from stager.checksum import hash_file
+from stager.fs.verified import Expected, verify_file
 
 
 @dataclass(frozen=True)
@@ -80,17 +80,13 @@ def iso(t: float) -> str:
 
 def rehash(path: Path, algo: str, key: str, nbytes: int) -> str | None:
     """What is wrong with the object at ``path`` against its key and size, or None when its bytes are
-    the ones its name says. (The one re-check of existing bytes that ``stager verify`` and ``stager
-    cache verify`` use: :func:`stager.checksum.hash_file`.)"""
+    the ones its name says: ``read N bytes, expected M`` or ``<algo> checksum G, expected E``. (The
+    one re-check of existing bytes, :func:`stager.fs.verified.verify_file`, which ``stager verify``
+    uses too.)"""
     try:
-        n, got = hash_file(path, algo)
+        return verify_file(path, Expected(str(path), nbytes, key_hash(key), algo))
     except OSError as exc:
         return f"unreadable ({exc.strerror})"
-    if n != nbytes:
-        return f"{n} bytes, expected {nbytes}"
-    if got != key_hash(key):
-        return f"{algo} {got[:16]}..., its name says {key_hash(key)[:16]}..."
-    return None
 
 
 @dataclass

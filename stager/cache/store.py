@@ -65,7 +65,7 @@ from stager.errors import ManifestError, UnsafePathError, UsageError
 from stager.fs.access import current_umask, give_group
 from stager.fs.atomic import atomic_write_bytes, fsync_dir, partial_base, partial_path, remove_partials
 from stager.fs.info import detect_fs
-from stager.fs.safe import check_chain, owner_name, problem, read_trusted, require, trusted_uids
+from stager.fs.safe import check_chain, create_exclusive, owner_name, problem, read_trusted, require, trusted_uids
 
 RECORD_SCHEMA = "stager.cache.dataset/1"
 LOG_MAX_BYTES = 1 << 20  # log.jsonl is halved when it grows past this
@@ -375,7 +375,7 @@ class Cache:
         final = self.record_path(rec["digest"])
         tmp = partial_path(final)
         mode, gid = (0o600, None) if self.kind == "user" else _record_access(rec.get("access"))
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fd = create_exclusive(tmp, 0o600)
         try:
             os.write(fd, (json.dumps(rec) + "\n").encode())
             give_group(fd, gid, mode)  # never another group's read bit (nor a setgid directory's group)

@@ -47,6 +47,7 @@ from stager.formats.example_pb import ExampleDecodeError, bytes_feature, decode_
 from stager.formats.record_fields import encode_fields_example, field_extents
 from stager.formats.registry import format_spec
 from stager.fs.atomic import partial_path
+from stager.fs.safe import open_exclusive
 from stager.manifest.fields import FieldSpec
 
 RECORD_SPEC = format_spec("record")
@@ -215,7 +216,7 @@ class RecordShardWriter(BufferedShardFile):
         assert final is not None
         tmp = str(partial_path(os.path.join(os.path.dirname(os.path.abspath(self.path)), final)))
         self._idx_tmp = tmp
-        with open(tmp, "xb") as f:
+        with open_exclusive(tmp) as f:
             f.write(b"".join(self._index))
             f.flush()
             if self._fsync:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from stager.errors import OutOfSpaceError
+from stager.fs.safe import open_exclusive
 
 PARTIAL_SUFFIX = ".partial"
 # ``<final name>.<12 hex digits>.partial``: the one spelling of a partial file (see partial_path).
@@ -75,7 +76,7 @@ def atomic_write(final: str | os.PathLike[str], mode: int | None = None) -> Iter
     """
     final = Path(final)
     tmp = partial_path(final)
-    f = open(tmp, "xb")  # noqa: SIM115 - closed below on every path
+    f = open_exclusive(tmp)  # closed below on every path
     try:
         yield f
         f.flush()

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from stager.checksum import Hasher
+from stager.fs.safe import create_exclusive
 from stager.fs.writeback import DEFAULT_WINDOW, WriteBehind
 
 # O_DIRECT alignment of buffer address, length and file offset: 4 KiB covers 512 B and 4 KiB sector devices.
@@ -75,23 +76,25 @@ def aligned_buffer(nbytes: int) -> memoryview:
     return memoryview(mmap.mmap(-1, nbytes))
 
 
-def open_partial(path: os.PathLike[str] | str, *, direct: bool, mode: int = 0o600) -> tuple[int, bool]:
-    """Create ``path`` exclusively for writing; ``(fd, True)`` when it is open with ``O_DIRECT``.
+def open_partial(path: os.PathLike[str] | str, *, direct: bool, mode: int = 0o600, dir_fd: int | None = None
+                 ) -> tuple[int, bool]:
+    """Create ``path`` (relative to ``dir_fd`` when given) exclusively for writing
+    (:func:`stager.fs.safe.create_exclusive`: no link followed); ``(fd, True)`` when it is open with
+    ``O_DIRECT``. The verified copy's create (:mod:`stager.fs.verified`).
 
     ``direct=False``, no ``O_DIRECT`` on this platform, or a file system that refuses it at open
     (EINVAL): an ordinary fd and False.
     """
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
     if direct and O_DIRECT:
         try:
-            return os.open(path, flags | O_DIRECT, mode), True
+            return create_exclusive(path, mode, os.O_WRONLY | O_DIRECT, dir_fd=dir_fd), True
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
             # Some kernels create the file before refusing O_DIRECT; the name is ours (unique partial).
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-    return os.open(path, flags, mode), False
+                os.unlink(path, dir_fd=dir_fd)
+    return create_exclusive(path, mode, dir_fd=dir_fd), False
 
 
 def set_direct(fd: int, on: bool) -> None:

@@ -19,8 +19,10 @@ file is expected, files of their own. The rules, each enforced here and nowhere 
 3. **Work relative to a directory handle.** Once a directory is opened and checked (:class:`SafeDir`),
    every name inside it is reached with ``*at()`` calls on its descriptor, never by a path string again,
    so swapping a path component for a symlink after the check changes nothing.
-4. **Create exclusively.** Files with ``O_CREAT|O_EXCL``, directories with ``mkdir`` (neither follows a
-   planted name); published with ``rename``/``link`` inside the same handle (:meth:`SafeDir.write_atomic`).
+4. **Create exclusively.** Files with ``O_CREAT|O_EXCL|O_NOFOLLOW|O_CLOEXEC`` (:func:`create_exclusive`,
+   :func:`open_exclusive`, :meth:`SafeDir.create_file`: the only spelling of ``O_EXCL`` in stager,
+   ``tests/test_one_mechanism.py`` scans for others), directories with ``mkdir`` (neither follows a planted
+   name); published with ``rename``/``link`` inside the same handle (:meth:`SafeDir.write_atomic`).
 5. **A stable path.** Path-based code (the copy streams, libraries that take a file name) may use a
    path under a directory only when every ancestor of it is trusted or sticky (:func:`check_chain`):
    then nobody else can rename or replace any component of it, and the checks above stay true.
@@ -39,7 +41,7 @@ import os
 import stat
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Final
+from typing import BinaryIO, Final
 
 from stager.errors import UnsafePathError
 
@@ -244,6 +246,34 @@ def trusted_size(path: str | os.PathLike[str], *, owners: frozenset[int] | None 
     return st.st_size if problem(st, owners=owners) is None else -1
 
 
+# ---- creating -------------------------------------------------------------------------------------
+CREATE_FLAGS: Final = os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC
+
+
+def create_exclusive(path: str | os.PathLike[str], mode: int = 0o600, flags: int = os.O_WRONLY, *,
+                     dir_fd: int | None = None) -> int:
+    """Create ``path`` (relative to ``dir_fd`` when given) exclusively and return its descriptor.
+
+    ``flags`` is the access (``O_WRONLY``, ``O_RDWR``, plus extras such as ``O_DIRECT``);
+    ``O_CREAT|O_EXCL|O_NOFOLLOW|O_CLOEXEC`` are always added: FileExistsError when any entry (a
+    planted symlink included) is there already, and nothing outside is ever opened through it.
+    ``mode`` less the umask, as ``open`` gives: leases, partial files, cache records, the
+    files an unpack writes.
+    """
+    return os.open(path, flags | CREATE_FLAGS, mode, dir_fd=dir_fd)
+
+
+def open_exclusive(path: str | os.PathLike[str], mode: int = 0o666) -> BinaryIO:
+    """:func:`create_exclusive` as a binary file object for writing (``open(path, "xb")``, whose
+    mode is ``0o666`` less the umask: the same here, for the atomic writers that ``chmod`` later)."""
+    fd = create_exclusive(path, mode)
+    try:
+        return os.fdopen(fd, "wb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 # ---- opening --------------------------------------------------------------------------------------
 def open_regular(path: str | os.PathLike[str], flags: int = os.O_RDONLY, *, dir_fd: int | None = None,
                  follow: bool = True) -> int:
@@ -254,19 +284,29 @@ def open_regular(path: str | os.PathLike[str], flags: int = os.O_RDONLY, *, dir_
     :class:`UnsafePathError` naming what it is (a directory: IsADirectoryError, as ``open`` says).
     ``follow=False`` also refuses a symlink. The descriptor is blocking again when returned.
     """
-    fd = os.open(path, flags | O_NONBLOCK | O_CLOEXEC | (0 if follow else O_NOFOLLOW), dir_fd=dir_fd)
-    try:
-        st = os.fstat(fd)
+    def regular(fd: int, st: os.stat_result) -> None:
         if stat.S_ISDIR(st.st_mode):
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), os.fspath(path))
         if not stat.S_ISREG(st.st_mode):
             raise UnsafePathError(f"{os.fspath(path)}: is {describe(st)}, expected a regular file; "
                                   "replace it with the file the manifest lists")
         os.set_blocking(fd, True)
+
+    fd = os.open(path, flags | O_NONBLOCK | O_CLOEXEC | (0 if follow else O_NOFOLLOW), dir_fd=dir_fd)
+    _hold(fd, regular)
+    return fd
+
+
+def _hold(fd: int, check: Callable[[int, os.stat_result], None]) -> os.stat_result:
+    """``fstat`` the open ``fd`` and ``check(fd, stat)`` what is held; ``fd`` is closed if anything
+    fails. Every open here decides about what it holds, never about what a path named."""
+    try:
+        st = os.fstat(fd)
+        check(fd, st)
     except BaseException:
         os.close(fd)
         raise
-    return fd
+    return st
 
 
 def _no_follow_error(exc: OSError, display: str, name: str, dir_fd: int | None, *, what: str, fix: str,
@@ -281,33 +321,43 @@ def _no_follow_error(exc: OSError, display: str, name: str, dir_fd: int | None, 
     return None
 
 
+def _open_held(p: str, flags: int, *, dir_fd: int | None, shown: str, what: str, fix: str, want: str,
+               check: Callable[[int, os.stat_result], None], mode: int = 0o600) -> tuple[int, os.stat_result]:
+    """Open ``p`` with ``flags`` (which carry ``O_NOFOLLOW``: a link there is
+    :class:`UnsafePathError` naming what was found; with ``O_CREAT`` a new file gets ``mode`` less
+    the umask), then ``check(fd, fstat)`` what is held; the descriptor is closed if anything fails.
+    Returns ``(fd, stat)``."""
+    try:
+        fd = os.open(p, flags, mode, dir_fd=dir_fd)
+    except OSError as exc:
+        err = _no_follow_error(exc, shown, p, dir_fd, what=what, fix=fix, want=want)
+        if err is not None:
+            raise err from exc
+        raise
+    return fd, _hold(fd, check)
+
+
 def open_trusted(path: str | os.PathLike[str], flags: int = os.O_RDONLY, *, what: str = "file",
                  fix: str = "remove it and rerun", dir_fd: int | None = None, display: str | None = None,
-                 single_link: bool = False, owners: frozenset[int] | None = None) -> tuple[int, os.stat_result]:
+                 single_link: bool = False, owners: frozenset[int] | None = None, mode: int = 0o600
+                 ) -> tuple[int, os.stat_result]:
     """Open an existing file we must trust (a receipt, a journal, a lock) and check what we hold.
 
     ``O_NOFOLLOW|O_NONBLOCK``; then ``fstat``: a regular file, owned by a trusted uid, not writable
     by group or others (and, with ``single_link``, not hard-linked). ``path`` is relative to
-    ``dir_fd`` when given (``display`` then names it in messages). Returns ``(fd, stat)``; raises
-    FileNotFoundError when absent and :class:`UnsafePathError` otherwise.
+    ``dir_fd`` when given (``display`` then names it in messages). With ``O_CREAT`` in ``flags`` a
+    missing file is made with ``mode`` less the umask (a lock file: whoever comes first makes it).
+    Returns ``(fd, stat)``; raises FileNotFoundError when absent and :class:`UnsafePathError` otherwise.
     """
     p = os.fspath(path)
     shown = display or p
-    try:
-        fd = os.open(p, flags | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, dir_fd=dir_fd)
-    except OSError as exc:
-        err = _no_follow_error(exc, shown, p, dir_fd, what=what, fix=fix, want="regular file")
-        if err is not None:
-            raise err from exc
-        raise
-    try:
-        st = os.fstat(fd)
+
+    def check(fd: int, st: os.stat_result) -> None:
         require(st, shown, what, fix, expect="file", owners=owners, single_link=single_link)
         os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, st
+
+    return _open_held(p, flags | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, dir_fd=dir_fd, shown=shown, what=what, fix=fix,
+                      want="regular file", check=check, mode=mode)
 
 
 def read_trusted(path: str | os.PathLike[str], *, what: str = "file", limit: int = MAX_SMALL_FILE,
@@ -388,20 +438,13 @@ class SafeDir:
         ``path`` is relative to ``dir_fd`` when given; ``display`` is the path the handle reports."""
         p = os.fspath(path)
         shown = display or p
-        try:
-            fd = os.open(p, _DIR_FLAGS, dir_fd=dir_fd)
-        except OSError as exc:
-            err = _no_follow_error(exc, shown, p, dir_fd, what=what, fix=fix, want="directory")
-            if err is not None:
-                raise err from exc
-            raise
-        try:
-            st = os.fstat(fd)
+
+        def trusted(fd: int, st: os.stat_result) -> None:
             if check:
                 require(st, shown, what, fix, expect="dir", owners=owners, sticky_ok=sticky_ok)
-        except BaseException:
-            os.close(fd)
-            raise
+
+        fd, st = _open_held(p, _DIR_FLAGS, dir_fd=dir_fd, shown=shown, what=what, fix=fix, want="directory",
+                            check=trusted)
         return cls(fd, shown, st)
 
     @classmethod
@@ -481,8 +524,7 @@ class SafeDir:
     def create_file(self, name: str, mode: int = 0o600, flags: int = os.O_WRONLY) -> int:
         """Create ``name`` exclusively (``O_CREAT|O_EXCL|O_NOFOLLOW``) with ``mode`` less the umask;
         FileExistsError when any entry (a symlink included) is there already."""
-        return os.open(self._name(name), flags | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode,
-                       dir_fd=self.fd)
+        return create_exclusive(self._name(name), mode, flags, dir_fd=self.fd)
 
     def read_bytes(self, name: str, *, what: str = "file", limit: int = MAX_SMALL_FILE,
                    owners: frozenset[int] | None = None) -> bytes | None:
@@ -655,6 +697,7 @@ def private_dir(parent: str | os.PathLike[str], name: str, mode: int = 0o700, *,
 
 
 __all__ = [
+    "CREATE_FLAGS",
     "MAX_SMALL_FILE",
     "O_CLOEXEC",
     "O_DIRECTORY",
@@ -662,9 +705,11 @@ __all__ = [
     "O_NONBLOCK",
     "SafeDir",
     "check_chain",
+    "create_exclusive",
     "describe",
     "expected",
     "kind_of",
+    "open_exclusive",
     "open_regular",
     "open_trusted",
     "owner_name",

@@ -46,7 +46,7 @@ from stager.errors import ManifestError, NotAPackError, ShardMissingError, Unsaf
 from stager.formats.registry import ALL_FORMATS, FORMAT_SPECS
 from stager.fs.atomic import PARTIAL_SUFFIX, atomic_write_bytes, partial_path
 from stager.fs.open import is_url, join, read_bytes
-from stager.fs.safe import open_regular
+from stager.fs.safe import open_exclusive, open_regular
 from stager.manifest.samples import (
     INDEX_PARTIAL_BASE,
     LABEL,
@@ -379,7 +379,7 @@ class Manifest:
         tmp = partial_path(os.path.join(directory, INDEX_PARTIAL_BASE))
         h = new_hasher(self.hash_algo)
         try:
-            with open(tmp, "xb") as f:
+            with open_exclusive(tmp) as f:
                 sink = _HashingWriter(f, h)
                 nbytes = write_table(sink, self.num_samples, table_columns(self.shards))  # type: ignore[arg-type]
                 f.flush()

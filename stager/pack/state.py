@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 from stager.errors import ManifestError
 from stager.fs.atomic import partial_path, space_error
+from stager.fs.safe import open_exclusive
 from stager.manifest import PACK_STATE_NAME, AuxFile, Manifest, ShardInfo, parse_table, write_table
 from stager.manifest.samples import CORE, KEY, LABEL, OFFSET, SIZE
 from stager.manifest.shard import table_columns
@@ -97,7 +98,7 @@ def write_hint(final: Path, data: bytes) -> None:
     """
     tmp = partial_path(final)
     try:
-        with open(tmp, "xb") as f:
+        with open_exclusive(tmp) as f:
             f.write(data)
         os.replace(tmp, final)
     except OSError as exc:

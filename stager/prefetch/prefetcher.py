@@ -331,6 +331,7 @@ class Prefetcher:
         self.ranks = list(ranks)
         self.manifest = prepare_dest(src, dest)
         self.src = Path(os.path.abspath(shard_root(os.fspath(src), self.manifest)))
+        self._access = source_access(manifest_path(os.fspath(src)))  # what stage gives its copies
         self.loader_kwargs = dict(loader_kwargs)
         self._datasets = self._make_datasets(self.ranks, self.loader_kwargs)
         self.batches_per_epoch = len(self._datasets[0])
@@ -466,7 +467,7 @@ class Prefetcher:
         c = IoCounters()
         have: set[str] = set()
         copy_share(_StoppableReader(str(self.src), self.dest, lay, counters=c, stop=self._stop),
-                   StreamSink(self.dest, lay, algo=self.manifest.hash_algo, counters=c, have=have),
+                   StreamSink(self.dest, lay, algo=self.manifest.hash_algo, counters=c, have=have, access=self._access),
                    self.chunk_bytes)
         with self._cv:
             self._local[shard] = True

@@ -51,11 +51,10 @@ from stager.cache.lease import Lease, read_leases, reserved_bytes, write_dest_le
 from stager.cache.locks import FillLock
 from stager.cache.seal import HitCheck, iso, seals_of
 from stager.cache.store import Cache, fsync_dirs
-from stager.checksum import new_hasher
-from stager.errors import DestinationError, StagerTimeoutError, UnsafePathError, VerificationError
+from stager.errors import DestinationError, StagerTimeoutError, UnsafePathError
 from stager.fs.access import size_or_missing
 from stager.fs.atomic import fsync_dir, partial_path
-from stager.fs.copy import copy_hashed
+from stager.fs.verified import Expected, copy_verified
 from stager.manifest import manifest_path
 from stager.progress import Progress
 from stager.redact import redact
@@ -583,32 +582,18 @@ def adopt(run: _Run) -> dict[str, Any]:
 def _adopt_one(cache: Cache, algo: str, key: str, src: Path, task: FileTask) -> Path:
     tmp = cache.partial_for(algo, key)
     final = cache.object_path(algo, key)
-    st = os.lstat(src)
+    mode = cache.object_mode(os.lstat(src).st_mode)
     try:
         os.link(src, tmp)  # the verified file itself: no copy
-        os.chmod(tmp, cache.object_mode(st.st_mode))
+        os.chmod(tmp, mode)
     except OSError as exc:
         if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
             raise
-        _copy_hashed(src, tmp, task, algo, cache.object_mode(st.st_mode))
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)  # linked, but not ours to chmod: copy it instead
+        # A copy, hashed again while written: DEST's file may have changed since it was verified.
+        copy_verified(src, final, Expected(task.name, task.bytes, task.hash, algo), context=f" copying {src}",
+                      fix="it changed since it was verified: stage again").publish(mode)
+        return final
     os.replace(tmp, final)
     return final
-
-
-def _copy_hashed(src: Path, tmp: Path, task: FileTask, algo: str, mode: int) -> None:
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        h = new_hasher(algo)
-        with open(src, "rb", buffering=0) as f:
-            n = copy_hashed(f, fd, memoryview(bytearray(8 << 20)), h, limit=task.bytes)
-        if n != task.bytes or h.hexdigest() != task.hash:
-            raise VerificationError(f"{src}: changed since it was verified ({n} bytes, hash {h.hexdigest()[:16]}); "
-                                    "stage again")
-        os.fchmod(fd, mode)
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    os.close(fd)

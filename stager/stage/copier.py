@@ -1,16 +1,18 @@
 """The copy streams of one stage run: verified copies of the plan's files into DEST.
 
-:class:`Copier` runs ``workers`` threads; each takes the next file, copies it with the copy engine
-(:mod:`stager.fs.copy`: hash while copying, write-behind or O_DIRECT) into ``<name>.<uuid>.partial``
-and compares size and hash with the manifest at EOF (no second read). Finisher threads then give the
-verified copy the source file's access (:func:`~stager.fs.access.copy_mode` and group), fsync it
-(unless ``--no-fsync``), rename it and journal it while the stream goes on with its next file.
+:class:`Copier` runs ``workers`` threads; each takes the next file and copies it with the one
+verified copy (:func:`stager.fs.verified.copy_verified`: into ``<name>.<uuid>.partial``, hashed while
+copied with write-behind or O_DIRECT, size and hash compared with the manifest at EOF, no second
+read). Finisher threads then publish the verified copy with the source file's access
+(:func:`~stager.fs.access.copy_mode` and group): fsync (unless ``--no-fsync``), rename, journal,
+while the stream goes on with its next file.
 
 Contract: a file is journaled only after its rename, so the journal never lists a file that is not
 in DEST with the manifest's size and hash; a failed or cancelled copy never leaves its partial file
-behind (:func:`discard_partial`); the first error cancels the other streams and is re-raised from
-:meth:`Copier.run` (disk-full errors as one-line :class:`~stager.errors.OutOfSpaceError`). Every
-open of SRC goes through :func:`open_src_file`, with the plan's storage options.
+behind (:meth:`~stager.fs.verified.PartialCopy.fail`); the first error cancels the other streams and
+is re-raised from :meth:`Copier.run` (disk-full errors as one-line
+:class:`~stager.errors.OutOfSpaceError`). Every open of SRC goes through :func:`open_src_file`,
+with the plan's storage options.
 
 ``$STAGER_TEST_THROTTLE_BPS`` (test-only) limits each stream to that many bytes/s so that tests can
 kill a run mid-copy.
@@ -18,7 +20,6 @@ kill a run mid-copy.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
@@ -26,20 +27,19 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn, Protocol
+from typing import Any, Protocol
 
-from stager.checksum import new_hasher
-from stager.errors import ShardMissingError, StagerError, VerificationError
-from stager.fs.access import copy_mode, current_umask, give_group
-from stager.fs.atomic import partial_path, space_error
-from stager.fs.copy import DIRECT_ALIGN, CopyTuning, aligned_buffer, copy_hashed, copy_hashed_direct, open_partial
+from stager.errors import ShardMissingError
+from stager.fs.access import copy_mode, current_umask
+from stager.fs.copy import CopyTuning, aligned_buffer
 from stager.fs.open import is_url, open_read
-from stager.fs.writeback import WriteBehind
+from stager.fs.verified import Expected, PartialCopy, copy_verified
 from stager.progress import Progress
 from stager.stage.journal import Journal
 from stager.stage.plan import FileTask, StagePlan
 
 THROTTLE_ENV = "STAGER_TEST_THROTTLE_BPS"
+SRC_FIX = "the source shard is damaged or changed after packing: restore it or re-pack (no copy kept)"
 
 
 class Placement(Protocol):
@@ -55,12 +55,10 @@ class Placement(Protocol):
 
 @dataclass(frozen=True)
 class _Verified:
-    """A copy whose size and hash matched, still open as ``fd`` under its partial name ``tmp``."""
+    """A copy whose size and hash matched, still open under its partial name, and its access."""
 
     task: FileTask
-    fd: int
-    tmp: Path
-    final: Path
+    part: PartialCopy
     mode: int
     gid: int | None
 
@@ -68,10 +66,11 @@ class _Verified:
 class Copier:
     """Runs the copy streams; the first error cancels the others and is re-raised.
 
-    ``workers`` threads each take the next file and copy it with :func:`~stager.fs.copy.copy_hashed`
-    (one reused buffer per stream, write-back started per block). A verified copy is then handed to
-    one of ``tuning.sync_threads`` finisher threads (fchmod, fchown, fsync, rename, journal), so a
-    stream goes on with its next file while the disk absorbs the last one; 0 finishes inline.
+    ``workers`` threads each take the next file and copy it with
+    :func:`~stager.fs.verified.copy_verified` (one reused buffer per stream, write-back started per
+    block). A verified copy is then handed to one of ``tuning.sync_threads`` finisher threads
+    (fchmod, fchown, fsync, rename, journal), so a stream goes on with its next file while the disk
+    absorbs the last one; 0 finishes inline.
     """
 
     def __init__(self, plan: StagePlan, *, block: int, workers: int, journal: Journal | None, progress: Progress,
@@ -171,39 +170,25 @@ class Copier:
     def _copy(self, task: FileTask, buf: memoryview) -> None:
         """Copy and verify ``task`` into a partial file, then finish it (inline or on a finisher)."""
         final = self.placement.final(task) if self.placement is not None else self.plan.dest / task.name
-        tmp = partial_path(final)
-        hasher = new_hasher(self.plan.manifest.hash_algo)
-        fd, direct = open_partial(tmp, direct=self.tuning.direct and self.block % DIRECT_ALIGN == 0)
-        if direct:
-            with self._lock:
-                self.direct_files += 1
+        expect = Expected(task.name, task.bytes, task.hash, self.plan.manifest.hash_algo)
+        part: PartialCopy | None = None
         try:
             with open_src_file(task.src_path, self.plan.storage_options) as f:
                 mode, gid = self._copy_access(task, f)
                 if self.placement is not None:
                     mode = self.placement.mode(None if is_url(task.src_path) else os.fstat(f.fileno()).st_mode)
-                on_block = self._on_block()
-                if direct:
-                    total = copy_hashed_direct(f, fd, buf, hasher, limit=task.bytes, on_block=on_block)
-                else:
-                    # Write-behind waits for the disk: only worth it when the fsync would wait anyway.
-                    wb = WriteBehind(fd, self.tuning.window) if self.fsync and self.tuning.window >= 0 else None
-                    total = copy_hashed(f, fd, buf, hasher, limit=task.bytes, write_behind=wb, on_block=on_block)
-            if total > task.bytes:
-                raise VerificationError(
-                    f"{task.name}: source {task.src_path} is larger than the manifest's {task.bytes} bytes; "
-                    "the source changed after packing: re-pack or restore it (no copy kept)"
-                )
-            got = hasher.hexdigest()
-            if total != task.bytes or got != task.hash:
-                raise VerificationError(
-                    f"{task.name}: verification failed copying {task.src_path} (expected {task.bytes} bytes "
-                    f"{self.plan.manifest.hash_algo} {task.hash}, got {total} bytes {got}); the source shard is "
-                    "damaged: restore it or re-pack (no copy kept)"
-                )
+                # Write-behind waits for the disk: only worth it when the fsync would wait anyway.
+                part = copy_verified(f, final, expect, context=f" copying {task.src_path}", fix=SRC_FIX, buf=buf,
+                                     direct=self.tuning.direct, window=self.tuning.window if self.fsync else -1,
+                                     on_block=self._on_block())
         except BaseException as exc:
-            discard_partial(fd, tmp, final, exc)
-        done = _Verified(task, fd, tmp, final, mode, gid)
+            if part is not None:  # verified, but closing the source failed: keep nothing
+                part.fail(exc)
+            raise
+        if part.direct:
+            with self._lock:
+                self.direct_files += 1
+        done = _Verified(task, part, mode, gid)
         if self._finishers is None:
             self._finish(done)
             return
@@ -212,7 +197,7 @@ class Copier:
             self._finishers.submit(self._finish_async, done)
         except BaseException as exc:
             self._pending.release()
-            discard_partial(fd, tmp, final, exc)
+            part.fail(exc)
 
     def _finish_async(self, done: _Verified) -> None:
         try:
@@ -223,24 +208,16 @@ class Copier:
             self._pending.release()
 
     def _finish(self, done: _Verified) -> None:
-        """Permissions, group, fsync, rename, journal line; closes the fd (removes the partial on error)."""
-        task, fd, tmp, final, mode, gid = done.task, done.fd, done.tmp, done.final, done.mode, done.gid
-        try:
-            if self.cancel.is_set():
-                raise _CancelledError()
-            if not give_group(fd, gid, mode):  # the file's own group, not ours: a setgid DEST gives its own
-                with self._lock:
-                    if not self._warned_group:
-                        self._warned_group = True
-                        self.warnings.append(f"cannot give staged files the source's group {gid} (EPERM): "
-                                             "their group may read only what others may")
-            if self.fsync:
-                os.fsync(fd)
-            os.close(fd)
-            fd = -1
-            os.replace(tmp, final)
-        except BaseException as exc:
-            discard_partial(fd, tmp, final, exc)
+        """Permissions, group, fsync, rename, journal line (the partial file is removed on error)."""
+        task, part, gid = done.task, done.part, done.gid
+        if self.cancel.is_set():
+            part.fail(_CancelledError())
+        if not part.publish(done.mode, gid, fsync=self.fsync):
+            with self._lock:
+                if not self._warned_group:
+                    self._warned_group = True
+                    self.warnings.append(f"cannot give staged files the source's group {gid} (EPERM): "
+                                         "their group may read only what others may")
         if self.placement is not None:
             self.placement.placed(task)
         if self.journal is not None:
@@ -249,20 +226,6 @@ class Copier:
             self.copied += 1
             self.bytes += task.bytes
         self.progress.update(1, 0)
-
-
-def discard_partial(fd: int, tmp: Path, final: Path, exc: BaseException) -> NoReturn:
-    """Close ``fd`` (if open), remove ``tmp`` and re-raise ``exc`` (disk-full errors made one-line)."""
-    if fd >= 0:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp)
-    if isinstance(exc, OSError) and not isinstance(exc, StagerError):
-        err = space_error(exc, final)
-        if err is not None:
-            raise err from exc
-    raise exc
 
 
 class _CancelledError(Exception):

@@ -36,7 +36,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stager.checksum import new_hasher
 from stager.errors import (
     DestinationError,
     OutOfSpaceError,
@@ -45,15 +44,14 @@ from stager.errors import (
     StagerTimeoutError,
     VerificationError,
 )
-from stager.fs.access import chgrp_quiet, dir_mode, give_group
-from stager.fs.atomic import atomic_write_bytes, partial_path, remove_partials, space_error
-from stager.fs.copy import copy_hashed, write_all
+from stager.fs.access import dir_mode, give_group
+from stager.fs.atomic import atomic_write_bytes, remove_partials, space_error
 from stager.fs.kernel import boot_id, syncfs
 from stager.fs.open import is_url, open_read
 from stager.fs.safe import SafeDir, private_dir, trusted_size
+from stager.fs.verified import Expected, PartialCopy, copy_verified
 from stager.manifest import MANIFEST_NAME, dataset_root
 from stager.receipt import RECEIPT_NAME, Receipt, load_receipt
-from stager.stage.copier import discard_partial
 from stager.stage.names import journal_name
 from stager.stage.place import check_dest_holds, check_dest_place
 from stager.stage.plan import FileTask, StagePlan
@@ -226,13 +224,10 @@ class StagedManifest:
         mode, gid = plan.src_access
         task = plan.index_task
         if task is not None and self._index_partial is None and trusted_size(plan.dest / task.name) != task.bytes:
-            self._index_partial = copy_verified(task, plan.dest / task.name, mode, plan.storage_options,
-                                                plan.manifest.hash_algo)
-            chgrp_quiet(self._index_partial, gid)
+            self._index_partial = copy_index(task, plan.dest / task.name, (mode, gid), plan.storage_options,
+                                             plan.manifest.hash_algo)
         if self._partial is None and read_quiet(self.path) != plan.manifest_bytes:
-            partial = write_partial(self.path, plan.manifest_bytes, mode)
-            chgrp_quiet(partial, gid)
-            self._partial = partial
+            self._partial = write_partial(self.path, plan.manifest_bytes, (mode, gid))
 
     def publish(self) -> bool:
         """Rename the prepared copies into place, index first; True if there was one (DEST then needs
@@ -262,44 +257,30 @@ class StagedManifest:
         self._partial = self._index_partial = None
 
 
-def copy_verified(task: FileTask, final: Path, mode: int, storage_options: dict[str, Any], algo: str) -> Path:
-    """Copy ``task``'s file to a fsynced ``<final>.<uuid>.partial`` with ``mode``, hashing while
-    copying; return the partial (not renamed). A size or hash that differs from the manifest's is a
-    :class:`VerificationError` naming SRC's file (exit 3), and nothing is left behind."""
-    tmp = partial_path(final)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+def copy_index(task: FileTask, final: Path, access: tuple[int, int | None], storage_options: dict[str, Any],
+               algo: str) -> Path:
+    """The one verified copy (:func:`~stager.fs.verified.copy_verified`) of ``task``'s file to a fsynced
+    ``<final>.<uuid>.partial`` with ``access`` (mode, group); return the partial (not renamed). A size
+    or hash that differs from the manifest's is a :class:`~stager.errors.VerificationError` naming the
+    file and SRC (exit 3), and nothing is left behind."""
+    expect = Expected(task.name, task.bytes, task.hash, algo)
     try:
-        h = new_hasher(algo)
-        with open_read(task.src_path, storage_options, size=task.bytes if is_url(task.src_path) else None) as src:
-            n = copy_hashed(src, fd, memoryview(bytearray(1 << 20)), h, limit=task.bytes)
-        if n != task.bytes or h.hexdigest() != task.hash:
-            raise VerificationError(f"{task.src_path}: {n} bytes with hash {h.hexdigest()[:16]}, the manifest says "
-                                    f"{task.bytes} bytes, {task.hash[:16]}; restore it or re-run the pack")
-        os.fchmod(fd, mode)
-        os.fsync(fd)
+        src = open_read(task.src_path, storage_options, size=task.bytes if is_url(task.src_path) else None)
     except FileNotFoundError as exc:
-        os.close(fd)
-        tmp.unlink(missing_ok=True)
         raise ShardMissingError(f"{task.src_path}: the manifest's sample index is missing in SRC; "
                                 "re-run the pack") from exc
-    except BaseException as exc:
-        discard_partial(fd, tmp, final, exc)
-    os.close(fd)
-    return tmp
+    with src:
+        part = copy_verified(src, final, expect, context=f" copying {task.src_path}",
+                             fix="restore it or re-run the pack", buf=memoryview(bytearray(1 << 20)))
+    return part.seal(*access)[0]
 
 
-def write_partial(final: Path, data: bytes, mode: int) -> Path:
-    """Write ``data`` to a fsynced ``<final>.<uuid>.partial`` with ``mode``; return its path (not renamed)."""
-    tmp = partial_path(final)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
-    try:
-        write_all(fd, memoryview(data))
-        os.fchmod(fd, mode)
-        os.fsync(fd)
-    except BaseException as exc:
-        discard_partial(fd, tmp, final, exc)
-    os.close(fd)
-    return tmp
+def write_partial(final: Path, data: bytes, access: tuple[int, int | None]) -> Path:
+    """Write ``data`` to a fsynced ``<final>.<uuid>.partial`` with ``access`` (mode, group); return
+    its path (not renamed)."""
+    part = PartialCopy(final)
+    part.write(data)
+    return part.seal(*access)[0]
 
 
 # ---- after the copy -------------------------------------------------------------------------------

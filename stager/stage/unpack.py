@@ -18,10 +18,12 @@ entry by data offset and must have exactly the manifest's size, checked before i
 Other formats go through their readers' ``iter_samples``.
 
 Safety: output names come from the manifest (class names and file stems must be plain file
-names), class directories are created by us and must not be symlinks, and files are created with
-``openat(class dir fd, basename, O_CREAT|O_EXCL|O_NOFOLLOW)``: a basename has no ``/``, so nothing
+names), class directories are created by us and must not be symlinks, and files are created
+exclusively relative to the class directory's handle (:func:`stager.fs.safe.create_exclusive`:
+``openat(class dir fd, basename, O_CREAT|O_EXCL|O_NOFOLLOW)``): a basename has no ``/``, so nothing
 is resolved outside the directory we opened. Two samples that map to the same file are refused
-instead of silently overwriting each other.
+instead of silently overwriting each other. A tar shard streamed from SRC is hashed as it is read
+and compared with the manifest by the verified copy's one check (:func:`stager.fs.verified.check`).
 
 Speed (measured in docs/bench/stage.md, tools/bench/bench_stage.py ``--unpack-only``): per file one
 ``openat``/``write``/``close`` and no allocation or copy of its bytes in Python (``os.write`` of a
@@ -60,7 +62,8 @@ from stager.formats.ustar import (  # one tar header parser for pack, verify and
 from stager.fs.access import chgrp_quiet
 from stager.fs.atomic import space_error
 from stager.fs.kernel import syncfs
-from stager.fs.safe import SafeDir
+from stager.fs.safe import SafeDir, create_exclusive
+from stager.fs.verified import Expected, check
 from stager.manifest import UNLABELED, Manifest, ShardInfo, check_entry_name, class_dir_name, unpacked_stem
 from stager.progress import Progress
 from stager.stage.copier import open_src_file
@@ -73,7 +76,6 @@ WRITE_BEHIND_BYTES = 32 << 20
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
-_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC
 
 
 class ChunkReader:
@@ -352,11 +354,11 @@ class Unpacker:
         return the class directory's fd (for :meth:`_remove`)."""
         dfd, dirpath, group = self._dirs[label]
         try:
-            fd = os.open(base, _CREATE, self.file_mode, dir_fd=dfd)
+            fd = create_exclusive(base, self.file_mode, dir_fd=dfd)
         except FileExistsError:
             # A rerun after a crash: replace (never write through) whatever is there, even a symlink.
             os.unlink(base, dir_fd=dfd)
-            fd = os.open(base, _CREATE, self.file_mode, dir_fd=dfd)
+            fd = create_exclusive(base, self.file_mode, dir_fd=dfd)
         try:
             if group:
                 self._group(fd, label, group)
@@ -440,12 +442,9 @@ class Unpacker:
                     f"(first: {missing!r}); re-pack this dataset"
                 )
             if hasher is not None:
-                digest = hasher.hexdigest()
-                if reader.nbytes != info.bytes or digest != info.hash:
-                    raise VerificationError(
-                        f"{info.name}: checksum mismatch while unpacking (expected {info.bytes} bytes "
-                        f"{info.hash}, got {reader.nbytes} bytes {digest}); the source shard is damaged"
-                    )
+                check(Expected(info.name, info.bytes, info.hash, self.manifest.hash_algo), reader.nbytes,
+                      hasher.hexdigest(), context=" while unpacking",
+                      fix="the source shard is damaged: restore it or re-pack (no file of it kept)")
         except CorruptSampleError as exc:
             # A damaged container is a verification failure of the shard (exit 3), like a bad hash.
             self._remove(written)

@@ -6,17 +6,17 @@ from the shared file system" in the summary, and the one the tests check against
 counting file system. A file the reading node already holds verified in DEST is read from there
 instead, so a resumed run does not touch SRC for it.
 
-:class:`StreamSink` is the inverse: fed a stream's bytes in order, it writes each file as
-``<name>.<uuid>.partial`` (see :mod:`stager.fs.atomic`), hashes while writing, and on the file's
-last byte checks size and checksum against the manifest before renaming it to its final name.
-Files the node already has are consumed and dropped. Memory: the caller's buffers only.
+:class:`StreamSink` is the inverse: fed a stream's bytes in order, it writes each file with the one
+verified copy (:class:`stager.fs.verified.PartialCopy`: ``<name>.<uuid>.partial``, hashed while
+written), and on the file's last byte checks size and checksum against the manifest before giving
+it SRC's access (the plain stage's rule), fsyncing it and renaming it to its final name. Files the
+node already has are consumed and dropped. Memory: the caller's buffers only.
 :func:`copy_share` joins the two without an exchange. ``stager stage --follow``'s prefetcher
 (:mod:`stager.prefetch.prefetcher`) copies single shards with the same three.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 from collections.abc import Callable
@@ -24,11 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from stager.checksum import Hasher, new_hasher
 from stager.errors import ShardMissingError, VerificationError
-from stager.fs.atomic import commit_partial, partial_path, space_error
+from stager.fs.access import copy_mode
 from stager.fs.open import join, open_read
 from stager.fs.remote import RemoteFile
+from stager.fs.verified import Expected, PartialCopy
 from stager.stage.collective.plan import FileEntry, StreamLayout
 
 
@@ -147,6 +147,9 @@ class StreamSink:
 
     ``have``: names already verified here (their bytes are dropped). ``on_verified(entry)`` runs
     after each file is renamed to its final name. ``origin`` names the stream's sender in errors.
+    ``access``: the ``(mode, gid)`` each file gets before its rename (SRC's, by
+    :func:`~stager.fs.access.source_access`; default: what :func:`~stager.fs.access.copy_mode`
+    gives a world-readable source, and our group).
     """
 
     def __init__(
@@ -160,6 +163,7 @@ class StreamSink:
         on_verified: Callable[[FileEntry], None] | None = None,
         origin: str = "",
         from_peer: bool = False,
+        access: tuple[int, int | None] | None = None,
     ) -> None:
         self.dest = Path(dest)
         self.files = layout.files
@@ -169,11 +173,10 @@ class StreamSink:
         self.on_verified = on_verified
         self.origin = origin
         self.from_peer = from_peer
+        self.access = access if access is not None else (copy_mode(0o644), None)
         self._i = 0
         self._off = 0
-        self._fd: int | None = None
-        self._tmp: Path | None = None
-        self._h: Hasher | None = None
+        self._part: PartialCopy | None = None
         self._lock = threading.Lock()
 
     @property
@@ -189,17 +192,14 @@ class StreamSink:
             if self.from_peer:
                 self.counters.received_bytes += take
             if entry.name not in self.have:
-                if self._fd is None:
+                if self._part is None:
                     self._start(entry)
-                piece = data[pos : pos + take]
-                self._write(piece)
-                assert self._h is not None
-                self._h.update(piece)
+                self._write(data[pos : pos + take])
             pos += take
             self._off += take
             if self._off == entry.bytes:
                 if entry.name not in self.have:
-                    if self._fd is None:  # an empty file
+                    if self._part is None:  # an empty file
                         self._start(entry)
                     self._finish(entry)
                 self._i += 1
@@ -207,38 +207,21 @@ class StreamSink:
 
     def _start(self, entry: FileEntry) -> None:
         final = self.dest / entry.name
-        self._tmp = partial_path(final)
-        self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        self._h = new_hasher(self.algo)
+        self._part = PartialCopy(final, expect=Expected(str(final), entry.bytes, entry.hash, self.algo))
 
     def _write(self, piece: memoryview) -> None:
-        assert self._fd is not None
-        try:
-            while piece:
-                n = os.write(self._fd, piece)
-                piece = piece[n:]
-                self.counters.written_bytes += n
-        except OSError as exc:
-            self.abort()
-            err = space_error(exc, self.dest / self.files[self._i].name)
-            if err is not None:
-                raise err from exc
-            raise
+        part = self._part
+        assert part is not None
+        self._part = None  # a failed write removes the partial file itself
+        part.write(piece)
+        self._part = part
+        self.counters.written_bytes += len(piece)
 
     def _finish(self, entry: FileEntry) -> None:
-        assert self._fd is not None and self._tmp is not None and self._h is not None
-        got = self._h.hexdigest()
-        if got != entry.hash:
-            self.abort()
-            raise VerificationError(
-                f"{self.dest / entry.name}: {self.algo} mismatch after transfer{self.origin} "
-                f"(expected {entry.hash}, got {got}); rerun to fetch it again (verified files are kept)"
-            )
-        os.fsync(self._fd)
-        os.close(self._fd)
-        self._fd = None
-        commit_partial(self._tmp, self.dest / entry.name)
-        self._tmp = None
+        part, self._part = self._part, None
+        assert part is not None
+        part.verify(context=f" after transfer{self.origin}", fix="rerun to fetch it again (verified files are kept)")
+        part.publish(*self.access, sync_dir=True)
         self.counters.files_written += 1
         self.have.add(entry.name)
         if self.on_verified is not None:
@@ -246,13 +229,9 @@ class StreamSink:
 
     def abort(self) -> None:
         """Close and delete the file being written (nothing half-written stays under a final name)."""
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-        if self._tmp is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._tmp)
-            self._tmp = None
+        part, self._part = self._part, None
+        if part is not None:
+            part.discard()
 
 
 def copy_share(reader: ShareReader, sink: StreamSink, chunk: int) -> None:

@@ -41,7 +41,6 @@ import numpy as np
 
 from stager.errors import StagerError
 from stager.fs import lustre
-from stager.fs.access import chgrp_quiet
 from stager.fs.atomic import fsync_dir
 from stager.fs.info import detect_fs
 from stager.fs.lock import NodeLock
@@ -289,18 +288,16 @@ def _exchange(plan: StagePlan, group: Group, journal: Journal, *, layouts: list[
     """Phase 3: read this node's share, receive everyone's, write and journal verified files."""
     dest = plan.dest
     counters = IoCounters()
-    mode, gid = plan.src_access  # the plain stage's rule
 
     def verified(entry: FileEntry) -> None:
-        os.chmod(dest / entry.name, mode)
-        chgrp_quiet(dest / entry.name, gid)
         journal.add_file(entry.name, entry.bytes)
 
     reader = ShareReader(plan.src_dir, dest, layouts[group.node], counters=counters, local_have=set(have),
                          storage_options=plan.storage_options)
     sinks = [
         StreamSink(dest, lay, algo=plan.manifest.hash_algo, counters=counters, have=have, on_verified=verified,
-                   origin=f" from node {lay.node}", from_peer=lay.node != group.node)
+                   origin=f" from node {lay.node}", from_peer=lay.node != group.node,
+                   access=plan.src_access)  # the plain stage's rule, given before the rename
         for lay in layouts
     ]
     progress = Progress("stage --collective", total_items=res.steps, total_bytes=None, unit="steps", quiet=quiet)
