@@ -20,7 +20,7 @@ demo: $(STAMP)
 # an interrupted run still tears down what it brought up (tests/conftest.py, tools/cluster/session.py).
 TESTS ?= tests
 test: $(STAMP)
-	exec $(BIN)/python -m pytest -q -m "not slow and not gpu and not faults" $(TESTS)
+	exec $(BIN)/python -m pytest -q --durations=30 -m "not slow and not gpu and not faults" $(TESTS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check stager tools tests
