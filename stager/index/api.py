@@ -47,6 +47,7 @@ from stager.index.parquet import scan_parquet
 from stager.index.record import scan_record
 from stager.index.recordio import scan_recordio
 from stager.index.scan import DamagedShardError, ShardScan
+from stager.index.squashfs import scan_squashfs
 from stager.index.tar import scan_tar
 from stager.manifest import INDEX_PARTIAL_BASE, MANIFEST_NAME, AuxFile, Manifest, ShardInfo, load_manifest
 from stager.progress import Progress
@@ -55,7 +56,7 @@ from stager.progress import Progress
 # format the registry says `stager index` adopts (tests/test_format_registry.py checks that they agree).
 Scanner = Callable[..., ShardScan]
 SCANNERS: dict[str, Scanner] = {"tar": scan_tar, "record": scan_record, "parquet": scan_parquet,
-                                "recordio": scan_recordio, "lmdb": scan_lmdb}
+                                "recordio": scan_recordio, "lmdb": scan_lmdb, "squashfs": scan_squashfs}
 
 
 @dataclass

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+from array import array
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -154,11 +155,13 @@ class SquashWriter:
         self._nfrag = 0  # fragment blocks closed so far (written or in flight)
         self._zero = bytes(block_size)
         self._closed = False
+        self.file_refs: array | None = None  # after close(): each file's inode reference, by file id
 
     # ---- adding files ---------------------------------------------------------------------------
 
-    def add_file(self, relpath: str, data: bytes | bytearray | memoryview) -> AddedFile:
-        """Add a regular file at ``relpath`` (``/``-separated, relative, parents created)."""
+    def add_file(self, relpath: str, data: bytes | bytearray | memoryview, *, store: bool = False) -> AddedFile:
+        """Add a regular file at ``relpath`` (``/``-separated, relative, parents created). ``store``: keep
+        it as one stored contiguous range whatever its type (``raw_offset`` >= 0), as a JPEG is."""
         if self._closed:
             raise UsageError(f"{self.name}: add_file after close")
         parts = _check_relpath(relpath)
@@ -167,7 +170,7 @@ class SquashWriter:
         self.tree.add(parts, fid, self.name)
         dot = parts[-1].rfind(".")
         ext = parts[-1][dot + 1 :].lower() if dot > 0 else ""
-        if self._none or (self._precompressed and ext in PRECOMPRESSED):
+        if store or self._none or (self._precompressed and ext in PRECOMPRESSED):
             return AddedFile(fid, len(view), self._store(fid, view))
         self._add_compressed(fid, view)
         return AddedFile(fid, len(view), -1)
@@ -280,6 +283,7 @@ class SquashWriter:
     def _finish(self) -> int:
         meta_compress = self._compress
         tables = build_tables(self.tree, self.files, self.block_size, meta_compress)
+        self.file_refs = tables.file_refs
         sb: dict[str, int] = {}
         sb["inode_table_start"] = self._pos
         self._write(tables.inode_table)

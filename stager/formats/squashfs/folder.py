@@ -1,0 +1,157 @@
+"""An image's listing read as torchvision's ImageFolder reads a directory: :func:`image_folder`.
+
+The rules are ImageFolder's (``torchvision.datasets.folder``): every top-level directory is a class,
+classes sorted by name; a sample is a regular file at any depth under a class folder whose name ends
+in one of :data:`IMG_EXTENSIONS` (compared in lower case); files at the top level and files of other
+types are not samples. A class folder without a sample is refused, as ImageFolder refuses it. Where
+samples are expected (under a class folder) a symlink, device, FIFO or socket, and a hard link (two
+names for one inode), are refused with one line: a sample must be one regular file. Keys are the
+paths without their extension (``cat/n0001``), as ``stager pack`` keys an ImageFolder tree; two files
+that differ only by their extension would share a key and are refused.
+
+Everything is vectorised over the listing's columns (an ImageNet-sized image has 1.28M entries).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from stager.errors import UnsafeArchiveError, UsageError
+from stager.formats.squashfs.layout import DIR, KIND_NAMES, REG
+from stager.formats.squashfs.listing import ImageListing
+from stager.manifest.table import Ragged, Strings
+
+# torchvision.datasets.folder.IMG_EXTENSIONS
+IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+_TAIL = 8  # bytes of each path's end compared with the extensions (the longest is 5)
+
+
+@dataclass
+class FolderSamples:
+    """The samples of an image read as an ImageFolder, in listing order (class by class; a folder's
+    files by name): ``files`` (int64 listing entries), ``keys`` (the paths less their extension),
+    ``label`` (int64 index into ``classes``), ``ext_len`` (bytes of each path's extension, the dot
+    included). ``classes`` are the top-level folder names, sorted."""
+
+    files: np.ndarray
+    keys: list[str]
+    label: np.ndarray
+    ext_len: np.ndarray
+    classes: list[str]
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+
+def extension_lengths(paths: Strings, extensions: tuple[str, ...]) -> np.ndarray:
+    """For each path, the length of the first of ``extensions`` (``.jpg``, lower case) its name ends
+    with, compared case-insensitively, else 0 (int64, shape ``(n,)``)."""
+    raw = paths.raw
+    ends = raw.starts[1:]
+    lengths = np.diff(raw.starts)
+    n = len(lengths)
+    tail = np.zeros((n, _TAIL), dtype=np.uint8)
+    for k in range(1, _TAIL + 1):
+        ok = lengths >= k
+        tail[ok, _TAIL - k] = raw.values[ends[ok] - k]
+    upper = (tail >= ord("A")) & (tail <= ord("Z"))
+    tail[upper] += 32
+    out = np.zeros(n, dtype=np.int64)
+    for ext in sorted(extensions, key=len, reverse=True):
+        want = np.frombuffer(ext.lower().encode(), dtype=np.uint8)
+        hit = (out == 0) & (lengths > len(want)) & (tail[:, _TAIL - len(want) :] == want).all(axis=1)
+        out[hit] = len(want)
+    return out
+
+
+def strip_tails(paths: Strings, cut: np.ndarray) -> Strings:
+    """``paths`` each less its last ``cut[i]`` bytes, as one new column (no per-string Python work)."""
+    raw = paths.raw
+    lengths = np.diff(raw.starts) - cut
+    keep = np.ones(len(raw.values), dtype=bool)
+    drop = np.flatnonzero(cut)
+    if len(drop):
+        ends = raw.starts[1:][drop]
+        n = cut[drop]
+        keep[np.repeat(ends - n, n) + (np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n))] = False
+    starts = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=starts[1:])
+    return Strings(Ragged(raw.values[keep], starts))
+
+
+def image_folder(lst: ImageListing, image: str, extensions: tuple[str, ...] = IMG_EXTENSIONS) -> FolderSamples:
+    """The samples of ``lst`` under ImageFolder's rules (see the module docstring); one-line errors
+    name ``image``: :class:`UnsafeArchiveError` for links and special files where samples are expected,
+    :class:`UsageError` for an image without classes, an empty class folder, or two samples of one key."""
+    top_dirs = np.flatnonzero((lst.parent == -1) & (lst.kind == DIR))
+    classes = [lst.paths[int(i)] for i in top_dirs]
+    if not classes:
+        raise UsageError(f"{image}: no top-level folders; an ImageFolder image holds <class>/<file> (make it with "
+                         "mksquashfs TREE IMG from a tree of class folders)")
+    under = lst.parent >= 0
+    _refuse_specials(lst, under, image)
+    ext_len = extension_lengths(lst.paths, extensions)
+    is_sample = under & (lst.kind == REG) & (ext_len > 0)
+    files = np.flatnonzero(is_sample)
+    top = lst.top[files]
+    cls_of_top = np.full(len(lst), -1, dtype=np.int64)
+    cls_of_top[top_dirs] = np.arange(len(top_dirs))  # listing order of the root's entries is name order
+    label = cls_of_top[top]
+    counts = np.bincount(label, minlength=len(classes))
+    if (counts == 0).any():
+        empty = classes[int(np.argmax(counts == 0))]
+        raise UsageError(f"{image}: class folder {empty!r} holds no image ({', '.join(extensions)}); torchvision's "
+                         "ImageFolder refuses it too: remove the folder from the image or add its images")
+    _refuse_hard_links(lst, files, image)
+    keys = list(strip_tails(Strings(_take(lst.paths.raw, files)), ext_len[files]))
+    _refuse_repeats(keys, lst, files, image)
+    return FolderSamples(files, keys, label, ext_len[files], classes)
+
+
+def _take(raw: Ragged, rows: np.ndarray) -> Ragged:
+    """The rows ``rows`` (ascending) of a ragged byte column, as a new column."""
+    a = raw.starts[rows]
+    n = raw.starts[rows + 1] - a
+    starts = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(n, out=starts[1:])
+    idx = np.repeat(a - starts[:-1], n) + np.arange(int(starts[-1]), dtype=np.int64)
+    return Ragged(raw.values[idx], starts)
+
+
+def _refuse_specials(lst: ImageListing, under: np.ndarray, image: str) -> None:
+    bad = np.flatnonzero(under & (lst.kind != REG) & (lst.kind != DIR))
+    if len(bad):
+        i = int(bad[0])
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise UnsafeArchiveError(f"{image}: {lst.paths[i]!r} is a {KIND_NAMES.get(int(lst.kind[i]), 'special file')}"
+                                 f"{more} where samples must be regular files; re-make the image from a tree of plain "
+                                 "files (mksquashfs TREE IMG; cp -rL TREE resolves links)")
+
+
+def _refuse_hard_links(lst: ImageListing, files: np.ndarray, image: str) -> None:
+    refs = lst.inode_ref[files]
+    order = np.argsort(refs, kind="stable")
+    same = np.flatnonzero(refs[order][1:] == refs[order][:-1])
+    linked = files[lst.nlink[files] > 1]
+    if len(same) or len(linked):
+        i = int(files[order[same[0] + 1]]) if len(same) else int(linked[0])
+        raise UnsafeArchiveError(f"{image}: {lst.paths[i]!r} is a hard link ({max(2, int(lst.nlink[i]))} names for one "
+                                 "inode) where samples must be regular files; re-make the image from a tree without "
+                                 "hard links (mksquashfs stores files of equal bytes once by itself)")
+
+
+def _refuse_repeats(keys: list[str], lst: ImageListing, files: np.ndarray, image: str) -> None:
+    """Two samples of one key: files of one folder whose names differ only by their extension."""
+    if len(set(keys)) == len(keys):
+        return
+    seen: dict[str, int] = {}
+    for j, k in enumerate(keys):
+        i = seen.setdefault(k, j)
+        if i != j:
+            raise UsageError(f"{image}: {lst.paths[int(files[i])]!r} and {lst.paths[int(files[j])]!r} are both sample "
+                             f"{k!r} (a key is the path less its extension); rename one and re-make the image")
+
+
+__all__ = ["IMG_EXTENSIONS", "FolderSamples", "extension_lengths", "image_folder", "strip_tails"]
