@@ -85,3 +85,22 @@ def dirs_of(files: dict[str, bytes], extra: tuple[str, ...] = ()) -> set[str]:
         parts = rel.split("/")[:-1]
         out.update("/".join(parts[: k + 1]) for k in range(len(parts)))
     return out
+
+
+def mksquashfs_of_pack(pack_dir: Path, index_dir: Path, *opts: str) -> Path:
+    """The ImageFolder tree of a stager squashfs pack, made again by mksquashfs (``opts``: e.g. ``-comp
+    zstd``; its defaults put small files in compressed fragments) one image per shard, and adopted with
+    ``stager index --out index_dir``: a dataset whose samples are read through their inodes."""
+    from stager.index import IndexOptions, index_dataset
+    from stager.manifest import load_manifest
+
+    images = index_dir.parent / f"{index_dir.name}-images"
+    images.mkdir(parents=True)
+    for s in load_manifest(pack_dir).shards:
+        tree = images / f"{s.name}.tree"
+        subprocess.run(["unsquashfs", "-q", "-n", "-d", str(tree), str(pack_dir / s.name)], check=True,
+                       stdout=subprocess.DEVNULL)
+        mksquashfs(tree, images / s.name, *opts)
+        shutil.rmtree(tree)
+    index_dataset(images, index_dir, IndexOptions())
+    return index_dir

@@ -22,6 +22,7 @@ import pytest
 from stager.errors import UsageError
 from stager.loader.mapping import BatchMapping
 from stager.pack import pack
+from tests.squashfs_trees import HAVE_TOOLS, mksquashfs_of_pack
 from tools.datagen import make_cifar
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,12 +37,19 @@ BACKENDS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+@pytest.fixture(scope="module", params=["tar", "squashfs-index"])
+def packed(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
+    """The CIFAR set packed as tar; and as SquashFS images made by mksquashfs (zstd, fragments), adopted
+    with ``stager index``: samples read through their inodes, decompressed in the workers."""
     root = tmp_path_factory.mktemp("keras")
     src = make_cifar(root, n_train=N, n_test=4, seed=6)
-    pack(src, root / "packed", samples_per_shard=16, split="train")
-    return root / "packed"
+    if request.param == "tar":
+        pack(src, root / "packed", samples_per_shard=16, split="train")
+        return root / "packed"
+    if not HAVE_TOOLS:
+        pytest.skip("needs squashfs-tools: apt-get install squashfs-tools")
+    pack(src, root / "sqfs", "squashfs", samples_per_shard=40, split="train")
+    return mksquashfs_of_pack(root / "sqfs", root / "packed", "-comp", "zstd")
 
 
 def _run(backend: str, *args: str, timeout: float = 280) -> subprocess.CompletedProcess[str]:

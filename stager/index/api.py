@@ -17,6 +17,7 @@ read the shards there.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import json
@@ -92,25 +93,30 @@ def index_dataset(src: str | os.PathLike[str], out: str | os.PathLike[str] | Non
         raise UsageError(f"{src}: a URL; pass --out DIR for the manifest (it names the shards where they are)")
     out_dir = Path(os.path.abspath(out if out is not None else directory))
     in_place = out_dir == Path(directory)
+    created = not out_dir.exists()
     _check_out(out_dir, in_place, directory)
     state = out_dir / STATE_DIR
     state.mkdir(exist_ok=True)
-    remote.remove_stale_downloads(str(state))
-    fp = opts.fingerprint(kind)
-    scans: dict[str, ShardScan] = _resume(state, directory, names, fp, opts.storage_options)
-    todo = [n for n in names if n not in scans]
-    resumed = len(scans)
-    progress = Progress("index", quiet=quiet)
-    for scan in _scan_all(directory, todo, kind, opts, progress, spool=str(state)):
-        scans[scan.name] = scan
-        atomic_write_bytes(state / f"{scan.name}.json", json.dumps({"fp": fp, "scan": scan.to_json()}).encode())
-    progress.close()
-    ordered = [scans[n] for n in names]
-    _check_boundaries(ordered, directory)
-    dali, dali_paths = (_write_dali_index(ordered, directory, out_dir, in_place, algo=opts.hash_algo, kind=kind)
-                        if FORMAT_SPECS[kind].companion and opts.dali_index else ({}, []))
-    m = _manifest(ordered, directory, kind, opts, dali, shard_root=None if in_place else directory)
-    path = m.write(out_dir)
+    try:
+        remote.remove_stale_downloads(str(state))
+        fp = opts.fingerprint(kind)
+        scans: dict[str, ShardScan] = _resume(state, directory, names, fp, opts.storage_options)
+        todo = [n for n in names if n not in scans]
+        resumed = len(scans)
+        progress = Progress("index", quiet=quiet)
+        for scan in _scan_all(directory, todo, kind, opts, progress, spool=str(state)):
+            scans[scan.name] = scan
+            atomic_write_bytes(state / f"{scan.name}.json", json.dumps({"fp": fp, "scan": scan.to_json()}).encode())
+        progress.close()
+        ordered = [scans[n] for n in names]
+        _check_boundaries(ordered, directory)
+        dali, dali_paths = (_write_dali_index(ordered, directory, out_dir, in_place, algo=opts.hash_algo, kind=kind)
+                            if FORMAT_SPECS[kind].companion and opts.dali_index else ({}, []))
+        m = _manifest(ordered, directory, kind, opts, dali, shard_root=None if in_place else directory)
+        path = m.write(out_dir)
+    except BaseException:
+        _leave_nothing_new(state, out_dir if created else None)
+        raise
     shutil.rmtree(state, ignore_errors=True)
     return IndexResult(path, kind, len(ordered), m.num_samples, sum(s.bytes for s in ordered), len(m.classes),
                        len(todo), resumed, time.perf_counter() - t0, m.dataset_id, m.shard_root, dali_paths)
@@ -144,6 +150,16 @@ def adopt_in_memory(src: str | os.PathLike[str], options: IndexOptions | None = 
                for n in names]
     _check_boundaries(ordered, directory)
     return _manifest(ordered, directory, kind, opts, {}, shard_root=directory)
+
+
+def _leave_nothing_new(state: Path, created: Path | None) -> None:
+    """After a failed run: the state directory when it holds no scan to resume from, and OUT when this
+    run created it and it is empty again (a first run refused at its first shard leaves nothing)."""
+    with contextlib.suppress(OSError):
+        state.rmdir()  # only when empty: saved scans are kept for the next run
+    if created is not None:
+        with contextlib.suppress(OSError):
+            created.rmdir()
 
 
 def _check_out(out_dir: Path, in_place: bool, directory: str) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from stager.errors import UnsafeArchiveError, UsageError
+from stager.errors import SourceError, UnsafeArchiveError, UnsuitableSourceError
 from stager.formats.squashfs.layout import DIR, KIND_NAMES, REG
 from stager.formats.squashfs.listing import ImageListing
 from stager.manifest.table import Ragged, Strings
@@ -84,12 +84,13 @@ def strip_tails(paths: Strings, cut: np.ndarray) -> Strings:
 def image_folder(lst: ImageListing, image: str, extensions: tuple[str, ...] = IMG_EXTENSIONS) -> FolderSamples:
     """The samples of ``lst`` under ImageFolder's rules (see the module docstring); one-line errors
     name ``image``: :class:`UnsafeArchiveError` for links and special files where samples are expected,
-    :class:`UsageError` for an image without classes, an empty class folder, or two samples of one key."""
+    :class:`UnsuitableSourceError` (exit 2) for an image without class folders, :class:`SourceError`
+    (exit 3) for an empty class folder or two samples of one key."""
     top_dirs = np.flatnonzero((lst.parent == -1) & (lst.kind == DIR))
     classes = [lst.paths[int(i)] for i in top_dirs]
     if not classes:
-        raise UsageError(f"{image}: no top-level folders; an ImageFolder image holds <class>/<file> (make it with "
-                         "mksquashfs TREE IMG from a tree of class folders)")
+        raise UnsuitableSourceError(f"{image}: no top-level folders; an ImageFolder image holds <class>/<file> "
+                                    "(make it with mksquashfs TREE IMG from a tree of class folders)")
     under = lst.parent >= 0
     _refuse_specials(lst, under, image)
     ext_len = extension_lengths(lst.paths, extensions)
@@ -102,7 +103,7 @@ def image_folder(lst: ImageListing, image: str, extensions: tuple[str, ...] = IM
     counts = np.bincount(label, minlength=len(classes))
     if (counts == 0).any():
         empty = classes[int(np.argmax(counts == 0))]
-        raise UsageError(f"{image}: class folder {empty!r} holds no image ({', '.join(extensions)}); torchvision's "
+        raise SourceError(f"{image}: class folder {empty!r} holds no image ({', '.join(extensions)}); torchvision's "
                          "ImageFolder refuses it too: remove the folder from the image or add its images")
     _refuse_hard_links(lst, files, image)
     keys = list(strip_tails(Strings(_take(lst.paths.raw, files)), ext_len[files]))
@@ -150,7 +151,7 @@ def _refuse_repeats(keys: list[str], lst: ImageListing, files: np.ndarray, image
     for j, k in enumerate(keys):
         i = seen.setdefault(k, j)
         if i != j:
-            raise UsageError(f"{image}: {lst.paths[int(files[i])]!r} and {lst.paths[int(files[j])]!r} are both sample "
+            raise SourceError(f"{image}: {lst.paths[int(files[i])]!r} and {lst.paths[int(files[j])]!r} are both sample "
                              f"{k!r} (a key is the path less its extension); rename one and re-make the image")
 
 
