@@ -46,8 +46,8 @@ OPTIONS = {
 @pytest.fixture(scope="module")
 def tree(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, bytes], list[str]]:
     """An ImageFolder tree: 3 classes of small JPEGs (``.JPEG``, as ImageNet's), a sub-folder, copies
-    (mksquashfs stores them once), a lower-case extension, a 300 KB file (several blocks), and files ImageFolder skips; returns
-    ``(root, {key: bytes} of the samples, classes)``."""
+    (mksquashfs stores them once), a lower-case extension, a 300 KB file (several blocks), and files
+    ImageFolder skips; returns ``(root, {key: bytes} of the samples, classes)``."""
     root = make_imagefolder(tmp_path_factory.mktemp("sq_tree") / "train", num_classes=3, per_class=12, seed=4,
                             size=(40, 30))
     classes = sorted(p.name for p in root.iterdir())
