@@ -4,7 +4,8 @@ squashfs``, adopted by ``stager index``, read by the loader without mounting.
 Each shard is one SquashFS 4.0 image holding an ImageFolder tree: a sample is the file
 ``<class>/<stem>.<ext>`` (``<class>`` from :func:`~stager.manifest.class_dir_name`, ``<stem>`` the key
 less its class folder with ``/`` as ``_``: :func:`~stager.manifest.unpacked_stem`, the names ``stage
---unpack`` writes), and each of its fields a sidecar file beside it, ``<stem>.<field>.<ext>`` as tar
+--unpack`` writes; ``<ext>`` the source file's own, ``JPEG`` for ImageNet's: :func:`source_ext`), so an
+ImageFolder source keeps its file names; and each of its fields a sidecar file beside it, ``<stem>.<field>.<ext>`` as tar
 names its members (``n0001.mask.png``, ``n0001.boxes.json``). So the image mounts (squashfuse, the
 kernel, ``apptainer -B shard.sqfs:/data:image-src=/``) as a directory torchvision's ImageFolder reads.
 
@@ -60,6 +61,21 @@ def sample_path(key: str, label: int, classes: Sequence[str], ext: str) -> tuple
     ``<class>/<stem>.<field suffix>`` its fields' (the names ``stage --unpack`` writes)."""
     cls = class_dir_name(classes, label)
     return cls, unpacked_stem(key, cls)
+
+
+_SOURCE_EXT = re.compile(r"^[A-Za-z0-9_]{1,32}$")
+
+
+def source_ext(source: object, stem: str) -> str | None:
+    """The extension of the source file a sample came from, spelled as there (``JPEG`` for ImageNet's
+    ``n01440764_10026.JPEG``), when ``source`` (its relative path, ``Sample.meta["source"]``) names the
+    file ``stem`` was made from; else None (the sniffed type's extension is used)."""
+    if not isinstance(source, str):
+        return None
+    head, dot, ext = source.rpartition("/")[2].rpartition(".")
+    if not dot or not head or not _SOURCE_EXT.match(ext) or not stem.endswith(head.replace(".", "_")):
+        return None
+    return ext
 
 
 def _open_image(path: str) -> SquashImage:
@@ -129,6 +145,7 @@ class SquashShardWriter:
         if not _EXT_RE.match(ext):
             raise UsageError(f"{self.shard_name}: invalid image extension {sample.ext!r} for {sample.key!r}")
         cls, stem = sample_path(sample.key, int(sample.label), self.classes, ext)
+        ext = source_ext(sample.meta.get("source"), stem) or ext
         check_entry_name(cls, "class folder name")
         added = self._w.add_file(self._claim(cls, f"{stem}.{ext}", sample.key), data)
         offset = added.raw_offset
