@@ -6,8 +6,9 @@ Each shard is one SquashFS 4.0 image holding an ImageFolder tree: a sample is th
 less its class folder with ``/`` as ``_``: :func:`~stager.manifest.unpacked_stem`, the names ``stage
 --unpack`` writes; ``<ext>`` the source file's own, ``JPEG`` for ImageNet's: :func:`source_ext`), so an
 ImageFolder source keeps its file names; and each of its fields a sidecar file beside it,
-``<stem>.<field>.<ext>`` as tar names its members (``n0001.mask.png``, ``n0001.boxes.json``). So the image mounts (squashfuse, the
-kernel, ``apptainer -B shard.sqfs:/data:image-src=/``) as a directory torchvision's ImageFolder reads.
+``<stem>.<field>.<ext>`` as tar names its members (``n0001.mask.png``, ``n0001.boxes.json``). So the
+image mounts (squashfuse, the kernel, ``apptainer -B shard.sqfs:/data:image-src=/``) as a directory
+torchvision's ImageFolder reads.
 
 The sample index locates each payload. JPEG, PNG and the other compressed types, and every field's
 sidecar, are stored contiguous (never recompressed): ``offset``/``size`` are a byte range of the image,
