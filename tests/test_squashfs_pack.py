@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from stager.errors import CorruptSampleError
 from stager.loader import make_loader, make_numpy_loader
 from stager.manifest import load_manifest
 from stager.stage.mount import MOUNT_DIR, MOUNTS_NAME, mount_points
@@ -298,3 +299,37 @@ def test_the_epilog_unmounts_the_jobs_own_mounts_before_removing_its_directory(s
         assert any(point.iterdir())
     finally:
         subprocess.run(["fusermount3", "-u", str(point)], check=False)
+
+
+def test_a_damaged_compressed_block_raises_naming_the_sample_or_is_skipped(tmp_path: Path) -> None:
+    """on_error: a block that no longer decompresses is a CorruptSampleError naming the shard and key, or,
+    with on_error='skip', that sample alone is skipped."""
+    root = tmp_path / "src"
+    rng = np.random.default_rng(5)
+    from PIL import Image
+
+    for c in ("a", "b"):
+        (root / c).mkdir(parents=True)
+        for i in range(6):
+            Image.fromarray((rng.integers(0, 3, (300, 300, 3)) * 90).astype(np.uint8)).save(root / c / f"{i}.bmp")
+    assert stager("pack", root, tmp_path / "out", "--format", "squashfs", "-q").returncode == 0
+    m = load_manifest(tmp_path / "out")
+    s = m.shards[0]
+    assert s.extents == "inodes"
+    from stager.formats.squashfs import SquashImage
+    from stager.formats.squashfs.shards import INODE
+
+    victim = 4
+    with SquashImage(tmp_path / "out" / s.name) as im:
+        _, pieces = im.ref_pieces(int(s.offsets[victim]) - INODE)
+    block = next(p for p in pieces if p.compressed and not p.fragment)
+    with open(tmp_path / "out" / s.name, "r+b") as f:
+        f.seek(block.offset + block.stored // 2)
+        f.write(b"\xa5" * 64)
+    kw = {"rank": 0, "world_size": 1, "decode": "uint8", "image_size": 8, "staged": False, "num_workers": 1}
+    with pytest.raises(CorruptSampleError, match=s.name) as ei:
+        list(make_loader(tmp_path / "out", 4, **kw))
+    assert s.keys[victim] in str(ei.value)
+    skip = make_loader(tmp_path / "out", 4, on_error="skip", **kw)
+    assert sum(len(b["key"]) for b in skip) == s.samples - 1
+    assert skip.stats()["skipped_keys"] == [s.keys[victim]]
