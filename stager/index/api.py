@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from stager.checksum import hash_bytes
 from stager.errors import CorruptSampleError, DestinationError, UsageError
 from stager.formats import FORMAT_SPECS
@@ -51,6 +53,7 @@ from stager.index.scan import DamagedShardError, ShardScan
 from stager.index.squashfs import scan_squashfs
 from stager.index.tar import scan_tar
 from stager.manifest import INDEX_PARTIAL_BASE, MANIFEST_NAME, AuxFile, Manifest, ShardInfo, load_manifest
+from stager.manifest.table import Ragged, Strings
 from stager.progress import Progress
 
 # scan(path, name, image_key, label_key, hash algo, **IndexOptions.scan_extras(kind)) -> ShardScan: one per
@@ -104,9 +107,11 @@ def index_dataset(src: str | os.PathLike[str], out: str | os.PathLike[str] | Non
         todo = [n for n in names if n not in scans]
         resumed = len(scans)
         progress = Progress("index", quiet=quiet)
-        for scan in _scan_all(directory, todo, kind, opts, progress, spool=str(state)):
+        for n, scan in enumerate(_scan_all(directory, todo, kind, opts, progress, spool=str(state)), 1):
             scans[scan.name] = scan
-            atomic_write_bytes(state / f"{scan.name}.json", json.dumps({"fp": fp, "scan": scan.to_json()}).encode())
+            if n < len(todo):  # the last one's result goes into the manifest at once: nothing to resume
+                atomic_write_bytes(state / f"{scan.name}.json",
+                                   json.dumps({"fp": fp, "scan": scan.to_json()}).encode())
         progress.close()
         ordered = [scans[n] for n in names]
         _check_boundaries(ordered, directory)
@@ -302,14 +307,19 @@ def _unique_keys(scans: list[ShardScan], kind: str, directory: str) -> None:
 
 
 def _first_repeat(scans: list[ShardScan]) -> tuple[str, str] | None:
-    """The first key seen twice and where, else None."""
-    seen: dict[str, str] = {}
-    for s in scans:
-        for k in s.keys:
-            if k in seen:
-                return k, (f"in {seen[k]} and {s.name}" if seen[k] != s.name else f"twice in {s.name}")
-            seen[k] = s.name
-    return None
+    """The first key seen twice and where, else None (vectorised over all keys: Strings.first_repeat)."""
+    if len(scans) == 1 and scans[0].keys_unique:
+        return None
+    parts = [s.keys.raw if isinstance(s.keys, Strings) else Strings.from_strings(s.keys).raw for s in scans]
+    if not parts:
+        return None
+    keys = Strings(Ragged.concat(parts))
+    found = keys.first_repeat()
+    if found is None:
+        return None
+    starts = np.cumsum([0] + [len(s.keys) for s in scans])
+    a, b = (scans[int(np.searchsorted(starts, x, side="right")) - 1] for x in found)
+    return keys[found[1]], (f"in {a.name} and {b.name}" if a.name != b.name else f"twice in {b.name}")
 
 
 def _write_dali_index(scans: list[ShardScan], directory: str, out_dir: Path, in_place: bool,
@@ -371,7 +381,7 @@ def rescan_shard(path: str, info: ShardInfo, m: Manifest) -> str | None:
         return f"sample {j} ({info.keys[j]}): at {offsets[j]}+{sizes[j]}, index says {info.offsets[j]}+{info.sizes[j]}"
     lookup = {c: i for i, c in enumerate(m.classes)}
     off = int(o.get("label_offset") or 0)
-    for j, v in enumerate(scan.labels):
+    for j, v in enumerate(scan.raw_labels()):
         want = -1 if v is None else (lookup.get(v, -2) if isinstance(v, str) else int(v) + off)
         if want != int(info.labels[j]):
             return f"sample {j} ({info.keys[j]}): label {want}, index says {int(info.labels[j])}"

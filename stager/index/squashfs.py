@@ -16,6 +16,8 @@ plus its inode reference; a shard with any of the latter says ``extents: "inodes
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import numpy as np
 
 from stager.errors import UsageError
@@ -49,11 +51,13 @@ def scan_squashfs(path: str, name: str, image_key: str | None, label_key: str | 
     with SquashImage(path, name=path) as im:
         lst = im.listing()
     found = image_folder(lst, path, image_extensions(image_key))
-    out.keys = found.keys
-    out.labels = ([None] * len(found) if label_key is None
-                  else np.asarray(found.classes, dtype=object)[found.label].tolist())
+    # Columns stand in for ShardScan's lists (readers take any sequence): no Python object per sample.
+    out.keys = cast("list[str]", found.keys)
+    out.label_names = list(found.classes)
+    out.keys_unique = True  # image_folder refused two files of one key
+    out.labels = cast("list[Any]", found.label if label_key is not None else np.full(len(found), -1, np.int64))
     raw = lst.raw_offset[found.files]
-    out.offsets = np.where(raw >= 0, raw, INODE + lst.inode_ref[found.files]).tolist()
-    out.sizes = lst.size[found.files].tolist()
+    out.offsets = cast("list[int]", np.where(raw >= 0, raw, INODE + lst.inode_ref[found.files]))
+    out.sizes = cast("list[int]", lst.size[found.files])
     out.extents = "bytes" if (raw >= 0).all() else "inodes"
     return out

@@ -36,7 +36,7 @@ class FolderSamples:
     included). ``classes`` are the top-level folder names, sorted."""
 
     files: np.ndarray
-    keys: list[str]
+    keys: Strings
     label: np.ndarray
     ext_len: np.ndarray
     classes: list[str]
@@ -46,39 +46,42 @@ class FolderSamples:
 
 
 def extension_lengths(paths: Strings, extensions: tuple[str, ...]) -> np.ndarray:
-    """For each path, the length of the first of ``extensions`` (``.jpg``, lower case) its name ends
-    with, compared case-insensitively, else 0 (int64, shape ``(n,)``)."""
+    """For each path, the length of the first of ``extensions`` (``.jpg``, lower case; at most
+    :data:`_TAIL` bytes) its name ends with, compared case-insensitively, else 0 (int64, ``(n,)``).
+    Each path's last 8 bytes, lower-cased, as one little-endian uint64: an extension of L bytes is
+    then one shift and compare for all paths."""
     raw = paths.raw
-    ends = raw.starts[1:]
     lengths = np.diff(raw.starts)
-    n = len(lengths)
-    tail = np.zeros((n, _TAIL), dtype=np.uint8)
-    for k in range(1, _TAIL + 1):
-        ok = lengths >= k
-        tail[ok, _TAIL - k] = raw.values[ends[ok] - k]
-    upper = (tail >= ord("A")) & (tail <= ord("Z"))
-    tail[upper] += 32
-    out = np.zeros(n, dtype=np.int64)
+    padded = np.concatenate([np.zeros(_TAIL, np.uint8), raw.values])  # a short first path reads zeros in front
+    rows = np.lib.stride_tricks.as_strided(padded, shape=(len(raw.values) + 1, _TAIL), strides=(1, 1),
+                                           writeable=False)
+    tail = rows[raw.starts[1:]]  # each path's last _TAIL bytes: one gather of a row per path
+    tail |= ((tail >= ord("A")) & (tail <= ord("Z"))).astype(np.uint8) << 5  # ASCII lower case
+    last = tail.view("<u8").reshape(-1)
+    out = np.zeros(len(lengths), dtype=np.int64)
     for ext in sorted(extensions, key=len, reverse=True):
-        want = np.frombuffer(ext.lower().encode(), dtype=np.uint8)
-        hit = (out == 0) & (lengths > len(want)) & (tail[:, _TAIL - len(want) :] == want).all(axis=1)
+        want = ext.lower().encode()
+        if len(want) > _TAIL:
+            raise ValueError(f"extension {ext!r} is longer than {_TAIL} bytes")
+        hit = (out == 0) & (lengths > len(want)) & (last >> np.uint64(8 * (_TAIL - len(want)))
+                                                     == np.uint64(int.from_bytes(want, "little")))
         out[hit] = len(want)
     return out
 
 
-def strip_tails(paths: Strings, cut: np.ndarray) -> Strings:
-    """``paths`` each less its last ``cut[i]`` bytes, as one new column (no per-string Python work)."""
+def keep_heads(paths: Strings, rows: np.ndarray, cut: np.ndarray) -> Strings:
+    """The strings at ``rows`` (ascending) each less its last ``cut[k]`` bytes, as one new column: one
+    boolean mask over the bytes, repeated from (kept, dropped) byte counts per string; no per-string
+    Python work and no per-byte index array."""
     raw = paths.raw
-    lengths = np.diff(raw.starts) - cut
-    keep = np.ones(len(raw.values), dtype=bool)
-    drop = np.flatnonzero(cut)
-    if len(drop):
-        ends = raw.starts[1:][drop]
-        n = cut[drop]
-        keep[np.repeat(ends - n, n) + (np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n))] = False
-    starts = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=starts[1:])
-    return Strings(Ragged(raw.values[keep], starts))
+    lengths = np.diff(raw.starts)
+    keep = np.zeros(len(lengths), dtype=np.int64)
+    keep[rows] = lengths[rows] - cut
+    counts = np.stack([keep, lengths - keep], axis=1).reshape(-1)
+    mask = np.repeat(np.tile(np.array([True, False]), len(lengths)), counts)
+    starts = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(keep[rows], out=starts[1:])
+    return Strings(Ragged(raw.values[raw.starts[0] : raw.starts[-1]][mask], starts))
 
 
 def image_folder(lst: ImageListing, image: str, extensions: tuple[str, ...] = IMG_EXTENSIONS) -> FolderSamples:
@@ -106,19 +109,13 @@ def image_folder(lst: ImageListing, image: str, extensions: tuple[str, ...] = IM
         raise SourceError(f"{image}: class folder {empty!r} holds no image ({', '.join(extensions)}); torchvision's "
                          "ImageFolder refuses it too: remove the folder from the image or add its images")
     _refuse_hard_links(lst, files, image)
-    keys = list(strip_tails(Strings(_take(lst.paths.raw, files)), ext_len[files]))
-    _refuse_repeats(keys, lst, files, image)
+    keys = keep_heads(lst.paths, files, ext_len[files])
+    repeat = keys.first_repeat()
+    if repeat is not None:
+        i, j = (int(files[k]) for k in repeat)
+        raise SourceError(f"{image}: {lst.paths[i]!r} and {lst.paths[j]!r} are both sample {keys[repeat[0]]!r} (a "
+                          "key is the path less its extension); rename one and re-make the image")
     return FolderSamples(files, keys, label, ext_len[files], classes)
-
-
-def _take(raw: Ragged, rows: np.ndarray) -> Ragged:
-    """The rows ``rows`` (ascending) of a ragged byte column, as a new column."""
-    a = raw.starts[rows]
-    n = raw.starts[rows + 1] - a
-    starts = np.zeros(len(rows) + 1, dtype=np.int64)
-    np.cumsum(n, out=starts[1:])
-    idx = np.repeat(a - starts[:-1], n) + np.arange(int(starts[-1]), dtype=np.int64)
-    return Ragged(raw.values[idx], starts)
 
 
 def _refuse_specials(lst: ImageListing, under: np.ndarray, image: str) -> None:
@@ -143,16 +140,4 @@ def _refuse_hard_links(lst: ImageListing, files: np.ndarray, image: str) -> None
                                  "hard links (mksquashfs stores files of equal bytes once by itself)")
 
 
-def _refuse_repeats(keys: list[str], lst: ImageListing, files: np.ndarray, image: str) -> None:
-    """Two samples of one key: files of one folder whose names differ only by their extension."""
-    if len(set(keys)) == len(keys):
-        return
-    seen: dict[str, int] = {}
-    for j, k in enumerate(keys):
-        i = seen.setdefault(k, j)
-        if i != j:
-            raise SourceError(f"{image}: {lst.paths[int(files[i])]!r} and {lst.paths[int(files[j])]!r} are both sample "
-                             f"{k!r} (a key is the path less its extension); rename one and re-make the image")
-
-
-__all__ = ["IMG_EXTENSIONS", "FolderSamples", "extension_lengths", "image_folder", "strip_tails"]
+__all__ = ["IMG_EXTENSIONS", "FolderSamples", "extension_lengths", "image_folder", "keep_heads"]
