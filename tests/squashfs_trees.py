@@ -71,6 +71,8 @@ def assert_reads(image: Path, files: dict[str, bytes], dirs: set[str] | None = N
     assert im.read_many(idx[::-1]) == [files[paths[i]] for i in idx[::-1].tolist()]
     for i in idx[:: max(1, len(idx) // 50)].tolist():  # by inode reference, without the listing
         assert im.read_ref(int(lst.inode_ref[i])) == files[paths[i]]
+    shuffled = idx[random.Random(1).sample(range(len(idx)), len(idx))]  # every file by reference, in bulk
+    assert im.read_refs(lst.inode_ref[shuffled]) == [files[paths[i]] for i in shuffled.tolist()]
     raw = idx[lst.raw_offset[idx] >= 0]
     with open(image, "rb") as f:
         for i in raw.tolist():

@@ -51,6 +51,7 @@ from stager.formats.squashfs.layout import (
 )
 from stager.formats.squashfs.listing import ImageListing, Piece, file_pieces
 from stager.formats.squashfs.meta import MetaTable, pread_exact, read_index, read_indexed, read_table
+from stager.formats.squashfs.refs import read_by_refs
 from stager.formats.squashfs.walk import walk
 
 _FRAGMENT_CACHE = 32  # decompressed fragment blocks kept (4 MiB at the default 128 KiB block size)
@@ -228,7 +229,7 @@ class SquashImage:
     def _meta_bytes(self, rel: int, offset: int, n: int, what: str) -> bytes:
         """``n`` uncompressed bytes of the inode table from reference ``(rel, offset)``: the block that
         starts ``rel`` bytes into the table on disk, then as many following blocks as they run into."""
-        data, nxt = self._meta_block(rel, what)
+        data, nxt = self.meta_block(rel, what)
         if offset + n <= len(data):
             return data[offset : offset + n]
         out = bytearray(data[offset:])
@@ -236,12 +237,13 @@ class SquashImage:
             if len(data) != METADATA_SIZE:
                 raise CorruptSampleError(f"{self.name}: {what} runs past the inode table's end; the image is "
                                          "damaged: re-copy or re-make it")
-            data, nxt = self._meta_block(nxt, what)
+            data, nxt = self.meta_block(nxt, what)
             out += data
         return bytes(out[:n])
 
-    def _meta_block(self, rel: int, what: str) -> tuple[bytes, int]:
-        """The uncompressed inode-table block ``rel`` bytes into the table, and where the next one starts."""
+    def meta_block(self, rel: int, what: str) -> tuple[bytes, int]:
+        """The uncompressed inode-table block ``rel`` bytes into the table (kept in a small LRU), and
+        where the next one starts; :class:`CorruptSampleError` naming ``what`` if there is none."""
         got = self._meta_cache.get(rel)
         if got is not None:
             self._meta_cache.move_to_end(rel)
@@ -271,16 +273,9 @@ class SquashImage:
         return self.read_pieces(pieces, size, f"inode {ref:#x}")
 
     def read_refs(self, refs: Sequence[int] | np.ndarray) -> list[bytes]:
-        """:meth:`read_ref` of many references, in the order given. Files are read grouped by the
-        block or fragment block they start in, so each block shared by several of them (small files'
-        tails share fragment blocks) is read and decompressed once."""
-        found = [self.ref_pieces(int(r)) for r in np.asarray(refs, dtype=np.int64).reshape(-1).tolist()]
-        order = sorted(range(len(found)), key=lambda k: found[k][1][0].offset if found[k][1] else -1)
-        out: list[bytes] = [b""] * len(found)
-        for k in order:
-            size, pieces = found[k]
-            out[k] = self.read_pieces(pieces, size, f"inode {int(refs[k]):#x}")
-        return out
+        """:meth:`read_ref` of many references, in the order given, a block at a time: each inode-table
+        and fragment block they share is read and decompressed once (:func:`~.refs.read_by_refs`)."""
+        return read_by_refs(self, np.asarray(refs, dtype=np.int64))
 
     def read(self, i: int) -> bytes:
         """The bytes of listing entry ``i`` (a regular file)."""
@@ -321,7 +316,7 @@ class SquashImage:
         out = bytearray()
         for p in pieces:
             if p.fragment:
-                block = self._fragment_block(p, what)
+                block = self.fragment_block(p, what)
                 if p.skip + p.length > len(block):
                     raise CorruptSampleError(f"{self.name}: {what!r}: its fragment holds {len(block)} bytes, not "
                                              f"{p.skip + p.length}; the image is damaged: re-copy or re-make it")
@@ -349,7 +344,8 @@ class SquashImage:
                                      f"bytes, not {p.length}; the image is damaged: re-copy or re-make it")
         return data
 
-    def _fragment_block(self, p: Piece, what: str) -> bytes:
+    def fragment_block(self, p: Piece, what: str) -> bytes:
+        """The uncompressed fragment block of piece ``p`` (kept in a small LRU)."""
         block = self._frag_cache.get(p.offset)
         if block is not None:
             self._frag_cache.move_to_end(p.offset)
