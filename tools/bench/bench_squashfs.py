@@ -3,15 +3,16 @@
     python tools/bench/bench_squashfs.py [--classes 10 --per-class 200] [--rounds 3]
         [--big-classes 1000 --big-per-class 1281] [--work /tmp/stager-bench-squashfs]
 
-1. **Read**: stager's loader (``make_numpy_loader``, ``decode="raw"``, one epoch, shuffled, in process)
+1. **Read**: stager's loader (``make_loader``, ``decode="raw"``, one epoch, shuffled, in process)
    over the same ImageNet-like JPEGs in tar shards, in uncompressed images (``stager pack --format
    squashfs --compression none``; and ``mksquashfs -noI -noD -noF -noX -no-fragments`` adopted with
    ``stager index``), and in a zstd image of mksquashfs's defaults (fragments, every block tried:
    the samples are read by inode and decompressed in process). Samples/s and CPU microseconds per
    sample (the process's user + sys, and its workers'), from the loader's creation to the epoch's end.
 2. **Against a mount**: the zstd image mounted with squashfuse and read the way users read it today,
-   one ``open()``/``read()`` per file in a shuffled order, in 1 process and in 2 worker processes,
-   against stager's loader over the same image (adopted in place) with 0 and 2 workers.
+   a torch ``DataLoader`` over an ImageFolder-like dataset (one ``open()``/``read()`` per file,
+   shuffled, batches of the files' bytes), in process and with 2 workers, against stager's loader over
+   the same image (adopted in place) with 0 and 2 workers.
 3. **Pack**: ``stager pack TREE OUT --format squashfs --compression C`` (a fresh process: listing,
    plan, hashing, one image) against ``mksquashfs TREE IMG -comp C`` (every core, its defaults), wall,
    CPU and image bytes.
@@ -48,49 +49,48 @@ PY = sys.executable
 
 LOADER = """
 import json, resource, sys, time
-from stager.loader import make_numpy_loader
+from stager.loader import make_loader
 path, workers = sys.argv[1], int(sys.argv[2])
 def cpu():
     return sum(getattr(resource.getrusage(w), f) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
                for f in ("ru_utime", "ru_stime"))
 c0 = cpu()
 t = time.perf_counter()
-ld = make_numpy_loader(path, 256, rank=0, world_size=1, decode="raw", staged=False, num_workers=workers,
-                       multiprocessing_context="fork", seed=1)
+ld = make_loader(path, 256, rank=0, world_size=1, decode="raw", staged=False, num_workers=workers,
+                 multiprocessing_context="fork", seed=1)
 n = sum(len(b["key"]) for b in ld)
 ld.close()
 wall = time.perf_counter() - t
 print(json.dumps({"n": n, "wall": wall, "cpu": cpu() - c0}))
 """
 
+# What users do today: an ImageFolder-like Dataset over the mount, one open()/read() per file, batches of
+# the files' bytes through a torch DataLoader (its workers send them to the training process).
 MOUNT_READ = """
-import json, os, random, resource, sys, time
-from multiprocessing import get_context
+import json, os, resource, sys, time
+import torch
+from torch.utils.data import DataLoader, Dataset
 root, workers = sys.argv[1], int(sys.argv[2])
-
-def read(paths):
-    n = 0
-    for p in paths:
-        with open(p, "rb") as f:
-            n += len(f.read())
-    return n
-
 def cpu():
     return sum(getattr(resource.getrusage(w), f) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
                for f in ("ru_utime", "ru_stime"))
-paths = sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs)
-random.Random(1).shuffle(paths)
+
+class Files(Dataset):
+    def __init__(self, root):
+        self.paths = sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs)
+    def __len__(self):
+        return len(self.paths)
+    def __getitem__(self, i):
+        with open(self.paths[i], "rb") as f:
+            return f.read()
+
 c0 = cpu()
 t = time.perf_counter()
-batches = [paths[a : a + 256] for a in range(0, len(paths), 256)]
-if workers:
-    with get_context("fork").Pool(workers) as pool:
-        list(pool.imap(read, batches))
-else:
-    for b in batches:
-        read(b)
+dl = DataLoader(Files(root), batch_size=256, shuffle=True, num_workers=workers, collate_fn=list,
+                generator=torch.Generator().manual_seed(1), multiprocessing_context="fork" if workers else None)
+n = sum(len(b) for b in dl)
 wall = time.perf_counter() - t
-print(json.dumps({"n": len(paths), "wall": wall, "cpu": cpu() - c0}))
+print(json.dumps({"n": n, "wall": wall, "cpu": cpu() - c0}))
 """
 
 FIRST_BATCH = """
