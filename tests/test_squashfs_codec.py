@@ -12,12 +12,12 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import random
 import shutil
 import socket
 import stat
 import subprocess
 import sys
-import random
 import tarfile
 from pathlib import Path
 
