@@ -12,7 +12,8 @@ read (a file of thousands of blocks) are decoded alone (:meth:`SquashImage.ref_p
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -30,16 +31,36 @@ from stager.formats.squashfs.layout import (
     REG,
     REG_DTYPE,
     REG_INODE,
+    Superblock,
     split_ref,
 )
 from stager.formats.squashfs.listing import ImageListing, Piece, raw_offsets
 from stager.manifest.table import Ragged, Strings
 
-if TYPE_CHECKING:
-    from stager.formats.squashfs.reader import SquashImage
+
+class RefImage(Protocol):
+    """What the reads by reference use of :class:`~stager.formats.squashfs.reader.SquashImage` (which
+    imports this module: a protocol, not an import, keeps the two out of a cycle)."""
+
+    name: str
+    superblock: Superblock
+    fragments: np.ndarray
+
+    @property
+    def block_size(self) -> int: ...
+
+    def fd(self) -> int: ...
+
+    def meta_block(self, rel: int, what: str) -> tuple[bytes, int]: ...
+
+    def read_ref(self, ref: int) -> bytes: ...
+
+    def read_pieces(self, pieces: Sequence[Piece], size: int, what: str) -> bytes: ...
+
+    def fragment_block(self, p: Piece, what: str) -> bytes: ...
 
 
-def _windows(im: SquashImage, blocks: np.ndarray) -> tuple[np.ndarray, dict[int, int], dict[int, int]]:
+def _windows(im: RefImage, blocks: np.ndarray) -> tuple[np.ndarray, dict[int, int], dict[int, int]]:
     """The inode-table blocks at ``blocks`` (table-relative disk offsets, unique), each followed by the
     block after it, back to back in one padded buffer: ``(buffer, {block: its start in the buffer},
     {block: its window's length})``."""
@@ -58,7 +79,7 @@ def _windows(im: SquashImage, blocks: np.ndarray) -> tuple[np.ndarray, dict[int,
     return buf, base, size
 
 
-def decode_refs(im: SquashImage, refs: np.ndarray) -> tuple[ImageListing, np.ndarray]:
+def decode_refs(im: RefImage, refs: np.ndarray) -> tuple[ImageListing, np.ndarray]:
     """The regular files whose inodes are at ``refs`` as an :class:`ImageListing` (their bytes: its
     ``pieces``/``raw_offset``), and a bool mask of those whose inode ran past the two blocks read
     (to be decoded alone)."""
@@ -124,7 +145,7 @@ def _spread(part: Inodes, rows: np.ndarray, n: int) -> Inodes:
                   np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
 
 
-def read_by_refs(im: SquashImage, refs: np.ndarray) -> list[bytes]:
+def read_by_refs(im: RefImage, refs: np.ndarray) -> list[bytes]:
     """The bytes of the regular files whose inodes are at ``refs`` (int64), in that order."""
     refs = np.asarray(refs, dtype=np.int64).reshape(-1)
     out: list[bytes] = [b""] * len(refs)
@@ -151,7 +172,7 @@ def read_by_refs(im: SquashImage, refs: np.ndarray) -> list[bytes]:
     return out
 
 
-def _read_tails(im: SquashImage, lst: ImageListing, rows: np.ndarray, refs: np.ndarray, out: list[bytes]) -> None:
+def _read_tails(im: RefImage, lst: ImageListing, rows: np.ndarray, refs: np.ndarray, out: list[bytes]) -> None:
     """Files that are only a tail in a fragment block: each block decompressed once, the files sliced."""
     if not len(rows):
         return
