@@ -77,6 +77,9 @@ def test_fit_sees_each_sample_once_per_epoch(packed: Path, tmp_path: Path, backe
         assert len(rank["loss"]) == 2
 
 
+# The model's step is the same whatever the shards are: once, over tar (the squashfs-index set's
+# batches reach Keras in test_fit_sees_each_sample_once_per_epoch).
+@pytest.mark.parametrize("packed", ["tar"], indirect=True)
 @pytest.mark.parametrize("backend", [pytest.param("torch", marks=needs_keras),
                                      pytest.param("tensorflow", marks=[*BACKENDS[1].marks, pytest.mark.slow])])
 def test_train_keras_resnet50v2_runs_a_few_steps(packed: Path, backend: str) -> None:
@@ -89,6 +92,7 @@ def test_train_keras_resnet50v2_runs_a_few_steps(packed: Path, backend: str) -> 
 
 
 @needs_keras
+@pytest.mark.parametrize("packed", ["tar"], indirect=True)  # a usage error: the shards do not matter
 def test_a_mapping_naming_a_missing_field_is_one_line(packed: Path) -> None:
     r = _run("torch", "tools/train_keras.py", "--data", str(packed), "--x", "pixels", "--workers", "0")
     assert r.returncode == 2
