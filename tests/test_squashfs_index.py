@@ -25,7 +25,7 @@ from stager.index import IndexOptions, index_dataset
 from stager.loader import make_numpy_loader
 from stager.manifest import load_manifest
 from stager.shardcheck import verify
-from tests.squashfs_trees import HAVE_TOOLS, mksquashfs
+from tests.squashfs_trees import HAVE_TOOLS, fuse_unusable, mksquashfs
 from tools.datagen import make_imagefolder, png_bytes
 
 pytestmark = pytest.mark.skipif(not HAVE_TOOLS, reason="needs squashfs-tools: apt-get install squashfs-tools")
@@ -113,6 +113,37 @@ def test_a_directory_of_images_is_one_dataset(tree: tuple[Path, dict[str, bytes]
     m = load_manifest(tmp_path / "idx")
     assert len(m.shards) == 3 and m.classes == classes
     assert {k: v for k, (_, v) in _read_all(tmp_path / "idx").items()} == samples
+
+
+def test_an_adopted_image_is_staged_verified_read_there_and_mounted(tree: tuple[Path, dict[str, bytes], list[str]],
+                                                                     tmp_path: Path) -> None:
+    """``stager stage`` of an index copies the image (not a stager pack) into DEST, verified as any shard;
+    the loader then reads the staged copy, and ``--mount`` shows the tree ImageFolder expects."""
+    root, samples, classes = tree
+    (tmp_path / "img").mkdir()
+    mksquashfs(root, tmp_path / "img" / "train.sqfs", "-comp", "zstd")
+    index_dataset(tmp_path / "img", tmp_path / "idx", IndexOptions())
+    dest = tmp_path / "node" / "ds"
+    r = _stager("stage", str(tmp_path / "idx"), str(dest), "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["files_copied"] >= 1, r.stderr
+    assert (dest / "train.sqfs").read_bytes() == (tmp_path / "img" / "train.sqfs").read_bytes()
+    assert load_manifest(dest).shard_root is None
+    (tmp_path / "img").rename(tmp_path / "away")  # the loader must read the staged copy: the original is gone
+    ld = make_numpy_loader(tmp_path / "idx", 7, rank=0, world_size=1, decode="raw", seed=3, drop_last=False,
+                           staging_roots=(str(tmp_path / "node"),))
+    assert ld.stats()["staged"]
+    assert {k: bytes(v) for b in ld for k, v in zip(b["key"], b["image"], strict=True)} == samples
+    ld.close()
+    why = fuse_unusable()
+    if why:
+        pytest.skip(why)
+    r = _stager("stage", str(tmp_path / "idx"), str(dest), "--mount")
+    assert r.returncode == 0, r.stderr
+    point = dest / "mnt" / "train"
+    assert sorted(p.name for p in point.iterdir() if p.is_dir()) == classes
+    assert {str(p.relative_to(point).with_suffix("")): p.read_bytes() for p in point.rglob("*")
+            if p.suffix.lower() in (".jpg", ".jpeg", ".png") and p.parent.name != point.name} == samples
+    assert _stager("clean", str(dest)).returncode == 0 and not point.exists()
 
 
 def test_label_key_none_and_image_key(tree: tuple[Path, dict[str, bytes], list[str]], tmp_path: Path) -> None:
