@@ -25,6 +25,7 @@ from stager.index import IndexOptions, index_dataset
 from stager.loader import make_numpy_loader
 from stager.manifest import load_manifest
 from stager.shardcheck import verify
+from stager.stage.mount import mount_points
 from tests.squashfs_trees import HAVE_TOOLS, fuse_unusable, mksquashfs
 from tools.datagen import make_imagefolder, png_bytes
 
@@ -137,13 +138,17 @@ def test_an_adopted_image_is_staged_verified_read_there_and_mounted(tree: tuple[
     why = fuse_unusable()
     if why:
         pytest.skip(why)
-    r = _stager("stage", str(tmp_path / "idx"), str(dest), "--mount")
-    assert r.returncode == 0, r.stderr
-    point = dest / "mnt" / "train"
-    assert sorted(p.name for p in point.iterdir() if p.is_dir()) == classes
-    assert {str(p.relative_to(point).with_suffix("")): p.read_bytes() for p in point.rglob("*")
-            if p.suffix.lower() in (".jpg", ".jpeg", ".png") and p.parent.name != point.name} == samples
-    assert _stager("clean", str(dest)).returncode == 0 and not point.exists()
+    try:
+        r = _stager("stage", str(tmp_path / "idx"), str(dest), "--mount")
+        assert r.returncode == 0, r.stderr
+        point = dest / "mnt" / "train"
+        assert sorted(p.name for p in point.iterdir() if p.is_dir()) == classes
+        assert {str(p.relative_to(point).with_suffix("")): p.read_bytes() for p in point.rglob("*")
+                if p.suffix.lower() in (".jpg", ".jpeg", ".png") and p.parent.name != point.name} == samples
+        assert _stager("clean", str(dest)).returncode == 0 and not point.exists()
+    finally:  # a failure half-way leaves nothing mounted
+        for p in mount_points(tmp_path):
+            subprocess.run(["fusermount3", "-u", "-z", p], check=False, capture_output=True)
 
 
 def test_label_key_none_and_image_key(tree: tuple[Path, dict[str, bytes], list[str]], tmp_path: Path) -> None:
