@@ -22,7 +22,6 @@ import pytest
 from stager.errors import UsageError
 from stager.loader.mapping import BatchMapping
 from stager.pack import pack
-from tests.squashfs_trees import HAVE_TOOLS, mksquashfs_of_pack
 from tools.datagen import make_cifar
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,19 +36,12 @@ BACKENDS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["tar", "squashfs-index"])
-def packed(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
-    """The CIFAR set packed as tar; and as SquashFS images made by mksquashfs (zstd, fragments), adopted
-    with ``stager index``: samples read through their inodes, decompressed in the workers."""
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("keras")
     src = make_cifar(root, n_train=N, n_test=4, seed=6)
-    if request.param == "tar":
-        pack(src, root / "packed", samples_per_shard=16, split="train")
-        return root / "packed"
-    if not HAVE_TOOLS:
-        pytest.skip("needs squashfs-tools: apt-get install squashfs-tools")
-    pack(src, root / "sqfs", "squashfs", samples_per_shard=40, split="train")
-    return mksquashfs_of_pack(root / "sqfs", root / "packed", "-comp", "zstd")
+    pack(src, root / "packed", samples_per_shard=16, split="train")
+    return root / "packed"
 
 
 def _run(backend: str, *args: str, timeout: float = 280) -> subprocess.CompletedProcess[str]:
@@ -77,9 +69,6 @@ def test_fit_sees_each_sample_once_per_epoch(packed: Path, tmp_path: Path, backe
         assert len(rank["loss"]) == 2
 
 
-# The model's step is the same whatever the shards are: once, over tar (the squashfs-index set's
-# batches reach Keras in test_fit_sees_each_sample_once_per_epoch).
-@pytest.mark.parametrize("packed", ["tar"], indirect=True)
 @pytest.mark.parametrize("backend", [pytest.param("torch", marks=needs_keras),
                                      pytest.param("tensorflow", marks=[*BACKENDS[1].marks, pytest.mark.slow])])
 def test_train_keras_resnet50v2_runs_a_few_steps(packed: Path, backend: str) -> None:
@@ -92,7 +81,6 @@ def test_train_keras_resnet50v2_runs_a_few_steps(packed: Path, backend: str) -> 
 
 
 @needs_keras
-@pytest.mark.parametrize("packed", ["tar"], indirect=True)  # a usage error: the shards do not matter
 def test_a_mapping_naming_a_missing_field_is_one_line(packed: Path) -> None:
     r = _run("torch", "tools/train_keras.py", "--data", str(packed), "--x", "pixels", "--workers", "0")
     assert r.returncode == 2

@@ -229,12 +229,18 @@ def test_a_compressor_without_its_package_names_the_package(tree: tuple[Path, di
 
 def test_conversion_of_an_image_to_every_format(tree: tuple[Path, dict[str, bytes], list[str]],
                                                 tmp_path: Path) -> None:
-    """``stager pack IMAGE OUT --format F``: the image is indexed in memory and its samples written."""
+    """``stager pack IMAGE OUT --format F``: the image is indexed in memory and its samples written (the
+    command line once; the other formats in process, the same code without an interpreter each)."""
+    from stager.pack import pack
+
     root, samples, classes = tree
     image = mksquashfs(root, tmp_path / "train.sqfs", "-comp", "zstd")
     for fmt in ("tar", "record", "hdf5", "squashfs"):
-        r = _stager("pack", str(image), str(tmp_path / fmt), "--format", fmt, "-q")
-        assert r.returncode == 0, (fmt, r.stderr)
+        if fmt == "tar":
+            r = _stager("pack", str(image), str(tmp_path / fmt), "--format", fmt, "-q")
+            assert r.returncode == 0, (fmt, r.stderr)
+        else:
+            pack(image, tmp_path / fmt, fmt)
         m = load_manifest(tmp_path / fmt)
         assert m.classes == classes and m.num_samples == len(samples)
         got = _read_all(tmp_path / fmt)
