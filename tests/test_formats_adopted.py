@@ -1,7 +1,7 @@
-"""The read-only formats (parquet, MXNet RecordIO, LMDB) against the reader conformance suite.
+"""The formats stager adopts (parquet, MXNet RecordIO, LMDB, SquashFS images) against the reader conformance suite.
 
 Each class writes its container with another tool (pyarrow, tools/datagen.py's RecordIO writer of
-dmlc-core's framing, liblmdb through py-lmdb with Caffe ``Datum`` values), adopts it with ``stager
+dmlc-core's framing, liblmdb through py-lmdb with Caffe ``Datum`` values, mksquashfs), adopts it with ``stager
 index`` in place, and runs :class:`stager.testing.formats.ReaderTests` on the result: keys, labels and
 payloads back through ``iter_samples`` and ``read``, payloads at their byte extents where the shard
 declares ``bytes`` extents, a missing or truncated shard reported as our error.
@@ -9,6 +9,8 @@ declares ``bytes`` extents, a missing or truncated shard reported as our error.
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -116,3 +118,39 @@ class TestLmdb(AdoptedTests):
             for i, s in enumerate(samples):  # keys in B-tree order: the order of data.mdb's leaves
                 txn.put(f"{i:08d}".encode(), caffe_datum(bytes(s.data), s.label))
         env.close()
+
+
+@pytest.mark.skipif(shutil.which("mksquashfs") is None, reason="needs squashfs-tools: apt-get install squashfs-tools")
+class TestSquashfs(AdoptedTests):
+    """An ImageFolder tree made into an image by mksquashfs with its defaults (gzip, fragments, duplicate
+    detection): PNGs that compress are read through their inodes (``extents: inodes``)."""
+
+    format_name = "squashfs"
+    mksquashfs_options: tuple[str, ...] = ()
+
+    def write_shard(self, out: Path, samples: Sequence[Sample], **options: Any) -> tuple[Manifest, list[Sample]]:
+        # The image lists class by class, files by name: the samples in that order.
+        ordered = sorted(samples, key=lambda s: (s.label, s.key))
+        m, got = super().write_shard(out, ordered, **options)
+        assert [k.split("/")[0] for k in m.shards[0].keys] == [f"c{s.label}" for s in ordered]
+        return m, got
+
+    def write_container(self, out: Path, samples: Sequence[Sample]) -> None:
+        tree = out.parent / f"{out.name}-tree"
+        for s in samples:
+            p = tree / f"c{s.label}" / f"{s.key}.{s.ext}"
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_bytes(bytes(s.data))
+        subprocess.run(["mksquashfs", str(tree), str(out / "a.sqfs"), "-noappend", "-quiet", "-no-progress",
+                        *self.mksquashfs_options], check=True, stdout=subprocess.DEVNULL)
+        shutil.rmtree(tree)
+
+
+class TestSquashfsUncompressed(TestSquashfs):
+    """``-noD -no-fragments``: every file one stored range (``extents: bytes``), read like a tar member."""
+
+    mksquashfs_options = ("-noD", "-no-fragments")
+
+    def test_uncompressed_files_are_byte_ranges(self, tmp_path: Path) -> None:
+        m, _ = self.write_shard(tmp_path, self.samples(5))
+        assert m.shards[0].extents == "bytes"

@@ -1,13 +1,16 @@
 """End-to-end loader tests in one process: every format, resume, errors, staging, ImageFolder, URLs.
 
 Data: 1,001 tiny JPEGs in 7 classes (143 each), packed in class order (``keep_order=True``) into
-shards of 50 samples (21 shards, the last one short), once per format for the module.
+shards of 50 samples (21 shards, the last one short), once per format for the module; and the same
+tree made into three SquashFS images by mksquashfs (gzip, fragments: the samples are read through
+their inodes) and adopted with ``stager index --out`` (``squashfs-index``).
 """
 
 from __future__ import annotations
 
 import logging
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +19,7 @@ import pytest
 import torch
 
 from stager.errors import CorruptSampleError, ShardMissingError, UsageError, VerificationError
+from stager.index import IndexOptions, index_dataset
 from stager.loader import make_loader
 from stager.manifest import load_manifest
 from stager.pack import pack
@@ -23,7 +27,8 @@ from tools.bench.shuffle_quality import tv_metric
 from tools.datagen import make_imagefolder
 
 N, CLASSES = 1001, 7
-FORMATS = ("tar", "record", "hdf5", "zarr")
+FORMATS = ("tar", "record", "hdf5", "zarr", "squashfs", "squashfs-index")
+HAVE_MKSQUASHFS = shutil.which("mksquashfs") is not None
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +43,28 @@ def packed(src: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pat
     base = tmp_path_factory.mktemp("loader_packed")
     out = {}
     for fmt in FORMATS:
+        if fmt == "squashfs-index":
+            out[fmt] = adopted_images(src, base / "images", base / fmt)
+            continue
         resize = (8, 8) if fmt == "zarr" else None
         pack(src, base / fmt, fmt, samples_per_shard=50, keep_order=True, resize=resize)
         out[fmt] = base / fmt
     return out
+
+
+def adopted_images(src: Path, images: Path, index: Path) -> Path:
+    """The tree as three mksquashfs images (classes 0-2, 3-4, 5-6), indexed into ``index`` (``--out``)."""
+    if not HAVE_MKSQUASHFS:
+        pytest.skip("needs squashfs-tools: apt-get install squashfs-tools")
+    classes = sorted(p.name for p in src.iterdir())
+    images.mkdir()
+    for i, part in enumerate((classes[:3], classes[3:5], classes[5:])):
+        cmd = ["mksquashfs", *(str(src / c) for c in part), str(images / f"part-{i}.sqfs"), "-quiet", "-no-progress"]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    index_dataset(images, index, IndexOptions())
+    m = load_manifest(index)
+    assert m.num_samples == N and {s.extents for s in m.shards} == {"inodes"}
+    return index
 
 
 def epoch_batches(loader: Any) -> list[list[int]]:
@@ -121,7 +144,8 @@ def test_worker_batches_held_by_the_consumer_are_never_overwritten(packed: dict[
             assert torch.equal(got["image"], want["image"])
 
 
-@pytest.mark.parametrize(("fmt", "workers"), [("tar", 2), ("record", 0), ("hdf5", 0), ("zarr", 1)])
+@pytest.mark.parametrize(("fmt", "workers"), [("tar", 2), ("record", 0), ("hdf5", 0), ("zarr", 1), ("squashfs", 2),
+                                              ("squashfs-index", 2)])
 def test_resume_mid_epoch_every_format(packed: dict[str, Path], fmt: str, workers: int) -> None:
     """A fresh loader given state_dict() after c batches yields exactly the rest (c = start/middle/last)."""
     kw: dict[str, Any] = {"rank": 1, "world_size": 3, "num_workers": workers, "decode": "raw", "seed": 11}
@@ -163,29 +187,30 @@ def test_resume_state_is_typed_and_checked(packed: dict[str, Path]) -> None:
         a.load_state_dict({**state, "version": 99})
 
 
-def test_elastic_resume_same_global_batch(packed: dict[str, Path]) -> None:
+@pytest.mark.parametrize("fmt", ["record", "squashfs-index"])  # byte ranges; samples decompressed by inode
+def test_elastic_resume_same_global_batch(packed: dict[str, Path], fmt: str) -> None:
     """World 2 x batch 6 for 40 batches, then world 1 x batch 12: nothing repeated, nothing lost."""
     kw: dict[str, Any] = {"decode": "raw", "staged": False, "seed": 4, "shuffle_buffer": 30}
     consumed: list[int] = []
     state = None
     for r in range(2):
-        old = make_loader(packed["record"], 6, rank=r, world_size=2, num_workers=2, **kw)
+        old = make_loader(packed[fmt], 6, rank=r, world_size=2, num_workers=2, **kw)
         it = iter(old)
         for _ in range(40):
             consumed += next(it)["index"].tolist()
         state = old.state_dict()
     assert state is not None
-    new = make_loader(packed["record"], 12, rank=0, world_size=1, num_workers=1, **kw)
+    new = make_loader(packed[fmt], 12, rank=0, world_size=1, num_workers=1, **kw)
     new.load_state_dict(state)
     rest = [i for batch in epoch_batches(new) for i in batch]
     assert sorted(consumed + rest) == list(range(N))
     # The resumed epoch can itself be checkpointed and resumed (the state records its parent).
-    again = make_loader(packed["record"], 12, rank=0, world_size=1, num_workers=1, **kw)
+    again = make_loader(packed[fmt], 12, rank=0, world_size=1, num_workers=1, **kw)
     again.load_state_dict(state)
     it = iter(again)
     part = next(it)["index"].tolist()
     s2 = again.state_dict()
-    third = make_loader(packed["record"], 12, rank=0, world_size=1, num_workers=1, **kw)
+    third = make_loader(packed[fmt], 12, rank=0, world_size=1, num_workers=1, **kw)
     third.load_state_dict(s2)
     assert sorted(consumed + part + [i for b in epoch_batches(third) for i in b]) == list(range(N))
 

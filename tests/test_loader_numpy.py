@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from stager.pack import pack
+from tests.squashfs_trees import HAVE_TOOLS, mksquashfs_of_pack
 from tools.datagen import make_cifar
 
 N = 120
@@ -75,12 +76,19 @@ if __name__ == "__main__":
 '''
 
 
-@pytest.fixture(scope="module")
-def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+@pytest.fixture(scope="module", params=["tar", "squashfs-index"])
+def packed(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
+    """The CIFAR set packed as tar; and as SquashFS images made by mksquashfs (zstd, fragments), adopted
+    with ``stager index``: samples read through their inodes, decompressed in the workers."""
     root = tmp_path_factory.mktemp("npl")
     src = make_cifar(root, n_train=N, n_test=4, seed=5)
-    pack(src, root / "packed", samples_per_shard=16, split="train")
-    return root / "packed"
+    if request.param == "tar":
+        pack(src, root / "packed", samples_per_shard=16, split="train")
+        return root / "packed"
+    if not HAVE_TOOLS:
+        pytest.skip("needs squashfs-tools: apt-get install squashfs-tools")
+    pack(src, root / "sqfs", "squashfs", samples_per_shard=40, split="train")
+    return mksquashfs_of_pack(root / "sqfs", root / "packed", "-comp", "zstd")
 
 
 def _ids(loader: Any) -> list[list[int]]:

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from stager.errors import ManifestError, ShardMissingError
 from stager.manifest import (
@@ -274,3 +276,25 @@ def test_strings_take_over_many_rows_in_chunks() -> None:
     s = Strings.from_strings(words)
     for rows in (rng.integers(0, len(words), 7001), np.arange(len(words))[::-1], np.full(4097, 5)):
         assert s.take(rows) == [words[i] for i in rows.tolist()]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.text(alphabet=st.sampled_from("ab/.é\0"), max_size=6), max_size=40), st.integers(0, 3))
+def test_first_repeat_finds_the_first_string_seen_twice(items: list[str], cut: int) -> None:
+    """``Strings.first_repeat`` (vectorised hashing, exact comparison) agrees with a dict over the strings,
+    also for a column sliced out of a longer one."""
+    col = Strings.from_strings(["pad"] * cut + items)[cut:]
+    seen: dict[str, int] = {}
+    want = None
+    for j, k in enumerate(items):
+        i = seen.setdefault(k, j)
+        if i != j:
+            want = (i, j)
+            break
+    assert col.first_repeat() == want
+
+
+def test_first_repeat_hashes_strings_longer_than_a_chunk() -> None:
+    long = "x" * (3 << 16)
+    assert Strings.from_strings([long, long[:-1] + "y", "z", long]).first_repeat() == (0, 3)
+    assert Strings.from_strings([long, long[:-1] + "y", "z"]).first_repeat() is None

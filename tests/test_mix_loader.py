@@ -21,6 +21,7 @@ import torch
 from stager.errors import ShardMissingError, SourceNotFoundError, UsageError
 from stager.loader import Stream, make_loader, make_numpy_loader
 from stager.mix import Mix
+from tools.datagen import make_imagefolder
 
 FIVE = ("tar", "record", "hdf5", "zarr", "wds")
 
@@ -418,3 +419,49 @@ def test_window_and_gather_orders_are_the_stable_sorts(streams: int) -> None:
         inv[key] = np.arange(len(slots))
         starts = np.concatenate([[0], np.cumsum(sizes)])
         np.testing.assert_array_equal(gather_order(order, slots, counts), inv - starts[batch])
+
+
+def test_squashfs_streams_mix_each_draw_once_and_resume_exactly(mix_sets: dict[str, Path], tmp_path: Path) -> None:
+    """A packed SquashFS stream (JPEGs as byte ranges) and a mksquashfs image adopted with `stager index`
+    (zstd, fragments: read by inode) beside tar: every drawn item read once per epoch, equal batches per
+    rank, and a resumed loader gives the rest exactly (workers decompress in their own processes)."""
+    from stager.pack import pack
+    from tests.squashfs_trees import HAVE_TOOLS, mksquashfs_of_pack
+
+    if not HAVE_TOOLS:
+        pytest.skip("needs squashfs-tools: apt-get install squashfs-tools")
+    src = make_imagefolder(tmp_path / "src", num_classes=2, per_class=11, seed=36, size=(12, 10))
+    pack(src, tmp_path / "sq", "squashfs", samples_per_shard=8)
+    mksquashfs_of_pack(tmp_path / "sq", tmp_path / "img", "-comp", "zstd")
+    mix = [(str(mix_sets["tar"]), 2), (str(tmp_path / "sq"), 1), (str(tmp_path / "img"), 1)]
+    kw: dict[str, Any] = {"decode": "raw", "staged": False, "seed": 4, "num_workers": 2}
+    got: Counter[tuple[int, int]] = Counter()
+    lens = set()
+    pads = 0
+    for r in range(2):
+        ld = make_loader(mix, 6, rank=r, world_size=2, **kw)
+        ld.set_epoch(1)
+        batches = stream_ids(ld)
+        lens.add(tuple(len(s) for s, _ in batches))
+        got += tally(batches)
+        pads += ld.stats()["padded"]
+    assert len(lens) == 1, "every rank has the same batches and sizes"
+    want = draws(ld, 1)
+    assert not (want - got), "every drawn item is read"
+    assert sum((got - want).values()) == pads <= 3, "only padding repeats"
+    full = make_loader(mix, 6, rank=1, world_size=2, **kw)
+    full.set_epoch(2)
+    ref = stream_ids(full)
+    part = make_loader(mix, 6, rank=1, world_size=2, **kw)
+    part.set_epoch(2)
+    head = []
+    for b in part:
+        head.append((np.asarray(b["stream"]).tolist(), np.asarray(b["index"]).tolist()))
+        if len(head) == 3:
+            break
+    resumed = make_loader(mix, 6, rank=1, world_size=2, **kw)
+    resumed.load_state_dict(part.state_dict())
+    resumed.set_epoch(2)
+    assert head + stream_ids(resumed) == ref
+    for x in (ld, full, part, resumed):
+        x.close()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import random
 import shutil
 import socket
 import stat
@@ -184,3 +185,21 @@ def test_imagenet_shaped_listing_uses_the_chains(tmp_path: Path) -> None:
         lst = im.listing()
         files = [lst.paths[int(i)] for i in lst.files()]
     assert files == theirs  # class by class, names sorted: ImageFolder's order
+
+
+def test_bulk_reads_by_reference_of_inodes_that_span_metadata_blocks(tmp_path: Path) -> None:
+    """At 4 KiB blocks a 40 MB file's inode lists 10,000 block sizes (40 KB, five metadata blocks): read
+    in bulk by reference (read_refs) beside small files, it is decoded on its own and reads back exact."""
+    src = tmp_path / "src"
+    rng = random.Random(3)
+    files = {"big/huge.bin": rng.randbytes(40 << 20), **{f"small/s{i:03d}.txt": b"x%d" % i * rng.randrange(1, 300)
+                                                          for i in range(300)}}
+    for rel, data in files.items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_bytes(data)
+    image = mksquashfs(src, tmp_path / "img.sqfs", "-b", "4K", "-comp", "zstd")
+    with SquashImage(image) as im:
+        lst = im.listing()
+        idx = lst.files()
+        order = idx[::-1]
+        assert im.read_refs(lst.inode_ref[order]) == [files[lst.paths[int(i)]] for i in order.tolist()]

@@ -337,7 +337,7 @@ def test_options_are_validated_once_and_the_api_signatures_are_kept(tmp_path: Pa
 
     assert list(inspect.signature(stage).parameters) == [
         "src", "dest", "workers", "unpack", "partition", "shared", "node", "num_nodes", "ranks_per_node", "seed",
-        "json", "quiet", "timeout", "unpack_dir", "storage_options", "tuning", "fsync", "repair"]
+        "json", "quiet", "timeout", "unpack_dir", "storage_options", "tuning", "fsync", "repair", "mount"]
     assert list(inspect.signature(stage_collective).parameters) == [
         "src", "dest", "partition", "node", "num_nodes", "ranks_per_node", "seed", "timeout", "fallback", "backend",
         "chunk_bytes", "memory_bytes", "master_addr", "master_port", "quiet", "storage_options"]

@@ -1,5 +1,5 @@
-"""``stager index SRC [--out DIR]``: a manifest for existing webdataset tars, TFRecords, parquet, MXNet RecordIO
-or LMDB (docs/index.md)."""
+"""``stager index SRC [--out DIR]``: a manifest for existing webdataset tars, TFRecords, parquet, MXNet RecordIO,
+LMDB or SquashFS images (docs/index.md)."""
 
 from __future__ import annotations
 
@@ -13,15 +13,17 @@ from stager.formats import ADOPTED_FORMATS  # the format registry alone: neither
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "index",
-        help="adopt existing webdataset tars, TFRecords, parquet, MXNet .rec or LMDB in place (write a manifest)",
-        description="Scan existing shards (a directory of .tar, TFRecord, .parquet or MXNet .rec files, or an LMDB "
-        "directory holding data.mdb) and write a stager "
+        help="adopt existing webdataset tars, TFRecords, parquet, MXNet .rec, LMDB or SquashFS images in place "
+        "(write a manifest)",
+        description="Scan existing shards (a directory of .tar, TFRecord, .parquet or MXNet .rec files, an LMDB "
+        "directory holding data.mdb, or SquashFS images of ImageFolder trees) and write a stager "
         "manifest for them: sizes, checksums and every image's byte extent, so that verify, stage, pack and the "
         "loader work on them without rewriting a byte. Reruns resume.",
         epilog=examples(
             "stager index /data/imagenet-wds -j 8   # webdataset tars: manifest.json written beside them",
             "stager index /shared/ro/tfrecords --out ~/imagenet-idx --label-offset -1   # read-only SRC",
             "stager index s3://bucket/shards --out idx/ --storage-option anon=true",
+            "stager index /shared/imagenet-train.sqfs --out ~/imagenet-idx   # an image made by mksquashfs",
         ),
     )
     p.add_argument("src", metavar="SRC", help="directory of shards (or one shard file); or a URL prefix of shard "
@@ -32,10 +34,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--format", default="auto", choices=("auto", *ADOPTED_FORMATS), help="input kind (default: auto)")
     p.add_argument("--image-key", default=None, metavar="KEY",
                    help="the image: tar member field(s) 'jpg;png' (default: the one image-type member), "
-                   "TFRecord feature (default image/encoded), parquet column (default image); not for .rec/LMDB")
+                   "TFRecord feature (default image/encoded), parquet column (default image), SquashFS sample file "
+                   "extensions 'jpg;png' (default: ImageFolder's); not for .rec/LMDB")
     p.add_argument("--label-key", default=None, metavar="KEY",
                    help="the label: tar cls|txt|json|json:FIELD (default cls), TFRecord feature (default "
-                   "image/class/label), parquet column (default label), .rec/LMDB label; 'none' for unlabeled data")
+                   "image/class/label), parquet column (default label), .rec/LMDB label, SquashFS folder (the "
+                   "top-level folders); 'none' for unlabeled data")
     p.add_argument("--lmdb-layout", default="auto", choices=("auto", "caffe", "pickle"),
                    help="what LMDB values hold: caffe Datums or pickled (image bytes, label) tuples (default: sniffed)")
     p.add_argument("--label-offset", type=int, default=0, metavar="N",

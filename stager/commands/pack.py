@@ -18,7 +18,8 @@ from stager.cli.args import (
 )
 from stager.cli.result import CommandResult
 from stager.errors import UsageError
-from stager.formats import FORMAT_NAMES  # the format registry alone: neither numpy nor a format module
+from stager.formats import FORMAT_NAMES, FORMAT_SPECS  # the format registry alone: neither numpy nor a format module
+from stager.formats.registry import COMPRESSIONS
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -33,6 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
             "stager pack labels.csv out/ --format hdf5 --samples-per-shard 10000   # a list file: path,label",
             "stager pack out/ converted/ --format record   # convert a pack (or an index) to TFRecord",
             "stager pack imagenet/train out/ --format tar --dry-run   # print the plan, write nothing",
+            "stager pack imagenet/train out/ --format squashfs --compression zstd   # images a site mounts",
         ),
     )
     p.add_argument("src", metavar="SRC")
@@ -83,6 +85,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="tar: also write a KEY.json member per sample (class, key, label, source path); "
         "by default a sample is KEY.<ext> + KEY.cls and the manifest holds the rest",
     )
+    compressing = [n for n in FORMAT_NAMES if FORMAT_SPECS[n].compressions]
+    p.add_argument(
+        "--compression", choices=COMPRESSIONS, default=None,
+        help=f"{', '.join(compressing)}: how files are compressed (default "
+        + "; ".join(f"{n}: {FORMAT_SPECS[n].compressions[0]}" for n in compressing)
+        + "); already-compressed JPEG, PNG, WebP and video files are stored as they are",
+    )
     add_hash(p)
     p.add_argument("--stripe-count", type=stripe_count, default=None, metavar="N",
                    help="Lustre stripe count for OUT (-1: every OST)")
@@ -125,6 +134,7 @@ def run(args: argparse.Namespace) -> CommandResult:
         stripe_size=args.stripe_size,
         split=args.split,
         tar_json=args.tar_json,
+        compression=args.compression,
         storage_options=storage_options(args),
         fields=args.fields,
         clip_length=args.clip_length,

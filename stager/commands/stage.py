@@ -55,6 +55,7 @@ def register(sub: argparse._SubParsersAction) -> None:
             "srun --ntasks-per-node=1 stager stage /lustre/ds /tmp/ds --collective --timeout 600",
             "stager stage /lustre/ds --cache ~/.cache/stager   # through a node-local shard cache",
             "stager stage /lustre/ds /tmp/ds --follow --budget 40G --pid $TRAIN_PID   # prefetch beside training",
+            "stager stage /lustre/ds-sqfs $SLURM_TMPDIR/ds --mount   # SquashFS shards, mounted under DEST/mnt",
         ),
     )
     p.add_argument("src", metavar="SRC", help="packed dataset directory, its manifest.json, or a URL; or a mix "
@@ -85,6 +86,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repair", action="store_true",
                    help="hash DEST's copies again and copy again each one that no longer matches the manifest "
                    "(what `stager verify DEST` advises after finding damage); a plain re-stage trusts the receipt")
+    p.add_argument("--mount", action="store_true",
+                   help="then mount each staged SquashFS image read-only at DEST/mnt/<shard>/ with squashfuse, as "
+                   "you (code reading a directory tree reads it there); `stager clean DEST` unmounts them")
     p.add_argument("--direct", action="store_true",
                    help="write shards with O_DIRECT (no page-cache copy: half the CPU, leaves the page cache to "
                    "training; the staged copy is then read from disk on first use)")
@@ -175,6 +179,7 @@ def _stage_options(args: argparse.Namespace) -> StageOptions:
         storage_options=storage_options(args),
         cache=_cache_options(args),
         repair=args.repair,
+        mount=args.mount,
     )
 
 
@@ -208,6 +213,9 @@ def _collective_options(args: argparse.Namespace) -> CollectiveOptions:
     if given:
         raise UsageError(f"--collective cannot be combined with {', '.join(given)} (it stages every shard "
                          "durably into a node-local DEST)")
+    if args.mount:
+        raise UsageError("--collective cannot be combined with --mount; after it, `stager stage SRC DEST --mount` "
+                         "finds the copy staged and mounts its images")
     cache = _cache_options(args)
     if cache is not None and cache.only:
         raise UsageError("--collective cannot be combined with --cache-only (every node fills its own cache as it "
@@ -277,9 +285,9 @@ def _run_follow(args: argparse.Namespace) -> CommandResult:
         raise UsageError("--follow needs --budget SIZE (bytes of local copies to keep, e.g. 40G)")
     if args.cache or args.cache_only:
         raise UsageError("--follow cannot be combined with --cache (it keeps a window of the dataset, not a copy)")
-    if args.collective or args.unpack or args.partition or args.shared or not args.fsync or args.direct:
+    if args.collective or args.unpack or args.partition or args.shared or not args.fsync or args.direct or args.mount:
         raise UsageError("--follow cannot be combined with --collective, --unpack, --partition, --shared, "
-                         "--no-fsync or --direct")
+                         "--no-fsync, --direct or --mount")
     loader_kwargs = None
     if args.batch_size is not None:
         if args.world_size is None:

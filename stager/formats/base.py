@@ -106,6 +106,18 @@ class ShardWriter(Protocol):
         """Finish the shard; return ``[(companion final name, companion temp path), ...]``."""
         ...
 
+    @property
+    def extents(self) -> str:
+        """After ``close()``: the shard's ``extents`` kind (:data:`~stager.formats.registry.EXTENT_KINDS`):
+        ``"bytes"`` unless the writer placed payloads that are no byte ranges (squashfs: ``"inodes"``)."""
+        ...
+
+    def final_offset(self, offset: int) -> int:
+        """After ``close()``: the manifest offset of a payload for which ``write`` returned ``offset``. A
+        writer that learns where a payload is only when it lays the file out (a squashfs file that is
+        compressed) returns a provisional one; the identity for every other writer."""
+        ...
+
     def abort(self) -> None:
         """Close without finishing after an error (the caller removes the files)."""
         ...
@@ -413,7 +425,19 @@ def write_parts(fd: int, parts: Sequence[bytes | bytearray | memoryview], offset
     return total
 
 
-class BufferedShardFile:
+class PlacedAsWritten:
+    """The :class:`ShardWriter` answers of a writer whose ``write`` extents are final byte ranges (every
+    format but squashfs): ``extents`` is ``"bytes"``, ``final_offset`` the identity."""
+
+    @property
+    def extents(self) -> str:
+        return "bytes"
+
+    def final_offset(self, offset: int) -> int:
+        return offset
+
+
+class BufferedShardFile(PlacedAsWritten):
     """Shared plumbing of writers that stream one shard file sequentially (tar, record).
 
     Bytes accumulate in ``self._buf`` and reach the file in ``flush_bytes`` chunks (a few syscalls

@@ -61,6 +61,7 @@ from stager.formats.base import (
     ExtentReader,
     Format,
     FragmentsDone,
+    PlacedAsWritten,
     Sample,
     SizeInputs,
     ascii_lengths,
@@ -303,7 +304,7 @@ def _sample_meta(sample: Sample) -> str:
         raise SourceError(f"{sample.key}: sample metadata is not JSON-serialisable ({exc})") from exc
 
 
-class Hdf5Writer:
+class Hdf5Writer(PlacedAsWritten):
     """Writes one HDF5 shard at ``path`` (see the module docstring for the layout)."""
 
     def __init__(self, path: str, *, shard_name: str, classes: Sequence[str], fields: Sequence[FieldSpec] = (),

@@ -24,7 +24,7 @@ from types import MappingProxyType
 
 from stager.errors import UsageError
 
-EXTENT_KINDS = ("bytes", "rows", "records")  # a shard's ``extents`` in the manifest (docs/formats.md)
+EXTENT_KINDS = ("bytes", "rows", "records", "inodes")  # a shard's ``extents`` in the manifest (docs/formats.md)
 FIELD_LAYOUTS = ("span", "separate")  # how a format stores samples with fields (FormatSpec.fields)
 SAMPLE_KINDS = ("encoded", "decoded")
 
@@ -44,7 +44,8 @@ class FormatSpec:
     * ``writable``: ``stager pack`` writes it. Otherwise stager only reads it in place: ``stager
       index`` adopts it, and ``stager pack`` converts it to a writable format.
     * ``extents``: the ``extents`` kinds its shards may declare (docs/formats.md: ``bytes``, ``rows``
-      for compressed parquet pages, ``records`` for split RecordIO records).
+      for compressed parquet pages, ``records`` for split RecordIO records, ``inodes`` for SquashFS
+      images whose compressed files are found by their inodes).
     * ``byte_ranges``: with ``bytes`` extents, a sample's ``offset``/``size`` is a byte range of the
       shard file holding its payload, readable with one ``pread`` and checked against the shard's
       size. False for zarr, whose offsets are rows and sizes the decoded bytes.
@@ -73,6 +74,12 @@ class FormatSpec:
       ``label_key`` are the container's default image and label fields for ``stager index``.
     * ``sniffs_layout``: its values come in layouts ``stager index`` tells apart (LMDB: Caffe
       Datums or pickles; ``--lmdb-layout``).
+    * ``magic``: the bytes a file of the format starts with, by which ``stager index --format auto``
+      knows a file whose name has none of ``adopt_suffixes``; empty when its own sniffing decides.
+    * ``compressions``: what ``stager pack --compression`` may choose for it, the default first;
+      empty when its writer does not compress.
+    * ``mountable``: a shard is a file system image that ``stager stage --mount`` mounts read-only
+      under DEST (with squashfuse, as the user), so that code reading a directory tree reads it.
     """
 
     name: str
@@ -94,6 +101,9 @@ class FormatSpec:
     image_key: str | None = None
     label_key: str | None = None
     sniffs_layout: bool = False
+    magic: bytes = b""
+    compressions: tuple[str, ...] = ()
+    mountable: bool = False
 
     def __post_init__(self) -> None:
         bad = [f"sample_kind {self.sample_kind!r}"] if self.sample_kind not in SAMPLE_KINDS else []
@@ -147,12 +157,18 @@ _register(FormatSpec(
     "lmdb", "stager.formats.lmdb", ".mdb", "LMDB", writable=False,
     adopt_suffixes=(".mdb", ".lmdb"),  # data.mdb of an environment directory, or a subdir=False file
     label_key="label", sniffs_layout=True))
+_register(FormatSpec(
+    "squashfs", "stager.formats.squashfs.shards", ".sqfs", "SquashFS", extents=("bytes", "inodes"), fields="separate",
+    named_keys=True, adopt_suffixes=(".sqfs", ".squashfs", ".sqsh", ".sfs"), magic=b"hsqs", label_key="folder",
+    compressions=("gzip", "none", "zstd", "xz", "lz4"), mountable=True))
 
 FORMAT_SPECS: Mapping[str, FormatSpec] = MappingProxyType(_REGISTRY)
 ALL_FORMATS = tuple(FORMAT_SPECS)  # every format a manifest may name
 FORMAT_NAMES = tuple(n for n, s in FORMAT_SPECS.items() if s.writable)  # the formats `stager pack` writes
 ADOPTED_FORMATS = tuple(n for n, s in FORMAT_SPECS.items() if s.adopted)  # `stager index` inputs
 FIELD_FORMATS = tuple(n for n in FORMAT_NAMES if FORMAT_SPECS[n].fields)  # pack writes samples with fields to these
+# Every --compression a writable format takes (stager pack checks it against the chosen format's entry).
+COMPRESSIONS = tuple(dict.fromkeys(c for n in FORMAT_NAMES for c in FORMAT_SPECS[n].compressions))
 
 
 def format_spec(name: str) -> FormatSpec:

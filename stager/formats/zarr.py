@@ -39,7 +39,7 @@ from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteReques
 from zarr.storage import ZipStore
 
 from stager.errors import CorruptSampleError, ShardMissingError, SourceError, StagerError, UnsuitableSourceError
-from stager.formats.base import Extent, Format, Sample, SizeInputs, ascii_lengths
+from stager.formats.base import Extent, Format, PlacedAsWritten, Sample, SizeInputs, ascii_lengths
 from stager.formats.registry import format_spec
 from stager.formats.zarr_fields import ZarrFields, read_field
 from stager.manifest import Manifest, ShardInfo
@@ -81,7 +81,7 @@ def sample_disk_bytes(inputs: SizeInputs) -> tuple[np.ndarray, int]:
     return per, ZIP_AND_GROUP_BYTES + len(json.dumps(list(inputs.classes)))
 
 
-class ZarrWriter:
+class ZarrWriter(PlacedAsWritten):
     """Collects decoded ``(H, W, C)`` uint8 images and writes one zarr-in-zip shard on close."""
 
     def __init__(self, path: str, *, shard_name: str, classes: Sequence[str], rows_per_chunk: int = 1,

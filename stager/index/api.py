@@ -17,6 +17,7 @@ read the shards there.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import json
@@ -30,6 +31,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from stager.checksum import hash_bytes
 from stager.errors import CorruptSampleError, DestinationError, UsageError
@@ -47,15 +50,17 @@ from stager.index.parquet import scan_parquet
 from stager.index.record import scan_record
 from stager.index.recordio import scan_recordio
 from stager.index.scan import DamagedShardError, ShardScan
+from stager.index.squashfs import scan_squashfs
 from stager.index.tar import scan_tar
 from stager.manifest import INDEX_PARTIAL_BASE, MANIFEST_NAME, AuxFile, Manifest, ShardInfo, load_manifest
+from stager.manifest.table import Ragged, Strings
 from stager.progress import Progress
 
 # scan(path, name, image_key, label_key, hash algo, **IndexOptions.scan_extras(kind)) -> ShardScan: one per
 # format the registry says `stager index` adopts (tests/test_format_registry.py checks that they agree).
 Scanner = Callable[..., ShardScan]
 SCANNERS: dict[str, Scanner] = {"tar": scan_tar, "record": scan_record, "parquet": scan_parquet,
-                                "recordio": scan_recordio, "lmdb": scan_lmdb}
+                                "recordio": scan_recordio, "lmdb": scan_lmdb, "squashfs": scan_squashfs}
 
 
 @dataclass
@@ -91,25 +96,32 @@ def index_dataset(src: str | os.PathLike[str], out: str | os.PathLike[str] | Non
         raise UsageError(f"{src}: a URL; pass --out DIR for the manifest (it names the shards where they are)")
     out_dir = Path(os.path.abspath(out if out is not None else directory))
     in_place = out_dir == Path(directory)
+    created = not out_dir.exists()
     _check_out(out_dir, in_place, directory)
     state = out_dir / STATE_DIR
     state.mkdir(exist_ok=True)
-    remote.remove_stale_downloads(str(state))
-    fp = opts.fingerprint(kind)
-    scans: dict[str, ShardScan] = _resume(state, directory, names, fp, opts.storage_options)
-    todo = [n for n in names if n not in scans]
-    resumed = len(scans)
-    progress = Progress("index", quiet=quiet)
-    for scan in _scan_all(directory, todo, kind, opts, progress, spool=str(state)):
-        scans[scan.name] = scan
-        atomic_write_bytes(state / f"{scan.name}.json", json.dumps({"fp": fp, "scan": scan.to_json()}).encode())
-    progress.close()
-    ordered = [scans[n] for n in names]
-    _check_boundaries(ordered, directory)
-    dali, dali_paths = (_write_dali_index(ordered, directory, out_dir, in_place, algo=opts.hash_algo, kind=kind)
-                        if FORMAT_SPECS[kind].companion and opts.dali_index else ({}, []))
-    m = _manifest(ordered, directory, kind, opts, dali, shard_root=None if in_place else directory)
-    path = m.write(out_dir)
+    try:
+        remote.remove_stale_downloads(str(state))
+        fp = opts.fingerprint(kind)
+        scans: dict[str, ShardScan] = _resume(state, directory, names, fp, opts.storage_options)
+        todo = [n for n in names if n not in scans]
+        resumed = len(scans)
+        progress = Progress("index", quiet=quiet)
+        for n, scan in enumerate(_scan_all(directory, todo, kind, opts, progress, spool=str(state)), 1):
+            scans[scan.name] = scan
+            if n < len(todo):  # the last one's result goes into the manifest at once: nothing to resume
+                atomic_write_bytes(state / f"{scan.name}.json",
+                                   json.dumps({"fp": fp, "scan": scan.to_json()}).encode())
+        progress.close()
+        ordered = [scans[n] for n in names]
+        _check_boundaries(ordered, directory)
+        dali, dali_paths = (_write_dali_index(ordered, directory, out_dir, in_place, algo=opts.hash_algo, kind=kind)
+                            if FORMAT_SPECS[kind].companion and opts.dali_index else ({}, []))
+        m = _manifest(ordered, directory, kind, opts, dali, shard_root=None if in_place else directory)
+        path = m.write(out_dir)
+    except BaseException:
+        _leave_nothing_new(state, out_dir if created else None)
+        raise
     shutil.rmtree(state, ignore_errors=True)
     return IndexResult(path, kind, len(ordered), m.num_samples, sum(s.bytes for s in ordered), len(m.classes),
                        len(todo), resumed, time.perf_counter() - t0, m.dataset_id, m.shard_root, dali_paths)
@@ -143,6 +155,16 @@ def adopt_in_memory(src: str | os.PathLike[str], options: IndexOptions | None = 
                for n in names]
     _check_boundaries(ordered, directory)
     return _manifest(ordered, directory, kind, opts, {}, shard_root=directory)
+
+
+def _leave_nothing_new(state: Path, created: Path | None) -> None:
+    """After a failed run: the state directory when it holds no scan to resume from, and OUT when this
+    run created it and it is empty again (a first run refused at its first shard leaves nothing)."""
+    with contextlib.suppress(OSError):
+        state.rmdir()  # only when empty: saved scans are kept for the next run
+    if created is not None:
+        with contextlib.suppress(OSError):
+            created.rmdir()
 
 
 def _check_out(out_dir: Path, in_place: bool, directory: str) -> None:
@@ -285,14 +307,19 @@ def _unique_keys(scans: list[ShardScan], kind: str, directory: str) -> None:
 
 
 def _first_repeat(scans: list[ShardScan]) -> tuple[str, str] | None:
-    """The first key seen twice and where, else None."""
-    seen: dict[str, str] = {}
-    for s in scans:
-        for k in s.keys:
-            if k in seen:
-                return k, (f"in {seen[k]} and {s.name}" if seen[k] != s.name else f"twice in {s.name}")
-            seen[k] = s.name
-    return None
+    """The first key seen twice and where, else None (vectorised over all keys: Strings.first_repeat)."""
+    if len(scans) == 1 and scans[0].keys_unique:
+        return None
+    parts = [s.keys.raw if isinstance(s.keys, Strings) else Strings.from_strings(s.keys).raw for s in scans]
+    if not parts:
+        return None
+    keys = Strings(Ragged.concat(parts))
+    found = keys.first_repeat()
+    if found is None:
+        return None
+    starts = np.cumsum([0] + [len(s.keys) for s in scans])
+    a, b = (scans[int(np.searchsorted(starts, x, side="right")) - 1] for x in found)
+    return keys[found[1]], (f"in {a.name} and {b.name}" if a.name != b.name else f"twice in {b.name}")
 
 
 def _write_dali_index(scans: list[ShardScan], directory: str, out_dir: Path, in_place: bool,
@@ -354,7 +381,7 @@ def rescan_shard(path: str, info: ShardInfo, m: Manifest) -> str | None:
         return f"sample {j} ({info.keys[j]}): at {offsets[j]}+{sizes[j]}, index says {info.offsets[j]}+{info.sizes[j]}"
     lookup = {c: i for i, c in enumerate(m.classes)}
     off = int(o.get("label_offset") or 0)
-    for j, v in enumerate(scan.labels):
+    for j, v in enumerate(scan.raw_labels()):
         want = -1 if v is None else (lookup.get(v, -2) if isinstance(v, str) else int(v) + off)
         if want != int(info.labels[j]):
             return f"sample {j} ({info.keys[j]}): label {want}, index says {int(info.labels[j])}"

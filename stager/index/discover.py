@@ -31,8 +31,9 @@ def kind_of_name(name: str) -> str | None:
 
 
 def sniff(path: str, storage_options: Mapping[str, Any] | None = None) -> str | None:
-    """The input kind of a file or object from its first bytes: ustar magic, ``PAR1``, RecordIO's
-    magic, an LMDB meta page, or a valid TFRecord header."""
+    """The input kind of a file or object from its first bytes: a format's registered ``magic``
+    (SquashFS's ``hsqs``), ustar magic, ``PAR1``, RecordIO's magic, an LMDB meta page, or a valid
+    TFRecord header."""
     try:
         if is_url(path):
             head = remote.head(path, storage_options)
@@ -41,6 +42,10 @@ def sniff(path: str, storage_options: Mapping[str, Any] | None = None) -> str | 
                 head = f.read(512)
     except OSError:
         return None
+    for kind in KINDS:
+        magic = FORMAT_SPECS[kind].magic
+        if magic and head.startswith(magic):
+            return kind
     if head[:4] == b"PAR1":
         return "parquet"
     if len(head) >= 263 and head[257:262] == b"ustar":
@@ -59,8 +64,9 @@ def discover(src: str, fmt: str, storage_options: Mapping[str, Any] | None = Non
     or a URL prefix of shard objects or one object: then ``directory`` is the prefix URL).
 
     ``fmt`` ``auto`` takes each file's kind from its suffix (``.tar``, ``.tfrecord``/``.tfrecords``/
-    ``.record``, ``.parquet``, ``.rec``, ``.mdb``/``.lmdb``), else from its first bytes (TensorFlow's
-    ``train-00000-of-01024`` has no suffix); all shards must be of one kind. Names must be plain file
+    ``.record``, ``.parquet``, ``.rec``, ``.mdb``/``.lmdb``, ``.sqfs``/``.squashfs``/``.sqsh``/``.sfs``),
+    else from its first bytes (TensorFlow's ``train-00000-of-01024`` has no suffix; a SquashFS image
+    named ``data.img``); all shards must be of one kind. Names must be plain file
     names (the manifest's rule).
     """
     if is_url(src):
@@ -80,8 +86,9 @@ def discover(src: str, fmt: str, storage_options: Mapping[str, Any] | None = Non
         if k is not None:
             kinds.setdefault(k, []).append(n)
     if not kinds:
-        raise UsageError(f"{src}: no tar, TFRecord, parquet, RecordIO or LMDB shards found; pass --format "
-                         "tar|record|parquet|recordio|lmdb")
+        whats = [FORMAT_SPECS[k].what for k in KINDS]
+        raise UsageError(f"{src}: no {', '.join(whats[:-1])} or {whats[-1]} shards found; pass --format "
+                         f"{'|'.join(KINDS)}")
     if len(kinds) > 1:
         shown = "; ".join(f"{k}: {v[0]}" + (f" and {len(v) - 1} more" if len(v) > 1 else "") for k, v in kinds.items())
         raise UsageError(f"{src}: holds shards of several kinds ({shown}); index one kind at a time "

@@ -22,6 +22,10 @@ def resolve_labels(scans: Sequence[ShardScan], label_offset: int, src: str) -> t
     ints = strs = False
     names: set[str] = set()
     for s in scans:
+        if s.label_names is not None:  # class-name indices (SquashFS): the names, not every label
+            strs = strs or bool(len(s.labels) and (np.asarray(s.labels) >= 0).any())
+            names.update(s.label_names)
+            continue
         for v in s.labels:
             if isinstance(v, str):
                 strs = True
@@ -35,6 +39,13 @@ def resolve_labels(scans: Sequence[ShardScan], label_offset: int, src: str) -> t
     out = []
     top = -1
     for s in scans:
+        if s.label_names is not None:
+            lut = np.asarray([lookup[n] for n in s.label_names] + [-1], dtype=np.int64)  # -1 maps to the last: -1
+            arr = lut[np.asarray(s.labels, dtype=np.int64)]
+            if len(arr):
+                top = max(top, int(arr.max()))
+            out.append(arr)
+            continue
         arr = np.empty(len(s.labels), dtype=np.int64)
         for i, v in enumerate(s.labels):
             if v is None:

@@ -34,7 +34,10 @@ class DamagedShardError(CorruptSampleError):
 class ShardScan:
     """One indexed shard: identity, integrity and its samples in physical order.
 
-    ``labels`` holds raw labels (int, str class name, or None); ``offsets``/``sizes`` locate each
+    ``labels`` holds raw labels (int, str class name, or None), or, with ``label_names`` set, an int64
+    array of indices into ``label_names`` (-1: unlabeled: a scanner that knows its classes as columns,
+    SquashFS); ``keys`` is a list or a :class:`~stager.manifest.table.Strings` column, ``offsets``/``sizes``
+    lists or int64 arrays (a million-file image is indexed without a Python object per sample); they locate each
     image's bytes in the file (``extents == "bytes"``) or, for compressed parquet pages, ``offsets``
     are rows in the file (``"rows"``). ``classes`` are class names the shard itself declares (parquet's
     Hugging Face metadata), ``records`` the DALI index lines of a TFRecord file, ``(offset, size)``,
@@ -63,9 +66,22 @@ class ShardScan:
     sample_kind: str = "encoded"
     columns: dict[str, list[Any]] = field(default_factory=dict)
     field_specs: list[dict[str, Any]] = field(default_factory=list)  # stager.index.fields: the fields' schema
+    label_names: list[str] | None = None
+    keys_unique: bool = False  # the scanner checked that no key repeats within the shard
 
     def to_json(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items()}
+        out = dict(self.__dict__)
+        for k in ("keys", "labels", "offsets", "sizes"):
+            v = out[k]
+            out[k] = v.tolist() if isinstance(v, np.ndarray) else v if isinstance(v, list) else list(v)
+        return out
+
+    def raw_labels(self) -> list[Any]:
+        """``labels`` as raw values (ints, class names, None), whichever way the scanner kept them."""
+        if self.label_names is None:
+            return list(self.labels)
+        names = self.label_names
+        return [None if i < 0 else names[i] for i in np.asarray(self.labels).tolist()]
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ShardScan:

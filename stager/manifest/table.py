@@ -26,6 +26,7 @@ shape ``(N + 1,)``, row ``i`` is ``values[starts[i]:starts[i + 1]]``), and ``X``
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import mmap
@@ -117,6 +118,51 @@ class Ragged:
 
 
 _TAKE_CHUNK = 2048  # rows per byte gather in Strings.take
+_HASH_P = 0x100000001B3  # odd: invertible modulo 2**64
+_HASH_CHUNK = 1 << 16  # bytes hashed per pass: the temporaries stay in the CPU cache
+
+
+@functools.cache
+def _hash_powers() -> tuple[np.ndarray, np.ndarray]:
+    """``P**k`` and ``P**-k`` modulo 2**64 for ``k < _HASH_CHUNK + 1`` (uint64)."""
+    pw = np.full(_HASH_CHUNK + 1, _HASH_P, dtype=np.uint64)
+    pw[0] = 1
+    inv = np.full(_HASH_CHUNK + 1, pow(_HASH_P, -1, 1 << 64), dtype=np.uint64)
+    inv[0] = 1
+    return np.cumprod(pw), np.cumprod(inv)
+
+
+def _row_hashes(raw: Ragged) -> np.ndarray:
+    """uint64 (N,): each row's ``sum((byte[k] + 1) * P**k) ^ (length * C)`` modulo 2**64, computed a
+    chunk of rows at a time with powers from the chunk's start, each row's sum shifted back by P's inverse.
+    A row longer than a chunk is hashed alone, piece by piece."""
+    starts = raw.starts
+    n = len(starts) - 1
+    out = np.zeros(n, dtype=np.uint64)
+    values = raw.values
+    pw, inv = _hash_powers()
+    a = 0
+    while a < n:
+        base = int(starts[a])
+        b = min(n, max(a + 1, int(np.searchsorted(starts, base + _HASH_CHUNK, side="right")) - 1))
+        end = int(starts[b])
+        if end - base > _HASH_CHUNK:  # one long row (Python ints: numpy scalars warn when they wrap)
+            acc = 0
+            for c in range(base, end, _HASH_CHUNK):
+                part = values[c : min(end, c + _HASH_CHUNK)].astype(np.uint64) + np.uint64(1)
+                piece = int(np.add.reduce(part * pw[: len(part)], dtype=np.uint64))
+                acc = (acc + piece * pow(_HASH_P, c - base, 1 << 64)) % (1 << 64)
+            out[a] = acc
+        elif end > base:
+            terms = (values[base:end].astype(np.uint64) + np.uint64(1)) * pw[: end - base]
+            rel = starts[a:b] - base
+            nonempty = starts[a + 1 : b + 1] > starts[a:b]
+            sums = np.zeros(b - a, dtype=np.uint64)
+            sums[nonempty] = np.add.reduceat(terms, rel[nonempty])
+            out[a:b] = sums * inv[rel]
+        out[a:b] ^= np.diff(starts[a : b + 1]).astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        a = b
+    return out
 
 
 class Strings(Sequence[str]):
@@ -187,6 +233,28 @@ class Strings(Sequence[str]):
         begins = ends - n
         blob = v[np.arange(int(ends[-1]), dtype=np.int64) - np.repeat(begins - a, n)].tobytes()
         return [blob[i:j].decode() for i, j in zip(begins.tolist(), ends.tolist(), strict=True)]
+
+    def first_repeat(self) -> tuple[int, int] | None:
+        """``(i, j)``, ``i < j``, of the first string ``j`` equal to an earlier one ``i``; None when all
+        differ. Vectorised (a million keys in a fraction of a second, no Python string made): each row's
+        64-bit polynomial hash of its bytes and length, rows of equal hashes compared exactly."""
+        h = _row_hashes(self._raw)
+        ordered = np.sort(h)
+        if not (ordered[1:] == ordered[:-1]).any():
+            return None
+        order = np.argsort(h, kind="stable")
+        hs = h[order]
+        group = np.flatnonzero(np.diff(hs) != 0) + 1  # where each run of equal hashes starts
+        bounds = np.concatenate([[0], group, [len(hs)]])
+        best: tuple[int, int] | None = None
+        for g in np.flatnonzero(np.diff(bounds) > 1).tolist():  # runs of two or more: compare exactly
+            first: dict[bytes, int] = {}
+            for r in sorted(order[bounds[g] : bounds[g + 1]].tolist()):
+                i = first.setdefault(bytes(self._raw[r]), r)
+                if i != r and (best is None or r < best[1]):
+                    best = (i, r)
+                    break
+        return best
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, (Strings, list, tuple)):

@@ -140,6 +140,7 @@ def pack(
     stripe_size: int | None = None,
     split: str | None = None,
     tar_json: bool = False,
+    compression: str | None = None,
     storage_options: dict[str, Any] = {},  # noqa: B006 - never mutated (PackOptions copies it)
     fields: str | None = None,
     clip_length: int | None = None,
@@ -178,6 +179,7 @@ def pack(
         stripe_size=stripe_size,
         split=split,
         tar_json=tar_json,
+        compression=compression,
         storage_options=storage_options,
         fields=fields,
         clip_length=clip_length,

@@ -31,6 +31,8 @@ class PackOptions:
     ``workers``, ``overwrite``, ``dry_run``, ``quiet``, ``stripe_count``/``stripe_size`` (Lustre
     layout of OUT), ``allow_empty_classes`` (keep an ImageFolder class folder without images),
     ``split`` (which CIFAR split to read), ``storage_options`` (opening a URL OUT, stager/fs/open.py).
+    ``compression``: what the format's writer compresses with (one of its registry entry's
+    ``compressions``; None: the format's default, set when built; formats without compression take none).
     """
 
     format: str = "tar"
@@ -50,6 +52,7 @@ class PackOptions:
     stripe_size: int | None = None
     split: str | None = None
     tar_json: bool = False
+    compression: str | None = None
     storage_options: dict[str, Any] = field(default_factory=dict)
     fields: str | None = None  # --fields NAME:KIND,...: the list/sidecar source's field kinds (docs/fields.md)
     # Clips (docs/clips.md): a frame-folder or video source packed as frames of windows of
@@ -82,10 +85,22 @@ class PackOptions:
             raise UsageError(f"unknown hash {self.hash_algo!r}; expected one of {', '.join(ALGOS)}")
         if resize is not None:
             object.__setattr__(self, "resize", (int(resize[0]), int(resize[1])))
+        self._check_compression()
         if self.clip_length is not None:
             self.clip_spec()  # checks the clip options
         elif (self.clip_stride, self.frame_step) != (1, 1):
             raise UsageError("--clip-stride and --frame-step need --clip-length")
+
+    def _check_compression(self) -> None:
+        """``compression`` is one the format takes; None becomes the format's default (None if it has none)."""
+        from stager.formats import FORMAT_NAMES, format_spec  # noqa: PLC0415 (the registry alone: stdlib only)
+
+        allowed = format_spec(self.format).compressions if self.format in FORMAT_NAMES else ()
+        if self.compression is None:
+            object.__setattr__(self, "compression", allowed[0] if allowed else None)
+        elif self.compression not in allowed:
+            what = f"one of {', '.join(allowed)}" if allowed else "none: it writes no compressed data"
+            raise UsageError(f"--compression {self.compression}: --format {self.format} takes {what}")
 
     def clip_spec(self) -> Any:
         """The :class:`~stager.manifest.clips.ClipSpec` of a clip pack, or None."""

@@ -174,7 +174,8 @@ def shard_costs(
     """
     fmt = get_format(options.format)
     exts = _exts_of(locators)
-    inputs = SizeInputs(keys, labels, sizes, exts, classes, image_shape, {"json_member": options.tar_json})
+    inputs = SizeInputs(keys, labels, sizes, exts, classes, image_shape, {"json_member": options.tar_json,
+                                                                       "compression": options.compression})
     return fmt.disk_bytes(inputs)
 
 
@@ -195,6 +196,8 @@ def fingerprinted_options(options: PackOptions, image_shape: tuple[int, int, int
         "tar_json": options.tar_json,
         "cut": "file-bytes",  # shards are cut at file bytes (shard_costs), no longer at payload bytes
     }
+    if options.compression is not None:  # only for formats that compress: other packs keep their fingerprints
+        out["compression"] = options.compression
     spec = options.clip_spec()
     if spec is not None:  # only for clip packs: other packs keep their fingerprints
         out["clip"] = spec.to_json()

@@ -156,10 +156,14 @@ def write_shard(job: ShardJob, source: Source, progress: Progress | None = None,
             writeback=True,
             fields=job.fields,
             json_member=opts.tar_json,
+            compression=opts.compression,
         )
         write_samples(writer, sh.refs, source, job, rows, progress=progress)
         companions = writer.close()
         rows.rebase_fields(writer.field_bases)  # hdf5: field data placed at close()
+        rows.extents = writer.extents
+        if rows.extents != "bytes":  # squashfs: compressed files are found by inodes, known at close()
+            rows.offsets = [writer.final_offset(o) for o in rows.offsets]
         writer = None
         aux = []
         for cname, ctmp in companions:
@@ -215,6 +219,7 @@ class SampleRows:
     payload: int = 0  # bytes of the samples written (for throughput)
     # Extra per-sample columns of fields (stager.manifest.fields): offsets/sizes lists, or arrays per row.
     columns: dict[str, list[Any]] = field(default_factory=dict)
+    extents: str = "bytes"  # the shard's extents kind, as its writer says after close()
 
     def extend(self, other: SampleRows, base: int) -> None:
         """Append ``other``'s rows, whose offsets are relative to ``base``."""
@@ -265,6 +270,7 @@ def record_done(
         np.asarray(rows.offsets, dtype=np.int64),
         np.asarray(rows.sizes, dtype=np.int64),
         aux,
+        rows.extents,
         columns=rows.built_columns(fields) if fields else None,
     )
     done = ShardDone(info, rows.skipped, rows.payload, sh.fingerprint)

@@ -12,6 +12,9 @@ The records, in the order they are looked for:
   names, the stage's lock, then the journal, last;
 * **a mix receipt** (``stager-mix.json``): each stream's copy, by its own records.
 
+First of all, with the lock held, what ``stage --mount`` recorded is unmounted
+(:func:`stager.stage.mount.unmount_recorded`): its mount points, ``mnt`` and the record go too.
+
 A DEST with none of them is refused (exit 2), as is a record naming anything but a plain name inside
 DEST (absolute, ``..``, a subdirectory): then nothing at all is removed. Everything else in DEST is
 left where it is, and the result says what was left (``left``). DEST itself is removed only when the
@@ -44,6 +47,7 @@ from stager.fs.safe import SafeDir
 from stager.manifest import MIX_RECEIPT_NAME, RECEIPT_NAME, class_dir_name, load_manifest, unpacked_stem
 from stager.receipt import Receipt, parse_receipt
 from stager.stage.journal import JournalRecords, read_records
+from stager.stage.mount import unmount_recorded
 from stager.stage.names import JOURNAL_RE, LOCK_RE, lock_name, node_of
 
 DEST_FIX = "run clean as the user who staged it; if it is yours, chmod go-w it first"
@@ -200,6 +204,7 @@ def _clean_by_journals(handle: SafeDir, *, dry_run: bool, timeout: float | None)
         rec = _receipt_or_none(handle, fallback=True)  # the stage may have finished while we waited
         if rec is not None:
             return _clean_by_receipt_locked(handle, rec, dry_run=dry_run)
+        unmounted = unmount_recorded(handle, dry_run=dry_run)  # before anything under a mount goes
         journals = _journals(handle)
         records = [_read_journal(handle, j) for j in journals]
         names = sorted(set().union(*(r.writes | r.files for r in records)) - set(journals))
@@ -210,6 +215,7 @@ def _clean_by_journals(handle: SafeDir, *, dry_run: bool, timeout: float | None)
         bases = [*names, *(partial_base(n) or n for n in _bookkeeping(handle))]
         # Data first, the journals last: a clean that is itself interrupted can be run again.
         done = _remove(handle, [*names, *_partials(handle, bases), *journals], stems, dry_run=dry_run)
+        done.removed[:0] = unmounted
         done.records = "journal"
     return done, any(r.created_dest for r in records)
 
@@ -218,11 +224,13 @@ def _clean_by_receipt_locked(handle: SafeDir, rec: Receipt, *, dry_run: bool) ->
     """Remove what ``rec`` lists (its lock held), and what the journals of its dataset say earlier runs
     wrote (an unpacked tree that a later plain stage's receipt no longer names); return it and whether
     stage created DEST."""
+    unmounted = unmount_recorded(handle, dry_run=dry_run)  # stage --mount's mounts, before anything under them goes
     names = _receipt_names(handle, rec)
     earlier, unpack_dirs = _journaled(handle, rec, exclude={*names, RECEIPT_NAME})
     stems = _unpacked_stems(handle) if rec.unpacked or unpack_dirs else None  # before manifest.json goes
     names = [*earlier, *names]  # data first; the journals (in the receipt's names) and the receipt last
     done = _remove(handle, [*names, *_partials(handle, names), RECEIPT_NAME], stems, dry_run=dry_run)
+    done.removed[:0] = unmounted
     return done, bool(rec.stats.get("created_dest"))
 
 

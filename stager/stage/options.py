@@ -67,7 +67,8 @@ class StageOptions:
     BeeGFS DEST; ``timeout``: seconds for the node lock and for peers (None: no limit);
     ``storage_options``: passed to every open of SRC (fsspec URLs); ``tuning``: the copy engine's
     knobs; ``fsync=False``: ``--no-fsync``; ``repair``: ``--repair``; ``cache``: stage through a
-    shard cache (``--cache DIR``, :mod:`stager.stage.cached`).
+    shard cache (``--cache DIR``, :mod:`stager.stage.cached`); ``mount``: mount the staged images
+    read-only under DEST (``--mount``, :mod:`stager.stage.mount`).
     """
 
     workers: int | None = None
@@ -84,11 +85,14 @@ class StageOptions:
     fsync: bool = True
     cache: CacheOptions | None = None
     repair: bool = False  # --repair: hash DEST's copies again, stage again what differs (stager.stage.repair)
+    mount: bool = False  # --mount: squashfuse each staged image under DEST/mnt (stager.stage.mount)
 
     def __post_init__(self) -> None:
         if self.cache is not None and (self.unpack == "only" or self.shared):
             raise UsageError("--cache cannot be combined with --unpack only (no shard is kept) or --shared (a "
                              "BeeOND DEST lives as long as the job): the cache is node-local")
+        if self.mount and self.cache is not None and self.cache.only:
+            raise UsageError("--mount mounts the images of a DEST: --cache-only stages none")
         if self.unpack is not None and self.unpack not in UNPACK_MODES:
             raise UsageError(f"--unpack must be 'also' or 'only', got {self.unpack!r}")
         if self.unpack_dir in ("", ".", "..") or "/" in self.unpack_dir:

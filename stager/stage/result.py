@@ -53,6 +53,7 @@ class StageResult:
     warnings: list[str] = field(default_factory=list)
     cache: dict[str, Any] | None = None
     repaired: list[str] = field(default_factory=list)  # --repair: "<file>: <why>" for each copy staged again
+    mounts: list[str] = field(default_factory=list)  # --mount: where each staged image is mounted
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -63,6 +63,7 @@ from stager.stage.dest import (
     write_receipt,
 )
 from stager.stage.journal import Journal
+from stager.stage.mount import check_mountable, mount_staged
 from stager.stage.options import DEFAULT_UNPACK_DIR, NodeOptions, StageOptions, unpack_mode
 from stager.stage.plan import DEFAULT_BLOCK, FileTask, StagePlan, order_for_streams, plan_stage, read_src_manifest
 from stager.stage.repair import remove_damaged
@@ -92,6 +93,7 @@ def stage(
     tuning: CopyTuning | None = None,
     fsync: bool = True,
     repair: bool = False,
+    mount: bool = False,
 ) -> StageResult:
     """Stage SRC (packed dir or its manifest.json; local or fsspec URL) into DEST; see module doc.
 
@@ -105,13 +107,15 @@ def stage(
     Shared DEST always fsyncs (other nodes read what this one wrote).
     ``repair=True`` (``--repair``): hash DEST's copies again and copy again what differs
     (:mod:`stager.stage.repair`); without it a receipt that covers the plan means "done" (sizes only).
+    ``mount=True`` (``--mount``): then mount each staged image read-only under ``DEST/mnt``
+    (:mod:`stager.stage.mount`); ``stager clean`` unmounts them.
     Raises StagerError subclasses (exit codes in stager.errors).
     """
     del json  # output formatting belongs to the CLI; accepted for API symmetry
     options = StageOptions(
         workers=workers, unpack=unpack_mode(unpack), unpack_dir=unpack_dir, partition=partition, shared=shared,
         node=NodeOptions(node, num_nodes, ranks_per_node), seed=seed, timeout=timeout, quiet=quiet,
-        storage_options=storage_options or {}, tuning=tuning, fsync=fsync, repair=repair,
+        storage_options=storage_options or {}, tuning=tuning, fsync=fsync, repair=repair, mount=mount,
     )
     return run_stage(src, dest, options)
 
@@ -119,12 +123,24 @@ def stage(
 def run_stage(src: str | os.PathLike[str], dest: str | os.PathLike[str] | None, options: StageOptions
               ) -> StageResult:
     """:func:`stage` with its options in one object (the CLI's entry, and the collective's fallback)."""
+    plan, result = _run_stage(src, dest, options)
+    if options.mount and plan is not None:  # after the verified copy, or when DEST already held it
+        with NodeLock(plan.lock_path, timeout=options.timeout):
+            mount_staged(plan, result)
+    return result
+
+
+def _run_stage(src: str | os.PathLike[str], dest: str | os.PathLike[str] | None, options: StageOptions
+               ) -> tuple[StagePlan | None, StageResult]:
+    """Phases 1 to 6; the plan (None for ``--cache-only``: no DEST) and the result."""
     t0 = time.perf_counter()
     _ignore_sigxfsz()
     manifest, manifest_bytes = read_src_manifest(src, options.storage_options)
     if options.cache is not None and options.cache.only:
-        return _fill_cache_only(src, manifest, manifest_bytes, options, t0)
+        return None, _fill_cache_only(src, manifest, manifest_bytes, options, t0)
     plan = plan_stage(src, manifest, manifest_bytes, dest, options)
+    if options.mount:
+        check_mountable(plan)  # before anything is copied
     result = _new_result(plan)
     if plan.mode == "shared" and options.cache is not None:
         raise UsageError(f"{plan.dest}: a shared (BeeOND) DEST is not node-local: stage it without --cache")
@@ -142,7 +158,7 @@ def run_stage(src: str | os.PathLike[str], dest: str | os.PathLike[str] | None, 
     result.dest, result.receipt = str(plan.dest), str(plan.dest / RECEIPT_NAME)
     if _already_staged(plan, options, result, t0, locked=False):
         confirm_staged(plan)
-        return result
+        return plan, result
     with NodeLock(plan.lock_path, timeout=options.timeout, on_wait=None if options.quiet else _waiting(plan)) as lock:
         result.waited_s = lock.waited
         result.lock_takeover = lock.took_over
@@ -150,7 +166,7 @@ def run_stage(src: str | os.PathLike[str], dest: str | os.PathLike[str] | None, 
             _stage_locked(plan, options, result, t0)
         confirm_staged(plan)  # ok only when DEST holds the verified manifest
     _remember(plan, result)
-    return result
+    return plan, result
 
 
 def _waiting(plan: StagePlan) -> Callable[[dict[str, Any]], None]:

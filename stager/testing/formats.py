@@ -430,7 +430,7 @@ def write_dataset(fmt: str, out: Path, samples: Sequence[Sample], **options: Any
             tmp.unlink()
         raise
     bases = w.field_bases
-    extents = [Extent(e.offset, e.size, None if e.fields is None else
+    extents = [Extent(w.final_offset(e.offset), e.size, None if e.fields is None else
                       {k: (o + bases.get(k, 0), n) for k, (o, n) in e.fields.items()}) for e in extents]
     os.replace(tmp, final)
     aux = []
@@ -453,7 +453,7 @@ def write_dataset(fmt: str, out: Path, samples: Sequence[Sample], **options: Any
         name=name, bytes=nbytes, hash=digest, keys=[s.key for s in samples],
         labels=np.array([s.label for s in samples], dtype=np.int64),
         offsets=np.array([e.offset for e in extents], dtype=np.int64),
-        sizes=np.array([e.size for e in extents], dtype=np.int64), aux=aux,
+        sizes=np.array([e.size for e in extents], dtype=np.int64), aux=aux, extents=w.extents,
         columns=build_field_columns(specs, rows) if specs else None,
     )
     decoded = f.sample_kind == "decoded"

@@ -54,6 +54,12 @@ SUITE: dict[str, tuple[str, list[str], list[str], str]] = {
                        ["--classes", "2", "--per-class", "20", "--text", "100", "--big-classes", "10",
                         "--big-per-class", "100", "--rounds", "1", "--work", "/tmp/stager-bench-squashfs-quick"],
                        "squashfs_codec.md"),
+    # SquashFS as a format (issue 41): loader vs tar and vs a squashfuse mount, pack vs mksquashfs,
+    # index vs unsquashfs -l (the 1.28M-file image is cached under --work, shared with squashfs_codec).
+    "squashfs": ("bench_squashfs.py", [],
+                 ["--classes", "2", "--per-class", "20", "--big-classes", "10", "--big-per-class", "100",
+                  "--rounds", "1", "--compressions", "none,zstd", "--work", "/tmp/stager-bench-squashfs-quick"],
+                 "squashfs.md"),
     # The first batch with 2 worker processes at 1.28M samples (issue 40); ~3 min with the pack.
     "startup": ("bench_startup.py", [], ["--samples", "20000", "--shards", "4", "--rounds", "1"], "startup.md"),
     # DALI's rec2idx.py imports MXNet: $STAGER_MXNET_PYTHON names a venv's python with mxnet==1.9.1, numpy<1.24.

@@ -170,3 +170,30 @@ stager_cache_dir() {
     stager_dir_problem "$real" "$2" || return 1
     printf '%s\n' "$real"
 }
+
+# stager_unmount_user_mounts DIR UID [GID]: unmount every FUSE mount at or below DIR (a real path root
+# checked), deepest first, *as UID* with fusermount3 (else fusermount) -u -z: fusermount unmounts only its
+# caller's own mounts, so whatever path a mount point's name leads to, nothing but that user's mounts
+# can go (a user who renames a mount point to point elsewhere unmounts only their own). Mount points come
+# from /proc/self/mountinfo (its octal escapes decoded). What stays mounted (another user's FUSE mount,
+# which that user cannot have made in DIR without access to it) is left: rm -rf --one-file-system does
+# not cross it. Never fails.
+stager_unmount_user_mounts() {
+    local dir=$1 uid=$2 gid=${3:-} fm point
+    case "$uid" in ''|*[!0-9]*) return 0 ;; esac
+    case "$gid" in ''|*[!0-9]*) gid=$(id -g "$uid" 2>/dev/null) || gid=$uid ;; esac
+    fm=$(command -v fusermount3 || command -v fusermount) || return 0
+    while IFS= read -r point; do
+        [ -n "$point" ] || continue
+        setpriv --reuid="$uid" --regid="$gid" --clear-groups -- "$fm" -u -z -- "$point" >/dev/null 2>&1 || true
+    done < <(awk -v d="$dir" '$0 ~ / - fuse/ {
+                 p = $5; out = ""
+                 while ((i = index(p, "\\")) > 0) {  # \040 and the other octal escapes of mountinfo
+                     out = out substr(p, 1, i - 1) sprintf("%c", (substr(p, i + 1, 1) * 64 + substr(p, i + 2, 1) * 8 + substr(p, i + 3, 1)))
+                     p = substr(p, i + 4)
+                 }
+                 p = out p
+                 if (p == d || index(p, d "/") == 1) print length(p) "\t" p
+             }' /proc/self/mountinfo | sort -rn | cut -f2-)
+    return 0
+}

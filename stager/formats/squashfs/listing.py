@@ -81,20 +81,9 @@ class ImageListing:
 
     def pieces(self, i: int) -> list[Piece]:
         """Where file ``i``'s bytes are, in order (empty for an empty file)."""
-        bs, size = self.block_size, int(self.size[i])
         words = self.block_words[int(self.block_ptr[i]) : int(self.block_ptr[i + 1])].tolist()
-        out, pos = [], int(self.start_block[i])
-        for k, w in enumerate(words):
-            n = w & DATA_SIZE_MASK
-            length = min(bs, size - k * bs)
-            out.append(Piece(pos if n else -1, n, not w & DATA_STORED and n > 0, 0, length))
-            pos += n
-        frag = int(self.fragment[i])
-        if frag >= 0:
-            start, w = (int(x) for x in self.fragments[frag])
-            out.append(Piece(start, w & DATA_SIZE_MASK, not w & DATA_STORED, int(self.frag_offset[i]),
-                             size - len(words) * bs, fragment=True))
-        return out
+        return file_pieces(int(self.size[i]), int(self.start_block[i]), words, fragment=int(self.fragment[i]),
+                           frag_offset=int(self.frag_offset[i]), fragments=self.fragments, block_size=self.block_size)
 
     def problems(self) -> list[str]:
         """What keeps this image from being a set of samples: entries that are neither regular files
@@ -118,6 +107,24 @@ class ImageListing:
             more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
             raise UnsafeArchiveError(f"{image}: {found[0]}{more}, where samples must be regular files; re-make "
                                      "the image from a tree of plain files (mksquashfs SRC IMG)")
+
+
+def file_pieces(size: int, start: int, words: list[int], *, fragment: int, frag_offset: int, fragments: np.ndarray,
+                block_size: int) -> list[Piece]:
+    """The :class:`Piece` list of a file of ``size`` bytes whose data blocks start at ``start`` with
+    size ``words``, and whose tail (``fragment`` >= 0) is at ``frag_offset`` in that fragment block
+    (``fragments``: the fragment table, rows ``(start, size word)``)."""
+    out, pos = [], start
+    for k, w in enumerate(words):
+        n = w & DATA_SIZE_MASK
+        length = min(block_size, size - k * block_size)
+        out.append(Piece(pos if n else -1, n, not w & DATA_STORED and n > 0, 0, length))
+        pos += n
+    if fragment >= 0:
+        fstart, fw = (int(x) for x in fragments[fragment])
+        out.append(Piece(fstart, fw & DATA_SIZE_MASK, not fw & DATA_STORED, frag_offset,
+                         size - len(words) * block_size, fragment=True))
+    return out
 
 
 def raw_offsets(lst: ImageListing) -> np.ndarray:

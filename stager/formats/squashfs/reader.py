@@ -28,27 +28,34 @@ import numpy as np
 from stager.errors import CorruptSampleError, SourceError, SourceNotFoundError
 from stager.formats.base import pread_runs
 from stager.formats.squashfs.compress import Codec, DecompressError, codec_by_id, decompressor
-from stager.formats.squashfs.inodes import decode_inodes
 from stager.formats.squashfs.layout import (
     DATA_SIZE_MASK,
     FLAG_COMP_OPT,
     INVALID_TABLE,
+    KIND_NAMES,
+    LREG,
+    LREG_INODE,
     MAGIC,
     MAX_BLOCK_LOG,
     META_SIZE_MASK,
     META_STORED,
+    METADATA_SIZE,
     MIN_BLOCK_LOG,
+    NO_FRAGMENT,
     REG,
+    REG_INODE,
     SUPERBLOCK_SIZE,
     Superblock,
+    basic_type,
     split_ref,
 )
-from stager.formats.squashfs.listing import ImageListing, Piece
+from stager.formats.squashfs.listing import ImageListing, Piece, file_pieces
 from stager.formats.squashfs.meta import MetaTable, pread_exact, read_index, read_indexed, read_table
+from stager.formats.squashfs.refs import read_by_refs
 from stager.formats.squashfs.walk import walk
-from stager.manifest.table import Strings
 
 _FRAGMENT_CACHE = 32  # decompressed fragment blocks kept (4 MiB at the default 128 KiB block size)
+_META_CACHE = 64  # decompressed inode-table blocks kept (512 KiB) for reads by inode reference
 
 
 def _damaged(image: str, what: str) -> SourceError:
@@ -72,6 +79,7 @@ class SquashImage:
         self._listing: ImageListing | None = None
         self._inode_table: MetaTable | None = None
         self._frag_cache: OrderedDict[int, bytes] = OrderedDict()
+        self._meta_cache: OrderedDict[int, tuple[bytes, int]] = OrderedDict()
         fd = self.fd()
         try:
             self.file_size = os.fstat(fd).st_size
@@ -192,25 +200,82 @@ class SquashImage:
 
     def ref_pieces(self, ref: int) -> tuple[int, list[Piece]]:
         """``(size, pieces)`` of the regular file whose inode is at reference ``ref``
-        (``ImageListing.inode_ref``), from the inode table alone: no directory walk, so a reader that
-        kept each sample's reference (a loader) needs no listing."""
-        table = self.inode_table()
-        pos = np.asarray([table.locate(*split_ref(ref))], dtype=np.int64)
-        ino = decode_inodes(table.view(), pos, np.asarray([REG]), block_size=self.block_size, image=self.name,
-                            name_of=lambda i: f"inode {ref:#x}")
-        one = ImageListing(Strings.from_strings([f"inode {ref:#x}"]), np.asarray([REG]), np.asarray([-1]),
-                           np.asarray([0]), ino.size, ino.mode, ino.nlink, ino.number, np.asarray([ref]),
-                           ino.start_block, ino.block_ptr, ino.block_words, ino.fragment, ino.frag_offset,
-                           np.asarray([-1]), self.fragments, self.block_size)
-        if one.fragment[0] >= len(self.fragments):
-            raise CorruptSampleError(f"{self.name}: inode {ref:#x} names fragment {int(one.fragment[0])} of "
-                                     f"{len(self.fragments)}; the image is damaged: re-copy or re-make it")
-        return int(one.size[0]), one.pieces(0)
+        (``ImageListing.inode_ref``), from the inode-table blocks that hold that inode alone (kept in a
+        small LRU): no directory walk and no whole table, so a reader that kept each sample's reference
+        (a loader) starts at once on an image of a million files."""
+        what = f"inode {ref:#x}"
+        rel, off = split_ref(ref)
+        head = self._meta_bytes(rel, off, REG_INODE.size, what)
+        itype = struct.unpack_from("<H", head)[0]
+        if itype == REG:
+            *_c, start, frag, frag_off, size = REG_INODE.unpack_from(head)
+        elif itype == LREG:
+            head = self._meta_bytes(rel, off, LREG_INODE.size, what)
+            *_c, start, size, _sparse, _nlink, frag, frag_off, _xattr = LREG_INODE.unpack_from(head)
+        else:
+            raise CorruptSampleError(f"{self.name}: {what} is a {KIND_NAMES.get(basic_type(itype), 'damaged inode')}, "
+                                     "not a regular file; the index does not match the image: re-index it")
+        fragment = -1 if frag == NO_FRAGMENT else frag
+        nb = size // self.block_size if fragment >= 0 else -(-size // self.block_size)
+        fixed = REG_INODE.size if itype == REG else LREG_INODE.size
+        words = struct.unpack_from(f"<{nb}I", self._meta_bytes(rel, off, fixed + 4 * nb, what), fixed) if nb else ()
+        if fragment >= len(self.fragments) or start + sum(w & DATA_SIZE_MASK for w in words) > \
+                self.superblock.inode_table_start:
+            raise CorruptSampleError(f"{self.name}: {what}: its data or fragment lies outside the data area; the "
+                                     "image is damaged: re-copy or re-make it")
+        return size, file_pieces(size, start, list(words), fragment=fragment, frag_offset=frag_off,
+                                 fragments=self.fragments, block_size=self.block_size)
+
+    def _meta_bytes(self, rel: int, offset: int, n: int, what: str) -> bytes:
+        """``n`` uncompressed bytes of the inode table from reference ``(rel, offset)``: the block that
+        starts ``rel`` bytes into the table on disk, then as many following blocks as they run into."""
+        data, nxt = self.meta_block(rel, what)
+        if offset + n <= len(data):
+            return data[offset : offset + n]
+        out = bytearray(data[offset:])
+        while len(out) < n:
+            if len(data) != METADATA_SIZE:
+                raise CorruptSampleError(f"{self.name}: {what} runs past the inode table's end; the image is "
+                                         "damaged: re-copy or re-make it")
+            data, nxt = self.meta_block(nxt, what)
+            out += data
+        return bytes(out[:n])
+
+    def meta_block(self, rel: int, what: str) -> tuple[bytes, int]:
+        """The uncompressed inode-table block ``rel`` bytes into the table (kept in a small LRU), and
+        where the next one starts; :class:`CorruptSampleError` naming ``what`` if there is none."""
+        got = self._meta_cache.get(rel)
+        if got is not None:
+            self._meta_cache.move_to_end(rel)
+            return got
+        start, end = self.superblock.inode_table_start + rel, self.superblock.directory_table_start
+        bad = f"{self.name}: {what}: no inode-table block at byte {start}; the image is damaged: re-copy or re-make it"
+        if rel < 0 or start + 2 > end:
+            raise CorruptSampleError(bad)
+        (hdr,) = struct.unpack("<H", self._pread(2, start, what))
+        size = hdr & META_SIZE_MASK
+        if size == 0 or start + 2 + size > end or (hdr & META_STORED and size > METADATA_SIZE):
+            raise CorruptSampleError(bad)
+        raw = self._pread(size, start + 2, what)
+        try:
+            data = raw if hdr & META_STORED else self._decompress(raw, METADATA_SIZE)
+        except DecompressError as exc:
+            raise CorruptSampleError(f"{bad} ({exc})") from exc
+        got = (data, rel + 2 + size)
+        self._meta_cache[rel] = got
+        if len(self._meta_cache) > _META_CACHE:
+            self._meta_cache.popitem(last=False)
+        return got
 
     def read_ref(self, ref: int) -> bytes:
         """The bytes of the regular file whose inode is at reference ``ref`` (see :meth:`ref_pieces`)."""
         size, pieces = self.ref_pieces(ref)
         return self.read_pieces(pieces, size, f"inode {ref:#x}")
+
+    def read_refs(self, refs: Sequence[int] | np.ndarray) -> list[bytes]:
+        """:meth:`read_ref` of many references, in the order given, a block at a time: each inode-table
+        and fragment block they share is read and decompressed once (:func:`~.refs.read_by_refs`)."""
+        return read_by_refs(self, np.asarray(refs, dtype=np.int64))
 
     def read(self, i: int) -> bytes:
         """The bytes of listing entry ``i`` (a regular file)."""
@@ -251,7 +316,7 @@ class SquashImage:
         out = bytearray()
         for p in pieces:
             if p.fragment:
-                block = self._fragment_block(p, what)
+                block = self.fragment_block(p, what)
                 if p.skip + p.length > len(block):
                     raise CorruptSampleError(f"{self.name}: {what!r}: its fragment holds {len(block)} bytes, not "
                                              f"{p.skip + p.length}; the image is damaged: re-copy or re-make it")
@@ -279,7 +344,8 @@ class SquashImage:
                                      f"bytes, not {p.length}; the image is damaged: re-copy or re-make it")
         return data
 
-    def _fragment_block(self, p: Piece, what: str) -> bytes:
+    def fragment_block(self, p: Piece, what: str) -> bytes:
+        """The uncompressed fragment block of piece ``p`` (kept in a small LRU)."""
         block = self._frag_cache.get(p.offset)
         if block is not None:
             self._frag_cache.move_to_end(p.offset)

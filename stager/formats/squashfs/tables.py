@@ -126,13 +126,15 @@ class Tree:
 @dataclass
 class Tables:
     """What :func:`build_tables` made: both tables on disk, the root's reference, every inode's
-    reference by inode number - 1 (the export table's records), and the inode count."""
+    reference by inode number - 1 (the export table's records), the inode count, and each file's
+    inode reference by file id (``file_refs``: where a reader finds the file without a listing)."""
 
     inode_table: bytes
     dir_table: bytes
     root_ref: int
     refs: array
     inodes: int
+    file_refs: array
 
 
 class _Emitter:
@@ -142,6 +144,7 @@ class _Emitter:
         self.inodes = MetaWriter(compress)
         self.dirs = MetaWriter(compress)
         self.refs = array("q")
+        self.file_refs = array("q", bytes(8 * len(files)))
         self.total = total_inodes
         self.next_number = 1
 
@@ -174,10 +177,11 @@ class _Emitter:
         self.next_number += len(files)
         pos = self.inodes.written
         self.inodes.write(b"".join(chunks))  # the blocks before each position are final now
-        for k, ((n, _fid), chunk) in enumerate(zip(files, chunks, strict=True)):
+        for k, ((n, fid), chunk) in enumerate(zip(files, chunks, strict=True)):
             ref = inode_ref(*self.inodes.ref(pos))
             pos += len(chunk)
             self.refs.append(ref)
+            self.file_refs[fid] = ref  # type: ignore[index]
             entries.append((n, REG, first + k, ref))
         if subdirs:
             entries.sort(key=lambda e: e[0])
@@ -264,4 +268,4 @@ def build_tables(tree: Tree, files: Files, block_size: int, compress: Compress |
         _root_number, root_ref = em.directory(tree.root, total + 1)
     finally:
         sys.setrecursionlimit(limit)
-    return Tables(em.inodes.finish(), em.dirs.finish(), root_ref, em.refs, total)
+    return Tables(em.inodes.finish(), em.dirs.finish(), root_ref, em.refs, total, em.file_refs)

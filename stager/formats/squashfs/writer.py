@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+from array import array
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -61,7 +62,9 @@ PRECOMPRESSED = frozenset((
     "zip", "gz", "tgz", "bz2", "xz", "zst", "lz4", "7z", "rar", "npz", "parquet",  # archives
 ))
 _WINDOW = 32 << 20  # input bytes of compression jobs in flight before the oldest is written (fixed: determinism)
-_FLUSH = 4 << 20  # bytes buffered before a write()
+_FLUSH = 4 << 20  # bytes queued before a write
+_NO_COPY = 16 << 10  # pieces this large (and immutable) are written from where they are, not copied
+_IOV_MAX = 512  # pieces per writev (Linux allows 1024)
 
 
 class AddedFile(NamedTuple):
@@ -147,6 +150,8 @@ class SquashWriter:
         if self._options is not None:
             self._buf += (len(self._options) | META_STORED).to_bytes(2, "little") + self._options
         self._pos = len(self._buf)  # image offset of the next data byte
+        self._pieces: list[bytes | bytearray | memoryview] = []  # queued for the file, in order; _buf follows them
+        self._pending = len(self._buf)
         self._jobs: deque[_Job] = deque()
         self._pending = 0
         self._frag_entries: list[tuple[int, int]] = []  # (start, size word) per fragment block
@@ -154,11 +159,13 @@ class SquashWriter:
         self._nfrag = 0  # fragment blocks closed so far (written or in flight)
         self._zero = bytes(block_size)
         self._closed = False
+        self.file_refs: array | None = None  # after close(): each file's inode reference, by file id
 
     # ---- adding files ---------------------------------------------------------------------------
 
-    def add_file(self, relpath: str, data: bytes | bytearray | memoryview) -> AddedFile:
-        """Add a regular file at ``relpath`` (``/``-separated, relative, parents created)."""
+    def add_file(self, relpath: str, data: bytes | bytearray | memoryview, *, store: bool = False) -> AddedFile:
+        """Add a regular file at ``relpath`` (``/``-separated, relative, parents created). ``store``: keep
+        it as one stored contiguous range whatever its type (``raw_offset`` >= 0), as a JPEG is."""
         if self._closed:
             raise UsageError(f"{self.name}: add_file after close")
         parts = _check_relpath(relpath)
@@ -167,7 +174,7 @@ class SquashWriter:
         self.tree.add(parts, fid, self.name)
         dot = parts[-1].rfind(".")
         ext = parts[-1][dot + 1 :].lower() if dot > 0 else ""
-        if self._none or (self._precompressed and ext in PRECOMPRESSED):
+        if store or self._none or (self._precompressed and ext in PRECOMPRESSED):
             return AddedFile(fid, len(view), self._store(fid, view))
         self._add_compressed(fid, view)
         return AddedFile(fid, len(view), -1)
@@ -240,25 +247,49 @@ class SquashWriter:
                 self._frag_entries.append((start, words[0]))
 
     def _write(self, data: bytes | memoryview) -> None:
-        self._pos += len(data)
-        if len(self._buf) + len(data) > _FLUSH:
+        """Queue ``data`` at the image's next offset. Small pieces are gathered into one buffer; a large
+        immutable one (a stored photo's bytes) is queued as it is, with no copy, and the queue reaches the
+        file in ``_FLUSH``-sized ``writev`` calls."""
+        n = len(data)
+        self._pos += n
+        if n >= _NO_COPY and isinstance(data.obj if isinstance(data, memoryview) else data, bytes):
+            if self._buf:
+                self._pieces.append(self._buf)
+                self._buf = bytearray()
+            self._pieces.append(data)
+        else:
+            self._buf += data
+        self._pending += n
+        if self._pending > _FLUSH:
             self._flush()
-            if len(data) > _FLUSH:
-                self._write_all(data)
-                return
-        self._buf += data
 
     def _flush(self) -> None:
         if self._buf:
-            self._write_all(self._buf)
+            self._pieces.append(self._buf)
             self._buf = bytearray()
+        if self._pieces:
+            self._write_all(self._pieces)
+        self._pieces = []
+        self._pending = 0
 
-    def _write_all(self, data: bytes | bytearray | memoryview) -> None:
+    def _write_all(self, pieces: list[bytes | bytearray | memoryview]) -> None:
+        """Write ``pieces`` in order: ``os.writev`` on a file of our own, ``write`` on a caller's object."""
         assert self._f is not None
-        view = memoryview(data)
-        done = 0
-        while done < len(view):
-            done += self._f.write(view[done:]) or 0
+        views = [memoryview(p).cast("B") for p in pieces]
+        if not self._own:
+            for view in views:
+                done = 0
+                while done < len(view):
+                    done += self._f.write(view[done:]) or 0
+            return
+        fd = self._f.fileno()
+        while views:
+            done = os.writev(fd, views[:_IOV_MAX])
+            while views and done >= len(views[0]):
+                done -= len(views[0])
+                views.pop(0)
+            if views and done:
+                views[0] = views[0][done:]
 
     # ---- finishing ------------------------------------------------------------------------------
 
@@ -280,6 +311,7 @@ class SquashWriter:
     def _finish(self) -> int:
         meta_compress = self._compress
         tables = build_tables(self.tree, self.files, self.block_size, meta_compress)
+        self.file_refs = tables.file_refs
         sb: dict[str, int] = {}
         sb["inode_table_start"] = self._pos
         self._write(tables.inode_table)
@@ -313,7 +345,7 @@ class SquashWriter:
                                 frag_start, lookup)
         assert self._f is not None
         self._f.seek(0)
-        self._write_all(superblock.pack())
+        self._write_all([superblock.pack()])
         self._f.seek(self._pos)
         if self._fsync:
             self._f.flush()

@@ -1,5 +1,6 @@
-"""Containers other tools wrote, as a pack source: MXNet RecordIO (``.rec``) and LMDB (Caffe Datums,
-pickled samples), so ``stager pack SRC OUT --format F`` converts them to any stager format.
+"""Containers other tools wrote, as a pack source: MXNet RecordIO (``.rec``), LMDB (Caffe Datums,
+pickled samples) and SquashFS images of ImageFolder trees (``mksquashfs``: a file, or a directory of
+them), so ``stager pack SRC OUT --format F`` converts them to any stager format.
 
 The source is indexed in memory exactly as ``stager index`` would index it
 (:func:`stager.index.adopt_in_memory`: the same scanners, keys, labels and checks, nothing written)
@@ -12,20 +13,32 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from stager.formats import FORMAT_SPECS
 from stager.pack.sources.packed import PackSource
 
-SUFFIXES = {".rec": "recordio", ".mdb": "lmdb", ".lmdb": "lmdb"}
+SUFFIXES = {".rec": "recordio", ".mdb": "lmdb", ".lmdb": "lmdb",
+            **{s: "squashfs" for s in FORMAT_SPECS["squashfs"].adopt_suffixes}}
+
+
+def _magic_kind(path: Path) -> str | None:
+    """The adopted format whose registered magic ``path`` starts with (a SquashFS image named ``x.img``)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+    except OSError:
+        return None
+    return next((n for n, s in FORMAT_SPECS.items() if s.adopted and s.magic and head.startswith(s.magic)), None)
 
 
 def adopted_kind(root: Path) -> str | None:
-    """``recordio`` or ``lmdb`` when ``root`` is such a file or a directory holding such files, else None."""
+    """``recordio``, ``lmdb`` or ``squashfs`` when ``root`` is such a file or a directory holding such
+    files, else None."""
     if root.is_file():
-        return SUFFIXES.get(root.suffix.lower())
+        return SUFFIXES.get(root.suffix.lower()) or _magic_kind(root)
     if (root / "data.mdb").is_file():
         return "lmdb"
-    if any(p.suffix.lower() == ".rec" for p in root.iterdir() if p.is_file()):
-        return "recordio"
-    return None
+    kinds = {SUFFIXES.get(p.suffix.lower()) for p in root.iterdir() if p.is_file() and not p.name.startswith(".")}
+    return next((k for k in dict.fromkeys(SUFFIXES.values()) if k in kinds), None)
 
 
 class AdoptedSource(PackSource):

@@ -1,0 +1,369 @@
+"""SquashFS as a stager format (issue 41): the four figures, side by side, interleaved rounds, medians.
+
+    python tools/bench/bench_squashfs.py [--classes 10 --per-class 200] [--rounds 3]
+        [--big-classes 1000 --big-per-class 1281] [--work /tmp/stager-bench-squashfs]
+
+1. **Read**: stager's loader (``make_loader``, ``decode="raw"``, one epoch, shuffled, in process)
+   over the same ImageNet-like JPEGs in tar shards, in uncompressed images (``stager pack --format
+   squashfs --compression none``; and ``mksquashfs -noI -noD -noF -noX -no-fragments`` adopted with
+   ``stager index``), and in a zstd image of mksquashfs's defaults (fragments, every block tried:
+   the samples are read by inode and decompressed in process). Samples/s and CPU microseconds per
+   sample (the process's user + sys, and its workers'), from the loader's creation to the epoch's end.
+2. **Against a mount**: each image (zstd, and uncompressed) mounted with squashfuse and read the way
+   users read it today, a torch ``DataLoader`` over an ImageFolder-like dataset (one ``open()``/``read()``
+   per file, shuffled, batches of the files' bytes), in process and with 2 workers, against stager's
+   loader over the same image (adopted in place) with 0 and 2 workers. A fresh mount per epoch (its
+   page cache goes with it, as a job's would); the squashfuse daemon's CPU is counted with the reader's.
+3. **Pack**: ``stager pack TREE OUT --format squashfs --compression C`` (a fresh process: listing,
+   plan, hashing, one image) against ``mksquashfs TREE IMG -comp C`` (every core, its defaults), wall,
+   CPU and image bytes.
+4. **Index**: ``stager index IMG --out DIR`` of an ImageNet-sized image (1,281,000 ~1 KB JPEGs, made by
+   mksquashfs once and cached under ``--work``, shared with bench_squashfs_codec.py) against
+   ``unsquashfs -l IMG``, and the loader's first batch (256 samples) over the index, in a fresh
+   process (imports excluded, loader creation included).
+
+The machine's load is printed with the tables; CPU seconds are steadier than wall time on a busy box.
+Writes docs/bench/squashfs.md, prints its tables, then one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from tools.datagen import make_imagefolder, make_tiny_imagefolder  # noqa: E402
+
+PY = sys.executable
+
+LOADER = """
+import json, resource, sys, time
+import torch  # imported before the clock starts, as in the mount reader's script
+from stager.loader import Loader, make_loader
+path, workers = sys.argv[1], int(sys.argv[2])
+def cpu():
+    return sum(getattr(resource.getrusage(w), f) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+               for f in ("ru_utime", "ru_stime"))
+c0 = cpu()
+t = time.perf_counter()
+ld = make_loader(path, 256, rank=0, world_size=1, decode="raw", staged=False, num_workers=workers,
+                 multiprocessing_context="fork", seed=1)
+n = sum(len(b["key"]) for b in ld)
+ld.close()
+wall = time.perf_counter() - t
+print(json.dumps({"n": n, "wall": wall, "cpu": cpu() - c0}))
+"""
+
+# What users do today: an ImageFolder-like Dataset over the mount, one open()/read() per file, batches of
+# the files' bytes through a torch DataLoader (its workers send them to the training process).
+MOUNT_READ = """
+import json, os, resource, sys, time
+import torch
+from torch.utils.data import DataLoader, Dataset
+root, workers = sys.argv[1], int(sys.argv[2])
+def cpu():
+    return sum(getattr(resource.getrusage(w), f) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+               for f in ("ru_utime", "ru_stime"))
+
+class Files(Dataset):
+    def __init__(self, root):
+        self.paths = sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs)
+    def __len__(self):
+        return len(self.paths)
+    def __getitem__(self, i):
+        with open(self.paths[i], "rb") as f:
+            return f.read()
+
+c0 = cpu()
+t = time.perf_counter()
+dl = DataLoader(Files(root), batch_size=256, shuffle=True, num_workers=workers, collate_fn=list,
+                generator=torch.Generator().manual_seed(1), multiprocessing_context="fork" if workers else None)
+n = sum(len(b) for b in dl)
+wall = time.perf_counter() - t
+print(json.dumps({"n": n, "wall": wall, "cpu": cpu() - c0}))
+"""
+
+FIRST_BATCH = """
+import json, sys, time
+from stager.loader import make_numpy_loader
+t = time.perf_counter()
+ld = make_numpy_loader(sys.argv[1], 256, rank=0, world_size=1, decode="raw", staged=False, num_workers=0, seed=1)
+b = next(iter(ld))
+print(json.dumps({"first_batch": time.perf_counter() - t, "n": len(b["key"])}))
+"""
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def run(cmd: list[str], stdout: Any = subprocess.DEVNULL) -> tuple[float, float, str]:
+    """``(wall s, CPU s of the child, its stdout)``."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t = time.perf_counter()
+    r = subprocess.run(cmd, check=True, stdout=subprocess.PIPE if stdout is None else stdout, text=True,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    wall = time.perf_counter() - t
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), r.stdout or ""
+
+
+def stager(*args: str | Path) -> None:
+    subprocess.run([PY, "-m", "stager", *map(str, args), "-q"], check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def mksquashfs(src: Path, out: Path, *opts: str) -> Path:
+    out.unlink(missing_ok=True)
+    subprocess.run(["mksquashfs", str(src), str(out), "-noappend", "-quiet", "-no-progress", *opts], check=True,
+                   stdout=subprocess.DEVNULL)
+    return out
+
+
+def adopt(image: Path, out: Path) -> Path:
+    shutil.rmtree(out, ignore_errors=True)
+    stager("index", image, "--out", out)
+    return out
+
+
+def measured(script: str, *args: str | Path) -> dict[str, float]:
+    _, _, out = run([PY, "-c", script, *map(str, args)], stdout=None)
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def bench_read(tree: Path, work: Path, rounds: int) -> list[dict[str, Any]]:
+    """Figure 1: the loader's raw read of every sample, per dataset."""
+    sets: dict[str, Path] = {}
+    for name, fmt, extra in (("tar", "tar", ()), ("stager squashfs, none", "squashfs", ("--compression", "none"))):
+        out = work / f"read-{name.replace(' ', '-').replace(',', '')}"
+        shutil.rmtree(out, ignore_errors=True)
+        stager("pack", tree, out, "--format", fmt, "--shard-size", "64M", *extra)
+        sets[name] = out
+    sets["mksquashfs uncompressed, adopted"] = adopt(
+        mksquashfs(tree, work / "read-plain.sqfs", "-noI", "-noD", "-noF", "-noX", "-no-fragments"), work / "idx-plain")
+    sets["mksquashfs zstd, adopted"] = adopt(mksquashfs(tree, work / "read-zstd.sqfs", "-comp", "zstd"),
+                                             work / "idx-zstd")
+    got: dict[str, list[dict[str, float]]] = {k: [] for k in sets}
+    for _ in range(rounds):
+        for name, path in sets.items():
+            got[name].append(measured(LOADER, path, "0"))
+    rows = []
+    tar_rate = 0.0
+    for name, runs in got.items():
+        n = runs[0]["n"]
+        rate = n / med([r["wall"] for r in runs])
+        tar_rate = tar_rate or rate
+        rows.append({"dataset": name, "samples": n, "samples_per_s": rate, "x_tar": rate / tar_rate,
+                     "cpu_us_per_sample": 1e6 * med([r["cpu"] for r in runs]) / n})
+        print(json.dumps(rows[-1]), file=sys.stderr)
+    return rows
+
+
+def _daemon_cpu(point: Path) -> float:
+    """CPU seconds the squashfuse process serving ``point`` has used (it decompresses for the reader)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"squashfuse" in cmd[0] and str(point).encode() in cmd:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                return (int(fields[11]) + int(fields[12])) / tick
+        except OSError:
+            continue
+    return 0.0
+
+
+def _through_mount(image: Path, work: Path, workers: int) -> dict[str, float]:
+    """One epoch read through a fresh squashfuse mount (cold: its page cache goes with the mount), with
+    the daemon's CPU added to the reader's."""
+    point = Path(tempfile.mkdtemp(prefix="sqfs-mnt-", dir=work))
+    subprocess.run(["squashfuse", "-o", "ro", str(image), str(point)], check=True)
+    try:
+        before = _daemon_cpu(point)
+        got = measured(MOUNT_READ, point, str(workers))
+        got["cpu"] += _daemon_cpu(point) - before
+    finally:
+        subprocess.run(["fusermount3", "-u", str(point)], check=False)
+        point.rmdir()
+    return got
+
+
+def bench_mount(work: Path, rounds: int) -> list[dict[str, Any]]:
+    """Figure 2: each image through a squashfuse mount (open/read per file) vs stager's loader over it."""
+    if shutil.which("squashfuse") is None or shutil.which("fusermount3") is None:
+        print("squashfuse: skipped (apt-get install squashfuse fuse3)", file=sys.stderr)
+        return []
+    images = {"zstd (mksquashfs defaults)": (work / "read-zstd.sqfs", work / "idx-zstd"),
+              "uncompressed": (work / "read-plain.sqfs", work / "idx-plain")}
+    rows = []
+    for label, (image, index) in images.items():
+        got: dict[tuple[str, int], list[dict[str, float]]] = {}
+        for _ in range(rounds):
+            for workers in (0, 2):
+                got.setdefault(("squashfuse mount, open/read per file", workers), []).append(
+                    _through_mount(image, work, workers))
+                got.setdefault(("stager loader over the image", workers), []).append(
+                    measured(LOADER, index, str(workers)))
+        for workers in (0, 2):
+            base = got[("squashfuse mount, open/read per file", workers)]
+            base_rate = base[0]["n"] / med([r["wall"] for r in base])
+            for (name, w), runs in got.items():
+                if w != workers:
+                    continue
+                rate = runs[0]["n"] / med([r["wall"] for r in runs])
+                rows.append({"image": label, "reader": name, "workers": workers, "samples_per_s": rate,
+                             "x_mount": rate / base_rate,
+                             "cpu_us_per_sample": 1e6 * med([r["cpu"] for r in runs]) / runs[0]["n"]})
+                print(json.dumps(rows[-1]), file=sys.stderr)
+    return rows
+
+
+def bench_pack(tree: Path, work: Path, rounds: int, compressions: list[str]) -> list[dict[str, Any]]:
+    """Figure 3: stager pack --format squashfs vs mksquashfs, same tree, same compression, one image."""
+    rows = []
+    for comp in compressions:
+        times: dict[str, list[tuple[float, float]]] = {"stager": [], "mksquashfs": []}
+        sizes: dict[str, int] = {}
+        for _ in range(rounds):
+            out = work / f"pack-{comp}"
+            shutil.rmtree(out, ignore_errors=True)
+            wall, cpu, _ = run([PY, "-m", "stager", "pack", str(tree), str(out), "--format", "squashfs",
+                                "--compression", comp, "--shard-size", "64G", "-q"])
+            times["stager"].append((wall, cpu))
+            sizes["stager"] = sum(p.stat().st_size for p in out.glob("*.sqfs"))
+            img = work / f"pack-{comp}.sqfs"
+            img.unlink(missing_ok=True)
+            opts = ["-noI", "-noD", "-noF", "-noX"] if comp == "none" else ["-comp", comp]
+            wall, cpu, _ = run(["mksquashfs", str(tree), str(img), "-noappend", "-quiet", "-no-progress", *opts])
+            times["mksquashfs"].append((wall, cpu))
+            sizes["mksquashfs"] = img.stat().st_size
+        s, m = times["stager"], times["mksquashfs"]
+        row = {"compression": comp, "stager_s": med([w for w, _ in s]), "mksquashfs_s": med([w for w, _ in m]),
+               "stager_cpu_s": med([c for _, c in s]), "mksquashfs_cpu_s": med([c for _, c in m]),
+               "stager_bytes": sizes["stager"], "mksquashfs_bytes": sizes["mksquashfs"]}
+        row["speed"] = row["mksquashfs_s"] / row["stager_s"]
+        row["size"] = row["stager_bytes"] / row["mksquashfs_bytes"]
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr)
+    return rows
+
+
+def big_image(work: Path, classes: int, per_class: int) -> Path:
+    """The ImageNet-sized image (cached; the tree too, marked complete beside it)."""
+    tree = work / f"tiny-{classes}x{per_class}"
+    image = work / f"tiny-{classes}x{per_class}.sqfs"
+    if image.exists():
+        return image
+    done = tree.with_name(tree.name + ".done")
+    if not done.exists():
+        shutil.rmtree(tree, ignore_errors=True)
+        make_tiny_imagefolder(tree, classes, per_class, jobs=os.cpu_count() or 1)
+        done.touch()
+    # -no-duplicates: duplicate detection compares every pair of same-sized files (hours on 1.28M tiny files)
+    subprocess.run(["mksquashfs", str(tree), str(image) + ".partial", "-noappend", "-quiet", "-no-progress",
+                    "-no-duplicates"], check=True, stdout=subprocess.DEVNULL)
+    os.replace(str(image) + ".partial", image)
+    return image
+
+
+def bench_index(image: Path, work: Path, rounds: int) -> dict[str, Any]:
+    """Figure 4: stager index of the big image vs unsquashfs -l, and the loader's first batch over it."""
+    ours, theirs, first = [], [], []
+    out = work / "idx-big"
+    for _ in range(rounds):
+        shutil.rmtree(out, ignore_errors=True)
+        ours.append(run([PY, "-m", "stager", "index", str(image), "--out", str(out), "-q"])[:2])
+        theirs.append(run(["unsquashfs", "-l", str(image)])[:2])
+        first.append(measured(FIRST_BATCH, out)["first_batch"])
+    n = json.loads((out / "manifest.json").read_text())["totals"]["samples"]
+    res = {"samples": n, "stager_s": med([w for w, _ in ours]), "unsquashfs_s": med([w for w, _ in theirs]),
+           "stager_cpu_s": med([c for _, c in ours]), "unsquashfs_cpu_s": med([c for _, c in theirs]),
+           "first_batch_s": med(first)}
+    res["ratio"] = res["stager_s"] / res["unsquashfs_s"]
+    res["cpu_ratio"] = res["stager_cpu_s"] / res["unsquashfs_cpu_s"]
+    print(json.dumps(res), file=sys.stderr)
+    return res
+
+
+def markdown(res: dict[str, Any]) -> str:
+    lines = ["## SquashFS images (tools/bench/bench_squashfs.py)", "",
+             f"Tree: {res['files']} ImageNet-like JPEGs ({res['mb']:.0f} MB). Interleaved rounds ({res['rounds']}), "
+             f"medians. Machine load (1, 5, 15 min) at the start: {res['load']}; {os.cpu_count()} CPUs.", "",
+             "**Read** (the loader, `decode=\"raw\"`, in process, one shuffled epoch)", "",
+             "| dataset | samples/s | x tar | CPU us/sample |", "|---|---|---|---|"]
+    lines += [f"| {r['dataset']} | {r['samples_per_s']:.0f} | {r['x_tar']:.2f} | {r['cpu_us_per_sample']:.1f} |"
+              for r in res["read"]]
+    lines += ["", "**Against a squashfuse mount** (a torch DataLoader over the mounted tree, `open()`/`read()` per "
+              "file, shuffled; a fresh mount per epoch, so its page cache starts cold as the loader's "
+              "decompression does; CPU includes the squashfuse daemon's)", ""]
+    if res["mount"]:
+        lines += ["| image | reader | workers | samples/s | x mount | CPU us/sample |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['image']} | {r['reader']} | {r['workers']} | {r['samples_per_s']:.0f} | {r['x_mount']:.2f} | "
+                  f"{r['cpu_us_per_sample']:.1f} |" for r in res["mount"]]
+    else:
+        lines.append("(skipped: no squashfuse)")
+    lines += ["", "**Pack** (`stager pack --format squashfs`, a fresh process, against `mksquashfs`, one image each)",
+              "", "| compression | stager s | mksquashfs s | speed (x mksquashfs) | stager CPU s | mksquashfs CPU s | "
+              "stager MB | mksquashfs MB | size (x) |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['compression']} | {r['stager_s']:.2f} | {r['mksquashfs_s']:.2f} | {r['speed']:.2f} | "
+              f"{r['stager_cpu_s']:.2f} | {r['mksquashfs_cpu_s']:.2f} | {r['stager_bytes'] / 1e6:.2f} | "
+              f"{r['mksquashfs_bytes'] / 1e6:.2f} | {r['size']:.4f} |" for r in res["pack"]]
+    i = res["index"]
+    lines += ["", "**Index** (an image of mksquashfs's defaults; fresh processes)", "",
+              "| samples | stager index s | unsquashfs -l s | ratio | stager CPU s | unsquashfs CPU s | CPU ratio | "
+              "loader's first batch s |", "|---|---|---|---|---|---|---|---|",
+              f"| {i['samples']} | {i['stager_s']:.2f} | {i['unsquashfs_s']:.2f} | {i['ratio']:.2f} | "
+              f"{i['stager_cpu_s']:.2f} | {i['unsquashfs_cpu_s']:.2f} | {i['cpu_ratio']:.2f} | "
+              f"{i['first_batch_s']:.2f} |"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--classes", type=int, default=10)
+    p.add_argument("--per-class", type=int, default=200)
+    p.add_argument("--big-classes", type=int, default=1000)
+    p.add_argument("--big-per-class", type=int, default=1281)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--compressions", default="none,gzip,zstd,lz4", help="for the pack figure (xz: minutes)")
+    p.add_argument("--work", default="/tmp/stager-bench-squashfs", help="cache of the trees and the big image")
+    p.add_argument("--md", default=str(ROOT / "docs" / "bench" / "squashfs.md"))
+    a = p.parse_args(argv)
+    if shutil.which("mksquashfs") is None or shutil.which("unsquashfs") is None:
+        print("needs squashfs-tools: apt-get install squashfs-tools", file=sys.stderr)
+        return 2
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    tree = work / f"jpeg-{a.classes}x{a.per_class}"
+    if not tree.with_name(tree.name + ".done").exists():
+        shutil.rmtree(tree, ignore_errors=True)
+        make_imagefolder(tree, a.classes, a.per_class)
+        tree.with_name(tree.name + ".done").touch()
+    files = [f for f in tree.rglob("*") if f.is_file()]
+    res: dict[str, Any] = {"files": len(files), "mb": sum(f.stat().st_size for f in files) / 1e6, "rounds": a.rounds,
+                           "load": " ".join(f"{x:.1f}" for x in os.getloadavg())}
+    res["read"] = bench_read(tree, work, a.rounds)
+    res["mount"] = bench_mount(work, a.rounds)
+    res["pack"] = bench_pack(tree, work, a.rounds, a.compressions.split(","))
+    res["index"] = bench_index(big_image(work, a.big_classes, a.big_per_class), work, a.rounds)
+    md = markdown(res)
+    Path(a.md).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.md).write_text(md)
+    print(md)
+    print(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
