@@ -277,3 +277,24 @@ def test_an_image_with_utf8_names_still_indexes(src: Path, tmp_path: Path) -> No
     r = stager("index", image, "--out", tmp_path / "idx", "-q")
     assert r.returncode == 0, r.stderr
     assert "n00000000/café ü 日本" in list(load_manifest(tmp_path / "idx").shards[0].keys)
+
+
+# ---- a deep tree of long names ------------------------------------------------------------------------------
+def _deep(path: Path, depth: int) -> Path:
+    from stager.formats.squashfs.writer import SquashWriter
+
+    with SquashWriter(path, compression="gzip", block_size=4096) as w:
+        w.add_file("/".join(f"d{k:04d}" + "x" * 245 for k in range(depth)) + "/f.jpg", b"\xff\xd8")
+    return path
+
+
+def test_a_path_longer_than_path_max_is_refused_before_it_costs_memory(tmp_path: Path) -> None:
+    """Every entry's path is kept whole, so a deep tree of 250-byte names cost memory quadratic in its depth
+    (2.3 GB for a 53 KB image of 3,000 levels); no program can open a path past PATH_MAX anyway."""
+    assert len(SquashImage(_deep(tmp_path / "ok.sqfs", 16)).listing()) == 17  # 16 x 250 + 15 + 6 bytes: fine
+    image = _deep(tmp_path / "deep.sqfs", 17)
+    with pytest.raises(UnsafeArchiveError, match="PATH_MAX"), SquashImage(image) as im:
+        im.listing()
+    r = stager("index", image, "--out", tmp_path / "idx", "--json")
+    assert r.returncode == 3 and r.stderr.count("\n") == 1 and len(r.stderr) < 600, r.stderr
+    assert json.loads(r.stdout)["exit_code"] == 3

@@ -6,8 +6,8 @@ directories at once, so an ImageNet-shaped image (one root, 1,000 class folders,
 vectorised passes. Checks, each a one-line :class:`~stager.errors.SourceError` or
 :class:`~stager.errors.UnsafeArchiveError` naming the image and the entry: a directory reached twice
 (a loop, or two directories sharing a listing), names that are empty, ``.``/``..``, hold ``/``,
-NUL or control characters, or are not UTF-8, an entry whose inode disagrees with it, and file data,
-fragments or listings outside the image.
+NUL or control characters, or are not UTF-8, paths longer than PATH_MAX, an entry whose inode
+disagrees with it, and file data, fragments or listings outside the image.
 """
 
 from __future__ import annotations
@@ -147,6 +147,10 @@ def _take(ino: Inodes, idx: np.ndarray) -> Inodes:
 
 
 _BYTES = 1 << 22  # path bytes checked per pass
+# The longest path a program can name (Linux's PATH_MAX, 4096, less its NUL). Longer ones are refused:
+# nothing could open them through a mount, and a deep tree of long names would cost memory quadratic
+# in its depth (every entry's path is kept whole), gigabytes for an image of kilobytes.
+MAX_PATH = 4095
 
 
 def _check_names(values: np.ndarray, starts: np.ndarray, name_at: np.ndarray, depth: int, *, image: str,
@@ -154,8 +158,16 @@ def _check_names(values: np.ndarray, starts: np.ndarray, name_at: np.ndarray, de
     """One level's paths (``values``, entry ``i`` at ``starts[i]:starts[i + 1]``, its name from
     ``name_at[i]``, ``depth`` slashes before it) must end in a path component: not ``.``/``..``, no
     ``/``, NUL or control characters, UTF-8 (the prefixes are names already checked). UTF-8, because
-    every path of the listing is decoded as such: keys, class names, messages."""
+    every path of the listing is decoded as such: keys, class names, messages. No path may be longer
+    than :data:`MAX_PATH` bytes."""
     n = len(starts) - 1
+    full = np.diff(starts)
+    if n and int(full.max()) > MAX_PATH:
+        i = int(np.argmax(full))
+        head = values[int(starts[i]) : int(starts[i]) + 60].tobytes().decode("utf-8", "replace")
+        raise UnsafeArchiveError(f"{image}: the entry {head + '...'!r}, {depth} folders down, has a path of "
+                                 f"{int(full[i])} bytes, longer than any program can open ({MAX_PATH}, PATH_MAX); "
+                                 "stager reads no such image: re-make it from a shallower tree")
     length = starts[1:] - name_at
     last = max(len(values) - 1, 0)
     first = values[np.minimum(name_at, last)] if len(values) else np.zeros(n, np.uint8)
