@@ -298,3 +298,19 @@ def test_a_path_longer_than_path_max_is_refused_before_it_costs_memory(tmp_path:
     r = stager("index", image, "--out", tmp_path / "idx", "--json")
     assert r.returncode == 3 and r.stderr.count("\n") == 1 and len(r.stderr) < 600, r.stderr
     assert json.loads(r.stdout)["exit_code"] == 3
+
+
+# ---- where the messages send a newcomer ------------------------------------------------------------------------
+def test_the_missing_squashfuse_message_names_a_section_that_exists(monkeypatch: pytest.MonkeyPatch) -> None:
+    import re
+
+    from stager.errors import MissingBackendError
+    from stager.stage.mount import tools
+
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(MissingBackendError) as ei:
+        tools()
+    (section,) = re.findall(r'docs/staging\.md, "([^"]+)"', str(ei.value))
+    headings = [ln.lstrip("#").strip() for ln in (Path(__file__).resolve().parents[1] / "docs" / "staging.md")
+                .read_text().splitlines() if ln.startswith("#")]
+    assert any(h.startswith(section) for h in headings), (section, "is no heading of docs/staging.md")

@@ -50,7 +50,7 @@ MOUNT_DIR = "mnt"  # DEST/mnt/<shard stem>/
 MOUNTS_NAME = ".stager-mounts.json"  # the record of what stage --mount mounted (clean and the Epilog read it)
 DEST_FIX = "run it as the user who staged it; if DEST is yours, chmod go-w it first"
 _INSTALL = ("needs squashfuse and fusermount3 (Debian/Ubuntu: apt-get install squashfuse fuse3; RHEL: dnf install "
-            "squashfuse fuse3); or mount the images yourself (docs/staging.md, \"Mounting images\")")
+            "squashfuse fuse3); or mount the images yourself (docs/staging.md, \"SquashFS images\")")
 
 
 def tools() -> tuple[str, str]:
@@ -198,7 +198,7 @@ def _mount(squashfuse: str, image: str, point: str) -> None:
     if r.returncode != 0 or point not in mount_points(Path(point).parent):
         why = " ".join((r.stderr or r.stdout or f"exit {r.returncode}").split())[:300]
         raise DestinationError(f"{image}: squashfuse could not mount it at {point} ({why}); is /dev/fuse there and "
-                               "may you use it? (docs/staging.md, \"Mounting images\")")
+                               "may you use it? (docs/staging.md, \"SquashFS images\")")
 
 
 def _unmount(fusermount: str, point: str) -> None:
