@@ -314,3 +314,25 @@ def test_the_missing_squashfuse_message_names_a_section_that_exists(monkeypatch:
     headings = [ln.lstrip("#").strip() for ln in (Path(__file__).resolve().parents[1] / "docs" / "staging.md")
                 .read_text().splitlines() if ln.startswith("#")]
     assert any(h.startswith(section) for h in headings), (section, "is no heading of docs/staging.md")
+
+
+@needs_fuse
+def test_images_a_and_a_sqfs_get_mount_points_of_their_own(pack: Path, src: Path, tmp_path: Path) -> None:
+    """Adopted images ``a`` (found by its magic) and ``a.sqfs`` both mapped to ``DEST/mnt/a``: the second mount
+    was refused as "not empty" (the first image), telling the user to move their files away."""
+    images = tmp_path / "images"
+    images.mkdir()
+    shutil.copyfile(pack / "shard-00000.sqfs", images / "a")
+    other = {"other/" + p.split("/")[1]: b for p, b in tree_of(src).items() if p.startswith("n00000001/")}
+    (tmp_path / "half" / "other").mkdir(parents=True)
+    for rel, data in other.items():
+        (tmp_path / "half" / rel).write_bytes(data)
+    mksquashfs(tmp_path / "half", images / "a.sqfs")
+    r = stager("index", images, "--out", tmp_path / "idx", "-q")
+    assert r.returncode == 0, r.stderr
+    dest = tmp_path / "ds"
+    result = stage(tmp_path / "idx", dest, mount=True)
+    assert sorted(result.mounts) == [str(dest / MOUNT_DIR / "a"), str(dest / MOUNT_DIR / "a.sqfs")]
+    assert tree_of(dest / MOUNT_DIR / "a") == tree_of(src) and tree_of(dest / MOUNT_DIR / "a.sqfs") == other
+    clean(dest)
+    assert mount_points(dest) == set()

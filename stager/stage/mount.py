@@ -115,8 +115,7 @@ def mount_staged(plan: StagePlan, result: StageResult) -> None:
     A mount there that no record of stage's names is refused: it is not stage's to take over."""
     squashfuse, fusermount = tools()
     names = [plan.manifest.shards[i].name for i in plan.shard_indices]
-    suffix = format_spec(plan.manifest.format).suffix
-    stems = [n[: -len(suffix)] if n.endswith(suffix) else n for n in names]
+    stems = mount_names(names, format_spec(plan.manifest.format).suffix, {s.name for s in plan.manifest.shards})
     with SafeDir.open(plan.dest, what="staging destination", fix=DEST_FIX) as d:
         previous, seen = _read_record(d)
         images = {stem: _identity(d, name) for name, stem in zip(names, stems, strict=True)}
@@ -154,6 +153,17 @@ def mount_staged(plan: StagePlan, result: StageResult) -> None:
                 d.unlink(MOUNTS_NAME)
             raise
     result.mounts = [os.path.join(plan.dest, MOUNT_DIR, s) for s in stems]
+
+
+def mount_names(names: list[str], suffix: str, taken: set[str]) -> list[str]:
+    """Each shard's mount point under ``mnt``: its name less ``suffix``, unless a shard of the dataset
+    (``taken``) is named that (adopted images ``a`` and ``a.sqfs``): then its whole name, so that no two
+    images share a mount point."""
+    out = []
+    for n in names:
+        stem = n[: -len(suffix)] if n.endswith(suffix) else n
+        out.append(n if stem != n and stem in taken else stem)
+    return out
 
 
 def _mount_one(mnt: SafeDir, stem: str, made: list[str]) -> None:
@@ -301,4 +311,5 @@ def _fusermount(point: str) -> str:
     return found
 
 
-__all__ = ["MOUNTS_NAME", "MOUNT_DIR", "check_mountable", "mount_points", "mount_staged", "tools", "unmount_recorded"]
+__all__ = ["MOUNTS_NAME", "MOUNT_DIR", "check_mountable", "mount_names", "mount_points", "mount_staged", "tools",
+           "unmount_recorded"]
