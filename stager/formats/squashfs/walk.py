@@ -5,9 +5,9 @@ Each level (the root's entries, then their subdirectories' entries, ...) is one
 directories at once, so an ImageNet-shaped image (one root, 1,000 class folders, 1.28M files) is two
 vectorised passes. Checks, each a one-line :class:`~stager.errors.SourceError` or
 :class:`~stager.errors.UnsafeArchiveError` naming the image and the entry: a directory reached twice
-(a loop, or two directories sharing a listing), names that are empty, ``.``/``..``, or hold ``/``,
-NUL or control characters, an entry whose inode disagrees with it, and file data, fragments or
-listings outside the image.
+(a loop, or two directories sharing a listing), names that are empty, ``.``/``..``, hold ``/``,
+NUL or control characters, or are not UTF-8, paths longer than PATH_MAX, an entry whose inode
+disagrees with it, and file data, fragments or listings outside the image.
 """
 
 from __future__ import annotations
@@ -147,14 +147,27 @@ def _take(ino: Inodes, idx: np.ndarray) -> Inodes:
 
 
 _BYTES = 1 << 22  # path bytes checked per pass
+# The longest path a program can name (Linux's PATH_MAX, 4096, less its NUL). Longer ones are refused:
+# nothing could open them through a mount, and a deep tree of long names would cost memory quadratic
+# in its depth (every entry's path is kept whole), gigabytes for an image of kilobytes.
+MAX_PATH = 4095
 
 
 def _check_names(values: np.ndarray, starts: np.ndarray, name_at: np.ndarray, depth: int, *, image: str,
                  dir_paths: list[str], owner: np.ndarray) -> None:
     """One level's paths (``values``, entry ``i`` at ``starts[i]:starts[i + 1]``, its name from
     ``name_at[i]``, ``depth`` slashes before it) must end in a path component: not ``.``/``..``, no
-    ``/``, NUL or control characters (the prefixes are names already checked)."""
+    ``/``, NUL or control characters, UTF-8 (the prefixes are names already checked). UTF-8, because
+    every path of the listing is decoded as such: keys, class names, messages. No path may be longer
+    than :data:`MAX_PATH` bytes."""
     n = len(starts) - 1
+    full = np.diff(starts)
+    if n and int(full.max()) > MAX_PATH:
+        i = int(np.argmax(full))
+        head = values[int(starts[i]) : int(starts[i]) + 60].tobytes().decode("utf-8", "replace")
+        raise UnsafeArchiveError(f"{image}: the entry {head + '...'!r}, {depth} folders down, has a path of "
+                                 f"{int(full[i])} bytes, longer than any program can open ({MAX_PATH}, PATH_MAX); "
+                                 "stager reads no such image: re-make it from a shallower tree")
     length = starts[1:] - name_at
     last = max(len(values) - 1, 0)
     first = values[np.minimum(name_at, last)] if len(values) else np.zeros(n, np.uint8)
@@ -173,13 +186,29 @@ def _check_names(values: np.ndarray, starts: np.ndarray, name_at: np.ndarray, de
             hits = a + np.flatnonzero(values[a : a + _BYTES] == 0x2F)
             np.add.at(per, np.searchsorted(starts, hits, side="right") - 1, 1)
         bad_entry |= per != depth
+    if len(values) and int(values.max()) >= 0x80:  # not all ASCII: the rare case
+        bad_entry |= _not_utf8(values, starts)
     if bad_entry.any():
         i = int(np.argmax(bad_entry))
         raw = values[int(name_at[i]) : int(starts[i + 1])].tobytes()
         where = dir_paths[int(owner[i])] or "/"
         raise UnsafeArchiveError(f"{image}: the directory {where!r} holds an entry named {raw!r}, which is not a "
-                                 "file name (., .., or a name with '/', NUL or control characters); stager reads "
-                                 "no such image: re-make it from a tree of plain names")
+                                 "file name (., .., a name with '/', NUL or control characters, or one that is not "
+                                 "UTF-8); stager reads no such image: re-make it from a tree of plain UTF-8 names "
+                                 "(convmv -r -f latin1 -t utf8 --notest TREE renames Latin-1 ones)")
+
+
+def _not_utf8(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Which paths (``values[starts[i]:starts[i + 1]]``) are not UTF-8 (bool, ``(n,)``): the first one
+    the decoder stops at, else those that begin inside a character (all the bytes together decode,
+    so only a character running across a path's start can make one path invalid on its own)."""
+    bad = np.zeros(len(starts) - 1, dtype=bool)
+    try:
+        values.tobytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        bad[int(np.searchsorted(starts, exc.start, side="right")) - 1] = True
+        return bad
+    return (values[starts[:-1]] & 0xC0) == 0x80  # paths are never empty: each start is a byte of its own
 
 
 _ROWS = 1 << 16  # entries per pass of _paths: (rows x widest name) bytes, at most 16 MiB
