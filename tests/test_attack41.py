@@ -336,3 +336,35 @@ def test_images_a_and_a_sqfs_get_mount_points_of_their_own(pack: Path, src: Path
     assert tree_of(dest / MOUNT_DIR / "a") == tree_of(src) and tree_of(dest / MOUNT_DIR / "a.sqfs") == other
     clean(dest)
     assert mount_points(dest) == set()
+
+
+def test_a_tar_member_name_that_is_not_utf8_is_one_line_and_exit_3(tmp_path: Path) -> None:
+    """Found beside the images: ``stager index`` of a webdataset tar with a Latin-1 member name crashed with
+    a UnicodeEncodeError traceback (exit 1) where the keys were checked. Now one line naming the shard and
+    the member, exit 3, and no index written; the same tar with UTF-8 names indexes."""
+    import io
+    import tarfile
+
+    import numpy as np
+
+    from tools.datagen import jpeg_bytes, render_image
+
+    data = jpeg_bytes(render_image(np.random.default_rng(0), 0, 2, 16, 16))
+    for names, ok in ((["s1.jpg", "s\xe92.jpg"], False), (["s1.jpg", "s\xe92.jpg"], True)):
+        src = tmp_path / f"src-{ok}"
+        src.mkdir()
+        with tarfile.open(src / "a-000000.tar", "w", format=tarfile.GNU_FORMAT,
+                          encoding="utf-8" if ok else "latin-1") as t:
+            for name in names:
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                t.addfile(info, io.BytesIO(data))
+        r = stager("index", src, "--out", tmp_path / f"idx-{ok}", "--json")
+        if ok:
+            assert r.returncode == 0, r.stderr
+            continue
+        assert r.returncode == 3 and "Traceback" not in r.stderr, r.stderr
+        (line,) = r.stdout.splitlines()
+        err = json.loads(line)["error"]
+        assert "a-000000.tar" in err and "not UTF-8" in err and "s\\udce92.jpg" in err, err
+        assert not (tmp_path / f"idx-{ok}").exists()

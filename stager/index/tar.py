@@ -92,6 +92,8 @@ def scan_tar(path: str, name: str, image_key: str | None, label_key: str | None,
                 out.edges.append((0 if first else 1, s.key, str(sorted(s.fields))))
 
         for mname, off, size in walk_headers(take, skip, len(view), path):
+            if not mname.isascii():
+                _utf8(mname, path)
             ext = mname.rsplit(".", 1)[-1].lower() if "." in mname.rsplit("/", 1)[-1] else ""
             data = take(size + (-size % 512))[:size] if ext in LABEL_EXTS and size <= MAX_LABEL_BYTES else None
             if data is None:
@@ -116,6 +118,16 @@ def scan_tar(path: str, name: str, image_key: str | None, label_key: str | None,
         elif cur is not None:
             finish(cur, last=True)
     return out
+
+
+def _utf8(mname: str, path: str) -> None:
+    """Refuse a member name that is not UTF-8 (the ustar reader keeps its bytes as surrogate escapes): keys
+    and field names are UTF-8 text in the manifest and the sample index, so such a name cannot be recorded."""
+    try:
+        mname.encode("utf-8")
+    except UnicodeEncodeError:
+        raise DamagedShardError(f"{path}: member name {mname!r} is not UTF-8; keys are UTF-8 text: "
+                                "rename the member (e.g. repack the tar with UTF-8 names)") from None
 
 
 def _field(s: _Sample, member: str, path: str) -> str:
