@@ -265,3 +265,11 @@ def test_hints_cli_on_lustre_tree(tmp_path: Path, fake_lustre: dict[str, Path]) 
     human = stager("hints", str(tree), env=env)
     assert "small" not in human.stdout or "stager pack" in human.stdout
     assert "lfs setstripe" in human.stdout
+
+
+def test_mountinfo_escapes_are_decoded_at_the_end_of_a_path_too() -> None:
+    """The kernel writes a space as ``\\040``, at the end of a path too; fs detection and stage/mount.py
+    (which finds its squashfuse mounts by their real paths) share this one decoder."""
+    line = r"36 25 0:45 / /mnt/my\040data\040 rw,relatime shared:1 - fuse.squashfuse squashfuse rw" + "\n"
+    (m,) = parse_mountinfo(line)
+    assert m.mount_point == "/mnt/my data " and m.fstype == "fuse.squashfuse", m

@@ -81,14 +81,16 @@ class FsInfo:
         }
 
 
-def _unescape(field: str) -> str:
-    # mountinfo escapes space, tab, newline and backslash as \ooo octal.
+def unescape_mount_field(field: str) -> str:
+    """A mountinfo/mounts path field decoded: the kernel writes space, tab, newline and backslash as
+    ``\\ooo`` octal escapes (``/mnt/a\\040b`` is ``/mnt/a b``), a trailing one included."""
     if "\\" not in field:
         return field
     out, i = [], 0
     while i < len(field):
-        if field[i] == "\\" and i + 3 < len(field) and field[i + 1 : i + 4].isdigit():
-            out.append(chr(int(field[i + 1 : i + 4], 8)))
+        digits = field[i + 1 : i + 4]
+        if field[i] == "\\" and len(digits) == 3 and digits.isdigit():
+            out.append(chr(int(digits, 8)))
             i += 4
         else:
             out.append(field[i])
@@ -112,9 +114,10 @@ def parse_mountinfo(text: str) -> list[Mount]:
             lf, rf = left.split(), right.split()
             if len(lf) < 5 or len(rf) < 2:
                 continue
-            mounts.append(Mount(_unescape(lf[4]), rf[0], _unescape(rf[1]), rf[2] if len(rf) > 2 else ""))
+            mounts.append(Mount(unescape_mount_field(lf[4]), rf[0], unescape_mount_field(rf[1]),
+                                rf[2] if len(rf) > 2 else ""))
         elif len(parts) >= 4:
-            mounts.append(Mount(_unescape(parts[1]), parts[2], _unescape(parts[0]), parts[3]))
+            mounts.append(Mount(unescape_mount_field(parts[1]), parts[2], unescape_mount_field(parts[0]), parts[3]))
     return mounts
 
 

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 
 from stager.errors import DestinationError, MissingBackendError, StagerError, UsageError
 from stager.formats import format_spec
+from stager.fs.info import unescape_mount_field
 from stager.fs.safe import SafeDir
 
 if TYPE_CHECKING:
@@ -86,25 +87,10 @@ def mount_points(dest: Path) -> set[str]:
     out = set()
     with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
         for line in f:
-            point = _unescape(line.split(" ", 5)[4])
+            point = unescape_mount_field(line.split(" ", 5)[4])
             if point.startswith(prefix) or point == str(dest):
                 out.add(point)
     return out
-
-
-def _unescape(field: str) -> str:
-    """A mountinfo path: ``\\040`` and the other octal escapes the kernel writes, decoded."""
-    if "\\" not in field:
-        return field
-    out, i = [], 0
-    while i < len(field):
-        if field[i] == "\\" and field[i + 1 : i + 4].isdigit():
-            out.append(chr(int(field[i + 1 : i + 4], 8)))
-            i += 4
-        else:
-            out.append(field[i])
-            i += 1
-    return "".join(out)
 
 
 def mount_staged(plan: StagePlan, result: StageResult) -> None:
