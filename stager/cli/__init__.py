@@ -55,10 +55,15 @@ class Interrupted(KeyboardInterrupt):
 
 def _on_signal(signum: int, frame: FrameType | None) -> None:
     """In stager: Ctrl-C's KeyboardInterrupt, or :class:`Interrupted`. In a process it forked (``pack -j``'s
-    writers, which a terminal's Ctrl-C or Slurm's signal reaches too): SystemExit(130), which their pool
-    reports to stager instead of printing a traceback, after their own clean-up (``finally``) has run."""
+    writers, which a terminal's Ctrl-C or Slurm's signal reaches as well): KeyboardInterrupt, as Python's
+    own Ctrl-C handler raises it there, and then the system's own dispositions again, so that the SIGTERM
+    with which a process pool ends its workers ends this one (a worker that took it for one more exception
+    to report would live on, and the pool wait for it forever)."""
     if os.getpid() != _MAIN_PID[0]:
-        raise SystemExit(int(ExitCode.INTERRUPTED))
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        raise KeyboardInterrupt
     raise KeyboardInterrupt if signum == signal.SIGINT else Interrupted(signum)
 
 
@@ -69,6 +74,16 @@ def _end_on_signals() -> None:
     for sig in ENDING_SIGNALS:
         if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):
             signal.signal(sig, _on_signal)
+
+
+def _child_sigint() -> None:
+    """In a process stager forks, SIGINT is Python's own again (its pool knows that KeyboardInterrupt): only
+    SIGTERM and SIGHUP, which would end it at once, are taken for it there (:func:`_on_signal`)."""
+    if signal.getsignal(signal.SIGINT) is _on_signal:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+os.register_at_fork(after_in_child=_child_sigint)  # once per process (main() may run many times in one)
 
 
 def _open_std_streams() -> None:
@@ -154,11 +169,6 @@ def _run(args: argparse.Namespace, prog: str, *, as_json: bool, quiet: bool) -> 
         return int(err.exit_code)
     except KeyboardInterrupt as exc:
         report_error(prog, exc, ExitCode.INTERRUPTED, as_json=as_json, message=str(exc) or "interrupted")
-        return int(ExitCode.INTERRUPTED)
-    except SystemExit as exc:  # a worker process's (:func:`_on_signal`), handed on by its pool
-        if exc.code != ExitCode.INTERRUPTED:
-            raise
-        report_error(prog, exc, ExitCode.INTERRUPTED, as_json=as_json, message="interrupted (a worker was signalled)")
         return int(ExitCode.INTERRUPTED)
     except Exception as exc:  # a bug: the error line (and the JSON object), then the traceback to report it with
         return _bug(prog, exc, as_json=as_json)

@@ -27,11 +27,11 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from stager.errors import UsageError
+from stager.world import MAX_NODES  # --num-nodes, --nodes: as many as the launchers' variables may say
 
 JSON_FLAG = "--json"
 MAX_BYTES = (1 << 63) - 1  # the largest size and integer: what a file offset (off_t) holds
 MIN_WORKER_LIMIT = 64  # -j up to this is always accepted (copy streams to an object store may want many)
-MAX_NODES = 1_000_000  # --num-nodes, --nodes: more than the largest machine's nodes
 MAX_SIDE = 65_535  # --resize: JPEG's largest side
 MAX_PIXELS = 1 << 28  # --resize: 268M pixels (PIL refuses to decode beyond ~179M as a decompression bomb)
 MAX_SECONDS = 366 * 24 * 3600.0  # the longest duration: a year (beyond, timers overflow); no flag: no limit
