@@ -11,8 +11,9 @@ is the only place that prints results and errors and maps them to exit codes (:c
   ``error:`` line), ``-q`` or not.
 * warnings (:attr:`Result.warnings`) as ``stager <cmd>: warning: ...`` lines on stderr; an error as one
   line ``stager <cmd>: error: ...``. Every location printed passes :mod:`stager.redact` first, and every
-  line for a terminal :func:`printable`: a path's newline, carriage return or escape sequence is shown
-  as ``\\n``, ``\\r``, ``\\x1b`` (one line stays one line, and a file name cannot drive the terminal).
+  line for a terminal :func:`stager.redact.printable`: a path's newline, carriage return or escape sequence
+  is shown as ``\\x0a``, ``\\x0d``, ``\\x1b`` (one line stays one line, and a file name cannot drive the
+  terminal).
 * the streams may be gone: a reader that stopped reading (``stager inspect X --json | head -c1``) ends the
   output quietly with the command's own exit code; stdout that cannot be written (a full disk) is an error
   of its errno (:func:`stager.errors.from_os_error`) on stderr; an unwritable stderr never fails a command.
@@ -24,14 +25,13 @@ import contextlib
 import errno
 import json
 import os
-import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from stager.errors import ExitCode
-from stager.redact import redact_text
+from stager.redact import printable, redact_text
 
 
 @runtime_checkable
@@ -81,23 +81,6 @@ class CommandResult:
 
 
 # ---- printing ---------------------------------------------------------------------------------------
-# C0 controls, DEL and C1 controls: what a terminal acts on (escape sequences, a carriage return that
-# overwrites the line, a newline that splits it, a bell). Printed as Python escapes instead.
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
-
-
-def printable(text: str, keep: str = "") -> str:
-    """``text`` with every control character but those in ``keep`` written as an escape (``\\n``,
-    ``\\r``, ``\\t``, ``\\x1b``, ...), so that it prints as the characters it holds: what stager
-    prints for a terminal passes here (after :func:`redact_text`), since file names may hold anything."""
-    def escape(m: re.Match[str]) -> str:
-        c = m.group()
-        return c if c in keep else _NAMED.get(c, f"\\x{ord(c):02x}")
-
-    return _CONTROL.sub(escape, text)
-
-
 class OutputGoneError(Exception):
     """Standard output cannot take the command's output (``errno``, ``strerror``): :func:`stager.cli.main`
     reports it (a reader that went away: quietly)."""
@@ -166,7 +149,7 @@ def print_result(prog: str, result: Result, *, as_json: bool, quiet: bool) -> in
         for line in text.splitlines():
             stderr_line(f"{prog}: {printable(redact_text(line))}")
     elif text and not as_json and not quiet:
-        _stdout_write(printable(redact_text(text), keep="\n\t") + "\n")
+        _stdout_write(redact_text(text) + "\n")  # several lines: newlines and tabs kept
     return int(result.exit_code)
 
 
