@@ -14,6 +14,7 @@ and files.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -21,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,14 @@ from stager.manifest.document import _digest_of
 from stager.shardcheck import verify
 from stager.world import World
 from tests.asuser import ATTACKER, VICTIM, run_as, stager_as
-from tests.cli_support import assert_error_contract, clean_env, open_writer_when_read, stager
+from tests.cli_support import (
+    assert_error_contract,
+    clean_env,
+    open_writer_when_read,
+    signal_another_thread,
+    stager,
+    wait_main_thread_reads_a_pipe,
+)
 from tools.datagen import jpeg_bytes, render_image
 
 CLI = [sys.executable, "-m", "stager"]
@@ -174,27 +183,87 @@ def _list_with_a_fifo(tmp_path: Path) -> tuple[Path, Path]:
     return lst, fifo
 
 
+def _signalled(proc: subprocess.Popen[str], fd: int, send: Callable[[], object]) -> tuple[str, str]:
+    """``send()`` (which signals ``proc``, started in a session of its own), then ``proc``'s stdout and stderr
+    once it exits; then the FIFO's writer ``fd`` is closed. Should ``proc`` not exit (the defect these tests
+    catch), or ``send`` fail, its process group is killed so that nothing outlives the test, and the test fails."""
+    try:
+        send()
+        return proc.communicate(timeout=300)
+    finally:
+        os.close(fd)
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # its workers too (they hold its stdout open)
+            proc.communicate()
+
+
+def _assert_interrupted(proc: subprocess.Popen[str], stdout: str, stderr: str, sig: signal.Signals, out: Path) -> None:
+    """Ended by ``sig`` as the contract says: exit 130, one error line, one JSON object, no ``.partial`` file."""
+    said = "interrupted" if sig == signal.SIGINT else f"interrupted ({sig.name})"
+    assert proc.returncode == ExitCode.INTERRUPTED, (proc.returncode, stderr)
+    assert stderr.splitlines() == [f"stager pack: error: {said}"], stderr
+    (line,) = stdout.splitlines()
+    kind = "KeyboardInterrupt" if sig == signal.SIGINT else "Interrupted"
+    assert json.loads(line) == {"ok": False, "error": said, "type": kind, "exit_code": 130}
+    assert not list(out.rglob("*.partial")), sorted(out.rglob("*"))
+
+
+SIGNALS = pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
 def test_sigterm_and_sighup_end_a_command_as_ctrl_c_does(tmp_path: Path, sig: signal.Signals) -> None:
     """Slurm's time limit and scancel send SIGTERM, a closed terminal SIGHUP: exit 130 with the JSON object,
-    after the same clean-up as Ctrl-C (no ``.partial`` file left in OUT)."""
+    after the same clean-up as Ctrl-C (no ``.partial`` file left in OUT). Whenever the signal lands after pack
+    opened the FIFO (in ``open``, between ``open`` and ``read``, in ``read``), it ends pack."""
     lst, fifo = _list_with_a_fifo(tmp_path)
     out = tmp_path / "out"
     proc = subprocess.Popen([*CLI, "pack", str(lst), str(out), "--format", "tar", "--samples-per-shard", "1",
                              "--keep-order", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=clean_env())
-    fd = open_writer_when_read(fifo, proc)  # pack is writing the last shard, blocked reading the FIFO
-    try:
-        proc.send_signal(sig)
-        stdout, stderr = proc.communicate(timeout=300)
-    finally:
-        os.close(fd)
-    assert proc.returncode == ExitCode.INTERRUPTED, (proc.returncode, stderr)
-    assert stderr.splitlines() == [f"stager pack: error: interrupted ({sig.name})"], stderr
-    (line,) = stdout.splitlines()
-    assert json.loads(line) == {"ok": False, "error": f"interrupted ({sig.name})", "type": "Interrupted",
-                                "exit_code": 130}
-    assert not list(out.rglob("*.partial")), sorted(out.rglob("*"))
+                            env=clean_env(), start_new_session=True)
+    fd = open_writer_when_read(fifo, proc)  # pack is writing the last shard, opening or reading the FIFO
+    stdout, stderr = _signalled(proc, fd, lambda: proc.send_signal(sig))
+    _assert_interrupted(proc, stdout, stderr, sig, out)
+
+
+@SIGNALS
+def test_a_signal_another_thread_takes_still_ends_a_blocked_read(tmp_path: Path, sig: signal.Signals) -> None:
+    """The kernel may hand a signal sent to pack to any of its threads that does not block it (numpy's
+    OpenBLAS threads here), and Python runs the handler only in the main thread, between bytecodes: blocked
+    reading a FIFO nobody writes, pack used to wait for ever. So it did when the signal landed between the
+    FIFO's ``open`` and its ``read`` (the hang of test_ctrl_c_under_json_prints_one_object_and_exits_130 on
+    a busy machine); a signal sent to such a thread reproduces it every time. The relay
+    (stager/cli/signals.py) interrupts the read: exit 130, the JSON object, nothing half-written."""
+    lst, fifo = _list_with_a_fifo(tmp_path)
+    out = tmp_path / "out"
+    proc = subprocess.Popen([*CLI, "pack", str(lst), str(out), "--format", "tar", "--json"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env=clean_env(OPENBLAS_NUM_THREADS="2"),  # a thread besides the main one, at least
+                            start_new_session=True)
+    fd = open_writer_when_read(fifo, proc)
+    stdout, stderr = _signalled(proc, fd, lambda: (wait_main_thread_reads_a_pipe(proc),
+                                                   signal_another_thread(proc.pid, sig)))
+    _assert_interrupted(proc, stdout, stderr, sig, out)
+
+
+@pytest.mark.parametrize("to", ["stager", "its-group"])
+@SIGNALS
+def test_pack_with_workers_ends_them_on_a_signal(tmp_path: Path, sig: signal.Signals, to: str) -> None:
+    """``pack -j 2`` with a worker blocked reading a FIFO: the signal to stager alone (``kill PID``) or to its
+    process group (a terminal's Ctrl-C, a closed terminal) ends it as in one process (130, the JSON object,
+    nothing half-written), and no worker outlives it. Stager used to wait for that worker's segment for
+    ever, and an idle worker printed a KeyboardInterrupt traceback."""
+    lst, fifo = _list_with_a_fifo(tmp_path)
+    out = tmp_path / "out"
+    proc = subprocess.Popen([*CLI, "pack", str(lst), str(out), "--format", "tar", "-j", "2", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
+                            start_new_session=True)  # its own process group, as a shell's job has
+    fd = open_writer_when_read(fifo, proc)
+    stdout, stderr = _signalled(proc, fd, lambda: proc.send_signal(sig) if to == "stager" else os.killpg(proc.pid, sig))
+    _assert_interrupted(proc, stdout, stderr, sig, out)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)  # no process of the group is left
 
 
 def test_a_signal_the_parent_ignores_stays_ignored(tmp_path: Path) -> None:

@@ -10,8 +10,9 @@ flags from :mod:`stager.cli.args`) and sets ``func=run``, where ``run(args)`` re
   code of its class; an OSError no code translated is mapped by its errno (:func:`stager.errors.from_os_error`);
   bad flags (argparse) are usage errors (2) like any other; Ctrl-C exits 130, and so do SIGTERM and SIGHUP
   (Slurm's time limit, ``scancel``, a closed terminal): each raises :class:`Interrupted` in the main thread,
-  so that the same clean-up runs (no ``.partial`` file left) and ``--json`` still prints its object. A
-  signal the parent set to be ignored (``nohup``) stays ignored;
+  so that the same clean-up runs (no ``.partial`` file left) and ``--json`` still prints its object, even
+  when the main thread is blocked in a system call (:mod:`stager.cli.signals`). A signal the parent set to
+  be ignored (``nohup``) stays ignored;
 * ``--json`` prints exactly one JSON object on stdout in every one of those cases, and turns progress
   off (as ``-q`` does); ``-q`` also drops the summary of a successful command;
 * only a bug in stager (an exception that is neither a StagerError nor an OSError, or an OSError of an
@@ -28,62 +29,19 @@ import contextlib
 import errno
 import importlib
 import os
-import signal
 import sys
 import traceback
 from collections.abc import Sequence
-from types import FrameType
 
 from stager import __version__
 from stager.cli.args import Parser, examples, json_requested, prog_of
 from stager.cli.result import OutputGoneError, Result, print_result, report_error
+from stager.cli.signals import Interrupted, end_on_signals
 from stager.errors import ExitCode, StagerError, UsageError, from_os_error, on_fatal
 
 __all__ = ["COMMAND_MODULES", "Interrupted", "build_parser", "main"]
 
 COMMAND_MODULES = ("pack", "index", "inspect", "verify", "stage", "clean", "hints", "cache")
-ENDING_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # each ends a command as Ctrl-C does
-_MAIN_PID = [os.getpid()]  # stager's own process (the handler tells the processes it forks apart)
-
-
-class Interrupted(KeyboardInterrupt):
-    """SIGTERM or SIGHUP, raised in the main thread as Ctrl-C's KeyboardInterrupt is (exit 130)."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(f"interrupted ({signal.Signals(signum).name})")
-
-
-def _on_signal(signum: int, frame: FrameType | None) -> None:
-    """In stager: Ctrl-C's KeyboardInterrupt, or :class:`Interrupted`. In a process it forked (``pack -j``'s
-    writers, which a terminal's Ctrl-C or Slurm's signal reaches as well): KeyboardInterrupt, as Python's
-    own Ctrl-C handler raises it there, and then the system's own dispositions again, so that the SIGTERM
-    with which a process pool ends its workers ends this one (a worker that took it for one more exception
-    to report would live on, and the pool wait for it forever)."""
-    if os.getpid() != _MAIN_PID[0]:
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        raise KeyboardInterrupt
-    raise KeyboardInterrupt if signum == signal.SIGINT else Interrupted(signum)
-
-
-def _end_on_signals() -> None:
-    """SIGINT, SIGTERM and SIGHUP call :func:`_on_signal`, except one this process was started with ignored
-    (``nohup``, a background job of a non-interactive shell)."""
-    _MAIN_PID[0] = os.getpid()
-    for sig in ENDING_SIGNALS:
-        if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):
-            signal.signal(sig, _on_signal)
-
-
-def _child_sigint() -> None:
-    """In a process stager forks, SIGINT is Python's own again (its pool knows that KeyboardInterrupt): only
-    SIGTERM and SIGHUP, which would end it at once, are taken for it there (:func:`_on_signal`)."""
-    if signal.getsignal(signal.SIGINT) is _on_signal:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-os.register_at_fork(after_in_child=_child_sigint)  # once per process (main() may run many times in one)
 
 
 def _open_std_streams() -> None:
@@ -128,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     _open_std_streams()
-    _end_on_signals()
+    end_on_signals()
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
