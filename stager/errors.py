@@ -101,6 +101,13 @@ class SourceError(StagerError, ValueError):
     exit_code = ExitCode.DAMAGED
 
 
+class UnreadableSourceError(SourceError):
+    """A source file or folder the user may not read (permissions): the user's to fix, not damaged data. Still
+    a :class:`SourceError`, so that ``--on-error skip`` skips such a sample as it skips a damaged one."""
+
+    exit_code = ExitCode.USAGE
+
+
 class UnsuitableSourceError(SourceError):
     """SRC cannot be packed as asked: it is not a kind of source ``stager pack`` reads (an empty folder, an
     unsupported file), or its images do not fit the format without a flag (several sizes for zarr: pass
@@ -243,20 +250,54 @@ _ERRNOS: dict[int, tuple[ExitCode, str]] = {
     errno.EACCES: (ExitCode.USAGE, "choose a path you may use, or ask its owner (`ls -ld` shows owner and mode)"),
     errno.EPERM: (ExitCode.USAGE, "choose a path you may use, or ask its owner (`ls -ld` shows owner and mode)"),
     errno.EXDEV: (ExitCode.USAGE, "keep the paths on one file system"),
+    errno.ENXIO: (ExitCode.USAGE, "no such device (or a FIFO nobody reads): check the path"),
+    errno.ENODEV: (ExitCode.USAGE, "no such device: check the path"),
+    errno.ESPIPE: (ExitCode.USAGE, "give a regular file, not a pipe or socket"),
+    errno.EBUSY: (ExitCode.USAGE, "it is in use (a mount point, a busy device): choose another path"),
+    errno.EOPNOTSUPP: (ExitCode.USAGE, "the file system does not support it: choose a path on another one"),
+    errno.EMFILE: (ExitCode.USAGE, "too many open files for this process: raise `ulimit -n` or use fewer workers (-j)"),
+    errno.ENFILE: (ExitCode.USAGE, "the system's table of open files is full: rerun later, or with fewer workers (-j)"),
+    errno.EAGAIN: (ExitCode.USAGE, "a limit on processes or threads was reached (`ulimit -u`): use fewer workers "
+                   "(-j), or rerun later"),
+    errno.ENOMEM: (ExitCode.USAGE, "not enough memory: use fewer workers (-j), smaller shards, or a node with more"),
     errno.ENOSPC: (ExitCode.NO_SPACE, "free space or choose another destination, then rerun"),
     errno.EDQUOT: (ExitCode.NO_SPACE, "free space under your quota or choose another destination, then rerun"),
     errno.EFBIG: (ExitCode.NO_SPACE, "the file system (or `ulimit -f`) limits file sizes: choose another destination"),
     errno.EIO: (ExitCode.DAMAGED, "the storage reported an I/O error: check the device or file system, then rerun"),
+    errno.ESTALE: (ExitCode.DAMAGED, "the file system lost the file under stager (a stale NFS handle): rerun"),
     errno.ETIMEDOUT: (ExitCode.TIMEOUT, "a peer or server did not answer: check it, then rerun"),
     errno.ECONNREFUSED: (ExitCode.TIMEOUT, "a peer or server refused the connection: check it, then rerun"),
     errno.ECONNRESET: (ExitCode.TIMEOUT, "a peer or server dropped the connection: check it, then rerun"),
     errno.EHOSTUNREACH: (ExitCode.TIMEOUT, "a peer or server cannot be reached: check the network, then rerun"),
     errno.ENETUNREACH: (ExitCode.TIMEOUT, "a peer or server cannot be reached: check the network, then rerun"),
+    errno.ENETDOWN: (ExitCode.TIMEOUT, "the network is down: check it, then rerun"),
+    errno.EHOSTDOWN: (ExitCode.TIMEOUT, "a peer or server is down: check it, then rerun"),
+    errno.ECONNABORTED: (ExitCode.TIMEOUT, "a peer or server dropped the connection: check it, then rerun"),
 }
 _CLASS_OF: dict[ExitCode, type[StagerError]] = {
     ExitCode.USAGE: PathError, ExitCode.NO_SPACE: OutOfSpaceError, ExitCode.DAMAGED: StorageError,
     ExitCode.TIMEOUT: StagerTimeoutError,
 }
+
+
+def errno_code(exc: OSError) -> ExitCode | None:
+    """The exit code of ``exc``'s errno in the table (None: an errno stager does not expect)."""
+    entry = _ERRNOS.get(exc.errno or 0)
+    return entry[0] if entry else None
+
+
+def translated(exc: OSError, message: str, default: type[StagerError]) -> StagerError:
+    """``message`` (a caller's own words for ``exc``: what it was doing, which path) as the error of
+    ``exc``'s errno: ``default`` where the table agrees with its exit code or does not know the errno, else
+    the table's class (a full disk while creating a directory is out of space, not a bad destination). A
+    :class:`SourceError` default stays one (``--on-error skip`` catches it) with the table's code for a
+    permission error (:class:`UnreadableSourceError`)."""
+    code = errno_code(exc)
+    if code is None or code == default.exit_code:
+        return default(message)
+    if issubclass(default, SourceError) and code == ExitCode.USAGE:
+        return UnreadableSourceError(message)
+    return _CLASS_OF.get(code, default)(message)
 
 
 def from_os_error(exc: OSError) -> StagerError:

@@ -2,6 +2,8 @@
 
 A single line redrawn in place on a terminal, or one line every ``interval`` seconds when stderr
 is a file (Slurm logs), so job logs stay readable. Thread-safe counters; quiet mode prints nothing.
+Progress is only ever shown: a stream that cannot be written (closed, a full disk) turns it off
+instead of failing the command whose progress it is.
 """
 
 from __future__ import annotations
@@ -30,7 +32,10 @@ class Progress:
         self.unit = unit
         self.quiet = quiet
         self.stream = stream or sys.stderr
-        self.tty = self.stream.isatty()
+        try:
+            self.tty = self.stream.isatty()
+        except (AttributeError, OSError, ValueError):  # no stderr at all, or a closed one
+            self.tty, self.quiet = False, True
         self.interval = interval if self.tty else max(interval, 10.0)
         self.items = 0
         self.bytes = 0
@@ -66,11 +71,14 @@ class Progress:
         parts.append(f"{self.bytes / dt / 1e6:,.1f} MB/s")
         parts.append(f"{dt:.1f}s")
         line = " ".join(parts)
-        if self.tty:
-            self.stream.write("\r" + line + ("\n" if final else ""))
-        else:
-            self.stream.write(line + "\n")
-        self.stream.flush()
+        try:
+            if self.tty:
+                self.stream.write("\r" + line + ("\n" if final else ""))
+            else:
+                self.stream.write(line + "\n")
+            self.stream.flush()
+        except (OSError, ValueError):  # stderr full or gone: the command goes on without progress
+            self.quiet = True
 
     def close(self) -> None:
         if not self.quiet:

@@ -42,6 +42,8 @@ from typing import NamedTuple
 
 from stager.errors import UsageError
 
+MAX_NODES = 1_000_000  # more nodes than the largest machine has: a typo (and an entry per node in memory)
+
 
 @dataclass(frozen=True)
 class World:
@@ -225,16 +227,48 @@ def _claim(env: Mapping[str, str], source: str, rank_var: str, size_var: str, lo
         raise UsageError(f"{rank_var}={rank} is set but {size_var} is not: export {size_var} (the number of ranks)")
     names = (rank_var, size_var, *local, *(node or ()))
     n, nn = (_int(env, node[0]), _int(env, node[1])) if node else (None, None)
-    return Claim(rank, size, _int(env, local[0]), _int(env, local[1]), n, nn, source, _shown(env, *names))
+    return _checked(Claim(rank, size, _int(env, local[0]), _int(env, local[1]), n, nn, source, _shown(env, *names)))
+
+
+def _checked(c: Claim) -> Claim:
+    """``c`` if what it says can be true: a rank of the world, a local rank of the node's ranks (no more of
+    them than the world has), a node of the nodes; else a one-line :class:`UsageError` naming the variables
+    (a negative, or out-of-range value would otherwise pick another rank's share, or none)."""
+    problem = None
+    if c.world_size < 1:
+        problem = f"a world of {c.world_size} ranks has none"
+    elif not 0 <= c.rank < c.world_size:
+        problem = f"rank {c.rank} is not one of {c.world_size} ranks (0 to {c.world_size - 1})"
+    elif c.local_world_size is not None and not 1 <= c.local_world_size <= c.world_size:
+        problem = f"{c.local_world_size} ranks on a node is not between 1 and the world's {c.world_size}"
+    elif c.local_rank is not None and not 0 <= c.local_rank < (c.local_world_size or c.world_size):
+        problem = f"local rank {c.local_rank} is not one of the node's {c.local_world_size or c.world_size} ranks"
+    elif c.num_nodes is not None and not 1 <= c.num_nodes <= MAX_NODES:
+        problem = f"{c.num_nodes} nodes is not between 1 and {MAX_NODES:,}"
+    elif c.node is not None and c.num_nodes is not None and not 0 <= c.node < c.num_nodes:
+        problem = f"node {c.node} is not one of {c.num_nodes} nodes"
+    if problem:
+        raise UsageError(f"{c.variables}: {problem}; check the launcher's variables (or unset the ones left over "
+                         "from another launcher)")
+    return c
 
 
 def _torchrun(env: Mapping[str, str]) -> Claim | None:
     if _int(env, "RANK") is None and _int(env, "LOCAL_RANK") is not None and _int(env, "WORLD_SIZE") is not None:
         return _node_local(env)
     c = _claim(env, "torchrun", "RANK", "WORLD_SIZE", ("LOCAL_RANK", "LOCAL_WORLD_SIZE"))
-    if c is not None and _int(env, "GROUP_RANK") is not None:
+    group = _int(env, "GROUP_RANK")
+    if c is not None and group is not None:
         lworld = c.local_world_size or c.world_size
-        c = c._replace(node=_int(env, "GROUP_RANK"), num_nodes=max(1, c.world_size // max(lworld, 1)))
+        c = _checked(c._replace(node=group, num_nodes=max(1, c.world_size // lworld),
+                                variables=_shown(env, "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                                 "GROUP_RANK")))
+        # torchrun numbers the ranks node by node: RANK = GROUP_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK (equal
+        # nodes). Variables that break it come from different runs; any node derived from them would be a guess.
+        if c.world_size % lworld == 0 and c.local_rank is not None and c.rank != group * lworld + c.local_rank:
+            raise UsageError(f"{c.variables}: rank {c.rank} is not GROUP_RANK x LOCAL_WORLD_SIZE + LOCAL_RANK "
+                             f"({group} x {lworld} + {c.local_rank}), as torchrun sets them; check the launcher's "
+                             "variables (or unset the ones left over from another launcher)")
     return c
 
 
@@ -257,7 +291,7 @@ def _node_local(env: Mapping[str, str]) -> Claim:
     if not 0 <= rank < world or (lworld is not None and lrank >= lworld):
         raise UsageError(f"{shown}: rank {rank} is not one of the {world} ranks; check the launcher's variables")
     nnodes = world // lworld if lworld and world % lworld == 0 else None
-    return Claim(rank, world, lrank, lworld, node if nnodes else None, nnodes, "lightning", shown)
+    return _checked(Claim(rank, world, lrank, lworld, node if nnodes else None, nnodes, "lightning", shown))
 
 
 def _horovod(env: Mapping[str, str]) -> Claim | None:
@@ -281,9 +315,9 @@ def _pmix(env: Mapping[str, str]) -> Claim | None:
         return None
     for size_var in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
         if (size := _int(env, size_var)) is not None:
-            return Claim(rank, size, None, None, None, None, "pmix", _shown(env, "PMIX_RANK", size_var))
+            return _checked(Claim(rank, size, None, None, None, None, "pmix", _shown(env, "PMIX_RANK", size_var)))
     if _int(env, "SLURM_PROCID") == rank and (size := _int(env, "SLURM_NTASKS")) is not None:
-        return Claim(rank, size, None, None, None, None, "pmix", _shown(env, "PMIX_RANK", "SLURM_NTASKS"))
+        return _checked(Claim(rank, size, None, None, None, None, "pmix", _shown(env, "PMIX_RANK", "SLURM_NTASKS")))
     raise UsageError(
         f"PMIX_RANK={rank} is set but no world size (OMPI_COMM_WORLD_SIZE, PMI_SIZE, or SLURM_NTASKS with "
         "SLURM_PROCID equal to it): export one of them, or unset PMIX_RANK"
@@ -294,17 +328,34 @@ def _slurm(env: Mapping[str, str]) -> Claim | None:
     rank, world = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
     if rank is None or world is None:
         return None
-    node = _int(env, "SLURM_NODEID") or 0
-    nnodes = _int(env, "SLURM_NNODES") or _int(env, "SLURM_JOB_NUM_NODES") or 1
+    node, nnodes = _slurm_node(env)
     lrank = _int(env, "SLURM_LOCALID")
     tpn = env.get("SLURM_TASKS_PER_NODE") or env.get("SLURM_NTASKS_PER_NODE")
     if tpn:
         counts = parse_tasks_per_node(tpn)
-        lworld = counts[node] if node < len(counts) else counts[-1]
+        n = node or 0
+        lworld = counts[n] if n < len(counts) else counts[-1]
     else:
-        lworld = max(1, world // nnodes)
-    shown = _shown(env, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NNODES")
-    return Claim(rank, world, 0 if lrank is None else lrank, lworld, node, nnodes, "slurm", shown)
+        lworld = max(1, world // (nnodes or 1))
+    shown = _shown(env, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NNODES",
+                   "SLURM_TASKS_PER_NODE")
+    # SLURM_NODEID unset: the node is derived (rank // ranks per node) where the counts allow, not taken as 0.
+    return _checked(Claim(rank, world, 0 if lrank is None else lrank, lworld, node,
+                          nnodes if node is not None else None, "slurm", shown))
+
+
+def _slurm_node(env: Mapping[str, str]) -> tuple[int | None, int | None]:
+    """``(SLURM_NODEID, SLURM_NNODES or SLURM_JOB_NUM_NODES)`` as given (None: unset). A node count below 1,
+    or a node outside it, is a one-line :class:`UsageError`."""
+    node = _int(env, "SLURM_NODEID")
+    nnodes = _int(env, "SLURM_NNODES")
+    nnodes = _int(env, "SLURM_JOB_NUM_NODES") if nnodes is None else nnodes
+    shown = _shown(env, "SLURM_NODEID", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
+    if nnodes is not None and not 1 <= nnodes <= MAX_NODES:
+        raise UsageError(f"{shown}: a job has 1 to {MAX_NODES:,} nodes; check the Slurm variables")
+    if node is not None and nnodes is not None and not 0 <= node < nnodes:
+        raise UsageError(f"SLURM_NODEID={node} out of range for {nnodes} nodes; check the Slurm variables")
+    return node, nnodes
 
 
 # Innermost launcher first. The claims within one level describe the same processes and must agree.
@@ -414,6 +465,17 @@ def expand_hostlist(expr: str) -> list[str]:
     return hosts
 
 
+def _no_half_slurm(s_node: int | None, s_nodes: int | None) -> None:
+    """Slurm's node variables without a launcher: half of them is not one node of one (every node would
+    then take the whole share of node 0); a one-line :class:`UsageError` says what is missing."""
+    if s_node is not None and s_nodes is None:
+        raise UsageError(f"SLURM_NODEID={s_node} is set but SLURM_NNODES (and SLURM_JOB_NUM_NODES) is not: "
+                         "run it as a task of a Slurm step (srun), or pass --node and --num-nodes")
+    if s_node is None and s_nodes is not None and s_nodes > 1:
+        raise UsageError(f"SLURM_NNODES={s_nodes} but SLURM_NODEID is not set (not a task of a Slurm step, e.g. an "
+                         "salloc shell): run it with `srun --ntasks-per-node=1`, or pass --node and --num-nodes")
+
+
 class NodeIdentity(NamedTuple):
     """This node's place in the job: ``node`` of ``num_nodes``, ``ranks_per_node`` training ranks on it,
     and ``origin``, where that came from (``"flags"``, ``"slurm"``, ``"default"``, or
@@ -463,16 +525,15 @@ def resolve_node(
             raise UsageError(f"--node {node} out of range for --num-nodes {num_nodes}")
         return NodeIdentity(node, num_nodes, ranks_on(node), "flags")
     topo = env_topology(env)
-    s_node, s_nodes = _int(env, "SLURM_NODEID"), _int(env, "SLURM_NNODES") or _int(env, "SLURM_JOB_NUM_NODES")
+    s_node, s_nodes = _slurm_node(env)
     # Slurm's node variables count only when Slurm started this process (or agrees with the launcher
     # that did): under `mpirun` in a batch script they are the batch step's or the MPI daemons' step's,
     # e.g. SLURM_NODEID=0 of SLURM_NNODES=1 on every node but the first (seen on the test cluster).
     inner = topo is not None and topo.source != "slurm"
     if s_node is not None and s_nodes is not None and not inner:
-        if not 0 <= s_node < s_nodes:
-            raise UsageError(f"SLURM_NODEID={s_node} out of range for {s_nodes} nodes")
         return NodeIdentity(s_node, s_nodes, ranks_on(s_node), "slurm")
     if topo is None:
+        _no_half_slurm(s_node, s_nodes)
         return NodeIdentity(0, 1, ranks_per_node or 1, "default")
     if topo.node is None or topo.num_nodes is None:
         raise UsageError(topo.node_problem or (

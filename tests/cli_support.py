@@ -58,3 +58,36 @@ def open_writer_when_read(fifo: Path, proc: subprocess.Popen[str]) -> int:
         if proc.poll() is not None:
             raise AssertionError(f"exited {proc.returncode} before reading the FIFO: {proc.communicate()}")
         time.sleep(0.01)
+
+
+def wait_main_thread_reads_a_pipe(proc: subprocess.Popen[str]) -> None:
+    """Wait until ``proc``'s main thread sleeps in the read of a pipe or FIFO, the blocking call a signal must
+    interrupt: its ``wchan`` (what it waits in; ``0`` while it runs) names ``pipe_read`` (``anon_pipe_read``
+    on Linux 6, ``pipe_wait`` before 5.6). Fails if ``proc`` ends first."""
+    wchan = Path(f"/proc/{proc.pid}/task/{proc.pid}/wchan")
+    while proc.poll() is None:
+        now = wchan.read_text()
+        if "pipe_read" in now or "pipe_wait" in now:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"exited {proc.returncode} before reading: {proc.communicate()}")
+
+
+def signal_another_thread(pid: int, sig: int) -> int:
+    """Send ``sig`` to one thread of process ``pid`` other than its main thread, one that neither blocks nor
+    ignores it (``tgkill``): a thread the kernel may hand a signal sent to the process. Returns its id."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    bit = 1 << (sig - 1)
+    for tid in sorted(int(t) for t in os.listdir(f"/proc/{pid}/task")):
+        if tid == pid:
+            continue
+        fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines())
+        if (int(fields["SigBlk"], 16) | int(fields["SigIgn"], 16)) & bit:
+            continue
+        if libc.tgkill(pid, tid, sig) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err), f"tgkill {pid} {tid}")
+        return tid
+    raise AssertionError(f"process {pid} has no thread but its main one that takes signal {sig}")

@@ -9,8 +9,16 @@ that a node-local shard cache would pay (:mod:`stager.cache.history`).
 
 ``next`` lists the commands to run, in order, with this dataset's paths, so that they work when
 followed literally: for an image tree ``stager pack PATH PATH-packed --format tar`` and then the
-staging strategy's command on the pack (``stage`` refuses an image tree); for a pack, the strategy's
-command on it.
+staging strategy's command on the pack (``stage`` refuses an image tree); for a directory of existing
+shards (webdataset tars, TFRecords, parquet, RecordIO, LMDB) ``stager index PATH`` and then the
+strategy's command on it; for a pack, the strategy's command on it. What is none of these (a single
+shard or other file, an unfinished pack or index) is the one-line error of
+:func:`stager.manifest.not_a_pack`, which names the command that fits (exit 2).
+
+The walk counts what ``stager pack`` would read, as the user running hints may read it: folders it
+cannot read are named in a warning (pack refuses them), and symbolic links, which the walk does not
+follow but an ImageFolder pack does, are counted and the first one named, so that a tree whose links
+lead elsewhere (another user's files) says so before it is packed.
 """
 
 from __future__ import annotations
@@ -18,17 +26,20 @@ from __future__ import annotations
 import math
 import os
 import shlex
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from stager.advice.scaling import strategy_for
 from stager.cache.history import repeat_advice
-from stager.errors import SourceNotFoundError, UsageError
+from stager.errors import PathError, SourceNotFoundError, UsageError, translated
+from stager.formats.registry import FORMAT_SPECS
 from stager.fs import lustre
 from stager.fs.info import detect_fs
 from stager.fs.open import local_path_of
-from stager.manifest import MANIFEST_NAME, load_manifest
+from stager.manifest import MANIFEST_NAME, load_manifest, not_a_pack
+from stager.manifest.document import UNFINISHED_STATE
 from stager.receipt import STAGING_ROOT_VARS
 
 SMALL_FILE = 1 << 20  # files below 1 MiB are "small" for Lustre (one RPC, MDS-bound)
@@ -39,24 +50,83 @@ BUCKETS = [(4 << 10, "<4K"), (64 << 10, "4K-64K"), (1 << 20, "64K-1M"), (16 << 2
 TAR_OVERHEAD_PER_SAMPLE = 3 * 1024 + 512  # three ustar headers + padding per sample
 
 
-def _walk_sizes(root: str) -> np.ndarray:
-    sizes: list[int] = []
+LIST_SUFFIXES = (".csv", ".jsonl", ".ndjson")  # list files, which `stager pack` takes as SRC
+SHARD_SUFFIXES = tuple(s for spec in FORMAT_SPECS.values() for s in spec.adopt_suffixes)  # what `stager index` adopts
+
+
+@dataclass
+class Walk:
+    """What :func:`walk` found under a directory: regular files' ``sizes``, how many of them are ``shards``
+    (by suffix), the ``links`` (symbolic links, not followed) and the folders it could not read
+    (``unreadable``: path and reason), each list in the order met."""
+
+    sizes: list[int] = field(default_factory=list)
+    shards: int = 0
+    links: list[str] = field(default_factory=list)
+    unreadable: list[tuple[str, str]] = field(default_factory=list)
+
+
+def walk(root: str) -> Walk:
+    """Walk ``root`` without following links. ``root`` itself unreadable is the one-line error of its errno
+    (:func:`stager.errors.translated`); a folder below it is listed in :attr:`Walk.unreadable`."""
+    out = Walk()
     stack = [root]
     while stack:
         d = stack.pop()
         try:
             with os.scandir(d) as it:
-                for e in it:
-                    try:
-                        if e.is_dir(follow_symlinks=False):
-                            stack.append(e.path)
-                        elif e.is_file(follow_symlinks=False):
-                            sizes.append(e.stat(follow_symlinks=False).st_size)
-                    except OSError:
-                        continue
-        except OSError:
+                entries = list(it)
+        except OSError as exc:
+            if d == root:
+                raise translated(exc, f"{root}: cannot read ({exc.strerror}); check its permissions (`ls -ld`)",
+                                 PathError) from exc
+            out.unreadable.append((d, exc.strerror or str(exc)))
             continue
-    return np.asarray(sizes, dtype=np.int64)
+        for e in entries:
+            try:
+                if e.is_symlink():
+                    out.links.append(e.path)
+                elif e.is_dir(follow_symlinks=False):
+                    stack.append(e.path)
+                elif e.is_file(follow_symlinks=False):
+                    out.sizes.append(e.stat(follow_symlinks=False).st_size)
+                    out.shards += e.name.lower().endswith(SHARD_SUFFIXES)
+            except OSError as exc:
+                out.unreadable.append((e.path, exc.strerror or str(exc)))
+    return out
+
+
+def _walk_warnings(w: Walk) -> list[str]:
+    """What the walk could not count, for the report's warnings."""
+    out = []
+    if w.unreadable:
+        path, why = w.unreadable[0]
+        more = f" and {len(w.unreadable) - 1} more" if len(w.unreadable) > 1 else ""
+        out.append(f"{path}{more}: cannot read ({why}); the counts leave them out, and `stager pack` refuses them: "
+                   "fix their permissions")
+    if w.links:
+        try:
+            target = os.readlink(w.links[0])
+        except OSError:
+            target = "?"
+        more = f" and {len(w.links) - 1} more" if len(w.links) > 1 else ""
+        out.append(f"{w.links[0]} -> {target}{more}: symbolic links, not counted here; an ImageFolder pack follows "
+                   "them, so what they point to is packed too: check where they lead")
+    return out
+
+
+def _kind_of(p: str) -> str:
+    """``"packed"``, ``"files"`` (an image tree or a list file) or ``"shards"`` (decided after the walk): the
+    rest is :func:`not_a_pack`'s error (a single shard or other file, an unfinished pack or index)."""
+    if os.path.isfile(os.path.join(p, MANIFEST_NAME)) or (p.endswith(".json") and os.path.isfile(p)):
+        return "packed"
+    if os.path.isdir(p):
+        if any(os.path.isdir(os.path.join(p, state)) for state in UNFINISHED_STATE):
+            raise not_a_pack(p)
+        return "files"
+    if p.lower().endswith(LIST_SUFFIXES) and os.path.isfile(p):
+        return "files"
+    raise not_a_pack(p)
 
 
 def _mem_available() -> int | None:
@@ -92,6 +162,27 @@ def distribution(sizes: np.ndarray) -> dict[str, Any]:
     }
 
 
+def _measure(p: str) -> tuple[str, np.ndarray, int, int, Any, list[str]]:
+    """``(kind, file sizes, samples, bytes a copy needs, the manifest or None, warnings)`` of ``p``: a pack's
+    from its manifest, a directory's from :func:`walk` (``"shards"`` when mostly shard files), a list file's
+    own size."""
+    kind = _kind_of(p)
+    if kind == "packed":
+        m = load_manifest(p)
+        return kind, np.asarray([s.bytes for s in m.shards], dtype=np.int64), m.num_samples, m.copy_bytes, m, []
+    if not os.path.isdir(p):  # a list file
+        sizes = np.asarray([os.path.getsize(p)], dtype=np.int64)
+        return kind, sizes, 1, int(sizes.sum()) + TAR_OVERHEAD_PER_SAMPLE, None, []
+    w = walk(p)
+    sizes = np.asarray(w.sizes, dtype=np.int64)
+    if not w.sizes and not w.links:
+        why = f" you may read ({w.unreadable[0][0]}: {w.unreadable[0][1]})" if w.unreadable else ""
+        raise UsageError(f"{p}: holds no files{why}; give the directory of the images (or of a pack)")
+    if w.shards and w.shards * 2 >= len(w.sizes):  # mostly shards: adopt them in place, not pack them again
+        return "shards", sizes, len(sizes), int(sizes.sum()), None, _walk_warnings(w)
+    return kind, sizes, len(sizes), int(sizes.sum()) + TAR_OVERHEAD_PER_SAMPLE * len(sizes), None, _walk_warnings(w)
+
+
 def hints(path: str | os.PathLike[str], *, dest: str | None = None, nodes: int | None = None) -> dict[str, Any]:
     """Analyse ``path`` (an image tree or a packed directory); return the JSON-able report.
 
@@ -103,23 +194,15 @@ def hints(path: str | os.PathLike[str], *, dest: str | None = None, nodes: int |
     if not os.path.exists(p):
         raise SourceNotFoundError(f"{p}: no such file or directory")
     fs = detect_fs(p)
-    packed = os.path.isfile(os.path.join(p, MANIFEST_NAME)) or p.endswith(".json")
-    if packed:
-        m = load_manifest(p)
-        sizes = np.asarray([s.bytes for s in m.shards], dtype=np.int64)
-        samples = m.num_samples
-        need = m.copy_bytes
-    else:
-        sizes = _walk_sizes(p) if os.path.isdir(p) else np.asarray([os.path.getsize(p)], dtype=np.int64)
-        samples = len(sizes)
-        need = int(sizes.sum()) + TAR_OVERHEAD_PER_SAMPLE * samples
+    kind, sizes, samples, need, m, warnings = _measure(p)
+    packed = kind == "packed"
     dist = distribution(sizes)
-    report: dict[str, Any] = {"path": p, "fs": fs.to_json(), "kind": "packed" if packed else "files",
-                              "samples": samples, "sizes": dist, "warnings": []}
+    report: dict[str, Any] = {"path": p, "fs": fs.to_json(), "kind": kind, "samples": samples, "sizes": dist,
+                              "warnings": warnings}
     small = int((sizes < SMALL_FILE).sum())
     out = p.rstrip("/") + "-packed"  # where an image tree's pack goes: beside it
     pack_cmd = f"stager pack {shlex.quote(p)} {shlex.quote(out)} --format tar"
-    if not packed and len(sizes) >= SMALL_FILE_COUNT and small * 2 >= len(sizes):
+    if kind == "files" and len(sizes) >= SMALL_FILE_COUNT and small * 2 >= len(sizes):
         cmd = pack_cmd
         report["warnings"].append(
             f"{small} of {len(sizes)} files are below 1 MiB: reading them costs one metadata operation each "
@@ -127,7 +210,7 @@ def hints(path: str | os.PathLike[str], *, dest: str | None = None, nodes: int |
         )
         report["pack_command"] = cmd
     # Striping now and recommended for a pack output.
-    num_shards = len(sizes) if packed else max(1, math.ceil(need / DEFAULT_SHARD))
+    num_shards = len(sizes) if kind != "files" else max(1, math.ceil(need / DEFAULT_SHARD))
     have_lfs = lustre.lfs_path() is not None
     osts = lustre.ost_count(p) if fs.is_lustre and have_lfs else None
     current = None
@@ -137,7 +220,7 @@ def hints(path: str | os.PathLike[str], *, dest: str | None = None, nodes: int |
         except lustre.LfsError as exc:
             report["warnings"].append(str(exc))
     rec = lustre.recommend_layout(need, num_shards, osts)
-    target = p if packed else out
+    target = out if kind == "files" else p  # an image tree's advice is about its pack
     report["lustre"] = {
         "is_lustre": fs.is_lustre,
         "lfs": have_lfs,
@@ -171,7 +254,8 @@ def hints(path: str | os.PathLike[str], *, dest: str | None = None, nodes: int |
     report["strategy"] = strategy = strategy_for(need, nodes=nodes, local_capacity=fit["dest_free"], osts=osts,
                                                  files=num_shards)
     stage_cmd = strategy["command"] = strategy["command"].replace("SRC", shlex.quote(target))  # this pack, or the next
-    report["next"] = ([] if packed else [pack_cmd]) + ([stage_cmd] if "stager stage" in stage_cmd else [])
+    first = {"files": [pack_cmd], "shards": [f"stager index {shlex.quote(p)}"]}.get(kind, [])
+    report["next"] = first + ([stage_cmd] if "stager stage" in stage_cmd else [])
     if packed:
         # Staged again within a day without a cache (this user's staging history): a node-local cache pays.
         report["cache"] = repeat_advice(m.dataset_id, need)

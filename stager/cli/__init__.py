@@ -8,29 +8,53 @@ flags from :mod:`stager.cli.args`) and sets ``func=run``, where ``run(args)`` re
 
 * an error is one line ``stager <cmd>: error: <message>`` on stderr, never a traceback, with the exit
   code of its class; an OSError no code translated is mapped by its errno (:func:`stager.errors.from_os_error`);
-  bad flags (argparse) are usage errors (2) like any other; Ctrl-C exits 130;
+  bad flags (argparse) are usage errors (2) like any other; Ctrl-C exits 130, and so do SIGTERM and SIGHUP
+  (Slurm's time limit, ``scancel``, a closed terminal): each raises :class:`Interrupted` in the main thread,
+  so that the same clean-up runs (no ``.partial`` file left) and ``--json`` still prints its object, even
+  when the main thread is blocked in a system call (:mod:`stager.cli.signals`). A signal the parent set to
+  be ignored (``nohup``) stays ignored;
 * ``--json`` prints exactly one JSON object on stdout in every one of those cases, and turns progress
   off (as ``-q`` does); ``-q`` also drops the summary of a successful command;
-* only a bug in stager (an exception that is neither a StagerError nor an OSError) exits 1, with its
-  traceback after the error line, so that it can be reported.
+* only a bug in stager (an exception that is neither a StagerError nor an OSError, or an OSError of an
+  errno the table does not know) exits 1, with its traceback after the error line, so that it can be reported;
+* stdin, stdout and stderr closed when stager starts are opened on ``/dev/null`` first (else the next file
+  stager opens would take their descriptor, and whatever writes to it would write into that file); a reader
+  that stops reading stdout ends the output quietly (:mod:`stager.cli.result`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import importlib
+import os
 import sys
 import traceback
 from collections.abc import Sequence
 
 from stager import __version__
 from stager.cli.args import Parser, examples, json_requested, prog_of
-from stager.cli.result import Result, print_result, report_error
+from stager.cli.result import OutputGoneError, Result, print_result, report_error
+from stager.cli.signals import Interrupted, end_on_signals
 from stager.errors import ExitCode, StagerError, UsageError, from_os_error, on_fatal
 
-__all__ = ["COMMAND_MODULES", "build_parser", "main"]
+__all__ = ["COMMAND_MODULES", "Interrupted", "build_parser", "main"]
 
 COMMAND_MODULES = ("pack", "index", "inspect", "verify", "stage", "clean", "hints", "cache")
+
+
+def _open_std_streams() -> None:
+    """Open ``/dev/null`` on stdin, stdout and stderr where they are closed, and give Python its streams back."""
+    for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:  # the lowest free descriptor is this one, unless a lower one is closed too
+                os.dup2(null, fd)
+                os.close(null)
+            setattr(sys, name, open(fd, mode, closefd=False))  # noqa: SIM115 (the process's own stream)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,13 +85,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
+    _open_std_streams()
+    end_on_signals()
     try:
+        parser = build_parser()
         args = parser.parse_args(argv)
     except UsageError as exc:
         prog = getattr(exc, "prog", "stager")
         report_error(prog, exc, exc.exit_code, as_json=json_requested(argv))
         return int(exc.exit_code)
+    except KeyboardInterrupt as exc:  # while the command modules load
+        report_error("stager", exc, ExitCode.INTERRUPTED, as_json=json_requested(argv),
+                     message=str(exc) or "interrupted")
+        return int(ExitCode.INTERRUPTED)
     prog = prog_of(args, f"stager {args.command}")
     as_json = bool(getattr(args, "json", False))
     args.quiet = bool(getattr(args, "quiet", False)) or as_json  # --json: no progress (and the JSON, not a summary)
@@ -82,21 +112,47 @@ def _run(args: argparse.Namespace, prog: str, *, as_json: bool, quiet: bool) -> 
         result = args.func(args)
         if not isinstance(result, Result):
             raise TypeError(f"{prog}: run() returned {type(result).__name__}, not a Result")
-        return print_result(prog, result, as_json=as_json, quiet=quiet)
+        try:
+            return print_result(prog, result, as_json=as_json, quiet=quiet)
+        except OutputGoneError as gone:
+            return _output_gone(prog, gone, int(result.exit_code))
     except StagerError as exc:
         report_error(prog, exc, exc.exit_code, as_json=as_json)
         return int(exc.exit_code)
     except OSError as exc:  # an I/O failure no code translated: mapped by its errno, one line, no traceback
         err = from_os_error(exc)
+        if err.exit_code == ExitCode.INTERNAL:  # an errno the table does not know: a bug to report
+            return _bug(prog, exc, as_json=as_json)
         report_error(prog, err, err.exit_code, as_json=as_json)
         return int(err.exit_code)
     except KeyboardInterrupt as exc:
-        report_error(prog, exc, ExitCode.INTERRUPTED, as_json=as_json,
-                     message="interrupted")
+        report_error(prog, exc, ExitCode.INTERRUPTED, as_json=as_json, message=str(exc) or "interrupted")
         return int(ExitCode.INTERRUPTED)
     except Exception as exc:  # a bug: the error line (and the JSON object), then the traceback to report it with
-        report_error(prog, exc, ExitCode.INTERNAL, as_json=as_json, label="internal error (a bug in stager: please "
-                     "report it with the traceback below)")
+        return _bug(prog, exc, as_json=as_json)
+
+
+def _bug(prog: str, exc: BaseException, *, as_json: bool) -> int:
+    """A bug in stager: the error line (and the JSON object), then the traceback to report it with; exit 1."""
+    report_error(prog, exc, ExitCode.INTERNAL, as_json=as_json, label="internal error (a bug in stager: please "
+                 "report it with the traceback below)")
+    with contextlib.suppress(OSError, ValueError):
         traceback.print_exc(file=sys.stderr)
-        return int(ExitCode.INTERNAL)
+    return int(ExitCode.INTERNAL)
+
+
+def _output_gone(prog: str, gone: OutputGoneError, code: int) -> int:
+    """The command ran (exit ``code``) but stdout could not take its output. A reader that stopped reading
+    (EPIPE) wanted no more: ``code``, quietly. Anything else (a full disk, an I/O error) is that error's."""
+    with contextlib.suppress(OSError):  # no second failure when Python flushes stdout at exit
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.close(null)
+    exc = gone.os_error
+    if exc.errno == errno.EPIPE:
+        return code
+    err = from_os_error(OSError(exc.errno, exc.strerror, "standard output"))
+    err_code = ExitCode.USAGE if err.exit_code == ExitCode.INTERNAL else err.exit_code  # EBADF: not writable
+    report_error(prog, err, err_code, as_json=False)
+    return int(err_code)
 

@@ -10,19 +10,28 @@ is the only place that prints results and errors and maps them to exit codes (:c
   summary on stderr, every line prefixed ``stager <cmd>: `` (verify's ``BAD <file>: ...`` lines, then its
   ``error:`` line), ``-q`` or not.
 * warnings (:attr:`Result.warnings`) as ``stager <cmd>: warning: ...`` lines on stderr; an error as one
-  line ``stager <cmd>: error: ...``. Every location printed passes :mod:`stager.redact` first.
+  line ``stager <cmd>: error: ...``. Every location printed passes :mod:`stager.redact` first, and every
+  line for a terminal :func:`stager.redact.printable`: a path's newline, carriage return or escape sequence
+  is shown as ``\\x0a``, ``\\x0d``, ``\\x1b`` (one line stays one line, and a file name cannot drive the
+  terminal).
+* the streams may be gone: a reader that stopped reading (``stager inspect X --json | head -c1``) ends the
+  output quietly with the command's own exit code; stdout that cannot be written (a full disk) is an error
+  of its errno (:func:`stager.errors.from_os_error`) on stderr; an unwritable stderr never fails a command.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from stager.errors import ExitCode
-from stager.redact import redact_text
+from stager.redact import printable, redact_text
 
 
 @runtime_checkable
@@ -72,6 +81,37 @@ class CommandResult:
 
 
 # ---- printing ---------------------------------------------------------------------------------------
+class OutputGoneError(Exception):
+    """Standard output cannot take the command's output (``errno``, ``strerror``): :func:`stager.cli.main`
+    reports it (a reader that went away: quietly)."""
+
+    def __init__(self, exc: OSError) -> None:
+        super().__init__(exc.strerror or str(exc))
+        self.os_error = exc
+
+
+def _stdout_write(text: str) -> None:
+    """``text`` on stdout, flushed; an OSError (a closed pipe, a full disk) is raised as :class:`OutputGoneError`."""
+    try:
+        if sys.stdout is None:
+            raise OSError(errno.EBADF, os.strerror(errno.EBADF))  # no stdout at all (a library caller's)
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except OSError as exc:
+        raise OutputGoneError(exc) from exc
+
+
+def stderr_line(text: str) -> None:
+    """One line on stderr, flushed; a stderr that cannot be written (closed, a full disk) is ignored, as a
+    message nobody can read must not change what the command does or its exit code."""
+    try:
+        if sys.stderr is not None:
+            sys.stderr.write(text + "\n")
+            sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+
+
 def _with_ok(data: dict[str, Any], ok: bool) -> dict[str, Any]:
     """``data`` with ``"ok"`` first and equal to ``ok``."""
     return {"ok": ok, **{k: v for k, v in data.items() if k != "ok"}}
@@ -89,14 +129,13 @@ def _redacted(value: Any) -> Any:
 
 
 def write_json(obj: dict[str, Any]) -> None:
-    """One JSON object, redacted, on one line of stdout."""
-    sys.stdout.write(json.dumps(_redacted(obj), default=lambda o: redact_text(str(o))) + "\n")
-    sys.stdout.flush()
+    """One JSON object, redacted, on one line of stdout (:class:`OutputGoneError` when stdout cannot take it)."""
+    _stdout_write(json.dumps(_redacted(obj), default=lambda o: redact_text(str(o))) + "\n")
 
 
 def warn(prog: str, text: str) -> None:
     """A warning on stderr, one line, redacted: ``stager <cmd>: warning: ...`` (live, while a command runs)."""
-    print(f"{prog}: warning: {redact_text(text)}", file=sys.stderr, flush=True)
+    stderr_line(f"{prog}: warning: {printable(redact_text(text))}")
 
 
 def print_result(prog: str, result: Result, *, as_json: bool, quiet: bool) -> int:
@@ -108,18 +147,17 @@ def print_result(prog: str, result: Result, *, as_json: bool, quiet: bool) -> in
     text = result.summary().rstrip("\n")
     if not result.ok:
         for line in text.splitlines():
-            print(f"{prog}: {redact_text(line)}", file=sys.stderr)
-        sys.stderr.flush()
+            stderr_line(f"{prog}: {printable(redact_text(line))}")
     elif text and not as_json and not quiet:
-        sys.stdout.write(redact_text(text) + "\n")
-        sys.stdout.flush()
+        _stdout_write(redact_text(text) + "\n")  # several lines: newlines and tabs kept
     return int(result.exit_code)
 
 
 def error_line(exc: BaseException) -> str:
-    """The first line of ``exc``'s message, redacted (its type's name when it has none)."""
+    """``exc``'s message, redacted, on one line (:func:`printable`: a newline in a path does not cut it
+    short); its type's name when it has none."""
     text = str(exc)
-    return redact_text(text).splitlines()[0] if text.strip() else type(exc).__name__
+    return printable(redact_text(text).strip()) if text.strip() else type(exc).__name__
 
 
 def error_object(exc: BaseException, code: int, message: str | None = None) -> dict[str, Any]:
@@ -132,5 +170,6 @@ def report_error(prog: str, exc: BaseException, code: int, *, as_json: bool, lab
     """A failed command's report: with ``as_json`` one JSON object on stdout; always one line on stderr,
     ``<prog>: <label>: <message>`` (``message``: instead of the exception's own)."""
     if as_json:
-        write_json(error_object(exc, code, message))
-    print(f"{prog}: {label}: {message or error_line(exc)}", file=sys.stderr, flush=True)
+        with contextlib.suppress(OutputGoneError):  # the error line below still says it; the exit code is the error's
+            write_json(error_object(exc, code, message))
+    stderr_line(f"{prog}: {label}: {message or error_line(exc)}")

@@ -12,7 +12,16 @@ from __future__ import annotations
 
 import argparse
 
-from stager.cli.args import add_cache_dir, add_common, byte_count, cache_dir, duration, examples, prog_of
+from stager.cli.args import (
+    add_cache_dir,
+    add_common,
+    byte_count,
+    cache_dir,
+    duration,
+    examples,
+    prog_of,
+    quota,
+)
 from stager.cli.result import CommandResult, warn
 from stager.errors import ExitCode
 
@@ -34,7 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         epilog=examples("stager cache init /local/cache --quota 200G",
                                         "stager cache init /scratch/site-cache --site --quota 50%"))
     c.add_argument("--site", action="store_true", help="a site-wide cache: readable by all, written only by you")
-    c.add_argument("--quota", default=None, metavar="SIZE",
+    c.add_argument("--quota", default=None, metavar="SIZE", type=quota,
                    help="the cache's own quota: bytes (200G) or a fraction of its disk (0.5, 50%%)")
     _dir(c)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from stager.cli.args import add_common, examples, positive_int
+from stager.cli.args import add_common, examples, node_count
 from stager.cli.result import CommandResult
 
 
@@ -19,7 +19,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("path", metavar="PATH")
     p.add_argument("--dest", default=None, help="staging destination to check (default: $STAGER_DEST, "
                    "$SLURM_TMPDIR, $TMPDIR)")
-    p.add_argument("--nodes", type=positive_int, default=None, metavar="N",
+    p.add_argument("--nodes", type=node_count, default=None, metavar="N",
                    help="nodes that will stage it (default: $SLURM_NNODES, else 1): picks direct, --collective, "
                    "--partition or streaming (docs/scaling.md)")
     add_common(p)

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import argparse
 
-from stager.cli.args import add_common, add_hash, add_storage_options, add_workers, examples, storage_options
+from stager.cli.args import (
+    add_common,
+    add_hash,
+    add_storage_options,
+    add_workers,
+    examples,
+    label_offset,
+    storage_options,
+)
 from stager.cli.result import CommandResult
 from stager.formats import ADOPTED_FORMATS  # the format registry alone: neither numpy nor a format module
 
@@ -42,7 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "top-level folders); 'none' for unlabeled data")
     p.add_argument("--lmdb-layout", default="auto", choices=("auto", "caffe", "pickle"),
                    help="what LMDB values hold: caffe Datums or pickled (image bytes, label) tuples (default: sniffed)")
-    p.add_argument("--label-offset", type=int, default=0, metavar="N",
+    p.add_argument("--label-offset", type=label_offset, default=0, metavar="N",
                    help="added to integer labels (-1 for TensorFlow's 1-based ImageNet TFRecords)")
     add_workers(p, default=1, help="shards indexed in parallel (default 1)")
     add_hash(p)

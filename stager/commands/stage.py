@@ -18,9 +18,11 @@ from stager.cli.args import (
     duration,
     examples,
     interval,
+    node_count,
     nonneg_int,
     positive_int,
     prog_of,
+    quota,
     rank_list,
     size,
     storage_options,
@@ -75,7 +77,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--node", type=nonneg_int, default=None, metavar="I",
                    help="this node's index, with --num-nodes (default: from the launcher's variables, "
                    "docs/staging.md)")
-    p.add_argument("--num-nodes", type=positive_int, default=None, metavar="N", help="number of nodes")
+    p.add_argument("--num-nodes", type=node_count, default=None, metavar="N", help="number of nodes")
     p.add_argument("--ranks-per-node", type=positive_int, default=None, metavar="N",
                    help="training ranks per node (recorded)")
     p.add_argument("--seed", type=int, default=0,
@@ -120,7 +122,7 @@ def _add_cache_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cache", metavar="DIR", default=None,
                    help="stage through the shard cache DIR (default: $STAGER_CACHE; created, 0700, when missing)")
     g.add_argument("--no-cache", action="store_true", help="ignore $STAGER_CACHE")
-    g.add_argument("--cache-quota", metavar="SIZE", default=None,
+    g.add_argument("--cache-quota", metavar="SIZE", default=None, type=quota,
                    help="most bytes the cache keeps (200G, 500GB) or a fraction of its disk (0.5, 50%%) "
                    "(default: $STAGER_CACHE_QUOTA, else the cache's own, else 50%%)")
     g.add_argument("--cache-only", action="store_true",

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from stager.checksum import hash_bytes
-from stager.errors import CorruptSampleError, DestinationError, UsageError
+from stager.errors import CorruptSampleError, DestinationError, UsageError, translated
 from stager.formats import FORMAT_SPECS
 from stager.fs.atomic import atomic_write_bytes, remove_partials
 from stager.fs.open import is_url, join
@@ -175,7 +175,8 @@ def _check_out(out_dir: Path, in_place: bool, directory: str) -> None:
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise DestinationError(f"{out_dir}: cannot create the output directory ({exc.strerror})") from exc
+        raise translated(exc, f"{out_dir}: cannot create the output directory ({exc.strerror})",
+                         DestinationError) from exc
     if (out_dir / MANIFEST_NAME).exists():
         try:
             prev = load_manifest(out_dir)

@@ -78,6 +78,8 @@ def discover(src: str, fmt: str, storage_options: Mapping[str, Any] | None = Non
         directory = os.path.abspath(src)
         names = sorted(e.name for e in os.scandir(directory) if e.is_file() and not e.name.startswith(".")
                        and e.name not in _IGNORED_NAMES and not e.name.lower().endswith(_IGNORED_SUFFIXES))
+    elif os.path.lexists(src):  # a FIFO, socket, device or dangling link
+        raise UsageError(f"{src}: neither a directory nor a regular file; give a directory of shards")
     else:
         raise SourceNotFoundError(f"{src}: no such file or directory; give a directory of shards")
     kinds: dict[str, list[str]] = {}

@@ -47,6 +47,7 @@ from stager.formats.registry import ALL_FORMATS, FORMAT_SPECS
 from stager.fs.atomic import PARTIAL_SUFFIX, atomic_write_bytes, partial_path
 from stager.fs.open import is_url, join, read_bytes
 from stager.fs.safe import open_exclusive, open_regular
+from stager.manifest.fields import sample_fields, specs_from_json
 from stager.manifest.samples import (
     INDEX_PARTIAL_BASE,
     LABEL,
@@ -68,6 +69,8 @@ FORMATS = ALL_FORMATS  # every registered format (stager.formats.registry); read
 # what they are: a staged copy drops it and keeps the digest, so receipts still match).
 _UNDIGESTED = ("digest", "shard_root")
 MAX_MANIFEST_BYTES = 4 << 30  # refuse absurd manifests before parsing them
+MAX_DEPTH = 64  # deepest nesting of a manifest's JSON (ours: a few levels); deeper would exhaust the recursion
+MAX_COUNT = (1 << 63) - 1  # bytes and sample counts: what int64 holds
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,254}$")
 RECEIPT_NAME = "stager-receipt.json"  # a staged copy's receipt (stager.receipt), reserved here
@@ -415,6 +418,9 @@ class Manifest:
             body = json.loads(data)
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise ManifestError(f"{where}: not valid JSON ({exc}); re-run `stager pack` to rewrite it") from exc
+        if _depth_exceeds(body, MAX_DEPTH):
+            raise ManifestError(f"{where}: nested deeper than {MAX_DEPTH} levels, which stager never writes; the "
+                                "manifest is damaged (or not stager's): re-run `stager pack` to rewrite it")
         return cls.from_json(body, where, root=root, storage_options=storage_options)
 
     @classmethod
@@ -518,6 +524,24 @@ class _IndexOpener:
                                     "manifest.json or re-run the pack") from exc
 
 
+def _depth_exceeds(value: Any, limit: int) -> bool:
+    """Whether ``value`` (parsed JSON) nests lists and objects more than ``limit`` deep (walked without
+    recursion, so that a hostile document cannot exhaust the stack here either)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((c, depth + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return False
+
+
+def _is_count(v: Any) -> bool:
+    """An integer from 0 to :data:`MAX_COUNT` (not a bool, which JSON's ``true`` would make one)."""
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_COUNT
+
+
 def _digest_of(body: dict[str, Any]) -> str:
     canon = json.dumps({k: v for k, v in body.items() if k not in _UNDIGESTED}, sort_keys=True, separators=(",", ":"))
     return xxhash.xxh3_128_hexdigest(canon.encode())
@@ -582,13 +606,15 @@ def _parse(body: Any, where: str) -> Manifest:
         name = check_file_name(sj["name"])
         n = sj["samples"]
         nbytes = sj["bytes"]
-        if not (isinstance(n, int) and isinstance(nbytes, int)) or n < 0 or nbytes < 0:
-            raise ManifestError(f"{sw} ({name}): samples and bytes must be non-negative integers")
+        if not (_is_count(n) and _is_count(nbytes)):
+            raise ManifestError(f"{sw} ({name}): samples and bytes must be integers from 0 to 2^63-1")
         extents = sj.get("extents", "bytes")
         if extents not in FORMAT_SPECS[fmt].extents:
             raise ManifestError(f"{sw} ({name}): unknown extents {extents!r} for format {fmt}")
-        aux = [AuxFile(check_file_name(a["name"], "companion file name"), int(a["bytes"]), str(a["hash"]))
+        aux = [AuxFile(check_file_name(a["name"], "companion file name"), a["bytes"], str(a["hash"]))
                for a in sj.get("aux", [])]
+        if not all(_is_count(a.bytes) for a in aux):
+            raise ManifestError(f"{sw} ({name}): a companion file's bytes must be an integer from 0 to 2^63-1")
         for fname in [name, *(a.name for a in aux)]:
             if fname in seen or fname == MANIFEST_NAME:
                 raise ManifestError(f"{sw}: file name {fname!r} listed twice")
@@ -607,8 +633,10 @@ def _parse(body: Any, where: str) -> Manifest:
             raise ManifestError(f"{where}: sample index name {index.name!r} must be index-<hex>.sidx and not a shard's")
     fields = body.get("fields") or []
     clips = body.get("clips")
-    if not isinstance(fields, list) or not all(isinstance(f, dict) for f in fields):
-        raise ManifestError(f"{where}: fields must be a list of objects")
+    if not isinstance(fields, list) or not all(isinstance(f, dict) and isinstance(f.get("name"), str)
+                                                 and isinstance(f.get("kind"), str) for f in fields):
+        raise ManifestError(f"{where}: fields must be a list of objects with a name and a kind")
+    specs_from_json(sample_fields(fields), where)  # each sample field as the readers will take it
     if clips is not None and not isinstance(clips, dict):
         raise ManifestError(f"{where}: clips must be an object or null")
     m = Manifest(

@@ -20,7 +20,9 @@ bytes are its samples' fragments in order whatever the cut, so the output does n
 
 Failures: the first failing segment poisons its successor's offset slot, the parent poisons every
 open slot, waits for the pool to drain and re-raises the first real error in plan order; the
-caller removes the ``.partial`` files.
+caller removes the ``.partial`` files. An interrupt (Ctrl-C, SIGTERM, SIGHUP in the parent) does not
+wait for the segments in flight, which may be blocked reading a FIFO or a hung file: ``stop_workers()``
+ends the workers first.
 """
 
 from __future__ import annotations
@@ -316,17 +318,22 @@ class SegmentRun:
         self.finishing.add(g)
         self.submitted[g] = None
 
-    def abort(self, exc: BaseException) -> None:
+    def abort(self, exc: BaseException, stop_workers: Callable[[], None] = lambda: None) -> None:
         """Stop after ``exc``: release every waiting segment, drain the pool, and raise instead the
-        first real failure (in plan order) when ``exc`` only says an earlier segment failed."""
+        first real failure (in plan order) when ``exc`` only says an earlier segment failed. After an
+        interrupt, ``stop_workers()`` ends the workers instead, and the segments they held end with
+        their pool's BrokenProcessPool (not cancelled: Python 3.11's pool, finding a cancelled future when
+        it breaks, fails on it and never settles the rest)."""
         offsets = self.slots.offsets
         for i in range(len(offsets)):
             if offsets[i] == _UNKNOWN:
                 offsets[i] = _POISON
-        pending = self._pending()
-        for f in pending:
+        interrupted = isinstance(exc, KeyboardInterrupt)
+        if interrupted:
+            stop_workers()
+        for f in (self.finishing if interrupted else self._pending()):
             f.cancel()
-        wait(pending)
+        wait(self._pending())
         if isinstance(exc, SegmentAbortedError):
             for f in self.submitted:
                 e = f.exception() if f.done() and not f.cancelled() else None
@@ -363,16 +370,17 @@ def _publish(job: ShardJob, tmp: Path, companions: list[tuple[str, str]], rows: 
 def run_segments(submit: Callable[[SegmentTask], Future[SegmentDone]], workers: int, jobs: list[ShardJob],
                  jobs_file: str, *, progress: Progress, state_dir: Path,
                  workers_cpu: dict[int, float] | None = None, ready: Callable[[], None] = lambda: None,
-                 ) -> list[ShardDone]:
+                 stop_workers: Callable[[], None] = lambda: None) -> list[ShardDone]:
     """Write ``jobs`` in segments (``submit(task)`` runs :func:`run_segment` on the pool); return their
     :class:`ShardDone` (in completion order). ``workers_cpu`` gets each worker's CPU seconds by pid;
-    ``ready()`` is waited for before a shard is renamed into place."""
+    ``ready()`` is waited for before a shard is renamed into place; ``stop_workers()`` ends the pool's
+    workers at once (on an interrupt, before the segments in flight are waited for)."""
     run = SegmentRun(submit, jobs, jobs_file, state_dir, in_flight=2 * workers,
                      workers_cpu=workers_cpu if workers_cpu is not None else {}, ready=ready)
     try:
         return run.run(progress)
     except BaseException as exc:
-        run.abort(exc)
+        run.abort(exc, stop_workers)
         raise
     finally:
         run.close()

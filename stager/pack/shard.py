@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 import numpy as np
 
 from stager.checksum import new_hasher
-from stager.errors import SourceError, StagerError
+from stager.errors import SourceError, StagerError, translated
 from stager.formats import get_format
 from stager.formats.base import FragmentsDone, Sample
 from stager.fs.atomic import partial_path, space_error
@@ -391,5 +391,7 @@ def _as_source_error(exc: BaseException, where: str) -> SourceError:
     if isinstance(exc, SourceError):
         return exc
     if isinstance(exc, OSError):
-        return SourceError(f"{where}: cannot read ({exc.strerror or exc}); fix it or use --on-error skip")
+        err = translated(exc, f"{where}: cannot read ({exc.strerror or exc}); fix it or use --on-error skip",
+                         SourceError)
+        return err if isinstance(err, SourceError) else SourceError(str(err))  # skippable, whatever the errno
     return SourceError(f"{where}: {exc}")

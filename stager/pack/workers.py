@@ -22,10 +22,12 @@ fragments in order whatever the cut, so the output does not depend on ``workers`
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import multiprocessing as mp
 import pickle
+import signal
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -123,6 +125,12 @@ _WORKER = _WorkerState()  # in each worker process (unused in the parent)
 
 
 def _init_worker(source: Source | None = None) -> None:
+    # Ctrl-C, SIGTERM and SIGHUP end a worker at once and quietly (no KeyboardInterrupt traceback from an
+    # idle one); stager, which the same Ctrl-C or Slurm signal reaches, ends the rest (PackPool.kill) and
+    # removes what they half-wrote. A signal the user's shell set to be ignored (nohup) stays so.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, signal.SIG_DFL)
     keep_freed_heap()  # a worker reads segment after segment: reuse their memory, do not fault it in again
     _WORKER.source = source
     _WORKER.jobs_files.clear()
@@ -181,9 +189,27 @@ class PackPool:
         if fragmentable(get_format(jobs[0].options.format), jobs[0].fields):
             submit: Callable[[SegmentTask], Future[SegmentDone]] = lambda task: ex.submit(_run_segment, task)  # noqa: E731
             return run_segments(submit, self.workers, jobs, jobs_file, progress=progress, state_dir=state_dir,
-                                workers_cpu=self.workers_cpu, ready=ready)
+                                workers_cpu=self.workers_cpu, ready=ready, stop_workers=self.kill)
         ready()  # whole shards are renamed by the workers
-        return _run_shards(ex, jobs, jobs_file, progress)
+        return _run_shards(ex, jobs, jobs_file, progress, stop_workers=self.kill)
+
+    def kill(self) -> None:
+        """End the workers at once (SIGKILL) and wait until they are gone: on an interrupt, what they do is
+        abandoned, and a worker blocked reading a FIFO or a hung file would otherwise keep the pool, and so
+        stager, waiting for ever. Their ``.partial`` files are the caller's to remove (it does, after this)."""
+        ex = self._ex
+        if ex is None:
+            return
+        kill_workers = getattr(ex, "kill_workers", None)  # Python 3.14
+        if kill_workers is not None:
+            kill_workers()
+        procs = list((getattr(ex, "_processes", None) or {}).values())  # before 3.14, no public way to reach them
+        for p in procs:
+            with contextlib.suppress(OSError, ValueError):  # gone already, or closed
+                p.kill()
+        for p in procs:
+            with contextlib.suppress(ValueError):
+                p.join()
 
     def close(self) -> None:
         if self._ex is not None:
@@ -193,7 +219,9 @@ class PackPool:
     def __enter__(self) -> PackPool:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
+            self.kill()  # an interrupt while listing on the pool: nothing to wait for
         self.close()
 
 
@@ -232,9 +260,11 @@ def _run_job(jobs_file: str, ji: int) -> ShardDone:
     return write_shard(jf.whole_job(ji), _WORKER.source_for(jf))
 
 
-def _run_shards(ex: ProcessPoolExecutor, jobs: list[ShardJob], jobs_file: str, progress: Progress) -> list[ShardDone]:
+def _run_shards(ex: ProcessPoolExecutor, jobs: list[ShardJob], jobs_file: str, progress: Progress, *,
+                stop_workers: Callable[[], None]) -> list[ShardDone]:
     """Write ``jobs`` as whole shards on ``ex``; progress counts each shard's samples as soon as it is done
-    (the first failure cancels what has not started and is raised)."""
+    (the first failure cancels what has not started and is raised; an interrupt first ends the workers,
+    ``stop_workers()``, instead of waiting for the shards in flight)."""
     out: list[ShardDone] = []
     try:
         pending: set[Future[ShardDone]] = {ex.submit(_run_job, jobs_file, ji) for ji in range(len(jobs))}
@@ -244,9 +274,12 @@ def _run_shards(ex: ProcessPoolExecutor, jobs: list[ShardJob], jobs_file: str, p
                 d = f.result()  # re-raises the worker's exception
                 out.append(d)
                 progress.update(d.info.samples, d.payload_bytes)
-    except BaseException:
-        for f in pending:
-            f.cancel()
+    except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt):
+            stop_workers()  # their futures end with BrokenProcessPool (cancelled, see SegmentRun.abort, never)
+        else:
+            for f in pending:
+                f.cancel()
         wait(pending)
         raise
     return out

@@ -43,6 +43,7 @@ from stager.errors import (
     StagerError,
     StagerTimeoutError,
     VerificationError,
+    translated,
 )
 from stager.fs.access import dir_mode, give_group
 from stager.fs.atomic import atomic_write_bytes, remove_partials, space_error
@@ -105,7 +106,8 @@ def make_dest_dir(plan: StagePlan) -> Path:
         err = space_error(exc, dest)
         if err is not None:
             raise err from exc
-        raise DestinationError(f"{dest}: cannot create the destination ({exc.strerror}); choose another DEST") from exc
+        raise translated(exc, f"{dest}: cannot create the destination ({exc.strerror}); choose another DEST",
+                         DestinationError) from exc
     with handle:
         if created:  # SRC's group, not a setgid parent's (fs/access.py)
             give_group(handle.fd, gid)

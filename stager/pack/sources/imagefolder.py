@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from stager.errors import SourceError, UnsuitableSourceError
+from stager.errors import SourceError, UnsuitableSourceError, translated
 from stager.formats.base import Sample
 from stager.fs.kernel import release_free_heap
 from stager.pack.sources.base import (
@@ -181,7 +181,7 @@ def _walk_images(folder: str, rel: str, files: _Files) -> None:
     try:
         dfd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     except OSError as exc:
-        raise SourceError(f"{folder}: cannot list ({exc.strerror}); check permissions") from exc
+        raise translated(exc, f"{folder}: cannot list ({exc.strerror}); check permissions", SourceError) from exc
     try:
         with os.scandir(dfd) as it:
             entries = sorted(it, key=attrgetter("name"))
@@ -202,6 +202,6 @@ def _walk_images(folder: str, rel: str, files: _Files) -> None:
                 files.nested = True
                 _walk_images(f"{folder}/{name}", f"{rel}/{name}", files)
     except OSError as exc:
-        raise SourceError(f"{folder}: cannot list ({exc.strerror}); check permissions") from exc
+        raise translated(exc, f"{folder}: cannot list ({exc.strerror}); check permissions", SourceError) from exc
     finally:
         os.close(dfd)

@@ -18,6 +18,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from stager.errors import SourceNotFoundError, UnsuitableSourceError, UsageError
+from stager.formats.registry import FORMAT_SPECS
+from stager.manifest import not_a_pack
+from stager.manifest.document import UNFINISHED_STATE
 from stager.manifest.fields import parse_fields_arg
 from stager.pack.sources.adopted import AdoptedSource, adopted_kind
 from stager.pack.sources.base import MapFn, Source
@@ -29,6 +32,8 @@ from stager.pack.sources.listfile import ListSource
 from stager.pack.sources.packed import PackSource
 from stager.pack.sources.sidecar import SidecarSource, is_sidecar_folder
 from stager.pack.sources.video import VideoSource, find_videos
+
+SHARD_SUFFIXES = tuple(s for spec in FORMAT_SPECS.values() for s in spec.adopt_suffixes)  # what `stager index` adopts
 
 if TYPE_CHECKING:
     from stager.manifest.clips import ClipSpec
@@ -65,6 +70,12 @@ def open_source(
             src_obj = PackSource(root.parent)
         elif is_coco_file(root):
             src_obj = CocoSource(root)
+        elif root.name.lower().endswith(SHARD_SUFFIXES):
+            if (root.parent / "manifest.json").is_file():
+                raise not_a_pack(root)  # a shard of a pack: the message names the pack's directory
+            raise UnsuitableSourceError(
+                f"{root}: a single shard, not a source of images; adopt its directory in place with `stager index "
+                f"{root.parent}`, which a pack can then convert (`stager pack {root.parent} OUT --format tar`)")
         else:
             raise UnsuitableSourceError(
                 f"{root}: unsupported source file; expected a .csv/.jsonl list, a COCO instances_*.json, an "
@@ -76,6 +87,13 @@ def open_source(
         src_obj = CifarSource(root, split or "train")
     elif specs or is_sidecar_folder(root):
         src_obj = SidecarSource(root, specs)
+    elif any((root / state).is_dir() for state in UNFINISHED_STATE):
+        raise not_a_pack(root)  # an unfinished pack or index: the message says which command finishes it
+    elif not any(e.is_dir() for e in os.scandir(root)) and any(
+            e.name.lower().endswith(SHARD_SUFFIXES) for e in os.scandir(root)):
+        raise UnsuitableSourceError(
+            f"{root}: holds shard files, not an image tree; adopt them in place with `stager index {root}`, which "
+            f"a pack can then convert (`stager pack {root} OUT --format tar`)")
     else:
         src_obj = ImageFolderSource(root, map_fn=map_fn,
                                     allow_empty=options is not None and options.allow_empty_classes)
