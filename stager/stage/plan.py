@@ -36,7 +36,6 @@ from stager.fs.open import is_url, join, read_bytes
 from stager.fs.safe import check_chain, describe, problem, trusted_uids
 from stager.manifest import Manifest, bytes_for_copy, dataset_root, manifest_path, not_a_pack, shard_root
 from stager.manifest.clips import shard_groups
-from stager.order.partition import assign_shards_to_nodes
 from stager.receipt import STAGING_ROOT_VARS
 from stager.stage.names import journal_name, lock_name, marker_name
 from stager.stage.options import StageOptions
@@ -239,6 +238,8 @@ def plan_stage(
         node, num_nodes, ranks_per_node, origin = 0, 1, options.node.ranks_per_node or 1, "default"
         shard_indices = list(range(len(manifest.shards)))
     else:
+        from stager.order.partition import assign_shards_to_nodes  # noqa: PLC0415 (numpy: not for a full stage)
+
         node, num_nodes, ranks_per_node, origin = options.node.resolve(env)
         # A clip pack's sequence continued across shards stays on one node (docs/clips.md, partition).
         groups = shard_groups(manifest)

@@ -68,7 +68,6 @@ from stager.stage.options import DEFAULT_UNPACK_DIR, NodeOptions, StageOptions, 
 from stager.stage.plan import DEFAULT_BLOCK, FileTask, StagePlan, order_for_streams, plan_stage, read_src_manifest
 from stager.stage.repair import remove_damaged
 from stager.stage.result import StageResult
-from stager.stage.unpack import run_unpack
 
 REMOTE_STREAMS = 8  # default copy streams when SRC is a URL
 
@@ -312,6 +311,8 @@ def _copy(plan: StagePlan, options: StageOptions, journal: Journal, todo: list[F
 
 def _unpack(plan: StagePlan, options: StageOptions, journal: Journal, result: StageResult) -> None:
     """Write the ImageFolder tree; with ``--unpack only`` remove the shards it was made from."""
+    from stager.stage.unpack import run_unpack  # noqa: PLC0415 (numpy and the tar walk: only with --unpack)
+
     counts = run_unpack(plan, journal, workers=options.copy_streams, quiet=options.quiet, fsync=options.fsync)
     result.unpacked_files = counts.files
     result.bytes_copied += counts.streamed_bytes

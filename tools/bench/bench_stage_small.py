@@ -128,7 +128,8 @@ class Runner:
 
     def run(self, cmd: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
         c0, t0 = _children_cpu(), time.perf_counter()
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+        # cwd: not a checkout (``python -m`` puts the cwd first on sys.path, before PYTHONPATH).
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, cwd=self.src.parent)
         t1 = time.perf_counter()
         if out.returncode != 0:
             raise SystemExit(f"{' '.join(cmd)}: exit {out.returncode}\n{out.stderr[-2000:]}")
@@ -149,6 +150,19 @@ def stager_cmd(tree: Path, *args: str) -> tuple[list[str], dict[str, str]]:
     return [sys.executable, "-m", "stager", "stage", "--json", *args], env
 
 
+def check_tree(tree: Path, cwd: Path) -> None:
+    """Byte-compile ``tree``'s stager (a user's install has its .pyc files; with
+    ``PYTHONDONTWRITEBYTECODE`` set nothing would write them and every run would compile every module)
+    and check that a run with its environment imports stager from it."""
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(tree / "stager")], check=True,
+                   stdout=subprocess.DEVNULL)
+    _, env = stager_cmd(tree)
+    got = subprocess.run([sys.executable, "-c", "import stager; print(stager.__file__)"], env=env, cwd=cwd,
+                         capture_output=True, text=True, check=True).stdout.strip()
+    if Path(got).resolve().parent.parent != tree.resolve():
+        raise SystemExit(f"a run meant for {tree} imports stager from {got}")
+
+
 def contenders(src: Path, trees: dict[str, Path], unpack: bool) -> dict[str, Callable[[Path], tuple[list[str], Any]]]:
     """``{name: dest -> (argv, env)}`` for one set."""
     out: dict[str, Callable[[Path], tuple[list[str], Any]]] = {}
@@ -159,7 +173,7 @@ def contenders(src: Path, trees: dict[str, Path], unpack: bool) -> dict[str, Cal
             if who == "new":
                 out["stager stage --no-fsync"] = lambda d, t=tree: stager_cmd(t, "--no-fsync", str(src), str(d))
         else:
-            out[f"stager stage --unpack{suffix}"] = lambda d, t=tree: stager_cmd(t, "--unpack", str(src), str(d))
+            out[f"stager stage --unpack{suffix}"] = lambda d, t=tree: stager_cmd(t, "--unpack", "also", str(src), str(d))
             out[f"stager stage --unpack only{suffix}"] = lambda d, t=tree: stager_cmd(t, "--unpack", "only", str(src),
                                                                                       str(d))
     if not unpack:
@@ -272,6 +286,8 @@ def main() -> None:
     trees = {"new": ROOT, **{Path(t).name or t: Path(t).resolve() for t in args.against}}
     res: dict[str, Any] = {"sets": {}, "args": " ".join(sys.argv[1:]), "cpus": os.cpu_count(),
                            "python": platform.python_version(), "start": interpreter_start(args.rounds)}
+    for tree in trees.values():
+        check_tree(tree, work)
     for name in args.sets:
         src = make_set(name, work)
         res["sets"][name] = bench_set(name, src, work, trees, rounds=args.rounds, unpack=args.unpack,
