@@ -173,9 +173,9 @@ def contenders(src: Path, trees: dict[str, Path], unpack: bool) -> dict[str, Cal
             if who == "new":
                 out["stager stage --no-fsync"] = lambda d, t=tree: stager_cmd(t, "--no-fsync", str(src), str(d))
         else:
-            out[f"stager stage --unpack{suffix}"] = lambda d, t=tree: stager_cmd(t, "--unpack", "also", str(src), str(d))
-            out[f"stager stage --unpack only{suffix}"] = lambda d, t=tree: stager_cmd(t, "--unpack", "only", str(src),
-                                                                                      str(d))
+            for how in ("also", "only"):  # flags after SRC DEST would also do; --unpack takes an optional value
+                label = f"stager stage --unpack{' only' if how == 'only' else ''}{suffix}"
+                out[label] = lambda d, t=tree, h=how: stager_cmd(t, "--unpack", h, str(src), str(d))
     if not unpack:
         out["cp -r"] = lambda d: (["cp", "-r", str(src), str(d)], None)
     else:
