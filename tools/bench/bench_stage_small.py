@@ -24,8 +24,9 @@ median of the per-round ratios. Before every run: the previous DEST is removed a
 bytes of memory are touched and freed (``bench_stage.prepare_pages``: on this VM freed memory goes
 back to the host within seconds and the first touch of such a page costs a host fault; without
 this, which contender got fast pages depended on which ran before it). Unpacked trees go into a
-fresh directory each run and are deleted after the set's last run (deleting many files right
-before a run slows its creates: ``bench_stage.py``).
+fresh directory each run, dropped from the page cache once synced (so that the trees of earlier runs
+do not fill memory) and deleted after the set's last run (deleting many files right before a run slows
+its creates: ``bench_stage.py``).
 
 Each stager run reports its own phases (``StageResult.phases``; absent in trees before issue 40):
 the in-process seconds of the plan, DEST checks, lock, journal, copy, seal (receipt), and what the
@@ -188,7 +189,8 @@ def contenders(src: Path, trees: dict[str, Path], unpack: bool) -> dict[str, Cal
 def bench_set(name: str, src: Path, work: Path, trees: dict[str, Path], *, rounds: int, unpack: bool,
               pages: bool) -> dict[str, Any]:
     nbytes = sum(p.stat().st_size for p in src.iterdir())
-    runner = Runner(src, nbytes, pages)
+    # What the largest contender writes: --unpack keeps the shards and writes the tree (twice the set).
+    runner = Runner(src, 2 * nbytes if unpack else nbytes, pages)
     methods = contenders(src, trees, unpack)
     runs: dict[str, list[dict[str, Any]]] = {k: [] for k in methods}
     loads = [os.getloadavg()[0]]
@@ -204,6 +206,9 @@ def bench_set(name: str, src: Path, work: Path, trees: dict[str, Path], *, round
                 runs[k].append(got)
             if unpack:
                 made.append(dest)
+                # Kept (see above), but out of the page cache: the trees of earlier runs would otherwise pile
+                # up in memory, and reclaiming them would slow whichever run writes the most.
+                drop_cache([Path(r, f) for r, _, fs in os.walk(dest) for f in fs])
             else:
                 shutil.rmtree(dest, ignore_errors=True)
         loads.append(os.getloadavg()[0])
