@@ -119,6 +119,77 @@ def test_unpack_reads_each_source_shard_once(packed_tar: Path, imagenet_tiny: Pa
     assert sorted(x["u"] for x in lines if "u" in x) == [p.name for p in shards]
 
 
+# The child of the ordering test: every rename (CPython's audit hook, process-wide), every return from
+# stager.fs.kernel.syncfs (a profile hook on every thread: the flush has completed) and, at each of them,
+# the shard files the journal already lists.
+_ORDER_CHILD = """
+import json, os, sys, threading
+dest = sys.argv[2]
+journal = os.path.join(dest, ".stager-journal.jsonl")
+kernel = os.path.join("stager", "fs", "kernel.py")
+events, busy = [], []
+def listed():
+    try:
+        with open(journal, "rb") as f:
+            return sorted(json.loads(x)["f"] for x in f.read().splitlines()[1:] if b'"f"' in x)
+    except OSError:
+        return []
+def record(what):
+    if busy:
+        return
+    busy.append(1)
+    try:
+        events.append(what + [listed()])
+    finally:
+        busy.pop()
+def audit(event, args):
+    if event == "os.rename":
+        record(["rename", os.path.basename(os.fsdecode(args[1]))])
+def profile(frame, event, arg):
+    if event == "return" and frame.f_code.co_name == "syncfs" and frame.f_code.co_filename.endswith(kernel):
+        record(["syncfs"])
+import stager.stage
+sys.addaudithook(audit)
+threading.setprofile(profile)
+sys.setprofile(profile)
+stager.stage.stage(sys.argv[1], dest, unpack="also", workers=2)
+sys.setprofile(None)
+print(json.dumps(events))
+"""
+
+
+def test_unpack_journals_and_publishes_its_copies_only_after_a_syncfs(packed_tar: Path, tmp_path: Path) -> None:
+    """The one-pass ``--unpack`` has no fsync per shard: each copy is renamed into place and made durable
+    by the unpack's ``syncfs`` (as ``sync`` does). Seen in the syscalls the process makes, in order: a
+    shard's journal line appears only after a ``syncfs`` that came after its rename; ``manifest.json``
+    and then the receipt are renamed into place only after a ``syncfs`` that came after the last
+    shard's rename. So a power loss can never leave a receipt, manifest or journal line that names a
+    copy the disk does not hold (kill -9 loses nothing: the page cache outlives the process)."""
+    import json
+    import subprocess
+    import sys
+
+    dest = tmp_path / "dest"
+    out = subprocess.run([sys.executable, "-c", _ORDER_CHILD, str(packed_tar), str(dest)], capture_output=True,
+                         text=True, check=True)
+    events = json.loads(out.stdout.splitlines()[-1])
+    shards = sorted(p.name for p in packed_tar.glob("shard-*.tar"))
+    renamed = {e[1]: i for i, e in enumerate(events) if e[0] == "rename" and e[1] in shards}  # to final names
+    assert sorted(renamed) == shards, events
+    syncs = [i for i, e in enumerate(events) if e[0] == "syncfs"]
+    for name, i in renamed.items():
+        first_listed = next((j for j, e in enumerate(events) if name in e[-1]), len(events))
+        assert any(i < k < first_listed for k in syncs), (name, events)
+        assert i < first_listed
+    published = {e[1]: i for i, e in enumerate(events) if e[0] == "rename"
+                 and e[1] in ("manifest.json", "stager-receipt.json")}
+    assert set(published) == {"manifest.json", "stager-receipt.json"}, events
+    last = max(renamed.values())
+    assert any(last < k < published["manifest.json"] for k in syncs), events
+    assert published["manifest.json"] < published["stager-receipt.json"]
+    assert events[published["stager-receipt.json"]][-1] == shards  # the journal lists every copy by then
+
+
 @pytest.mark.parametrize("damage", ["flipped", "grown"])
 def test_unpack_of_a_damaged_shard_keeps_no_copy_no_member_and_no_manifest(packed_tar: Path, tmp_path: Path,
                                                                           damage: str) -> None:

@@ -93,7 +93,6 @@ class Copier:
         self.direct_files = 0  # copies written with O_DIRECT (the rest went through the page cache)
         self._lock = threading.Lock()
         self._next = 0
-        self._throttle = float(os.environ.get(THROTTLE_ENV) or 0)
         self._warned_group = False
         self._finishers: _Finishers | None = None
         # Bounds the verified copies waiting for a finisher (each holds an open fd).
@@ -152,19 +151,13 @@ class Copier:
     def _on_block(self) -> Callable[[int], None]:
         """The copy engine's per-block callback for one file: stops the copy once another stream
         failed, counts progress, and throttles to ``$STAGER_TEST_THROTTLE_BPS`` (tests)."""
-        start = time.perf_counter()
-        copied = 0
+        throttle = Throttle()
 
         def on_block(n: int) -> None:
-            nonlocal copied
             if self.cancel.is_set():
                 raise _CancelledError()
             self.progress.update(0, n)
-            if self._throttle > 0:
-                copied += n
-                lag = copied / self._throttle - (time.perf_counter() - start)
-                if lag > 0:
-                    time.sleep(lag)
+            throttle.passed(n)
         return on_block
 
     def _copy(self, task: FileTask, buf: memoryview) -> None:
@@ -225,6 +218,24 @@ class Copier:
             self.copied += 1
             self.bytes += task.bytes
         self.progress.update(1, 0)
+
+
+class Throttle:
+    """``$STAGER_TEST_THROTTLE_BPS`` (test-only): at most that many bytes/s through one copy, so that a
+    test can kill a run mid-copy (every copy of a shard calls :meth:`passed`; without the variable it
+    does nothing)."""
+
+    def __init__(self) -> None:
+        self.rate = float(os.environ.get(THROTTLE_ENV) or 0)
+        self._start = time.perf_counter()
+        self._bytes = 0
+
+    def passed(self, nbytes: int) -> None:
+        if self.rate > 0:
+            self._bytes += nbytes
+            lag = self._bytes / self.rate - (time.perf_counter() - self._start)
+            if lag > 0:
+                time.sleep(lag)
 
 
 class _Finishers:

@@ -66,7 +66,7 @@ from stager.fs.safe import SafeDir, create_exclusive
 from stager.fs.verified import Expected, PartialCopy, check
 from stager.manifest import UNLABELED, Manifest, ShardInfo, check_entry_name, class_dir_name, unpacked_stem
 from stager.progress import Progress
-from stager.stage.copier import SRC_FIX, group_warning, open_src_file
+from stager.stage.copier import SRC_FIX, Throttle, group_warning, open_src_file
 
 if TYPE_CHECKING:
     from stager.stage.journal import Journal
@@ -180,10 +180,12 @@ class SyncfsBatcher:
     """Makes unpacked files durable in the background, and only then journals their shards.
 
     Writers call :meth:`wrote` with the bytes of each file and :meth:`shard_done` with a finished
-    shard's name. A thread calls ``syncfs`` on ``path`` whenever :data:`WRITE_BEHIND_BYTES` more
-    were written, so write-back overlaps the extraction; after each ``syncfs`` it passes the shards
-    finished before that ``syncfs`` began to ``on_durable`` (the journal). :meth:`finish` does the
-    last ``syncfs`` and journals the rest: once it returns, every file written is on disk.
+    shard's name (or :meth:`when_durable` with any record to make once what was written so far is on
+    disk: a shard file copied while unpacked). A thread calls ``syncfs`` on ``path`` whenever
+    :data:`WRITE_BEHIND_BYTES` more were written, so write-back overlaps the extraction; after each
+    ``syncfs`` it passes the shards finished before that ``syncfs`` began to ``on_durable`` (the
+    journal) and runs the records handed over before it began. :meth:`finish` does the last
+    ``syncfs`` and journals the rest: once it returns, every file written is on disk.
     ``sync=False`` (``--no-fsync``): no ``syncfs`` at all; shards are journaled as they finish.
     """
 
@@ -194,7 +196,7 @@ class SyncfsBatcher:
         self._on_durable = on_durable
         self._every = every or WRITE_BEHIND_BYTES
         self._pending = 0  # bytes since the last kick; an int += under the GIL, read racily: a hint
-        self._done: list[str] = []
+        self._done: list[Callable[[], None]] = []
         self._lock = threading.Lock()
         self._kick = threading.Event()
         self._stop = False
@@ -211,18 +213,23 @@ class SyncfsBatcher:
             self._kick.set()
 
     def shard_done(self, name: str) -> None:
-        if not self.sync:  # --no-fsync: journaled at once (the journal itself is marked volatile)
-            self._on_durable(name)
+        self.when_durable(lambda: self._on_durable(name))
+
+    def when_durable(self, record: Callable[[], None]) -> None:
+        """Run ``record`` after the next ``syncfs`` (at once with ``sync=False``: ``--no-fsync``, where
+        the journal itself is marked volatile)."""
+        if not self.sync:
+            record()
             return
         with self._lock:
-            self._done.append(name)
+            self._done.append(record)
 
     def _sync_and_journal(self) -> None:
         with self._lock:
             ready, self._done = self._done, []
         syncfs(self.path)
-        for name in ready:
-            self._on_durable(name)
+        for record in ready:
+            record()
 
     def _run(self) -> None:
         try:
@@ -543,7 +550,7 @@ def run_unpack(plan: StagePlan, journal: Journal, *, workers: int, quiet: bool, 
     unpacker = Unpacker(root, m, file_mode=mode, dir_mode=dir_mode, gid=gid)
     batcher = SyncfsBatcher(root, journal.add_unpacked, sync=fsync)
     unpacker.on_write = batcher.wrote
-    job = _ShardUnpacking(plan, unpacker, batcher, progress, keep=_Kept(set(keep), journal, fsync))
+    job = _ShardUnpacking(plan, unpacker, batcher, progress, keep=_Kept(set(keep), journal, batcher))
     try:
         with ThreadPoolExecutor(max(1, min(workers, len(shards) or 1))) as ex:
             futures = [ex.submit(job.unpack_shard, s) for s in shards]
@@ -570,12 +577,15 @@ def run_unpack(plan: StagePlan, journal: Journal, *, workers: int, quiet: bool, 
 
 class _Kept:
     """The shard files :func:`run_unpack` copies into DEST as it unpacks them (``names``): each verified
-    copy published with the source file's access (fsynced unless ``--no-fsync``), then journaled."""
+    copy is renamed into place with the source file's access and journaled once the unpack's next
+    ``syncfs`` has made it durable (:meth:`SyncfsBatcher.when_durable`): no fsync of its own, one flush
+    of the file system for the copy and the tree, as ``sync`` does. DEST's manifest and receipt come
+    after the last ``syncfs``, so neither ever names a copy that is not on disk."""
 
-    def __init__(self, names: set[str], journal: Journal, fsync: bool) -> None:
+    def __init__(self, names: set[str], journal: Journal, batcher: SyncfsBatcher) -> None:
         self.names = names
         self.journal = journal
-        self.fsync = fsync
+        self.batcher = batcher
         self.umask = current_umask() if names else 0
         self.files = self.bytes = 0
         self.warnings: list[str] = []
@@ -584,11 +594,11 @@ class _Kept:
     def publish(self, part: PartialCopy, info: ShardInfo, source: Any) -> None:
         st = os.fstat(source.fileno()) if hasattr(source, "fileno") else None
         mode, gid = (copy_mode(st.st_mode, self.umask), st.st_gid) if st is not None else (0o600, None)
-        if not part.publish(mode, gid, fsync=self.fsync):
+        if not part.publish(mode, gid, fsync=False):
             with self._lock:
                 if not self.warnings:
                     self.warnings.append(group_warning(gid))
-        self.journal.add_file(info.name, info.bytes)
+        self.batcher.when_durable(lambda: self.journal.add_file(info.name, info.bytes))
         with self._lock:
             self.files += 1
             self.bytes += info.bytes
@@ -604,9 +614,11 @@ class _Tee:
         self.part = part
         self.context = context
         self.fix = fix
+        self.throttle = Throttle()  # tests: as slow as the copy streams' copies
 
     def update(self, data: bytes | memoryview, /) -> None:
         self.part.write(data)
+        self.throttle.passed(len(data))
         if self.part.expect is not None and self.part.nbytes > self.part.expect.bytes:
             self.part.verify(context=self.context, fix=self.fix)
 

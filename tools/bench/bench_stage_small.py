@@ -236,6 +236,104 @@ def bench_set(name: str, src: Path, work: Path, trees: dict[str, Path], *, round
     return res
 
 
+# The --profile child: ``stager stage SRC DEST`` as the CLI runs it, with its steps timed from outside the
+# code (wrapped module functions: the same names in trees before and after issue 40), every fsync and
+# thread counted. Prints one JSON object; the parent adds the interpreter's start and exit.
+PROFILE_CHILD = r"""
+import json, os, sys, threading, time
+T0 = time.perf_counter()
+import stager.cli as cli
+parser = cli.build_parser()
+T1 = time.perf_counter()
+import stager.stage.run as run, stager.stage.dest as dest, stager.stage.journal as journal, stager.fs.verified as v
+T2 = time.perf_counter()
+spent, calls = {}, {}
+def wrap(owner, name, label):
+    f = getattr(owner, name, None)
+    if f is None:
+        return
+    def timed(*a, **k):
+        t = time.perf_counter()
+        try:
+            return f(*a, **k)
+        finally:
+            spent[label] = spent.get(label, 0.0) + time.perf_counter() - t
+            calls[label] = calls.get(label, 0) + 1
+    setattr(owner, name, timed)
+for name, label in [("read_src_manifest", "manifest"), ("plan_stage", "plan"), ("make_dest_dir", "dest checks"),
+                    ("_already_staged", "receipt check"), ("claim_dest", "claim"), ("begin_journal", "journal begin"),
+                    ("kept_files", "resume"), ("check_free_space", "free space"), ("_copy", "copy phase"),
+                    ("_unpack", "unpack phase"), ("_seal", "seal (receipt)"), ("confirm_staged", "confirm"),
+                    ("_remember", "history")]:
+    wrap(run, name, label)
+wrap(run.NodeLock, "__enter__", "lock")
+wrap(run.NodeLock, "__exit__", "unlock")
+wrap(dest.StagedManifest, "prepare", "staged manifest (beside the copy)")
+wrap(journal.Journal, "close", "journal close")
+wrap(v.PartialCopy, "publish", "publish: fsync + rename (finishers)")
+wrap(os, "fsync", "fsync (every call)")
+wrap(threading.Thread, "start", "threads started")
+args = parser.parse_args(["stage", "-q", *sys.argv[1:]])
+args.quiet = True
+T3 = time.perf_counter()
+args.func(args)
+T4 = time.perf_counter()
+print(json.dumps({"imports cli": T1 - T0, "imports stage": T2 - T1, "run": T4 - T3, "in script": T4 - T0,
+                  "spent": spent, "calls": calls, "numpy": "numpy" in sys.modules, "modules": len(sys.modules)}))
+"""
+
+
+def profile(name: str, src: Path, work: Path, trees: dict[str, Path], *, rounds: int, unpack: bool) -> dict[str, Any]:
+    """Where ``stager stage`` of set ``name`` spends its time, per tree: medians over ``rounds`` cold runs
+    (interleaved) of the interpreter's start and exit, imports, and each step (:data:`PROFILE_CHILD`)."""
+    nbytes = sum(p.stat().st_size for p in src.iterdir())
+    runner = Runner(src, 2 * nbytes if unpack else nbytes, True)
+    runs: dict[str, list[dict[str, Any]]] = {who: [] for who in trees}
+    extra = ["--unpack", "also"] if unpack else []
+    for r in range(-1, rounds):
+        for who in list(trees) if r % 2 == 0 else list(trees)[::-1]:
+            d = work / "runs" / f"profile-{name}-{who}-{r}"
+            runner.prepare(d)
+            env = {**os.environ, "PYTHONPATH": str(trees[who])}
+            t = time.perf_counter()
+            out = subprocess.run([sys.executable, "-c", PROFILE_CHILD, *extra, str(src), str(d)], env=env, cwd=work,
+                                 capture_output=True, text=True, check=True)
+            wall = time.perf_counter() - t
+            got = json.loads(out.stdout.splitlines()[-1])
+            got["start and exit"] = wall - got["in script"]
+            got["wall"] = wall
+            if r >= 0:
+                runs[who].append(got)
+            shutil.rmtree(d, ignore_errors=True)
+    res: dict[str, Any] = {}
+    for who, rs in runs.items():
+        keys = ["wall", "start and exit", "imports cli", "imports stage", "run"]
+        row = {k: statistics.median(x[k] for x in rs) for k in keys}
+        steps = sorted({k for x in rs for k in x["spent"]})
+        row["steps"] = {k: statistics.median(x["spent"].get(k, 0.0) for x in rs) for k in steps}
+        row["calls"] = {k: statistics.median(x["calls"].get(k, 0) for x in rs) for k in steps}
+        row["numpy"], row["modules"] = rs[0]["numpy"], rs[0]["modules"]
+        res[who] = row
+    return res
+
+
+def profile_markdown(name: str, prof: dict[str, Any]) -> str:
+    whos = list(prof)
+    lines = [f"| {name}: ms (median) | " + " | ".join(whos) + " |", "| --- |" + " ---: |" * len(whos)]
+    for k in ["wall", "start and exit", "imports cli", "imports stage", "run"]:
+        lines.append(f"| {k} | " + " | ".join(f"{prof[w][k] * 1000:.1f}" for w in whos) + " |")
+    steps = sorted({k for w in whos for k in prof[w]["steps"]})
+    for k in steps:
+        cells = []
+        for w in whos:
+            t, n = prof[w]["steps"].get(k), prof[w]["calls"].get(k)
+            cells.append("" if t is None else (f"{n:g}" if k == "threads started" else f"{t * 1000:.1f} ({n:g}x)"))
+        lines.append(f"| {k} | " + " | ".join(cells) + " |")
+    lines.append("| numpy imported, modules | " + " | ".join(f"{prof[w]['numpy']}, {prof[w]['modules']}" for w in whos)
+                 + " |")
+    return "\n".join(lines) + "\n"
+
+
 def interpreter_start(rounds: int) -> dict[str, float]:
     """Medians of ``python -c pass`` and of importing what ``stager stage`` imports (this tree)."""
     cases = {"python -c pass": "pass",
@@ -283,6 +381,8 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/stager-bench-stage-small", help="scratch directory, kept and reused")
     ap.add_argument("--pages", choices=["warm", "none"], default="warm")
     ap.add_argument("--keep-sets", action="store_true", help="keep the packed sets (default: delete the large ones)")
+    ap.add_argument("--profile", action="store_true",
+                    help="where the time goes instead (per tree: start, imports, each step; --unpack: of --unpack)")
     ap.add_argument("--json", default=None, help="write the raw figures here")
     ap.add_argument("--markdown", default=None, help="write the table here")
     args = ap.parse_args()
@@ -293,6 +393,16 @@ def main() -> None:
                            "python": platform.python_version(), "start": interpreter_start(args.rounds)}
     for tree in trees.values():
         check_tree(tree, work)
+    if args.profile:
+        profs = {name: profile(name, make_set(name, work), work, trees, rounds=args.rounds, unpack=args.unpack)
+                 for name in args.sets}
+        md = "\n".join(profile_markdown(n, p) for n, p in profs.items())
+        print(md)
+        if args.json:
+            Path(args.json).write_text(json.dumps(profs, indent=1))
+        if args.markdown:
+            Path(args.markdown).write_text(md)
+        return
     for name in args.sets:
         src = make_set(name, work)
         res["sets"][name] = bench_set(name, src, work, trees, rounds=args.rounds, unpack=args.unpack,
