@@ -63,7 +63,6 @@ from stager.stage.dest import (
     write_receipt,
 )
 from stager.stage.journal import Journal
-from stager.stage.mount import check_mountable, mount_staged
 from stager.stage.options import DEFAULT_UNPACK_DIR, NodeOptions, StageOptions, unpack_mode
 from stager.stage.plan import DEFAULT_BLOCK, FileTask, StagePlan, order_for_streams, plan_stage, read_src_manifest
 from stager.stage.result import StageResult
@@ -124,6 +123,8 @@ def run_stage(src: str | os.PathLike[str], dest: str | os.PathLike[str] | None, 
     plan, result = _run_stage(src, dest, options)
     if options.mount and plan is not None:  # after the verified copy, or when DEST already held it
         with NodeLock(plan.lock_path, timeout=options.timeout):
+            from stager.stage.mount import mount_staged  # noqa: PLC0415 (only with --mount)
+
             mount_staged(plan, result)
     return result
 
@@ -138,6 +139,8 @@ def _run_stage(src: str | os.PathLike[str], dest: str | os.PathLike[str] | None,
         return None, _fill_cache_only(src, manifest, manifest_bytes, options, t0)
     plan = plan_stage(src, manifest, manifest_bytes, dest, options)
     if options.mount:
+        from stager.stage.mount import check_mountable  # noqa: PLC0415 (only with --mount: subprocess, mounts)
+
         check_mountable(plan)  # before anything is copied
     result = _new_result(plan)
     if plan.mode == "shared" and options.cache is not None:
