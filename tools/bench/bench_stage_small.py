@@ -290,6 +290,7 @@ def profile(name: str, src: Path, work: Path, trees: dict[str, Path], *, rounds:
     runner = Runner(src, 2 * nbytes if unpack else nbytes, True)
     runs: dict[str, list[dict[str, Any]]] = {who: [] for who in trees}
     extra = ["--unpack", "also"] if unpack else []
+    made: list[Path] = []
     for r in range(-1, rounds):
         for who in list(trees) if r % 2 == 0 else list(trees)[::-1]:
             d = work / "runs" / f"profile-{name}-{who}-{r}"
@@ -304,7 +305,13 @@ def profile(name: str, src: Path, work: Path, trees: dict[str, Path], *, rounds:
             got["wall"] = wall
             if r >= 0:
                 runs[who].append(got)
-            shutil.rmtree(d, ignore_errors=True)
+            if unpack:  # kept until the end, out of the page cache (as in bench_set)
+                made.append(d)
+                drop_cache([Path(q, f) for q, _, fs in os.walk(d) for f in fs])
+            else:
+                shutil.rmtree(d, ignore_errors=True)
+    for d in made:
+        shutil.rmtree(d, ignore_errors=True)
     res: dict[str, Any] = {}
     for who, rs in runs.items():
         keys = ["wall", "start and exit", "imports cli", "imports stage", "run"]
