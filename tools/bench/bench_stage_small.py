@@ -358,7 +358,8 @@ def interpreter_start(rounds: int) -> dict[str, float]:
 
 
 def markdown(res: dict[str, Any]) -> str:
-    lines = [f"Conditions: {res['conditions']}", "",
+    lines = ["# Staging as a user times it (tools/bench/bench_stage_small.py)", "",
+             f"Conditions: {res['conditions']}", "",
              "| set | MB | shards | contender | s (median) | command s | sync s | vs reference | over reference s "
              "| stager in-process s | outside s (start, imports, exit) | CPU s |",
              "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -369,12 +370,13 @@ def markdown(res: dict[str, Any]) -> str:
             lines.append(f"| {name} | {r['bytes'] / 1e6:.0f} | {r['shards']} | {k} | {m['median_s']:.3f} | "
                          f"{m['command_median_s']:.3f} | {m['sync_median_s']:.3f} | {m['vs_reference']:.2f}x | "
                          f"{m['over_reference_s']:+.3f} | {inner} | {outside} | {m['cpu_median_s']:.3f} |")
-    lines += ["", "Phases (median seconds; stager runs that report them):", ""]
+    lines += ["", "Phases (median; stager runs that report them):", ""]
     for name, r in res["sets"].items():
         for k, m in r["methods"].items():
             if m.get("phases_median_s"):
                 ph = ", ".join(f"{p} {v * 1000:.1f} ms" for p, v in m["phases_median_s"].items())
                 lines.append(f"- {name}, {k}: {ph}")
+    lines += ["", f"Command: `python tools/bench/bench_stage_small.py {res['args']}`"]
     return "\n".join(lines) + "\n"
 
 
