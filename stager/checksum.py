@@ -7,7 +7,6 @@ for users who want a cryptographic digest (about 1 GB/s per core). docs/benchmar
 
 from __future__ import annotations
 
-import hashlib
 import os
 from typing import Protocol
 
@@ -30,6 +29,8 @@ def new_hasher(algo: str = DEFAULT_ALGO) -> Hasher:
     if algo == "xxh3_128":
         return xxhash.xxh3_128()
     if algo == "blake2b":
+        import hashlib  # noqa: PLC0415 (OpenSSL's binding: only for the non-default algorithm)
+
         return hashlib.blake2b(digest_size=32)
     raise UsageError(f"unknown checksum algorithm {algo!r}; expected one of {', '.join(ALGOS)}")
 

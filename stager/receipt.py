@@ -28,7 +28,6 @@ the same dataset that fails is logged as a warning saying why. ``source`` is sto
 from __future__ import annotations
 
 import json
-import logging
 import os
 import stat
 from collections.abc import Callable, Iterable
@@ -44,7 +43,6 @@ from stager.fs.safe import check_chain, describe, problem, read_regular, read_tr
 from stager.manifest import MIX_RECEIPT_NAME, RECEIPT_NAME, Manifest
 from stager.redact import printable, redact
 
-log = logging.getLogger("stager.receipt")
 MAX_RECEIPT_BYTES = 64 << 20
 
 RECEIPT_SCHEMA = "stager.receipt/1"
@@ -177,6 +175,13 @@ def _candidates(root: Path) -> list[Path]:
     return out
 
 
+def _log_warning(message: str) -> None:
+    """A warning on the ``stager.receipt`` logger (logging imported only when there is one to give)."""
+    import logging  # noqa: PLC0415
+
+    logging.getLogger("stager.receipt").warning(message)
+
+
 def find_staged_copy(
     manifest: Manifest, extra_roots: Iterable[str | os.PathLike[str]] = (),
     warn: Callable[[str], None] | None = None,
@@ -192,7 +197,7 @@ def find_staged_copy(
     """
     digest = manifest.digest or manifest.compute_digest()
     sizes = {s.name: s.bytes for s in manifest.shards}
-    say = warn or log.warning
+    say = warn or _log_warning
     for root in staging_roots(extra_roots):
         for d in _candidates(root):
             rec = _candidate(d, digest)

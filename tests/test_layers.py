@@ -23,7 +23,8 @@ PKG = ROOT / "stager"
 
 # Lowest first (docs/architecture.md, "Layers").
 LAYERS: list[set[str]] = [
-    {"stager", "errors", "redact"},  # the version, the exception family, the one redaction of locations
+    {"stager", "errors", "redact", "lazy"},  # the version, the exception family, the one redaction of locations,
+    # a module imported on first use (stager/lazy.py)
     # pure helpers: no file-system policy; formats.registry: which formats exist and what each can do
     # (stdlib only), below the manifest that checks a format's name and extents against it
     {"checksum", "progress", "world", "order", "decode", "formats.registry"},

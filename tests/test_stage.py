@@ -554,3 +554,20 @@ def test_storage_options_reach_every_shard_open(imagenet_tiny: Path, tmp_path: P
     assert_verified_copy(m, tmp_path / "dest")
     only = stage(url, tmp_path / "only", storage_options={"token": "s3cret"}, unpack="only")
     assert only.unpacked_files == m.num_samples
+
+
+def test_a_whole_stage_never_imports_numpy(imagenet_tiny_tar: Path, tmp_path: Path) -> None:
+    """``stager stage`` of a whole dataset reads the manifest and copies files: numpy (~0.1 s of CPU
+    and its BLAS threads at exit, most of a small stage's cost beyond ``cp``) is never imported. A
+    partition and an unpacked tree, which need it, import it where they use it, and work."""
+    code = ("import sys; from stager.cli import main; "
+            "rc = main(['stage', '-q', *sys.argv[1:]]); print(rc, 'numpy' in sys.modules)")
+    runs = {"whole": [], "--partition": ["--partition", "--node", "1", "--num-nodes", "2"],
+            "--unpack": ["--unpack", "also"]}
+    got = {}
+    for name, flags in runs.items():
+        out = subprocess.run([sys.executable, "-c", code, *flags, str(imagenet_tiny_tar), str(tmp_path / name)],
+                             capture_output=True, text=True, check=True)
+        got[name] = out.stdout.split()
+    assert got == {"whole": ["0", "False"], "--partition": ["0", "True"], "--unpack": ["0", "True"]}, got
+    assert (tmp_path / "--unpack" / "unpacked").is_dir()

@@ -91,6 +91,133 @@ def test_unpack_only_catches_a_damaged_source_shard(packed_tar: Path, tmp_path: 
     assert "shard-00001.tar" in r.stderr
 
 
+def test_unpack_reads_each_source_shard_once(packed_tar: Path, imagenet_tiny: Path, tmp_path: Path) -> None:
+    """``--unpack`` of tar shards copies each shard and writes its members in one pass over SRC: the
+    bytes the process reads (``/proc/self/io`` rchar, every thread) are the shards once, not once to
+    copy and again from DEST to unpack. The copies are the verified ones, byte for byte, journaled."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import json, sys, stager.stage, stager.stage.unpack, numpy\n"
+            "def rchar():\n"
+            "    return int(dict(l.split(': ') for l in open('/proc/self/io').read().splitlines())['rchar'])\n"
+            "before = rchar(); r = stager.stage.stage(sys.argv[1], sys.argv[2], unpack='also', workers=2)\n"
+            "print(json.dumps({'read': rchar() - before, 'copied': r.files_copied, 'files': r.unpacked_files}))")
+    dest = tmp_path / "dest"
+    out = subprocess.run([sys.executable, "-c", code, str(packed_tar), str(dest)], capture_output=True, text=True,
+                         check=True)
+    got = json.loads(out.stdout.splitlines()[-1])
+    shards = sorted(packed_tar.glob("shard-*.tar"))
+    shard_bytes = sum(p.stat().st_size for p in shards)
+    assert got["copied"] == len(shards) and got["files"] == len(_tree(imagenet_tiny))
+    assert shard_bytes <= got["read"] < 1.5 * shard_bytes, (got, shard_bytes)
+    assert all((dest / p.name).read_bytes() == p.read_bytes() for p in shards)
+    assert _tree(dest / "unpacked") == _tree(imagenet_tiny)
+    lines = [json.loads(x) for x in (dest / ".stager-journal.jsonl").read_text().splitlines()[1:]]
+    assert sorted(x["f"] for x in lines if "f" in x) == [p.name for p in shards]
+    assert sorted(x["u"] for x in lines if "u" in x) == [p.name for p in shards]
+
+
+# The child of the ordering test: every rename (CPython's audit hook, process-wide), every return from
+# stager.fs.kernel.syncfs (a profile hook on every thread: the flush has completed) and, at each of them,
+# the shard files the journal already lists.
+_ORDER_CHILD = """
+import json, os, sys, threading
+dest = sys.argv[2]
+journal = os.path.join(dest, ".stager-journal.jsonl")
+kernel = os.path.join("stager", "fs", "kernel.py")
+events, busy = [], []
+def listed():
+    try:
+        with open(journal, "rb") as f:
+            return sorted(json.loads(x)["f"] for x in f.read().splitlines()[1:] if b'"f"' in x)
+    except OSError:
+        return []
+def record(what):
+    if busy:
+        return
+    busy.append(1)
+    try:
+        events.append(what + [listed()])
+    finally:
+        busy.pop()
+def audit(event, args):
+    if event == "os.rename":
+        record(["rename", os.path.basename(os.fsdecode(args[1]))])
+def profile(frame, event, arg):
+    if event == "return" and frame.f_code.co_name == "syncfs" and frame.f_code.co_filename.endswith(kernel):
+        record(["syncfs"])
+import stager.stage
+sys.addaudithook(audit)
+threading.setprofile(profile)
+sys.setprofile(profile)
+stager.stage.stage(sys.argv[1], dest, unpack="also", workers=2)
+sys.setprofile(None)
+print(json.dumps(events))
+"""
+
+
+def test_unpack_journals_and_publishes_its_copies_only_after_a_syncfs(packed_tar: Path, tmp_path: Path) -> None:
+    """The one-pass ``--unpack`` has no fsync per shard: each copy is renamed into place and made durable
+    by the unpack's ``syncfs`` (as ``sync`` does). Seen in the syscalls the process makes, in order: a
+    shard's journal line appears only after a ``syncfs`` that came after its rename; ``manifest.json``
+    and then the receipt are renamed into place only after a ``syncfs`` that came after the last
+    shard's rename. So a power loss can never leave a receipt, manifest or journal line that names a
+    copy the disk does not hold (kill -9 loses nothing: the page cache outlives the process)."""
+    import json
+    import subprocess
+    import sys
+
+    dest = tmp_path / "dest"
+    out = subprocess.run([sys.executable, "-c", _ORDER_CHILD, str(packed_tar), str(dest)], capture_output=True,
+                         text=True, check=True)
+    events = json.loads(out.stdout.splitlines()[-1])
+    shards = sorted(p.name for p in packed_tar.glob("shard-*.tar"))
+    renamed = {e[1]: i for i, e in enumerate(events) if e[0] == "rename" and e[1] in shards}  # to final names
+    assert sorted(renamed) == shards, events
+    syncs = [i for i, e in enumerate(events) if e[0] == "syncfs"]
+    for name, i in renamed.items():
+        first_listed = next((j for j, e in enumerate(events) if name in e[-1]), len(events))
+        assert any(i < k < first_listed for k in syncs), (name, events)
+        assert i < first_listed
+    published = {e[1]: i for i, e in enumerate(events) if e[0] == "rename"
+                 and e[1] in ("manifest.json", "stager-receipt.json")}
+    assert set(published) == {"manifest.json", "stager-receipt.json"}, events
+    last = max(renamed.values())
+    assert any(last < k < published["manifest.json"] for k in syncs), events
+    assert published["manifest.json"] < published["stager-receipt.json"]
+    assert events[published["stager-receipt.json"]][-1] == shards  # the journal lists every copy by then
+
+
+@pytest.mark.parametrize("damage", ["flipped", "grown"])
+def test_unpack_of_a_damaged_shard_keeps_no_copy_no_member_and_no_manifest(packed_tar: Path, tmp_path: Path,
+                                                                          damage: str) -> None:
+    """A shard that differs from the manifest (a flipped byte; bytes appended after packing) fails the
+    one-pass ``--unpack`` with exit 3 naming it: its partial copy and its members are removed, and DEST
+    has no manifest.json (published only once every shard is in place)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for p in packed_tar.iterdir():
+        (src / p.name).write_bytes(p.read_bytes())
+    shard = src / "shard-00001.tar"
+    data = bytearray(shard.read_bytes())
+    if damage == "flipped":
+        data[-600] ^= 0x40
+    else:
+        data += b"\0" * (4 << 20)
+    shard.write_bytes(bytes(data))
+    dest = tmp_path / "d"
+    r = stager("stage", str(src), str(dest), "--unpack", "-j", "1")
+    assert r.returncode == 3, r.stderr
+    assert "shard-00001.tar" in r.stderr.splitlines()[-1]  # its hash, size or a header: the line names it
+    assert not (dest / "manifest.json").exists()
+    assert not list(dest.glob("*.partial")) and not (dest / "shard-00001.tar").exists()
+    members = {p.stem for p in (dest / "unpacked").rglob("*") if p.is_file()}
+    keys = load_manifest(packed_tar).shards[1].keys
+    assert not members & {k.rsplit("/", 1)[-1] for k in keys}
+
+
 def test_unpack_hdf5_through_its_reader(imagenet_tiny: Path, tmp_path: Path) -> None:
     out = tmp_path / "h5"
     pack(imagenet_tiny, out, format="hdf5", samples_per_shard=8)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import os
 import stat
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -152,11 +151,11 @@ def test_a_planted_name_at_the_partial_is_never_written_through(tmp_path: Path,
     src, _, expect = _source(tmp_path, 1000)
     victim = tmp_path / "victim"
     victim.write_bytes(b"precious")
-    fixed = uuid.UUID(int=0xABCDEF0123456789ABCDEF0123456789)
-    monkeypatch.setattr(uuid, "uuid4", lambda: fixed)  # the standard library's: makes the name guessable
+    fixed = bytes.fromhex("abcdef012345")
+    monkeypatch.setattr(os, "urandom", lambda n: fixed[:n])  # the standard library's: makes the name guessable
     out = tmp_path / "out"
     out.mkdir()
-    planted = out / f"shard.{fixed.hex[:12]}.partial"
+    planted = out / f"shard.{fixed.hex()}.partial"
     for target in (victim, tmp_path / "absent"):  # a link to a file, and a dangling one
         os.symlink(target, planted)
         for direct in (False, True):

@@ -9,6 +9,7 @@ cannot honour is a :class:`~stager.errors.UsageError` (exit 2, and the error obj
 from __future__ import annotations
 
 import argparse
+import os
 from typing import TYPE_CHECKING
 
 from stager.cli.args import (
@@ -148,6 +149,9 @@ def _cache_options(args: argparse.Namespace) -> CacheOptions | None:
 
 
 def run(args: argparse.Namespace) -> CommandResult:
+    # Staging does no linear algebra: where it loads numpy (--unpack, --partition), OpenBLAS would start
+    # a spinning thread per core at its import (~50 ms of CPU a run; docs/benchmarks.md, "Staging small sets").
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     from stager.mix import is_mix_path
 
     if is_mix_path(args.src):

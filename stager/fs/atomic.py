@@ -1,6 +1,6 @@
 """Crash-safe file writes: nothing ever appears under its final name half-written.
 
-Every file stager creates is written as ``<name>.<uuid>.partial`` in the destination directory,
+Every file stager creates is written as ``<name>.<12 hex>.partial`` in the destination directory,
 fsynced, renamed with :func:`os.replace` and the directory fsynced. On any exception the partial
 file is removed. A crash (kill -9, node reboot) can leave ``*.partial`` files, never a torn final
 file; :func:`remove_partials` clears them on the next run.
@@ -16,7 +16,6 @@ import contextlib
 import errno
 import os
 import re
-import uuid
 from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -31,9 +30,9 @@ _SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 
 def partial_path(final: str | os.PathLike[str]) -> Path:
-    """The temporary sibling ``<name>.<uuid>.partial`` for ``final``."""
+    """The temporary sibling ``<name>.<12 random hex digits>.partial`` for ``final``."""
     final = Path(final)
-    return final.with_name(f"{final.name}.{uuid.uuid4().hex[:12]}{PARTIAL_SUFFIX}")
+    return final.with_name(f"{final.name}.{os.urandom(6).hex()}{PARTIAL_SUFFIX}")
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:

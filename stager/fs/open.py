@@ -34,8 +34,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from stager.errors import MissingBackendError, UsageError, install_hint
-from stager.fs.remote import RemoteFile, object_size, read_range
-from stager.fs.retry import with_retries
 from stager.fs.safe import open_regular
 
 
@@ -167,6 +165,8 @@ def open_read(path: str | os.PathLike[str], storage_options: Mapping[str, Any] |
     p = os.fspath(path)
     local = local_path_of(p)
     if local is None:
+        from stager.fs.remote import RemoteFile  # noqa: PLC0415 (URLs only: a local stage never loads it)
+
         fs, fp = filesystem(p, storage_options)
         return RemoteFile(fs, fp, p, size=size)
     # Not a bare open(): a FIFO or a device planted as a shard would block it or never end.
@@ -183,6 +183,8 @@ def read_bytes(path: str | os.PathLike[str], storage_options: Mapping[str, Any] 
     """The bytes of ``path`` (at most ``limit`` + 1 when given, so a caller can refuse oversized input)."""
     p = os.fspath(path)
     if local_path_of(p) is None:
+        from stager.fs.remote import object_size, read_range  # noqa: PLC0415 (URLs only)
+
         fs, fp = filesystem(p, storage_options)
         size = object_size(fs, fp, p)
         end = size if limit is None else min(size, limit + 1)
@@ -197,6 +199,8 @@ def exists(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | No
     local = local_path_of(p)
     if local is not None:
         return os.path.exists(local)
+    from stager.fs.retry import with_retries  # noqa: PLC0415 (URLs only)
+
     fs, fp = filesystem(p, storage_options)
     return bool(with_retries(lambda: fs.exists(fp), p, "HEAD"))
 

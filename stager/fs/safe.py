@@ -39,7 +39,6 @@ import errno
 import functools
 import os
 import stat
-import uuid
 from collections.abc import Callable, Iterator
 from typing import BinaryIO, Final
 
@@ -537,7 +536,7 @@ class SafeDir:
         ``mode``, rename over ``name`` inside this handle, fsync the directory. On failure the
         partial file is removed and ``name`` is untouched. Renaming replaces whatever entry ``name``
         was (a planted symlink is replaced, never followed)."""
-        tmp = f"{self._name(name)}.{uuid.uuid4().hex[:12]}.partial"
+        tmp = f"{self._name(name)}.{os.urandom(6).hex()}.partial"
         fd = self.create_file(tmp, 0o600)
         try:
             view = memoryview(data)

@@ -18,9 +18,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from stager.errors import ManifestError, UsageError
+from stager.lazy import on_first_use
+
+if TYPE_CHECKING:
+    import numpy as np
+else:  # the index is numpy columns; a plain stage never opens it: no numpy (stager/lazy.py)
+    np = on_first_use("numpy", globals(), "np")
 
 if TYPE_CHECKING:
     from stager.manifest.document import Manifest

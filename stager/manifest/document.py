@@ -29,15 +29,15 @@ import contextlib
 import dataclasses
 import datetime as _dt
 import io
+import itertools
 import json
 import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import xxhash
 
 from stager import __version__
@@ -47,6 +47,7 @@ from stager.formats.registry import ALL_FORMATS, FORMAT_SPECS
 from stager.fs.atomic import PARTIAL_SUFFIX, atomic_write_bytes, partial_path
 from stager.fs.open import is_url, join, read_bytes
 from stager.fs.safe import open_exclusive, open_regular
+from stager.lazy import on_first_use
 from stager.manifest.fields import sample_fields, specs_from_json
 from stager.manifest.samples import (
     INDEX_PARTIAL_BASE,
@@ -60,6 +61,11 @@ from stager.manifest.samples import (
 from stager.manifest.shard import AuxFile, ShardInfo, table_columns
 from stager.manifest.table import Column, Ragged, Strings, Table, open_table, parse_table, write_table
 from stager.redact import redact
+
+if TYPE_CHECKING:
+    import numpy as np
+else:  # the index is numpy columns; a plain stage never opens it: no numpy (stager/lazy.py)
+    np = on_first_use("numpy", globals(), "np")
 
 SCHEMA = "stager.manifest/2"
 SCHEMA_V1 = "stager.manifest/1"  # read, never written: the per-sample index inline as JSON lists
@@ -484,13 +490,14 @@ def _attach_index(m: Manifest, root: str | None, storage_options: dict[str, Any]
     ref = m.index
     where = ref.name if root is None else join(root, ref.name)
     opener = _IndexOpener(None if root is None else where, ref, storage_options)
-    starts = m.sample_starts()
-    si = SampleIndex(opener, where, starts=starts, shard_bytes=np.array([s.bytes for s in m.shards], dtype=np.int64),
+    # Plain ints, no numpy: loading a manifest (all a plain stage does with it) costs O(shards).
+    starts = list(itertools.accumulate((s.samples for s in m.shards), initial=0))
+    si = SampleIndex(opener, where, starts=starts, shard_bytes=[s.bytes for s in m.shards],
                      nclass=len(m.classes), byte_ranges=FORMAT_SPECS[m.format].byte_ranges,
                      extents=[s.extents for s in m.shards])
     m.samples_index = si
     m.shards = [ShardInfo(s.name, s.bytes, s.hash, aux=s.aux, extents=s.extents, samples=s.samples,
-                          rows=(si, int(a))) for s, a in zip(m.shards, starts[:-1].tolist(), strict=True)]
+                          rows=(si, a)) for s, a in zip(m.shards, starts[:-1], strict=True)]
 
 
 @dataclass(frozen=True)

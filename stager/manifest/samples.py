@@ -27,12 +27,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from functools import cached_property
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from stager.errors import ManifestError
+from stager.lazy import on_first_use
 from stager.manifest.table import Ragged, Strings, Table
+
+if TYPE_CHECKING:
+    import numpy as np
+else:  # the index is numpy columns; a plain stage never opens it: no numpy (stager/lazy.py)
+    np = on_first_use("numpy", globals(), "np")
 
 KEY, LABEL, OFFSET, SIZE = "key", "label", "offset", "size"
 CORE = (KEY, LABEL, OFFSET, SIZE)
@@ -55,12 +59,13 @@ class SampleIndex:
 
     ``opener`` returns the parsed :class:`Table` (a memory map of a local file, or the bytes of a
     remote one). Until a per-sample fact is asked for, nothing is opened: loading a manifest costs
-    O(shards). ``starts``: int64 (shards + 1,), each shard's first row. ``byte_ranges``: the format's
-    ``bytes`` extents are byte ranges of the shard file, checked against ``shard_bytes`` (not zarr's rows).
+    O(shards) and no numpy. ``starts``: (shards + 1) ints, each shard's first row; ``shard_bytes``: each
+    shard's size. ``byte_ranges``: the format's ``bytes`` extents are byte ranges of the shard file,
+    checked against ``shard_bytes`` (not zarr's rows).
     """
 
-    def __init__(self, opener: Callable[[], Table], where: str, *, starts: np.ndarray,
-                 shard_bytes: np.ndarray, nclass: int, byte_ranges: bool, extents: Sequence[str]) -> None:
+    def __init__(self, opener: Callable[[], Table], where: str, *, starts: Sequence[int],
+                 shard_bytes: Sequence[int], nclass: int, byte_ranges: bool, extents: Sequence[str]) -> None:
         self._opener = opener
         self.where = where
         self.starts = starts

@@ -11,13 +11,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from stager.errors import ManifestError
+from stager.lazy import on_first_use
 from stager.manifest.samples import KEY, LABEL, OFFSET, SIZE, SampleIndex
 from stager.manifest.table import Column, Strings
+
+if TYPE_CHECKING:
+    import numpy as np
+else:  # the index is numpy columns; a plain stage never opens it: no numpy (stager/lazy.py)
+    np = on_first_use("numpy", globals(), "np")
 
 
 @dataclass(frozen=True)

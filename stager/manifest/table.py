@@ -34,11 +34,15 @@ import os
 import struct
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, overload
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeAlias, overload
 
 from stager.errors import ManifestError
+from stager.lazy import on_first_use
+
+if TYPE_CHECKING:
+    import numpy as np
+else:  # the index is numpy columns; a plain stage never opens it: no numpy (stager/lazy.py)
+    np = on_first_use("numpy", globals(), "np")
 
 MAGIC = b"STGTABLE"
 VERSION = 1
@@ -268,7 +272,8 @@ class Strings(Sequence[str]):
         return f"Strings([{head}{', ...' if len(self) > 3 else ''}], n={len(self)})"
 
 
-Column = np.ndarray | Ragged | Strings
+# A name for annotations only (a string: evaluating np.ndarray here would import numpy, stager/lazy.py).
+Column: TypeAlias = "np.ndarray | Ragged | Strings"
 
 
 def _pad(n: int) -> int:

@@ -21,10 +21,10 @@ kill a run mid-copy.
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -93,9 +93,8 @@ class Copier:
         self.direct_files = 0  # copies written with O_DIRECT (the rest went through the page cache)
         self._lock = threading.Lock()
         self._next = 0
-        self._throttle = float(os.environ.get(THROTTLE_ENV) or 0)
         self._warned_group = False
-        self._finishers: ThreadPoolExecutor | None = None
+        self._finishers: _Finishers | None = None
         # Bounds the verified copies waiting for a finisher (each holds an open fd).
         self._pending = threading.BoundedSemaphore(max(1, self.tuning.sync_threads) + workers)
 
@@ -103,7 +102,7 @@ class Copier:
         """Copy ``tasks``; ``meanwhile()`` runs on the calling thread while the streams copy."""
         self._tasks = tasks
         if self.tuning.sync_threads > 0:
-            self._finishers = ThreadPoolExecutor(self.tuning.sync_threads, thread_name_prefix="stage-sync")
+            self._finishers = _Finishers(self.tuning.sync_threads, self._finish_async)
         threads = [threading.Thread(target=self._worker, name=f"stage-{i}", daemon=True)
                    for i in range(min(self.workers, len(tasks)))]
         try:
@@ -118,7 +117,7 @@ class Copier:
                 t.join()
         finally:
             if self._finishers is not None:
-                self._finishers.shutdown(wait=True)
+                self._finishers.close()
         if self.errors:
             raise self.errors[0]
 
@@ -152,19 +151,13 @@ class Copier:
     def _on_block(self) -> Callable[[int], None]:
         """The copy engine's per-block callback for one file: stops the copy once another stream
         failed, counts progress, and throttles to ``$STAGER_TEST_THROTTLE_BPS`` (tests)."""
-        start = time.perf_counter()
-        copied = 0
+        throttle = Throttle()
 
         def on_block(n: int) -> None:
-            nonlocal copied
             if self.cancel.is_set():
                 raise _CancelledError()
             self.progress.update(0, n)
-            if self._throttle > 0:
-                copied += n
-                lag = copied / self._throttle - (time.perf_counter() - start)
-                if lag > 0:
-                    time.sleep(lag)
+            throttle.passed(n)
         return on_block
 
     def _copy(self, task: FileTask, buf: memoryview) -> None:
@@ -194,7 +187,7 @@ class Copier:
             return
         self._pending.acquire()
         try:
-            self._finishers.submit(self._finish_async, done)
+            self._finishers.submit(done)
         except BaseException as exc:
             self._pending.release()
             part.fail(exc)
@@ -216,8 +209,7 @@ class Copier:
             with self._lock:
                 if not self._warned_group:
                     self._warned_group = True
-                    self.warnings.append(f"cannot give staged files the source's group {gid} (EPERM): "
-                                         "their group may read only what others may")
+                    self.warnings.append(group_warning(gid))
         if self.placement is not None:
             self.placement.placed(task)
         if self.journal is not None:
@@ -228,8 +220,72 @@ class Copier:
         self.progress.update(1, 0)
 
 
+class Throttle:
+    """``$STAGER_TEST_THROTTLE_BPS`` (test-only): at most that many bytes/s through one copy, so that a
+    test can kill a run mid-copy (every copy of a shard calls :meth:`passed`; without the variable it
+    does nothing)."""
+
+    def __init__(self) -> None:
+        self.rate = float(os.environ.get(THROTTLE_ENV) or 0)
+        self._start = time.perf_counter()
+        self._bytes = 0
+
+    def passed(self, nbytes: int) -> None:
+        if self.rate > 0:
+            self._bytes += nbytes
+            lag = self._bytes / self.rate - (time.perf_counter() - self._start)
+            if lag > 0:
+                time.sleep(lag)
+
+
+class _Finishers:
+    """Up to ``n`` threads that run ``finish`` on each item handed over, started as items arrive (one
+    file starts one). A queue and threads, not ``concurrent.futures``, whose import (with ``logging``)
+    costs a small stage more than its finisher does. :meth:`close` waits for every item handed over."""
+
+    def __init__(self, n: int, finish: Callable[[_Verified], None]) -> None:
+        self._n = n
+        self._finish = finish
+        self._items: queue.SimpleQueue[_Verified | None] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._idle = 0
+        self._lock = threading.Lock()
+
+    def submit(self, item: _Verified) -> None:
+        with self._lock:
+            start = self._idle == 0 and len(self._threads) < self._n
+            if start:
+                t = threading.Thread(target=self._loop, name=f"stage-sync-{len(self._threads)}", daemon=True)
+                self._threads.append(t)
+            else:
+                self._idle -= 1
+        self._items.put(item)
+        if start:
+            t.start()
+
+    def _loop(self) -> None:
+        while (item := self._items.get()) is not None:
+            self._finish(item)
+            with self._lock:
+                self._idle += 1
+
+    def close(self) -> None:
+        with self._lock:
+            threads = list(self._threads)
+        for _ in threads:
+            self._items.put(None)
+        for t in threads:
+            t.join()
+
+
 class _CancelledError(Exception):
     """Another stream failed; this one stops quietly."""
+
+
+def group_warning(gid: int | None) -> str:
+    """The run's one warning when a staged copy could not be given the source's group."""
+    return (f"cannot give staged files the source's group {gid} (EPERM): their group may read only what "
+            "others may")
 
 
 def open_src_file(src_path: str, storage_options: dict[str, Any] | None = None) -> Any:

@@ -15,13 +15,15 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from stager.cache.config import CacheOptions
 from stager.errors import UsageError
 from stager.fs.copy import CopyTuning
 from stager.manifest import RESERVED_NAMES, UNPACK_DIR_NAME, entry_name_problem
 from stager.world import NodeIdentity, resolve_node
+
+if TYPE_CHECKING:
+    from stager.cache.config import CacheOptions
 
 DEFAULT_UNPACK_DIR = UNPACK_DIR_NAME
 UNPACK_MODES = ("also", "only")

@@ -20,23 +20,19 @@ from __future__ import annotations
 
 import contextlib
 import os
-import uuid
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from stager.errors import ShardMissingError, SourceNotFoundError, UnsafeArchiveError, UsageError
-from stager.fs import lustre
 from stager.fs.access import source_access
 from stager.fs.info import FsInfo, detect_fs
 from stager.fs.open import is_url, join, read_bytes
 from stager.fs.safe import check_chain, describe, problem, trusted_uids
 from stager.manifest import Manifest, bytes_for_copy, dataset_root, manifest_path, not_a_pack, shard_root
 from stager.manifest.clips import shard_groups
-from stager.order.partition import assign_shards_to_nodes
 from stager.receipt import STAGING_ROOT_VARS
 from stager.stage.names import journal_name, lock_name, marker_name
 from stager.stage.options import StageOptions
@@ -193,7 +189,7 @@ def default_dest(root: Path, dataset_id: str) -> tuple[Path, str | None]:
                 ost = os.lstat(root / other)
                 if problem(ost, expect="dir") is None:
                     return root / other, None
-    fresh = root / f"{name}.{uuid.uuid4().hex[:8]}"
+    fresh = root / f"{name}.{os.urandom(4).hex()}"
     return fresh, (f"{root / name} is {describe(st)}, not a directory of yours: staged into {fresh} instead "
                    "(the loader finds it)")
 
@@ -239,6 +235,8 @@ def plan_stage(
         node, num_nodes, ranks_per_node, origin = 0, 1, options.node.ranks_per_node or 1, "default"
         shard_indices = list(range(len(manifest.shards)))
     else:
+        from stager.order.partition import assign_shards_to_nodes  # noqa: PLC0415 (numpy: not for a full stage)
+
         node, num_nodes, ranks_per_node, origin = options.node.resolve(env)
         # A clip pack's sequence continued across shards stays on one node (docs/clips.md, partition).
         groups = shard_groups(manifest)
@@ -276,25 +274,40 @@ def order_for_streams(tasks: list[FileTask], src_fs: FsInfo | None, block: int =
     running at once read from different OSTs, and read blocks that are a multiple of the stripe
     size. Elsewhere: largest first, so the streams finish together.
     """
-    if src_fs is not None and src_fs.is_lustre and lustre.lfs_path() and tasks:
-        def index(t: FileTask) -> int:
-            try:
-                return lustre.stripe_index(t.src_path)
-            except lustre.LfsError:
-                return -1
-
-        with ThreadPoolExecutor(8) as ex:
-            osts = list(ex.map(index, tasks))
-        groups: dict[int, list[FileTask]] = {}
-        for t, o in zip(tasks, osts, strict=True):
-            groups.setdefault(o, []).append(t)
-        keys = sorted(groups)
-        ordered: list[FileTask] = []
-        for k in range(max(len(g) for g in groups.values())):
-            ordered += [groups[o][k] for o in keys if k < len(groups[o])]
-        try:
-            ssize = lustre.stripe_size(tasks[0].src_path)
-        except lustre.LfsError:
-            ssize = 0
-        return ordered, "ost-round-robin", ssize * max(1, block // ssize) if ssize > 0 else block
+    if src_fs is not None and src_fs.is_lustre and tasks:
+        ordered = _order_by_ost(tasks, block)
+        if ordered is not None:
+            return ordered
     return sorted(tasks, key=lambda t: -t.bytes), "largest-first", block
+
+
+def _order_by_ost(tasks: list[FileTask], block: int) -> tuple[list[FileTask], str, int] | None:
+    """:func:`order_for_streams` from Lustre; None without ``lfs``. (Imported here: ``lfs`` runs as a
+    subprocess, which a stage from elsewhere never loads.)"""
+    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+
+    from stager.fs import lustre  # noqa: PLC0415
+
+    if not lustre.lfs_path():
+        return None
+
+    def index(t: FileTask) -> int:
+        try:
+            return lustre.stripe_index(t.src_path)
+        except lustre.LfsError:
+            return -1
+
+    with ThreadPoolExecutor(8) as ex:
+        osts = list(ex.map(index, tasks))
+    groups: dict[int, list[FileTask]] = {}
+    for t, o in zip(tasks, osts, strict=True):
+        groups.setdefault(o, []).append(t)
+    keys = sorted(groups)
+    ordered: list[FileTask] = []
+    for k in range(max(len(g) for g in groups.values())):
+        ordered += [groups[o][k] for o in keys if k < len(groups[o])]
+    try:
+        ssize = lustre.stripe_size(tasks[0].src_path)
+    except lustre.LfsError:
+        ssize = 0
+    return ordered, "ost-round-robin", ssize * max(1, block // ssize) if ssize > 0 else block

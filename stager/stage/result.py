@@ -5,6 +5,9 @@ stable) or as one line (:meth:`StageResult.summary`).
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -19,7 +22,9 @@ class StageResult:
     holder whose lock was taken over; ``ordering``/``workers``/``block_size``/``io``: how the copy
     streams ran; ``durable``: False after ``--no-fsync``; ``node_source``: where node identity came
     from (``"flags"``, ``"slurm"``, ``"torchrun"``, ``"default"``...); ``source_fs``/``dest_fs``: file
-    system types; ``warnings``: printed by the CLI on stderr.
+    system types; ``warnings``: printed by the CLI on stderr; ``phases``: wall seconds of each phase
+    of the run (:meth:`timed`: plan, dest, lock, claim, copy, unpack, seal, finish; a profile, not a
+    contract: the names may change).
     """
 
     ok: bool
@@ -54,6 +59,16 @@ class StageResult:
     cache: dict[str, Any] | None = None
     repaired: list[str] = field(default_factory=list)  # --repair: "<file>: <why>" for each copy staged again
     mounts: list[str] = field(default_factory=list)  # --mount: where each staged image is mounted
+    phases: dict[str, float] = field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        """Add the wall seconds the ``with`` block takes to ``phases[phase]``."""
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phases[phase] = self.phases.get(phase, 0.0) + time.perf_counter() - t
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -63,12 +63,9 @@ from stager.stage.dest import (
     write_receipt,
 )
 from stager.stage.journal import Journal
-from stager.stage.mount import check_mountable, mount_staged
 from stager.stage.options import DEFAULT_UNPACK_DIR, NodeOptions, StageOptions, unpack_mode
 from stager.stage.plan import DEFAULT_BLOCK, FileTask, StagePlan, order_for_streams, plan_stage, read_src_manifest
-from stager.stage.repair import remove_damaged
 from stager.stage.result import StageResult
-from stager.stage.unpack import run_unpack
 
 REMOTE_STREAMS = 8  # default copy streams when SRC is a URL
 
@@ -126,6 +123,8 @@ def run_stage(src: str | os.PathLike[str], dest: str | os.PathLike[str] | None, 
     plan, result = _run_stage(src, dest, options)
     if options.mount and plan is not None:  # after the verified copy, or when DEST already held it
         with NodeLock(plan.lock_path, timeout=options.timeout):
+            from stager.stage.mount import mount_staged  # noqa: PLC0415 (only with --mount)
+
             mount_staged(plan, result)
     return result
 
@@ -140,6 +139,8 @@ def _run_stage(src: str | os.PathLike[str], dest: str | os.PathLike[str] | None,
         return None, _fill_cache_only(src, manifest, manifest_bytes, options, t0)
     plan = plan_stage(src, manifest, manifest_bytes, dest, options)
     if options.mount:
+        from stager.stage.mount import check_mountable  # noqa: PLC0415 (only with --mount: subprocess, mounts)
+
         check_mountable(plan)  # before anything is copied
     result = _new_result(plan)
     if plan.mode == "shared" and options.cache is not None:
@@ -154,18 +155,27 @@ def _run_stage(src: str | os.PathLike[str], dest: str | os.PathLike[str] | None,
         options.cache.quota.check_fits(options.cache.dir, "--cache-quota")  # refused before DEST or the cache is made
     # First: a DEST that is not the user's is refused even when it looks staged. From here on DEST is
     # its real path, reached through no link anyone else could point elsewhere (docs/security.md).
-    plan = replace(plan, dest=make_dest_dir(plan))
-    result.dest, result.receipt = str(plan.dest), str(plan.dest / RECEIPT_NAME)
-    if _already_staged(plan, options, result, t0, locked=False):
+    result.phases["plan"] = time.perf_counter() - t0
+    with result.timed("dest"):
+        plan = replace(plan, dest=make_dest_dir(plan))
+        result.dest, result.receipt = str(plan.dest), str(plan.dest / RECEIPT_NAME)
+        staged = _already_staged(plan, options, result, t0, locked=False)
+    if staged:
         confirm_staged(plan)
         return plan, result
-    with NodeLock(plan.lock_path, timeout=options.timeout, on_wait=None if options.quiet else _waiting(plan)) as lock:
+    with contextlib.ExitStack() as held:
+        with result.timed("lock"):
+            lock = held.enter_context(NodeLock(plan.lock_path, timeout=options.timeout,
+                                               on_wait=None if options.quiet else _waiting(plan)))
         result.waited_s = lock.waited
         result.lock_takeover = lock.took_over
         if not _already_staged(plan, options, result, t0, locked=True):
             _stage_locked(plan, options, result, t0)
-        confirm_staged(plan)  # ok only when DEST holds the verified manifest
-    _remember(plan, result)
+        with result.timed("finish"):
+            confirm_staged(plan)  # ok only when DEST holds the verified manifest
+            held.close()  # the node lock released
+    with result.timed("finish"):
+        _remember(plan, result)
     return plan, result
 
 
@@ -235,26 +245,42 @@ def _already_staged(plan: StagePlan, options: StageOptions, result: StageResult,
 
 def _stage_locked(plan: StagePlan, options: StageOptions, result: StageResult, t0: float) -> None:
     """Phases 3 to 6 of the module docstring, with the node lock held."""
-    result.removed_partials = claim_dest(plan, keep_receipt=plan.mode == "shared")
-    journal = Journal(plan.journal_path, plan.manifest.digest, volatile=not options.fsync)
-    begin_journal(plan, journal)
-    if options.repair:
-        result.repaired = remove_damaged(plan, options.copy_streams)
+    with result.timed("claim"):
+        result.removed_partials = claim_dest(plan, keep_receipt=plan.mode == "shared")
+        journal = Journal(plan.journal_path, plan.manifest.digest, volatile=not options.fsync)
+        begin_journal(plan, journal)
     try:
-        kept = kept_files(plan, journal)
-        todo = [t for t in plan.tasks if t.name not in kept]
-        result.files_kept = len(plan.tasks) - len(todo)
-        if options.cache is not None:
-            from stager.stage import cached  # noqa: PLC0415 (only with --cache: a plain stage does not load the cache)
+        with result.timed("claim"):
+            if options.repair:
+                from stager.stage.repair import remove_damaged  # noqa: PLC0415 (only with --repair)
 
-            todo = cached.place(plan, options, journal, todo, result)  # links and fills; the rest is copied below
-        check_free_space(plan.dest, _space_needed(plan, journal, todo))
-        _copy(plan, options, journal, todo, result)
-        if plan.unpack:
-            _unpack(plan, options, journal, result)
+                result.repaired = remove_damaged(plan, options.copy_streams)
+            kept = kept_files(plan, journal)
+            todo = [t for t in plan.tasks if t.name not in kept]
+            result.files_kept = len(plan.tasks) - len(todo)
+            if options.cache is not None:
+                from stager.stage import cached  # noqa: PLC0415 (only with --cache: a plain stage does not load the cache)
+
+                todo = cached.place(plan, options, journal, todo, result)  # links and fills; the rest is copied below
+            check_free_space(plan.dest, _space_needed(plan, journal, todo))
+        both = _copied_while_unpacked(plan, options, journal, todo)
+        with result.timed("copy"):
+            staged = _copy(plan, options, journal, [t for t in todo if t.name not in both], result,
+                           publish=not both)
+        try:
+            if plan.unpack:
+                with result.timed("unpack"):
+                    _unpack(plan, options, journal, result, both)
+            if staged is not None and staged.publish() and options.fsync:
+                fsync_dir(plan.dest)  # the manifest, once the shards the unpack phase copied are in place too
+        finally:
+            if staged is not None:
+                staged.discard()
     finally:
-        journal.close()
-    _seal(plan, options, journal, result, t0)
+        with result.timed("seal"):
+            journal.close()
+    with result.timed("seal"):
+        _seal(plan, options, journal, result, t0)
 
 
 def _space_needed(plan: StagePlan, journal: Journal, todo: list[FileTask]) -> int:
@@ -275,9 +301,26 @@ def _space_needed(plan: StagePlan, journal: Journal, todo: list[FileTask]) -> in
     return need
 
 
+def _copied_while_unpacked(plan: StagePlan, options: StageOptions, journal: Journal, todo: list[FileTask]
+                           ) -> set[str]:
+    """The shard files of ``todo`` that the unpack phase copies as it unpacks them: ``--unpack`` of tar
+    shards (one read of SRC writes the verified copy and the tree: :func:`stager.stage.unpack.run_unpack`).
+    Not through a cache, nor with ``--direct`` (the copy streams' O_DIRECT writes); files the tree no
+    longer needs (already unpacked) are copied by the copy streams."""
+    if (plan.unpack != "also" or options.cache is not None or (options.tuning and options.tuning.direct)
+            or not format_spec(plan.manifest.format).stream_unpack):
+        return set()
+    from stager.stage.unpack import shards_to_unpack  # noqa: PLC0415 (numpy: only with --unpack)
+
+    names = {s.name for s in shards_to_unpack(plan, journal)}
+    return {t.name for t in todo if t.name in names}
+
+
 def _copy(plan: StagePlan, options: StageOptions, journal: Journal, todo: list[FileTask],
-          result: StageResult) -> None:
-    """Copy ``todo`` with the copy streams and publish the staged manifest once they are all in place."""
+          result: StageResult, *, publish: bool = True) -> StagedManifest | None:
+    """Copy ``todo`` with the copy streams and publish the staged manifest once they are all in place;
+    with ``publish=False`` return it prepared instead, for the caller to publish once the files the
+    unpack phase copies are in place too (None: published)."""
     src_fs = None if is_url(plan.src_dir) else detect_fs(plan.src_dir)
     result.source_fs = src_fs.fstype if src_fs else plan.src_dir.split("://", 1)[0]
     result.dest_fs = detect_fs(plan.dest).fstype
@@ -289,18 +332,25 @@ def _copy(plan: StagePlan, options: StageOptions, journal: Journal, todo: list[F
     if not ordered or (plan.unpack == "only" and format_spec(plan.manifest.format).stream_unpack):
         # Nothing to copy (tar shards of --unpack only are streamed from SRC by the unpack phase).
         staged_manifest.prepare()
+        if not publish:
+            return staged_manifest
         if staged_manifest.publish():
             fsync_dir(plan.dest)
-        return
+        return None
     progress = Progress("stage", total_items=len(ordered), total_bytes=sum(t.bytes for t in ordered),
                         unit="files", quiet=options.quiet)
     copier = Copier(plan, block=result.block_size, workers=result.workers, journal=journal, progress=progress,
                     warnings=result.warnings, tuning=options.tuning, fsync=options.fsync)
     try:
         copier.run(ordered, meanwhile=staged_manifest.prepare)
-        staged_manifest.publish()
-    finally:
+        if publish:
+            staged_manifest.publish()
+    except BaseException:
         staged_manifest.discard()
+        raise
+    finally:
+        if publish:
+            staged_manifest.discard()
         if copier.copied and options.fsync:
             fsync_dir(plan.dest)  # one directory fsync for every rename above
         progress.close()
@@ -308,13 +358,21 @@ def _copy(plan: StagePlan, options: StageOptions, journal: Journal, todo: list[F
     result.bytes_copied += copier.bytes
     result.io = ("direct" if copier.direct_files == len(ordered) else
                  "buffered" if copier.direct_files == 0 else "mixed")
+    return None if publish else staged_manifest
 
 
-def _unpack(plan: StagePlan, options: StageOptions, journal: Journal, result: StageResult) -> None:
-    """Write the ImageFolder tree; with ``--unpack only`` remove the shards it was made from."""
-    counts = run_unpack(plan, journal, workers=options.copy_streams, quiet=options.quiet, fsync=options.fsync)
+def _unpack(plan: StagePlan, options: StageOptions, journal: Journal, result: StageResult,
+            both: set[str]) -> None:
+    """Write the ImageFolder tree (copying the shard files named in ``both`` as they are unpacked:
+    :func:`_copied_while_unpacked`); with ``--unpack only`` remove the shards it was made from."""
+    from stager.stage.unpack import run_unpack  # noqa: PLC0415 (numpy and the tar walk: only with --unpack)
+
+    counts = run_unpack(plan, journal, workers=options.copy_streams, quiet=options.quiet, fsync=options.fsync,
+                        keep=both)
     result.unpacked_files = counts.files
-    result.bytes_copied += counts.streamed_bytes
+    result.bytes_copied += counts.streamed_bytes + counts.copied_bytes
+    result.files_copied += counts.copied_files
+    result.warnings += [w for w in counts.warnings if w not in result.warnings]
     result.unpacked = str(plan.dest / plan.unpack_dir)
     if plan.unpack == "only":
         for t in plan.tasks:

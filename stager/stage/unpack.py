@@ -42,7 +42,7 @@ import io
 import os
 import stat
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,14 +59,14 @@ from stager.formats.ustar import (  # one tar header parser for pack, verify and
     padded_size,
     walk_headers,
 )
-from stager.fs.access import chgrp_quiet
+from stager.fs.access import chgrp_quiet, copy_mode, current_umask
 from stager.fs.atomic import space_error
 from stager.fs.kernel import syncfs
 from stager.fs.safe import SafeDir, create_exclusive
-from stager.fs.verified import Expected, check
+from stager.fs.verified import Expected, PartialCopy, check
 from stager.manifest import UNLABELED, Manifest, ShardInfo, check_entry_name, class_dir_name, unpacked_stem
 from stager.progress import Progress
-from stager.stage.copier import open_src_file
+from stager.stage.copier import SRC_FIX, Throttle, group_warning, open_src_file
 
 if TYPE_CHECKING:
     from stager.stage.journal import Journal
@@ -180,10 +180,12 @@ class SyncfsBatcher:
     """Makes unpacked files durable in the background, and only then journals their shards.
 
     Writers call :meth:`wrote` with the bytes of each file and :meth:`shard_done` with a finished
-    shard's name. A thread calls ``syncfs`` on ``path`` whenever :data:`WRITE_BEHIND_BYTES` more
-    were written, so write-back overlaps the extraction; after each ``syncfs`` it passes the shards
-    finished before that ``syncfs`` began to ``on_durable`` (the journal). :meth:`finish` does the
-    last ``syncfs`` and journals the rest: once it returns, every file written is on disk.
+    shard's name (or :meth:`when_durable` with any record to make once what was written so far is on
+    disk: a shard file copied while unpacked). A thread calls ``syncfs`` on ``path`` whenever
+    :data:`WRITE_BEHIND_BYTES` more were written, so write-back overlaps the extraction; after each
+    ``syncfs`` it passes the shards finished before that ``syncfs`` began to ``on_durable`` (the
+    journal) and runs the records handed over before it began. :meth:`finish` does the last
+    ``syncfs`` and journals the rest: once it returns, every file written is on disk.
     ``sync=False`` (``--no-fsync``): no ``syncfs`` at all; shards are journaled as they finish.
     """
 
@@ -194,7 +196,7 @@ class SyncfsBatcher:
         self._on_durable = on_durable
         self._every = every or WRITE_BEHIND_BYTES
         self._pending = 0  # bytes since the last kick; an int += under the GIL, read racily: a hint
-        self._done: list[str] = []
+        self._done: list[Callable[[], None]] = []
         self._lock = threading.Lock()
         self._kick = threading.Event()
         self._stop = False
@@ -211,18 +213,23 @@ class SyncfsBatcher:
             self._kick.set()
 
     def shard_done(self, name: str) -> None:
-        if not self.sync:  # --no-fsync: journaled at once (the journal itself is marked volatile)
-            self._on_durable(name)
+        self.when_durable(lambda: self._on_durable(name))
+
+    def when_durable(self, record: Callable[[], None]) -> None:
+        """Run ``record`` after the next ``syncfs`` (at once with ``sync=False``: ``--no-fsync``, where
+        the journal itself is marked volatile)."""
+        if not self.sync:
+            record()
             return
         with self._lock:
-            self._done.append(name)
+            self._done.append(record)
 
     def _sync_and_journal(self) -> None:
         with self._lock:
             ready, self._done = self._done, []
         syncfs(self.path)
-        for name in ready:
-            self._on_durable(name)
+        for record in ready:
+            record()
 
     def _run(self) -> None:
         try:
@@ -400,12 +407,13 @@ class Unpacker:
 
     # ---- formats ---------------------------------------------------------------------------------
     def unpack_tar(self, stream: Any, info: ShardInfo, hasher: Hasher | None = None,
-                   on_progress: Callable[[int, int], None] | None = None) -> int:
+                   on_progress: Callable[[int, int], None] | None = None, *, context: str = " while unpacking",
+                   fix: str = "the source shard is damaged: restore it or re-pack (no file of it kept)") -> int:
         """Stream one tar shard from ``stream`` (a binary file, ideally unbuffered: it is read in
         1 MiB ``readinto`` calls) and write its image members; return files written.
 
-        With ``hasher`` the whole stream is hashed and compared with ``info.hash``
-        (VerificationError on mismatch, after removing this shard's files). ``on_progress(files,
+        With ``hasher`` the whole stream is hashed and compared with ``info.hash`` (VerificationError on
+        mismatch, saying ``context`` and ``fix``, after removing this shard's files). ``on_progress(files,
         bytes)`` is called every 64 files and at the end.
         """
         offsets = info.offsets.tolist()
@@ -443,8 +451,7 @@ class Unpacker:
                 )
             if hasher is not None:
                 check(Expected(info.name, info.bytes, info.hash, self.manifest.hash_algo), reader.nbytes,
-                      hasher.hexdigest(), context=" while unpacking",
-                      fix="the source shard is damaged: restore it or re-pack (no file of it kept)")
+                      hasher.hexdigest(), context=context, fix=fix)
         except CorruptSampleError as exc:
             # A damaged container is a verification failure of the shard (exit 3), like a bad hash.
             self._remove(written)
@@ -496,17 +503,35 @@ def _png(arr: Any) -> bytes:
 @dataclass(frozen=True)
 class UnpackCounts:
     """What :func:`run_unpack` did: ``files`` written, and ``streamed_bytes`` read from SRC for them
-    (``--unpack only`` streams tar shards from SRC instead of copying them first; 0 otherwise)."""
+    (``--unpack only`` streams tar shards from SRC instead of copying them first; 0 otherwise);
+    ``copied_files``/``copied_bytes``: shard files copied into DEST while they were unpacked (``keep``);
+    ``warnings`` for the run's result."""
 
     files: int
     streamed_bytes: int
+    copied_files: int = 0
+    copied_bytes: int = 0
+    warnings: tuple[str, ...] = ()
 
 
-def run_unpack(plan: StagePlan, journal: Journal, *, workers: int, quiet: bool, fsync: bool = True) -> UnpackCounts:
+def shards_to_unpack(plan: StagePlan, journal: Journal) -> list[ShardInfo]:
+    """This node's shards that :func:`run_unpack` unpacks: all of them when the tree is missing, else
+    those the journal does not list as unpacked."""
+    m = plan.manifest
+    fresh = not (plan.dest / plan.unpack_dir).is_dir()
+    return [m.shards[i] for i in plan.shard_indices if fresh or m.shards[i].name not in journal.unpacked]
+
+
+def run_unpack(plan: StagePlan, journal: Journal, *, workers: int, quiet: bool, fsync: bool = True,
+               keep: Collection[str] = ()) -> UnpackCounts:
     """Unpack this node's shards of ``plan`` into ``DEST/<plan.unpack_dir>`` with ``workers`` threads;
-    shards the journal lists as unpacked are skipped (unless the tree is gone).
+    shards the journal lists as unpacked are skipped (unless the tree is gone: :func:`shards_to_unpack`).
 
-    Tar shards are read from DEST, or streamed (and hashed) from SRC with ``--unpack only``; other
+    Tar shards are read from DEST, or streamed (and hashed) from SRC with ``--unpack only``, or, for
+    the shard files named in ``keep`` (``--unpack``: not in DEST yet), streamed from SRC once for both:
+    each byte read is written to the shard's verified copy (:class:`~stager.fs.verified.PartialCopy`,
+    compared with the manifest at the end, published with the source file's access like the copy
+    streams' copies, then journaled) and its image members are written out as they pass. Other
     formats are read through their readers from the verified copy in DEST. Files get SRC's access
     (:attr:`~stager.stage.plan.StagePlan.src_access`), directories the matching ``x`` bits. On return
     every file written is durable (``syncfs``) and its shard is journaled; with ``fsync=False``
@@ -516,17 +541,16 @@ def run_unpack(plan: StagePlan, journal: Journal, *, workers: int, quiet: bool, 
     """
     m = plan.manifest
     root = plan.dest / plan.unpack_dir
-    fresh = not root.is_dir()
     # The source's group and at most its permissions (a licensed dataset stays group-only); dirs get x
     # wherever files get r.
     mode, gid = plan.src_access
     dir_mode = mode | 0o100 | (0o010 if mode & 0o040 else 0) | (0o001 if mode & 0o004 else 0)
-    shards = [m.shards[i] for i in plan.shard_indices if fresh or m.shards[i].name not in journal.unpacked]
+    shards = shards_to_unpack(plan, journal)
     progress = Progress("unpack", total_items=sum(s.samples for s in shards), unit="files", quiet=quiet)
     unpacker = Unpacker(root, m, file_mode=mode, dir_mode=dir_mode, gid=gid)
     batcher = SyncfsBatcher(root, journal.add_unpacked, sync=fsync)
     unpacker.on_write = batcher.wrote
-    job = _ShardUnpacking(plan, unpacker, batcher, progress)
+    job = _ShardUnpacking(plan, unpacker, batcher, progress, keep=_Kept(set(keep), journal, batcher))
     try:
         with ThreadPoolExecutor(max(1, min(workers, len(shards) or 1))) as ex:
             futures = [ex.submit(job.unpack_shard, s) for s in shards]
@@ -546,14 +570,70 @@ def run_unpack(plan: StagePlan, journal: Journal, *, workers: int, quiet: bool, 
         progress.close()
         unpacker.close()
     batcher.finish()
-    return UnpackCounts(files=unpacker.files, streamed_bytes=job.streamed_bytes)
+    kept = job.keep
+    return UnpackCounts(files=unpacker.files, streamed_bytes=job.streamed_bytes, copied_files=kept.files,
+                        copied_bytes=kept.bytes, warnings=tuple(kept.warnings))
+
+
+class _Kept:
+    """The shard files :func:`run_unpack` copies into DEST as it unpacks them (``names``): each verified
+    copy is renamed into place with the source file's access and journaled once the unpack's next
+    ``syncfs`` has made it durable (:meth:`SyncfsBatcher.when_durable`): no fsync of its own, one flush
+    of the file system for the copy and the tree, as ``sync`` does. DEST's manifest and receipt come
+    after the last ``syncfs``, so neither ever names a copy that is not on disk."""
+
+    def __init__(self, names: set[str], journal: Journal, batcher: SyncfsBatcher) -> None:
+        self.names = names
+        self.journal = journal
+        self.batcher = batcher
+        self.umask = current_umask() if names else 0
+        self.files = self.bytes = 0
+        self.warnings: list[str] = []
+        self._lock = threading.Lock()
+
+    def publish(self, part: PartialCopy, info: ShardInfo, source: Any) -> None:
+        st = os.fstat(source.fileno()) if hasattr(source, "fileno") else None
+        mode, gid = (copy_mode(st.st_mode, self.umask), st.st_gid) if st is not None else (0o600, None)
+        if not part.publish(mode, gid, fsync=False):
+            with self._lock:
+                if not self.warnings:
+                    self.warnings.append(group_warning(gid))
+        self.batcher.when_durable(lambda: self.journal.add_file(info.name, info.bytes))
+        with self._lock:
+            self.files += 1
+            self.bytes += info.bytes
+
+
+class _Tee:
+    """The hasher :class:`ChunkReader` feeds every byte it reads: here the shard's verified copy, which
+    hashes and writes it (so :meth:`Unpacker.unpack_tar`'s check at the end is the copy's). A source
+    longer than the manifest says fails as soon as it is (``context``, ``fix``: the check's message),
+    as the pull copy stops reading there: nothing beyond the shard's size is written into DEST."""
+
+    def __init__(self, part: PartialCopy, context: str, fix: str) -> None:
+        self.part = part
+        self.context = context
+        self.fix = fix
+        self.throttle = Throttle()  # tests: as slow as the copy streams' copies
+
+    def update(self, data: bytes | memoryview, /) -> None:
+        self.part.write(data)
+        self.throttle.passed(len(data))
+        if self.part.expect is not None and self.part.nbytes > self.part.expect.bytes:
+            self.part.verify(context=self.context, fix=self.fix)
+
+    def hexdigest(self) -> str:
+        assert self.part.hasher is not None
+        return self.part.hasher.hexdigest()
 
 
 class _ShardUnpacking:
     """One :func:`run_unpack` call's per-shard work, run by its threads: :meth:`unpack_shard`."""
 
-    def __init__(self, plan: StagePlan, unpacker: Unpacker, batcher: SyncfsBatcher, progress: Progress) -> None:
+    def __init__(self, plan: StagePlan, unpacker: Unpacker, batcher: SyncfsBatcher, progress: Progress, *,
+                 keep: _Kept) -> None:
         self.plan = plan
+        self.keep = keep
         self.unpacker = unpacker
         self.batcher = batcher
         self.progress = progress
@@ -571,6 +651,8 @@ class _ShardUnpacking:
             self._unpack_with_reader(info)
         elif self.plan.unpack == "only":
             self._unpack_tar_from_src(info)
+        elif info.name in self.keep.names:
+            self._copy_and_unpack_tar(info)
         else:
             with open(self.plan.dest / info.name, "rb", buffering=0) as f:
                 self.unpacker.unpack_tar(f, info, None, on_progress=self.progress.update)
@@ -583,6 +665,20 @@ class _ShardUnpacking:
                                      on_progress=self.progress.update)
         with self._lock:
             self.streamed_bytes += info.bytes
+
+    def _copy_and_unpack_tar(self, info: ShardInfo) -> None:
+        """``--unpack`` of a tar shard not in DEST yet: one pass over SRC's file writes its verified copy
+        and its members (:func:`run_unpack`); on any failure neither the copy nor a member is kept."""
+        algo = self.plan.manifest.hash_algo
+        src = self.src_path_of[info.name]
+        with open_src_file(src, self.plan.storage_options) as raw:
+            part = PartialCopy(self.plan.dest / info.name, expect=Expected(info.name, info.bytes, info.hash, algo))
+            try:
+                self.unpacker.unpack_tar(raw, info, _Tee(part, f" copying {src}", SRC_FIX),
+                                         on_progress=self.progress.update, context=f" copying {src}", fix=SRC_FIX)
+            except BaseException as exc:
+                part.fail(exc)
+            self.keep.publish(part, info, raw)
 
     def _unpack_by_extents(self, info: ShardInfo) -> None:
         """Adopted TFRecord/parquet/RecordIO/LMDB files (``stager index``): payloads by the manifest's extents,

@@ -43,6 +43,10 @@ SUITE: dict[str, tuple[str, list[str], list[str], str]] = {
     "loader": ("bench_loader.py", [], ["--cifar", "2000", "--imagenet", "200", "--crops", "64"], "loader.md"),
     "shuffle_quality": ("shuffle_quality.py", ["--md"], ["--scenario", "tiny", "--md"], "shuffle_quality.md"),
     "stage": ("bench_stage.py", ["--rounds", "3", "--large", "100"], ["--small"], "stage.md"),
+    # Staging as a user times it (issue 40): whole commands on a cold source, each ending with sync.
+    "stage_small": ("bench_stage_small.py", ["--rounds", "5", "--sets", "c85", "i317", "i4g",
+                                             "--markdown", "docs/bench/stage_small.md"],
+                    ["--rounds", "1", "--sets", "c85", "--markdown", "docs/bench/stage_small.md"], "stage_small.md"),
     "collective": ("bench_collective.py", [], ["--nodes", "2", "--mb", "16"], "collective.md"),
     # DALI's index scripts are compared when $STAGER_DALI_SCRIPTS names where they were extracted (docs/index.md).
     "index": ("bench_index.py", ["--n", "2000", *(["--dali-scripts", os.environ["STAGER_DALI_SCRIPTS"]]
