@@ -194,8 +194,9 @@ class SquashShardWriter:
 
 class SquashShardReader:
     """Reads one image: ``read(positions)`` by the manifest's extents (byte ranges as zero-copy
-    ``memoryview`` slices of the image's mapping, the rest by inode), ``iter_samples()`` from the image's own listing (checked against the manifest when
-    one is given; else the image read as an ImageFolder). The image is opened on first use, and again
+    ``memoryview`` slices of the image's mapping, the rest by inode), ``iter_samples()`` from the
+    image's own listing (checked against the manifest when one is given; else the image read as an
+    ImageFolder). The image is opened on first use, and again
     in a forked process (:class:`SquashImage` keeps a descriptor per process)."""
 
     def __init__(self, path: str, info: ShardInfo | None = None, manifest: Manifest | None = None) -> None:
