@@ -20,8 +20,8 @@ from stager.errors import SourceError, UnsafeArchiveError
 from stager.formats.squashfs.columns import ByteView, segment_starts
 from stager.formats.squashfs.dirtable import parse_listings
 from stager.formats.squashfs.inodes import Inodes, decode_inodes, dir_index
-from stager.formats.squashfs.layout import DATA_SIZE_MASK, DIR, LDIR, REG, split_ref
-from stager.formats.squashfs.listing import ImageListing, raw_offsets
+from stager.formats.squashfs.layout import DATA_SIZE_MASK, DATA_STORED, DIR, LDIR, REG, split_ref
+from stager.formats.squashfs.listing import ImageListing, block_totals, raw_offsets
 from stager.formats.squashfs.meta import MetaTable
 from stager.manifest.table import Ragged, Strings
 
@@ -211,7 +211,7 @@ def _not_utf8(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
     return (values[starts[:-1]] & 0xC0) == 0x80  # paths are never empty: each start is a byte of its own
 
 
-_ROWS = 1 << 16  # entries per pass of _paths: (rows x widest name) bytes, at most 16 MiB
+_ROWS = 1 << 16  # entries per pass of _paths: (rows x widest path) bytes, at most 16 MiB
 
 
 def _paths(table: ByteView, pos: np.ndarray, length: np.ndarray, owner: np.ndarray,
@@ -220,29 +220,39 @@ def _paths(table: ByteView, pos: np.ndarray, length: np.ndarray, owner: np.ndarr
     directory table: each parent's path and ``/`` (none at the top), then the name. Returns
     ``(values, starts (n + 1,), where each name starts in values)``.
 
-    A pass gathers its entries' names as rows of the widest name's width (one copy per row, as
-    :meth:`ByteView.records` does), puts each parent's prefix before them the same way, and keeps the
-    bytes that belong (a boolean mask, row by row): no per-byte index arrays."""
+    A pass lays its entries out as rows: the parent's prefix right-aligned in the pass's widest
+    prefix's width, the name (gathered at the widest name's width) after it, so each row's path is
+    one contiguous stretch; a mask from a table of row masks (no per-byte arithmetic) keeps it, and
+    where every row of the pass has one length the rows are the values as they are."""
     prefixes = [(p + "/").encode("utf-8", "surrogateescape") if p else b"" for p in dir_paths]
     plen = np.fromiter((len(b) for b in prefixes), dtype=np.int64, count=len(prefixes))
     width = int(plen.max()) if len(plen) else 0
-    ptable = np.zeros((len(prefixes), width), dtype=np.uint8)
+    ptable = np.zeros((len(prefixes), width), dtype=np.uint8)  # each prefix right-aligned
     for i, prefix in enumerate(prefixes):
-        ptable[i, : len(prefix)] = np.frombuffer(prefix, dtype=np.uint8)
+        if prefix:
+            ptable[i, width - len(prefix) :] = np.frombuffer(prefix, dtype=np.uint8)
     elen = plen[owner]
     starts = segment_starts(elen + length)
     values = np.empty(int(starts[-1]), dtype=np.uint8)
+    masks: dict[int, np.ndarray] = {}  # row width -> masks[k]: the first k bytes of a row
     n = len(pos)
     for a in range(0, n, _ROWS):
         b = min(n, a + _ROWS)
         ln, pl = length[a:b], elen[a:b]
         w, pw = int(ln.max()), int(pl.max())
-        rows = table.rows(pos[a:b], w)
-        col = np.arange(pw + w)
-        keep = (col >= pw) & (col < pw + ln[:, None])
+        rows = np.empty((b - a, pw + w), dtype=np.uint8)
         if pw:
-            rows = np.concatenate([ptable[owner[a:b], :pw], rows], axis=1)
-            keep |= col < pl[:, None]
+            rows[:, :pw] = ptable[owner[a:b], width - pw :]
+        rows[:, pw:] = table.rows(pos[a:b], w)
+        if int(pl.min()) == pw and int(ln.min()) == w:  # one length: the rows are the values
+            values[starts[a] : starts[b]] = rows.reshape(-1)
+            continue
+        if pw + w not in masks:
+            masks[pw + w] = np.arange(pw + w) < np.arange(pw + w + 1)[:, None]
+        lut = masks[pw + w]
+        keep = lut[pw + ln]
+        if int(pl.min()) != pw:  # prefixes of several lengths: drop the padding before the short ones
+            keep &= ~lut[pw - pl]
         values[starts[a] : starts[b]] = rows[keep]
     return values, starts, starts[:-1] + elen
 
@@ -277,29 +287,30 @@ def _check_data(lst: ImageListing, data_end: int, image: str) -> None:
     """Every file's blocks and fragment tail lie in the data area; size words are sane."""
     kind, size, start, block_ptr = lst.kind, lst.size, lst.start_block, lst.block_ptr
     fragment, frag_offset, fragments, block_size = lst.fragment, lst.frag_offset, lst.fragments, lst.block_size
-    words, paths = lst.block_words, lst.paths
     n = len(kind)
     nb = np.diff(block_ptr)
-    owner = np.repeat(np.arange(n, dtype=np.int64), nb)
-    w = words.astype(np.int64)
-    stored = w & DATA_SIZE_MASK
     bad = np.zeros(n, dtype=bool)
-    bad[owner[(w >> 25 != 0) | (stored > block_size)]] = True
-    total = np.bincount(owner, weights=stored, minlength=n).astype(np.int64)
     files = kind == REG
-    bad |= files & (total > 0) & ((start < 96) | (start + total > data_end))
+    if len(lst.block_words):
+        w = lst.block_words.astype(np.int64)
+        stored = w & DATA_SIZE_MASK
+        wrong = ((w >> 25) != 0) | (stored > block_size)
+        if wrong.any():
+            bad[np.repeat(np.arange(n, dtype=np.int64), nb)[wrong]] = True
+        total = block_totals(stored, block_ptr)
+        bad |= files & (total > 0) & ((start < 96) | (start + total > data_end))
     has = files & (fragment >= 0)
-    nfrag = len(fragments)
-    bad |= has & (fragment >= nfrag)
-    tail = size - nb * block_size
-    bad |= has & ((tail <= 0) | (tail >= block_size))
-    if has.any() and nfrag:
-        f = np.where(has & (fragment < nfrag), fragment, 0)
-        fw = fragments[f, 1]
-        fstored = (fw & (1 << 24)) != 0
-        bad |= has & fstored & (frag_offset + tail > (fw & DATA_SIZE_MASK))
-        bad |= has & (frag_offset + tail > block_size)
+    if has.any():  # the tails (fragment >= 0 only for files), as their own columns unless every entry has one
+        at = slice(None) if has.all() else np.flatnonzero(has)
+        frag = fragment[at]
+        tail = size[at] - nb[at] * block_size
+        end = frag_offset[at] + tail
+        wrong = (frag >= len(fragments)) | (tail <= 0) | (tail >= block_size) | (end > block_size)
+        if len(fragments):
+            fw = np.ascontiguousarray(fragments[:, 1])[np.minimum(frag, len(fragments) - 1)]
+            wrong |= ((fw & DATA_STORED) != 0) & (end > (fw & DATA_SIZE_MASK))
+        bad[at] |= wrong
     if bad.any():
         i = int(np.argmax(bad))
-        raise SourceError(f"{image}: damaged inode of {paths[i]!r}: its data blocks or fragment lie outside the image "
-                          "or have impossible sizes; the image is damaged or truncated: re-copy or re-make it")
+        raise SourceError(f"{image}: damaged inode of {lst.paths[i]!r}: its data blocks or fragment lie outside the "
+                          "image or have impossible sizes; the image is damaged or truncated: re-copy or re-make it")
