@@ -9,11 +9,16 @@
    ``stager index``), and in a zstd image of mksquashfs's defaults (fragments, every block tried:
    the samples are read by inode and decompressed in process). Samples/s and CPU microseconds per
    sample (the process's user + sys, and its workers'), from the loader's creation to the epoch's end.
+   Then the same over samples that are all decompressed: tiny JPEGs (``--tiny-classes`` folders of the
+   ImageNet-sized tree, ~1 KB each) in a tar and in a zstd image of mksquashfs's defaults, where every
+   sample sits in a compressed fragment block.
 2. **Against a mount**: each image (zstd, and uncompressed) mounted with squashfuse and read the way
    users read it today, a torch ``DataLoader`` over an ImageFolder-like dataset (one ``open()``/``read()``
    per file, shuffled, batches of the files' bytes), in process and with 2 workers, against stager's
    loader over the same image (adopted in place) with 0 and 2 workers. A fresh mount per epoch (its
    page cache goes with it, as a job's would); the squashfuse daemon's CPU is counted with the reader's.
+   Twice: over the small tree, where starting 2 workers weighs on both sides of a sub-second epoch, and
+   over a realistic epoch (``--epoch-classes x --epoch-per-class``, default 20,000 ImageNet-like JPEGs).
 3. **Pack**: ``stager pack TREE OUT --format squashfs --compression C`` (a fresh process: listing,
    plan, hashing, one image) against ``mksquashfs TREE IMG -comp C`` (every core, its defaults), wall,
    CPU and image bytes.
@@ -23,6 +28,8 @@
    process (imports excluded, loader creation included).
 
 The machine's load is printed with the tables; CPU seconds are steadier than wall time on a busy box.
+Every child runs with stager's bytecode compiled first (as a pip install leaves it; a development
+checkout run with ``PYTHONDONTWRITEBYTECODE`` would recompile every module in every process).
 Writes docs/bench/squashfs.md, prints its tables, then one JSON object.
 """
 
@@ -47,6 +54,8 @@ sys.path.insert(0, str(ROOT))
 from tools.datagen import make_imagefolder, make_tiny_imagefolder  # noqa: E402
 
 PY = sys.executable
+# Children import stager from this checkout, with its bytecode cached (compiled once in main()).
+ENV = {**{k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}, "PYTHONPATH": str(ROOT)}
 
 LOADER = """
 import json, resource, sys, time
@@ -113,15 +122,14 @@ def run(cmd: list[str], stdout: Any = subprocess.DEVNULL) -> tuple[float, float,
     """``(wall s, CPU s of the child, its stdout)``."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
-    r = subprocess.run(cmd, check=True, stdout=subprocess.PIPE if stdout is None else stdout, text=True,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    r = subprocess.run(cmd, check=True, stdout=subprocess.PIPE if stdout is None else stdout, text=True, env=ENV)
     wall = time.perf_counter() - t
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), r.stdout or ""
 
 
 def stager(*args: str | Path) -> None:
-    subprocess.run([PY, "-m", "stager", *map(str, args), "-q"], check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    subprocess.run([PY, "-m", "stager", *map(str, args), "-q"], check=True, env=ENV)
 
 
 def mksquashfs(src: Path, out: Path, *opts: str) -> Path:
@@ -199,13 +207,12 @@ def _through_mount(image: Path, work: Path, workers: int) -> dict[str, float]:
     return got
 
 
-def bench_mount(work: Path, rounds: int) -> list[dict[str, Any]]:
-    """Figure 2: each image through a squashfuse mount (open/read per file) vs stager's loader over it."""
+def bench_mount(images: dict[str, tuple[Path, Path]], work: Path, rounds: int) -> list[dict[str, Any]]:
+    """Figure 2: each image through a squashfuse mount (open/read per file) vs stager's loader over it
+    (``images``: label -> (image, its index))."""
     if shutil.which("squashfuse") is None or shutil.which("fusermount3") is None:
         print("squashfuse: skipped (apt-get install squashfuse fuse3)", file=sys.stderr)
         return []
-    images = {"zstd (mksquashfs defaults)": (work / "read-zstd.sqfs", work / "idx-zstd"),
-              "uncompressed": (work / "read-plain.sqfs", work / "idx-plain")}
     rows = []
     for label, (image, index) in images.items():
         got: dict[tuple[str, int], list[dict[str, float]]] = {}
@@ -222,10 +229,60 @@ def bench_mount(work: Path, rounds: int) -> list[dict[str, Any]]:
                 if w != workers:
                     continue
                 rate = runs[0]["n"] / med([r["wall"] for r in runs])
-                rows.append({"image": label, "reader": name, "workers": workers, "samples_per_s": rate,
-                             "x_mount": rate / base_rate,
+                rows.append({"image": label, "reader": name, "workers": workers, "samples": runs[0]["n"],
+                             "samples_per_s": rate, "x_mount": rate / base_rate,
                              "cpu_us_per_sample": 1e6 * med([r["cpu"] for r in runs]) / runs[0]["n"]})
                 print(json.dumps(rows[-1]), file=sys.stderr)
+    return rows
+
+
+def epoch_images(work: Path, classes: int, per_class: int) -> dict[str, tuple[Path, Path]]:
+    """A realistic epoch's tree (ImageNet-like JPEGs, made once under ``work``), its zstd image of
+    mksquashfs's defaults and its uncompressed one, each adopted with stager index."""
+    tree = work / f"jpeg-{classes}x{per_class}"
+    if not tree.with_name(tree.name + ".done").exists():
+        shutil.rmtree(tree, ignore_errors=True)
+        make_imagefolder(tree, classes, per_class)
+        tree.with_name(tree.name + ".done").touch()
+    out = {}
+    for label, name, opts in (("zstd (mksquashfs defaults)", "zstd", ("-comp", "zstd")),
+                              ("uncompressed", "plain", ("-noI", "-noD", "-noF", "-noX", "-no-fragments"))):
+        image = work / f"epoch-{classes}x{per_class}-{name}.sqfs"
+        if not image.exists():
+            mksquashfs(tree, Path(str(image) + ".partial"), *opts)
+            os.replace(str(image) + ".partial", image)
+        out[label] = (image, adopt(image, work / f"idx-epoch-{name}"))
+    return out
+
+
+def bench_read_compressed(tiny_tree: Path, work: Path, classes: int, rounds: int) -> list[dict[str, Any]]:
+    """Figure 1b: every sample decompressed: ``classes`` folders of tiny JPEGs in a tar and in a zstd
+    image of mksquashfs's defaults (compressed fragment blocks), the loader in process."""
+    sub = work / f"tiny-{classes}"
+    if not sub.with_name(sub.name + ".done").exists():
+        shutil.rmtree(sub, ignore_errors=True)
+        sub.mkdir(parents=True)
+        for d in sorted(p for p in tiny_tree.iterdir() if p.is_dir())[:classes]:
+            shutil.copytree(d, sub / d.name)
+        sub.with_name(sub.name + ".done").touch()
+    tar = work / f"read-tiny-{classes}-tar"
+    shutil.rmtree(tar, ignore_errors=True)
+    stager("pack", sub, tar, "--format", "tar", "--shard-size", "64M")
+    sets = {"tar": tar, "mksquashfs zstd, adopted (every sample in a compressed fragment)": adopt(
+        mksquashfs(sub, work / f"read-tiny-{classes}-zstd.sqfs", "-comp", "zstd"), work / "idx-tiny-zstd")}
+    got: dict[str, list[dict[str, float]]] = {k: [] for k in sets}
+    for _ in range(rounds):
+        for name, path in sets.items():
+            got[name].append(measured(LOADER, path, "0"))
+    rows = []
+    tar_rate = 0.0
+    for name, runs in got.items():
+        n = runs[0]["n"]
+        rate = n / med([r["wall"] for r in runs])
+        tar_rate = tar_rate or rate
+        rows.append({"dataset": name, "samples": n, "samples_per_s": rate, "x_tar": rate / tar_rate,
+                     "cpu_us_per_sample": 1e6 * med([r["cpu"] for r in runs]) / n})
+        print(json.dumps(rows[-1]), file=sys.stderr)
     return rows
 
 
@@ -304,15 +361,20 @@ def markdown(res: dict[str, Any]) -> str:
              "| dataset | samples/s | x tar | CPU us/sample |", "|---|---|---|---|"]
     lines += [f"| {r['dataset']} | {r['samples_per_s']:.0f} | {r['x_tar']:.2f} | {r['cpu_us_per_sample']:.1f} |"
               for r in res["read"]]
-    lines += ["", "**Against a squashfuse mount** (a torch DataLoader over the mounted tree, `open()`/`read()` per "
-              "file, shuffled; a fresh mount per epoch, so its page cache starts cold as the loader's "
-              "decompression does; CPU includes the squashfuse daemon's)", ""]
-    if res["mount"]:
-        lines += ["| image | reader | workers | samples/s | x mount | CPU us/sample |", "|---|---|---|---|---|---|"]
-        lines += [f"| {r['image']} | {r['reader']} | {r['workers']} | {r['samples_per_s']:.0f} | {r['x_mount']:.2f} | "
-                  f"{r['cpu_us_per_sample']:.1f} |" for r in res["mount"]]
-    else:
-        lines.append("(skipped: no squashfuse)")
+    lines += ["", f"**Read, every sample decompressed** ({res['read_compressed'][0]['samples']} tiny JPEGs of ~1 KB, "
+              "the loader in process)", "", "| dataset | samples/s | x tar | CPU us/sample |", "|---|---|---|---|"]
+    lines += [f"| {r['dataset']} | {r['samples_per_s']:.0f} | {r['x_tar']:.2f} | {r['cpu_us_per_sample']:.1f} |"
+              for r in res["read_compressed"]]
+    for key, what in (("mount", f"{res['files']} samples"), ("mount_epoch", f"{res['epoch_files']} samples")):
+        lines += ["", f"**Against a squashfuse mount, {what}** (a torch DataLoader over the mounted tree, "
+                  "`open()`/`read()` per file, shuffled; a fresh mount per epoch, so its page cache starts cold as "
+                  "the loader's decompression does; CPU includes the squashfuse daemon's)", ""]
+        if res[key]:
+            lines += ["| image | reader | workers | samples/s | x mount | CPU us/sample |", "|---|---|---|---|---|---|"]
+            lines += [f"| {r['image']} | {r['reader']} | {r['workers']} | {r['samples_per_s']:.0f} | "
+                      f"{r['x_mount']:.2f} | {r['cpu_us_per_sample']:.1f} |" for r in res[key]]
+        else:
+            lines.append("(skipped: no squashfuse)")
     lines += ["", "**Pack** (`stager pack --format squashfs`, a fresh process, against `mksquashfs`, one image each)",
               "", "| compression | stager s | mksquashfs s | speed (x mksquashfs) | stager CPU s | mksquashfs CPU s | "
               "stager MB | mksquashfs MB | size (x) |", "|---|---|---|---|---|---|---|---|---|"]
@@ -335,6 +397,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-class", type=int, default=200)
     p.add_argument("--big-classes", type=int, default=1000)
     p.add_argument("--big-per-class", type=int, default=1281)
+    p.add_argument("--tiny-classes", type=int, default=20, help="folders of the big tree read decompressed")
+    p.add_argument("--epoch-classes", type=int, default=20)
+    p.add_argument("--epoch-per-class", type=int, default=1000)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--compressions", default="none,gzip,zstd,lz4", help="for the pack figure (xz: minutes)")
     p.add_argument("--work", default="/tmp/stager-bench-squashfs", help="cache of the trees and the big image")
@@ -353,10 +418,18 @@ def main(argv: list[str] | None = None) -> int:
     files = [f for f in tree.rglob("*") if f.is_file()]
     res: dict[str, Any] = {"files": len(files), "mb": sum(f.stat().st_size for f in files) / 1e6, "rounds": a.rounds,
                            "load": " ".join(f"{x:.1f}" for x in os.getloadavg())}
+    subprocess.run([PY, "-m", "compileall", "-q", str(ROOT / "stager")], check=True, stdout=subprocess.DEVNULL)
+    big = big_image(work, a.big_classes, a.big_per_class)
     res["read"] = bench_read(tree, work, a.rounds)
-    res["mount"] = bench_mount(work, a.rounds)
+    res["read_compressed"] = bench_read_compressed(work / f"tiny-{a.big_classes}x{a.big_per_class}", work,
+                                                   a.tiny_classes, a.rounds)
+    small = {"zstd (mksquashfs defaults)": (work / "read-zstd.sqfs", work / "idx-zstd"),
+             "uncompressed": (work / "read-plain.sqfs", work / "idx-plain")}
+    res["mount"] = bench_mount(small, work, a.rounds)
+    res["epoch_files"] = a.epoch_classes * a.epoch_per_class
+    res["mount_epoch"] = bench_mount(epoch_images(work, a.epoch_classes, a.epoch_per_class), work, a.rounds)
     res["pack"] = bench_pack(tree, work, a.rounds, a.compressions.split(","))
-    res["index"] = bench_index(big_image(work, a.big_classes, a.big_per_class), work, a.rounds)
+    res["index"] = bench_index(big, work, a.rounds)
     md = markdown(res)
     Path(a.md).parent.mkdir(parents=True, exist_ok=True)
     Path(a.md).write_text(md)
