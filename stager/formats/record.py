@@ -24,12 +24,13 @@ parses protobuf.
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 import os
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, BinaryIO
 
-import crc32c as _crc32c
 import numpy as np
 
 from stager.errors import CorruptSampleError, ShardMissingError, UsageError
@@ -51,7 +52,6 @@ from stager.fs.safe import open_exclusive
 from stager.manifest.fields import FieldSpec
 
 RECORD_SPEC = format_spec("record")
-_crc = _crc32c.crc32c
 _MASK_DELTA = 0xA282EAD8
 _U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
@@ -66,9 +66,17 @@ K_FILENAME = "image/filename"
 K_FORMAT = "image/format"
 
 
+@functools.cache
+def _crc() -> Callable[[bytes | bytearray | memoryview], int]:
+    """crc32c's function, imported on first use (its import reads package metadata: ~30 ms that every
+    ``stager index`` would pay, whatever it indexes)."""
+    crc: Callable[[bytes | bytearray | memoryview], int] = importlib.import_module("crc32c").crc32c
+    return crc
+
+
 def masked_crc(data: bytes | bytearray | memoryview) -> int:
     """TFRecord's masked CRC-32C of ``data``."""
-    c = _crc(data)
+    c = _crc()(data)
     return (((c >> 15) | (c << 17)) + _MASK_DELTA) & 0xFFFFFFFF
 
 
