@@ -198,17 +198,15 @@ def _gather(v: ByteView, w: _Walk, heads: np.ndarray) -> dict[str, np.ndarray]:
     counts = np.where(dead, 0, w.count)
     offs = segment_starts(counts)
     total = int(offs[-1])
-    epos = np.zeros(total, dtype=np.int64)
+    epos = np.zeros(total, dtype=np.int64)  # slots of the plain loops' records stay 0 until filled below
     ehid = np.zeros(total, dtype=np.int64)
-    if w.pos:
-        chain = np.concatenate(w.chain)
-        step = np.repeat(np.arange(len(w.pos), dtype=np.int64), [len(p) for p in w.pos])
+    for step, (chain, pos, hid) in enumerate(zip(w.chain, w.pos, w.hid, strict=True)):  # one step's records
         dest = offs[chain] + step
-        keep = ~dead[chain]
         if w.failed:
-            dest = dest[keep]
-        epos[dest] = np.concatenate(w.pos) if not w.failed else np.concatenate(w.pos)[keep]
-        ehid[dest] = np.concatenate(w.hid) if not w.failed else np.concatenate(w.hid)[keep]
+            keep = ~dead[chain]
+            dest, pos, hid = dest[keep], pos[keep], hid[keep]
+        epos[dest] = pos
+        ehid[dest] = hid
     e = v.records(epos, ENTRY_DTYPE)
     if not len(heads):  # every chain was read by the plain loop: their slots are overwritten below
         heads = np.zeros(1, HEADER_DTYPE)
