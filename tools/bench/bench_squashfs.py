@@ -1,7 +1,8 @@
 """SquashFS as a stager format (issue 41): the four figures, side by side, interleaved rounds, medians.
 
     python tools/bench/bench_squashfs.py [--classes 10 --per-class 200] [--rounds 3]
-        [--big-classes 1000 --big-per-class 1281] [--work /tmp/stager-bench-squashfs]
+        [--big-classes 1000 --big-per-class 1281] [--tiny-classes 20]
+        [--epoch-classes 20 --epoch-per-class 1000] [--work /tmp/stager-bench-squashfs]
 
 1. **Read**: stager's loader (``make_loader``, ``decode="raw"``, one epoch, shuffled, in process)
    over the same ImageNet-like JPEGs in tar shards, in uncompressed images (``stager pack --format
