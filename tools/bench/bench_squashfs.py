@@ -58,6 +58,12 @@ from tools.datagen import make_imagefolder, make_tiny_imagefolder  # noqa: E402
 PY = sys.executable
 # Children import stager from this checkout, with its bytecode cached (compiled once in main()).
 ENV = {**{k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}, "PYTHONPATH": str(ROOT)}
+# What each measured stager runs: this checkout, and with --baseline another one (e.g. main), side by side.
+CODES: dict[str, dict[str, str]] = {"": ENV}
+
+
+def tagged(name: str, code: str) -> str:
+    return f"{name} ({code})" if code else name
 
 LOADER = """
 import json, resource, sys, time
@@ -120,11 +126,11 @@ def med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def run(cmd: list[str], stdout: Any = subprocess.DEVNULL) -> tuple[float, float, str]:
+def run(cmd: list[str], stdout: Any = subprocess.DEVNULL, env: dict[str, str] = ENV) -> tuple[float, float, str]:
     """``(wall s, CPU s of the child, its stdout)``."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
-    r = subprocess.run(cmd, check=True, stdout=subprocess.PIPE if stdout is None else stdout, text=True, env=ENV)
+    r = subprocess.run(cmd, check=True, stdout=subprocess.PIPE if stdout is None else stdout, text=True, env=env)
     wall = time.perf_counter() - t
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), r.stdout or ""
@@ -147,8 +153,8 @@ def adopt(image: Path, out: Path) -> Path:
     return out
 
 
-def measured(script: str, *args: str | Path) -> dict[str, float]:
-    _, _, out = run([PY, "-c", script, *map(str, args)], stdout=None)
+def measured(script: str, *args: str | Path, env: dict[str, str] = ENV) -> dict[str, float]:
+    _, _, out = run([PY, "-c", script, *map(str, args)], stdout=None, env=env)
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -164,10 +170,17 @@ def bench_read(tree: Path, work: Path, rounds: int) -> list[dict[str, Any]]:
         mksquashfs(tree, work / "read-plain.sqfs", "-noI", "-noD", "-noF", "-noX", "-no-fragments"), work / "idx-plain")
     sets["mksquashfs zstd, adopted"] = adopt(mksquashfs(tree, work / "read-zstd.sqfs", "-comp", "zstd"),
                                              work / "idx-zstd")
-    got: dict[str, list[dict[str, float]]] = {k: [] for k in sets}
+    return read_rows(sets, rounds)
+
+
+def read_rows(sets: dict[str, Path], rounds: int) -> list[dict[str, Any]]:
+    """The loader over each of ``sets`` in process, each code in turn, interleaved rounds; rates
+    against the first set (tar) read by this checkout."""
+    got: dict[str, list[dict[str, float]]] = {}
     for _ in range(rounds):
         for name, path in sets.items():
-            got[name].append(measured(LOADER, path, "0"))
+            for code, env in CODES.items():
+                got.setdefault(tagged(name, code), []).append(measured(LOADER, path, "0", env=env))
     rows = []
     tar_rate = 0.0
     for name, runs in got.items():
@@ -222,8 +235,9 @@ def bench_mount(images: dict[str, tuple[Path, Path]], work: Path, rounds: int) -
             for workers in (0, 2):
                 got.setdefault(("squashfuse mount, open/read per file", workers), []).append(
                     _through_mount(image, work, workers))
-                got.setdefault(("stager loader over the image", workers), []).append(
-                    measured(LOADER, index, str(workers)))
+                for code, env in CODES.items():
+                    got.setdefault((tagged("stager loader over the image", code), workers), []).append(
+                        measured(LOADER, index, str(workers), env=env))
         for workers in (0, 2):
             base = got[("squashfuse mount, open/read per file", workers)]
             base_rate = base[0]["n"] / med([r["wall"] for r in base])
@@ -272,20 +286,7 @@ def bench_read_compressed(tiny_tree: Path, work: Path, classes: int, rounds: int
     stager("pack", sub, tar, "--format", "tar", "--shard-size", "64M")
     sets = {"tar": tar, "mksquashfs zstd, adopted (every sample in a compressed fragment)": adopt(
         mksquashfs(sub, work / f"read-tiny-{classes}-zstd.sqfs", "-comp", "zstd"), work / "idx-tiny-zstd")}
-    got: dict[str, list[dict[str, float]]] = {k: [] for k in sets}
-    for _ in range(rounds):
-        for name, path in sets.items():
-            got[name].append(measured(LOADER, path, "0"))
-    rows = []
-    tar_rate = 0.0
-    for name, runs in got.items():
-        n = runs[0]["n"]
-        rate = n / med([r["wall"] for r in runs])
-        tar_rate = tar_rate or rate
-        rows.append({"dataset": name, "samples": n, "samples_per_s": rate, "x_tar": rate / tar_rate,
-                     "cpu_us_per_sample": 1e6 * med([r["cpu"] for r in runs]) / n})
-        print(json.dumps(rows[-1]), file=sys.stderr)
-    return rows
+    return read_rows(sets, rounds)
 
 
 def bench_pack(tree: Path, work: Path, rounds: int, compressions: list[str]) -> list[dict[str, Any]]:
@@ -295,12 +296,13 @@ def bench_pack(tree: Path, work: Path, rounds: int, compressions: list[str]) -> 
         times: dict[str, list[tuple[float, float]]] = {"stager": [], "mksquashfs": [], "sync": []}
         sizes: dict[str, int] = {}
         for _ in range(rounds):
-            out = work / f"pack-{comp}"
-            shutil.rmtree(out, ignore_errors=True)
-            wall, cpu, _ = run([PY, "-m", "stager", "pack", str(tree), str(out), "--format", "squashfs",
-                                "--compression", comp, "--shard-size", "64G", "-q"])
-            times["stager"].append((wall, cpu))
-            sizes["stager"] = sum(p.stat().st_size for p in out.glob("*.sqfs"))
+            for code, env in CODES.items():
+                out = work / f"pack-{comp}"
+                shutil.rmtree(out, ignore_errors=True)
+                wall, cpu, _ = run([PY, "-m", "stager", "pack", str(tree), str(out), "--format", "squashfs",
+                                    "--compression", comp, "--shard-size", "64G", "-q"], env=env)
+                times.setdefault(tagged("stager", code), []).append((wall, cpu))
+                sizes[tagged("stager", code)] = sum(p.stat().st_size for p in out.glob("*.sqfs"))
             img = work / f"pack-{comp}.sqfs"
             img.unlink(missing_ok=True)
             opts = ["-noI", "-noD", "-noF", "-noX"] if comp == "none" else ["-comp", comp]
@@ -319,6 +321,10 @@ def bench_pack(tree: Path, work: Path, rounds: int, compressions: list[str]) -> 
         row["speed"] = row["mksquashfs_s"] / row["stager_s"]
         row["speed_durable"] = row["mksquashfs_sync_s"] / row["stager_s"]
         row["size"] = row["stager_bytes"] / row["mksquashfs_bytes"]
+        for code in CODES:
+            if code:
+                row[f"stager_{code}_s"] = med([w for w, _ in times[tagged("stager", code)]])
+                row[f"speed_{code}"] = row["mksquashfs_s"] / row[f"stager_{code}_s"]
         rows.append(row)
         print(json.dumps(row), file=sys.stderr)
     return rows
@@ -344,19 +350,26 @@ def big_image(work: Path, classes: int, per_class: int) -> Path:
 
 def bench_index(image: Path, work: Path, rounds: int) -> dict[str, Any]:
     """Figure 4: stager index of the big image vs unsquashfs -l, and the loader's first batch over it."""
-    ours, theirs, first = [], [], []
+    ours: dict[str, list[tuple[float, float]]] = {}
+    first: dict[str, list[float]] = {}
+    theirs = []
     out = work / "idx-big"
     for _ in range(rounds):
-        shutil.rmtree(out, ignore_errors=True)
-        ours.append(run([PY, "-m", "stager", "index", str(image), "--out", str(out), "-q"])[:2])
+        for code, env in CODES.items():
+            shutil.rmtree(out, ignore_errors=True)
+            ours.setdefault(code, []).append(run([PY, "-m", "stager", "index", str(image), "--out", str(out), "-q"],
+                                                 env=env)[:2])
+            first.setdefault(code, []).append(measured(FIRST_BATCH, out, env=env)["first_batch"])
         theirs.append(run(["unsquashfs", "-l", str(image)])[:2])
-        first.append(measured(FIRST_BATCH, out)["first_batch"])
     n = json.loads((out / "manifest.json").read_text())["totals"]["samples"]
-    res = {"samples": n, "stager_s": med([w for w, _ in ours]), "unsquashfs_s": med([w for w, _ in theirs]),
-           "stager_cpu_s": med([c for _, c in ours]), "unsquashfs_cpu_s": med([c for _, c in theirs]),
-           "first_batch_s": med(first)}
-    res["ratio"] = res["stager_s"] / res["unsquashfs_s"]
-    res["cpu_ratio"] = res["stager_cpu_s"] / res["unsquashfs_cpu_s"]
+    res = {"samples": n, "unsquashfs_s": med([w for w, _ in theirs]), "unsquashfs_cpu_s": med([c for _, c in theirs])}
+    for code in CODES:
+        tag = f"_{code}" if code else ""
+        res[f"stager{tag}_s"] = med([w for w, _ in ours[code]])
+        res[f"stager{tag}_cpu_s"] = med([c for _, c in ours[code]])
+        res[f"first_batch{tag}_s"] = med(first[code])
+        res[f"ratio{tag}"] = res[f"stager{tag}_s"] / res["unsquashfs_s"]
+        res[f"cpu_ratio{tag}"] = res[f"stager{tag}_cpu_s"] / res["unsquashfs_cpu_s"]
     print(json.dumps(res), file=sys.stderr)
     return res
 
@@ -391,13 +404,19 @@ def markdown(res: dict[str, Any]) -> str:
               f"{r['mksquashfs_sync_s']:.2f} | {r['speed_durable']:.2f} | "
               f"{r['stager_cpu_s']:.2f} | {r['mksquashfs_cpu_s']:.2f} | {r['stager_bytes'] / 1e6:.2f} | "
               f"{r['mksquashfs_bytes'] / 1e6:.2f} | {r['size']:.4f} |" for r in res["pack"]]
+    for code in res["codes"][1:]:
+        lines += ["", f"The pack as {code} had it: " + ", ".join(
+            f"{r['compression']} {r[f'stager_{code}_s']:.2f} s ({r[f'speed_{code}']:.2f}x mksquashfs)"
+            for r in res["pack"]) + "."]
     i = res["index"]
     lines += ["", "**Index** (an image of mksquashfs's defaults; fresh processes)", "",
-              "| samples | stager index s | unsquashfs -l s | ratio | stager CPU s | unsquashfs CPU s | CPU ratio | "
-              "loader's first batch s |", "|---|---|---|---|---|---|---|---|",
-              f"| {i['samples']} | {i['stager_s']:.2f} | {i['unsquashfs_s']:.2f} | {i['ratio']:.2f} | "
-              f"{i['stager_cpu_s']:.2f} | {i['unsquashfs_cpu_s']:.2f} | {i['cpu_ratio']:.2f} | "
-              f"{i['first_batch_s']:.2f} |"]
+              "| samples | code | stager index s | unsquashfs -l s | ratio | stager CPU s | unsquashfs CPU s | "
+              "CPU ratio | loader's first batch s |", "|---|---|---|---|---|---|---|---|---|"]
+    for code in res["codes"]:
+        t = f"_{code}" if code else ""
+        lines.append(f"| {i['samples']} | {code or 'this branch'} | {i[f'stager{t}_s']:.2f} | "
+                     f"{i['unsquashfs_s']:.2f} | {i[f'ratio{t}']:.2f} | {i[f'stager{t}_cpu_s']:.2f} | "
+                     f"{i['unsquashfs_cpu_s']:.2f} | {i[f'cpu_ratio{t}']:.2f} | {i[f'first_batch{t}_s']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -414,7 +433,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compressions", default="none,gzip,zstd,lz4", help="for the pack figure (xz: minutes)")
     p.add_argument("--work", default="/tmp/stager-bench-squashfs", help="cache of the trees and the big image")
     p.add_argument("--md", default=str(ROOT / "docs" / "bench" / "squashfs.md"))
+    p.add_argument("--baseline", help="another checkout (e.g. main's) measured side by side, its rows marked "
+                   "'(main)' (--baseline-name)")
+    p.add_argument("--baseline-name", default="main")
     a = p.parse_args(argv)
+    if a.baseline:
+        CODES[a.baseline_name] = {**ENV, "PYTHONPATH": str(Path(a.baseline).resolve())}
+        subprocess.run([PY, "-m", "compileall", "-q", str(Path(a.baseline) / "stager")], check=True,
+                       stdout=subprocess.DEVNULL)
     if shutil.which("mksquashfs") is None or shutil.which("unsquashfs") is None:
         print("needs squashfs-tools: apt-get install squashfs-tools", file=sys.stderr)
         return 2
@@ -427,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         tree.with_name(tree.name + ".done").touch()
     files = [f for f in tree.rglob("*") if f.is_file()]
     res: dict[str, Any] = {"files": len(files), "mb": sum(f.stat().st_size for f in files) / 1e6, "rounds": a.rounds,
-                           "load": " ".join(f"{x:.1f}" for x in os.getloadavg())}
+                           "load": " ".join(f"{x:.1f}" for x in os.getloadavg()), "codes": list(CODES)}
     subprocess.run([PY, "-m", "compileall", "-q", str(ROOT / "stager")], check=True, stdout=subprocess.DEVNULL)
     big = big_image(work, a.big_classes, a.big_per_class)
     res["read"] = bench_read(tree, work, a.rounds)
