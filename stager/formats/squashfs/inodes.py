@@ -75,9 +75,11 @@ _COLUMNS = ("itype", "mode", "number", "nlink", "start_block", "size", "fragment
 
 
 def decode_inodes(v: ByteView, pos: np.ndarray, entry_types: np.ndarray, *, block_size: int, image: str,
-                  name_of: Callable[[int], str] | None = None) -> Inodes:
+                  name_of: Callable[[int], str] | None = None, into: dict[str, np.ndarray] | None = None) -> Inodes:
     """Decode the inodes at buffer positions ``pos`` whose directory entries say ``entry_types``
-    (basic types). ``name_of(i)`` (optional) names entry ``i`` in messages; otherwise positions do."""
+    (basic types). ``name_of(i)`` (optional) names entry ``i`` in messages; otherwise positions do.
+    ``into`` (optional): int64 arrays of ``len(pos)`` for the first eight columns (``itype`` to
+    ``frag_offset``), written in place (the listing's own columns: no copy of them later)."""
     n = len(pos)
 
     def where(i: int) -> str:
@@ -88,7 +90,11 @@ def decode_inodes(v: ByteView, pos: np.ndarray, entry_types: np.ndarray, *, bloc
         raise _damaged(image, f"{where(i)} lies past the table's end")
     # Directory columns only where there are directories (a level of a million files has none).
     nd = n if (entry_types == DIR).any() else 0
-    cols = {c: np.zeros(n if k < 8 else nd, dtype=np.int64) for k, c in enumerate(_COLUMNS)}
+    cols = {c: np.zeros(n if k < 8 else nd, dtype=np.int64) if into is None or k >= 8 else into[c]
+            for k, c in enumerate(_COLUMNS)}
+    if into is not None:
+        for c in _COLUMNS[:8]:
+            cols[c][:] = 0
     out = Inodes(block_ptr=np.zeros(n + 1, dtype=np.int64), block_words=np.zeros(0, dtype=np.uint32), **cols)
     out.nlink[:] = 1
     out.fragment[:] = -1

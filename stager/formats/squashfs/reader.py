@@ -206,7 +206,8 @@ class SquashImage:
             dir_t = read_table(self.fd(), sb.directory_table_start, self._dir_end, decompress=self._decompress,
                                image=self.name, what="directory table")
             self._listing = walk(self.inode_table(), dir_t, sb.root_inode, block_size=sb.block_size,
-                                 fragments=self.fragments, data_end=sb.inode_table_start, image=self.name)
+                                 fragments=self.fragments, data_end=sb.inode_table_start, image=self.name,
+                                 entries=sb.inodes - 1)
         return self._listing
 
     # ---- reading files --------------------------------------------------------------------------
