@@ -84,6 +84,7 @@ def extension_lengths(paths: Strings, extensions: tuple[str, ...]) -> np.ndarray
 
 
 _ROWS = 1 << 15  # strings per pass of cut_keys (their rows stay in the CPU cache)
+_PASS_BYTES = 1 << 24  # and at most this many bytes of rows a pass (deep trees' long paths)
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 
 
@@ -100,8 +101,9 @@ def cut_keys(paths: Strings, rows: np.ndarray, cut: np.ndarray) -> tuple[Strings
     out = np.empty(int(out_starts[-1]), dtype=np.uint8)
     hashes = np.empty(len(rows), dtype=np.uint64)
     masks: dict[int, np.ndarray] = {}  # width -> its masks: row k keeps the first k bytes
-    for a in range(0, len(rows), _ROWS):
-        b = min(len(rows), a + _ROWS)
+    step = max(1, min(_ROWS, _PASS_BYTES // (int(keep.max()) + 8))) if len(keep) else 1
+    for a in range(0, len(rows), step):
+        b = min(len(rows), a + step)
         k = keep[a:b]
         w = int(k.max())
         w += -w % 8

@@ -20,14 +20,13 @@ from stager.errors import SourceError, UnsafeArchiveError
 from stager.formats.squashfs.columns import ByteView, segment_starts
 from stager.formats.squashfs.dirtable import parse_listings
 from stager.formats.squashfs.inodes import Inodes, decode_inodes, dir_index
-from stager.formats.squashfs.layout import DATA_SIZE_MASK, DATA_STORED, DIR, LDIR, REG, split_ref
+from stager.formats.squashfs.layout import DATA_SIZE_MASK, DATA_STORED, DIR, LDIR, MAX_NAME, REG, split_ref
 from stager.formats.squashfs.listing import ImageListing, block_totals, raw_offsets
 from stager.formats.squashfs.meta import MetaTable
 from stager.manifest.table import Ragged, Strings
 
 _SINK = ("parent", "itype", "size", "mode", "nlink", "number", "ref", "start_block", "fragment", "frag_offset", "nb",
          "path_lens")
-_DECODED = ("itype", "mode", "number", "nlink", "start_block", "size", "fragment", "frag_offset")
 
 
 class _Sink:
@@ -243,7 +242,7 @@ def _not_utf8(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
     return (values[starts[:-1]] & 0xC0) == 0x80  # paths are never empty: each start is a byte of its own
 
 
-_ROWS = 1 << 16  # entries per pass of _paths: (rows x widest path) bytes, at most 16 MiB
+_PASS_BYTES = 1 << 24  # bytes of rows per pass of _paths (rows x widest path: 16 MiB)
 
 
 def _paths(table: ByteView, pos: np.ndarray, length: np.ndarray, owner: np.ndarray,
@@ -268,8 +267,9 @@ def _paths(table: ByteView, pos: np.ndarray, length: np.ndarray, owner: np.ndarr
     values = np.empty(int(starts[-1]), dtype=np.uint8)
     masks: dict[int, np.ndarray] = {}  # row width -> masks[k]: the first k bytes of a row
     n = len(pos)
-    for a in range(0, n, _ROWS):
-        b = min(n, a + _ROWS)
+    step = max(1, _PASS_BYTES // (width + MAX_NAME))  # 65,536 entries a pass at ImageNet's depth
+    for a in range(0, n, step):
+        b = min(n, a + step)
         ln, pl = length[a:b], elen[a:b]
         w, pw = int(ln.max()), int(pl.max())
         rows = np.empty((b - a, pw + w), dtype=np.uint8)
