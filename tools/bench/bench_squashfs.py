@@ -60,6 +60,9 @@ PY = sys.executable
 ENV = {**{k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}, "PYTHONPATH": str(ROOT)}
 # What each measured stager runs: this checkout, and with --baseline another one (e.g. main), side by side.
 CODES: dict[str, dict[str, str]] = {"": ENV}
+# Children run from here: `python -c` and `-m` put their working directory first on sys.path, which from
+# a checkout would import that checkout's stager whatever PYTHONPATH says.
+NEUTRAL = tempfile.gettempdir()
 
 
 def tagged(name: str, code: str) -> str:
@@ -130,14 +133,15 @@ def run(cmd: list[str], stdout: Any = subprocess.DEVNULL, env: dict[str, str] = 
     """``(wall s, CPU s of the child, its stdout)``."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
-    r = subprocess.run(cmd, check=True, stdout=subprocess.PIPE if stdout is None else stdout, text=True, env=env)
+    r = subprocess.run(cmd, check=True, stdout=subprocess.PIPE if stdout is None else stdout, text=True, env=env,
+                       cwd=NEUTRAL)
     wall = time.perf_counter() - t
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), r.stdout or ""
 
 
 def stager(*args: str | Path) -> None:
-    subprocess.run([PY, "-m", "stager", *map(str, args), "-q"], check=True, env=ENV)
+    subprocess.run([PY, "-m", "stager", *map(str, args), "-q"], check=True, env=ENV, cwd=NEUTRAL)
 
 
 def mksquashfs(src: Path, out: Path, *opts: str) -> Path:
