@@ -24,12 +24,10 @@ parses protobuf.
 from __future__ import annotations
 
 import contextlib
-import functools
-import importlib
 import os
 import struct
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, BinaryIO
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
@@ -49,7 +47,13 @@ from stager.formats.record_fields import encode_fields_example, field_extents
 from stager.formats.registry import format_spec
 from stager.fs.atomic import partial_path
 from stager.fs.safe import open_exclusive
+from stager.lazy import on_first_use
 from stager.manifest.fields import FieldSpec
+
+if TYPE_CHECKING:
+    import crc32c as _crc32c
+else:  # its import reads package metadata: ~30 ms that every `stager index` would pay, whatever it indexes
+    _crc32c = on_first_use("crc32c", globals(), "_crc32c")
 
 RECORD_SPEC = format_spec("record")
 _MASK_DELTA = 0xA282EAD8
@@ -66,17 +70,9 @@ K_FILENAME = "image/filename"
 K_FORMAT = "image/format"
 
 
-@functools.cache
-def _crc() -> Callable[[bytes | bytearray | memoryview], int]:
-    """crc32c's function, imported on first use (its import reads package metadata: ~30 ms that every
-    ``stager index`` would pay, whatever it indexes)."""
-    crc: Callable[[bytes | bytearray | memoryview], int] = importlib.import_module("crc32c").crc32c
-    return crc
-
-
 def masked_crc(data: bytes | bytearray | memoryview) -> int:
     """TFRecord's masked CRC-32C of ``data``."""
-    c = _crc()(data)
+    c = _crc32c.crc32c(data)
     return (((c >> 15) | (c << 17)) + _MASK_DELTA) & 0xFFFFFFFF
 
 
