@@ -27,9 +27,8 @@ import contextlib
 import os
 import struct
 from collections.abc import Iterator, Sequence
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
-import crc32c as _crc32c
 import numpy as np
 
 from stager.errors import CorruptSampleError, ShardMissingError, UsageError
@@ -48,10 +47,15 @@ from stager.formats.record_fields import encode_fields_example, field_extents
 from stager.formats.registry import format_spec
 from stager.fs.atomic import partial_path
 from stager.fs.safe import open_exclusive
+from stager.lazy import on_first_use
 from stager.manifest.fields import FieldSpec
 
+if TYPE_CHECKING:
+    import crc32c as _crc32c
+else:  # its import reads package metadata: ~30 ms that every `stager index` would pay, whatever it indexes
+    _crc32c = on_first_use("crc32c", globals(), "_crc32c")
+
 RECORD_SPEC = format_spec("record")
-_crc = _crc32c.crc32c
 _MASK_DELTA = 0xA282EAD8
 _U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
@@ -68,7 +72,7 @@ K_FORMAT = "image/format"
 
 def masked_crc(data: bytes | bytearray | memoryview) -> int:
     """TFRecord's masked CRC-32C of ``data``."""
-    c = _crc(data)
+    c = _crc32c.crc32c(data)
     return (((c >> 15) | (c << 17)) + _MASK_DELTA) & 0xFFFFFFFF
 
 

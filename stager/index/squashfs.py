@@ -1,6 +1,6 @@
 """Index SquashFS images as ImageFolder trees (``mksquashfs TREE IMG``, with any of its options).
 
-The image is hashed (one sequential pass) and its listing decoded in bulk
+The image is hashed (one sequential pass, on a thread beside the rest) and its listing decoded in bulk
 (:meth:`stager.formats.squashfs.SquashImage.listing`: the inode and directory tables only, no data
 block is read); :func:`stager.formats.squashfs.folder.image_folder` applies torchvision's ImageFolder
 rules to it: classes are the top-level folders, sorted; samples the files with an image extension
@@ -16,6 +16,8 @@ plus its inode reference; a shard with any of the latter says ``extents: "inodes
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
 import numpy as np
@@ -39,6 +41,11 @@ def image_extensions(image_key: str | None) -> tuple[str, ...]:
     return exts
 
 
+def _hash(path: str, algo: str) -> tuple[str, os.stat_result]:
+    with mapped(path, algo) as (_view, digest, st):
+        return digest, st
+
+
 def scan_squashfs(path: str, name: str, image_key: str | None, label_key: str | None, algo: str, *,
                   fields: bool = True) -> ShardScan:
     """Index one image (see the module docstring); one-line errors name it. ``fields`` is accepted for
@@ -46,11 +53,16 @@ def scan_squashfs(path: str, name: str, image_key: str | None, label_key: str | 
     if label_key not in (None, FOLDER_LABELS):
         raise UsageError(f"--label-key {label_key!r}: a SquashFS image's labels are its top-level folders "
                          f"({FOLDER_LABELS}), or none")
-    with mapped(path, algo) as (_view, digest, st):
-        out = ShardScan(name, st.st_size, digest, st.st_mtime_ns)
-    with SquashImage(path, name=path) as im:
-        lst = im.listing()
-    found = image_folder(lst, path, image_extensions(image_key))
+    # The image's hash (one sequential pass; xxhash releases the GIL) runs beside the listing's decoding.
+    with ThreadPoolExecutor(1) as pool:
+        hashed = pool.submit(_hash, path, algo)
+        try:
+            with SquashImage(path, name=path) as im:
+                lst = im.listing()
+            found = image_folder(lst, path, image_extensions(image_key))
+        finally:
+            digest, st = hashed.result()  # waits for the hash; its own error first (a missing image)
+    out = ShardScan(name, st.st_size, digest, st.st_mtime_ns)
     # Columns stand in for ShardScan's lists (readers take any sequence): no Python object per sample.
     out.keys = cast("list[str]", found.keys)
     out.label_names = list(found.classes)

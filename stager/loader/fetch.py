@@ -20,6 +20,7 @@ shuffle buffer emits them:
 
 from __future__ import annotations
 
+import mmap
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
@@ -189,9 +190,11 @@ def read_isolating(access: ShardAccess, shard: int, positions: np.ndarray, on_er
 
 
 def owned_copy(x: Any) -> Any:
-    """A payload that owns its memory (bytes for views, a copy for array views), so it pins no read buffer."""
+    """A payload that owns its memory (bytes for views, a copy for array views), so it pins no read buffer.
+    A slice of a file's mapping (a format reader's zero-copy payload: squashfs) stays as it is: it pins
+    only address space, never a private buffer."""
     if isinstance(x, memoryview):
-        return x.tobytes()
+        return x if isinstance(x.obj, mmap.mmap) else x.tobytes()
     if isinstance(x, np.ndarray) and x.base is not None:
         return x.copy()
     return x

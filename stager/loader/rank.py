@@ -33,7 +33,7 @@ import numpy as np
 import xxhash
 
 from stager.errors import CorruptSampleError, UsageError
-from stager.formats import format_spec
+from stager.formats import format_spec, get_format
 from stager.fs.info import detect_fs
 from stager.fs.kernel import release_free_heap
 from stager.loader.assemble import pack_raw_numpy, stack_nhwc
@@ -236,6 +236,11 @@ class RankDataset:
         self._mean_sample = float(payload.sum()) / max(1, self.items.count)
         self.group = plan_group(res, self.rank, self.world_size, opts.drop_last, self.items)
         check_shards(res, res.local_shards if res.local_shards is not None else np.arange(self.index.num_shards))
+        m = self.index.manifest
+        if m is not None and any(s.extents != "bytes" for s in m.shards):
+            # Shards read through their format's reader (squashfs inodes, parquet rows): its module is
+            # imported here, once, so forked workers inherit it instead of each importing it at its first read.
+            get_format(m.format)
         self.epoch = 0
         self.start_batch = 0
         self._remaining: np.ndarray | None = None

@@ -15,7 +15,8 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
@@ -30,7 +31,7 @@ from stager.fs.atomic import partial_path, space_error
 from stager.manifest import AuxFile, ShardInfo, Strings
 from stager.manifest.fields import FieldSpec, build_field_columns, offset_column, size_column, values_column
 from stager.pack.fields import prepare_fields
-from stager.pack.read_order import load_batch, load_batches
+from stager.pack.read_order import PATH_SOURCES, load_batch, load_batches
 from stager.pack.sources.checks import check_encoded, prepare_sample
 from stager.pack.state import ShardDone, Uploader, done_record_path, write_hint
 
@@ -295,8 +296,7 @@ def write_samples(
     # Encoded files that pass through unchanged need only the cheap structure check: done inline (the
     # loop below costs ~1 us a sample: it is most of what pack adds to reading and writing bytes).
     fast = job.options.passes_through(job.target_kind) and not job.fields
-    for a, b in load_batches(refs):  # read in file-system order, written in plan order (read_order.py)
-        batch, loaded = load_batch(source, refs, a, b)
+    for batch, loaded in _batches(source, refs):  # read in file-system order, written in plan order (read_order.py)
         before, payload = len(rows.keys), rows.payload
         if fast:
             _write_passthrough(writer, batch, loaded, source, job=job, rows=rows)
@@ -305,6 +305,25 @@ def write_samples(
                 _write_one(writer, ref, res, source, job=job, rows=rows)
         if progress is not None:
             progress.update(len(rows.keys) - before, rows.payload - payload)
+
+
+def _batches(source: Source, refs: Sequence[SampleRef]) -> Iterator[tuple[Sequence[SampleRef],
+                                                                         list[Sample | BaseException]]]:
+    """:func:`load_batch` of each batch in turn. A tree of files (``PATH_SOURCES``: reads only, no reader
+    state) has its next batch read on a thread while the caller writes this one, so reading the
+    source and writing the shard overlap (one batch ahead: at most two batches in memory)."""
+    cuts = list(load_batches(refs))
+    if source.kind not in PATH_SOURCES or len(cuts) < 2:
+        for a, b in cuts:
+            yield load_batch(source, refs, a, b)
+        return
+    with ThreadPoolExecutor(1, thread_name_prefix="pack-read") as pool:
+        ahead = pool.submit(load_batch, source, refs, *cuts[0])
+        for k in range(len(cuts)):
+            got = ahead.result()
+            if k + 1 < len(cuts):
+                ahead = pool.submit(load_batch, source, refs, *cuts[k + 1])
+            yield got
 
 
 def _write_passthrough(writer: SampleSink, batch: Sequence[SampleRef], loaded: list[Sample | BaseException],

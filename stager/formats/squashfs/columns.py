@@ -34,6 +34,17 @@ class ByteView:
             self._views[width] = rows
         return rows[pos]
 
+    def scalars(self, dtype: np.dtype) -> np.ndarray:
+        """The buffer as overlapping little-endian scalars of ``dtype``, one starting at every byte:
+        ``scalars(u4)[p]`` is the u32 at byte ``p`` (a gather of them costs a third of :meth:`rows`)."""
+        key = -dtype.itemsize
+        got = self._views.get(key)
+        if got is None:
+            got = np.ndarray(shape=(max(len(self.buf) - dtype.itemsize + 1, 0),), dtype=dtype, buffer=self.buf,
+                             strides=(1,))
+            self._views[key] = got
+        return got
+
     def records(self, pos: np.ndarray, dtype: np.dtype) -> np.ndarray:
         """The structs of ``dtype`` at byte offsets ``pos``: a structured array of shape ``(len(pos),)``."""
         return self.rows(pos, dtype.itemsize).view(dtype).reshape(-1)

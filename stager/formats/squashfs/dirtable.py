@@ -55,22 +55,6 @@ class _ChainError(Exception):
     pass
 
 
-@dataclass
-class _Chains:
-    """The live chains of a lockstep walk (int64 columns of shape ``(live,)``)."""
-
-    chain: np.ndarray
-    pos: np.ndarray
-    end: np.ndarray
-    rem: np.ndarray  # entries left under the current header (0: a header comes next)
-    hblk: np.ndarray
-    hino: np.ndarray
-
-    def keep(self, mask: np.ndarray) -> _Chains:
-        return _Chains(self.chain[mask], self.pos[mask], self.end[mask], self.rem[mask], self.hblk[mask],
-                       self.hino[mask])
-
-
 def parse_listings(table: memoryview, view: ByteView, dirs: np.ndarray, *, starts: np.ndarray, sizes: np.ndarray,
                    cuts: list[list[int]], image: str, names: list[str]) -> Parsed:
     """The entries of directories ``dirs`` (ids, int64) whose listings are ``sizes`` bytes at buffer
@@ -120,97 +104,127 @@ def _from_records(recs: dict[str, np.ndarray], chain_dir: np.ndarray, dirs: np.n
 
 def _lockstep(table: memoryview, v: ByteView, starts: np.ndarray,
               ends: np.ndarray) -> tuple[dict[str, np.ndarray], set[int]]:
-    """Walk every chain ``[starts[i], ends[i])`` one record per step; ``(records, failed chains)``."""
+    """Walk every chain ``[starts[i], ends[i])`` one record per step; ``(records, failed chains)``.
+
+    A step only advances each live chain past one entry (a header first, when one is due) and keeps
+    the arrays it advanced from: where each chain's entry starts and which header it is under. The
+    entries' fields are gathered once at the end, in chain order (:func:`_gather`)."""
     n = len(starts)
-    z = np.zeros(n, dtype=np.int64)
-    live = _Chains(np.arange(n, dtype=np.int64), starts.copy(), ends.copy(), z.copy(), z.copy(), z.copy())
-    out: dict[str, list[np.ndarray]] = {k: [] for k in ("chain", "pos", "len", "ref", "ino", "type")}
-    first_index: list[int] = []  # per part of out: the index of its first record within its chain
-    loops: list[bool] = []  # per part: a plain-loop rest of one chain (else one lockstep step)
-    failed: set[int] = set()
-    last = v.n - 8  # the last position an 8-byte read may start at
+    u16, u32 = v.scalars(_U16), v.scalars(_U32)
+    w = _Walk(n)
+    chain = np.arange(n, dtype=np.int64)
+    pos, end = starts.astype(np.int64), ends.astype(np.int64)
+    rem = np.zeros(n, dtype=np.int64)  # entries left under the current header (0: a header comes next)
+    hid = np.full(n, -1, dtype=np.int64)  # the current header's id (its index in w.heads)
     step = 0
-    while len(live.chain) >= _FEW:
-        bad, nxt = _step(v, live, last, out)
-        first_index.append(step)  # a live chain reads one record a step, from step 0
-        loops.append(False)
+    while len(chain) >= _FEW:
+        h = rem == 0
+        if h.any():
+            hp = pos[h]
+            bad = hp + DIR_HEADER.size > end[h]
+            count = u32[np.where(bad, 0, hp)].astype(np.int64) + 1
+            bad |= count > DIR_COUNT
+            rem[h] = count
+            hid = hid.copy()  # the arrays recorded so far stay as they were
+            hid[h] = np.arange(w.nh, w.nh + len(hp), dtype=np.int64)
+            w.nh += len(hp)
+            w.heads.append(hp)
+            pos = pos.copy()
+            pos[h] = hp + DIR_HEADER.size
+            if bad.any():
+                dead = np.zeros(len(chain), dtype=bool)
+                dead[np.flatnonzero(h)[bad]] = True
+                w.failed.update(chain[dead].tolist())
+                keep = ~dead
+                chain, pos, end, rem, hid = chain[keep], pos[keep], end[keep], rem[keep], hid[keep]
+                continue
+        nxt = pos + (DIR_ENTRY.size + 1)
+        nxt += u16[pos + 6]  # the entry's name size - 1
+        w.pos.append(pos)
+        w.chain.append(chain)
+        w.hid.append(hid)
+        rem -= 1
         step += 1
-        live.pos = nxt
-        live.rem = live.rem - 1
-        at_end = live.pos == live.end
-        bad |= at_end & (live.rem != 0)
-        failed.update(live.chain[bad].tolist())
-        live = live.keep(~(bad | (at_end & (live.rem == 0))))
-    for i in range(len(live.chain)):  # the few chains left: a plain loop
-        try:
-            r = _walk_py(table, int(live.pos[i]), int(live.end[i]), rem=int(live.rem[i]), hblk=int(live.hblk[i]),
-                         hino=int(live.hino[i]))
-        except _ChainError:
-            failed.add(int(live.chain[i]))
-            continue
-        out["chain"].append(np.full(len(r["pos"]), live.chain[i], dtype=np.int64))
-        for k in ("pos", "len", "ref", "ino", "type"):
-            out[k].append(np.asarray(r[k], dtype=np.int64))
-        first_index.append(step)
-        loops.append(True)
-    return _chain_order(out, first_index, loops, n, failed), failed
-
-
-def _step(v: ByteView, live: _Chains, last: int, out: dict[str, list[np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
-    """One lockstep step: every live chain reads its header if one is due, then one entry, appended to
-    ``out``. Returns ``(chains that broke, each chain's next position)``; ``live`` gets the headers."""
-    h = live.rem == 0
-    bad = np.zeros(len(live.chain), dtype=bool)
-    if h.any():
-        hp = live.pos[h]
-        hbad = hp + DIR_HEADER.size > live.end[h]
-        head = v.records(np.where(hbad, 0, hp), HEADER_DTYPE)
-        count = head["count"].astype(np.int64) + 1
-        hbad |= count > DIR_COUNT
-        live.rem[h] = count
-        live.hblk[h] = head["start"]
-        live.hino[h] = head["number"]
-        live.pos[h] = hp + DIR_HEADER.size
-        bad[h] = hbad
-    p = live.pos
-    bad |= p + DIR_ENTRY.size > live.end
-    e = v.records(np.where(bad | (p > last), 0, p), ENTRY_DTYPE)
-    size = e["size"].astype(np.int64) + 1
-    nxt = p + DIR_ENTRY.size + size
-    bad |= (nxt > live.end) | (size > MAX_NAME)
-    cols = {"chain": live.chain, "pos": p + DIR_ENTRY.size, "len": size, "ref": (live.hblk << 16) | e["offset"],
-            "ino": live.hino + e["delta"], "type": e["type"]}
-    ok = None if not bad.any() else ~bad
-    for k, col in cols.items():
-        out[k].append(col if ok is None else col[ok])
-    return bad, nxt
-
-
-def _chain_order(out: dict[str, list[np.ndarray]], first_index: list[int], loops: list[bool], n: int,
-                 failed: set[int]) -> dict[str, np.ndarray]:
-    """The records of the lockstep parts (a part: one step's records, or a chain's plain-loop rest)
-    scattered into chain order, each chain's records in reading order: record ``k`` of a part of
-    chain ``c`` goes to ``offs[c] + first_index + k``. One copy, no sort."""
-    counts = np.zeros(n, dtype=np.int64)
-    for chain, loop in zip(out["chain"], loops, strict=True):
-        if loop:
-            counts[chain[:1]] += len(chain)
+        over = nxt >= end
+        if over.any():
+            bad = (nxt > end) | (over & (rem != 0))
+            w.failed.update(chain[bad].tolist())
+            w.count[chain[over]] = step
+            keep = ~over
+            chain, pos, end, rem, hid = chain[keep], nxt[keep], end[keep], rem[keep], hid[keep]
         else:
-            counts[chain] += 1  # a step: each chain once
-    dead = np.zeros(n, dtype=bool)
-    dead[list(failed)] = True
-    counts[dead] = 0
-    offs = segment_starts(counts)
-    cols = {k: np.empty(int(offs[-1]), dtype=np.int64) for k in out}
-    for j, chain in enumerate(out["chain"]):
-        if not len(chain):
+            pos = nxt
+    heads = v.records(np.concatenate(w.heads), HEADER_DTYPE) if w.heads else np.zeros(0, HEADER_DTYPE)
+    for i in range(len(chain)):  # the few chains left: a plain loop
+        c = int(chain[i])
+        k = int(hid[i])
+        try:
+            r = _walk_py(table, int(pos[i]), int(end[i]), rem=int(rem[i]), hblk=int(heads["start"][k]) if k >= 0 else 0,
+                         hino=int(heads["number"][k]) if k >= 0 else 0)
+        except _ChainError:
+            w.failed.add(c)
             continue
-        dest = (offs[chain[0]] + first_index[j] + np.arange(len(chain)) if loops[j]
-                else offs[chain] + first_index[j])
-        keep = ~dead[chain] if failed else slice(None)
-        for k in out:
-            cols[k][dest[keep]] = out[k][j][keep]
-    return cols
+        w.rest[c] = (step, r)
+        w.count[c] = step + len(r["pos"])
+    return _gather(v, w, heads), w.failed
+
+
+_U16, _U32 = np.dtype("<u2"), np.dtype("<u4")
+
+
+class _Walk:
+    """What a lockstep walk of ``n`` chains recorded: per step, the live chains, where their entries
+    start and their headers' ids; the headers' positions; per chain its record count; the plain-loop
+    rest of the chains that finished in one (``{chain: (first record index, columns)}``)."""
+
+    def __init__(self, n: int) -> None:
+        self.pos: list[np.ndarray] = []
+        self.chain: list[np.ndarray] = []
+        self.hid: list[np.ndarray] = []
+        self.heads: list[np.ndarray] = []
+        self.nh = 0
+        self.count = np.zeros(n, dtype=np.int64)
+        self.rest: dict[int, tuple[int, dict[str, list[int]]]] = {}
+        self.failed: set[int] = set()
+
+
+def _gather(v: ByteView, w: _Walk, heads: np.ndarray) -> dict[str, np.ndarray]:
+    """The records of a walk in chain order (each chain's records in reading order), failed chains
+    left out: the lockstep's entry starts and header ids are put in place (record ``s`` of chain ``c``
+    goes to ``offs[c] + s``), then every entry's fields are read at once."""
+    n = len(w.count)
+    dead = np.zeros(n, dtype=bool)
+    dead[list(w.failed)] = True
+    counts = np.where(dead, 0, w.count)
+    offs = segment_starts(counts)
+    total = int(offs[-1])
+    epos = np.zeros(total, dtype=np.int64)  # slots of the plain loops' records stay 0 until filled below
+    ehid = np.zeros(total, dtype=np.int64)
+    for step, (chain, pos, hid) in enumerate(zip(w.chain, w.pos, w.hid, strict=True)):  # one step's records
+        dest = offs[chain] + step
+        if w.failed:
+            keep = ~dead[chain]
+            dest, pos, hid = dest[keep], pos[keep], hid[keep]
+        epos[dest] = pos
+        ehid[dest] = hid
+    e = v.records(epos, ENTRY_DTYPE)
+    if not len(heads):  # every chain was read by the plain loop: their slots are overwritten below
+        heads = np.zeros(1, HEADER_DTYPE)
+    out = {"pos": epos + DIR_ENTRY.size, "len": e["size"].astype(np.int64) + 1,
+           "ref": (heads["start"].astype(np.int64)[ehid] << 16) | e["offset"],
+           "ino": heads["number"].astype(np.int64)[ehid] + e["delta"], "type": e["type"].astype(np.int64)}
+    for c, (first, r) in w.rest.items():  # the plain loops' records, already decoded
+        if dead[c]:
+            continue
+        a = int(offs[c]) + first
+        for k, col in out.items():
+            col[a : a + len(r[k])] = r[k]
+    chain_of = np.repeat(np.arange(n, dtype=np.int64), counts)
+    big = np.flatnonzero(out["len"] > MAX_NAME)
+    if len(big):  # a name longer than the kernel allows: its chain was misread; its directory is read again
+        w.failed.update(chain_of[big].tolist())
+    out["chain"] = chain_of
+    return out
 
 
 def _walk_py(data: memoryview, pos: int, end: int, *, rem: int = 0, hblk: int = 0,

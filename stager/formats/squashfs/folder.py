@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from stager.errors import SourceError, UnsafeArchiveError, UnsuitableSourceError
+from stager.formats.squashfs.columns import ByteView, segment_starts
 from stager.formats.squashfs.layout import DIR, KIND_NAMES, REG
 from stager.formats.squashfs.listing import ImageListing
 from stager.manifest.table import Ragged, Strings
@@ -48,40 +49,110 @@ class FolderSamples:
 def extension_lengths(paths: Strings, extensions: tuple[str, ...]) -> np.ndarray:
     """For each path, the length of the first of ``extensions`` (``.jpg``, lower case; at most
     :data:`_TAIL` bytes) its name ends with, compared case-insensitively, else 0 (int64, ``(n,)``).
-    Each path's last 8 bytes, lower-cased, as one little-endian uint64: an extension of L bytes is
-    then one shift and compare for all paths."""
+    Each path's last 8 bytes, lower-cased, as one little-endian uint64 (one unaligned 8-byte load per
+    path): an extension of L bytes is then one shift and compare for all paths."""
     raw = paths.raw
+    values, ends = raw.values, raw.starts[1:]
     lengths = np.diff(raw.starts)
-    padded = np.concatenate([np.zeros(_TAIL, np.uint8), raw.values])  # a short first path reads zeros in front
-    rows = np.lib.stride_tricks.as_strided(padded, shape=(len(raw.values) + 1, _TAIL), strides=(1, 1),
-                                           writeable=False)
-    tail = rows[raw.starts[1:]]  # each path's last _TAIL bytes: one gather of a row per path
-    tail |= ((tail >= ord("A")) & (tail <= ord("Z"))).astype(np.uint8) << 5  # ASCII lower case
-    last = tail.view("<u8").reshape(-1)
     out = np.zeros(len(lengths), dtype=np.int64)
-    for ext in sorted(extensions, key=len, reverse=True):
-        want = ext.lower().encode()
-        if len(want) > _TAIL:
-            raise ValueError(f"extension {ext!r} is longer than {_TAIL} bytes")
-        hit = (out == 0) & (lengths > len(want)) & (last >> np.uint64(8 * (_TAIL - len(want)))
-                                                     == np.uint64(int.from_bytes(want, "little")))
-        out[hit] = len(want)
+    if not len(values):
+        return out
+    padded = values if len(values) >= _TAIL else np.concatenate([np.zeros(_TAIL - len(values), np.uint8), values])
+    shift = 0 if padded is values else _TAIL - len(values)
+    at = ends + shift - _TAIL  # negative only for paths that end within the first 8 bytes
+    words = np.ndarray(shape=(len(padded) - _TAIL + 1,), dtype="<u8", buffer=padded, strides=(1,))
+    last = words[np.maximum(at, 0)]
+    short = at < 0
+    if short.any():  # push the bytes past such a path's end out of the word's top: zeros in front instead
+        last[short] <<= (8 * -at[short]).astype(np.uint64)
+    tail = last.view(np.uint8).reshape(-1, _TAIL)
+    tail |= ((tail >= ord("A")) & (tail <= ord("Z"))).astype(np.uint8) << 5  # ASCII lower case
+    wanted = [e.lower().encode() for e in extensions]
+    if any(len(w) > _TAIL for w in wanted):
+        raise ValueError(f"an extension of {', '.join(extensions)} is longer than {_TAIL} bytes")
+    for size in sorted({len(w) for w in wanted}, reverse=True):  # the longest match wins (.tiff, not .tif)
+        tail_word = last >> np.uint64(8 * (_TAIL - size))
+        hit = np.zeros(len(out), dtype=bool)
+        for w in wanted:
+            if len(w) == size:
+                hit |= tail_word == np.uint64(int.from_bytes(w, "little"))
+        hit &= lengths > size
+        if size != max(len(w) for w in wanted):
+            hit &= out == 0
+        out[hit] = size
     return out
 
 
-def keep_heads(paths: Strings, rows: np.ndarray, cut: np.ndarray) -> Strings:
-    """The strings at ``rows`` (ascending) each less its last ``cut[k]`` bytes, as one new column: one
-    boolean mask over the bytes, repeated from (kept, dropped) byte counts per string; no per-string
-    Python work and no per-byte index array."""
+_ROWS = 1 << 15  # strings per pass of cut_keys (their rows stay in the CPU cache)
+_PASS_BYTES = 1 << 24  # and at most this many bytes of rows a pass (deep trees' long paths)
+_MIX = np.uint64(0x9E3779B97F4A7C15)
+
+
+def cut_keys(paths: Strings, rows: np.ndarray, cut: np.ndarray) -> tuple[Strings, np.ndarray]:
+    """The strings at ``rows`` (int64) each less its last ``cut[k]`` bytes, as one new column, and a
+    64-bit hash of each (of its bytes and length; equal strings hash equal). A pass gathers its
+    strings' bytes as rows of the widest one's width (rounded up to 8), masks what lies past each key
+    (one mask keeps the key's bytes and zeroes the rest) and hashes the rows as 8-byte words: no
+    per-byte index array and no per-string Python work."""
     raw = paths.raw
-    lengths = np.diff(raw.starts)
-    keep = np.zeros(len(lengths), dtype=np.int64)
-    keep[rows] = lengths[rows] - cut
-    counts = np.stack([keep, lengths - keep], axis=1).reshape(-1)
-    mask = np.repeat(np.tile(np.array([True, False]), len(lengths)), counts)
-    starts = np.zeros(len(rows) + 1, dtype=np.int64)
-    np.cumsum(keep[rows], out=starts[1:])
-    return Strings(Ragged(raw.values[raw.starts[0] : raw.starts[-1]][mask], starts))
+    values, starts = raw.values, raw.starts
+    keep = np.diff(starts)[rows] - cut
+    out_starts = segment_starts(keep)
+    out = np.empty(int(out_starts[-1]), dtype=np.uint8)
+    hashes = np.empty(len(rows), dtype=np.uint64)
+    masks: dict[int, np.ndarray] = {}  # width -> its masks: row k keeps the first k bytes
+    step = max(1, min(_ROWS, _PASS_BYTES // (int(keep.max()) + 8))) if len(keep) else 1
+    for a in range(0, len(rows), step):
+        b = min(len(rows), a + step)
+        k = keep[a:b]
+        w = int(k.max())
+        w += -w % 8
+        block = gather_rows(values, starts[rows[a:b]], w)
+        if int(k.min()) == int(k.max()):  # keys of one length (the usual photo folder): plain copies
+            out[out_starts[a] : out_starts[b]] = block[:, : int(k[0])].reshape(-1)
+            block[:, int(k[0]) :] = 0
+        else:
+            if w not in masks:
+                masks[w] = (np.arange(w) < np.arange(w + 1)[:, None]).view(np.uint8) * np.uint8(0xFF)
+            mask = masks[w][k]
+            out[out_starts[a] : out_starts[b]] = block[mask.view(bool)]
+            block &= mask
+        h = k.astype(np.uint64) * _MIX
+        for word in block.view("<u8").T:
+            h ^= word
+            h *= _MIX
+            h ^= h >> np.uint64(29)
+        hashes[a:b] = h
+    return Strings(Ragged(out, out_starts)), hashes
+
+
+def gather_rows(values: np.ndarray, at: np.ndarray, width: int) -> np.ndarray:
+    """The ``width`` bytes of ``values`` (uint8) from each offset in ``at``, zeros past its end: a
+    fresh ``(len(at), width)`` uint8 array (one copy of a row each; only rows that run past the end
+    go through a small zero-padded copy of it)."""
+    limit = len(values) - width
+    if len(at) == 0 or width == 0:
+        return np.zeros((len(at), width), dtype=np.uint8)
+    if int(at.max()) <= limit:
+        return ByteView(values, len(values)).rows(at, width)
+    base = max(0, limit)
+    tail = np.zeros(len(values) - base + width, dtype=np.uint8)
+    tail[: len(values) - base] = values[base:]
+    near = at > limit
+    out = np.empty((len(at), width), dtype=np.uint8)
+    if not near.all():
+        out[~near] = ByteView(values, len(values)).rows(at[~near], width)
+    out[near] = ByteView(tail, len(tail)).rows(at[near] - base, width)
+    return out
+
+
+def first_equal(keys: Strings, hashes: np.ndarray) -> tuple[int, int] | None:
+    """``(i, j)``, ``i < j``, of the first key ``j`` equal to an earlier one ``i`` (``hashes`` from
+    :func:`cut_keys`), else None: keys of equal hashes are compared exactly."""
+    ordered = np.sort(hashes)
+    if not (ordered[1:] == ordered[:-1]).any():
+        return None
+    return keys.first_repeat()
 
 
 def image_folder(lst: ImageListing, image: str, extensions: tuple[str, ...] = IMG_EXTENSIONS) -> FolderSamples:
@@ -109,8 +180,8 @@ def image_folder(lst: ImageListing, image: str, extensions: tuple[str, ...] = IM
         raise SourceError(f"{image}: class folder {empty!r} holds no image ({', '.join(extensions)}); torchvision's "
                          "ImageFolder refuses it too: remove the folder from the image or add its images")
     _refuse_hard_links(lst, files, image)
-    keys = keep_heads(lst.paths, files, ext_len[files])
-    repeat = keys.first_repeat()
+    keys, hashes = cut_keys(lst.paths, files, ext_len[files])
+    repeat = first_equal(keys, hashes)
     if repeat is not None:
         i, j = (int(files[k]) for k in repeat)
         raise SourceError(f"{image}: {lst.paths[i]!r} and {lst.paths[j]!r} are both sample {keys[repeat[0]]!r} (a "
@@ -140,4 +211,4 @@ def _refuse_hard_links(lst: ImageListing, files: np.ndarray, image: str) -> None
                                  "hard links (mksquashfs stores files of equal bytes once by itself)")
 
 
-__all__ = ["IMG_EXTENSIONS", "FolderSamples", "extension_lengths", "image_folder", "keep_heads"]
+__all__ = ["IMG_EXTENSIONS", "FolderSamples", "cut_keys", "extension_lengths", "image_folder"]

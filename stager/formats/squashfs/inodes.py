@@ -75,9 +75,11 @@ _COLUMNS = ("itype", "mode", "number", "nlink", "start_block", "size", "fragment
 
 
 def decode_inodes(v: ByteView, pos: np.ndarray, entry_types: np.ndarray, *, block_size: int, image: str,
-                  name_of: Callable[[int], str] | None = None) -> Inodes:
+                  name_of: Callable[[int], str] | None = None, into: dict[str, np.ndarray] | None = None) -> Inodes:
     """Decode the inodes at buffer positions ``pos`` whose directory entries say ``entry_types``
-    (basic types). ``name_of(i)`` (optional) names entry ``i`` in messages; otherwise positions do."""
+    (basic types). ``name_of(i)`` (optional) names entry ``i`` in messages; otherwise positions do.
+    ``into`` (optional): int64 arrays of ``len(pos)`` for the first eight columns (``itype`` to
+    ``frag_offset``), written in place (the listing's own columns: no copy of them later)."""
     n = len(pos)
 
     def where(i: int) -> str:
@@ -88,7 +90,11 @@ def decode_inodes(v: ByteView, pos: np.ndarray, entry_types: np.ndarray, *, bloc
         raise _damaged(image, f"{where(i)} lies past the table's end")
     # Directory columns only where there are directories (a level of a million files has none).
     nd = n if (entry_types == DIR).any() else 0
-    cols = {c: np.zeros(n if k < 8 else nd, dtype=np.int64) for k, c in enumerate(_COLUMNS)}
+    cols = {c: np.zeros(n if k < 8 else nd, dtype=np.int64) if into is None or k >= 8 else into[c]
+            for k, c in enumerate(_COLUMNS)}
+    if into is not None:
+        for c in _COLUMNS[:8]:
+            cols[c][:] = 0
     out = Inodes(block_ptr=np.zeros(n + 1, dtype=np.int64), block_words=np.zeros(0, dtype=np.uint32), **cols)
     out.nlink[:] = 1
     out.fragment[:] = -1
@@ -108,6 +114,9 @@ def decode_inodes(v: ByteView, pos: np.ndarray, entry_types: np.ndarray, *, bloc
 def _decode(v: ByteView, q: np.ndarray, entry_types: np.ndarray, out: Inodes, *, nb: np.ndarray,
             words: list[np.ndarray], block_size: int, image: str, where: Callable[[int], str]) -> None:
     """One chunk of :func:`decode_inodes`, written into ``out`` (views of the columns' slices)."""
+    if (entry_types == REG).all() and (v.scalars(_U16)[q] == REG).all():
+        _plain_files(v, q, out, nb, words, block_size=block_size, image=image, where=where)
+        return
     head = v.records(q, HEAD_DTYPE)
     itype = out.itype
     itype[:] = head["type"]
@@ -127,6 +136,37 @@ def _decode(v: ByteView, q: np.ndarray, entry_types: np.ndarray, out: Inodes, *,
     out.nlink[other] = head["nlink"][other]  # LDIR, symlinks, devices, IPC: nlink at byte 16
     _files(v, q, out, nb, words, block_size=block_size, image=image, where=where)
     _dirs(v, q, out, image=image, where=where)
+
+
+def _plain_files(v: ByteView, q: np.ndarray, out: Inodes, nb: np.ndarray, words: list[np.ndarray], *,
+                 block_size: int, image: str, where: Callable[[int], str]) -> None:
+    """:func:`_decode` of a chunk of basic regular files only (a class folder's photos): one gather of
+    their 32-byte inodes, no per-type masks. 32-bit sizes and starts cannot be out of range."""
+    over = q + REG_DTYPE.itemsize > v.n
+    if over.any():
+        raise _damaged(image, f"{where(int(np.argmax(over)))} runs past the table's end")
+    r = v.records(q, REG_DTYPE)
+    out.itype[:] = REG
+    out.mode[:], out.number[:] = r["mode"], r["number"]
+    out.start_block[:], out.frag_offset[:], out.size[:] = r["start"], r["offset"], r["size"]
+    out.fragment[:] = _fragments(r["fragment"])
+    log = block_size.bit_length() - 1  # a power of two
+    size = out.size
+    nb[:] = np.where(out.fragment >= 0, size >> log, (size + (block_size - 1)) >> log)
+    if not nb.any():  # every file a tail in a fragment block (small photos): no block lists
+        return
+    lists = q + REG_DTYPE.itemsize
+    over = lists + 4 * nb > v.n
+    if over.any():
+        i = int(np.argmax(over))
+        raise _damaged(image, f"{where(i)}: a file of {int(size[i])} bytes needs {int(nb[i])} block sizes, "
+                              "past the table's end")
+    if (nb == 1).all():
+        words.append(v.scalars(_WORD)[lists].astype(np.uint32))
+        return
+    first = segment_starts(nb)[:-1]
+    idx = np.repeat(lists - 4 * first, nb) + 4 * np.arange(int(nb.sum()), dtype=np.int64)
+    words.append(v.scalars(_WORD)[idx].astype(np.uint32))
 
 
 def _fragments(col: np.ndarray) -> np.ndarray:
@@ -172,6 +212,7 @@ def _files(v: ByteView, q: np.ndarray, out: Inodes, nb: np.ndarray, words: list[
 
 
 _WORD = np.dtype("<u4")
+_U16 = np.dtype("<u2")
 
 
 def _dirs(v: ByteView, q: np.ndarray, out: Inodes, *, image: str, where: Callable[[int], str]) -> None:

@@ -127,29 +127,41 @@ def file_pieces(size: int, start: int, words: list[int], *, fragment: int, frag_
     return out
 
 
+def block_totals(stored: np.ndarray, block_ptr: np.ndarray) -> np.ndarray:
+    """Per entry, the sum of its blocks' ``stored`` bytes (int64; ``block_ptr`` as in :class:`ImageListing`)."""
+    cs = np.zeros(len(stored) + 1, dtype=np.int64)
+    np.cumsum(stored, out=cs[1:])
+    return cs[block_ptr[1:]] - cs[block_ptr[:-1]]
+
+
 def raw_offsets(lst: ImageListing) -> np.ndarray:
     """Each entry's ``raw_offset`` (see :class:`ImageListing`): -1 but for files stored as one range."""
     kind, size, start, block_ptr = lst.kind, lst.size, lst.start_block, lst.block_ptr
     fragment, frag_offset, fragments, block_size = lst.fragment, lst.frag_offset, lst.fragments, lst.block_size
     n = len(kind)
     nb = np.diff(block_ptr)
-    owner = np.repeat(np.arange(n, dtype=np.int64), nb)
-    w = lst.block_words.astype(np.int64)
-    stored = w & DATA_SIZE_MASK
-    # The bytes a stored block must hold: a full block, or the file's remainder for its last block.
-    k = np.arange(len(w), dtype=np.int64) - block_ptr[owner]
-    expect = np.minimum(block_size, size[owner] - k * block_size)
-    bad = ((w & DATA_STORED) == 0) | (stored != expect)
-    not_raw = np.bincount(owner[bad], minlength=n) > 0
-    block_bytes = np.bincount(owner, weights=stored, minlength=n).astype(np.int64)
+    not_raw = kind != REG
     out = np.where(nb > 0, start, 0)
+    block_bytes = np.zeros(0, dtype=np.int64)
+    if len(lst.block_words):
+        owner = np.repeat(np.arange(n, dtype=np.int64), nb)
+        w = lst.block_words.astype(np.int64)
+        stored = w & DATA_SIZE_MASK
+        # The bytes a stored block must hold: a full block, or the file's remainder for its last block.
+        k = np.arange(len(w), dtype=np.int64) - block_ptr[owner]
+        expect = np.minimum(block_size, size[owner] - k * block_size)
+        bad = ((w & DATA_STORED) == 0) | (stored != expect)
+        not_raw[owner[bad]] = True
+        block_bytes = block_totals(stored, block_ptr)
     has = fragment >= 0
     if has.any():
-        fw = fragments[np.where(has, fragment, 0), 1]
-        fstart = fragments[np.where(has, fragment, 0), 0] + frag_offset
-        frag_raw = (fw & DATA_STORED) != 0
-        follows = (nb == 0) | (fstart == start + block_bytes)
-        not_raw |= has & ~(frag_raw & follows)
-        out = np.where(has & (nb == 0), fstart, out)
-    out[not_raw | (kind != REG)] = -1
+        at = slice(None) if has.all() else np.flatnonzero(has)
+        frag = fragment[at]
+        fstart = np.ascontiguousarray(fragments[:, 0])[frag] + frag_offset[at]  # 1-d gathers: ~10x a 2-d row's
+        fword = np.ascontiguousarray(fragments[:, 1])[frag]
+        nba = nb[at]
+        follows = (nba == 0) | (fstart == start[at] + (block_bytes[at] if len(block_bytes) else 0))
+        not_raw[at] |= ((fword & DATA_STORED) == 0) | ~follows
+        out[at] = np.where(nba == 0, fstart, out[at])
+    out[not_raw] = -1
     return out

@@ -78,7 +78,7 @@ def decompress_blocks(payloads: Sequence[bytes | memoryview], stored: Sequence[b
             data: bytes | memoryview = payloads[i]
         else:
             try:
-                data = decompress(bytes(payloads[i]), METADATA_SIZE)
+                data = decompress(payloads[i], METADATA_SIZE)
             except DecompressError as exc:
                 raise SourceError(f"{image}: damaged {what}: metadata block at byte {base + starts[i]}: {exc}; "
                                   "the image is damaged: re-copy or re-make it") from exc

@@ -17,6 +17,7 @@ names that are not file names. Reading a damaged block of one file raises
 
 from __future__ import annotations
 
+import mmap
 import os
 import stat
 import struct
@@ -76,6 +77,8 @@ class SquashImage:
         self.name = name or self.path
         self._fd: int | None = None
         self._pid = 0
+        self._map: memoryview | None = None
+        self._map_pid = 0
         self._listing: ImageListing | None = None
         self._inode_table: MetaTable | None = None
         self._frag_cache: OrderedDict[int, bytes] = OrderedDict()
@@ -108,6 +111,16 @@ class SquashImage:
             self._fd = fd
             self._pid = os.getpid()
         return self._fd
+
+    def mapping(self) -> memoryview:
+        """The whole image as a read-only ``memoryview`` of one ``mmap`` in this process (mapped again
+        after ``fork()``): stored files are zero-copy slices of it, as a mapped tar shard's members are.
+        :meth:`close` drops it; the mapping itself goes with the last slice handed out."""
+        if self._map is None or self._map_pid != os.getpid():
+            mm = mmap.mmap(self.fd(), self.file_size, prot=mmap.PROT_READ) if self.file_size else None
+            self._map = memoryview(mm) if mm is not None else memoryview(b"")
+            self._map_pid = os.getpid()
+        return self._map
 
     def _check_superblock(self, fd: int) -> Superblock:
         raw = os.pread(fd, SUPERBLOCK_SIZE, 0)
@@ -193,7 +206,8 @@ class SquashImage:
             dir_t = read_table(self.fd(), sb.directory_table_start, self._dir_end, decompress=self._decompress,
                                image=self.name, what="directory table")
             self._listing = walk(self.inode_table(), dir_t, sb.root_inode, block_size=sb.block_size,
-                                 fragments=self.fragments, data_end=sb.inode_table_start, image=self.name)
+                                 fragments=self.fragments, data_end=sb.inode_table_start, image=self.name,
+                                 entries=sb.inodes - 1)
         return self._listing
 
     # ---- reading files --------------------------------------------------------------------------
@@ -377,6 +391,7 @@ class SquashImage:
         if self._fd is not None and self._pid == os.getpid():
             os.close(self._fd)
         self._fd = None
+        self._map = None  # unmapped when the last slice of it dies
 
     def __enter__(self) -> SquashImage:
         return self

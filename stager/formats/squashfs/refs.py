@@ -12,6 +12,7 @@ read (a file of thousands of blocks) are decoded alone (:meth:`SquashImage.ref_p
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -22,6 +23,8 @@ from stager.formats.base import pread_runs
 from stager.formats.squashfs.columns import PAD, ByteView, segment_starts
 from stager.formats.squashfs.inodes import Inodes, decode_inodes
 from stager.formats.squashfs.layout import (
+    DATA_SIZE_MASK,
+    DATA_STORED,
     HEAD_DTYPE,
     LREG,
     LREG_DTYPE,
@@ -60,46 +63,56 @@ class RefImage(Protocol):
     def fragment_block(self, p: Piece, what: str) -> bytes: ...
 
 
-def _windows(im: RefImage, blocks: np.ndarray) -> tuple[np.ndarray, dict[int, int], dict[int, int]]:
-    """The inode-table blocks at ``blocks`` (table-relative disk offsets, unique), each followed by the
-    block after it, back to back in one padded buffer: ``(buffer, {block: its start in the buffer},
-    {block: its window's length})``."""
+def _windows(im: RefImage, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The inode-table blocks at ``blocks`` (table-relative disk offsets, unique, ascending), each
+    followed by the block after it, back to back in one padded buffer: ``(buffer, each window's start
+    in it, each window's length)``."""
     parts: list[bytes] = []
-    base: dict[int, int] = {}
-    size: dict[int, int] = {}
+    starts = np.zeros(len(blocks), dtype=np.int64)
+    sizes = np.zeros(len(blocks), dtype=np.int64)
     at = 0
     end = im.superblock.directory_table_start - im.superblock.inode_table_start
-    for b in blocks.tolist():
+    for i, b in enumerate(blocks.tolist()):
         data, nxt = im.meta_block(b, "inode reference")
         window = data + (im.meta_block(nxt, "inode reference")[0] if len(data) == METADATA_SIZE and nxt < end else b"")
-        base[b], size[b] = at, len(window)
+        starts[i], sizes[i] = at, len(window)
         parts.append(window)
         at += len(window)
     buf = np.frombuffer(b"".join(parts) + bytes(PAD), dtype=np.uint8)
-    return buf, base, size
+    return buf, starts, sizes
+
+
+def _locate(im: RefImage, refs: np.ndarray) -> tuple[ByteView, np.ndarray, np.ndarray]:
+    """The inode-table windows holding ``refs`` (:func:`_windows`) as a :class:`ByteView`, each inode's
+    position in it and its window's end; a position past its block's end is a one-line error."""
+    blk = refs >> 16
+    if len(blk) < 2 or (blk[1:] >= blk[:-1]).all():  # a run of neighbours (the loader's): no sort
+        uniq = blk[np.flatnonzero(np.diff(blk, prepend=-1))]
+    else:
+        uniq = np.unique(blk)
+    buf, wstart, wsize = _windows(im, uniq)
+    k = np.searchsorted(uniq, blk)
+    start = wstart[k]
+    limit = start + wsize[k]
+    pos = start + (refs & 0xFFFF)
+    if (pos + 16 > limit).any():
+        i = int(np.argmax(pos + 16 > limit))
+        raise CorruptSampleError(f"{im.name}: inode {int(refs[i]):#x} lies past its block's end; the index does not "
+                                 "match the image: re-index it")
+    return ByteView(buf, len(buf) - PAD), pos, limit
 
 
 def decode_refs(im: RefImage, refs: np.ndarray) -> tuple[ImageListing, np.ndarray]:
     """The regular files whose inodes are at ``refs`` as an :class:`ImageListing` (their bytes: its
     ``pieces``/``raw_offset``), and a bool mask of those whose inode ran past the two blocks read
     (to be decoded alone)."""
-    blk = refs >> 16
-    off = refs & 0xFFFF
-    uniq = np.unique(blk)
-    buf, base, size = _windows(im, uniq)
-    start = np.asarray([base[b] for b in blk.tolist()], dtype=np.int64)
-    limit = start + np.asarray([size[b] for b in blk.tolist()], dtype=np.int64)
-    pos = start + off
-    if (pos + 16 > limit).any():
-        k = int(np.argmax(pos + 16 > limit))
-        raise CorruptSampleError(f"{im.name}: inode {int(refs[k]):#x} lies past its block's end; the index does not "
-                                 "match the image: re-index it")
-    long = _too_long(ByteView(buf, len(buf) - PAD), pos, limit, im.block_size)
+    v, pos, limit = _locate(im, refs)
+    long = _too_long(v, pos, limit, im.block_size)
     keep = np.flatnonzero(~long)
     n = len(refs)
     try:
-        part = decode_inodes(ByteView(buf, len(buf) - PAD), pos[keep], np.full(len(keep), REG, dtype=np.int64),
-                             block_size=im.block_size, image=im.name)
+        part = decode_inodes(v, pos[keep], np.full(len(keep), REG, dtype=np.int64), block_size=im.block_size,
+                             image=im.name)
     except SourceError as exc:
         raise CorruptSampleError(f"{exc}; the index does not match the image: re-index it") from exc
     ino = _spread(part, keep, n)
@@ -115,6 +128,23 @@ def decode_refs(im: RefImage, refs: np.ndarray) -> tuple[ImageListing, np.ndarra
                        im.fragments, im.block_size)
     lst.raw_offset = raw_offsets(lst)
     return lst, long
+
+
+def _tails_only(im: RefImage, v: ByteView, pos: np.ndarray,
+                limit: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """``(fragment, offset in it, size)`` of each inode at ``pos`` when every one is a basic regular file
+    whose bytes are a tail in a fragment block alone (an image's small files: what a run of the loader
+    reads), from one gather of their 32-byte inodes; else None (:func:`decode_refs` decodes them)."""
+    if (pos + REG_INODE.size > limit).any() or not (v.scalars(_U16)[pos] == REG).all():
+        return None
+    r = v.records(pos, REG_DTYPE)
+    frag, size = r["fragment"].astype(np.int64), r["size"].astype(np.int64)
+    if (frag >= len(im.fragments)).any() or (size >= im.block_size).any():  # NO_FRAGMENT is >= too
+        return None
+    return frag, r["offset"].astype(np.int64), size
+
+
+_U16 = np.dtype("<u2")
 
 
 def _too_long(v: ByteView, pos: np.ndarray, limit: np.ndarray, block_size: int) -> np.ndarray:
@@ -151,6 +181,11 @@ def read_by_refs(im: RefImage, refs: np.ndarray) -> list[bytes]:
     out: list[bytes] = [b""] * len(refs)
     if not len(refs):
         return out
+    v, pos, limit = _locate(im, refs)
+    tails = _tails_only(im, v, pos, limit)
+    if tails is not None:  # the usual run of small files: no listing, straight to their fragment blocks
+        _read_tails(im, tails, np.arange(len(refs)), refs, out)
+        return out
     lst, long = decode_refs(im, refs)
     for k in np.flatnonzero(long).tolist():
         out[k] = im.read_ref(int(refs[k]))
@@ -165,33 +200,39 @@ def read_by_refs(im: RefImage, refs: np.ndarray) -> list[bytes]:
         for k, b in zip(where.tolist(), got, strict=True):
             out[k] = b
     nb = np.diff(lst.block_ptr)
-    tails = todo & ~raw & (nb == 0) & (lst.fragment >= 0)
-    _read_tails(im, lst, np.flatnonzero(tails), refs, out)
-    for k in np.flatnonzero(todo & ~raw & ~tails).tolist():
+    tails_mask = todo & ~raw & (nb == 0) & (lst.fragment >= 0)
+    rows = np.flatnonzero(tails_mask)
+    _read_tails(im, (lst.fragment[rows], lst.frag_offset[rows], lst.size[rows]), rows, refs, out)
+    for k in np.flatnonzero(todo & ~raw & ~tails_mask).tolist():
         out[k] = im.read_pieces(lst.pieces(k), int(lst.size[k]), f"inode {int(refs[k]):#x}")
     return out
 
 
-def _read_tails(im: RefImage, lst: ImageListing, rows: np.ndarray, refs: np.ndarray, out: list[bytes]) -> None:
-    """Files that are only a tail in a fragment block: each block decompressed once, the files sliced."""
+def _read_tails(im: RefImage, tails: tuple[np.ndarray, np.ndarray, np.ndarray], rows: np.ndarray, refs: np.ndarray,
+                out: list[bytes]) -> None:
+    """Files ``rows`` of ``out`` that are only a tail in a fragment block (``tails``: each one's
+    fragment, offset in it and size): each block decompressed once (fragment blocks in a small
+    cache), the files sliced."""
     if not len(rows):
         return
-    order = rows[np.argsort(lst.fragment[rows], kind="stable")]
-    frags = lst.fragment[order].tolist()
-    skips = lst.frag_offset[order].tolist()
-    sizes = lst.size[order].tolist()
-    block = b""
-    current = -1
-    for k, f, skip, size in zip(order.tolist(), frags, skips, sizes, strict=True):
-        if f != current:
-            start, word = (int(x) for x in im.fragments[f])
-            block = im.fragment_block(Piece(start, word & 0xFFFFFF, not word & (1 << 24), 0, 0, True),
-                                      f"inode {int(refs[k]):#x}")
-            current = f
-        if skip + size > len(block):
-            raise CorruptSampleError(f"{im.name}: inode {int(refs[k]):#x}: its fragment holds {len(block)} bytes, not "
-                                     f"{skip + size}; the image is damaged: re-copy or re-make it")
-        out[k] = block[skip : skip + size]
+    frag, skip, size = tails
+    order = np.argsort(frag, kind="stable") if (np.diff(frag) < 0).any() else np.arange(len(frag))
+    ends = skip + size
+    fr = frag[order]
+    cuts = [*np.flatnonzero(np.diff(fr, prepend=-1)).tolist(), len(fr)]
+    table = im.fragments
+    for a, b in itertools.pairwise(cuts):  # one fragment block per group
+        f = int(fr[a])
+        idx = order[a:b]
+        start, word = int(table[f, 0]), int(table[f, 1])
+        what = f"inode {int(refs[rows[idx[0]]]):#x}"
+        block = im.fragment_block(Piece(start, word & DATA_SIZE_MASK, not word & DATA_STORED, 0, 0, True), what)
+        if int(ends[idx].max()) > len(block):
+            k = int(idx[np.argmax(ends[idx])])
+            raise CorruptSampleError(f"{im.name}: inode {int(refs[rows[k]]):#x}: its fragment holds {len(block)} "
+                                     f"bytes, not {int(ends[k])}; the image is damaged: re-copy or re-make it")
+        for k, lo, hi in zip(rows[idx].tolist(), skip[idx].tolist(), ends[idx].tolist(), strict=True):
+            out[k] = block[lo:hi]
 
 
 __all__ = ["decode_refs", "read_by_refs", "split_ref"]

@@ -39,7 +39,7 @@ from stager.errors import (
     UnsafeArchiveError,
     UsageError,
 )
-from stager.formats.base import Extent, Format, Sample, SizeInputs, ascii_lengths, field_payload, pread_runs
+from stager.formats.base import Extent, Format, Sample, SizeInputs, ascii_lengths, field_payload
 from stager.formats.registry import format_spec
 from stager.formats.squashfs.folder import image_folder
 from stager.formats.squashfs.listing import ImageListing
@@ -193,9 +193,10 @@ class SquashShardWriter:
 
 
 class SquashShardReader:
-    """Reads one image: ``read(positions)`` by the manifest's extents (byte ranges with ``pread``, the
-    rest by inode), ``iter_samples()`` from the image's own listing (checked against the manifest when
-    one is given; else the image read as an ImageFolder). The image is opened on first use, and again
+    """Reads one image: ``read(positions)`` by the manifest's extents (byte ranges as zero-copy
+    ``memoryview`` slices of the image's mapping, the rest by inode), ``iter_samples()`` from the
+    image's own listing (checked against the manifest when one is given; else the image read as an
+    ImageFolder). The image is opened on first use, and again
     in a forked process (:class:`SquashImage` keeps a descriptor per process)."""
 
     def __init__(self, path: str, info: ShardInfo | None = None, manifest: Manifest | None = None) -> None:
@@ -222,14 +223,15 @@ class SquashShardReader:
         out: list[Any] = [b""] * len(pos)
         raw = offs < INODE
         im = self.image()
-        if raw.any():
+        if raw.any():  # stored samples: zero-copy slices of the image's mapping, as tar members are read
             where = np.flatnonzero(raw)
-            try:
-                got = pread_runs(im.fd(), offs[where], sizes[where])
-            except EOFError as exc:
-                raise CorruptSampleError(f"{self.path}: {exc}; the image is truncated: re-stage or re-pack it") from exc
-            for k, b in zip(where.tolist(), got, strict=True):
-                out[k] = b
+            starts, ends = offs[where], offs[where] + sizes[where]
+            if int(ends.max()) > im.file_size:
+                raise CorruptSampleError(f"{self.path}: a sample ends at byte {int(ends.max())}, the image has "
+                                         f"{im.file_size}; it is truncated: re-stage or re-pack it")
+            view = im.mapping()
+            for k, a, b in zip(where.tolist(), starts.tolist(), ends.tolist(), strict=True):
+                out[k] = view[a:b]
         if not raw.all():
             where = np.flatnonzero(~raw)
             for k, b in zip(where.tolist(), im.read_refs(offs[where] - INODE), strict=True):

@@ -20,27 +20,51 @@ from stager.errors import SourceError, UnsafeArchiveError
 from stager.formats.squashfs.columns import ByteView, segment_starts
 from stager.formats.squashfs.dirtable import parse_listings
 from stager.formats.squashfs.inodes import Inodes, decode_inodes, dir_index
-from stager.formats.squashfs.layout import DATA_SIZE_MASK, DIR, LDIR, REG, split_ref
-from stager.formats.squashfs.listing import ImageListing, raw_offsets
+from stager.formats.squashfs.layout import DATA_SIZE_MASK, DATA_STORED, DIR, LDIR, MAX_NAME, REG, split_ref
+from stager.formats.squashfs.listing import ImageListing, block_totals, raw_offsets
 from stager.formats.squashfs.meta import MetaTable
 from stager.manifest.table import Ragged, Strings
 
+_SINK = ("parent", "itype", "size", "mode", "nlink", "number", "ref", "start_block", "fragment", "frag_offset", "nb",
+         "path_lens")
 
-def _level(parent: np.ndarray, refs: np.ndarray, ino: Inodes, values: np.ndarray,
-           starts: np.ndarray) -> dict[str, np.ndarray]:
-    """The columns of one level that the listing keeps (the level's other arrays can go)."""
-    return {"parent": parent, "kind": np.where(ino.itype > 7, ino.itype - 7, ino.itype), "size": ino.size,
-            "mode": ino.mode, "nlink": ino.nlink, "number": ino.number, "ref": refs, "start": ino.start_block,
-            "fragment": ino.fragment, "frag_offset": ino.frag_offset, "nb": np.diff(ino.block_ptr),
-            "words": ino.block_words, "path_values": values, "path_lens": np.diff(starts)}
+
+class _Sink:
+    """The listing's fixed-width columns (int64), filled level after level in place: a level's inodes
+    are decoded straight into its slice (:func:`~.inodes.decode_inodes`'s ``into``), so no column is
+    copied to join the levels. The capacity starts at the image's inode count (an estimate: hard links
+    add entries) and grows when a level needs more; untouched capacity costs no memory."""
+
+    def __init__(self, capacity: int) -> None:
+        self.cols = {c: np.empty(max(capacity, 0), dtype=np.int64) for c in _SINK}
+        self.n = 0
+
+    def take(self, n: int) -> dict[str, np.ndarray]:
+        """The next ``n`` rows of every column (views, valid until the next ``take``)."""
+        have = len(self.cols["parent"])
+        if self.n + n > have:
+            grown = max(self.n + n, 2 * have)
+            for c, col in self.cols.items():
+                new = np.empty(grown, dtype=np.int64)
+                new[: self.n] = col[: self.n]
+                self.cols[c] = new
+        views = {c: col[self.n : self.n + n] for c, col in self.cols.items()}
+        self.n += n
+        return views
+
+    def columns(self) -> dict[str, np.ndarray]:
+        return {c: col[: self.n] for c, col in self.cols.items()}
 
 
 def walk(inode_t: MetaTable, dir_t: MetaTable, root_ref: int, *, block_size: int, fragments: np.ndarray,
-         data_end: int, image: str) -> ImageListing:
-    """Every entry under the root; see :class:`ImageListing` for the order and columns."""
+         data_end: int, image: str, entries: int = 0) -> ImageListing:
+    """Every entry under the root; see :class:`ImageListing` for the order and columns. ``entries``: the
+    number expected (the superblock's inode count less the root), to size the columns at once."""
     iv, dv = inode_t.view(), dir_t.view()
     root_pos = np.asarray([inode_t.locate(*split_ref(root_ref))], dtype=np.int64)
     root = decode_inodes(iv, root_pos, np.asarray([DIR]), block_size=block_size, image=image, name_of=lambda i: "/")
+    # At most one entry per 16 bytes of inode table (the smallest inode) whatever the superblock claims.
+    sink = _Sink(min(entries, inode_t.size // 16))
     levels: list[dict[str, np.ndarray]] = []
     # The directories of the level being listed: entry index (-1: root), their inodes, path strings.
     todo = _Dirs(np.asarray([-1], dtype=np.int64), root, [""])
@@ -48,10 +72,10 @@ def walk(inode_t: MetaTable, dir_t: MetaTable, root_ref: int, *, block_size: int
     spans: list[np.ndarray] = []  # (start, size) of every listing: they may not overlap
     ctx = _Walk(inode_t, dir_t, iv, dv, block_size, image)
     while len(todo.entries):
-        level, todo = _one_level(ctx, todo, levels, spans, seen)
+        level, todo = _one_level(ctx, todo, sink, spans, seen)
         levels.append(level)
     _check_spans(np.concatenate(spans), image)
-    return _assemble(levels, block_size, fragments, data_end, image)
+    return _assemble(sink, levels, block_size=block_size, fragments=fragments, data_end=data_end, image=image)
 
 
 @dataclass
@@ -72,9 +96,10 @@ class _Dirs:
     entries: np.ndarray
     inodes: Inodes
     paths: list[str]
+    depth: int = 0  # folders above them (their entries' paths hold this many '/')
 
 
-def _one_level(ctx: _Walk, todo: _Dirs, levels: list[dict[str, np.ndarray]], spans: list[np.ndarray],
+def _one_level(ctx: _Walk, todo: _Dirs, sink: _Sink, spans: list[np.ndarray],
                seen: set[int]) -> tuple[dict[str, np.ndarray], _Dirs]:
     """List the directories ``todo``: the level's columns, and the directories of the next level.
     (A function of its own, so that the level's intermediate arrays are freed when it returns.)"""
@@ -95,12 +120,15 @@ def _one_level(ctx: _Walk, todo: _Dirs, levels: list[dict[str, np.ndarray]], spa
     parsed = parse_listings(dir_t.buffer, ctx.dv, np.arange(len(todo.entries), dtype=np.int64), starts=starts,
                             sizes=sizes, cuts=cuts, image=image, names=[p or "/" for p in dir_paths])
     values, pstarts, name_at = _paths(ctx.dv, parsed.name_pos, parsed.name_len, parsed.dir, dir_paths)
-    _check_names(values, pstarts, name_at, len(levels), image=image, dir_paths=dir_paths, owner=parsed.dir)
+    _check_names(values, pstarts, name_at, todo.depth, image=image, dir_paths=dir_paths, owner=parsed.dir)
     refs = parsed.ino_ref
     pos = ctx.inode_t.locate_many(refs >> 16, refs & 0xFFFF)
     etype = np.where(parsed.type > 7, parsed.type - 7, parsed.type)
     paths = _LazyPaths(values, pstarts)
-    inodes = decode_inodes(ctx.iv, pos, etype, block_size=ctx.block_size, image=image, name_of=paths.__getitem__)
+    base = sink.n
+    out = sink.take(len(refs))
+    inodes = decode_inodes(ctx.iv, pos, etype, block_size=ctx.block_size, image=image, name_of=paths.__getitem__,
+                           into=out)
     bad = inodes.number != parsed.ino_number
     if bad.any():
         i = int(np.argmax(bad))
@@ -114,9 +142,12 @@ def _one_level(ctx: _Walk, todo: _Dirs, levels: list[dict[str, np.ndarray]], spa
             raise SourceError(f"{image}: the directory {paths[i]!r} is reached twice (a directory loop); the "
                               "image is damaged or hostile: re-make it with mksquashfs")
         seen.add(r)
-    base = sum(len(lv["parent"]) for lv in levels)
-    nxt = _Dirs(base + sub, _take(inodes, sub), [paths[i] for i in sub.tolist()])
-    return _level(todo.entries[parsed.dir], refs, inodes, values, pstarts), nxt
+    nxt = _Dirs(base + sub, _take(inodes, sub), [paths[i] for i in sub.tolist()], todo.depth + 1)
+    out["parent"][:] = todo.entries[parsed.dir]
+    out["ref"][:] = refs
+    np.subtract(inodes.block_ptr[1:], inodes.block_ptr[:-1], out=out["nb"])
+    np.subtract(pstarts[1:], pstarts[:-1], out=out["path_lens"])
+    return {"words": inodes.block_words, "path_values": values}, nxt
 
 
 def _check_spans(spans: np.ndarray, image: str) -> None:
@@ -211,7 +242,7 @@ def _not_utf8(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
     return (values[starts[:-1]] & 0xC0) == 0x80  # paths are never empty: each start is a byte of its own
 
 
-_ROWS = 1 << 16  # entries per pass of _paths: (rows x widest name) bytes, at most 16 MiB
+_PASS_BYTES = 1 << 24  # bytes of rows per pass of _paths (rows x widest path: 16 MiB)
 
 
 def _paths(table: ByteView, pos: np.ndarray, length: np.ndarray, owner: np.ndarray,
@@ -220,54 +251,69 @@ def _paths(table: ByteView, pos: np.ndarray, length: np.ndarray, owner: np.ndarr
     directory table: each parent's path and ``/`` (none at the top), then the name. Returns
     ``(values, starts (n + 1,), where each name starts in values)``.
 
-    A pass gathers its entries' names as rows of the widest name's width (one copy per row, as
-    :meth:`ByteView.records` does), puts each parent's prefix before them the same way, and keeps the
-    bytes that belong (a boolean mask, row by row): no per-byte index arrays."""
+    A pass lays its entries out as rows: the parent's prefix right-aligned in the pass's widest
+    prefix's width, the name (gathered at the widest name's width) after it, so each row's path is
+    one contiguous stretch; a mask from a table of row masks (no per-byte arithmetic) keeps it, and
+    where every row of the pass has one length the rows are the values as they are."""
     prefixes = [(p + "/").encode("utf-8", "surrogateescape") if p else b"" for p in dir_paths]
     plen = np.fromiter((len(b) for b in prefixes), dtype=np.int64, count=len(prefixes))
     width = int(plen.max()) if len(plen) else 0
-    ptable = np.zeros((len(prefixes), width), dtype=np.uint8)
+    ptable = np.zeros((len(prefixes), width), dtype=np.uint8)  # each prefix right-aligned
     for i, prefix in enumerate(prefixes):
-        ptable[i, : len(prefix)] = np.frombuffer(prefix, dtype=np.uint8)
+        if prefix:
+            ptable[i, width - len(prefix) :] = np.frombuffer(prefix, dtype=np.uint8)
     elen = plen[owner]
     starts = segment_starts(elen + length)
     values = np.empty(int(starts[-1]), dtype=np.uint8)
+    masks: dict[int, np.ndarray] = {}  # row width -> masks[k]: the first k bytes of a row
     n = len(pos)
-    for a in range(0, n, _ROWS):
-        b = min(n, a + _ROWS)
+    step = max(1, _PASS_BYTES // (width + MAX_NAME))  # 65,536 entries a pass at ImageNet's depth
+    for a in range(0, n, step):
+        b = min(n, a + step)
         ln, pl = length[a:b], elen[a:b]
         w, pw = int(ln.max()), int(pl.max())
-        rows = table.rows(pos[a:b], w)
-        col = np.arange(pw + w)
-        keep = (col >= pw) & (col < pw + ln[:, None])
+        rows = np.empty((b - a, pw + w), dtype=np.uint8)
         if pw:
-            rows = np.concatenate([ptable[owner[a:b], :pw], rows], axis=1)
-            keep |= col < pl[:, None]
+            rows[:, :pw] = ptable[owner[a:b], width - pw :]
+        rows[:, pw:] = table.rows(pos[a:b], w)
+        if int(pl.min()) == pw and int(ln.min()) == w:  # one length: the rows are the values
+            values[starts[a] : starts[b]] = rows.reshape(-1)
+            continue
+        if pw + w not in masks:
+            masks[pw + w] = np.arange(pw + w) < np.arange(pw + w + 1)[:, None]
+        lut = masks[pw + w]
+        keep = lut[pw + ln]
+        if int(pl.min()) != pw:  # prefixes of several lengths: drop the padding before the short ones
+            keep &= ~lut[pw - pl]
         values[starts[a] : starts[b]] = rows[keep]
     return values, starts, starts[:-1] + elen
 
 
-def _assemble(levels: list[dict[str, np.ndarray]], block_size: int, fragments: np.ndarray, data_end: int,
-              image: str) -> ImageListing:
-    """All levels as one :class:`ImageListing`, checked against the data area and fragment table."""
+def _assemble(sink: _Sink, levels: list[dict[str, np.ndarray]], *, block_size: int, fragments: np.ndarray,
+              data_end: int, image: str) -> ImageListing:
+    """All levels as one :class:`ImageListing` (the fixed-width columns are the sink's, in place; the
+    ragged ones joined), checked against the data area and fragment table."""
 
     def cat(name: str) -> np.ndarray:
-        """One column over all levels; each level's part is dropped once copied (peak memory)."""
+        """One ragged column over all levels; each level's part is dropped once copied (peak memory)."""
         parts = [lv.pop(name) for lv in levels]
         parts = [p for p in parts if len(p)] or parts[:1]
         if not parts:
-            return np.zeros(0, dtype=np.uint8 if name == "path_values" else np.int64)
+            return np.zeros(0, dtype=np.uint8 if name == "path_values" else np.uint32)
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
-    parent = cat("parent")
+    cols = sink.columns()
+    kind, parent = cols["itype"], cols["parent"]
+    kind[kind > 7] -= 7  # extended types as their basic ones
     top = np.arange(len(parent), dtype=np.int64)
     at_top = parent < 0
     for _ in range(len(levels)):  # parents come before children, one level per pass
         top = np.where(at_top, top, top[np.maximum(parent, 0)])
-    paths = Strings(Ragged(cat("path_values"), segment_starts(cat("path_lens"))))
-    lst = ImageListing(paths, cat("kind"), parent, top, cat("size"), cat("mode"), cat("nlink"), cat("number"),
-                       cat("ref"), cat("start"), segment_starts(cat("nb")), cat("words").astype(np.uint32, copy=False),
-                       cat("fragment"), cat("frag_offset"), np.zeros(0, dtype=np.int64), fragments, block_size)
+    paths = Strings(Ragged(cat("path_values"), segment_starts(cols["path_lens"])))
+    lst = ImageListing(paths, kind, parent, top, cols["size"], cols["mode"], cols["nlink"], cols["number"],
+                       cols["ref"], cols["start_block"], segment_starts(cols["nb"]),
+                       cat("words").astype(np.uint32, copy=False), cols["fragment"], cols["frag_offset"],
+                       np.zeros(0, dtype=np.int64), fragments, block_size)
     _check_data(lst, data_end, image)
     lst.raw_offset = raw_offsets(lst)
     return lst
@@ -277,29 +323,30 @@ def _check_data(lst: ImageListing, data_end: int, image: str) -> None:
     """Every file's blocks and fragment tail lie in the data area; size words are sane."""
     kind, size, start, block_ptr = lst.kind, lst.size, lst.start_block, lst.block_ptr
     fragment, frag_offset, fragments, block_size = lst.fragment, lst.frag_offset, lst.fragments, lst.block_size
-    words, paths = lst.block_words, lst.paths
     n = len(kind)
     nb = np.diff(block_ptr)
-    owner = np.repeat(np.arange(n, dtype=np.int64), nb)
-    w = words.astype(np.int64)
-    stored = w & DATA_SIZE_MASK
     bad = np.zeros(n, dtype=bool)
-    bad[owner[(w >> 25 != 0) | (stored > block_size)]] = True
-    total = np.bincount(owner, weights=stored, minlength=n).astype(np.int64)
     files = kind == REG
-    bad |= files & (total > 0) & ((start < 96) | (start + total > data_end))
+    if len(lst.block_words):
+        w = lst.block_words.astype(np.int64)
+        stored = w & DATA_SIZE_MASK
+        wrong = ((w >> 25) != 0) | (stored > block_size)
+        if wrong.any():
+            bad[np.repeat(np.arange(n, dtype=np.int64), nb)[wrong]] = True
+        total = block_totals(stored, block_ptr)
+        bad |= files & (total > 0) & ((start < 96) | (start + total > data_end))
     has = files & (fragment >= 0)
-    nfrag = len(fragments)
-    bad |= has & (fragment >= nfrag)
-    tail = size - nb * block_size
-    bad |= has & ((tail <= 0) | (tail >= block_size))
-    if has.any() and nfrag:
-        f = np.where(has & (fragment < nfrag), fragment, 0)
-        fw = fragments[f, 1]
-        fstored = (fw & (1 << 24)) != 0
-        bad |= has & fstored & (frag_offset + tail > (fw & DATA_SIZE_MASK))
-        bad |= has & (frag_offset + tail > block_size)
+    if has.any():  # the tails (fragment >= 0 only for files), as their own columns unless every entry has one
+        at = slice(None) if has.all() else np.flatnonzero(has)
+        frag = fragment[at]
+        tail = size[at] - nb[at] * block_size
+        end = frag_offset[at] + tail
+        wrong = (frag >= len(fragments)) | (tail <= 0) | (tail >= block_size) | (end > block_size)
+        if len(fragments):
+            fw = np.ascontiguousarray(fragments[:, 1])[np.minimum(frag, len(fragments) - 1)]
+            wrong |= ((fw & DATA_STORED) != 0) & (end > (fw & DATA_SIZE_MASK))
+        bad[at] |= wrong
     if bad.any():
         i = int(np.argmax(bad))
-        raise SourceError(f"{image}: damaged inode of {paths[i]!r}: its data blocks or fragment lie outside the image "
-                          "or have impossible sizes; the image is damaged or truncated: re-copy or re-make it")
+        raise SourceError(f"{image}: damaged inode of {lst.paths[i]!r}: its data blocks or fragment lie outside the "
+                          "image or have impossible sizes; the image is damaged or truncated: re-copy or re-make it")

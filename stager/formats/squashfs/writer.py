@@ -55,6 +55,7 @@ from stager.formats.squashfs.layout import (
 )
 from stager.formats.squashfs.meta import indexed_table
 from stager.formats.squashfs.tables import FIXED_MTIME, Files, Tree, build_tables
+from stager.fs.writeback import start_writeback
 
 PRECOMPRESSED = frozenset((
     "jpg", "jpeg", "jpe", "jfif", "png", "gif", "webp", "avif", "heic", "heif", "jp2", "jxl",  # images
@@ -150,6 +151,7 @@ class SquashWriter:
         if self._options is not None:
             self._buf += (len(self._options) | META_STORED).to_bytes(2, "little") + self._options
         self._pos = len(self._buf)  # image offset of the next data byte
+        self._flushed = 0  # bytes written to the file so far (in order, from offset 0)
         self._pieces: list[bytes | bytearray | memoryview] = []  # queued for the file, in order; _buf follows them
         self._pending = len(self._buf)
         self._jobs: deque[_Job] = deque()
@@ -268,7 +270,11 @@ class SquashWriter:
             self._pieces.append(self._buf)
             self._buf = bytearray()
         if self._pieces:
+            nbytes = sum(len(p) for p in self._pieces)
             self._write_all(self._pieces)
+            if self._own and self._f is not None:  # the disk starts now, so the pack's fsync has little left
+                start_writeback(self._f.fileno(), self._flushed, nbytes)
+            self._flushed += nbytes
         self._pieces = []
         self._pending = 0
 
