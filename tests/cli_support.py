@@ -16,6 +16,13 @@ LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI", "HOROVOD_", "MPI_")
 LAUNCHER_VARS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK"}
 
 
+# How a shell starts a command it runs in the foreground: SIGINT at its default. This suite may itself run with
+# SIGINT ignored (.ci/run starts make as a background job of a non-interactive shell), children inherit an
+# ignored signal, and Python then installs no KeyboardInterrupt handler at all: a test that sends SIGINT starts
+# its command through this prefix (env execs, so the pid is the command's).
+AS_TYPED = ["env", "--default-signal=INT"]
+
+
 def clean_env(**extra: str) -> dict[str, str]:
     """This process's environment without launcher, cache and staging variables, plus ``extra``."""
     env = {k: v for k, v in os.environ.items()

@@ -39,6 +39,7 @@ from stager.manifest import load_manifest
 from stager.stage import stage
 from stager.stage.clean import clean
 from stager.stage.mount import MOUNT_DIR, MOUNTS_NAME, mount_points
+from tests.cli_support import AS_TYPED
 from tests.squashfs_trees import HAVE_TOOLS, fuse_unusable, mksquashfs
 from tools.datagen import make_imagefolder
 
@@ -196,7 +197,8 @@ def test_ctrl_c_while_squashfuse_mounts_leaves_nothing_mounted(pack: Path, tmp_p
     dest = tmp_path / "ds"
     stage(pack, dest)
     env = {**os.environ, "PATH": f"{shims}:{os.environ['PATH']}"}
-    proc = subprocess.Popen([sys.executable, "-m", "stager", "stage", str(pack), str(dest), "--mount", "--json"],
+    proc = subprocess.Popen([*AS_TYPED, sys.executable, "-m", "stager", "stage", str(pack), str(dest), "--mount",
+                             "--json"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         with open(ready, "rb") as f:  # the event: the image is mounted

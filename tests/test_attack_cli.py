@@ -34,6 +34,7 @@ from stager.shardcheck import verify
 from stager.world import World
 from tests.asuser import ATTACKER, VICTIM, run_as, stager_as
 from tests.cli_support import (
+    AS_TYPED,
     assert_error_contract,
     clean_env,
     open_writer_when_read,
@@ -43,7 +44,7 @@ from tests.cli_support import (
 )
 from tools.datagen import jpeg_bytes, render_image
 
-CLI = [sys.executable, "-m", "stager"]
+CLI = [*AS_TYPED, sys.executable, "-m", "stager"]  # SIGINT at its default, as typed in a shell
 
 
 def run(*args: str | os.PathLike[str], shell: str = "", **kw: Any) -> subprocess.CompletedProcess[str]:

@@ -30,7 +30,7 @@ import pytest
 from stager.errors import ExitCode, StagerError
 from stager.manifest import load_manifest
 from tests.asuser import VICTIM, requires_users, stager_as
-from tests.cli_support import assert_error_contract, clean_env, open_writer_when_read, stager
+from tests.cli_support import AS_TYPED, assert_error_contract, clean_env, open_writer_when_read, stager
 from tools.datagen import jpeg_bytes, render_image
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -298,8 +298,8 @@ def test_ctrl_c_under_json_prints_one_object_and_exits_130(tmp_path: Path) -> No
     only once ``read`` returned, never here (this test hung on a busy CI machine); stager's signal relay
     interrupts the read (test_attack_cli.py makes that case happen every time)."""
     lst, fifo, _ = _list_with_a_fifo(tmp_path)
-    proc = subprocess.Popen([sys.executable, "-m", "stager", "pack", str(lst), str(tmp_path / "out"), "--format",
-                             "tar", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen([*AS_TYPED, sys.executable, "-m", "stager", "pack", str(lst), str(tmp_path / "out"),
+                             "--format", "tar", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=clean_env(), start_new_session=True)
     fd = open_writer_when_read(fifo, proc)
     try:
