@@ -127,7 +127,7 @@ import json, os, sys, threading
 dest = sys.argv[2]
 journal = os.path.join(dest, ".stager-journal.jsonl")
 kernel = os.path.join("stager", "fs", "kernel.py")
-events, busy = [], []
+events, lock, local = [], threading.Lock(), threading.local()
 def listed():
     try:
         with open(journal, "rb") as f:
@@ -135,13 +135,16 @@ def listed():
     except OSError:
         return []
 def record(what):
-    if busy:
+    # The guard is per thread (reading the journal inside record() is audited and profiled too); a shared
+    # one dropped the rename another worker made meanwhile. The lock keeps each event with its listing.
+    if getattr(local, "busy", False):
         return
-    busy.append(1)
+    local.busy = True
     try:
-        events.append(what + [listed()])
+        with lock:
+            events.append(what + [listed()])
     finally:
-        busy.pop()
+        local.busy = False
 def audit(event, args):
     if event == "os.rename":
         record(["rename", os.path.basename(os.fsdecode(args[1]))])

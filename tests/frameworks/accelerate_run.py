@@ -115,6 +115,7 @@ def main() -> None:
     out["eval"] = evaluate(accelerator)
     out["sharded"] = sharded(accelerator)
     (OUT / f"accelerate-rank{accelerator.process_index}.json").write_text(json.dumps(out))
+    accelerator.end_training()  # destroys the process group (gloo's threads are not left to the exit)
 
 
 if __name__ == "__main__":

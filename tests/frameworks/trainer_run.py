@@ -69,6 +69,11 @@ def main() -> None:
     resumed, _ = run(f"checkpoint-{MID}", loader=loader)
     name = "loader-trainer" if loader else "trainer"
     (OUT / f"{name}-rank{rank}.json").write_text(json.dumps({"full": full, "resumed": resumed}))
+    # The Trainer leaves its gloo group to the interpreter's exit, where gloo's worker threads can be torn
+    # down joinable ("terminate called without an active exception", SIGABRT: seen once on CI); torch's
+    # documented shutdown is an explicit destroy_process_group() at the end of main.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
