@@ -248,9 +248,8 @@ def _scan_all(directory: str, todo: list[str], kind: str, opts: IndexOptions, pr
             progress.update(len(scan.keys), scan.bytes)
             yield scan
         return
-    # Imported here: a one-shard index (an image) never starts a process, and these cost ~15 ms to import.
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor
+    import multiprocessing as mp  # noqa: PLC0415 (a one-shard index, an image, never starts a process: ~15 ms)
+    from concurrent.futures import ProcessPoolExecutor  # noqa: PLC0415 (imports multiprocessing)
 
     ctx = mp.get_context("fork" if threading.active_count() == 1 and "fork" in mp.get_all_start_methods()
                          else "spawn")

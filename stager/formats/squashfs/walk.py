@@ -25,8 +25,8 @@ from stager.formats.squashfs.listing import ImageListing, block_totals, raw_offs
 from stager.formats.squashfs.meta import MetaTable
 from stager.manifest.table import Ragged, Strings
 
-_SINK = ("parent", "top", "itype", "size", "mode", "nlink", "number", "ref", "start_block", "fragment", "frag_offset", "nb",
-         "path_lens")
+_SINK = ("parent", "top", "itype", "size", "mode", "nlink", "number", "ref", "start_block", "fragment", "frag_offset",
+         "nb", "path_lens")
 
 
 class _Sink:
