@@ -281,12 +281,14 @@ def _paths(table: ByteView, pos: np.ndarray, length: np.ndarray, owner: np.ndarr
         b = min(n, a + step)
         ln, pl = length[a:b], elen[a:b]
         w, pw = int(ln.max()), int(pl.max())
-        rows = np.empty((b - a, pw + w), dtype=np.uint8)
+        uniform = int(pl.min()) == pw and int(ln.min()) == w
+        # One length: the rows are the values, so they are laid out in place (no copy of them after).
+        rows = values[starts[a] : starts[b]].reshape(b - a, pw + w) if uniform else \
+            np.empty((b - a, pw + w), dtype=np.uint8)
         if pw:
             rows[:, :pw] = ptable[owner[a:b], width - pw :]
         rows[:, pw:] = table.rows(pos[a:b], w)
-        if int(pl.min()) == pw and int(ln.min()) == w:  # one length: the rows are the values
-            values[starts[a] : starts[b]] = rows.reshape(-1)
+        if uniform:
             continue
         if pw + w not in masks:
             masks[pw + w] = np.arange(pw + w) < np.arange(pw + w + 1)[:, None]
