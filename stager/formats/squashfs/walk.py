@@ -205,10 +205,13 @@ def _check_names(values: np.ndarray, starts: np.ndarray, name_at: np.ndarray, de
                                  f"{int(full[i])} bytes, longer than any program can open ({MAX_PATH}, PATH_MAX); "
                                  "stager reads no such image: re-make it from a shallower tree")
     length = starts[1:] - name_at
-    last = max(len(values) - 1, 0)
-    first = values[np.minimum(name_at, last)] if len(values) else np.zeros(n, np.uint8)
-    second = values[np.minimum(name_at + 1, last)] if len(values) else first
-    bad_entry = (first == 0x2E) & ((length == 1) | ((length == 2) & (second == 0x2E)))
+    if n and int(length.min()) > 2:  # no name short enough to be . or ..: no gather of first bytes
+        bad_entry = np.zeros(n, dtype=bool)
+    else:
+        last = max(len(values) - 1, 0)
+        first = values[np.minimum(name_at, last)] if len(values) else np.zeros(n, np.uint8)
+        second = values[np.minimum(name_at + 1, last)] if len(values) else first
+        bad_entry = (first == 0x2E) & ((length == 1) | ((length == 2) & (second == 0x2E)))
     slashes, high = 0, False
     for a in range(0, len(values), _BYTES):
         chunk = values[a : a + _BYTES]
