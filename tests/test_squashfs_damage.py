@@ -169,7 +169,7 @@ def test_a_directory_loop_is_refused(tmp_path: Path) -> None:
         read_all(path)
 
 
-@pytest.mark.parametrize("name", [b"..", b"a/", b"\x01b", b"a\x00"])
+@pytest.mark.parametrize("name", [b"..", b"a/", b"\x01b", b"a\x00", b"a\x7f", b"\x1f\xc3"])
 def test_names_that_are_not_file_names_are_refused(tmp_path: Path, name: bytes) -> None:
     path = ours(tmp_path / "names.sqfs", "none", {"ab": b"x", "cd": b"y"})
     listing, _, _ = _root_listing(path)
@@ -196,3 +196,32 @@ def test_mutated_tables_never_crash(images: dict[str, bytes], tmp_path: Path, da
     p = tmp_path / "m.sqfs"
     p.write_bytes(raw)
     outcome(p)
+
+
+@pytest.mark.skipif(not HAVE_TOOLS, reason="needs squashfs-tools (tools/setup_venv.sh installs it)")
+@pytest.mark.parametrize(("field", "value"), [(20, 1 << 20), (24, 4095)])
+def test_a_damaged_tail_beside_directories_is_refused_naming_its_file(tmp_path: Path, field: int,
+                                                                      value: int) -> None:
+    """The fragment checks run over every entry, masked to the files with a tail (no gather of
+    those rows): a bad fragment index (byte 20) or a tail running past its fragment block (offset,
+    byte 24) in one file among directories and other files is still refused, naming that file."""
+    src = tmp_path / "src"
+    for c in ("a", "b", "c"):
+        (src / c).mkdir(parents=True)
+        for k in range(5):
+            (src / c / f"{k}.txt").write_bytes(bytes([65 + k]) * (100 + k))
+    # Uncompressed tables (-noI), small files as tails in fragment blocks (mksquashfs's default).
+    path = mksquashfs(src, tmp_path / "tails.sqfs", "-noI", "-noD", "-noF", "-noX", "-b", "4K")
+    with SquashImage(path) as im:
+        lst = im.listing()
+        target = next(int(i) for i in lst.files() if lst.paths[int(i)] == "b/3.txt")
+        assert (lst.fragment[lst.files()] >= 0).all() and (lst.kind == 1).sum() == 3  # tails beside directories
+        ref = int(lst.inode_ref[target])
+        start = im.superblock.inode_table_start
+    raw = bytearray(path.read_bytes())
+    at = start + (ref >> 16) + 2 + (ref & 0xFFFF)  # a stored metadata block: header, then the inode
+    assert struct.unpack_from("<H", raw, at)[0] == 2
+    struct.pack_into("<I", raw, at + field, value)
+    path.write_bytes(raw)
+    with pytest.raises(SourceError, match=r"damaged inode of 'b/3\.txt'"):
+        read_all(path)

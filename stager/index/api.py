@@ -21,13 +21,12 @@ import contextlib
 import functools
 import itertools
 import json
-import multiprocessing as mp
 import os
 import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -249,6 +248,9 @@ def _scan_all(directory: str, todo: list[str], kind: str, opts: IndexOptions, pr
             progress.update(len(scan.keys), scan.bytes)
             yield scan
         return
+    import multiprocessing as mp  # noqa: PLC0415 (a one-shard index, an image, never starts a process: ~15 ms)
+    from concurrent.futures import ProcessPoolExecutor  # noqa: PLC0415 (imports multiprocessing)
+
     ctx = mp.get_context("fork" if threading.active_count() == 1 and "fork" in mp.get_all_start_methods()
                          else "spawn")
     with ProcessPoolExecutor(max_workers=min(opts.workers, len(jobs)), mp_context=ctx) as ex:

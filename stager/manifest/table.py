@@ -112,6 +112,9 @@ class Ragged:
     def concat(cls, parts: Sequence[Ragged]) -> Ragged:
         if not parts:
             raise ValueError("nothing to concatenate")
+        if len(parts) == 1 and int(parts[0].starts[0]) == 0 and parts[0].starts.dtype == np.int64:
+            # One part (one shard: an adopted image of a million keys) is already the result: no copies.
+            return cls(parts[0].values[: int(parts[0].starts[-1])], parts[0].starts)
         starts = [np.zeros(1, np.int64)]
         base = 0
         for p in parts:
@@ -365,7 +368,7 @@ def _merge_ragged(parts: Sequence[Column]) -> list[tuple[str, np.ndarray]]:
     if not all(isinstance(r, Ragged) for r in raws):
         raise ValueError("a ragged column's parts must all be ragged")
     merged = Ragged.concat(raws)  # type: ignore[arg-type]
-    return [("values", _le(np.ascontiguousarray(merged.values))), ("starts", merged.starts.astype("<i8"))]
+    return [("values", _le(np.ascontiguousarray(merged.values))), ("starts", merged.starts.astype("<i8", copy=False))]
 
 
 @dataclass

@@ -3,6 +3,7 @@
     python tools/bench/bench_squashfs.py [--classes 10 --per-class 200] [--rounds 3]
         [--big-classes 1000 --big-per-class 1281] [--tiny-classes 20]
         [--epoch-classes 20 --epoch-per-class 1000] [--work /tmp/stager-bench-squashfs]
+        [--only read,mount,pack,index] [--baseline /path/to/main]
 
 1. **Read**: stager's loader (``make_loader``, ``decode="raw"``, one epoch, shuffled, in process)
    over the same ImageNet-like JPEGs in tar shards, in uncompressed images (``stager pack --format
@@ -32,7 +33,9 @@
 The machine's load is printed with the tables; CPU seconds are steadier than wall time on a busy box.
 Every child runs with stager's bytecode compiled first (as a pip install leaves it; a development
 checkout run with ``PYTHONDONTWRITEBYTECODE`` would recompile every module in every process).
-Writes docs/bench/squashfs.md, prints its tables, then one JSON object.
+Writes docs/bench/squashfs.md, prints its tables, then one JSON object. ``--only`` runs some of the
+figures (``read`` is both read tables, ``mount`` both mount tables) and prints their tables without
+rewriting docs/bench/squashfs.md, which holds all four.
 """
 
 from __future__ import annotations
@@ -378,11 +381,23 @@ def bench_index(image: Path, work: Path, rounds: int) -> dict[str, Any]:
     return res
 
 
+FIGURES = ("read", "mount", "pack", "index")
+
+
 def markdown(res: dict[str, Any]) -> str:
     lines = ["## SquashFS images (tools/bench/bench_squashfs.py)", "",
              f"Tree: {res['files']} ImageNet-like JPEGs ({res['mb']:.0f} MB). Interleaved rounds ({res['rounds']}), "
-             f"medians. Machine load (1, 5, 15 min) at the start: {res['load']}; {os.cpu_count()} CPUs.", "",
-             "**Read** (the loader, `decode=\"raw\"`, in process, one shuffled epoch)", "",
+             f"medians. Machine load (1, 5, 15 min) at the start: {res['load']}; {os.cpu_count()} CPUs.", ""]
+    for figure, part in (("read", _md_read), ("mount", _md_mount), ("pack", _md_pack), ("index", _md_index)):
+        if figure in res:
+            lines += part(res)
+    while lines[-1] == "":
+        lines.pop()
+    return "\n".join(lines) + "\n"
+
+
+def _md_read(res: dict[str, Any]) -> list[str]:
+    lines = ["**Read** (the loader, `decode=\"raw\"`, in process, one shuffled epoch)", "",
              "| dataset | samples/s | x tar | CPU us/sample |", "|---|---|---|---|"]
     lines += [f"| {r['dataset']} | {r['samples_per_s']:.0f} | {r['x_tar']:.2f} | {r['cpu_us_per_sample']:.1f} |"
               for r in res["read"]]
@@ -390,6 +405,11 @@ def markdown(res: dict[str, Any]) -> str:
               "the loader in process)", "", "| dataset | samples/s | x tar | CPU us/sample |", "|---|---|---|---|"]
     lines += [f"| {r['dataset']} | {r['samples_per_s']:.0f} | {r['x_tar']:.2f} | {r['cpu_us_per_sample']:.1f} |"
               for r in res["read_compressed"]]
+    return [*lines, ""]
+
+
+def _md_mount(res: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
     for key, what in (("mount", f"{res['files']} samples"), ("mount_epoch", f"{res['epoch_files']} samples")):
         lines += ["", f"**Against a squashfuse mount, {what}** (a torch DataLoader over the mounted tree, "
                   "`open()`/`read()` per file, shuffled; a fresh mount per epoch, so its page cache starts cold as "
@@ -400,7 +420,11 @@ def markdown(res: dict[str, Any]) -> str:
                       f"{r['x_mount']:.2f} | {r['cpu_us_per_sample']:.1f} |" for r in res[key]]
         else:
             lines.append("(skipped: no squashfuse)")
-    lines += ["", "**Pack** (`stager pack --format squashfs`, a fresh process, against `mksquashfs`, one image each)",
+    return [*lines[1:], ""]
+
+
+def _md_pack(res: dict[str, Any]) -> list[str]:
+    lines = ["", "**Pack** (`stager pack --format squashfs`, a fresh process, against `mksquashfs`, one image each)",
               "", "| compression | stager s | mksquashfs s | speed (x mksquashfs) | mksquashfs + sync s | speed (x "
               "mksquashfs + sync) | stager CPU s | mksquashfs CPU s | stager MB | mksquashfs MB | size (x) |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -412,8 +436,12 @@ def markdown(res: dict[str, Any]) -> str:
         lines += ["", f"The pack as {code} had it: " + ", ".join(
             f"{r['compression']} {r[f'stager_{code}_s']:.2f} s ({r[f'speed_{code}']:.2f}x mksquashfs)"
             for r in res["pack"]) + "."]
+    return [*lines[1:], ""]
+
+
+def _md_index(res: dict[str, Any]) -> list[str]:
     i = res["index"]
-    lines += ["", "**Index** (an image of mksquashfs's defaults; fresh processes)", "",
+    lines = ["**Index** (an image of mksquashfs's defaults; fresh processes)", "",
               "| samples | code | stager index s | unsquashfs -l s | ratio | stager CPU s | unsquashfs CPU s | "
               "CPU ratio | loader's first batch s |", "|---|---|---|---|---|---|---|---|---|"]
     for code in res["codes"]:
@@ -421,7 +449,7 @@ def markdown(res: dict[str, Any]) -> str:
         lines.append(f"| {i['samples']} | {code or 'this branch'} | {i[f'stager{t}_s']:.2f} | "
                      f"{i['unsquashfs_s']:.2f} | {i[f'ratio{t}']:.2f} | {i[f'stager{t}_cpu_s']:.2f} | "
                      f"{i['unsquashfs_cpu_s']:.2f} | {i[f'cpu_ratio{t}']:.2f} | {i[f'first_batch{t}_s']:.2f} |")
-    return "\n".join(lines) + "\n"
+    return [*lines, ""]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -440,7 +468,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline", help="another checkout (e.g. main's) measured side by side, its rows marked "
                    "'(main)' (--baseline-name)")
     p.add_argument("--baseline-name", default="main")
+    p.add_argument("--only", default=",".join(FIGURES),
+                   help=f"comma-separated figures to run, of {', '.join(FIGURES)} (any subset: the tables are "
+                        "printed, docs/bench/squashfs.md is rewritten only when all run)")
     a = p.parse_args(argv)
+    only = [f.strip() for f in a.only.split(",") if f.strip()]
+    if not only or set(only) - set(FIGURES):
+        p.error(f"--only {a.only!r}: name figures of {', '.join(FIGURES)}")
     if a.baseline:
         CODES[a.baseline_name] = {**ENV, "PYTHONPATH": str(Path(a.baseline).resolve())}
         subprocess.run([PY, "-m", "compileall", "-q", str(Path(a.baseline) / "stager")], check=True,
@@ -459,20 +493,26 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = {"files": len(files), "mb": sum(f.stat().st_size for f in files) / 1e6, "rounds": a.rounds,
                            "load": " ".join(f"{x:.1f}" for x in os.getloadavg()), "codes": list(CODES)}
     subprocess.run([PY, "-m", "compileall", "-q", str(ROOT / "stager")], check=True, stdout=subprocess.DEVNULL)
-    big = big_image(work, a.big_classes, a.big_per_class)
-    res["read"] = bench_read(tree, work, a.rounds)
-    res["read_compressed"] = bench_read_compressed(work / f"tiny-{a.big_classes}x{a.big_per_class}", work,
-                                                   a.tiny_classes, a.rounds)
-    small = {"zstd (mksquashfs defaults)": (work / "read-zstd.sqfs", work / "idx-zstd"),
-             "uncompressed": (work / "read-plain.sqfs", work / "idx-plain")}
-    res["mount"] = bench_mount(small, work, a.rounds)
-    res["epoch_files"] = a.epoch_classes * a.epoch_per_class
-    res["mount_epoch"] = bench_mount(epoch_images(work, a.epoch_classes, a.epoch_per_class), work, a.rounds)
-    res["pack"] = bench_pack(tree, work, a.rounds, a.compressions.split(","))
-    res["index"] = bench_index(big, work, a.rounds)
+    if "read" in only or "index" in only:  # the ImageNet-sized image; its tree's tiny JPEGs are read too
+        big = big_image(work, a.big_classes, a.big_per_class)
+    if "read" in only:
+        res["read"] = bench_read(tree, work, a.rounds)
+        res["read_compressed"] = bench_read_compressed(work / f"tiny-{a.big_classes}x{a.big_per_class}", work,
+                                                       a.tiny_classes, a.rounds)
+    if "mount" in only:
+        small = {"zstd (mksquashfs defaults)": (work / "read-zstd.sqfs", work / "idx-zstd"),
+                 "uncompressed": (work / "read-plain.sqfs", work / "idx-plain")}
+        res["mount"] = bench_mount(small, work, a.rounds)
+        res["epoch_files"] = a.epoch_classes * a.epoch_per_class
+        res["mount_epoch"] = bench_mount(epoch_images(work, a.epoch_classes, a.epoch_per_class), work, a.rounds)
+    if "pack" in only:
+        res["pack"] = bench_pack(tree, work, a.rounds, a.compressions.split(","))
+    if "index" in only:
+        res["index"] = bench_index(big, work, a.rounds)
     md = markdown(res)
-    Path(a.md).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.md).write_text(md)
+    if set(only) == set(FIGURES):
+        Path(a.md).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.md).write_text(md)
     print(md)
     print(json.dumps(res))
     return 0

@@ -201,8 +201,11 @@ def _refuse_specials(lst: ImageListing, under: np.ndarray, image: str) -> None:
 
 def _refuse_hard_links(lst: ImageListing, files: np.ndarray, image: str) -> None:
     refs = lst.inode_ref[files]
-    order = np.argsort(refs, kind="stable")
-    same = np.flatnonzero(refs[order][1:] == refs[order][:-1])
+    if (refs[1:] > refs[:-1]).all():  # increasing in listing order (mksquashfs's): none repeats, no sort
+        same = np.zeros(0, dtype=np.int64)
+    else:
+        order = np.argsort(refs, kind="stable")
+        same = np.flatnonzero(refs[order][1:] == refs[order][:-1])
     linked = files[lst.nlink[files] > 1]
     if len(same) or len(linked):
         i = int(files[order[same[0] + 1]]) if len(same) else int(linked[0])

@@ -154,14 +154,18 @@ def raw_offsets(lst: ImageListing) -> np.ndarray:
         not_raw[owner[bad]] = True
         block_bytes = block_totals(stored, block_ptr)
     has = fragment >= 0
-    if has.any():
-        at = slice(None) if has.all() else np.flatnonzero(has)
-        frag = fragment[at]
-        fstart = np.ascontiguousarray(fragments[:, 0])[frag] + frag_offset[at]  # 1-d gathers: ~10x a 2-d row's
+    if has.any():  # over every row, kept where there is a tail (no gather of those rows: most have one)
+        frag = np.maximum(fragment, 0)  # a valid fragment index (checked) where there is one, 0 elsewhere
+        fstart = np.ascontiguousarray(fragments[:, 0])[frag]  # 1-d gathers: ~10x a 2-d row's
+        fstart += frag_offset
         fword = np.ascontiguousarray(fragments[:, 1])[frag]
-        nba = nb[at]
-        follows = (nba == 0) | (fstart == start[at] + (block_bytes[at] if len(block_bytes) else 0))
-        not_raw[at] |= ((fword & DATA_STORED) == 0) | ~follows
-        out[at] = np.where(nba == 0, fstart, out[at])
+        only_tail = nb == 0
+        # Raw where the fragment block is stored and (after any blocks) the tail directly follows them.
+        tail_raw = (fword & DATA_STORED) != 0
+        if not only_tail.all():
+            tail_raw &= only_tail | (fstart == start + (block_bytes if len(block_bytes) else 0))
+        not_raw |= has & ~tail_raw
+        only_tail &= has
+        np.copyto(out, fstart, where=only_tail)
     out[not_raw] = -1
     return out

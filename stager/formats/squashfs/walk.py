@@ -25,8 +25,8 @@ from stager.formats.squashfs.listing import ImageListing, block_totals, raw_offs
 from stager.formats.squashfs.meta import MetaTable
 from stager.manifest.table import Ragged, Strings
 
-_SINK = ("parent", "itype", "size", "mode", "nlink", "number", "ref", "start_block", "fragment", "frag_offset", "nb",
-         "path_lens")
+_SINK = ("parent", "top", "itype", "size", "mode", "nlink", "number", "ref", "start_block", "fragment", "frag_offset",
+         "nb", "path_lens")
 
 
 class _Sink:
@@ -67,7 +67,7 @@ def walk(inode_t: MetaTable, dir_t: MetaTable, root_ref: int, *, block_size: int
     sink = _Sink(min(entries, inode_t.size // 16))
     levels: list[dict[str, np.ndarray]] = []
     # The directories of the level being listed: entry index (-1: root), their inodes, path strings.
-    todo = _Dirs(np.asarray([-1], dtype=np.int64), root, [""])
+    todo = _Dirs(np.asarray([-1], dtype=np.int64), np.asarray([-1], dtype=np.int64), root, [""])
     seen = {root_ref}
     spans: list[np.ndarray] = []  # (start, size) of every listing: they may not overlap
     ctx = _Walk(inode_t, dir_t, iv, dv, block_size, image)
@@ -90,10 +90,11 @@ class _Walk:
 
 @dataclass
 class _Dirs:
-    """The directories whose listings the next level reads: their entry indices (-1: the root),
-    inodes and paths."""
+    """The directories whose listings the next level reads: their entry indices (-1: the root), the
+    top-level entries they are under (-1: the root), inodes and paths."""
 
     entries: np.ndarray
+    tops: np.ndarray
     inodes: Inodes
     paths: list[str]
     depth: int = 0  # folders above them (their entries' paths hold this many '/')
@@ -142,8 +143,12 @@ def _one_level(ctx: _Walk, todo: _Dirs, sink: _Sink, spans: list[np.ndarray],
             raise SourceError(f"{image}: the directory {paths[i]!r} is reached twice (a directory loop); the "
                               "image is damaged or hostile: re-make it with mksquashfs")
         seen.add(r)
-    nxt = _Dirs(base + sub, _take(inodes, sub), [paths[i] for i in sub.tolist()], todo.depth + 1)
     out["parent"][:] = todo.entries[parsed.dir]
+    if todo.depth == 0:  # the root's entries: each is its own top-level entry
+        out["top"][:] = np.arange(base, base + len(refs), dtype=np.int64)
+    else:
+        out["top"][:] = todo.tops[parsed.dir]
+    nxt = _Dirs(base + sub, out["top"][sub], _take(inodes, sub), [paths[i] for i in sub.tolist()], todo.depth + 1)
     out["ref"][:] = refs
     np.subtract(inodes.block_ptr[1:], inodes.block_ptr[:-1], out=out["nb"])
     np.subtract(pstarts[1:], pstarts[:-1], out=out["path_lens"])
@@ -200,16 +205,23 @@ def _check_names(values: np.ndarray, starts: np.ndarray, name_at: np.ndarray, de
                                  f"{int(full[i])} bytes, longer than any program can open ({MAX_PATH}, PATH_MAX); "
                                  "stager reads no such image: re-make it from a shallower tree")
     length = starts[1:] - name_at
-    last = max(len(values) - 1, 0)
-    first = values[np.minimum(name_at, last)] if len(values) else np.zeros(n, np.uint8)
-    second = values[np.minimum(name_at + 1, last)] if len(values) else first
-    bad_entry = (first == 0x2E) & ((length == 1) | ((length == 2) & (second == 0x2E)))
-    slashes = 0
+    if n and int(length.min()) > 2:  # no name short enough to be . or ..: no gather of first bytes
+        bad_entry = np.zeros(n, dtype=bool)
+    else:
+        last = max(len(values) - 1, 0)
+        first = values[np.minimum(name_at, last)] if len(values) else np.zeros(n, np.uint8)
+        second = values[np.minimum(name_at + 1, last)] if len(values) else first
+        bad_entry = (first == 0x2E) & ((length == 1) | ((length == 2) & (second == 0x2E)))
+    slashes, high = 0, False
     for a in range(0, len(values), _BYTES):
         chunk = values[a : a + _BYTES]
-        control = (chunk < 0x20) | (chunk == 0x7F)
-        if control.any():
-            bad_entry[np.searchsorted(starts, a + np.flatnonzero(control), side="right") - 1] = True
+        # Two reductions (no temporary) clear the usual chunk: every byte printable ASCII, 0x20-0x7E.
+        lo, hi = int(chunk.min()), int(chunk.max())
+        if lo < 0x20 or hi >= 0x7F:
+            high |= hi >= 0x80
+            control = (chunk < 0x20) | (chunk == 0x7F)
+            if control.any():
+                bad_entry[np.searchsorted(starts, a + np.flatnonzero(control), side="right") - 1] = True
         slashes += int(np.count_nonzero(chunk == 0x2F))
     if slashes != n * depth:  # a '/' inside a name
         per = np.zeros(n, dtype=np.int64)
@@ -217,7 +229,7 @@ def _check_names(values: np.ndarray, starts: np.ndarray, name_at: np.ndarray, de
             hits = a + np.flatnonzero(values[a : a + _BYTES] == 0x2F)
             np.add.at(per, np.searchsorted(starts, hits, side="right") - 1, 1)
         bad_entry |= per != depth
-    if len(values) and int(values.max()) >= 0x80:  # not all ASCII: the rare case
+    if high:  # not all ASCII: the rare case
         bad_entry |= _not_utf8(values, starts)
     if bad_entry.any():
         i = int(np.argmax(bad_entry))
@@ -272,12 +284,14 @@ def _paths(table: ByteView, pos: np.ndarray, length: np.ndarray, owner: np.ndarr
         b = min(n, a + step)
         ln, pl = length[a:b], elen[a:b]
         w, pw = int(ln.max()), int(pl.max())
-        rows = np.empty((b - a, pw + w), dtype=np.uint8)
+        uniform = int(pl.min()) == pw and int(ln.min()) == w
+        # One length: the rows are the values, so they are laid out in place (no copy of them after).
+        rows = values[starts[a] : starts[b]].reshape(b - a, pw + w) if uniform else \
+            np.empty((b - a, pw + w), dtype=np.uint8)
         if pw:
             rows[:, :pw] = ptable[owner[a:b], width - pw :]
         rows[:, pw:] = table.rows(pos[a:b], w)
-        if int(pl.min()) == pw and int(ln.min()) == w:  # one length: the rows are the values
-            values[starts[a] : starts[b]] = rows.reshape(-1)
+        if uniform:
             continue
         if pw + w not in masks:
             masks[pw + w] = np.arange(pw + w) < np.arange(pw + w + 1)[:, None]
@@ -303,12 +317,8 @@ def _assemble(sink: _Sink, levels: list[dict[str, np.ndarray]], *, block_size: i
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     cols = sink.columns()
-    kind, parent = cols["itype"], cols["parent"]
+    kind, parent, top = cols["itype"], cols["parent"], cols["top"]
     kind[kind > 7] -= 7  # extended types as their basic ones
-    top = np.arange(len(parent), dtype=np.int64)
-    at_top = parent < 0
-    for _ in range(len(levels)):  # parents come before children, one level per pass
-        top = np.where(at_top, top, top[np.maximum(parent, 0)])
     paths = Strings(Ragged(cat("path_values"), segment_starts(cols["path_lens"])))
     lst = ImageListing(paths, kind, parent, top, cols["size"], cols["mode"], cols["nlink"], cols["number"],
                        cols["ref"], cols["start_block"], segment_starts(cols["nb"]),
@@ -336,16 +346,16 @@ def _check_data(lst: ImageListing, data_end: int, image: str) -> None:
         total = block_totals(stored, block_ptr)
         bad |= files & (total > 0) & ((start < 96) | (start + total > data_end))
     has = files & (fragment >= 0)
-    if has.any():  # the tails (fragment >= 0 only for files), as their own columns unless every entry has one
-        at = slice(None) if has.all() else np.flatnonzero(has)
-        frag = fragment[at]
-        tail = size[at] - nb[at] * block_size
-        end = frag_offset[at] + tail
-        wrong = (frag >= len(fragments)) | (tail <= 0) | (tail >= block_size) | (end > block_size)
+    if has.any():  # the tails, checked over every row and kept where there is one (no gather of those rows)
+        tail = nb * -block_size
+        tail += size
+        end = tail + frag_offset
+        wrong = (fragment >= len(fragments)) | (tail <= 0) | (tail >= block_size) | (end > block_size)
         if len(fragments):
-            fw = np.ascontiguousarray(fragments[:, 1])[np.minimum(frag, len(fragments) - 1)]
+            fw = np.ascontiguousarray(fragments[:, 1])[np.clip(fragment, 0, len(fragments) - 1)]
             wrong |= ((fw & DATA_STORED) != 0) & (end > (fw & DATA_SIZE_MASK))
-        bad[at] |= wrong
+        wrong &= has
+        bad |= wrong
     if bad.any():
         i = int(np.argmax(bad))
         raise SourceError(f"{image}: damaged inode of {lst.paths[i]!r}: its data blocks or fragment lie outside the "
