@@ -364,10 +364,14 @@ def _ratios(rows: dict[str, Any]) -> None:
             if "wall_s" in r:
                 r["speed_vs_fastest_peer"] = round(fastest / r["wall_s"], 2)
                 r["cpu_vs_leanest_peer"] = round(r["cpu_s"] / leanest, 2)
-    for one, two in SCALING:
+    for one, two in [*SCALING, *((a + BASELINE, b + BASELINE) for a, b in SCALING)]:
         w1, w2 = rows.get(one, {}), rows.get(two, {})
         if "wall_s" in w1 and "wall_s" in w2:
             w2["speed_vs_one"] = round(w1["wall_s"] / w2["wall_s"], 2)
+
+
+def _x(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio}x"
 
 
 def markdown(res: dict[str, Any]) -> str:
@@ -391,7 +395,7 @@ def markdown(res: dict[str, Any]) -> str:
             extra = f" ({r['speed_vs_one']}x one process)" if "speed_vs_one" in r else ""
             lines.append(
                 f"| {label} | {r['wall_s']:.3f} | {r['cpu_s']:.3f} ({r['sys_s']:.3f}) | {r['cpu_us_per_sample']:.1f} | "
-                f"{r.get('speed_vs_fastest_peer', '-')}x{extra} | {r.get('cpu_vs_leanest_peer', '-')}x |"
+                f"{_x(r.get('speed_vs_fastest_peer'))}{extra} | {_x(r.get('cpu_vs_leanest_peer'))} |"
             )
         phased = {label: r["phases"] for label, r in s["rows"].items() if "phases" in r}
         if phased:
