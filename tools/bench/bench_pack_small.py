@@ -20,6 +20,10 @@ report its phases (``PackResult.phases``: list, plan, resume, write, publish) an
 phases in which the parent works alone (plan, resume, publish and what no phase covers), as a
 share of the wall time.
 
+``cat (1 process)`` and ``cat (2 processes)`` are the reference for ``--workers 2``: they read and
+write the same bytes (the class folders' files, catted into one file per process and fsynced) with
+nothing else to do, so their ratio is what a second process can buy on the machine at hand.
+
 ``stager pack`` (whole command) runs the CLI in a new interpreter (``python -m stager pack``), so it
 adds interpreter start-up and imports to the in-process figure.
 
