@@ -31,9 +31,10 @@ def _wait_and_report(path: str, i: int, q: mp.Queue) -> None:  # type: ignore[ty
         s.close()
 
 
-def _asleep_in_futex(pid: int) -> bool:
-    with open(f"/proc/{pid}/wchan") as f:
-        return "futex" in f.read()
+def _asleep(pid: int) -> bool:
+    """Whether process ``pid`` sleeps (state S): the child's only sleep is the wait on its slot."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "S"
 
 
 def _publish_to_sleeper(tmp_path: Path, value: int) -> tuple[str, object]:
@@ -45,7 +46,7 @@ def _publish_to_sleeper(tmp_path: Path, value: int) -> tuple[str, object]:
     child.start()
     try:
         assert child.pid is not None
-        while child.is_alive() and not _asleep_in_futex(child.pid):
+        while child.is_alive() and not _asleep(child.pid):
             os.sched_yield()
         s.publish(1, value)
         child.join(60)
