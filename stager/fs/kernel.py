@@ -140,3 +140,46 @@ def release_free_heap() -> None:
     trim.argtypes = [ctypes.c_size_t]
     trim(0)
 
+
+
+# <linux/futex.h>: shared (not FUTEX_PRIVATE) operations, so that processes mapping the same file meet.
+_FUTEX_WAIT = 0
+_FUTEX_WAKE = 1
+_SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98, "ppc64le": 221, "ppc64": 221, "s390x": 238}
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+@functools.lru_cache(maxsize=1)
+def _futex_nr() -> int | None:
+    """The ``futex`` system call's number on this machine, or None (not Linux, unknown machine)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    return _SYS_FUTEX.get(os.uname().machine)
+
+
+def futex_wait(addr: int, expected: int, timeout_s: float) -> bool:
+    """Sleep while the 32-bit int at address ``addr`` (in memory shared with other processes: a
+    ``MAP_SHARED`` file mapping) holds ``expected``, until :func:`futex_wake` on it or ``timeout_s``.
+
+    Returns False when futexes are unavailable (not Linux, unknown machine, refused): the caller
+    polls instead. Otherwise True, however it woke (woken, timed out, interrupted, or the value
+    was not ``expected`` to begin with): the caller re-reads the value, as futex callers must.
+    """
+    nr = _futex_nr()
+    if nr is None:
+        return False
+    ts = _Timespec(int(timeout_s), int((timeout_s % 1) * 1e9))
+    r = libc().syscall(ctypes.c_long(nr), ctypes.c_void_p(addr), ctypes.c_int(_FUTEX_WAIT),
+                       ctypes.c_int(expected), ctypes.byref(ts), None, ctypes.c_int(0))
+    return r == 0 or ctypes.get_errno() not in (errno.ENOSYS, errno.EPERM, errno.EFAULT, errno.EINVAL)
+
+
+def futex_wake(addr: int) -> None:
+    """Wake every process sleeping in :func:`futex_wait` on ``addr`` (a no-op where there are no futexes)."""
+    nr = _futex_nr()
+    if nr is not None:
+        libc().syscall(ctypes.c_long(nr), ctypes.c_void_p(addr), ctypes.c_int(_FUTEX_WAKE),
+                       ctypes.c_int(0x7FFFFFFF), None, None, ctypes.c_int(0))

@@ -4,10 +4,10 @@ Each shard's samples are cut into segments of at most :data:`SEG_SAMPLES` sample
 :data:`SEG_BYTES` source bytes, so even a pack of one shard keeps every worker busy. A worker loads,
 checks and formats its segment in memory (a fragment: ``Format.open_fragment``; it does not depend
 on where it lands), then waits until the previous segment of the shard has published its end offset
-in a shared array (:class:`Slots`), publishes its own end, and ``pwritev`` s its bytes there into the
-shard's ``.partial`` file. The wait is short: a segment's end is known as soon as its bytes are
-built, before they are written. Only rows (keys, labels, extents) and the format's per-sample extras
-travel back; image bytes never cross processes.
+in a shared array (:class:`Slots`; a futex wakes the waiter), publishes its own end, and writes
+its bytes there (``pwritev``) into the shard's ``.partial`` file. The wait is short: a segment's end is known as
+soon as its bytes are built, before they are written. Only rows (keys, labels, extents) and the
+format's per-sample extras travel back; image bytes never cross processes.
 
 The parent (:class:`SegmentRun`) does the serial part while the workers write: it hashes each
 shard's bytes as soon as they are final, in order (:class:`_ShardHash`: tar's are final as
@@ -27,6 +27,7 @@ ends the workers first.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import time
@@ -43,6 +44,7 @@ from stager.errors import StagerError
 from stager.formats import get_format
 from stager.formats.base import FragmentsDone, write_parts
 from stager.fs.atomic import partial_path, space_error
+from stager.fs.kernel import futex_wait, futex_wake
 from stager.fs.writeback import start_writeback
 from stager.manifest import AuxFile
 from stager.pack.plan import cut_shards
@@ -75,7 +77,14 @@ def plan_segments(job: ShardJob) -> list[tuple[int, int]]:
 
 class Slots:
     """Shared int64 offset slots in a memory-mapped file (works across fork and spawn, and for
-    workers started before the array existed)."""
+    workers started before the array existed).
+
+    :meth:`publish` stores a slot and wakes the processes in :meth:`wait` on it (a futex on the shared
+    mapping where the kernel has them: a waiting worker resumes within microseconds of its
+    predecessor's publish, instead of at its next poll; elsewhere :meth:`wait` polls).
+    """
+
+    WAIT_S = 0.005  # a futex sleep's bound: the slot is re-read at least this often (never needed for wake-up)
 
     def __init__(self, path: str, n: int | None = None) -> None:
         self.path = path
@@ -88,20 +97,33 @@ class Slots:
         finally:
             os.close(fd)
         self.offsets = memoryview(self._mm).cast("q")  # aligned 8-byte stores: atomic on every platform we run
+        self._cells = (ctypes.c_int64 * len(self.offsets)).from_buffer(self._mm)  # the slots' addresses
+
+    def _addr(self, i: int) -> int:
+        # A slot's first 32-bit word: -1 (unknown) has both words 0xFFFFFFFF whatever the byte order.
+        return ctypes.addressof(self._cells) + 8 * i
+
+    def publish(self, i: int, value: int) -> None:
+        """Set slot ``i`` to ``value`` and wake whoever waits on it."""
+        self.offsets[i] = value
+        futex_wake(self._addr(i))
+
+    def wait(self, i: int) -> int:
+        """Slot ``i``'s value once published (:class:`SegmentAbortedError` if it was poisoned)."""
+        delay = 1e-5
+        while (v := int(self.offsets[i])) == _UNKNOWN:
+            # A published value whose first word happens to be 0xFFFFFFFF only costs one WAIT_S sleep.
+            if not futex_wait(self._addr(i), _UNKNOWN, self.WAIT_S):
+                time.sleep(delay)
+                delay = min(delay * 2, 1e-3)
+        if v == _POISON:
+            raise SegmentAbortedError(f"segment slot {i}: an earlier segment failed")
+        return v
 
     def close(self) -> None:
+        del self._cells
         self.offsets.release()
         self._mm.close()
-
-
-def _wait_slot(slots: memoryview, i: int) -> int:
-    delay = 1e-5
-    while (v := int(slots[i])) == _UNKNOWN:
-        time.sleep(delay)
-        delay = min(delay * 2, 1e-3)
-    if v == _POISON:
-        raise SegmentAbortedError(f"segment slot {i}: an earlier segment failed")
-    return v
 
 
 class SegmentTask(NamedTuple):
@@ -130,7 +152,7 @@ class SegmentDone(NamedTuple):
 
 
 def run_segment(task: SegmentTask, job: ShardJob, refs: Sequence[SampleRef], source: Source,
-                slots: memoryview) -> SegmentDone:
+                slots: Slots) -> SegmentDone:
     """In a worker: build one segment of ``job`` (``refs``, its samples), publish its end offset,
     ``pwritev`` it."""
     fmt = cast("FragmentFormat", get_format(job.options.format))  # segments exist for these only
@@ -148,8 +170,8 @@ def run_segment(task: SegmentTask, job: ShardJob, refs: Sequence[SampleRef], sou
         write_samples(w, refs, source, job, rows, progress=None)
         parts = w.take()
         size = sum(map(len, parts))
-        start = _wait_slot(slots, slot)
-        slots[slot + 1] = start + size
+        start = slots.wait(slot)
+        slots.publish(slot + 1, start + size)
         published = True
         fd = os.open(task.path, os.O_WRONLY)
         try:
@@ -159,7 +181,7 @@ def run_segment(task: SegmentTask, job: ShardJob, refs: Sequence[SampleRef], sou
             os.close(fd)
     except BaseException as exc:
         if not published:
-            slots[slot + 1] = _POISON
+            slots.publish(slot + 1, _POISON)
         if isinstance(exc, OSError) and not isinstance(exc, StagerError):
             err = space_error(exc, Path(job.out) / job.shard.name)
             if err is not None:
@@ -327,7 +349,7 @@ class SegmentRun:
         offsets = self.slots.offsets
         for i in range(len(offsets)):
             if offsets[i] == _UNKNOWN:
-                offsets[i] = _POISON
+                self.slots.publish(i, _POISON)
         interrupted = isinstance(exc, KeyboardInterrupt)
         if interrupted:
             stop_workers()

@@ -292,4 +292,4 @@ def _run_segment(task: SegmentTask) -> SegmentDone:
     """In a worker: build, publish and write one segment (:func:`stager.pack.segments.run_segment`)."""
     jf = _WORKER.jobs_file(task.jobs_file)
     job, refs = jf.job(task.job, task.start, task.stop)
-    return run_segment(task, job, refs, _WORKER.source_for(jf), _WORKER.slots_at(task.slots_file).offsets)
+    return run_segment(task, job, refs, _WORKER.source_for(jf), _WORKER.slots_at(task.slots_file))

@@ -20,6 +20,10 @@ report its phases (``PackResult.phases``: list, plan, resume, write, publish) an
 phases in which the parent works alone (plan, resume, publish and what no phase covers), as a
 share of the wall time.
 
+``cat (1 process)`` and ``cat (2 processes)`` are the reference for ``--workers 2``: they read and
+write the same bytes (the class folders' files, catted into one file per process and fsynced) with
+nothing else to do, so their ratio is what a second process can buy on the machine at hand.
+
 ``stager pack`` (whole command) runs the CLI in a new interpreter (``python -m stager pack``), so it
 adds interpreter start-up and imports to the in-process figure.
 
@@ -121,6 +125,32 @@ def run_stager(fmt: str, workers: int) -> Callable[[Path, Path], dict[str, Any]]
     return run
 
 
+def run_cat(procs: int) -> Callable[[Path, Path], dict[str, Any]]:
+    """The reference for ``--workers``: ``cat`` the class folders' files into ``procs`` files, one
+    ``cat`` process each (process ``k`` takes the ``k``-th run of class folders, its shell lists them),
+    then fsync them (durable, as stager's shards are). Reading and writing the same bytes with no
+    format, hash or plan: how much faster ``procs`` processes copy them on this machine than one."""
+    def run(src: Path, out: Path) -> dict[str, Any]:
+        classes = sorted(d.name for d in src.iterdir() if d.is_dir())
+        out.mkdir(parents=True)
+        parts = [out / f"part-{k}" for k in range(procs)]
+        cmds = [" ".join(f"'{c}'/*" for c in classes[k * len(classes) // procs:(k + 1) * len(classes) // procs])
+                for k in range(procs)]
+        ps = [subprocess.Popen(f"exec cat {cmd} > '{part}'", shell=True, cwd=src)
+              for cmd, part in zip(cmds, parts, strict=True)]
+        if any(p.wait() != 0 for p in ps):
+            raise RuntimeError("cat failed")
+        for part in parts:
+            fd = os.open(part, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        return {}
+
+    return run
+
+
 CONTENDERS: dict[str, Callable[[Path, Path], dict[str, Any]]] = {
     "stager tar": run_stager("tar", 1),
     "stager hdf5": run_stager("hdf5", 1),
@@ -128,7 +158,12 @@ CONTENDERS: dict[str, Callable[[Path, Path], dict[str, Any]]] = {
     "stager hdf5 --workers 2": run_stager("hdf5", 2),
     "MDSWriter": run_mds,
     "webdataset ShardWriter": run_webdataset,
+    "cat (1 process)": run_cat(1),
+    "cat (2 processes)": run_cat(2),
 }
+# Each second row's speed against the first's (median wall): what a second process buys.
+SCALING = (("stager tar", "stager tar --workers 2"), ("stager hdf5", "stager hdf5 --workers 2"),
+           ("cat (1 process)", "cat (2 processes)"))
 PEERS = ("MDSWriter", "webdataset ShardWriter")
 WHOLE = "stager pack (whole command, tar)"
 IMPORTS = [
@@ -142,7 +177,7 @@ IMPORTS = [
 ]
 
 
-FAMILIES = {"stager": IMPORTS[:-1], "mds": [], "webdataset": ["webdataset"]}
+FAMILIES = {"stager": IMPORTS[:-1], "mds": [], "webdataset": ["webdataset"], "cat": []}
 
 
 def family(label: str) -> str:
@@ -323,19 +358,24 @@ def bench_set(name: str, src: Path, work: Path, rounds: int, labels: list[str], 
 
 
 def _ratios(rows: dict[str, Any]) -> None:
-    """Each row's speed against the fastest peer (median wall) and its CPU against the leanest."""
+    """Each row's speed against the fastest peer (median wall) and its CPU against the leanest; the
+    second row of each :data:`SCALING` pair, its speed against the first."""
     peers = [rows[p] for p in PEERS if p in rows and "wall_s" in rows[p]]
-    if not peers:
-        return
-    fastest = min(p["wall_s"] for p in peers)
-    leanest = min(p["cpu_s"] for p in peers)
-    for r in rows.values():
-        if "wall_s" in r:
-            r["speed_vs_fastest_peer"] = round(fastest / r["wall_s"], 2)
-            r["cpu_vs_leanest_peer"] = round(r["cpu_s"] / leanest, 2)
-    w1, w2 = rows.get("stager tar", {}), rows.get("stager tar --workers 2", {})
-    if "wall_s" in w1 and "wall_s" in w2:
-        w2["speed_vs_workers_1"] = round(w1["wall_s"] / w2["wall_s"], 2)
+    if peers:
+        fastest = min(p["wall_s"] for p in peers)
+        leanest = min(p["cpu_s"] for p in peers)
+        for r in rows.values():
+            if "wall_s" in r:
+                r["speed_vs_fastest_peer"] = round(fastest / r["wall_s"], 2)
+                r["cpu_vs_leanest_peer"] = round(r["cpu_s"] / leanest, 2)
+    for one, two in [*SCALING, *((a + BASELINE, b + BASELINE) for a, b in SCALING)]:
+        w1, w2 = rows.get(one, {}), rows.get(two, {})
+        if "wall_s" in w1 and "wall_s" in w2:
+            w2["speed_vs_one"] = round(w1["wall_s"] / w2["wall_s"], 2)
+
+
+def _x(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio}x"
 
 
 def markdown(res: dict[str, Any]) -> str:
@@ -356,10 +396,10 @@ def markdown(res: dict[str, Any]) -> str:
             if "error" in r:
                 lines.append(f"| {label} | not run: {r['error']} | | | | |")
                 continue
-            extra = f" ({r['speed_vs_workers_1']}x `--workers 1`)" if "speed_vs_workers_1" in r else ""
+            extra = f" ({r['speed_vs_one']}x one process)" if "speed_vs_one" in r else ""
             lines.append(
                 f"| {label} | {r['wall_s']:.3f} | {r['cpu_s']:.3f} ({r['sys_s']:.3f}) | {r['cpu_us_per_sample']:.1f} | "
-                f"{r.get('speed_vs_fastest_peer', '-')}x{extra} | {r.get('cpu_vs_leanest_peer', '-')}x |"
+                f"{_x(r.get('speed_vs_fastest_peer'))}{extra} | {_x(r.get('cpu_vs_leanest_peer'))} |"
             )
         phased = {label: r["phases"] for label, r in s["rows"].items() if "phases" in r}
         if phased:
