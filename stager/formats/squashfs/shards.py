@@ -22,6 +22,7 @@ inode's reference, and such a shard says ``extents: "inodes"``: the loader reads
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from collections.abc import Iterator, Mapping, Sequence
@@ -36,6 +37,7 @@ from stager.errors import (
     ShardMissingError,
     SourceError,
     SourceNotFoundError,
+    StagerError,
     UnsafeArchiveError,
     UsageError,
 )
@@ -43,7 +45,8 @@ from stager.formats.base import Extent, Format, Sample, SizeInputs, ascii_length
 from stager.formats.registry import format_spec
 from stager.formats.squashfs.folder import image_folder
 from stager.formats.squashfs.listing import ImageListing
-from stager.formats.squashfs.reader import SquashImage
+from stager.formats.squashfs.compress import decompressor
+from stager.formats.squashfs.reader import SquashImage, image_codec
 from stager.formats.squashfs.writer import PRECOMPRESSED, SquashWriter
 from stager.formats.tar import check_key, check_keys
 from stager.manifest import Manifest, ShardInfo, check_entry_name, class_dir_name, unpacked_stem
@@ -372,6 +375,15 @@ class SquashFormat(Format):
 
     def disk_bytes(self, inputs: SizeInputs) -> tuple[np.ndarray, int]:
         return sample_disk_bytes(inputs)
+
+    def warm_readers(self, paths: Sequence[str]) -> None:
+        """Import the decompressors of the images at ``paths`` (each superblock's compressor): a
+        worker forked afterwards finds ``zstandard`` (or isal, lz4...) loaded instead of importing it
+        before its first sample (5-40 ms a worker). A missing package is left to the reader that needs
+        it, which names it."""
+        for codec in {c.id: c for c in map(image_codec, paths) if c is not None}.values():
+            with contextlib.suppress(StagerError):
+                decompressor(codec, "")
 
 
 FORMAT = SquashFormat()
