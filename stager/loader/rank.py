@@ -35,8 +35,8 @@ import xxhash
 from stager.errors import CorruptSampleError, UsageError
 from stager.formats import format_spec, get_format
 from stager.fs.info import detect_fs
-from stager.fs.open import local_path_of
 from stager.fs.kernel import release_free_heap
+from stager.fs.open import local_path_of
 from stager.loader.assemble import pack_raw_numpy, stack_nhwc
 from stager.loader.clipfields import ClipFieldsFn
 from stager.loader.clips import ClipFn, clip_meta, item_shard_groups, item_space

@@ -43,9 +43,9 @@ from stager.errors import (
 )
 from stager.formats.base import Extent, Format, Sample, SizeInputs, ascii_lengths, field_payload
 from stager.formats.registry import format_spec
+from stager.formats.squashfs.compress import decompressor
 from stager.formats.squashfs.folder import image_folder
 from stager.formats.squashfs.listing import ImageListing
-from stager.formats.squashfs.compress import decompressor
 from stager.formats.squashfs.reader import SquashImage, image_codec
 from stager.formats.squashfs.writer import PRECOMPRESSED, SquashWriter
 from stager.formats.tar import check_key, check_keys
