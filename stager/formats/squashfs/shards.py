@@ -27,7 +27,7 @@ import json
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -44,13 +44,14 @@ from stager.errors import (
 from stager.formats.base import Extent, Format, Sample, SizeInputs, ascii_lengths, field_payload
 from stager.formats.registry import format_spec
 from stager.formats.squashfs.compress import decompressor
-from stager.formats.squashfs.folder import image_folder
-from stager.formats.squashfs.listing import ImageListing
-from stager.formats.squashfs.reader import SquashImage, image_codec
 from stager.formats.squashfs.writer import PRECOMPRESSED, SquashWriter
 from stager.formats.tar import check_key, check_keys
 from stager.manifest import Manifest, ShardInfo, check_entry_name, class_dir_name, unpacked_stem
 from stager.manifest.fields import FieldSpec, sample_fields, specs_from_json
+
+if TYPE_CHECKING:  # the reading side is imported where an image is read: `stager pack` never loads it
+    from stager.formats.squashfs.listing import ImageListing
+    from stager.formats.squashfs.reader import SquashImage
 
 SPEC = format_spec("squashfs")
 INODE = 1 << 62  # an ``inodes`` offset at or above this is INODE + the file's inode reference
@@ -86,6 +87,8 @@ def _open_image(path: str) -> SquashImage:
     """``path`` opened as a shard: a missing file is :class:`ShardMissingError`, anything that is no
     readable image :class:`CorruptSampleError` naming it (a missing compressor package stays a
     :class:`MissingBackendError` naming the package)."""
+    from stager.formats.squashfs.reader import SquashImage  # noqa: PLC0415 (reading only)
+
     try:
         return SquashImage(path, name=path)
     except SourceNotFoundError as exc:
@@ -262,6 +265,8 @@ class SquashShardReader:
         yield from self._manifest_samples(lst, self.info, self.manifest)
 
     def _folder_samples(self, lst: ImageListing) -> Iterator[Sample]:
+        from stager.formats.squashfs.folder import image_folder  # noqa: PLC0415 (reading only)
+
         im = self.image()
         found = image_folder(lst, self.path)
         for a in range(0, len(found), _READ_BATCH):
@@ -381,6 +386,8 @@ class SquashFormat(Format):
         worker forked afterwards finds ``zstandard`` (or isal, lz4...) loaded instead of importing it
         before its first sample (5-40 ms a worker). A missing package is left to the reader that needs
         it, which names it."""
+        from stager.formats.squashfs.reader import image_codec  # noqa: PLC0415 (reading only)
+
         for codec in {c.id: c for c in map(image_codec, paths) if c is not None}.values():
             with contextlib.suppress(StagerError):
                 decompressor(codec, "")
