@@ -218,33 +218,37 @@ class SquashShardReader:
         return self._image
 
     def read(self, positions: Sequence[int] | np.ndarray) -> list[Any]:
-        """Payloads of in-shard ``positions`` (manifest order), in the order given."""
+        """Payloads of in-shard ``positions`` (manifest order), in the order given. The loader calls this
+        once per run of a few samples: one pass over Python ints (a dozen numpy calls would cost more
+        than the slices they find)."""
         info = self.info
         if info is None:
             raise UsageError(f"{self.path}: read() needs the shard's manifest entry")
         pos = np.asarray(positions, dtype=np.int64).reshape(-1)
-        if len(pos) and (pos.min() < 0 or pos.max() >= info.samples):
+        if len(pos) and (int(pos.min()) < 0 or int(pos.max()) >= info.samples):
             raise UsageError(f"{self.path}: sample positions must be in 0..{info.samples - 1}")
-        offs, sizes = info.offsets[pos], info.sizes[pos]
-        out: list[Any] = [b""] * len(pos)
-        raw = offs < INODE
+        offs, sizes = info.offsets[pos].tolist(), info.sizes[pos].tolist()
+        out: list[Any] = [b""] * len(offs)
         im = self.image()
-        if raw.any():  # stored samples: zero-copy slices of the image's mapping, as tar members are read
-            where = np.flatnonzero(raw)
-            starts, ends = offs[where], offs[where] + sizes[where]
-            if int(ends.max()) > im.file_size:
-                raise CorruptSampleError(f"{self.path}: a sample ends at byte {int(ends.max())}, the image has "
+        view: memoryview | None = None
+        by_inode: list[int] = []  # indices into ``out`` of the samples read by inode
+        for k, (a, n) in enumerate(zip(offs, sizes, strict=True)):
+            if a >= INODE:
+                by_inode.append(k)
+                continue
+            if a + n > im.file_size:  # stored samples: zero-copy slices of the image's mapping, as tar members are read
+                raise CorruptSampleError(f"{self.path}: a sample ends at byte {a + n}, the image has "
                                          f"{im.file_size}; it is truncated: re-stage or re-pack it")
-            view = im.mapping()
-            for k, a, b in zip(where.tolist(), starts.tolist(), ends.tolist(), strict=True):
-                out[k] = view[a:b]
-        if not raw.all():
-            where = np.flatnonzero(~raw)
-            for k, b in zip(where.tolist(), im.read_refs(offs[where] - INODE), strict=True):
-                if len(b) != int(sizes[k]):
-                    raise CorruptSampleError(f"{self.path}: sample {info.keys[int(pos[k])]!r} is {len(b)} bytes, the "
-                                             f"index says {int(sizes[k])}; re-index or re-pack the shard")
-                out[k] = b
+            if view is None:
+                view = im.mapping()
+            out[k] = view[a : a + n]
+        if by_inode:
+            refs = np.asarray([offs[k] - INODE for k in by_inode], dtype=np.int64)
+            for k, data in zip(by_inode, im.read_refs(refs), strict=True):
+                if len(data) != sizes[k]:
+                    raise CorruptSampleError(f"{self.path}: sample {info.keys[int(pos[k])]!r} is {len(data)} bytes, "
+                                             f"the index says {sizes[k]}; re-index or re-pack the shard")
+                out[k] = data
         return out
 
     def iter_samples(self) -> Iterator[Sample]:
