@@ -108,16 +108,18 @@ def test_indexing_an_image_imports_no_tfrecord_crc(adopted: tuple[Path, Path, di
 def test_the_decompressor_is_loaded_before_workers_fork(adopted: tuple[Path, Path, dict[str, bytes]]) -> None:
     """A loader over an image read by inodes loads the image's decompressor (zstandard) when it is made,
     in the main process, so that its forked workers inherit it instead of each importing it before its
-    first sample; the workers' batches are the files' bytes."""
+    first sample; the workers' batches are the files' bytes. Reading never imports the image writer."""
     _image, idx, files = adopted
     code = ("import hashlib, json, sys; from stager.loader import make_numpy_loader; "
             f"ld = make_numpy_loader({str(idx)!r}, 8, rank=0, world_size=1, staged=False, decode='raw', "
             "num_workers=2); loaded = 'zstandard' in sys.modules; "
             "got = {k: hashlib.sha256(v).hexdigest() for b in ld for k, v in zip(b['key'], b['image'], strict=True)}; "
-            "print(json.dumps([loaded, got]))")
+            "writer = {'writer', 'tables'} & {m.rsplit('.', 1)[1] for m in sys.modules if 'squashfs.' in m}; "
+            "print(json.dumps([loaded, sorted(writer), got]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    loaded, got = json.loads(out)
+    loaded, writer, got = json.loads(out)
     assert loaded
+    assert writer == []
     assert got == {k.removesuffix(".jpg"): hashlib.sha256(v).hexdigest() for k, v in files.items()}
 
 

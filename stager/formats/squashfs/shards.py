@@ -43,13 +43,12 @@ from stager.errors import (
 )
 from stager.formats.base import Extent, Format, Sample, SizeInputs, ascii_lengths, field_payload
 from stager.formats.registry import format_spec
-from stager.formats.squashfs.compress import decompressor
-from stager.formats.squashfs.writer import PRECOMPRESSED, SquashWriter
+from stager.formats.squashfs.compress import PRECOMPRESSED, decompressor
 from stager.formats.tar import check_key, check_keys
 from stager.manifest import Manifest, ShardInfo, check_entry_name, class_dir_name, unpacked_stem
 from stager.manifest.fields import FieldSpec, sample_fields, specs_from_json
 
-if TYPE_CHECKING:  # the reading side is imported where an image is read: `stager pack` never loads it
+if TYPE_CHECKING:  # each side is imported where it is used: a pack never loads the reader, a loader the writer
     from stager.formats.squashfs.listing import ImageListing
     from stager.formats.squashfs.reader import SquashImage
 
@@ -119,6 +118,8 @@ class SquashShardWriter:
         self.classes = list(classes)
         self._fields = tuple(fields)
         self._keys_checked = keys_checked
+        from stager.formats.squashfs.writer import SquashWriter  # noqa: PLC0415 (writing only)
+
         self._w = SquashWriter(path, compression=comp, block_size=BLOCK_SIZE, fsync=fsync, threads=threads)
         self._paths: dict[str, str] = {}  # path in the image -> the key of the sample it belongs to
         self._moved: list[int] = []  # file ids of payloads placed only at close (provisional offset -1 - k)
