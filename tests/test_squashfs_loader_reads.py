@@ -6,7 +6,10 @@ imported when the loader is made, before its workers fork."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import mmap
+import os
 import random
 import subprocess
 import sys
@@ -100,3 +103,31 @@ def test_indexing_an_image_imports_no_tfrecord_crc(adopted: tuple[Path, Path, di
             "print('crc32c' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_the_decompressor_is_loaded_before_workers_fork(adopted: tuple[Path, Path, dict[str, bytes]]) -> None:
+    """A loader over an image read by inodes loads the image's decompressor (zstandard) when it is made,
+    in the main process, so that its forked workers inherit it instead of each importing it before its
+    first sample; the workers' batches are the files' bytes. Reading never imports the image writer."""
+    _image, idx, files = adopted
+    code = ("import hashlib, json, sys; from stager.loader import make_numpy_loader; "
+            f"ld = make_numpy_loader({str(idx)!r}, 8, rank=0, world_size=1, staged=False, decode='raw', "
+            "num_workers=2); loaded = 'zstandard' in sys.modules; "
+            "got = {k: hashlib.sha256(v).hexdigest() for b in ld for k, v in zip(b['key'], b['image'], strict=True)}; "
+            "writer = {'writer', 'tables'} & {m.rsplit('.', 1)[1] for m in sys.modules if 'squashfs.' in m}; "
+            "print(json.dumps([loaded, sorted(writer), got]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    loaded, writer, got = json.loads(out)
+    assert loaded
+    assert writer == []
+    assert got == {k.removesuffix(".jpg"): hashlib.sha256(v).hexdigest() for k, v in files.items()}
+
+
+def test_warming_skips_what_is_no_image(tmp_path: Path) -> None:
+    """The warm-up reads only superblocks and never raises: a missing file, a directory, a FIFO and a
+    file that is no SquashFS image are left to the reader that opens them, which reports them."""
+    (tmp_path / "junk.sqfs").write_bytes(b"not an image" * 20)
+    (tmp_path / "dir.sqfs").mkdir()
+    os.mkfifo(tmp_path / "fifo.sqfs")
+    paths = [str(tmp_path / n) for n in ("missing.sqfs", "junk.sqfs", "dir.sqfs", "fifo.sqfs")]
+    get_format("squashfs").warm_readers(paths)

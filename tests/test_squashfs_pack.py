@@ -315,3 +315,23 @@ def test_a_damaged_compressed_block_raises_naming_the_sample_or_is_skipped(tmp_p
     skip = make_loader(tmp_path / "out", 4, on_error="skip", **kw)
     assert sum(len(b["key"]) for b in skip) == s.samples - 1
     assert skip.stats()["skipped_keys"] == [s.keys[victim]]
+
+
+def test_packing_loads_no_reading_side(src: Path, tmp_path: Path) -> None:
+    """`stager pack --format squashfs` imports the writer's modules only (the image reader, its listing,
+    tree walk and ImageFolder check are ~10 ms of a sub-second command's start), and the lazily imported
+    names still resolve for readers."""
+    code = ("import sys; from stager.cli import main; "
+            f"rc = main(['pack', {str(src)!r}, {str(tmp_path / 'out')!r}, '--format', 'squashfs', '-q']); "
+            "print(rc or 0, ' '.join(m.rsplit('.', 1)[1] for m in sys.modules "
+            "if m.startswith('stager.formats.squashfs.')))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    rc, *loaded = r.stdout.split()
+    assert rc == "0", r.stderr
+    assert "writer" in loaded
+    assert not {"reader", "listing", "walk", "refs", "inodes", "dirtable", "folder"} & set(loaded)
+    from stager.formats import squashfs
+
+    assert squashfs.SquashImage.__name__ == "SquashImage" and squashfs.ImageListing.__name__ == "ImageListing"
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        _ = squashfs.Nope

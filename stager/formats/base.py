@@ -269,6 +269,12 @@ class Format:
     def open_reader(self, path: str, info: ShardInfo, manifest: Manifest) -> ShardReader:
         return type(self).reader(path, info, manifest)
 
+    def warm_readers(self, paths: Sequence[str]) -> None:
+        """Load in this process what readers of the local shard files ``paths`` load on first use
+        (a compressor's module), so that worker processes forked afterwards inherit it instead of each
+        loading it before its first sample. Best effort and cheap (a few small reads); a shard that
+        cannot be read is left to the reader that opens it, which reports it. Default: nothing."""
+
     def _read_only(self) -> UsageError:
         return UsageError(f"stager does not write {self.spec.what}; `stager index` adopts it in place, and `stager "
                           f"pack` converts it to {', '.join(FORMAT_NAMES[:-1])} or {FORMAT_NAMES[-1]}")

@@ -36,6 +36,7 @@ from stager.errors import CorruptSampleError, UsageError
 from stager.formats import format_spec, get_format
 from stager.fs.info import detect_fs
 from stager.fs.kernel import release_free_heap
+from stager.fs.open import local_path_of
 from stager.loader.assemble import pack_raw_numpy, stack_nhwc
 from stager.loader.clipfields import ClipFieldsFn
 from stager.loader.clips import ClipFn, clip_meta, item_shard_groups, item_space
@@ -168,6 +169,16 @@ def _options_of(options: LoaderOptions | int, settings: dict[str, Any]) -> Loade
     return LoaderOptions.from_kwargs(settings, batch_size=options)
 
 
+_WARM_SHARDS = 8  # shards whose readers' first needs (their compressors) are loaded before workers fork
+
+
+def _first_local_paths(res: Resolved) -> list[str]:
+    """The local files of the first :data:`_WARM_SHARDS` shards this node reads (none when remote)."""
+    shards = res.local_shards if res.local_shards is not None else np.arange(res.index.num_shards)
+    paths = (local_path_of(res.shard_path(int(s))) for s in shards[:_WARM_SHARDS])
+    return [p for p in paths if p is not None]
+
+
 class RankDataset:
     """One rank's shuffled, padded share of a packed dataset (or ImageFolder tree), as batches: no torch.
 
@@ -238,9 +249,10 @@ class RankDataset:
         check_shards(res, res.local_shards if res.local_shards is not None else np.arange(self.index.num_shards))
         m = self.index.manifest
         if m is not None and any(s.extents != "bytes" for s in m.shards):
-            # Shards read through their format's reader (squashfs inodes, parquet rows): its module is
-            # imported here, once, so forked workers inherit it instead of each importing it at its first read.
-            get_format(m.format)
+            # Shards read through their format's reader (squashfs inodes, parquet rows): its module, and
+            # what its readers load first (a decompressor), are loaded here, once, so forked workers
+            # inherit them instead of each loading them before its first sample.
+            get_format(m.format).warm_readers(_first_local_paths(res))
         self.epoch = 0
         self.start_batch = 0
         self._remaining: np.ndarray | None = None

@@ -3,7 +3,7 @@
     python tools/bench/bench_squashfs.py [--classes 10 --per-class 200] [--rounds 3]
         [--big-classes 1000 --big-per-class 1281] [--tiny-classes 20]
         [--epoch-classes 20 --epoch-per-class 1000] [--work /tmp/stager-bench-squashfs]
-        [--only read,mount,pack,index] [--baseline /path/to/main]
+        [--only read,mount,epoch,pack,index] [--baseline /path/to/main]
 
 1. **Read**: stager's loader (``make_loader``, ``decode="raw"``, one epoch, shuffled, in process)
    over the same ImageNet-like JPEGs in tar shards, in uncompressed images (``stager pack --format
@@ -21,10 +21,14 @@
    page cache goes with it, as a job's would); the squashfuse daemon's CPU is counted with the reader's.
    Twice: over the small tree, where starting 2 workers weighs on both sides of a sub-second epoch, and
    over a realistic epoch (``--epoch-classes x --epoch-per-class``, default 20,000 ImageNet-like JPEGs).
+   Both scripts import torch and run a full garbage collection before their clock starts: the one torch's
+   import leaves due (~0.05-0.15 s over its ~170,000 objects) would otherwise land in whichever side
+   first imports or allocates long-lived objects (stager's loader, importing the format's modules).
 3. **Pack**: ``stager pack TREE OUT --format squashfs --compression C`` (a fresh process: listing,
    plan, hashing, one image, fsynced) against ``mksquashfs TREE IMG -comp C`` (every core, its
-   defaults), wall, CPU and image bytes; and against mksquashfs followed by ``sync IMG``, the same image
-   made durable as the pack's is when it returns.
+   defaults; for ``none`` ``-noI -noD -noF -noX -no-fragments``, the layout the pack writes), wall,
+   CPU and image bytes; and against mksquashfs followed by ``sync IMG``, the same image made durable
+   as the pack's is when it returns.
 4. **Index**: ``stager index IMG --out DIR`` of an ImageNet-sized image (1,281,000 ~1 KB JPEGs, made by
    mksquashfs once and cached under ``--work``, shared with bench_squashfs_codec.py) against
    ``unsquashfs -l IMG``, and the loader's first batch (256 samples) over the index, in a fresh
@@ -34,8 +38,8 @@ The machine's load is printed with the tables; CPU seconds are steadier than wal
 Every child runs with stager's bytecode compiled first (as a pip install leaves it; a development
 checkout run with ``PYTHONDONTWRITEBYTECODE`` would recompile every module in every process).
 Writes docs/bench/squashfs.md, prints its tables, then one JSON object. ``--only`` runs some of the
-figures (``read`` is both read tables, ``mount`` both mount tables) and prints their tables without
-rewriting docs/bench/squashfs.md, which holds all four.
+figures (``read`` is both read tables, ``mount`` the small tree's mount table, ``epoch`` the realistic
+epoch's) and prints their tables without rewriting docs/bench/squashfs.md, which holds all of them.
 """
 
 from __future__ import annotations
@@ -72,13 +76,14 @@ def tagged(name: str, code: str) -> str:
     return f"{name} ({code})" if code else name
 
 LOADER = """
-import json, resource, sys, time
+import gc, json, resource, sys, time
 import torch  # imported before the clock starts, as in the mount reader's script
 from stager.loader import Loader, make_loader
 path, workers = sys.argv[1], int(sys.argv[2])
 def cpu():
     return sum(getattr(resource.getrusage(w), f) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
                for f in ("ru_utime", "ru_stime"))
+gc.collect()  # the full collection torch's import leaves due would land in whichever side allocates first
 c0 = cpu()
 t = time.perf_counter()
 ld = make_loader(path, 256, rank=0, world_size=1, decode="raw", staged=False, num_workers=workers,
@@ -92,7 +97,7 @@ print(json.dumps({"n": n, "wall": wall, "cpu": cpu() - c0}))
 # What users do today: an ImageFolder-like Dataset over the mount, one open()/read() per file, batches of
 # the files' bytes through a torch DataLoader (its workers send them to the training process).
 MOUNT_READ = """
-import json, os, resource, sys, time
+import gc, json, os, resource, sys, time
 import torch
 from torch.utils.data import DataLoader, Dataset
 root, workers = sys.argv[1], int(sys.argv[2])
@@ -109,6 +114,7 @@ class Files(Dataset):
         with open(self.paths[i], "rb") as f:
             return f.read()
 
+gc.collect()  # as in the loader's script
 c0 = cpu()
 t = time.perf_counter()
 dl = DataLoader(Files(root), batch_size=256, shuffle=True, num_workers=workers, collate_fn=list,
@@ -312,7 +318,9 @@ def bench_pack(tree: Path, work: Path, rounds: int, compressions: list[str]) -> 
                 sizes[tagged("stager", code)] = sum(p.stat().st_size for p in out.glob("*.sqfs"))
             img = work / f"pack-{comp}.sqfs"
             img.unlink(missing_ok=True)
-            opts = ["-noI", "-noD", "-noF", "-noX"] if comp == "none" else ["-comp", comp]
+            # `none`: the pack stores every file whole, never in a fragment, so the like image is -no-fragments
+            # (byte for byte the same size; with fragments mksquashfs also copies each JPEG's tail into one)
+            opts = ["-noI", "-noD", "-noF", "-noX", "-no-fragments"] if comp == "none" else ["-comp", comp]
             wall, cpu, _ = run(["mksquashfs", str(tree), str(img), "-noappend", "-quiet", "-no-progress", *opts])
             times["mksquashfs"].append((wall, cpu))
             # The pack's image is durable when it returns (fsync, rename, directory fsync); mksquashfs's is
@@ -381,15 +389,16 @@ def bench_index(image: Path, work: Path, rounds: int) -> dict[str, Any]:
     return res
 
 
-FIGURES = ("read", "mount", "pack", "index")
+FIGURES = ("read", "mount", "epoch", "pack", "index")
 
 
 def markdown(res: dict[str, Any]) -> str:
     lines = ["## SquashFS images (tools/bench/bench_squashfs.py)", "",
              f"Tree: {res['files']} ImageNet-like JPEGs ({res['mb']:.0f} MB). Interleaved rounds ({res['rounds']}), "
              f"medians. Machine load (1, 5, 15 min) at the start: {res['load']}; {os.cpu_count()} CPUs.", ""]
-    for figure, part in (("read", _md_read), ("mount", _md_mount), ("pack", _md_pack), ("index", _md_index)):
-        if figure in res:
+    for keys, part in ((("read",), _md_read), (("mount", "mount_epoch"), _md_mount), (("pack",), _md_pack),
+                       (("index",), _md_index)):
+        if any(k in res for k in keys):
             lines += part(res)
     while lines[-1] == "":
         lines.pop()
@@ -410,10 +419,13 @@ def _md_read(res: dict[str, Any]) -> list[str]:
 
 def _md_mount(res: dict[str, Any]) -> list[str]:
     lines: list[str] = []
-    for key, what in (("mount", f"{res['files']} samples"), ("mount_epoch", f"{res['epoch_files']} samples")):
+    for key, what in (("mount", f"{res['files']} samples"), ("mount_epoch", f"{res.get('epoch_files')} samples")):
+        if key not in res:
+            continue
         lines += ["", f"**Against a squashfuse mount, {what}** (a torch DataLoader over the mounted tree, "
                   "`open()`/`read()` per file, shuffled; a fresh mount per epoch, so its page cache starts cold as "
-                  "the loader's decompression does; CPU includes the squashfuse daemon's)", ""]
+                  "the loader's decompression does; CPU includes the squashfuse daemon's; both scripts import torch "
+                  "and run a full garbage collection before their clock starts)", ""]
         if res[key]:
             lines += ["| image | reader | workers | samples/s | x mount | CPU us/sample |", "|---|---|---|---|---|---|"]
             lines += [f"| {r['image']} | {r['reader']} | {r['workers']} | {r['samples_per_s']:.0f} | "
@@ -424,7 +436,8 @@ def _md_mount(res: dict[str, Any]) -> list[str]:
 
 
 def _md_pack(res: dict[str, Any]) -> list[str]:
-    lines = ["", "**Pack** (`stager pack --format squashfs`, a fresh process, against `mksquashfs`, one image each)",
+    lines = ["", "**Pack** (`stager pack --format squashfs`, a fresh process, against `mksquashfs`, one image each; "
+             "`none` against `mksquashfs -noI -noD -noF -noX -no-fragments`, the same layout)",
               "", "| compression | stager s | mksquashfs s | speed (x mksquashfs) | mksquashfs + sync s | speed (x "
               "mksquashfs + sync) | stager CPU s | mksquashfs CPU s | stager MB | mksquashfs MB | size (x) |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -502,7 +515,12 @@ def main(argv: list[str] | None = None) -> int:
     if "mount" in only:
         small = {"zstd (mksquashfs defaults)": (work / "read-zstd.sqfs", work / "idx-zstd"),
                  "uncompressed": (work / "read-plain.sqfs", work / "idx-plain")}
+        for image, idx, opts in ((*small["zstd (mksquashfs defaults)"], ("-comp", "zstd")),
+                                 (*small["uncompressed"], ("-noI", "-noD", "-noF", "-noX", "-no-fragments"))):
+            if not (idx / "manifest.json").exists():  # made by the read figure; alone, made here
+                adopt(mksquashfs(tree, image, *opts), idx)
         res["mount"] = bench_mount(small, work, a.rounds)
+    if "epoch" in only:
         res["epoch_files"] = a.epoch_classes * a.epoch_per_class
         res["mount_epoch"] = bench_mount(epoch_images(work, a.epoch_classes, a.epoch_per_class), work, a.rounds)
     if "pack" in only:

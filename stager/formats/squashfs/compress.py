@@ -100,6 +100,15 @@ def codec_by_name(name: str) -> Codec:
     return BY_NAME[name]
 
 
+# File types stored as they are by default (already compressed: compressing them again gains nothing);
+# by extension, lower case. The writer's rule, and the pack's size estimate's.
+PRECOMPRESSED = frozenset((
+    "jpg", "jpeg", "jpe", "jfif", "png", "gif", "webp", "avif", "heic", "heif", "jp2", "jxl",  # images
+    "mp4", "m4v", "mov", "mkv", "webm", "avi", "mp3", "aac", "ogg", "opus", "flac",  # audio and video
+    "zip", "gz", "tgz", "bz2", "xz", "zst", "lz4", "7z", "rar", "npz", "parquet",  # archives
+))
+
+
 # ---- decompression ------------------------------------------------------------------------------
 
 _local = threading.local()

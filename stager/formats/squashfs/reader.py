@@ -28,7 +28,7 @@ import numpy as np
 
 from stager.errors import CorruptSampleError, SourceError, SourceNotFoundError
 from stager.formats.base import pread_runs
-from stager.formats.squashfs.compress import Codec, DecompressError, codec_by_id, decompressor
+from stager.formats.squashfs.compress import CODECS, Codec, DecompressError, codec_by_id, decompressor
 from stager.formats.squashfs.layout import (
     DATA_SIZE_MASK,
     FLAG_COMP_OPT,
@@ -57,6 +57,24 @@ from stager.formats.squashfs.walk import walk
 
 _FRAGMENT_CACHE = 32  # decompressed fragment blocks kept (4 MiB at the default 128 KiB block size)
 _META_CACHE = 64  # decompressed inode-table blocks kept (512 KiB) for reads by inode reference
+
+
+def image_codec(path: str) -> Codec | None:
+    """The compressor the superblock of the image at ``path`` names, from its first 96 bytes; None
+    when ``path`` is no regular file starting with a SquashFS superblock of a known compressor."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        raw = os.pread(fd, SUPERBLOCK_SIZE, 0) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if len(raw) < SUPERBLOCK_SIZE or struct.unpack_from("<I", raw)[0] != MAGIC:
+        return None
+    return CODECS.get(Superblock.unpack(raw).compression)
 
 
 def _damaged(image: str, what: str) -> SourceError:

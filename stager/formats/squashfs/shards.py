@@ -22,11 +22,12 @@ inode's reference, and such a shard says ``extents: "inodes"``: the loader reads
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -36,18 +37,20 @@ from stager.errors import (
     ShardMissingError,
     SourceError,
     SourceNotFoundError,
+    StagerError,
     UnsafeArchiveError,
     UsageError,
 )
 from stager.formats.base import Extent, Format, Sample, SizeInputs, ascii_lengths, field_payload
 from stager.formats.registry import format_spec
-from stager.formats.squashfs.folder import image_folder
-from stager.formats.squashfs.listing import ImageListing
-from stager.formats.squashfs.reader import SquashImage
-from stager.formats.squashfs.writer import PRECOMPRESSED, SquashWriter
+from stager.formats.squashfs.compress import PRECOMPRESSED, decompressor
 from stager.formats.tar import check_key, check_keys
 from stager.manifest import Manifest, ShardInfo, check_entry_name, class_dir_name, unpacked_stem
 from stager.manifest.fields import FieldSpec, sample_fields, specs_from_json
+
+if TYPE_CHECKING:  # each side is imported where it is used: a pack never loads the reader, a loader the writer
+    from stager.formats.squashfs.listing import ImageListing
+    from stager.formats.squashfs.reader import SquashImage
 
 SPEC = format_spec("squashfs")
 INODE = 1 << 62  # an ``inodes`` offset at or above this is INODE + the file's inode reference
@@ -83,6 +86,8 @@ def _open_image(path: str) -> SquashImage:
     """``path`` opened as a shard: a missing file is :class:`ShardMissingError`, anything that is no
     readable image :class:`CorruptSampleError` naming it (a missing compressor package stays a
     :class:`MissingBackendError` naming the package)."""
+    from stager.formats.squashfs.reader import SquashImage  # noqa: PLC0415 (reading only)
+
     try:
         return SquashImage(path, name=path)
     except SourceNotFoundError as exc:
@@ -113,6 +118,8 @@ class SquashShardWriter:
         self.classes = list(classes)
         self._fields = tuple(fields)
         self._keys_checked = keys_checked
+        from stager.formats.squashfs.writer import SquashWriter  # noqa: PLC0415 (writing only)
+
         self._w = SquashWriter(path, compression=comp, block_size=BLOCK_SIZE, fsync=fsync, threads=threads)
         self._paths: dict[str, str] = {}  # path in the image -> the key of the sample it belongs to
         self._moved: list[int] = []  # file ids of payloads placed only at close (provisional offset -1 - k)
@@ -212,33 +219,37 @@ class SquashShardReader:
         return self._image
 
     def read(self, positions: Sequence[int] | np.ndarray) -> list[Any]:
-        """Payloads of in-shard ``positions`` (manifest order), in the order given."""
+        """Payloads of in-shard ``positions`` (manifest order), in the order given. The loader calls this
+        once per run of a few samples: one pass over Python ints (a dozen numpy calls would cost more
+        than the slices they find)."""
         info = self.info
         if info is None:
             raise UsageError(f"{self.path}: read() needs the shard's manifest entry")
         pos = np.asarray(positions, dtype=np.int64).reshape(-1)
-        if len(pos) and (pos.min() < 0 or pos.max() >= info.samples):
+        if len(pos) and (int(pos.min()) < 0 or int(pos.max()) >= info.samples):
             raise UsageError(f"{self.path}: sample positions must be in 0..{info.samples - 1}")
-        offs, sizes = info.offsets[pos], info.sizes[pos]
-        out: list[Any] = [b""] * len(pos)
-        raw = offs < INODE
+        offs, sizes = info.offsets[pos].tolist(), info.sizes[pos].tolist()
+        out: list[Any] = [b""] * len(offs)
         im = self.image()
-        if raw.any():  # stored samples: zero-copy slices of the image's mapping, as tar members are read
-            where = np.flatnonzero(raw)
-            starts, ends = offs[where], offs[where] + sizes[where]
-            if int(ends.max()) > im.file_size:
-                raise CorruptSampleError(f"{self.path}: a sample ends at byte {int(ends.max())}, the image has "
+        view: memoryview | None = None
+        by_inode: list[int] = []  # indices into ``out`` of the samples read by inode
+        for k, (a, n) in enumerate(zip(offs, sizes, strict=True)):
+            if a >= INODE:
+                by_inode.append(k)
+                continue
+            if a + n > im.file_size:  # stored samples: zero-copy slices of the image's mapping, as tar members are read
+                raise CorruptSampleError(f"{self.path}: a sample ends at byte {a + n}, the image has "
                                          f"{im.file_size}; it is truncated: re-stage or re-pack it")
-            view = im.mapping()
-            for k, a, b in zip(where.tolist(), starts.tolist(), ends.tolist(), strict=True):
-                out[k] = view[a:b]
-        if not raw.all():
-            where = np.flatnonzero(~raw)
-            for k, b in zip(where.tolist(), im.read_refs(offs[where] - INODE), strict=True):
-                if len(b) != int(sizes[k]):
-                    raise CorruptSampleError(f"{self.path}: sample {info.keys[int(pos[k])]!r} is {len(b)} bytes, the "
-                                             f"index says {int(sizes[k])}; re-index or re-pack the shard")
-                out[k] = b
+            if view is None:
+                view = im.mapping()
+            out[k] = view[a : a + n]
+        if by_inode:
+            refs = np.asarray([offs[k] - INODE for k in by_inode], dtype=np.int64)
+            for k, data in zip(by_inode, im.read_refs(refs), strict=True):
+                if len(data) != sizes[k]:
+                    raise CorruptSampleError(f"{self.path}: sample {info.keys[int(pos[k])]!r} is {len(data)} bytes, "
+                                             f"the index says {sizes[k]}; re-index or re-pack the shard")
+                out[k] = data
         return out
 
     def iter_samples(self) -> Iterator[Sample]:
@@ -259,6 +270,8 @@ class SquashShardReader:
         yield from self._manifest_samples(lst, self.info, self.manifest)
 
     def _folder_samples(self, lst: ImageListing) -> Iterator[Sample]:
+        from stager.formats.squashfs.folder import image_folder  # noqa: PLC0415 (reading only)
+
         im = self.image()
         found = image_folder(lst, self.path)
         for a in range(0, len(found), _READ_BATCH):
@@ -372,6 +385,17 @@ class SquashFormat(Format):
 
     def disk_bytes(self, inputs: SizeInputs) -> tuple[np.ndarray, int]:
         return sample_disk_bytes(inputs)
+
+    def warm_readers(self, paths: Sequence[str]) -> None:
+        """Import the decompressors of the images at ``paths`` (each superblock's compressor): a
+        worker forked afterwards finds ``zstandard`` (or isal, lz4...) loaded instead of importing it
+        before its first sample (5-40 ms a worker). A missing package is left to the reader that needs
+        it, which names it."""
+        from stager.formats.squashfs.reader import image_codec  # noqa: PLC0415 (reading only)
+
+        for codec in {c.id: c for c in map(image_codec, paths) if c is not None}.values():
+            with contextlib.suppress(StagerError):
+                decompressor(codec, "")
 
 
 FORMAT = SquashFormat()

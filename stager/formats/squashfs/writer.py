@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import BinaryIO, NamedTuple
 
 from stager.errors import UsageError
-from stager.formats.squashfs.compress import Compress, codec_by_name, compressor, options_block
+from stager.formats.squashfs.compress import PRECOMPRESSED, Compress, codec_by_name, compressor, options_block
 from stager.formats.squashfs.layout import (
     DATA_STORED,
     FLAG_ALWAYS_FRAG,
@@ -57,11 +57,6 @@ from stager.formats.squashfs.meta import indexed_table
 from stager.formats.squashfs.tables import FIXED_MTIME, Files, Tree, build_tables
 from stager.fs.writeback import start_writeback
 
-PRECOMPRESSED = frozenset((
-    "jpg", "jpeg", "jpe", "jfif", "png", "gif", "webp", "avif", "heic", "heif", "jp2", "jxl",  # images
-    "mp4", "m4v", "mov", "mkv", "webm", "avi", "mp3", "aac", "ogg", "opus", "flac",  # audio and video
-    "zip", "gz", "tgz", "bz2", "xz", "zst", "lz4", "7z", "rar", "npz", "parquet",  # archives
-))
 _WINDOW = 32 << 20  # input bytes of compression jobs in flight before the oldest is written (fixed: determinism)
 _FLUSH = 4 << 20  # bytes queued before a write
 _NO_COPY = 16 << 10  # pieces this large (and immutable) are written from where they are, not copied
