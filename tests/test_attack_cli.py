@@ -444,6 +444,24 @@ def test_an_index_worker_killed_on_its_own_is_one_line_and_the_index_resumes(hel
     assert json.loads(again.stdout)["samples"] == 23 and verify(out).ok
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+def test_index_with_workers_ends_them_on_a_signal(held_shards: Any, tmp_path: Path, sig: signal.Signals) -> None:
+    """Ctrl-C or Slurm's SIGTERM to ``index -j 2`` alone while both workers wait on a stalled server: exit 130
+    with the JSON object at once, no worker left alive, nothing half-written in OUT. Index used to wait for
+    its running scans (here: for ever)."""
+    held, url = held_shards
+    out = tmp_path / "idx"
+    proc, _, workers = _index_held(held, url, out)
+    stdout, stderr = _ended(proc, lambda: proc.send_signal(sig))
+    said = "interrupted" if sig == signal.SIGINT else f"interrupted ({sig.name})"
+    assert proc.returncode == ExitCode.INTERRUPTED, (proc.returncode, stderr)
+    assert stderr.splitlines() == [f"stager index: error: {said}"], stderr
+    (line,) = stdout.splitlines()
+    assert json.loads(line)["exit_code"] == 130
+    _assert_gone(workers)
+    assert not [p for p in out.rglob("*") if p.is_file()], sorted(out.rglob("*"))
+
+
 def test_a_signal_the_parent_ignores_stays_ignored(tmp_path: Path) -> None:
     """``nohup stager pack ...``: SIGHUP is ignored when stager starts, and stays so."""
     lst, fifo = _list_with_a_fifo(tmp_path)

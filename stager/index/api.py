@@ -276,6 +276,9 @@ def _scan_all(directory: str, todo: list[str], kind: str, opts: IndexOptions, pr
             ended = ended_workers(ex)
             kill_workers(ex)
             raise lost_worker_error(ended, "index", "rerun with fewer -j; the index resumes where it stopped") from None
+        except (KeyboardInterrupt, GeneratorExit):  # Ctrl-C, SIGTERM, or the caller failed: abandon what runs
+            kill_workers(ex)  # a worker blocked on a stalled server would keep the pool's shutdown waiting
+            raise
         finally:
             for fut in pending:
                 fut.cancel()
