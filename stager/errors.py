@@ -230,6 +230,11 @@ class ResourceLimitError(StagerError, OSError):
     exit_code = ExitCode.USAGE
 
 
+class WorkerLostError(ResourceLimitError):
+    """A worker process of ``pack -j`` or ``index -j`` ended on its own (the OOM killer's SIGKILL, a ``kill``
+    of that one process): the message names it, the signal, and what to do (fewer workers; the run resumes)."""
+
+
 def install_hint(packages: str, extra: str | None = None) -> str:
     """How to install an optional dependency: the PyPI packages themselves (what works in any environment;
     stager is installed from a checkout, not from PyPI), and the checkout's extra where there is one."""

@@ -101,14 +101,20 @@ def _check_file(root: str, name: str, nbytes: int, digest: str, algo: str) -> st
         return f"unreadable ({exc.strerror})"
 
 
+def _open_reader(root: str, info: ShardInfo, m: Manifest) -> tuple[Any, str | None]:
+    """``(reader, None)`` for shard ``info`` with its format's reader, or ``(None, why it cannot be opened)``."""
+    try:
+        return get_format(m.format).open_reader(os.path.join(root, info.name), info, m), None
+    except (StagerError, OSError, ValueError, KeyError) as exc:
+        return None, f"cannot open with the {m.format} reader ({exc})"
+
+
 def _deep_check(root: str, info: ShardInfo, m: Manifest) -> str | None:
     if m.indexed:  # someone else's shards: index the shard again with the recorded options and compare
         return rescan_shard(os.path.join(root, info.name), info, m)
-    fmt = get_format(m.format)
-    try:
-        reader = fmt.open_reader(os.path.join(root, info.name), info, m)
-    except (StagerError, OSError, ValueError, KeyError) as exc:
-        return f"cannot open with the {m.format} reader ({exc})"
+    reader, err = _open_reader(root, info, m)
+    if reader is None:
+        return err
     try:
         n = 0
         pending: list[Any] = []
@@ -160,11 +166,9 @@ UNDECODABLE = "cannot be decoded"  # the words of a decode failure in ``VerifyRe
 
 def _decode_check(root: str, info: ShardInfo, m: Manifest) -> str | None:
     """Decode every JPEG/PNG payload of shard ``info`` as the loader does; the first failure, named by key."""
-    fmt = get_format(m.format)
-    try:
-        reader = fmt.open_reader(os.path.join(root, info.name), info, m)
-    except (StagerError, OSError, ValueError, KeyError) as exc:
-        return f"cannot open with the {m.format} reader ({exc})"
+    reader, err = _open_reader(root, info, m)
+    if reader is None:
+        return err
     try:
         for start in range(0, info.samples, READ_BATCH):
             got = reader.read(np.arange(start, min(start + READ_BATCH, info.samples)))

@@ -22,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -165,15 +166,15 @@ def test_closed_or_full_stdout_and_stderr_never_fail_the_work(places: dict[str, 
 
 
 # ---- SIGTERM, SIGHUP ----------------------------------------------------------------------------------------
-def _list_with_a_fifo(tmp_path: Path) -> tuple[Path, Path]:
-    """A list file of two JPEGs and, last, a FIFO nobody writes yet (pack blocks reading it); (list, fifo)."""
+def _list_with_a_fifo(tmp_path: Path, images: int = 2) -> tuple[Path, Path]:
+    """A list file of ``images`` JPEGs and, last, a FIFO nobody writes yet (pack blocks reading it); (list, fifo)."""
     import numpy as np
 
     rng = np.random.default_rng(7)
     d = tmp_path / "imgs"
     d.mkdir()
     rows = []
-    for i in range(2):
+    for i in range(images):
         (d / f"img{i}.jpg").write_bytes(jpeg_bytes(render_image(rng, i, 2, 24, 24)))
         rows.append(f"{d / f'img{i}.jpg'},{i}")
     fifo = d / "zz-last.jpg"
@@ -265,6 +266,200 @@ def test_pack_with_workers_ends_them_on_a_signal(tmp_path: Path, sig: signal.Sig
     _assert_interrupted(proc, stdout, stderr, sig, out)
     with pytest.raises(ProcessLookupError):
         os.killpg(proc.pid, 0)  # no process of the group is left
+
+
+def _worker_reading(proc: subprocess.Popen[str], path: Path) -> int:
+    """The pid of ``proc``'s child (a pool worker) blocked reading ``path`` (a FIFO): it has it open (its fd
+    links in /proc) and sleeps in a pipe's read (its ``wchan``). Waits until one does; fails if ``proc`` ends."""
+    while proc.poll() is None:
+        for child in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split():
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # a child that has just ended
+                wchan = Path(f"/proc/{child}/wchan").read_text()
+                if ("pipe_read" in wchan or "pipe_wait" in wchan) and any(
+                        os.readlink(fd) == str(path) for fd in Path(f"/proc/{child}/fd").iterdir()):
+                    return int(child)
+        time.sleep(0.01)
+    raise AssertionError(f"exited {proc.returncode} before a worker read {path}: {proc.communicate()}")
+
+
+def test_a_pack_worker_killed_on_its_own_is_one_line_and_the_pack_resumes(tmp_path: Path) -> None:
+    """The OOM killer ends one worker of ``pack -j 2`` (SIGKILL to it alone, while it reads a FIFO): one
+    error line that names it and what to do, the table's code (2, as ENOMEM), the JSON object, nothing
+    half-written and no process left, where the pool's BrokenProcessPool used to exit 1 with a traceback.
+    The same command then resumes and writes the shards an uninterrupted pack writes, byte for byte."""
+    import numpy as np
+
+    lst, fifo = _list_with_a_fifo(tmp_path, images=9)
+    out = tmp_path / "out"
+    cmd = [*CLI, "pack", str(lst), str(out), "--format", "tar", "--samples-per-shard", "2", "-j", "2", "--json"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
+                            start_new_session=True)
+    fd = open_writer_when_read(fifo, proc)  # a worker is reading the FIFO
+    victim = _worker_reading(proc, fifo)
+    stdout, stderr = _signalled(proc, fd, lambda: os.kill(victim, signal.SIGKILL))
+    r = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    assert_error_contract(r, ExitCode.USAGE, "stager pack", as_json=True)
+    assert f"a pack worker (pid {victim}) was killed (SIGKILL: out of memory?); rerun with fewer --workers" \
+        in stderr, stderr
+    assert not list(out.rglob("*.partial")), sorted(out.rglob("*"))
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)  # no worker outlives it
+    fifo.unlink()  # the last image is now readable: the same command resumes
+    fifo.write_bytes(jpeg_bytes(render_image(np.random.default_rng(8), 1, 2, 24, 24)))
+    again = subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), timeout=600, check=False)
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["reused_shards"] > 0, again.stdout  # resumed, not started over
+    whole = tmp_path / "whole"
+    subprocess.run([*cmd[:cmd.index(str(out))], str(whole), *cmd[cmd.index(str(out)) + 1:]], capture_output=True,
+                   text=True, env=clean_env(), timeout=600, check=True)
+    shards = sorted(p.name for p in whole.iterdir() if p.name.endswith(".tar"))
+    assert len(shards) == 5 and sorted(p.name for p in out.iterdir() if p.name.endswith(".tar")) == shards
+    for name in shards:
+        assert (out / name).read_bytes() == (whole / name).read_bytes(), name
+    assert verify(out).ok
+
+
+class _HeldShards:
+    """An HTTP server (directory listings, on a thread) that holds every GET of a ``.tar`` until :meth:`release`:
+    ``stager index -j 2 URL``'s workers each wait in such a GET, mid-task. :meth:`wait_held` returns once ``n``
+    GETs are held."""
+
+    def __init__(self, directory: Path) -> None:
+        import functools
+        import http.server
+        import threading
+
+        self.held = threading.Semaphore(0)
+        self.released = threading.Event()
+        outer = self
+
+        class Handler(http.server.SimpleHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                if self.path.endswith(".tar"):
+                    outer.held.release()
+                    outer.released.wait()
+                super().do_GET()
+
+        class Server(http.server.ThreadingHTTPServer):
+            def handle_error(self, request: Any, client_address: Any) -> None:
+                pass  # a client killed mid-request: its broken pipe is the point
+
+        self.server = Server(("127.0.0.1", 0), functools.partial(Handler, directory=str(directory)))
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def wait_held(self, n: int, proc: subprocess.Popen[str]) -> None:
+        for _ in range(n):
+            while not self.held.acquire(timeout=0.05):  # a poll: fails when proc ends first, never on time
+                if proc.poll() is not None:
+                    raise AssertionError(f"exited {proc.returncode} before {n} GETs: {proc.communicate()}")
+
+    def release(self) -> None:
+        self.released.set()
+
+    def stop(self) -> None:
+        self.release()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def held_shards(tmp_path: Path) -> Any:
+    """3 webdataset tars behind a :class:`_HeldShards` server: ``(server, the shards' URL)``."""
+    from tests.test_index import write_wds
+
+    write_wds(tmp_path / "wds")
+    srv = _HeldShards(tmp_path)
+    yield srv, f"{srv.url}/wds/"
+    srv.stop()
+
+
+# A stalled GET is neither retried nor given up on while the test holds it.
+_HOLD_ENV = {"STAGER_RETRIES": "1", "STAGER_REQUEST_TIMEOUT": "3600"}
+
+
+def _pool_workers(proc: subprocess.Popen[str]) -> list[int]:
+    """The pids of ``proc``'s pool workers: its children but the resource tracker a spawning pool starts."""
+    kids = [int(c) for c in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+    return [k for k in kids if b"resource_tracker" not in Path(f"/proc/{k}/cmdline").read_bytes()]
+
+
+def _index_held(held: _HeldShards, url: str, out: Path) -> tuple[subprocess.Popen[str], list[str], list[int]]:
+    """``stager index -j 2 URL --out OUT --json`` in a session of its own, once both workers wait in a held
+    GET: ``(process, command, the workers' pids)``."""
+    cmd = [*CLI, "index", url, "--out", str(out), "-j", "2", "--json"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=clean_env(**_HOLD_ENV), start_new_session=True)
+    try:
+        held.wait_held(2, proc)
+        workers = _pool_workers(proc)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    assert len(workers) == 2, workers
+    return proc, cmd, workers
+
+
+def _assert_gone(pids: list[int]) -> None:
+    """No process of ``pids`` is left (nor a zombie: stager waited for each)."""
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists(), f"worker {pid} outlived stager"
+
+
+def _ended(proc: subprocess.Popen[str], send: Callable[[], object]) -> tuple[str, str]:
+    """``send()``, then ``proc``'s output once it exits, while the server still holds its GETs (so it must end
+    its workers itself); should it not exit, its group is killed and the test fails."""
+    try:
+        send()
+        return proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+
+
+def test_an_index_worker_killed_on_its_own_is_one_line_and_the_index_resumes(held_shards: Any, tmp_path: Path) -> None:
+    """The OOM killer ends one worker of ``index -j 2`` mid-shard: one error line naming it and what to do, the
+    table's code, the JSON object, no copy of an object left in OUT and no process left (the pool's
+    BrokenProcessPool used to exit 1 with a traceback); the same command then indexes the shards."""
+    held, url = held_shards
+    out = tmp_path / "idx"
+    proc, cmd, workers = _index_held(held, url, out)
+    victim = workers[0]  # in a held GET
+    stdout, stderr = _ended(proc, lambda: os.kill(victim, signal.SIGKILL))
+    r = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    assert_error_contract(r, ExitCode.USAGE, "stager index", as_json=True)
+    assert f"an index worker (pid {victim}) was killed (SIGKILL: out of memory?); rerun with fewer -j" in stderr, stderr
+    assert not [p for p in out.rglob("*") if p.is_file()], sorted(out.rglob("*"))
+    _assert_gone(workers)
+    held.release()
+    again = subprocess.run(cmd, capture_output=True, text=True, env=clean_env(**_HOLD_ENV), timeout=600, check=False)
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["samples"] == 23 and verify(out).ok
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+def test_index_with_workers_ends_them_on_a_signal(held_shards: Any, tmp_path: Path, sig: signal.Signals) -> None:
+    """Ctrl-C or Slurm's SIGTERM to ``index -j 2`` alone while both workers wait on a stalled server: exit 130
+    with the JSON object at once, no worker left alive, nothing half-written in OUT. Index used to wait for
+    its running scans (here: for ever)."""
+    held, url = held_shards
+    out = tmp_path / "idx"
+    proc, _, workers = _index_held(held, url, out)
+    stdout, stderr = _ended(proc, lambda: proc.send_signal(sig))
+    said = "interrupted" if sig == signal.SIGINT else f"interrupted ({sig.name})"
+    assert proc.returncode == ExitCode.INTERRUPTED, (proc.returncode, stderr)
+    assert stderr.splitlines() == [f"stager index: error: {said}"], stderr
+    (line,) = stdout.splitlines()
+    assert json.loads(line)["exit_code"] == 130
+    _assert_gone(workers)
+    assert not [p for p in out.rglob("*") if p.is_file()], sorted(out.rglob("*"))
 
 
 def test_a_signal_the_parent_ignores_stays_ignored(tmp_path: Path) -> None:

@@ -237,14 +237,19 @@ def test_a_waiting_stage_takes_over_from_a_killed_filler(ds, tmp_path: Path) -> 
     while not list(cache.rglob("*.partial")) and time.monotonic() < deadline:
         time.sleep(0.01)
     second = spawn("stage", str(src), str(tmp_path / "d2"), "--cache", str(cache), "--json", "-q", "--timeout", "120")
-    time.sleep(0.5)  # the second is waiting on the first's claims (nothing else to take)
+    # The first claimed every object (fewer than a claim batch): the second waits for them, polling their fill
+    # locks between sleeps; nothing else in its main thread sleeps. Kill the first once the second waits.
+    wchan = Path(f"/proc/{second.pid}/task/{second.pid}/wchan")
+    while "nanosleep" not in wchan.read_text():
+        assert second.poll() is None and first.poll() is None, "a stage ended before the second waited"
+        time.sleep(0.01)
     first.send_signal(signal.SIGKILL)
     first.communicate()
     out, err = second.communicate(timeout=120)
     assert second.returncode == 0, err
     res = last_json(out)["cache"]
     assert res["files_filled"] + res["files_from_peer"] + res["files_hit"] == len(_all_files(m))
-    assert res["files_filled"] >= 1
+    assert res["files_filled"] >= 1 and res["waited_s"] > 0, res  # it waited, then took over
     assert_verified_copy(m, tmp_path / "d2")
     assert stager("cache", "verify", str(cache), "--no-repair", "-q").returncode == 0
     assert not list(cache.rglob("*.partial"))

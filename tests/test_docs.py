@@ -210,3 +210,59 @@ def test_readme_install_path_works_in_a_fresh_venv(tmp_path: Path) -> None:
     assert res.returncode == 0 and res.stdout.startswith("stager "), res.stderr
     assert subprocess.run([venv / "bin" / "python", "-c", "import torch"], env=env, capture_output=True,
                           check=False).returncode != 0, "installing stager pulled torch"
+
+
+# ---- the map: docs/architecture.md's tree names every module -----------------------------------------------
+ENTRY = re.compile(r"^( *)([\w.{},]+(?:/|\.py))(?:\s{2,}|$)")
+
+
+def _tree_entries() -> dict[str, str]:
+    """``{path under stager/: its text}`` for each entry of docs/architecture.md's tree (the code block under
+    "The tree"): a line that starts with a name ending in ``/`` or ``.py``, nested by indentation, with the
+    lines indented below it that start no entry of their own."""
+    text = (REPO / "docs" / "architecture.md").read_text().split("## The tree", 1)[1]
+    block = text.split("```", 2)[1]
+    entries: dict[str, str] = {}
+    stack: list[tuple[int, str]] = []  # (indent, path) of the open directories
+    current = None
+    for line in block.splitlines()[1:]:
+        m = ENTRY.match(line)
+        if m is None:
+            if current is not None:
+                entries[current] += " " + line.strip()
+            continue
+        indent, name = len(m.group(1)), m.group(2)
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        if indent == 0:  # the root (stager/)
+            stack, current = [(0, "")], None
+            continue
+        current = (stack[-1][1] if stack else "") + name
+        entries[current] = line[m.end(2):].strip()
+        if name.endswith("/"):
+            stack.append((indent, current))
+    return entries
+
+
+def _named(entries: dict[str, str], rel: str) -> bool:
+    """``rel`` (``pack/sources/cifar.py``) has an entry, or each part of it is named in its nearest
+    ancestor's entry as a word (``sources/ (... cifar ...)``)."""
+    if rel in entries:
+        return True
+    parts = rel.removesuffix(".py").split("/")
+    for depth in range(len(parts) - 1, 0, -1):
+        anc = "/".join(parts[:depth]) + "/"
+        if anc in entries:
+            rest = parts[depth:]
+            return all(re.search(rf"(?<![\w/]){re.escape(p)}(?![\w])", entries[anc]) for p in rest)
+    return False
+
+
+def test_the_map_names_every_module() -> None:
+    """Every module under stager/ is named in docs/architecture.md's tree (its own line, or a word in its
+    package's entry saying what it does): the map is how a newcomer finds code."""
+    entries = _tree_entries()
+    pkg = REPO / "stager"
+    missing = [str(p.relative_to(pkg)) for p in sorted(pkg.rglob("*.py"))
+               if p.name != "__init__.py" and not _named(entries, str(p.relative_to(pkg)))]
+    assert not missing, f"modules docs/architecture.md's tree does not name (add one line each): {missing}"

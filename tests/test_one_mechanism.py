@@ -41,13 +41,21 @@ def _has_digest_call(node: ast.AST) -> bool:
     return any(isinstance(n, ast.Call) and _called_name(n) in ("hexdigest", "digest") for n in ast.walk(node))
 
 
+def _calls_a_hasher(node: ast.AST) -> bool:
+    """``node`` calls one of stager's functions that hash a file or object and return its checksum
+    (``fsync_and_hash``, ``hash_of``: a name ending in ``hash`` or starting with ``hash_``)."""
+    names = (_called_name(n) or "" for n in ast.walk(node) if isinstance(n, ast.Call))
+    return any(name.endswith("hash") or name.startswith("hash_") for name in names)
+
+
 def _bound_names(target: ast.AST) -> set[str]:
     return {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
 
 
 def digest_compares(tree: ast.AST) -> list[int]:
     """Lines comparing a running hash's digest: a comparison whose operands hold a ``.hexdigest()``
-    (or ``.digest()``) call, or a name bound from one in the same function (or module)."""
+    (or ``.digest()``) call, or a name bound from one in the same function (or module), or a call of a
+    function that returns a file's checksum (:func:`_calls_a_hasher`: ``fsync_and_hash(p) == (n, h)``)."""
     lines = []
     scopes = [tree, *(n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))]
     for scope in scopes:
@@ -61,7 +69,7 @@ def digest_compares(tree: ast.AST) -> list[int]:
         for n in ast.walk(scope):
             if isinstance(n, ast.Compare):
                 operands = [n.left, *n.comparators]
-                if any(_has_digest_call(o) or _bound_names(o) & names for o in operands):
+                if any(_has_digest_call(o) or _calls_a_hasher(o) or _bound_names(o) & names for o in operands):
                     lines.append(n.lineno)
     return sorted(set(lines))
 
@@ -90,7 +98,9 @@ def test_the_copy_scan_finds_what_it_looks_for() -> None:
              "def f(h, e):\n    got = h.hexdigest()\n    return None if got == e.hash else 'bad'",
              "def f(h, e):\n    n, got = 3, h.hexdigest()\n    if (n, got) != (e.bytes, e.hash):\n        raise X",
              "def f(h):\n    return (d := h.hexdigest()) in seen",
-             "class C:\n    def f(self):\n        d: str = self._h.digest()\n        assert d == self.want"]
+             "class C:\n    def f(self):\n        d: str = self._h.digest()\n        assert d == self.want",
+             "def f(p, n, h, algo):\n    return fsync_and_hash(p, algo) == (n, h)",
+             "def f(r, name, n, h, algo):\n    return r.hash_of(name, algo) == (n, h)"]
     for src in cases:
         assert digest_compares(ast.parse(src)), src
     assert not digest_compares(ast.parse("def f(h):\n    d = h.hexdigest()\n    return {'hash': d}"))

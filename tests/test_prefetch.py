@@ -606,6 +606,36 @@ def test_follow_replans_when_the_ranks_report_other_loader_arguments(packed: Pat
     assert any("differ" in w for w in res.warnings)
 
 
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_prefetch_plans_the_batches_prepare_deals_to_each_rank(packed: Path, tmp_path: Path, world_size: int) -> None:
+    """A ``shuffle=False`` loader under Accelerate deals the epoch's batches to the ranks in turn
+    (``deal_batches_in_turn``, what ``prepare()`` asks). A rank's reported plan arguments carry it, and the
+    prefetcher planning from them prefetches exactly the shards that rank reads, in the order it reads
+    them; it used to plan contiguous slices (other shards) since the arguments left the dealing out."""
+    from stager.prefetch import loader_config
+
+    dest = tmp_path / "dest"
+    m = prepare_dest(packed, dest)
+    starts = m.sample_starts()
+    kw = {**LOADER_KW, "shuffle": "none", "world_size": world_size, "batch_size": 3}
+    for rank in range(world_size):
+        loader = make_loader(str(dest), rank=rank, staged=False, **kw)
+        assert loader.dataset.deal_batches_in_turn()  # as prepare() does
+        cfg = loader_config(loader)
+        assert cfg["deal_batches"] is True
+        pf = Prefetcher(packed, tmp_path / f"pf{rank}", budget=1 << 30, ranks=[rank], loader_kwargs=cfg)
+        assert pf.config() == cfg
+        for epoch in (0, 1):
+            loader.set_epoch(epoch)
+            read: list[int] = []  # the shards of the samples the rank gets, in order, each run once
+            for batch in loader:
+                for s in (np.searchsorted(starts, batch["index"].numpy(), side="right") - 1).tolist():
+                    if not read or read[-1] != s:
+                        read.append(s)
+            planned = [r.shard for r in rank_reads(pf._datasets[0], epoch)]
+            assert [s for i, s in enumerate(planned) if i == 0 or planned[i - 1] != s] == read, (rank, epoch)
+
+
 def test_next_uses_per_rank_positions(packed: Path, tmp_path: Path) -> None:
     """Each shard's next use is the earliest open of any rank at or after that rank's own position."""
     kw = {k: v for k, v in LOADER_KW.items() if k != "decode"}

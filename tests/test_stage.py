@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -113,6 +114,18 @@ def test_truncated_source_is_caught(tmp_path: Path) -> None:
     assert r.returncode == 3 and m.shards[0].name in r.stderr
 
 
+def _copying_past(dest: Path, size: int) -> bool:
+    """A partial file is in ``dest`` and its files hold at least ``size`` bytes (the copy is that far)."""
+    if not dest.is_dir():
+        return False
+    held, partial = 0, False
+    for p in dest.iterdir():
+        with contextlib.suppress(FileNotFoundError):  # renamed meanwhile
+            held += p.stat().st_size
+            partial = partial or p.name.endswith(".partial")
+    return partial and held >= size
+
+
 def test_kill_9_mid_copy_then_rerun_at_random_points(tmp_path: Path) -> None:
     src = tmp_path / "src"
     m = make_dataset(src, n=10, size=96 << 10, seed=5)
@@ -124,12 +137,12 @@ def test_kill_9_mid_copy_then_rerun_at_random_points(tmp_path: Path) -> None:
     for attempt in range(4):
         dest = tmp_path / f"dest{attempt}"
         proc = spawn("stage", str(src), str(dest), "-j", "2", "-q", env=env)
+        # Kill at a random point of the copy, chosen by the bytes DEST holds (files' state, not a time): at
+        # least a random fraction of the dataset's, a copy in progress.
+        at = int(rng.uniform(0.0, 0.9) * total)
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not (
-            dest.is_dir() and any(p.name.endswith(".partial") for p in dest.iterdir())
-        ):
+        while time.monotonic() < deadline and proc.poll() is None and not _copying_past(dest, at):
             time.sleep(0.005)
-        time.sleep(rng.uniform(0.0, 0.8))
         partial_at_kill = any(p.name.endswith(".partial") for p in dest.iterdir())
         proc.send_signal(signal.SIGKILL)
         proc.wait()

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from stager.decode.base import Decoder, Probe
-from stager.decode.crop import check_crop_args, default_resize, random_resized_crop_box
+from stager.decode.crop import Box, check_crop_args, default_resize, random_resized_crop_box
 from stager.errors import CorruptSampleError, UsageError, install_hint
 
 __all__ = [
@@ -159,14 +159,21 @@ def decode_random_resized_crop(  # noqa: PLR0917 (positional signature fixed by 
     generator state gives the same output on every backend's geometry. Returns ``(size, size, 3)``
     uint8, C-contiguous.
     """
-    check_crop_args(size, scale, ratio)
     dec = decoder or _Default.get()
     data = _as_bytes(data)
-    probe = dec.probe(data)
-    box = random_resized_crop_box(probe.height, probe.width, rng, scale, ratio)
-    do_flip = flip and rng.random() < 0.5
+    probe, box, do_flip = _draw_crop(dec, data, size, rng, scale, ratio, flip)
     out = dec.crop_resize(data, probe, box, int(size))
     return dec.flip(out) if do_flip else out
+
+
+def _draw_crop(dec: Decoder, data: bytes, size: int, rng: np.random.Generator,  # noqa: PLR0917 (the public signature's)
+               scale: Sequence[float], ratio: Sequence[float], flip: bool) -> tuple[Probe, Box, bool]:
+    """What :func:`decode_random_resized_crop` and its clip form draw, in this order: the box from ``data``'s
+    header, then the flip coin (p=0.5, when ``flip``); ``(probe, box, flip it)``."""
+    check_crop_args(size, scale, ratio)
+    probe = dec.probe(data)
+    box = random_resized_crop_box(probe.height, probe.width, rng, scale, ratio)
+    return probe, box, flip and rng.random() < 0.5
 
 
 def decode_clip_random_resized_crop(  # noqa: PLR0917 (the same positional signature as decode_random_resized_crop)
@@ -187,14 +194,12 @@ def decode_clip_random_resized_crop(  # noqa: PLR0917 (the same positional signa
     :class:`~stager.errors.CorruptSampleError` otherwise. Each frame still has its own header probed
     (its layout, not its size, may differ) and is decoded only as far as the box needs.
     """
-    check_crop_args(size, scale, ratio)
     dec = decoder or _Default.get()
     datas = [_as_bytes(d) for d in frames]
     if not datas:
+        check_crop_args(size, scale, ratio)
         raise UsageError("a clip needs at least one frame")
-    first = dec.probe(datas[0])
-    box = random_resized_crop_box(first.height, first.width, rng, scale, ratio)
-    do_flip = flip and rng.random() < 0.5
+    first, box, do_flip = _draw_crop(dec, datas[0], size, rng, scale, ratio, flip)
     out = np.empty((len(datas), int(size), int(size), 3), np.uint8)
     for i, data in enumerate(datas):
         probe = first if i == 0 else dec.probe(data)

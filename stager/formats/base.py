@@ -25,6 +25,7 @@ Contract (tested for every format by :class:`stager.testing.formats.FormatTests`
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -377,6 +378,19 @@ class ExtentReader:
                 ) from exc
             self._pid = os.getpid()
         return self._fd
+
+    @contextlib.contextmanager
+    def scanned(self) -> Iterator[tuple[BinaryIO, int]]:
+        """``(file, size)``: the shard opened for a sequential parse (a 1 MiB buffer), closed on exit
+        (an ``iter_samples``); :class:`ShardMissingError` when it is absent."""
+        try:
+            f = open(self.path, "rb", buffering=1 << 20)  # noqa: SIM115 - closed by the with below
+        except FileNotFoundError as exc:
+            raise ShardMissingError(
+                f"{self.path}: shard missing; re-stage the dataset or re-run `stager pack`"
+            ) from exc
+        with f:
+            yield f, os.fstat(f.fileno()).st_size
 
     def read(self, positions: Sequence[int] | np.ndarray) -> list[Any]:
         """Payloads of in-shard ``positions`` (manifest order), in the order given."""

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
-from stager.errors import CorruptSampleError, ShardMissingError, UsageError
+from stager.errors import CorruptSampleError, UsageError
 from stager.formats.base import (
     BufferedShardFile,
     Extent,
@@ -296,16 +296,9 @@ class RecordShardReader(ExtentReader):
 
     def iter_samples(self) -> Iterator[Sample]:
         """Every sample in physical order; framing, both CRCs and the Example are checked."""
-        try:
-            f = open(self.path, "rb", buffering=1 << 20)  # noqa: SIM115 - closed in finally
-        except FileNotFoundError as exc:
-            raise ShardMissingError(f"{self.path}: shard missing; re-stage or re-pack") from exc
-        try:
-            size = os.fstat(f.fileno()).st_size
+        with self.scanned() as (f, size):
             for i, (_off, payload) in enumerate(iter_records(f, size, self.path)):
                 yield example_to_sample(payload, i, self.path)
-        finally:
-            f.close()
 
 
 def read_index(path: str) -> np.ndarray:

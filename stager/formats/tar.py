@@ -38,7 +38,7 @@ from zlib import adler32
 
 import numpy as np
 
-from stager.errors import CorruptSampleError, ShardMissingError, UsageError
+from stager.errors import CorruptSampleError, UsageError
 from stager.formats.base import (
     BY_REFERENCE,
     BufferedShardFile,
@@ -454,12 +454,7 @@ class TarShardReader(ExtentReader):
     def iter_samples(self) -> Iterator[Sample]:
         """Every sample in physical order, grouped by key (members of one sample are consecutive)."""
         where = self.path
-        try:
-            f = open(self.path, "rb", buffering=1 << 20)  # noqa: SIM115 - closed in finally
-        except FileNotFoundError as exc:
-            raise ShardMissingError(f"{self.path}: shard missing; re-stage or re-pack") from exc
-        try:
-            size = os.fstat(f.fileno()).st_size
+        with self.scanned() as (f, size):
             key: str | None = None
             members: dict[str, bytes] = {}
             seen: set[str] = set()
@@ -482,8 +477,6 @@ class TarShardReader(ExtentReader):
                 members[ext] = data
             if key is not None:
                 yield self._with_fields(_to_sample(key, members, where), members, where)
-        finally:
-            f.close()
 
     def _with_fields(self, sample: Sample, members: dict[str, bytes], where: str) -> Sample:
         for spec in self._specs:

@@ -26,7 +26,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import FIRST_COMPLETED, BrokenExecutor, Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ from stager.errors import CorruptSampleError, DestinationError, UsageError, tran
 from stager.formats import FORMAT_SPECS
 from stager.fs.atomic import atomic_write_bytes, remove_partials
 from stager.fs.open import is_url, join
+from stager.fs.pool import ended_workers, kill_workers, lost_worker_error
 from stager.index import remote
 from stager.index.columns import extra_columns, sample_kind
 from stager.index.discover import STATE_DIR, discover
@@ -119,6 +120,7 @@ def index_dataset(src: str | os.PathLike[str], out: str | os.PathLike[str] | Non
         m = _manifest(ordered, directory, kind, opts, dali, shard_root=None if in_place else directory)
         path = m.write(out_dir)
     except BaseException:
+        remote.remove_stale_downloads(str(state))  # a killed worker's copy of an object
         _leave_nothing_new(state, out_dir if created else None)
         raise
     shutil.rmtree(state, ignore_errors=True)
@@ -270,6 +272,13 @@ def _scan_all(directory: str, todo: list[str], kind: str, opts: IndexOptions, pr
                     nxt = next(it, None)
                     if nxt is not None:
                         pending.add(ex.submit(_scan_one, nxt))
+        except BrokenExecutor:  # BrokenProcessPool: a worker ended on its own (the OOM killer): end the rest, one line
+            ended = ended_workers(ex)
+            kill_workers(ex)
+            raise lost_worker_error(ended, "index", "rerun with fewer -j; the index resumes where it stopped") from None
+        except (KeyboardInterrupt, GeneratorExit):  # Ctrl-C, SIGTERM, or the caller failed: abandon what runs
+            kill_workers(ex)  # a worker blocked on a stalled server would keep the pool's shutdown waiting
+            raise
         finally:
             for fut in pending:
                 fut.cancel()

@@ -36,6 +36,7 @@ from stager.errors import ManifestError
 from stager.fs.atomic import partial_base
 from stager.fs.open import backend_of, filesystem, require_backend
 from stager.fs.remote import RemoteFile, list_names, object_info, put_bytes, read_range, remove, upload_file
+from stager.fs.verified import Expected, mismatch
 from stager.manifest import MANIFEST_NAME, Manifest, ShardInfo, is_index_file_name, load_manifest
 from stager.pack.state import DONE_SUFFIX, PLAN_FILE, PLAN_SCHEMA, STATE_DIR, OutState, ShardDone, done_record_shard
 
@@ -210,7 +211,8 @@ def _same_object(remote: RemoteOut, entry: tuple[str, int, str], etag: str | Non
         return False
     if etag:
         return got[1] == etag
-    return remote.hash_of(name, algo) == (nbytes, digest)
+    got_hash = remote.hash_of(name, algo)
+    return got_hash is not None and mismatch(Expected(name, nbytes, digest, algo), *got_hash) is None
 
 
 def _intact(remote: RemoteOut, info: ShardInfo, etags: dict[str, str] | None, algo: str) -> bool:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from stager.errors import DestinationError, ManifestError
 from stager.fs.atomic import atomic_write_bytes, partial_base, remove_partials
+from stager.fs.verified import Expected, mismatch
 from stager.manifest import MANIFEST_NAME, ShardInfo, is_index_file_name, load_manifest
 from stager.pack.shard import fsync_and_hash
 from stager.pack.state import (
@@ -87,10 +88,14 @@ def survey_out(out: Path, shard_prefix: str) -> OutState:
 
 
 def _file_matches(path: Path, nbytes: int, digest: str, algo: str) -> bool:
+    """Whether ``path`` is what its done-record says, hashed and fsynced through one descriptor (a reused
+    shard must be durable before the manifest names it), compared by the one comparison
+    (:func:`stager.fs.verified.mismatch`; verify_file would not fsync)."""
     try:
         if path.stat().st_size != nbytes:
             return False
-        return fsync_and_hash(path, algo) == (nbytes, digest)
+        got = fsync_and_hash(path, algo)
+        return mismatch(Expected(path.name, nbytes, digest, algo), *got) is None
     except OSError:
         return False
 

@@ -33,7 +33,7 @@ import os
 import time
 import uuid
 from collections import deque
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, BrokenExecutor, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
@@ -343,14 +343,15 @@ class SegmentRun:
     def abort(self, exc: BaseException, stop_workers: Callable[[], None] = lambda: None) -> None:
         """Stop after ``exc``: release every waiting segment, drain the pool, and raise instead the
         first real failure (in plan order) when ``exc`` only says an earlier segment failed. After an
-        interrupt, ``stop_workers()`` ends the workers instead, and the segments they held end with
-        their pool's BrokenProcessPool (not cancelled: Python 3.11's pool, finding a cancelled future when
-        it breaks, fails on it and never settles the rest)."""
+        interrupt, or once the pool broke (a worker died), ``stop_workers()`` ends the workers instead, and
+        the segments they held end with their pool's BrokenProcessPool (not cancelled: Python 3.11's pool,
+        finding a cancelled future when it breaks, fails on it and never settles the rest)."""
         offsets = self.slots.offsets
         for i in range(len(offsets)):
             if offsets[i] == _UNKNOWN:
                 self.slots.publish(i, _POISON)
-        interrupted = isinstance(exc, KeyboardInterrupt)
+        # A worker died (the pool broke): the rest are ended too, before the caller removes their partials.
+        interrupted = isinstance(exc, (KeyboardInterrupt, BrokenExecutor))
         if interrupted:
             stop_workers()
         for f in (self.finishing if interrupted else self._pending()):

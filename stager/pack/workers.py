@@ -22,7 +22,6 @@ fragments in order whatever the cut, so the output does not depend on ``workers`
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import multiprocessing as mp
@@ -32,6 +31,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
@@ -40,6 +40,7 @@ import numpy as np
 
 from stager.formats import get_format
 from stager.fs.kernel import keep_freed_heap
+from stager.fs.pool import ended_workers, kill_workers, lost_worker_error
 from stager.pack.plan import ShardRefs
 from stager.pack.segments import SEG_BYTES, SEG_SAMPLES, SegmentDone, SegmentTask, Slots, run_segment, run_segments
 from stager.pack.shard import ShardJob, fragmentable, write_shard
@@ -49,6 +50,7 @@ from stager.pack.state import ShardDone
 if TYPE_CHECKING:
     from multiprocessing.context import BaseContext
 
+    from stager.errors import WorkerLostError
     from stager.pack.sources.base import Source
     from stager.progress import Progress
 
@@ -160,6 +162,7 @@ class PackPool:
         self._ex: ProcessPoolExecutor | None = None
         # CPU seconds each worker (by pid) had used at its last segment: how evenly the work was shared.
         self.workers_cpu: dict[int, float] = {}
+        self.ended: dict[int, int] = {}  # {pid: exit code} of the workers that had ended when the pool was killed
 
     def _executor(self, source: Source | None = None) -> ProcessPoolExecutor:
         if self._ex is None:
@@ -175,7 +178,14 @@ class PackPool:
         # Several items per task (fewer round trips), yet enough tasks to balance uneven ones.
         # At most 16: a task's results arrive as one message, and the caller holds them until taken.
         chunk = max(1, min(16, len(items) // (self.workers * 4)))
-        return self._executor().map(fn, items, chunksize=chunk)
+        return self._lost_as_error(self._executor().map(fn, items, chunksize=chunk))
+
+    def _lost_as_error(self, results: Iterator[R]) -> Iterator[R]:
+        try:
+            yield from results
+        except BrokenProcessPool as exc:
+            self.kill()
+            raise self.lost(exc) from None
 
     def run(self, jobs: list[ShardJob], source: Source, progress: Progress, state_dir: Path, *,
             ready: Callable[[], None] = lambda: None) -> list[ShardDone]:
@@ -186,30 +196,29 @@ class PackPool:
             ready()  # its writing thread ends before a fork (fork copies only the forking thread)
         ex = self._executor(source)
         jobs_file = _publish_jobs(state_dir, jobs, source, ship_source=not inherited)
-        if fragmentable(get_format(jobs[0].options.format), jobs[0].fields):
-            submit: Callable[[SegmentTask], Future[SegmentDone]] = lambda task: ex.submit(_run_segment, task)  # noqa: E731
-            return run_segments(submit, self.workers, jobs, jobs_file, progress=progress, state_dir=state_dir,
-                                workers_cpu=self.workers_cpu, ready=ready, stop_workers=self.kill)
-        ready()  # whole shards are renamed by the workers
-        return _run_shards(ex, jobs, jobs_file, progress, stop_workers=self.kill)
+        try:
+            if fragmentable(get_format(jobs[0].options.format), jobs[0].fields):
+                submit: Callable[[SegmentTask], Future[SegmentDone]] = lambda task: ex.submit(_run_segment, task)  # noqa: E731
+                return run_segments(submit, self.workers, jobs, jobs_file, progress=progress, state_dir=state_dir,
+                                    workers_cpu=self.workers_cpu, ready=ready, stop_workers=self.kill)
+            ready()  # whole shards are renamed by the workers
+            return _run_shards(ex, jobs, jobs_file, progress, stop_workers=self.kill)
+        except BrokenProcessPool as exc:  # the workers are gone (stop_workers): the caller removes their partials
+            raise self.lost(exc) from None
 
     def kill(self) -> None:
-        """End the workers at once (SIGKILL) and wait until they are gone: on an interrupt, what they do is
-        abandoned, and a worker blocked reading a FIFO or a hung file would otherwise keep the pool, and so
-        stager, waiting for ever. Their ``.partial`` files are the caller's to remove (it does, after this)."""
-        ex = self._ex
-        if ex is None:
-            return
-        kill_workers = getattr(ex, "kill_workers", None)  # Python 3.14
-        if kill_workers is not None:
-            kill_workers()
-        procs = list((getattr(ex, "_processes", None) or {}).values())  # before 3.14, no public way to reach them
-        for p in procs:
-            with contextlib.suppress(OSError, ValueError):  # gone already, or closed
-                p.kill()
-        for p in procs:
-            with contextlib.suppress(ValueError):
-                p.join()
+        """End the workers at once (SIGKILL) and wait until they are gone (:func:`stager.fs.pool.kill_workers`):
+        on an interrupt, or after one of them died. Those that had ended already are noted first
+        (:attr:`ended`, for :meth:`lost`). Their ``.partial`` files are the caller's to remove (it does, after this)."""
+        if self._ex is not None:
+            self.ended.update(ended_workers(self._ex))
+            kill_workers(self._ex)
+
+    def lost(self, exc: BrokenProcessPool) -> WorkerLostError:
+        """The one-line error for ``exc``: the pool broke because a worker ended on its own (the OOM killer)."""
+        if not self.ended and self._ex is not None:
+            self.ended.update(ended_workers(self._ex))
+        return lost_worker_error(self.ended, "pack", "rerun with fewer --workers; the pack resumes where it stopped")
 
     def close(self) -> None:
         if self._ex is not None:
@@ -275,7 +284,7 @@ def _run_shards(ex: ProcessPoolExecutor, jobs: list[ShardJob], jobs_file: str, p
                 out.append(d)
                 progress.update(d.info.samples, d.payload_bytes)
     except BaseException as exc:
-        if isinstance(exc, KeyboardInterrupt):
+        if isinstance(exc, (KeyboardInterrupt, BrokenProcessPool)):  # an interrupt, or a worker died: end the rest
             stop_workers()  # their futures end with BrokenProcessPool (cancelled, see SegmentRun.abort, never)
         else:
             for f in pending:

@@ -299,7 +299,8 @@ class Prefetcher:
     """Keeps the shards this node needs soonest on local disk, within ``budget`` bytes.
 
     ``loader_kwargs``: what the training script passes to ``make_loader`` besides path and rank
-    (batch_size, world_size, num_workers, seed, shuffle, drop_last, run_bytes, ...). ``ranks``:
+    (batch_size, world_size, num_workers, seed, shuffle, drop_last, run_bytes, ...), or a rank's
+    :func:`~stager.prefetch.loader_config` (which adds ``deal_batches`` after Accelerate's ``prepare()``). ``ranks``:
     the global ranks running on this node. Use as a context manager (starts/stops the thread), call
     :meth:`advance` after every batch, read :meth:`stats` at the end.
 
@@ -365,11 +366,17 @@ class Prefetcher:
 
         if not ranks:
             raise UsageError("prefetch needs at least one rank of this node to plan for")
+        kwargs = dict(loader_kwargs)
+        dealt = bool(kwargs.pop("deal_batches", False))  # loader_config's: set by prepare(), not a loader argument
         out: list[ShardedDataset] = []
         for r in ranks:
             # One index for all ranks of the node (it is the manifest's columns: large for big datasets).
-            opts = LoaderOptions.from_kwargs(loader_kwargs, rank=r, staged=False)
-            out.append(ShardedDataset(str(self.dest), opts, resolved=resolved or (out[0].resolved if out else None)))
+            opts = LoaderOptions.from_kwargs(kwargs, rank=r, staged=False)
+            ds = ShardedDataset(str(self.dest), opts, resolved=resolved or (out[0].resolved if out else None))
+            if dealt and not ds.deal_batches_in_turn():
+                raise UsageError("deal_batches needs shuffle='none' over the whole world (as prepare() deals "
+                                 f"batches only then); got shuffle={ds.mode!r}")
+            out.append(ds)
         return out
 
     def config(self) -> dict[str, Any]:

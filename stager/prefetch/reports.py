@@ -124,7 +124,9 @@ def loader_config(loader: Loader | ShardedDataset) -> dict[str, Any]:
     Passed (with ``rank``) to ``ShardedDataset`` (:meth:`~stager.loader.LoaderOptions.from_kwargs`)
     they reproduce the rank's read order exactly: batch size, world size, worker streams, seed,
     shuffle mode, drop_last, run size and the per-worker shuffle buffer (resolved to samples, so
-    ``"auto"`` settings cannot drift).
+    ``"auto"`` settings cannot drift); ``"deal_batches": True`` when the ranks take the epoch's batches in
+    turn (what ``accelerator.prepare`` asks of a ``shuffle=False`` loader:
+    :meth:`~stager.loader.rank.RankDataset.deal_batches_in_turn`), which ``make_loader`` does not take.
     """
     from stager.loader import Loader  # already imported: the caller holds one of its objects  # noqa: PLC0415 (the loader imports torch)
 
@@ -132,6 +134,7 @@ def loader_config(loader: Loader | ShardedDataset) -> dict[str, Any]:
         ds, nw = loader.dataset, loader.num_workers
     else:
         ds, nw = loader, int(loader.num_workers or 0)
+    dealt = {"deal_batches": True} if ds.deal_batches else {}
     return {
         "batch_size": int(ds.batch_size),
         "world_size": int(ds.world_size),
@@ -142,6 +145,7 @@ def loader_config(loader: Loader | ShardedDataset) -> dict[str, Any]:
         "run_bytes": int(ds.run_bytes),
         "min_run": int(ds.min_run),
         "shuffle_buffer": int(ds.buffer_samples(max(1, nw))),
+        **dealt,
     }
 
 
