@@ -193,7 +193,7 @@ def _bug(prog: str, exc: BaseException, *, as_json: bool) -> int:
     """A bug in stager: the error line (and the JSON object), then the traceback to report it with; exit 1."""
     report_error(prog, exc, ExitCode.INTERNAL, as_json=as_json, label="internal error (a bug in stager: please "
                  "report it with the traceback below)")
-    import traceback  # here: only a bug needs it (2-3 ms of every command's start-up)
+    import traceback  # noqa: PLC0415 (here: only a bug needs it; 2-3 ms of every start-up)
 
     with contextlib.suppress(OSError, ValueError):
         traceback.print_exc(file=sys.stderr)
