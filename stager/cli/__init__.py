@@ -87,7 +87,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def _register(sub: argparse._SubParsersAction, names: Sequence[str]) -> int:  # type: ignore[type-arg]
+def _register(sub: argparse._SubParsersAction, names: Sequence[str]) -> int:
     """Add the parsers of the command modules ``names`` (a module not installed is left out); how many."""
     added = 0
     for name in names:
