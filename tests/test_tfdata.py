@@ -24,11 +24,13 @@ N = 120
 KW = {"seed": 3, "staged": False, "image_size": 32, "num_workers": 2, "multiprocessing_context": "fork"}
 
 
-@pytest.fixture(scope="module")
-def packed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("tfdata")
+@pytest.fixture(scope="module", params=["tar", "squashfs"])
+def packed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same CIFAR-like set packed as tar shards and as SquashFS images (issue 41: every transport
+    holds over images, read without a mount)."""
+    root = tmp_path_factory.mktemp(f"tfdata-{request.param}")
     src = make_cifar(root, n_train=N, n_test=4, seed=8)
-    pack(src, root / "packed", samples_per_shard=16, split="train")
+    pack(src, root / "packed", request.param, samples_per_shard=16, split="train")
     return root / "packed"
 
 

@@ -7,7 +7,8 @@ counts on every rank; the next pass is the next epoch. The elements are already 
 ``.batch()`` again): ``(x, y)`` as the :class:`~stager.loader.mapping.BatchMapping` says, image
 ``uint8`` (B, H, W, C) (or ``x_dtype``), label ``int64`` (B,).
 
-Resume: ``loader.state_dict()`` is the position in batches handed to tf.data. Save it with the
+Resume: ``loader.state_dict()`` is the position in batches handed to tf.data, which (with the
+prefetch that tf.data's optimiser would inject turned off) is the batches the model took. Save it with the
 checkpoint at a step boundary; after a restart ``loader.load_state_dict(state)`` and a new
 ``tf_dataset(loader)`` continue with exactly the epoch's remaining batches. A ``.prefetch(k)``
 after it moves the loader ``k`` batches ahead of the model, so save ``state`` of a pipeline without
@@ -62,4 +63,11 @@ def tf_dataset(loader: LoaderBase, x: Names = "image", y: Names = "label", *, x_
         for batch in loader:
             yield mapping(batch)
 
-    return tf.data.Dataset.from_generator(batches, output_signature=output_signature)
+    ds = tf.data.Dataset.from_generator(batches, output_signature=output_signature)
+    # tf.data's default optimisations inject a prefetch after the generator, so the iterator pulls one
+    # or two batches more than the model has taken (measured with TF 2.21), and a state_dict() saved at
+    # a step boundary would skip them on resume. Without it the loader's position is exactly what the
+    # model has consumed; the loader's workers prefetch already.
+    options = tf.data.Options()
+    options.experimental_optimization.inject_prefetch = False
+    return ds.with_options(options)
