@@ -5,6 +5,9 @@ defect found by hand, failing before its fix.
   training loop of ``len(loader)`` steps, or tf.data's ``from_generator`` which holds the generator)
   and then closed: when the suspended iterator was dropped afterwards, its clean-up waited for the
   closed workers' end markers and Python printed ``Exception ignored ... Queue ... is closed``.
+- ``tf_dataset(loader).map(f)``: tf.data's default ``map_parallelization`` rewrote the user's plain
+  (sequential) map into a parallel one that pulled 1-2 batches ahead of the model, so a
+  ``loader.state_dict()`` saved at a step boundary skipped them on resume (as the injected prefetch did).
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.cli_support import clean_env
 
@@ -39,3 +44,31 @@ def test_an_iterator_dropped_after_close_at_the_epochs_last_batch_is_quiet(image
                        text=True, env=clean_env(), cwd=ROOT, timeout=600, check=False)
     assert r.returncode == 0 and r.stdout.startswith("ok 6"), r.stdout + r.stderr
     assert "Exception ignored" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_tf_resume_after_a_plain_map_continues_with_exactly_the_remaining_batches(imagenet_tiny_tar: Path) -> None:
+    tf = pytest.importorskip("tensorflow", reason="tensorflow is not installed here (pip install tensorflow-cpu)")
+    from stager.loader import make_numpy_loader
+    from stager.loader.tfdata import tf_dataset
+
+    kw = {"seed": 3, "staged": False, "num_workers": 2, "multiprocessing_context": "fork"}
+
+    def pipeline(loader: object) -> object:  # a user's preprocessing: a plain map, no num_parallel_calls
+        return tf_dataset(loader, x="index", y="label").map(lambda x, y: (x + 1, tf.cast(y, tf.int32)))
+
+    whole_loader = make_numpy_loader(imagenet_tiny_tar, 4, **kw)
+    whole = [x.numpy().tolist() for x, _ in pipeline(whole_loader)]  # type: ignore[attr-defined]
+    whole_loader.close()
+    assert len(whole) == 6
+    for step in range(1, len(whole)):  # a checkpoint at every step boundary inside the epoch
+        loader = make_numpy_loader(imagenet_tiny_tar, 4, **kw)
+        it = iter(pipeline(loader))  # type: ignore[call-overload]
+        head = [next(it)[0].numpy().tolist() for _ in range(step)]
+        state = loader.state_dict()
+        del it
+        loader.close()
+        again = make_numpy_loader(imagenet_tiny_tar, 4, **kw)
+        again.load_state_dict(state)
+        rest = [x.numpy().tolist() for x, _ in pipeline(again)]  # type: ignore[attr-defined]
+        again.close()
+        assert head + rest == whole, (step, state["batches_done"])
