@@ -8,6 +8,10 @@ defect found by hand, failing before its fix.
 - ``tf_dataset(loader).map(f)``: tf.data's default ``map_parallelization`` rewrote the user's plain
   (sequential) map into a parallel one that pulled 1-2 batches ahead of the model, so a
   ``loader.state_dict()`` saved at a step boundary skipped them on resume (as the injected prefetch did).
+- Open (xfail): a second ``iter()`` of a loader while an iterator of it is still mid-epoch (two live
+  ``iter(tf_dataset(loader))``, or ``it = iter(loader); next(it)`` then a ``for`` over the loader) fails
+  with ``RuntimeError: expected batch 0, worker sent N`` (workers) or silently restarts the epoch and
+  shares its batch count (``num_workers=0``), instead of a one-line error saying what to do.
 """
 
 from __future__ import annotations
@@ -72,3 +76,24 @@ def test_tf_resume_after_a_plain_map_continues_with_exactly_the_remaining_batche
         rest = [x.numpy().tolist() for x, _ in pipeline(again)]  # type: ignore[attr-defined]
         again.close()
         assert head + rest == whole, (step, state["batches_done"])
+
+
+@pytest.mark.xfail(strict=True, reason="a loader serves one live epoch iterator; a second iter() while one is "
+                   "mid-epoch is not refused with a one-line UsageError (RuntimeError / silent restart): the "
+                   "contract (refuse, or an independent pass) is the loader owner's call")
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_second_iterator_while_one_is_mid_epoch_is_one_usage_error(imagenet_tiny_tar: Path, workers: int) -> None:
+    from stager.errors import UsageError
+    from stager.loader import make_numpy_loader
+
+    ld = make_numpy_loader(imagenet_tiny_tar, 4, seed=3, staged=False, num_workers=workers,
+                           multiprocessing_context="fork")
+    try:
+        first = iter(ld)
+        next(first)
+        with pytest.raises(UsageError, match="iterator") as e:
+            next(iter(ld))
+        assert "\n" not in str(e.value)
+        assert ld.batches_done == 1  # the live epoch's position is untouched
+    finally:
+        ld.close()
