@@ -97,3 +97,32 @@ def test_a_second_iterator_while_one_is_mid_epoch_is_one_usage_error(imagenet_ti
         assert ld.batches_done == 1  # the live epoch's position is untouched
     finally:
         ld.close()
+
+
+@pytest.mark.parametrize("argv", [
+    ["stage", "--jsn", "a", "b"], ["stage", "--js", "a", "b"], ["stage"], ["stage", "--json"], ["stage", "a", "b", "c"],
+    ["stage", "--help"], ["stage", "-h"], ["stage", "--hel"], ["stage", "--version"], ["stage", "--workers", "x", "a"],
+    ["verify", "--jsn"], ["cache", "gc", "--help"], ["clean", "--help"], ["index", "--format", "zip", "x"],
+])
+def test_the_invoked_commands_parser_alone_answers_as_the_whole_parser(argv: list[str]) -> None:
+    """``build_parser(argv)`` builds only the invoked command's parser (the CLI's start-up): every help
+    text, usage error and suggestion must be what the parser of every command gives."""
+    import contextlib
+    import io
+
+    from stager.cli import build_parser
+    from stager.errors import UsageError
+
+    def answer(parser: object) -> tuple[str, str, str]:
+        out, err = io.StringIO(), io.StringIO()
+        raised = ""
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                parser.parse_args(argv)  # type: ignore[attr-defined]
+            except UsageError as exc:
+                raised = f"{exc} [{getattr(exc, 'prog', '')}]"
+            except SystemExit as exc:
+                raised = f"exit {exc.code}"
+        return out.getvalue(), err.getvalue(), raised
+
+    assert answer(build_parser(argv)) == answer(build_parser())
