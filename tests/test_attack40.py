@@ -4,7 +4,9 @@ defect found by hand, failing before its fix.
 - A loader whose epoch was read to its last batch (without the iterator's ``StopIteration``: a
   training loop of ``len(loader)`` steps, or tf.data's ``from_generator`` which holds the generator)
   and then closed: when the suspended iterator was dropped afterwards, its clean-up waited for the
-  closed workers' end markers and Python printed ``Exception ignored ... Queue ... is closed``.
+  closed workers' end markers and Python printed ``Exception ignored ... Queue ... is closed``; and a
+  half-read epoch's iterator dropped only after close() and a new pass (tf.data finalizes its generator
+  when it likes) closed the new pass's workers under it: ``ValueError: Queue ... is closed``.
 - ``tf_dataset(loader).map(f)``: tf.data's default ``map_parallelization`` rewrote the user's plain
   (sequential) map into a parallel one that pulled 1-2 batches ahead of the model, so a
   ``loader.state_dict()`` saved at a step boundary skipped them on resume (as the injected prefetch did).
@@ -49,6 +51,30 @@ def test_an_iterator_dropped_after_close_at_the_epochs_last_batch_is_quiet(image
     assert r.returncode == 0 and r.stdout.startswith("ok 6"), r.stdout + r.stderr
     assert "Exception ignored" not in r.stderr and "Traceback" not in r.stderr, r.stderr
 
+
+LATE_DROP = """
+import gc, sys
+from stager.loader import make_numpy_loader
+ld = make_numpy_loader(sys.argv[1], 4, seed=3, staged=False, num_workers=2, multiprocessing_context="fork")
+n = len(ld)
+old = iter(ld)
+next(old)
+ld.close()  # the half-read epoch abandoned
+new = iter(ld)  # a new pass, on new workers
+got = [next(new)["index"].tolist()]
+del old  # the old iterator finalized only now
+gc.collect()
+got += [b["index"].tolist() for b in new]
+ld.close()
+print("ok", len(got) == n)
+"""
+
+
+def test_an_old_iterator_dropped_late_leaves_the_new_passs_workers_alone(imagenet_tiny_tar: Path) -> None:
+    r = subprocess.run([sys.executable, "-c", LATE_DROP, str(imagenet_tiny_tar)], capture_output=True, text=True,
+                       env=clean_env(), cwd=ROOT, timeout=600, check=False)
+    assert r.returncode == 0 and r.stdout.strip() == "ok True", r.stdout + r.stderr
+    assert "Exception ignored" not in r.stderr, r.stderr
 
 def test_tf_resume_after_a_plain_map_continues_with_exactly_the_remaining_batches(imagenet_tiny_tar: Path) -> None:
     tf = pytest.importorskip("tensorflow", reason="tensorflow is not installed here (pip install tensorflow-cpu)")
