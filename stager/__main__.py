@@ -1,3 +1,3 @@
-from stager.cli import main
+from stager.cli import entry
 
-raise SystemExit(main())
+entry()

@@ -376,6 +376,10 @@ def test_registering_stage_and_clean_imports_no_numpy() -> None:
     from stager.stage.options import DEFAULT_UNPACK_DIR, FALLBACKS
 
     assert (stage_cmd.DEFAULT_UNPACK_DIR, stage_cmd.FALLBACKS) == (DEFAULT_UNPACK_DIR, FALLBACKS)
+    from stager.cache.config import CACHE_ENV
+    from stager.mix.file import YAML_SUFFIXES
+
+    assert stage_cmd.CACHE_ENV == CACHE_ENV and set(stage_cmd.MIX_SUFFIXES) == {*YAML_SUFFIXES, ".json"}
     assert clean_cmd.RECEIPT_NAME == RECEIPT_NAME
     code = "import sys, stager.commands.stage, stager.commands.clean; print('numpy' in sys.modules, " \
            "'stager.stage' in sys.modules)"
@@ -584,3 +588,19 @@ def test_a_whole_stage_never_imports_numpy(imagenet_tiny_tar: Path, tmp_path: Pa
         got[name] = out.stdout.split()
     assert got == {"whole": ["0", "False"], "--partition": ["0", "True"], "--unpack": ["0", "True"]}, got
     assert (tmp_path / "--unpack" / "unpacked").is_dir()
+
+
+def test_a_stage_builds_only_its_parser_and_imports_nothing_it_does_not_use(imagenet_tiny_tar: Path,
+                                                                            tmp_path: Path) -> None:
+    """Start-up of ``stager stage`` (issue 40): only the stage command's module and parser, and none of
+    what a plain stage (or ``--unpack``) never runs: the other commands, the mix and cache modules
+    (SRC is no mix file, no cache is asked for), ``concurrent.futures`` and ``logging`` (whose exit hook
+    would cost the fast exit), ``socket``, ``traceback``."""
+    code = ("import sys; from stager.cli import main; rc = main(['stage', '-q', *sys.argv[1:]]); "
+            "print(rc, sorted(m for m in sys.modules if m.startswith('stager.commands.')"
+            " or m in ('stager.mix', 'stager.cache.config', 'concurrent.futures', 'logging', 'socket', 'traceback')))")
+    env = {k: v for k, v in os.environ.items() if k != "STAGER_CACHE"}
+    for name, flags in {"whole": [], "--unpack": ["--unpack", "also"]}.items():
+        out = subprocess.run([sys.executable, "-c", code, *flags, str(imagenet_tiny_tar), str(tmp_path / name)],
+                             capture_output=True, text=True, check=True, env=env)
+        assert out.stdout.strip() == "0 ['stager.commands.stage']", (name, out.stdout, out.stderr)

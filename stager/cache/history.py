@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import pwd
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -44,7 +43,7 @@ def record_stage(entry: dict[str, Any], env: dict[str, str] | None = None) -> No
     path = history_path(env)
     if path is None:
         return
-    line = (json.dumps({"time": time.time(), "host": socket.gethostname(), **entry}) + "\n").encode()
+    line = (json.dumps({"time": time.time(), "host": os.uname().nodename, **entry}) + "\n").encode()
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)

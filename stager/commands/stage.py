@@ -40,6 +40,11 @@ if TYPE_CHECKING:
 # imports neither numpy nor the staging engine (stager.stage is imported in run(); a test holds them equal).
 DEFAULT_UNPACK_DIR = "unpacked"
 FALLBACKS = ("direct", "none")
+# stager.mix.file's mix-file suffixes and stager.cache.config's CACHE_ENV, spelled out for the same reason:
+# a SRC without one of these suffixes is no mix file, and without --cache and $STAGER_CACHE there is no
+# cache, so a plain stage imports neither the mix nor the cache modules (a test holds them equal).
+MIX_SUFFIXES = (".yaml", ".yml", ".json")
+CACHE_ENV = "STAGER_CACHE"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -135,13 +140,13 @@ def _add_cache_args(p: argparse.ArgumentParser) -> None:
 
 def _cache_options(args: argparse.Namespace) -> CacheOptions | None:
     """``--cache``/``$STAGER_CACHE``, ``--cache-quota``, ``--cache-only`` as one object (None: no cache)."""
-    from stager.cache.config import CacheOptions, Quota, cache_from_env
-
-    where = None if args.no_cache else (args.cache or cache_from_env())
+    where = None if args.no_cache else (args.cache or os.environ.get(CACHE_ENV) or None)
     if where is None:
         if args.cache_only or args.cache_quota or args.verify_cache:
             raise UsageError("--cache-only, --cache-quota and --verify-cache need --cache DIR (or $STAGER_CACHE)")
         return None
+    from stager.cache.config import CacheOptions, Quota
+
     if args.cache_only and args.dest is not None:
         raise UsageError("--cache-only fills the cache only: give no DEST")
     quota = Quota.parse(args.cache_quota) if args.cache_quota else None
@@ -152,10 +157,11 @@ def run(args: argparse.Namespace) -> CommandResult:
     # Staging does no linear algebra: where it loads numpy (--unpack, --partition), OpenBLAS would start
     # a spinning thread per core at its import (~50 ms of CPU a run; docs/benchmarks.md, "Staging small sets").
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    from stager.mix import is_mix_path
+    if os.path.splitext(os.fspath(args.src).rstrip("/"))[1].lower() in MIX_SUFFIXES:
+        from stager.mix import is_mix_path
 
-    if is_mix_path(args.src):
-        return _run_mix(args)
+        if is_mix_path(args.src):
+            return _run_mix(args)
     if args.follow:
         return _run_follow(args)
     if args.collective:

@@ -31,7 +31,6 @@ import errno
 import fcntl
 import json
 import os
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -58,7 +57,7 @@ def pid_alive(pid: int) -> bool:
 
 def holder_is_dead(record: dict[str, Any]) -> bool:
     """Judge a holder record from this host: dead if another boot or its pid is gone."""
-    if record.get("host") != socket.gethostname():
+    if record.get("host") != os.uname().nodename:
         return False  # another host's process: we cannot see it, so never assume it is dead
     if record.get("boot_id") and record.get("boot_id") != boot_id():
         return True
@@ -99,7 +98,7 @@ class NodeLock:
         return self.path.name
 
     def _record(self) -> bytes:
-        rec = {"pid": os.getpid(), "host": socket.gethostname(), "boot_id": boot_id(), "time": time.time()}
+        rec = {"pid": os.getpid(), "host": os.uname().nodename, "boot_id": boot_id(), "time": time.time()}
         return (json.dumps(rec) + "\n").encode()
 
     def _try_create(self, d: SafeDir) -> bool:

@@ -216,6 +216,8 @@ class NumpyLoader(LoaderBase):
             return batch
 
         def end(clean: bool) -> None:
+            if procs.closed:  # close() came first (the iterator was dropped after it): nothing left to end,
+                return  # and self.close() now would stop a newer epoch's workers
             if clean and count[0] == total and self.persistent_workers:
                 for k in range(self.num_workers):  # each worker's end marker: the queues are empty again
                     if procs.receive(k)[0] != "end":

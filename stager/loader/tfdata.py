@@ -8,11 +8,12 @@ counts on every rank; the next pass is the next epoch. The elements are already 
 ``uint8`` (B, H, W, C) (or ``x_dtype``), label ``int64`` (B,).
 
 Resume: ``loader.state_dict()`` is the position in batches handed to tf.data, which (with the
-prefetch that tf.data's optimiser would inject turned off) is the batches the model took. Save it with the
-checkpoint at a step boundary; after a restart ``loader.load_state_dict(state)`` and a new
-``tf_dataset(loader)`` continue with exactly the epoch's remaining batches. A ``.prefetch(k)``
-after it moves the loader ``k`` batches ahead of the model, so save ``state`` of a pipeline without
-prefetch, or subtract what is in flight (docs/training.md, "tf.data").
+prefetch that tf.data's optimiser would inject, and its parallelising of a plain ``.map(f)`` after
+it, turned off) is the batches the model took. Save it with the checkpoint at a step boundary; after
+a restart ``loader.load_state_dict(state)`` and a new ``tf_dataset(loader)`` continue with exactly
+the epoch's remaining batches. A ``.prefetch(k)`` or a ``.map(f, num_parallel_calls=...)`` after it
+moves the loader ahead of the model (up to ``k`` batches, or the map's parallelism), so save
+``state`` of a pipeline without either, or subtract what is in flight (docs/training.md, "tf.data").
 
 When TF's own ``tf.data.TFRecordDataset`` over the record shards is the better choice instead:
 docs/training.md.
@@ -67,7 +68,10 @@ def tf_dataset(loader: LoaderBase, x: Names = "image", y: Names = "label", *, x_
     # tf.data's default optimisations inject a prefetch after the generator, so the iterator pulls one
     # or two batches more than the model has taken (measured with TF 2.21), and a state_dict() saved at
     # a step boundary would skip them on resume. Without it the loader's position is exactly what the
-    # model has consumed; the loader's workers prefetch already.
+    # model has consumed; the loader's workers prefetch already. Likewise map_parallelization, which
+    # rewrites a user's plain .map(f) after it (f stateless: any preprocessing) into a parallel map that
+    # runs 1-2 batches ahead; a map given num_parallel_calls is the user's own read-ahead, as .prefetch().
     options = tf.data.Options()
     options.experimental_optimization.inject_prefetch = False
+    options.experimental_optimization.map_parallelization = False
     return ds.with_options(options)

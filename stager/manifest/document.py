@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime as _dt
 import io
 import itertools
 import json
@@ -369,6 +368,8 @@ class Manifest:
     def to_bytes(self) -> bytes:
         """The manifest v2 JSON. The sample index must have been written (:meth:`write_index`)."""
         if not self.created:
+            import datetime as _dt  # noqa: PLC0415 (only writing a manifest needs it, not every stage)
+
             self.created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
         # What is stored never carries a URL's credentials or query values (stager.redact): where the
         # data came from is kept for people, and readers take credentials from storage options.

@@ -31,7 +31,6 @@ import contextlib
 import datetime as _dt
 import json
 import os
-import socket
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -291,7 +290,7 @@ def shared_barrier(plan: StagePlan, timeout: float | None) -> float:
     that DEST holds every file; return the seconds waited."""
     dest = plan.dest
     marker = {"digest": plan.manifest.digest, "node": plan.node, "num_nodes": plan.num_nodes,
-              "host": socket.gethostname(), "files": [t.name for t in plan.tasks]}
+              "host": os.uname().nodename, "files": [t.name for t in plan.tasks]}
     atomic_write_bytes(dest / plan.marker_name(plan.node), (json.dumps(marker) + "\n").encode(), mode=0o644)
     start = time.monotonic()
     while True:
@@ -358,7 +357,7 @@ def write_receipt(plan: StagePlan, *, verified: str, stats: dict[str, Any], dura
         source=plan.src,
         dest=str(dest),
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        host=socket.gethostname(),
+        host=os.uname().nodename,
         verified=verified,
         mode=plan.mode,
         partition=plan.partition_info,

@@ -42,11 +42,10 @@ import io
 import os
 import stat
 import threading
-from collections.abc import Callable, Collection, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -76,6 +75,7 @@ WRITE_BEHIND_BYTES = 32 << 20
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+T = TypeVar("T")
 
 
 class ChunkReader:
@@ -552,15 +552,7 @@ def run_unpack(plan: StagePlan, journal: Journal, *, workers: int, quiet: bool, 
     unpacker.on_write = batcher.wrote
     job = _ShardUnpacking(plan, unpacker, batcher, progress, keep=_Kept(set(keep), journal, batcher))
     try:
-        with ThreadPoolExecutor(max(1, min(workers, len(shards) or 1))) as ex:
-            futures = [ex.submit(job.unpack_shard, s) for s in shards]
-            try:
-                for fut in futures:
-                    fut.result()
-            except BaseException:
-                for fut in futures:  # a refused or failed shard stops the shards not yet started
-                    fut.cancel()
-                raise
+        each_in_threads(shards, job.unpack_shard, workers)
     except BaseException:
         # Shards finished before the failure are made durable and journaled, so a rerun skips them.
         with contextlib.suppress(Exception):
@@ -573,6 +565,51 @@ def run_unpack(plan: StagePlan, journal: Journal, *, workers: int, quiet: bool, 
     kept = job.keep
     return UnpackCounts(files=unpacker.files, streamed_bytes=job.streamed_bytes, copied_files=kept.files,
                         copied_bytes=kept.bytes, warnings=tuple(kept.warnings))
+
+
+def each_in_threads(items: Sequence[T], fn: Callable[[T], object], threads: int) -> None:
+    """``fn(item)`` for each of ``items``, taken in order by up to ``threads`` threads. A failure stops
+    the items not started yet; once every started call has returned, the failure of the first item (in
+    ``items``' order) is re-raised. An exception in the calling thread (Ctrl-C, SIGTERM: :mod:`stager.cli.signals`)
+    stops them the same way and is re-raised after the started calls return.
+
+    Threads and a lock rather than ``concurrent.futures``: its import (with ``logging``, whose exit
+    hook keeps ``stager stage`` from leaving early: :func:`stager.cli.entry`) cost a small stage more
+    than the pool gave it."""
+    lock = threading.Lock()
+    pending = iter(enumerate(items))
+    failed: list[tuple[int, BaseException]] = []
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            with lock:
+                nxt = next(pending, None)
+            if nxt is None:
+                return
+            try:
+                fn(nxt[1])
+            except BaseException as exc:
+                with lock:
+                    failed.append((nxt[0], exc))
+                stop.set()
+                return
+
+    workers = [threading.Thread(target=loop, name=f"unpack-{i}", daemon=True)
+               for i in range(max(1, min(threads, len(items))))]
+    try:
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join()
+    except BaseException:
+        stop.set()
+        for t in workers:
+            if t.ident is not None:
+                t.join()
+        raise
+    if failed:
+        raise min(failed, key=lambda f: f[0])[1]
 
 
 class _Kept:

@@ -144,11 +144,14 @@ class Runner:
         return res
 
 
+PYTHON = [sys.executable]  # the interpreter of the stager commands (--python)
+
+
 def stager_cmd(tree: Path, *args: str) -> tuple[list[str], dict[str, str]]:
     """``python -m stager stage --json ARGS`` importing stager from ``tree``."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     env.pop("STAGER_CACHE", None)
-    return [sys.executable, "-m", "stager", "stage", "--json", *args], env
+    return [PYTHON[0], "-m", "stager", "stage", "--json", *args], env
 
 
 def check_tree(tree: Path, cwd: Path) -> None:
@@ -158,7 +161,7 @@ def check_tree(tree: Path, cwd: Path) -> None:
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(tree / "stager")], check=True,
                    stdout=subprocess.DEVNULL)
     _, env = stager_cmd(tree)
-    got = subprocess.run([sys.executable, "-c", "import stager; print(stager.__file__)"], env=env, cwd=cwd,
+    got = subprocess.run([PYTHON[0], "-c", "import stager; print(stager.__file__)"], env=env, cwd=cwd,
                          capture_output=True, text=True, check=True).stdout.strip()
     if Path(got).resolve().parent.parent != tree.resolve():
         raise SystemExit(f"a run meant for {tree} imports stager from {got}")
@@ -243,7 +246,10 @@ PROFILE_CHILD = r"""
 import json, os, sys, threading, time
 T0 = time.perf_counter()
 import stager.cli as cli
-parser = cli.build_parser()
+try:
+    parser = cli.build_parser(["stage"])  # only the stage command's parser, as `stager stage` builds it
+except TypeError:  # a tree before that
+    parser = cli.build_parser()
 T1 = time.perf_counter()
 import stager.stage.run as run, stager.stage.dest as dest, stager.stage.journal as journal, stager.fs.verified as v
 T2 = time.perf_counter()
@@ -280,6 +286,9 @@ args.func(args)
 T4 = time.perf_counter()
 print(json.dumps({"imports cli": T1 - T0, "imports stage": T2 - T1, "run": T4 - T3, "in script": T4 - T0,
                   "spent": spent, "calls": calls, "numpy": "numpy" in sys.modules, "modules": len(sys.modules)}))
+# Leave as the tree's `stager stage` would (cli.entry: os._exit when nothing is left for teardown).
+if hasattr(cli, "entry") and cli._nothing_left_at_exit():
+    os._exit(0)
 """
 
 
@@ -297,7 +306,7 @@ def profile(name: str, src: Path, work: Path, trees: dict[str, Path], *, rounds:
             runner.prepare(d)
             env = {**os.environ, "PYTHONPATH": str(trees[who])}
             t = time.perf_counter()
-            out = subprocess.run([sys.executable, "-c", PROFILE_CHILD, *extra, str(src), str(d)], env=env, cwd=work,
+            out = subprocess.run([PYTHON[0], "-c", PROFILE_CHILD, *extra, str(src), str(d)], env=env, cwd=work,
                                  capture_output=True, text=True, check=True)
             wall = time.perf_counter() - t
             got = json.loads(out.stdout.splitlines()[-1])
@@ -351,7 +360,7 @@ def interpreter_start(rounds: int) -> dict[str, float]:
         ts = []
         for _ in range(max(rounds, 5)):
             t = time.perf_counter()
-            subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+            subprocess.run([PYTHON[0], "-c", code], check=True, cwd=ROOT)
             ts.append(time.perf_counter() - t)
         out[label] = statistics.median(ts)
     return out
@@ -392,9 +401,13 @@ def main() -> None:
     ap.add_argument("--keep-sets", action="store_true", help="keep the packed sets (default: delete the large ones)")
     ap.add_argument("--profile", action="store_true",
                     help="where the time goes instead (per tree: start, imports, each step; --unpack: of --unpack)")
+    ap.add_argument("--python", default=sys.executable,
+                    help="the interpreter of the stager commands (e.g. a venv with a non-editable install: no "
+                    "editable-install finder at start-up)")
     ap.add_argument("--json", default=None, help="write the raw figures here")
     ap.add_argument("--markdown", default=None, help="write the table here")
     args = ap.parse_args()
+    PYTHON[0] = args.python
     work = Path(args.work)
     (work / "runs").mkdir(parents=True, exist_ok=True)
     trees = {"new": ROOT, **{Path(t).name or t: Path(t).resolve() for t in args.against}}
