@@ -63,6 +63,10 @@ class LoaderBase:
         # A loaded state at an epoch's end: the next pass is the next epoch, unless set_epoch pins this one.
         self._at_end = False
         self._parent: dict[str, Any] | None = None
+        # The pass (iterator) now open, by number (0: none). A loader makes one pass at a time; a newer
+        # iter() replaces an open one (see __iter__).
+        self._passes = 0
+        self._open_pass = 0
         self._stats = LoaderStats(rank=dataset.rank, world_size=dataset.world_size, **dataset.origin())
         self._log_plan()
 
@@ -162,11 +166,24 @@ class LoaderBase:
 
     # ---- iteration ----------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        """One pass: the epoch's batches from the position on.
+
+        A loader makes one pass at a time. An ``iter()`` while another iterator of it is mid-epoch
+        (kept by the caller, or dropped but not yet finalised, as tf.data's generator is) replaces that
+        pass, as a torch DataLoader's new iterator resets its persistent workers: the new pass starts
+        the epoch afresh, and the replaced iterator raises a one-line :class:`UsageError` if it is
+        advanced again (two iterators sharing one position would each skip the other's batches).
+        """
         self._check_world()
+        if self._open_pass:
+            self._open_pass = 0
+            self.close()  # its workers hold the replaced pass's batches: this pass starts fresh ones
         if not self._begin_epoch():
             return
         padding = self._padded_positions()
         batches = self._open_epoch()
+        self._passes += 1
+        me = self._open_pass = self._passes
         st = self._stats
         st.start()
         clean_end = False
@@ -175,12 +192,21 @@ class LoaderBase:
                 st.stop()
                 clean_end = True  # a consumer leaving here (break, GeneratorExit) leaves a sane pool
                 yield batch
+                if self._open_pass != me:
+                    raise UsageError(
+                        "stager.loader: this iterator's pass was replaced by a newer iter() of the same loader "
+                        "(a loader makes one pass at a time): iterate the newest one"
+                    )
                 clean_end = False
                 st.start()
             clean_end = True
         finally:
             st.stop()
-            batches.end(clean_end)
+            if self._open_pass == me:
+                self._open_pass = 0
+                batches.end(clean_end)
+            else:  # replaced: end only what is this pass's own (close() already stopped shared workers)
+                batches.end(False)
 
     def _advance_if_done(self) -> None:
         """Move to the next epoch when this one is done: after a complete pass, or after loading a state saved

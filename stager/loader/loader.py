@@ -115,7 +115,9 @@ class Loader(LoaderBase):
             pool = self._worker_pool()
 
             def end_persistent(clean: bool) -> None:
-                if not clean:  # a worker error or a broken contract: start afresh next epoch
+                # A worker error or a broken contract: start afresh next epoch (unless a newer pass
+                # already did, and the pool now serves it).
+                if not clean and self._pool is pool:
                     self.close()
 
             return EpochBatches(_in_this_process(_next_of(pool.epoch_iter(ds))), end_persistent)
