@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+import signal
 import sys
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 import numpy as np
 import pytest
@@ -25,10 +30,31 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.g
 
 def pytest_configure(config: pytest.Config) -> None:
     """SIGTERM (``make`` passing on its own, a CI time limit) and SIGHUP end the run as Ctrl-C does, so
-    session fixtures are torn down (the cluster above all: tools/cluster/session.py)."""
-    from tools.cluster.session import signals_interrupt
+    session fixtures are torn down (the cluster above all: tools/cluster/session.py). Under pytest-xdist
+    (``make test`` runs ``-n 2``) the session fixtures live in the worker processes, which a signal sent to
+    the controller alone (make's, CI's) does not reach: the controller passes it on to them first."""
+    from tools.cluster.session import ENDING_SIGNALS, signals_interrupt
 
     signals_interrupt()
+    if getattr(config, "workerinput", None) is None and config.pluginmanager.has_plugin("dsession"):
+        for sig in ENDING_SIGNALS:
+            signal.signal(sig, functools.partial(_to_workers_then, signal.getsignal(sig)))
+
+
+def _to_workers_then(handler: Any, signum: int, frame: FrameType | None) -> None:
+    """The xdist controller's handler of an ending signal: send it to the workers (this process's
+    children: execnet starts nothing else here), each of which then ends its session as Ctrl-C does,
+    tearing down its fixtures; then end the controller's own session (``handler``)."""
+    me = str(os.getpid())
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if fields[1] == me:  # the parent pid
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(stat.parent.name), signum)
+    handler(signum, frame)
 
 
 @pytest.fixture(scope="session")
