@@ -57,6 +57,34 @@ def _to_workers_then(handler: Any, signum: int, frame: FrameType | None) -> None
     handler(signum, frame)
 
 
+# Tests that share a singleton of the machine run one after another in one xdist worker: ``make test``
+# runs ``-n 2 --dist loadgroup``, and pytest-xdist's own xdist_group marks do not reach its scheduler
+# under pytest 9 (the worker renames ``item._nodeid``, which pytest 9 no longer reads), so the groups
+# are named here by path, rootdir-relative. The one-machine Slurm cluster is one per machine (network
+# namespaces, daemons, the checkout's .cluster/); its suite brings it up once and its teardown tests run
+# inner `make test`s of their own.
+SERIAL_GROUPS = {"tests/cluster/": "cluster"}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup`` that keeps each of :data:`SERIAL_GROUPS` in one worker, every other test a
+    unit of its own (xdist's ``@group`` suffix still counts, should it come back). The largest unit goes
+    out first: the cluster suite starts at once, beside everything else."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class Groups(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            for prefix, group in SERIAL_GROUPS.items():
+                if nodeid.startswith(prefix):
+                    return group
+            return str(super()._split_scope(nodeid))
+
+    return Groups(config, log)
+
+
 @pytest.fixture(scope="session")
 def imagenet_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """ImageFolder of 4 classes x 6 JPEGs at ~1/4 ImageNet size (fast to generate and decode)."""

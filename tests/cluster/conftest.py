@@ -41,13 +41,11 @@ def _ours(item: pytest.Item) -> bool:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark the suite ``cluster`` before -m selects (hence tryfirst), and put it in one xdist group: the
-    cluster is one per machine (namespaces, daemons, the checkout's .cluster/), so under ``make test``'s
-    ``-n 2 --dist loadgroup`` all of its tests run in one worker, which brings it up once."""
+    """Mark the suite ``cluster`` before -m selects (hence tryfirst). Under ``make test``'s xdist workers
+    the whole suite runs in one of them (tests/conftest.py, ``SERIAL_GROUPS``)."""
     for item in items:
         if _ours(item):
             item.add_marker(pytest.mark.cluster)
-            item.add_marker(pytest.mark.xdist_group("cluster"))
 
 
 class _DropWhenUnavailable:
