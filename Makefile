@@ -18,9 +18,14 @@ demo: $(STAMP)
 # TESTS narrows the run (make test TESTS=tests/test_pack.py). `exec`: make passes SIGTERM to its recipe's
 # process, which must be pytest itself (a shell in between would die and leave pytest running), so that
 # an interrupted run still tears down what it brought up (tests/conftest.py, tools/cluster/session.py).
+# TEST_WORKERS pytest-xdist processes (2: CI's cores; 0 runs in one process); the tests that share a
+# singleton run in one worker (the cluster suite: docs/testing.md, "In parallel"). A worker that dies is
+# not replaced (its replacement would run the test it died in again: a retry, and a second cluster).
 TESTS ?= tests
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	exec $(BIN)/python -m pytest -q --durations=30 -m "not slow and not gpu and not faults" $(TESTS)
+	exec $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --max-worker-restart 0 --durations=30 \
+	  -m "not slow and not gpu and not faults" $(TESTS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check stager tools tests

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+import signal
 import sys
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 import numpy as np
 import pytest
@@ -25,10 +30,59 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.g
 
 def pytest_configure(config: pytest.Config) -> None:
     """SIGTERM (``make`` passing on its own, a CI time limit) and SIGHUP end the run as Ctrl-C does, so
-    session fixtures are torn down (the cluster above all: tools/cluster/session.py)."""
-    from tools.cluster.session import signals_interrupt
+    session fixtures are torn down (the cluster above all: tools/cluster/session.py). Under pytest-xdist
+    (``make test`` runs ``-n 2``) the session fixtures live in the worker processes, which a signal sent to
+    the controller alone (make's, CI's) does not reach: the controller passes it on to them first."""
+    from tools.cluster.session import ENDING_SIGNALS, signals_interrupt
 
     signals_interrupt()
+    if getattr(config, "workerinput", None) is None and config.pluginmanager.has_plugin("dsession"):
+        for sig in ENDING_SIGNALS:
+            signal.signal(sig, functools.partial(_to_workers_then, signal.getsignal(sig)))
+
+
+def _to_workers_then(handler: Any, signum: int, frame: FrameType | None) -> None:
+    """The xdist controller's handler of an ending signal: send it to the workers (this process's
+    children: execnet starts nothing else here), each of which then ends its session as Ctrl-C does,
+    tearing down its fixtures; then end the controller's own session (``handler``)."""
+    me = str(os.getpid())
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if fields[1] == me:  # the parent pid
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(stat.parent.name), signum)
+    handler(signum, frame)
+
+
+# Tests that share a singleton of the machine run one after another in one xdist worker: ``make test``
+# runs ``-n 2 --dist loadgroup``, and pytest-xdist's own xdist_group marks do not reach its scheduler
+# under pytest 9 (the worker renames ``item._nodeid``, which pytest 9 no longer reads), so the groups
+# are named here by path, rootdir-relative. The one-machine Slurm cluster is one per machine (network
+# namespaces, daemons, the checkout's .cluster/); its suite brings it up once and its teardown tests run
+# inner `make test`s of their own.
+SERIAL_GROUPS = {"tests/cluster/": "cluster"}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup`` that keeps each of :data:`SERIAL_GROUPS` in one worker, every other test a
+    unit of its own (xdist's ``@group`` suffix still counts, should it come back). The largest unit goes
+    out first: the cluster suite starts at once, beside everything else."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class Groups(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            for prefix, group in SERIAL_GROUPS.items():
+                if nodeid.startswith(prefix):
+                    return group
+            return str(super()._split_scope(nodeid))
+
+    return Groups(config, log)
 
 
 @pytest.fixture(scope="session")

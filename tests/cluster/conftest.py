@@ -41,7 +41,8 @@ def _ours(item: pytest.Item) -> bool:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark the suite ``cluster`` before -m selects (hence tryfirst)."""
+    """Mark the suite ``cluster`` before -m selects (hence tryfirst). Under ``make test``'s xdist workers
+    the whole suite runs in one of them (tests/conftest.py, ``SERIAL_GROUPS``)."""
     for item in items:
         if _ours(item):
             item.add_marker(pytest.mark.cluster)

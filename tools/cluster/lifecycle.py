@@ -13,6 +13,7 @@ links and the bridge), munge's socket directory /run/stgr-<tag>, and .cluster/.
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import os
 import re
@@ -67,22 +68,35 @@ def preflight(install: bool = True) -> None:
     probe = run(["unshare", "--net", "--mount", "--uts", "true"], check=False, timeout=30)
     if probe.returncode != 0:
         raise ClusterError(f"the kernel refuses new namespaces here ({probe.stderr.strip()})")
-    missing = missing_packages() + missing_packages(optional=True)
-    if missing and install:
-        if not shutil.which("apt-get"):
-            raise ClusterError(f"missing packages {', '.join(missing)} and no apt-get to install them")
-        log(f"installing {' '.join(missing)} (apt)")
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        cmd = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *missing]
-        if run(cmd, check=False, timeout=600, env=env).returncode != 0:
-            run(["apt-get", "update", "-q"], timeout=600, env=env)
-            run(cmd, check=False, timeout=600, env=env)
+    if install and missing_packages() + missing_packages(optional=True):
+        _install_missing()
     missing = missing_packages()
     if missing:
         raise ClusterError(f"missing packages: {', '.join(missing)} (apt-get install -y {' '.join(missing)})")
     optional = missing_packages(optional=True)
     if optional:
         log(f"not installed: {', '.join(optional)}; the cluster tests that need them will be skipped")
+
+
+def _install_missing() -> None:
+    """apt-get install the missing packages, one process of this machine at a time: the suite's two xdist
+    workers both collect the cluster tests, so on a fresh machine both get here at once (and ``make
+    cluster`` may run beside); the second finds them installed. dpkg's lock, held by another apt, is waited for."""
+    with open("/run/lock/stager-cluster-apt.lock" if os.path.isdir("/run/lock") else "/tmp/stager-cluster-apt.lock",
+              "w") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        missing = missing_packages() + missing_packages(optional=True)
+        if not missing:
+            return
+        if not shutil.which("apt-get"):
+            raise ClusterError(f"missing packages {', '.join(missing)} and no apt-get to install them")
+        log(f"installing {' '.join(missing)} (apt)")
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        wait = ["-o", "DPkg::Lock::Timeout=540"]
+        cmd = ["apt-get", *wait, "install", "-y", "-q", "--no-install-recommends", *missing]
+        if run(cmd, check=False, timeout=600, env=env).returncode != 0:
+            run(["apt-get", *wait, "update", "-q"], timeout=600, env=env)
+            run(cmd, check=False, timeout=600, env=env)
 
 
 def healthy(cfg: Config, rec: Record) -> None:
