@@ -8,10 +8,18 @@
 - ``set_epoch``, ``skip_to`` or ``load_state_dict`` while an iterator was mid-epoch, then that iterator
   advanced: ``RuntimeError: stager.loader: expected batch 0, worker sent 2`` (the round-robin check's
   message, about a worker) on both loaders, with and without workers, instead of one line saying what to do.
+- ``kill -9`` of ``stager pack -j N`` or ``stager index -j N`` itself (not a worker) left its N workers
+  asleep on the pool's task queue for ever: orphans, each holding its copy of the source.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import select
+import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from tests.cli_support import clean_env
+from tools.datagen import make_imagefolder
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -94,3 +103,94 @@ def test_moving_the_loader_mid_pass_is_one_line_for_the_open_iterator(
         assert [list(b["key"]) for b in ld] == expect
     finally:
         ld.close()
+
+
+# ---- pack -j / index -j: stager itself killed ---------------------------------------------------------
+
+
+def _children(pid: int) -> list[int]:
+    """The live (not zombie) children of ``pid``, from /proc."""
+    out: list[int] = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            out += [int(x) for x in Path(f"/proc/{pid}/task/{tid}/children").read_text().split()]
+    except OSError:
+        return []
+    return [c for c in out if _state(c) not in ("Z", "gone")]
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+@pytest.fixture(scope="module")
+def many_small(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """An ImageFolder of 240 small JPEGs and its pack into 240 one-sample tar shards (to index)."""
+    from stager.pack import pack
+
+    base = tmp_path_factory.mktemp("many")
+    src = make_imagefolder(base / "train", num_classes=4, per_class=60, seed=1, size=(32, 24))
+    shards = base / "shards"
+    pack(src, shards, "tar", samples_per_shard=1)
+    (shards / "manifest.json").unlink()
+    for p in shards.glob("index-*"):
+        p.unlink()
+    return src, shards
+
+
+@pytest.mark.parametrize("command", ["pack", "index"])
+def test_stager_killed_takes_its_workers_with_it_and_the_rerun_resumes(
+    many_small: tuple[Path, Path], tmp_path: Path, command: str
+) -> None:
+    """``kill -9`` of stager (the OOM killer's choice, a user's kill) while ``-j 2`` workers run left both
+    workers asleep on their task queue for ever (orphans). Now they end with it, and the rerun with
+    ``-j 1`` resumes from what was published and gives the bytes a fresh run gives."""
+    src, shards = many_small
+    if command == "pack":
+        out = tmp_path / "out"
+        argv = ["pack", str(src), str(out), "--format", "tar", "--samples-per-shard", "2"]
+        published = lambda: len(list(out.glob("shard-*.tar")))  # noqa: E731
+    else:
+        out = tmp_path / "shards"
+        shutil.copytree(shards, out)
+        argv = ["index", str(out)]
+        published = lambda: len(list((out / ".stager-index").glob("*.json")))  # noqa: E731
+    stager = [str(Path(sys.executable).with_name("stager"))]
+    p = subprocess.Popen([*stager, *argv, "-j", "2", "--json"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         env=clean_env(), cwd=ROOT)
+    workers: list[int] = []
+    while p.poll() is None and (len(workers) < 2 or published() < 4):  # mid-run: workers up, some work saved
+        workers = _children(p.pid)
+    assert p.poll() is None, "the run ended before it could be killed: give it more to do"
+    fds = [os.pidfd_open(w) for w in workers]
+    p.kill()
+    p.wait()
+    try:
+        waiting = list(fds)
+        while waiting:  # a pidfd turns readable when its process ends
+            ready, _, _ = select.select(waiting, [], [], 120)  # a safety bound: they end at once, or never
+            assert ready, [(w, _state(w)) for w in workers]
+            waiting = [fd for fd in waiting if fd not in ready]
+    finally:
+        for fd in fds:
+            os.close(fd)
+        for w in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(w, signal.SIGKILL)
+    again = subprocess.run([*stager, *argv, "-j", "1", "--json"], capture_output=True, text=True, env=clean_env(),
+                           cwd=ROOT, timeout=600, check=False)
+    assert again.returncode == 0, again.stdout + again.stderr
+    report = json.loads(again.stdout)
+    assert report["reused_shards" if command == "pack" else "resumed"] >= 1, report  # it resumed
+    if command == "pack":
+        fresh = tmp_path / "fresh"
+        subprocess.run([*stager, "pack", str(src), str(fresh), "--format", "tar", "--samples-per-shard", "2", "-q"],
+                       env=clean_env(), cwd=ROOT, timeout=600, check=True)
+        names = sorted(x.name for x in fresh.iterdir())
+        assert sorted(x.name for x in out.iterdir()) == names
+        for n in names:
+            if n.endswith(".tar"):
+                assert (out / n).read_bytes() == (fresh / n).read_bytes(), n

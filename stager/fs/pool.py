@@ -14,6 +14,9 @@
   other workers with SIGTERM and SIGKILL is :func:`kill_workers`'s, so a crash's signal (SIGSEGV, SIGBUS)
   is the cause wherever it appears, then a SIGKILL, then a SIGTERM; callers take :func:`ended_workers`
   before :func:`kill_workers` so that its SIGKILLs are not counted.
+* :func:`end_with_parent`, a worker's initializer: the worker is SIGKILLed when stager itself ends without
+  ending it (``kill -9``, the OOM killer choosing stager): a worker waits on its task queue, whose write end
+  its siblings hold open too, so it would never see the end and stay, an orphan, for ever.
 """
 
 from __future__ import annotations
@@ -30,12 +33,33 @@ if TYPE_CHECKING:  # multiprocessing is imported by the callers that start a poo
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing.process import BaseProcess
 
-__all__ = ["ended_workers", "kill_workers", "lost_worker_error"]
+__all__ = ["end_with_parent", "ended_workers", "kill_workers", "lost_worker_error"]
 
 
 def _processes(ex: ProcessPoolExecutor) -> list[BaseProcess]:
     """The pool's worker processes (no public way to reach them before Python 3.14; none once shut down)."""
     return list((getattr(ex, "_processes", None) or {}).values())
+
+
+def end_with_parent() -> None:
+    """In a pool worker (its ``initializer``): have the kernel SIGKILL it when the process that started it ends.
+
+    Linux's ``PR_SET_PDEATHSIG``, which fires when the *thread* that forked the worker ends: the pools of
+    ``pack -j`` and ``index -j`` start their workers from the thread that runs the pack or index, and are
+    shut down before it returns. A parent that ended before the setting took effect is caught by comparing
+    ``getppid()``. No-op where ``prctl`` is missing (not Linux)."""
+    import ctypes  # noqa: PLC0415 (a worker's start only)
+    import multiprocessing  # noqa: PLC0415 (the pool imported it already)
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return
+    if prctl(1, int(signal.SIGKILL), 0, 0, 0) != 0:  # 1: PR_SET_PDEATHSIG
+        return
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:  # it ended already: the signal will not come
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def kill_workers(ex: ProcessPoolExecutor) -> None:

@@ -38,7 +38,7 @@ from stager.errors import CorruptSampleError, DestinationError, UsageError, tran
 from stager.formats import FORMAT_SPECS
 from stager.fs.atomic import atomic_write_bytes, remove_partials
 from stager.fs.open import is_url, join
-from stager.fs.pool import ended_workers, kill_workers, lost_worker_error
+from stager.fs.pool import end_with_parent, ended_workers, kill_workers, lost_worker_error
 from stager.index import remote
 from stager.index.columns import extra_columns, sample_kind
 from stager.index.discover import STATE_DIR, discover
@@ -255,7 +255,8 @@ def _scan_all(directory: str, todo: list[str], kind: str, opts: IndexOptions, pr
 
     ctx = mp.get_context("fork" if threading.active_count() == 1 and "fork" in mp.get_all_start_methods()
                          else "spawn")
-    with ProcessPoolExecutor(max_workers=min(opts.workers, len(jobs)), mp_context=ctx) as ex:
+    with ProcessPoolExecutor(max_workers=min(opts.workers, len(jobs)), mp_context=ctx,
+                             initializer=end_with_parent) as ex:  # stager killed: its workers go too
         it = iter(jobs)
         pending: set[Future[ShardScan]] = set()
         for j in it:  # at most 2 jobs per worker in flight: results are kept and saved in order of completion

@@ -40,7 +40,7 @@ import numpy as np
 
 from stager.formats import get_format
 from stager.fs.kernel import keep_freed_heap
-from stager.fs.pool import ended_workers, kill_workers, lost_worker_error
+from stager.fs.pool import end_with_parent, ended_workers, kill_workers, lost_worker_error
 from stager.pack.plan import ShardRefs
 from stager.pack.segments import SEG_BYTES, SEG_SAMPLES, SegmentDone, SegmentTask, Slots, run_segment, run_segments
 from stager.pack.shard import ShardJob, fragmentable, write_shard
@@ -133,6 +133,7 @@ def _init_worker(source: Source | None = None) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(sig) is not signal.SIG_IGN:
             signal.signal(sig, signal.SIG_DFL)
+    end_with_parent()  # stager killed (kill -9, the OOM killer): its workers go too, not orphans for ever
     keep_freed_heap()  # a worker reads segment after segment: reuse their memory, do not fault it in again
     _WORKER.source = source
     _WORKER.jobs_files.clear()
