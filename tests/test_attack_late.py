@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli_support import clean_env
+from tests.cli_support import AS_TYPED, clean_env
 from tools.datagen import make_imagefolder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -194,3 +194,42 @@ def test_stager_killed_takes_its_workers_with_it_and_the_rerun_resumes(
         for n in names:
             if n.endswith(".tar"):
                 assert (out / n).read_bytes() == (fresh / n).read_bytes(), n
+
+
+# ---- index -j: interrupted as its pool starts --------------------------------------------------------
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_index_interrupted_as_its_workers_start_exits_130_with_nothing_left(
+    many_small: tuple[Path, Path], tmp_path: Path, sig: signal.Signals
+) -> None:
+    """A Ctrl-C or SIGTERM the moment ``index -j 4``'s first worker exists lands in the pool's start (inside
+    ``submit``, before the ``try`` that kills the workers): ``RuntimeError: cannot join thread before it is
+    started`` with a traceback and exit 1, or a stager that never exits (Python's exit joined workers never
+    told to stop). Now: exit 130, one JSON object, every worker gone."""
+    out = tmp_path / "shards"
+    shutil.copytree(many_small[1], out)
+    stager = str(Path(sys.executable).with_name("stager"))
+    p = subprocess.Popen([*AS_TYPED, stager, "index", str(out), "-j", "4", "--json"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=clean_env(), cwd=ROOT)
+    workers: list[int] = []
+    while p.poll() is None and not workers:
+        workers = _children(p.pid)
+    assert p.poll() is None, "the index ended before it could be interrupted"
+    fds = [os.pidfd_open(w) for w in workers]
+    try:
+        os.kill(p.pid, sig)
+        stdout, stderr = p.communicate(timeout=300)  # a safety bound: a stager that waits for ever fails here
+        assert p.returncode == 130, stdout + stderr
+        assert stdout.count("\n") == 1 and json.loads(stdout)["exit_code"] == 130, stdout
+        assert "Traceback" not in stderr, stderr
+        ready, _, _ = select.select(fds, [], [], 0)  # stager has exited: its workers must be gone already
+        assert len(ready) == len(fds)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        for fd in fds:
+            os.close(fd)
+        for w in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(w, signal.SIGKILL)
