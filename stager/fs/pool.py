@@ -65,7 +65,8 @@ def end_with_parent() -> None:
     Linux's ``PR_SET_PDEATHSIG``, which fires when the *thread* that forked the worker ends: the pools of
     ``pack -j`` and ``index -j`` start their workers from the thread that runs the pack or index, and are
     shut down before it returns. A parent that ended before the setting took effect is caught by comparing
-    ``getppid()``. Unblocks the signals :func:`signals_held` held. The rest is a no-op where ``prctl`` is missing (not Linux)."""
+    ``getppid()``. Unblocks the signals :func:`signals_held` held. The rest is a no-op where ``prctl`` is
+    missing (not Linux)."""
     import ctypes  # noqa: PLC0415 (a worker's start only)
     import multiprocessing  # noqa: PLC0415 (the pool imported it already)
 
