@@ -10,6 +10,10 @@
   message, about a worker) on both loaders, with and without workers, instead of one line saying what to do.
 - ``kill -9`` of ``stager pack -j N`` or ``stager index -j N`` itself (not a worker) left its N workers
   asleep on the pool's task queue for ever: orphans, each holding its copy of the source.
+- Ctrl-C or SIGTERM the moment ``index -j 4``'s first worker exists: the interrupt landed in the pool's
+  start, outside the ``try`` that kills the workers (``RuntimeError: cannot join thread before it is
+  started``, exit 1, or a stager waiting for ever at exit on workers never told to stop), or inside
+  ``os.fork``'s after-fork hooks, where Python printed "Exception ignored" and the index ran to its end, exit 0.
 """
 
 from __future__ import annotations
