@@ -10,10 +10,10 @@
   message, about a worker) on both loaders, with and without workers, instead of one line saying what to do.
 - ``kill -9`` of ``stager pack -j N`` or ``stager index -j N`` itself (not a worker) left its N workers
   asleep on the pool's task queue for ever: orphans, each holding its copy of the source.
-- Ctrl-C or SIGTERM the moment ``index -j 4``'s first worker exists: the interrupt landed in the pool's
-  start, outside the ``try`` that kills the workers (``RuntimeError: cannot join thread before it is
-  started``, exit 1, or a stager waiting for ever at exit on workers never told to stop), or inside
-  ``os.fork``'s after-fork hooks, where Python printed "Exception ignored" and the index ran to its end, exit 0.
+- Ctrl-C or SIGTERM the moment ``index -j 4``'s (or ``pack -j 4``'s) first worker exists: it landed in
+  the pool's start, for index outside the ``try`` that kills the workers (``RuntimeError: cannot join
+  thread before it is started``, exit 1, or a stager waiting for ever at exit on workers never told to stop), or inside
+  ``os.fork``'s after-fork hooks (both), where Python printed "Exception ignored" and the run went on, exit 0.
 """
 
 from __future__ import annotations
@@ -200,26 +200,32 @@ def test_stager_killed_takes_its_workers_with_it_and_the_rerun_resumes(
                 assert (out / n).read_bytes() == (fresh / n).read_bytes(), n
 
 
-# ---- index -j: interrupted as its pool starts --------------------------------------------------------
+# ---- index -j / pack -j: interrupted as the pool starts----------------------------------------------------
 
 
+@pytest.mark.parametrize("command", ["index", "pack"])
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_index_interrupted_as_its_workers_start_exits_130_with_nothing_left(
-    many_small: tuple[Path, Path], tmp_path: Path, sig: signal.Signals
+def test_interrupted_as_its_workers_start_exits_130_with_nothing_left(
+    many_small: tuple[Path, Path], tmp_path: Path, sig: signal.Signals, command: str
 ) -> None:
-    """A Ctrl-C or SIGTERM the moment ``index -j 4``'s first worker exists lands in the pool's start (inside
-    ``submit``, before the ``try`` that kills the workers): ``RuntimeError: cannot join thread before it is
-    started`` with a traceback and exit 1, or a stager that never exits (Python's exit joined workers never
-    told to stop). Now: exit 130, one JSON object, every worker gone."""
-    out = tmp_path / "shards"
-    shutil.copytree(many_small[1], out)
+    """A Ctrl-C or SIGTERM the moment ``index -j 4``'s or ``pack -j 4``'s first worker exists lands in the
+    pool's start (inside ``submit``): for index, before the ``try`` that kills the workers (``RuntimeError:
+    cannot join thread before it is started`` with a traceback and exit 1, or a stager that never exits:
+    Python's exit joined workers never told to stop); for both, inside fork's after-fork hooks, where it
+    was lost and the run went on to exit 0. Now: exit 130, one JSON object, every worker gone."""
+    if command == "index":
+        out = tmp_path / "shards"
+        shutil.copytree(many_small[1], out)
+        argv = ["index", str(out)]
+    else:
+        argv = ["pack", str(many_small[0]), str(tmp_path / "out"), "--format", "tar", "--samples-per-shard", "2"]
     stager = str(Path(sys.executable).with_name("stager"))
-    p = subprocess.Popen([*AS_TYPED, stager, "index", str(out), "-j", "4", "--json"], stdout=subprocess.PIPE,
+    p = subprocess.Popen([*AS_TYPED, stager, *argv, "-j", "4", "--json"], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, env=clean_env(), cwd=ROOT)
     workers: list[int] = []
     while p.poll() is None and not workers:
         workers = _children(p.pid)
-    assert p.poll() is None, "the index ended before it could be interrupted"
+    assert p.poll() is None, "the run ended before it could be interrupted"
     fds = [os.pidfd_open(w) for w in workers]
     try:
         os.kill(p.pid, sig)
