@@ -14,6 +14,9 @@
   other workers with SIGTERM and SIGKILL is :func:`kill_workers`'s, so a crash's signal (SIGSEGV, SIGBUS)
   is the cause wherever it appears, then a SIGKILL, then a SIGTERM; callers take :func:`ended_workers`
   before :func:`kill_workers` so that its SIGKILLs are not counted.
+* :func:`end_with_parent`, a worker's initializer: the worker is SIGKILLed when stager itself ends without
+  ending it (``kill -9``, the OOM killer choosing stager): a worker waits on its task queue, whose write end
+  its siblings hold open too, so it would never see the end and stay, an orphan, for ever.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import contextlib
 import os
 import signal
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from stager.errors import WorkerLostError
@@ -30,12 +34,53 @@ if TYPE_CHECKING:  # multiprocessing is imported by the callers that start a poo
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing.process import BaseProcess
 
-__all__ = ["ended_workers", "kill_workers", "lost_worker_error"]
+__all__ = ["end_with_parent", "ended_workers", "kill_workers", "lost_worker_error", "signals_held"]
 
 
 def _processes(ex: ProcessPoolExecutor) -> list[BaseProcess]:
     """The pool's worker processes (no public way to reach them before Python 3.14; none once shut down)."""
     return list((getattr(ex, "_processes", None) or {}).values())
+
+
+_HELD = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Hold Ctrl-C, SIGTERM and SIGHUP (blocked) for the block; one that came meanwhile is delivered after it.
+
+    Around a pool's ``submit`` (which forks or spawns its workers): a signal whose handler raises inside
+    ``os.fork``'s after-fork hooks is printed as "Exception ignored" and lost, and the run went on to the
+    end. The workers inherit the mask: :func:`end_with_parent` unblocks them."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def end_with_parent() -> None:
+    """In a pool worker (its ``initializer``): have the kernel SIGKILL it when the process that started it ends.
+
+    Linux's ``PR_SET_PDEATHSIG``, which fires when the *thread* that forked the worker ends: the pools of
+    ``pack -j`` and ``index -j`` start their workers from the thread that runs the pack or index, and are
+    shut down before it returns. A parent that ended before the setting took effect is caught by comparing
+    ``getppid()``. Unblocks the signals :func:`signals_held` held. The rest is a no-op where ``prctl`` is
+    missing (not Linux)."""
+    import ctypes  # noqa: PLC0415 (a worker's start only)
+    import multiprocessing  # noqa: PLC0415 (the pool imported it already)
+
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD)  # held by the parent while it started this worker
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return
+    if prctl(1, int(signal.SIGKILL), 0, 0, 0) != 0:  # 1: PR_SET_PDEATHSIG
+        return
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:  # it ended already: the signal will not come
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def kill_workers(ex: ProcessPoolExecutor) -> None:
@@ -44,9 +89,12 @@ def kill_workers(ex: ProcessPoolExecutor) -> None:
     if kill is not None:
         kill()
     procs = _processes(ex)
-    for p in procs:
-        with contextlib.suppress(OSError, ValueError):  # gone already, or closed
-            p.kill()
+    # A second Ctrl-C (or SIGTERM) must not stop this half-way: a worker left alive is one Python's exit
+    # would wait for. Held until every worker has its SIGKILL, then delivered.
+    with signals_held():
+        for p in procs:
+            with contextlib.suppress(OSError, ValueError):  # gone already, or closed
+                p.kill()
     for p in procs:
         with contextlib.suppress(ValueError):
             p.join()

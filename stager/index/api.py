@@ -38,7 +38,7 @@ from stager.errors import CorruptSampleError, DestinationError, UsageError, tran
 from stager.formats import FORMAT_SPECS
 from stager.fs.atomic import atomic_write_bytes, remove_partials
 from stager.fs.open import is_url, join
-from stager.fs.pool import ended_workers, kill_workers, lost_worker_error
+from stager.fs.pool import end_with_parent, ended_workers, kill_workers, lost_worker_error, signals_held
 from stager.index import remote
 from stager.index.columns import extra_columns, sample_kind
 from stager.index.discover import STATE_DIR, discover
@@ -255,33 +255,43 @@ def _scan_all(directory: str, todo: list[str], kind: str, opts: IndexOptions, pr
 
     ctx = mp.get_context("fork" if threading.active_count() == 1 and "fork" in mp.get_all_start_methods()
                          else "spawn")
-    with ProcessPoolExecutor(max_workers=min(opts.workers, len(jobs)), mp_context=ctx) as ex:
+    # No ``with``: an interrupt while the pool starts (inside ``submit``) leaves its manager thread created
+    # but not started, and ``shutdown(wait=True)`` then raises RuntimeError ("cannot join thread before it is
+    # started") instead of the interrupt, or, the workers never told to stop, Python's exit waits on them.
+    ex = ProcessPoolExecutor(max_workers=min(opts.workers, len(jobs)), mp_context=ctx,
+                             initializer=end_with_parent)  # stager killed: its workers go too
+    pending: set[Future[ShardScan]] = set()
+    interrupted = False
+    try:
         it = iter(jobs)
-        pending: set[Future[ShardScan]] = set()
         for j in it:  # at most 2 jobs per worker in flight: results are kept and saved in order of completion
-            pending.add(ex.submit(_scan_one, j))
+            with signals_held():  # submit starts workers: a signal inside fork would be lost
+                pending.add(ex.submit(_scan_one, j))
             if len(pending) >= 2 * opts.workers:
                 break
-        try:
-            while pending:
-                done, pending = wait(pending, return_when=FIRST_COMPLETED)
-                for fut in done:
-                    scan = fut.result()
-                    progress.update(len(scan.keys), scan.bytes)
-                    yield scan
-                    nxt = next(it, None)
-                    if nxt is not None:
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for fut in done:
+                scan = fut.result()
+                progress.update(len(scan.keys), scan.bytes)
+                yield scan
+                nxt = next(it, None)
+                if nxt is not None:
+                    with signals_held():
                         pending.add(ex.submit(_scan_one, nxt))
-        except BrokenExecutor:  # BrokenProcessPool: a worker ended on its own (the OOM killer): end the rest, one line
-            ended = ended_workers(ex)
-            kill_workers(ex)
-            raise lost_worker_error(ended, "index", "rerun with fewer -j; the index resumes where it stopped") from None
-        except (KeyboardInterrupt, GeneratorExit):  # Ctrl-C, SIGTERM, or the caller failed: abandon what runs
-            kill_workers(ex)  # a worker blocked on a stalled server would keep the pool's shutdown waiting
-            raise
-        finally:
-            for fut in pending:
-                fut.cancel()
+    except BrokenExecutor:  # BrokenProcessPool: a worker ended on its own (the OOM killer): end the rest, one line
+        ended = ended_workers(ex)
+        kill_workers(ex)
+        raise lost_worker_error(ended, "index", "rerun with fewer -j; the index resumes where it stopped") from None
+    except (KeyboardInterrupt, GeneratorExit):  # Ctrl-C, SIGTERM, or the caller failed: abandon what runs
+        interrupted = True
+        kill_workers(ex)  # a worker blocked on a stalled server would keep the pool's shutdown waiting
+        raise
+    finally:
+        for fut in pending:
+            fut.cancel()
+        with contextlib.suppress(RuntimeError):  # (the manager thread not started: nothing to join)
+            ex.shutdown(wait=not interrupted, cancel_futures=True)
 
 
 def _check_boundaries(scans: list[ShardScan], directory: str) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -67,6 +68,9 @@ class LoaderBase:
         # iter() replaces an open one (see __iter__).
         self._passes = 0
         self._open_pass = 0
+        # Its batch source, weakly: the pass's generator owns it (a strong reference would be a cycle through
+        # the transport's closures, keeping a dropped loader's workers alive until the cyclic GC ran).
+        self._open_batches: weakref.ref[EpochBatches] | None = None
         self._stats = LoaderStats(rank=dataset.rank, world_size=dataset.world_size, **dataset.origin())
         self._log_plan()
 
@@ -177,6 +181,9 @@ class LoaderBase:
         self._check_world()
         if self._open_pass:
             self._open_pass = 0
+            replaced = self._open_batches() if self._open_batches is not None else None
+            if replaced is not None:  # fresh (non-persistent) workers are that pass's own: end them now, not
+                replaced.end(False)  # when the caller drops the replaced iterator
             self.close()  # its workers hold the replaced pass's batches: this pass starts fresh ones
         if not self._begin_epoch():
             return
@@ -184,6 +191,7 @@ class LoaderBase:
         batches = self._open_epoch()
         self._passes += 1
         me = self._open_pass = self._passes
+        self._open_batches = weakref.ref(batches)
         st = self._stats
         st.start()
         clean_end = False
@@ -191,11 +199,19 @@ class LoaderBase:
             while (batch := self._receive(batches, padding)) is not None:
                 st.stop()
                 clean_end = True  # a consumer leaving here (break, GeneratorExit) leaves a sane pool
+                at = (self.dataset.epoch, self._done)
                 yield batch
                 if self._open_pass != me:
                     raise UsageError(
                         "stager.loader: this iterator's pass was replaced by a newer iter() of the same loader "
                         "(a loader makes one pass at a time): iterate the newest one"
+                    )
+                if (self.dataset.epoch, self._done) != at:
+                    if at[1] == len(padding):  # the pass had handed out its last batch: it ends as it would have
+                        return
+                    raise UsageError(
+                        "stager.loader: set_epoch, skip_to or load_state_dict moved the loader while this iterator "
+                        "was mid-epoch: start a new iter() of the loader after moving it"
                     )
                 clean_end = False
                 st.start()
@@ -204,6 +220,7 @@ class LoaderBase:
             st.stop()
             if self._open_pass == me:
                 self._open_pass = 0
+                self._open_batches = None
                 batches.end(clean_end)
             else:  # replaced: end only what is this pass's own (close() already stopped shared workers)
                 batches.end(False)

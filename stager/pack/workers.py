@@ -40,7 +40,7 @@ import numpy as np
 
 from stager.formats import get_format
 from stager.fs.kernel import keep_freed_heap
-from stager.fs.pool import ended_workers, kill_workers, lost_worker_error
+from stager.fs.pool import end_with_parent, ended_workers, kill_workers, lost_worker_error, signals_held
 from stager.pack.plan import ShardRefs
 from stager.pack.segments import SEG_BYTES, SEG_SAMPLES, SegmentDone, SegmentTask, Slots, run_segment, run_segments
 from stager.pack.shard import ShardJob, fragmentable, write_shard
@@ -133,6 +133,7 @@ def _init_worker(source: Source | None = None) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(sig) is not signal.SIG_IGN:
             signal.signal(sig, signal.SIG_DFL)
+    end_with_parent()  # stager killed (kill -9, the OOM killer): its workers go too, not orphans for ever
     keep_freed_heap()  # a worker reads segment after segment: reuse their memory, do not fault it in again
     _WORKER.source = source
     _WORKER.jobs_files.clear()
@@ -178,7 +179,9 @@ class PackPool:
         # Several items per task (fewer round trips), yet enough tasks to balance uneven ones.
         # At most 16: a task's results arrive as one message, and the caller holds them until taken.
         chunk = max(1, min(16, len(items) // (self.workers * 4)))
-        return self._lost_as_error(self._executor().map(fn, items, chunksize=chunk))
+        with signals_held():  # map submits every item now, starting the workers: a signal inside fork would be lost
+            results = self._executor().map(fn, items, chunksize=chunk)
+        return self._lost_as_error(results)
 
     def _lost_as_error(self, results: Iterator[R]) -> Iterator[R]:
         try:
@@ -198,7 +201,10 @@ class PackPool:
         jobs_file = _publish_jobs(state_dir, jobs, source, ship_source=not inherited)
         try:
             if fragmentable(get_format(jobs[0].options.format), jobs[0].fields):
-                submit: Callable[[SegmentTask], Future[SegmentDone]] = lambda task: ex.submit(_run_segment, task)  # noqa: E731
+                def submit(task: SegmentTask) -> Future[SegmentDone]:
+                    with signals_held():  # submit may start a worker: a signal inside fork would be lost
+                        return ex.submit(_run_segment, task)
+
                 return run_segments(submit, self.workers, jobs, jobs_file, progress=progress, state_dir=state_dir,
                                     workers_cpu=self.workers_cpu, ready=ready, stop_workers=self.kill)
             ready()  # whole shards are renamed by the workers
@@ -276,7 +282,8 @@ def _run_shards(ex: ProcessPoolExecutor, jobs: list[ShardJob], jobs_file: str, p
     ``stop_workers()``, instead of waiting for the shards in flight)."""
     out: list[ShardDone] = []
     try:
-        pending: set[Future[ShardDone]] = {ex.submit(_run_job, jobs_file, ji) for ji in range(len(jobs))}
+        with signals_held():  # the first submit starts the workers: a signal inside fork would be lost
+            pending: set[Future[ShardDone]] = {ex.submit(_run_job, jobs_file, ji) for ji in range(len(jobs))}
         while pending:
             finished, pending = wait(pending, return_when=FIRST_COMPLETED)
             for f in finished:
