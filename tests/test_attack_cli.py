@@ -296,6 +296,12 @@ def test_a_pack_worker_killed_on_its_own_is_one_line_and_the_pack_resumes(tmp_pa
                             start_new_session=True)
     fd = open_writer_when_read(fifo, proc)  # a worker is reading the FIFO
     victim = _worker_reading(proc, fifo)
+    # The other worker's shards (the FIFO is the last sample) are published before the kill, so the rerun
+    # has something to resume from: without this wait the kill could come first (it did once on CI).
+    deadline = time.monotonic() + 300  # a safety bound only: the shards are written at once
+    while not list(out.glob("shard-*.tar")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert list(out.glob("shard-*.tar")), sorted(p.name for p in out.glob("*")) if out.exists() else "no OUT"
     stdout, stderr = _signalled(proc, fd, lambda: os.kill(victim, signal.SIGKILL))
     r = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     assert_error_contract(r, ExitCode.USAGE, "stager pack", as_json=True)
