@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from tests.cli_support import clean_env
+from tests.loader_support import reference_and_loader
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -112,14 +113,7 @@ def test_a_newer_iterator_replaces_one_mid_epoch(imagenet_tiny_tar: Path, worker
     Now the newest pass wins (as a torch DataLoader's new iterator resets its persistent workers): it
     is the whole epoch, and the replaced iterator, advanced again, is one line."""
     from stager.errors import UsageError
-    from stager.loader import make_loader, make_numpy_loader
-
-    build = make_numpy_loader if make == "numpy" else make_loader
-    kw = {"seed": 3, "staged": False, "num_workers": workers, "multiprocessing_context": "fork", "decode": "raw"}
-    ref = build(imagenet_tiny_tar, 4, **kw)
-    whole = [list(b["key"]) for b in ref]
-    ref.close()
-    ld = build(imagenet_tiny_tar, 4, **kw)
+    whole, ld = reference_and_loader(imagenet_tiny_tar, make, workers)
     try:
         first = iter(ld)
         assert list(next(first)["key"]) == whole[0]

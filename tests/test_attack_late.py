@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 
 from tests.cli_support import AS_TYPED, clean_env
+from tests.loader_support import reference_and_loader
 from tools.datagen import make_imagefolder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,14 +78,7 @@ def test_moving_the_loader_mid_pass_is_one_line_for_the_open_iterator(
     """The open iterator, advanced after the loader was moved under it, says so in one line; the next
     ``iter()`` is exactly the moved-to position's remaining batches."""
     from stager.errors import UsageError
-    from stager.loader import make_loader, make_numpy_loader
-
-    build = make_numpy_loader if make == "numpy" else make_loader
-    kw = {"seed": 3, "staged": False, "num_workers": workers, "multiprocessing_context": "fork", "decode": "raw"}
-    ref = build(imagenet_tiny_tar, 4, **kw)
-    whole = [list(b["key"]) for b in ref]
-    ref.close()
-    ld = build(imagenet_tiny_tar, 4, **kw)
+    whole, ld = reference_and_loader(imagenet_tiny_tar, make, workers)
     try:
         it = iter(ld)
         head = [list(next(it)["key"]) for _ in range(2)]
