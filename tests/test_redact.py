@@ -3,7 +3,7 @@ survive it, anything else is untouched, and it is idempotent; every StagerError 
 
 from __future__ import annotations
 
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from stager.errors import SourceNotFoundError
@@ -28,6 +28,10 @@ def test_examples() -> None:
        scheme=st.sampled_from(["http", "https", "s3", "gs", "az"]))
 def test_secrets_never_survive(user: str, password: str, token: str, path: str, scheme: str) -> None:
     url = f"{scheme}://{user}:{password}@host.example{path}?token={token}&X-Amz-Credential={token}"
+    # A generated secret that is part of what stays (e.g. "manife" of manifest.json) is no leak.
+    kept = (f"{scheme}://{MASK}@host.example{path}?token={MASK}&X-Amz-Credential={MASK}"
+            ': no such object gone {"source": ""}')
+    assume(password not in kept and token not in kept and f"{user}:" not in kept)
     for out in (redact(url), redact_text(f"{url}: no such object"), str(SourceNotFoundError(f"{url}: gone")),
                 redact_text(f'{{"source": "{url}"}}')):
         assert password not in out and token not in out and f"{user}:" not in out, out
